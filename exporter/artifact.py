@@ -1,0 +1,350 @@
+"""The hloserve artifact: a directory, described by a frozen, versioned manifest.
+
+    ARTIFACT/
+      manifest.json                 Manifest below (the source of truth)
+      weights.safetensors           every weight once, shared by all functions
+      functions/NAME.mlir           readable StableHLO
+      functions/NAME.mlirbc         StableHLO portable artifact (target version recorded)
+      functions/NAME.jax_exported   jax.export serialization (calling convention, shape assertions)
+
+Weights are arguments of every function, passed by name; no function embeds
+them. Reading never needs torch. See docs/artifact-format.md.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from . import dtypes
+from .errors import ArtifactError, ShapeConstraintError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of a function.
+
+    Attributes:
+      name: the name callers use ("input_ids", "logits", "updated:kv_cache").
+      dtype: manifest dtype name ("f32", "bf16", "i32", ...).
+      shape: ints for static dims, strings in jax syntax for symbolic ones ("batch", "2*batch").
+    """
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "TensorSpec":
+        return cls(d["name"], d["dtype"], tuple(d["shape"]))
+
+    def describe(self) -> str:
+        return f"{self.dtype}[{','.join(str(s) for s in self.shape)}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class SymbolSpec:
+    """A symbolic dim shared by the artifact's functions: inclusive [min, max]."""
+    name: str
+    min: int
+    max: int | None
+
+    def to_json(self) -> dict:
+        return {"min": self.min, "max": self.max}
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    """One tensor of weights.safetensors.
+
+    Attributes:
+      quant: the quantization scheme as data (None for plain weights), e.g.
+        {"scheme": "int4", "group": 32, "symmetric": true, "of": "model.layers.0.mlp.up.weight"}.
+    """
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    sha256: str
+    quant: Mapping[str, Any] | None = None
+
+    def to_json(self) -> dict:
+        d = {"dtype": self.dtype, "shape": list(self.shape), "sha256": self.sha256}
+        if self.quant:
+            d["quant"] = dict(self.quant)
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionSpec:
+    """One entry point.
+
+    Attributes:
+      weights: weight names, in the order they are the function's leading arguments.
+      inputs: user inputs, following the weights.
+      outputs: results; buffer and input mutations come first, named "updated:NAME".
+      mutations: output name -> the weight (buffer) or input it replaces.
+      donated: inputs whose buffers the runtime may reuse for outputs (e.g. a KV cache).
+      paddable: symbols the runtime may pad up to a bucket (padding must not change results).
+      files: file name -> sha256 for the function's .mlir/.mlirbc/.jax_exported.
+      stablehlo_version: target version of the portable artifact (.mlirbc).
+      platforms: platforms the module was lowered for.
+    """
+    name: str
+    weights: tuple[str, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    mutations: Mapping[str, str]
+    donated: tuple[str, ...]
+    paddable: tuple[str, ...]
+    files: Mapping[str, str]
+    stablehlo_version: str
+    platforms: tuple[str, ...]
+
+    def to_json(self) -> dict:
+        return {
+            "weights": list(self.weights), "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs], "mutations": dict(self.mutations),
+            "donated": list(self.donated), "paddable": list(self.paddable), "files": dict(self.files),
+            "stablehlo_version": self.stablehlo_version, "platforms": list(self.platforms),
+        }
+
+    @classmethod
+    def from_json(cls, name: str, d: Mapping) -> "FunctionSpec":
+        return cls(name, tuple(d["weights"]), tuple(TensorSpec.from_json(t) for t in d["inputs"]),
+                   tuple(TensorSpec.from_json(t) for t in d["outputs"]), dict(d.get("mutations", {})),
+                   tuple(d.get("donated", ())), tuple(d.get("paddable", ())), dict(d["files"]),
+                   d["stablehlo_version"], tuple(d.get("platforms", ("cpu",))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """manifest.json, field by field.
+
+    Attributes:
+      format_version: FORMAT_VERSION of the writer; readers reject newer ones.
+      producer: versions of hloserve, torch and jax that wrote the artifact.
+      source: what was exported (a path, preset or module:factory).
+      functions: entry points by name.
+      weights: every tensor in weights.safetensors, by name.
+      symbols: symbolic dims by name with their ranges (derived dims are expressions in shapes).
+      model: free-form model metadata (task, tokenizer, chat template, LLM config).
+    """
+    format_version: int
+    producer: Mapping[str, str]
+    source: str
+    functions: Mapping[str, FunctionSpec]
+    weights: Mapping[str, WeightSpec]
+    symbols: Mapping[str, SymbolSpec]
+    model: Mapping[str, Any]
+
+    def to_json(self) -> dict:
+        return {
+            "format_version": self.format_version, "producer": dict(self.producer), "source": self.source,
+            "functions": {k: f.to_json() for k, f in self.functions.items()},
+            "weights": {k: w.to_json() for k, w in self.weights.items()},
+            "symbols": {k: s.to_json() for k, s in self.symbols.items()},
+            "model": dict(self.model),
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "Manifest":
+        return cls(
+            d["format_version"], dict(d["producer"]), d["source"],
+            {k: FunctionSpec.from_json(k, f) for k, f in d["functions"].items()},
+            {k: WeightSpec(k, w["dtype"], tuple(w["shape"]), w["sha256"], w.get("quant")) for k, w in d["weights"].items()},
+            {k: SymbolSpec(k, s["min"], s["max"]) for k, s in d["symbols"].items()},
+            dict(d.get("model", {})),
+        )
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(path: str, manifest: Manifest) -> None:
+    tmp = os.path.join(path, MANIFEST + ".partial")
+    with open(tmp, "w") as f:
+        json.dump(manifest.to_json(), f, indent=2)
+        f.write("\n")
+    os.replace(tmp, os.path.join(path, MANIFEST))
+
+
+def read_manifest(path: str) -> Manifest:
+    """Read and validate ARTIFACT/manifest.json; every problem is an ArtifactError."""
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise ArtifactError(f"artifact {path} does not exist; create it with `hloserve export SOURCE -o {path}`")
+    if not os.path.exists(mpath):
+        raise ArtifactError(f"{path} is not an hloserve artifact: {MANIFEST} is missing")
+    try:
+        with open(mpath) as f:
+            raw = json.load(f)
+    except ValueError as e:
+        raise ArtifactError(f"{mpath} is not valid JSON ({e}); the artifact is corrupted, re-export it") from e
+    version = raw.get("format_version") if isinstance(raw, dict) else None
+    if not isinstance(version, int):
+        raise ArtifactError(f"{mpath} has no integer format_version; the artifact is corrupted, re-export it")
+    if version > FORMAT_VERSION:
+        raise ArtifactError(
+            f"artifact {path} has format_version {version}, but this hloserve reads up to {FORMAT_VERSION}; "
+            f"upgrade hloserve (pip install -U hloserve)")
+    try:
+        return Manifest.from_json(raw)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ArtifactError(f"{mpath} is missing field {e}; the artifact is corrupted, re-export it") from e
+
+
+def verify_files(path: str, manifest: Manifest) -> None:
+    """Check every function file against its recorded sha256."""
+    for fn in manifest.functions.values():
+        for fname, digest in fn.files.items():
+            fpath = os.path.join(path, "functions", fname)
+            if not os.path.exists(fpath):
+                raise ArtifactError(f"artifact {path}: function {fn.name!r} file functions/{fname} is missing; re-export it")
+            if _sha256_file(fpath) != digest:
+                raise ArtifactError(f"artifact {path}: functions/{fname} does not match its sha256 in {MANIFEST} "
+                                    f"(corrupted or edited); re-export the artifact")
+
+
+def verify_weights(path: str, manifest: Manifest, reader) -> None:
+    """Check every weight's dtype, shape and sha256 against the manifest."""
+    for name, w in manifest.weights.items():
+        if name not in reader:
+            raise ArtifactError(f"artifact {path}: weight {name!r} is missing from {WEIGHTS}; re-export it")
+        arr = reader[name]
+        if dtypes.name_of_numpy(arr.dtype) != w.dtype or tuple(arr.shape) != tuple(w.shape):
+            raise ArtifactError(f"artifact {path}: weight {name!r} is {dtypes.name_of_numpy(arr.dtype)}{list(arr.shape)}, "
+                                f"manifest says {w.dtype}{list(w.shape)}; re-export it")
+        if reader.sha256(name) != w.sha256:
+            raise ArtifactError(f"artifact {path}: weight {name!r} does not match its sha256 (corrupted); re-export it")
+
+
+# -- call-time shape checks ------------------------------------------------
+def _eval_dim(expr: str, env: Mapping[str, int]) -> int:
+    """Evaluate a jax-syntax dim expression ("2*batch + 1", "floordiv(s, 2)") with `env`."""
+    def ev(n):
+        if isinstance(n, ast.Expression):
+            return ev(n.body)
+        if isinstance(n, ast.Constant) and isinstance(n.value, int):
+            return n.value
+        if isinstance(n, ast.Name):
+            return env[n.id]
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            return -ev(n.operand)
+        if isinstance(n, ast.BinOp):
+            a, b = ev(n.left), ev(n.right)
+            ops = {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b}
+            if type(n.op) in ops:
+                return ops[type(n.op)]
+            if isinstance(n.op, ast.FloorDiv):
+                return a // b
+            if isinstance(n.op, ast.Mod):
+                return a % b
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
+            args = [ev(a) for a in n.args]
+            fns = {"floordiv": lambda a, b: a // b, "mod": lambda a, b: a % b, "max": max, "min": min,
+                   "non_negative": lambda a: max(a, 0)}
+            if n.func.id in fns:
+                return fns[n.func.id](*args)
+        raise ArtifactError(f"cannot evaluate dim expression {expr!r}")
+    return ev(ast.parse(expr, mode="eval"))
+
+
+def _names(expr: str) -> set[str]:
+    fns = {"floordiv", "mod", "max", "min", "non_negative"}
+    return {n.id for n in ast.walk(ast.parse(expr, mode="eval")) if isinstance(n, ast.Name) and n.id not in fns}
+
+
+def bind_symbols(fn: FunctionSpec, symbols: Mapping[str, SymbolSpec], shapes: Mapping[str, tuple[int, ...]],
+                 dtypes_in: Mapping[str, str] | None = None) -> dict[str, int]:
+    """Check concrete input shapes against `fn` and return the symbol values.
+
+    Raises ShapeConstraintError naming the input, the dim and the broken bound,
+    before anything is compiled or run.
+    """
+    env: dict[str, int] = {}
+    specs = {t.name: t for t in fn.inputs}
+    for name in shapes:
+        if name not in specs:
+            raise ShapeConstraintError(f"function {fn.name!r} has no input {name!r}; its inputs are {list(specs)}")
+    for t in fn.inputs:
+        if t.name not in shapes:
+            raise ShapeConstraintError(f"function {fn.name!r} needs input {t.name!r} ({t.describe()}); it was not given")
+        shape = tuple(shapes[t.name])
+        if dtypes_in and t.name in dtypes_in and dtypes_in[t.name] != t.dtype:
+            raise ShapeConstraintError(f"input {t.name!r} has dtype {dtypes_in[t.name]}, expected {t.dtype} ({t.describe()})")
+        if len(shape) != len(t.shape):
+            raise ShapeConstraintError(f"input {t.name!r} has rank {len(shape)} (shape {list(shape)}), "
+                                       f"expected rank {len(t.shape)} ({t.describe()})")
+        for d, (want, got) in enumerate(zip(t.shape, shape)):
+            if isinstance(want, int):
+                if want != got:
+                    raise ShapeConstraintError(f"input {t.name!r} dim {d} is {got}, expected {want} ({t.describe()})")
+            elif want.isidentifier():
+                if env.setdefault(want, got) != got:
+                    raise ShapeConstraintError(f"input {t.name!r} dim {d} is {got}, but {want} = {env[want]} from "
+                                               f"another input; dims named {want} must be equal")
+    # symbols that only appear in derived form (k*s + c): solve the linear equation
+    for t in fn.inputs:
+        for d, want in enumerate(t.shape):
+            if isinstance(want, str) and not want.isidentifier():
+                unknown = _names(want) - env.keys()
+                if len(unknown) == 1:
+                    (s,) = unknown
+                    c = _eval_dim(want, {**env, s: 0})
+                    k = _eval_dim(want, {**env, s: 1}) - c
+                    got = shapes[t.name][d]
+                    if k and (got - c) % k == 0:
+                        env[s] = (got - c) // k
+    for name, value in env.items():
+        sym = symbols.get(name)
+        if sym is None:
+            continue
+        if value < sym.min or (sym.max is not None and value > sym.max):
+            where = next(f"input {t.name!r} dim {d}" for t in fn.inputs for d, w in enumerate(t.shape)
+                         if isinstance(w, str) and name in _names(w))
+            hi = "inf" if sym.max is None else sym.max
+            raise ShapeConstraintError(f"{where}: {name} = {value} is outside its range [{sym.min}, {hi}] declared at export; "
+                                       f"use a size in range or re-export with a wider --dynamic range for {name}")
+    for t in fn.inputs:
+        for d, want in enumerate(t.shape):
+            if isinstance(want, str) and not want.isidentifier():
+                try:
+                    expect = _eval_dim(want, env)
+                except KeyError:
+                    raise ShapeConstraintError(f"input {t.name!r} dim {d} ({want}) cannot be solved from the inputs") from None
+                if expect != shapes[t.name][d]:
+                    raise ShapeConstraintError(f"input {t.name!r} dim {d} is {shapes[t.name][d]}, but must equal "
+                                               f"{want} = {expect} ({t.describe()})")
+    return env
+
+
+def concrete_shape(spec: TensorSpec, env: Mapping[str, int]) -> tuple[int, ...]:
+    return tuple(d if isinstance(d, int) else _eval_dim(d, env) for d in spec.shape)
+
+
+def file_digest(path: str) -> str:
+    return _sha256_file(path)
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    return dtypes.NUMPY[name]
+
+
+def names_in(shape: Sequence[int | str]) -> set[str]:
+    return set().union(*(_names(d) for d in shape if isinstance(d, str))) if shape else set()

@@ -1,0 +1,35 @@
+"""torch.export + core-ATen decompositions -> ExportedProgram (no StableHLO here)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .errors import CaptureError
+
+
+def capture(module: torch.nn.Module, args: Sequence[Any], dynamic_shapes: Sequence[Any] | None = None,
+            *, strict: bool = False) -> torch.export.ExportedProgram:
+    """Export `module(*args)` and decompose it to core ATen.
+
+    `dynamic_shapes` is aligned with `args`: per arg a dict {dim: Dim} or None.
+    Buffer mutations stay in the program as BUFFER_MUTATION outputs.
+    """
+    module = module.eval()
+    try:
+        ep = torch.export.export(module, tuple(args), dynamic_shapes=tuple(dynamic_shapes) if dynamic_shapes else None,
+                                 strict=strict)
+    except Exception as e:  # noqa: BLE001 - torch's message is long; keep its first line and add the fix
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CaptureError(
+            f"torch.export could not capture {type(module).__name__}: {type(e).__name__}: {first}. "
+            f"Check --dynamic ranges against the model's constraints, or export the model with "
+            f"torch.export.export directly to see torch's full report."
+        ) from e
+    return decompose(ep)
+
+
+def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Core-ATen decompositions, keeping ops we lower better whole."""
+    table = torch.export.default_decompositions()
+    return ep.run_decompositions(table)

@@ -1,0 +1,232 @@
+"""Export entry points to an artifact directory.
+
+Per entry point: capture (torch.export, core ATen) -> symbols (one jax scope)
+-> interpreter (one lowering per node) -> jax.export -> .mlir / .mlirbc /
+.jax_exported. Then every weight of every entry point is streamed once into
+weights.safetensors and the manifest is written last (an artifact without a
+manifest is incomplete by construction).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+import torch
+from jax import export as jax_export
+from jax._src.lib.mlir.dialects import hlo
+
+from . import artifact, dtypes, weights as weights_io
+from .capture import capture
+from .errors import HloserveError
+from .interpreter import Interpreter
+from .lowerings import default_registry
+from .progress import QUIET, Reporter
+from .shapes import SymbolTable
+
+DEFAULT_PLATFORMS = ("cpu",)
+
+
+@dataclasses.dataclass
+class EntryPoint:
+    """One function of the artifact.
+
+    Give either `module` + `args` (captured here) or an ExportedProgram as `program`.
+    Attributes:
+      dynamic_shapes: aligned with args: per arg {dim: torch.export.Dim} or None.
+      input_names / output_names: names in the manifest (default: forward's arg names; output_N).
+      donated: input names the runtime may donate (updated in place, e.g. a KV cache).
+      paddable: symbol names the runtime may pad to a bucket without changing results.
+    """
+    name: str
+    module: torch.nn.Module | None = None
+    args: Sequence[Any] = ()
+    dynamic_shapes: Sequence[Any] | None = None
+    program: torch.export.ExportedProgram | None = None
+    input_names: Sequence[str] | None = None
+    output_names: Sequence[str] | None = None
+    donated: Sequence[str] = ()
+    paddable: Sequence[str] = ()
+
+
+@dataclasses.dataclass
+class _Lowered:
+    spec: artifact.FunctionSpec
+    symbols: dict[str, artifact.SymbolSpec]
+    weights: dict[str, torch.Tensor]
+
+
+def stablehlo_target_version() -> str:
+    """The StableHLO version jax.export serializes portable artifacts for."""
+    return str(hlo.get_version_from_compatibility_requirement(hlo.StablehloCompatibilityRequirement.WEEK_4))
+
+
+def lower_entry(entry: EntryPoint, out_dir: str, *, platforms: Sequence[str] = DEFAULT_PLATFORMS,
+                reporter: Reporter = QUIET) -> _Lowered:
+    ep = entry.program
+    if ep is None:
+        reporter.stage(f"{entry.name}: torch.export + core-ATen decompositions")
+        ep = capture(entry.module, entry.args, entry.dynamic_shapes)
+    symbols = SymbolTable.from_program(ep, entry.dynamic_shapes)
+    interp = Interpreter(default_registry(), symbols)
+    interp.check_supported(ep.graph_module)
+
+    sig = ep.graph_signature
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    weight_names: list[str] = []
+    weight_values: dict[str, torch.Tensor] = {}
+    user: list[tuple[str, Any]] = []
+    for node, spec in zip(placeholders, sig.input_specs):
+        kind = spec.kind.name
+        if kind in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR"):
+            name = spec.target if kind != "CONSTANT_TENSOR" else f"{entry.name}.{spec.target}"
+            value = ep.state_dict.get(spec.target)
+            if value is None:
+                value = ep.constants.get(spec.target)
+            if not isinstance(value, torch.Tensor):
+                raise HloserveError(f"{entry.name}: {kind.lower()} {spec.target!r} is not a tensor "
+                                    f"({type(value).__name__}); script objects cannot be exported")
+            weight_names.append(name)
+            weight_values[name] = value
+        elif kind == "USER_INPUT":
+            user.append((node.name, node.meta["val"]))
+        else:
+            raise HloserveError(f"{entry.name}: input kind {kind} ({spec.arg}) is not supported")
+    input_names = list(entry.input_names or [n for n, _ in user])
+    if len(input_names) != len(user):
+        raise HloserveError(f"{entry.name}: {len(input_names)} input names for {len(user)} inputs")
+
+    outputs: list[tuple[str, Any]] = []
+    mutations: dict[str, str] = {}
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    user_outs = [o for o in sig.output_specs if o.kind.name == "USER_OUTPUT"]
+    out_names = list(entry.output_names or [f"output_{i}" if len(user_outs) > 1 else "output" for i in range(len(user_outs))])
+    k = 0
+    input_of_placeholder = {n: input_names[i] for i, (n, _) in enumerate(user)}
+    for o, val_node in zip(sig.output_specs, out_node.args[0]):
+        val = val_node.meta["val"] if isinstance(val_node, torch.fx.Node) else val_node
+        kind = o.kind.name
+        if kind == "USER_OUTPUT":
+            outputs.append((out_names[k], val))
+            k += 1
+        elif kind == "BUFFER_MUTATION":
+            outputs.append((f"updated:{o.target}", val))
+            mutations[f"updated:{o.target}"] = o.target
+        elif kind == "USER_INPUT_MUTATION":
+            target = input_of_placeholder.get(o.target, o.target)
+            outputs.append((f"updated:{target}", val))
+            mutations[f"updated:{target}"] = target
+        else:
+            raise HloserveError(f"{entry.name}: output kind {kind} is not supported")
+
+    def avals(fake):
+        return jax.ShapeDtypeStruct(symbols.shape(fake), dtypes.jax_of_torch(fake.dtype))
+
+    in_avals = [avals(weight_values[n]) for n in weight_names] + [avals(v) for _, v in user]
+
+    def fn(*args):
+        return tuple(interp.run(ep.graph_module, args))
+
+    reporter.stage(f"{entry.name}: lowering {sum(1 for n in ep.graph.nodes if n.op == 'call_function')} ops "
+                   f"to StableHLO (platforms: {', '.join(platforms)})")
+    exp = jax_export.export(jax.jit(fn), platforms=tuple(platforms))(*in_avals)
+
+    fdir = os.path.join(out_dir, "functions")
+    os.makedirs(fdir, exist_ok=True)
+    files = {
+        f"{entry.name}.mlir": exp.mlir_module().encode(),
+        f"{entry.name}.mlirbc": bytes(exp.mlir_module_serialized),
+        f"{entry.name}.jax_exported": bytes(exp.serialize()),
+    }
+    digests = {}
+    for fname, data in files.items():
+        with open(os.path.join(fdir, fname), "wb") as f:
+            f.write(data)
+        digests[fname] = artifact.file_digest(os.path.join(fdir, fname))
+
+    def tspec(name, fake):
+        return artifact.TensorSpec(name, dtypes.artifact_name_of_torch(fake.dtype), tuple(symbols.shape_strings(fake)))
+
+    for d in entry.donated:
+        if d not in input_names:
+            raise HloserveError(f"{entry.name}: donated input {d!r} is not an input ({input_names})")
+    for s in entry.paddable:
+        if s not in symbols.symbols:
+            raise HloserveError(f"{entry.name}: paddable dim {s!r} is not a symbolic dim ({sorted(symbols.symbols)})")
+    spec = artifact.FunctionSpec(
+        name=entry.name, weights=tuple(weight_names),
+        inputs=tuple(tspec(n, v) for n, (_, v) in zip(input_names, user)),
+        outputs=tuple(tspec(n, v) for n, v in outputs), mutations=mutations,
+        donated=tuple(entry.donated), paddable=tuple(entry.paddable), files=digests,
+        stablehlo_version=stablehlo_target_version(), platforms=tuple(platforms))
+    syms = {s.name: artifact.SymbolSpec(s.name, s.min, s.max) for s in symbols.symbols.values()}
+    return _Lowered(spec, syms, weight_values)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """torch tensor -> numpy in the artifact's dtype (64-bit narrowed, bf16 via ml_dtypes)."""
+    t = t.detach().cpu().contiguous()
+    want = dtypes.jax_of_torch(t.dtype)
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(want)
+    arr = t.numpy()
+    return arr.astype(want) if arr.dtype != want else arr
+
+
+def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str, model: Mapping[str, Any] | None = None,
+                    platforms: Sequence[str] = DEFAULT_PLATFORMS, reporter: Reporter = QUIET,
+                    extra_weights: Mapping[str, np.ndarray] | None = None) -> artifact.Manifest:
+    """Lower every entry point and write the artifact directory `out_dir`."""
+    if os.path.exists(os.path.join(out_dir, artifact.MANIFEST)):
+        shutil.rmtree(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    functions: dict[str, artifact.FunctionSpec] = {}
+    symbols: dict[str, artifact.SymbolSpec] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in entries:
+        if entry.name in functions:
+            raise HloserveError(f"two entry points are named {entry.name!r}; names must be unique")
+        lowered = lower_entry(entry, out_dir, platforms=platforms, reporter=reporter)
+        functions[entry.name] = lowered.spec
+        for name, sym in lowered.symbols.items():
+            if name in symbols and symbols[name] != sym:
+                raise HloserveError(f"dim {name!r} has range [{sym.min}, {sym.max}] in {entry.name!r} but "
+                                    f"[{symbols[name].min}, {symbols[name].max}] elsewhere; give one range per name")
+            symbols[name] = sym
+        for name, t in lowered.weights.items():
+            if name in tensors and tensors[name] is not t and not (
+                    tensors[name].shape == t.shape and tensors[name].dtype == t.dtype and torch.equal(tensors[name], t)):
+                raise HloserveError(f"weight {name!r} differs between entry points; shared weights must be identical")
+            tensors.setdefault(name, t)
+
+    specs = {n: (dtypes.artifact_name_of_torch(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
+    for n, a in (extra_weights or {}).items():
+        specs[n] = (dtypes.name_of_numpy(a.dtype), tuple(a.shape))
+    total = sum(int(np.prod(s, dtype=np.int64)) * dtypes.NUMPY[d].itemsize for d, s in specs.values())
+    reporter.stage(f"writing {len(specs)} weights ({total / 2**20:.1f} MiB) to {artifact.WEIGHTS}")
+
+    def produce(name):
+        return to_numpy(tensors[name]) if name in tensors else extra_weights[name]
+
+    with reporter.bar(total, "weights") as advance:
+        digests = weights_io.write(os.path.join(out_dir, artifact.WEIGHTS), specs, produce, progress=advance)
+    import importlib.metadata as md
+
+    def version(pkg):
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return "unknown"
+
+    manifest = artifact.Manifest(
+        format_version=artifact.FORMAT_VERSION,
+        producer={"hloserve": version("hloserve"), "torch": torch.__version__, "jax": jax.__version__},
+        source=source, functions=functions,
+        weights={n: artifact.WeightSpec(n, d, s, digests[n]) for n, (d, s) in specs.items()},
+        symbols=symbols, model=dict(model or {}))
+    artifact.write_manifest(out_dir, manifest)
+    reporter.stage(f"artifact written to {out_dir}")
+    return manifest

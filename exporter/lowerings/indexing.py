@@ -1,0 +1,165 @@
+"""Gather/scatter family: embedding, index, index_put, gather, scatter, masked fills.
+
+torch indices may be negative (Python-style); jax's `mode="fill"`/clip modes
+differ, so indices are wrapped explicitly where torch allows negatives.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+import torch
+
+from ..registry import lower
+from ._util import canon_dim
+
+aten = torch.ops.aten
+
+
+def _wrap(idx, size):
+    """Python-style negative indices -> [0, size)."""
+    idx = jnp.asarray(idx)
+    return jnp.where(idx < 0, idx + size, idx)
+
+
+# aten::embedding(Tensor weight, Tensor indices, SymInt padding_idx=-1, bool scale_grad_by_freq=False, bool sparse=False) -> Tensor
+@lower(aten.embedding)
+def _embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return jnp.take(weight, indices, axis=0)
+
+
+# aten::index_select(Tensor self, int dim, Tensor index) -> Tensor
+@lower(aten.index_select)
+def _index_select(ctx, x, dim, index):
+    d = canon_dim(dim, x.ndim)
+    if x.ndim == 0:
+        return x
+    return jnp.take(x, _wrap(index, x.shape[d]).reshape(-1), axis=d)
+
+
+# aten::index.Tensor(Tensor self, Tensor?[] indices) -> Tensor
+@lower(aten.index.Tensor)
+def _index(ctx, x, indices):
+    key = tuple(slice(None) if i is None else
+                (i if i.dtype == jnp.bool_ else _wrap(i, x.shape[k]))
+                for k, i in enumerate(indices))
+    return x[key]
+
+
+# aten::index_put(Tensor self, Tensor?[] indices, Tensor values, bool accumulate=False) -> Tensor
+@lower(aten.index_put)
+def _index_put(ctx, x, indices, values, accumulate=False):
+    key = tuple(slice(None) if i is None else
+                (i if i.dtype == jnp.bool_ else _wrap(i, x.shape[k]))
+                for k, i in enumerate(indices))
+    values = jnp.asarray(values, x.dtype)
+    return x.at[key].add(values) if accumulate else x.at[key].set(values)
+
+
+# aten::gather(Tensor self, int dim, Tensor index, *, bool sparse_grad=False) -> Tensor
+@lower(aten.gather)
+def _gather(ctx, x, dim, index, *, sparse_grad=False):
+    if x.ndim == 0:
+        return jnp.broadcast_to(x, index.shape)
+    d = canon_dim(dim, x.ndim)
+    # index may be smaller than x in dims other than d: slice x to match
+    x = x[tuple(slice(0, index.shape[k]) if k != d else slice(None) for k in range(x.ndim))]
+    return jnp.take_along_axis(x, _wrap(index, x.shape[d]), axis=d)
+
+
+def _scatter_indices(x, dim, index):
+    d = canon_dim(dim, x.ndim)
+    grids = jnp.meshgrid(*[jnp.arange(s) for s in index.shape], indexing="ij")
+    grids[d] = _wrap(index, x.shape[d])
+    return tuple(grids)
+
+
+# aten::scatter.src(Tensor self, int dim, Tensor index, Tensor src) -> Tensor
+@lower(aten.scatter.src, aten.scatter.value)
+def _scatter(ctx, x, dim, index, src):
+    if x.ndim == 0:
+        return jnp.asarray(src, x.dtype).reshape(())
+    if not hasattr(src, "shape") or src.ndim == 0:
+        src = jnp.full(index.shape, src, x.dtype)
+    src = src[tuple(slice(0, s) for s in index.shape)]
+    return x.at[_scatter_indices(x, dim, index)].set(src.astype(x.dtype))
+
+
+# aten::scatter_add(Tensor self, int dim, Tensor index, Tensor src) -> Tensor
+@lower(aten.scatter_add)
+def _scatter_add(ctx, x, dim, index, src):
+    if x.ndim == 0:
+        return x + src.reshape(())
+    src = src[tuple(slice(0, s) for s in index.shape)]
+    return x.at[_scatter_indices(x, dim, index)].add(src.astype(x.dtype))
+
+
+# aten::scatter_reduce.two(Tensor self, int dim, Tensor index, Tensor src, str reduce, *, bool include_self=True) -> Tensor
+@lower(aten.scatter_reduce.two)
+def _scatter_reduce(ctx, x, dim, index, src, reduce, *, include_self=True):
+    if x.ndim == 0:
+        x, index, src = x.reshape(1), index.reshape(1), src.reshape(1)
+        return _scatter_reduce(ctx, x, 0, index, src, reduce, include_self=include_self).reshape(())
+    idx = _scatter_indices(x, dim, index)
+    src = src[tuple(slice(0, s) for s in index.shape)].astype(x.dtype)
+    if reduce in ("sum", "mean"):
+        base = x if include_self else x.at[idx].set(0)
+        out = base.at[idx].add(src)
+        if reduce == "mean":
+            count = jnp.ones_like(x) if include_self else jnp.zeros_like(x).at[idx].set(0)
+            count = count.at[idx].add(1)
+            out = out / jnp.maximum(count, 1) if jnp.issubdtype(x.dtype, jnp.floating) else out // jnp.maximum(count, 1)
+        return out
+    if reduce == "prod":
+        base = x if include_self else x.at[idx].set(1)
+        return base.at[idx].multiply(src)
+    if reduce in ("amax", "amin"):
+        fill = jnp.finfo(x.dtype).min if reduce == "amax" else jnp.finfo(x.dtype).max
+        base = x if include_self else x.at[idx].set(fill)
+        return base.at[idx].max(src) if reduce == "amax" else base.at[idx].min(src)
+    raise NotImplementedError(f"scatter_reduce with reduce={reduce!r}")
+
+
+# aten::index_copy(Tensor self, int dim, Tensor index, Tensor source) -> Tensor
+@lower(aten.index_copy)
+def _index_copy(ctx, x, dim, index, source):
+    d = canon_dim(dim, x.ndim)
+    key = (slice(None),) * d + (_wrap(index, x.shape[d]),)
+    return x.at[key].set(source.astype(x.dtype))
+
+
+# aten::index_add(Tensor self, int dim, Tensor index, Tensor source, *, Scalar alpha=1) -> Tensor
+@lower(aten.index_add)
+def _index_add(ctx, x, dim, index, source, *, alpha=1):
+    d = canon_dim(dim, x.ndim)
+    key = (slice(None),) * d + (_wrap(index, x.shape[d]),)
+    return x.at[key].add((source * alpha).astype(x.dtype))
+
+
+# aten::masked_fill.Scalar(Tensor self, Tensor mask, Scalar value) -> Tensor
+@lower(aten.masked_fill)
+def _masked_fill(ctx, x, mask, value):
+    return jnp.where(mask, jnp.asarray(value, x.dtype), x)
+
+
+# aten::slice_scatter(Tensor self, Tensor src, int dim=0, SymInt? start=None, SymInt? end=None, SymInt step=1) -> Tensor
+@lower(aten.slice_scatter)
+def _slice_scatter(ctx, x, src, dim=0, start=None, end=None, step=1):
+    d = canon_dim(dim, x.ndim)
+    n = x.shape[d]
+    start = 0 if start is None else (start + n if isinstance(start, int) and start < 0 else start)
+    if isinstance(start, int) and isinstance(n, int):
+        start = min(max(start, 0), n)
+    length = src.shape[d]
+    key = (slice(None),) * d + (slice(start, start + (length - 1) * step + 1 if step > 1 else start + length, step),)
+    if step == 1:
+        return lax.dynamic_update_slice_in_dim(x, src.astype(x.dtype), start, axis=d)
+    return x.at[key].set(src.astype(x.dtype))
+
+
+# aten::select_scatter(Tensor self, Tensor src, int dim, SymInt index) -> Tensor
+@lower(aten.select_scatter)
+def _select_scatter(ctx, x, src, dim, index):
+    d = canon_dim(dim, x.ndim)
+    if isinstance(index, int) and index < 0:
+        index = index + x.shape[d]
+    return lax.dynamic_update_index_in_dim(x, src.astype(x.dtype), index, axis=d)

@@ -1,0 +1,237 @@
+"""Neural-network ops core ATen keeps whole: convolution, pooling, normalization,
+attention, upsampling."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import torch
+
+from ..registry import lower
+from ._util import canon_dim
+
+aten = torch.ops.aten
+
+
+def _spatial_rank(ctx, stem: str) -> int:
+    """'max_pool2d_with_indices' -> 2: the op name carries the spatial rank."""
+    return int(ctx.node.target.__name__.split(stem)[1][0])
+
+
+def _tuple(v, n):
+    return tuple(v) * n if len(v) == 1 else tuple(v)
+
+
+# aten::convolution(Tensor input, Tensor weight, Tensor? bias, SymInt[] stride, SymInt[] padding,
+#                   SymInt[] dilation, bool transposed, SymInt[] output_padding, SymInt groups) -> Tensor
+@lower(aten.convolution)
+def _convolution(ctx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    nd = w.ndim - 2
+    stride, padding, dilation = _tuple(stride, nd), _tuple(padding, nd), _tuple(dilation, nd)
+    unbatched = x.ndim == nd + 1
+    if unbatched:
+        x = x[None]
+    spatial = "DHW"[-nd:] if nd <= 3 else None
+    dn = (f"NC{spatial}", f"OI{spatial}", f"NC{spatial}")
+    acc = jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else None
+    if not transposed:
+        out = lax.conv_general_dilated(
+            x, w, window_strides=stride, padding=[(p, p) for p in padding], rhs_dilation=dilation,
+            dimension_numbers=dn, feature_group_count=groups, precision=lax.Precision.HIGHEST,
+            preferred_element_type=acc)
+    else:
+        # Transposed conv = input-dilated conv with the kernel flipped and in/out swapped per group.
+        output_padding = _tuple(output_padding, nd)
+        cin = w.shape[0]
+        w = w.reshape(groups, cin // groups, *w.shape[1:])            # (G, Cin/G, Cout/G, *k)
+        w = jnp.swapaxes(w, 1, 2).reshape(-1, cin // groups, *w.shape[3:])  # (Cout, Cin/G, *k)
+        w = jnp.flip(w, axis=tuple(range(2, 2 + nd)))
+        pads = [(d * (k - 1) - p, d * (k - 1) - p + op)
+                for k, p, d, op in zip(w.shape[2:], padding, dilation, output_padding)]
+        out = lax.conv_general_dilated(
+            x, w, window_strides=(1,) * nd, padding=pads, lhs_dilation=stride, rhs_dilation=dilation,
+            dimension_numbers=dn, feature_group_count=groups, precision=lax.Precision.HIGHEST,
+            preferred_element_type=acc)
+    if bias is not None:
+        out = out + bias.reshape((1, -1) + (1,) * nd).astype(out.dtype)
+    out = out.astype(ctx.out_dtype)
+    return out[0] if unbatched else out
+
+
+def _pool_window(x, nd, kernel, stride, padding, dilation, init, op, ceil_mode):
+    kernel = _tuple(kernel, nd)
+    stride = _tuple(stride, nd) if stride else kernel
+    padding, dilation = _tuple(padding, nd), _tuple(dilation, nd)
+    lead = x.ndim - nd
+    pads = []
+    for i in range(nd):
+        size = x.shape[lead + i]
+        eff = dilation[i] * (kernel[i] - 1) + 1
+        extra = 0
+        if ceil_mode:
+            out = math.ceil((size + 2 * padding[i] - eff) / stride[i]) + 1
+            if (out - 1) * stride[i] >= size + padding[i]:
+                out -= 1
+            extra = max(0, (out - 1) * stride[i] + eff - (size + 2 * padding[i]))
+        pads.append((padding[i], padding[i] + extra))
+    return lax.reduce_window(
+        x, init, op, (1,) * lead + kernel, (1,) * lead + stride, [(0, 0)] * lead + pads,
+        window_dilation=(1,) * lead + dilation), kernel, stride, pads
+
+
+# aten::max_pool2d_with_indices(Tensor self, int[2] kernel_size, int[2] stride=[], int[2] padding=0,
+#                               int[2] dilation=1, bool ceil_mode=False) -> (Tensor, Tensor)
+@lower(aten.max_pool2d_with_indices, aten.max_pool3d_with_indices)
+def _max_pool_with_indices(ctx, x, kernel, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+    nd = _spatial_rank(ctx, "max_pool")
+    init = jnp.array(-jnp.inf, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
+    vals, *_ = _pool_window(x, nd, kernel, stride, padding, dilation, init, lax.max, ceil_mode)
+    # Indices (flat over the spatial dims, as torch) via a paired reduction.
+    lead = x.ndim - nd
+    spatial = x.shape[lead:]
+    flat = jnp.arange(math.prod(spatial), dtype=jnp.int32).reshape(spatial)
+    flat = jnp.broadcast_to(flat, x.shape)
+
+    def pick(a, b):
+        (av, ai), (bv, bi) = a, b
+        take_b = (bv > av) | ((bv == av) & (bi < ai)) | jnp.isnan(bv)
+        return jnp.where(take_b, bv, av), jnp.where(take_b, bi, ai)
+
+    kernel_t = _tuple(kernel, nd)
+    stride_t = _tuple(stride, nd) if stride else kernel_t
+    _, _, _, pads = _pool_window(x, nd, kernel, stride, padding, dilation, init, lax.max, ceil_mode)
+    _, idx = lax.reduce_window(
+        (x, flat), (init, jnp.array(-1, jnp.int32)), pick, (1,) * lead + kernel_t, (1,) * lead + stride_t,
+        [(0, 0)] * lead + pads, window_dilation=(1,) * lead + _tuple(dilation, nd))
+    return vals, idx
+
+
+# aten::avg_pool2d(Tensor self, int[2] kernel_size, int[2] stride=[], int[2] padding=0,
+#                  bool ceil_mode=False, bool count_include_pad=True, int? divisor_override=None) -> Tensor
+@lower(aten.avg_pool1d, aten.avg_pool2d, aten.avg_pool3d)
+def _avg_pool(ctx, x, kernel, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
+              divisor_override=None):
+    nd = _spatial_rank(ctx, "avg_pool")
+    zero = jnp.array(0, x.dtype)
+    sums, kernel, stride, pads = _pool_window(x, nd, kernel, stride, padding, (1,), zero, lax.add, ceil_mode)
+    if divisor_override:
+        return sums / divisor_override
+    lead = x.ndim - nd
+    ones = jnp.ones(x.shape[lead:], x.dtype)
+    if count_include_pad:
+        # count padding (but not ceil_mode overhang) as elements
+        padded = _tuple(padding, nd)
+        ones = jnp.pad(ones, [(p, p) for p in padded], constant_values=1)
+        pads = [(0, hi - lo) for (lo, hi) in pads]
+    counts = lax.reduce_window(ones, zero, lax.add, kernel, stride, pads)
+    return sums / counts
+
+
+# aten::_adaptive_avg_pool2d(Tensor self, SymInt[2] output_size) -> Tensor
+@lower(aten._adaptive_avg_pool2d, aten.adaptive_avg_pool1d, aten._adaptive_avg_pool3d)
+def _adaptive_avg_pool(ctx, x, output_size):
+    nd = len(output_size)
+    lead = x.ndim - nd
+    out = x
+    for i, o in enumerate(output_size):
+        d = lead + i
+        n = x.shape[d]
+        parts = []
+        for j in range(o):
+            s, e = (j * n) // o, -((-(j + 1) * n) // o)
+            parts.append(jnp.mean(lax.slice_in_dim(out, s, e, axis=d), axis=d, keepdims=True))
+        out = jnp.concatenate(parts, axis=d)
+    return out
+
+
+# aten::native_layer_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps)
+#   -> (Tensor, Tensor, Tensor)
+@lower(aten.native_layer_norm)
+def _native_layer_norm(ctx, x, normalized_shape, weight, bias, eps):
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    xf = x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
+    mean = jnp.mean(xf, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=axes, keepdims=True)
+    rstd = lax.rsqrt(var + eps)
+    out = (xf - mean) * rstd
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out.astype(x.dtype), mean, rstd
+
+
+# aten::native_group_norm(Tensor input, Tensor? weight, Tensor? bias, SymInt N, SymInt C, SymInt HxW,
+#                         int group, float eps) -> (Tensor, Tensor, Tensor)
+@lower(aten.native_group_norm)
+def _native_group_norm(ctx, x, weight, bias, n, c, hw, group, eps):
+    shape = x.shape
+    xg = x.reshape(shape[0], group, -1)                      # (N, G, C/G * HxW)
+    mean = jnp.mean(xg, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xg - mean), axis=-1, keepdims=True)
+    rstd = lax.rsqrt(var + eps)
+    out = ((xg - mean) * rstd).reshape(shape)
+    bshape = (1, -1) + (1,) * (x.ndim - 2)
+    if weight is not None:
+        out = out * weight.reshape(bshape)
+    if bias is not None:
+        out = out + bias.reshape(bshape)
+    return out, mean.reshape(shape[0], group), rstd.reshape(shape[0], group)
+
+
+# aten::_native_batch_norm_legit_no_training(Tensor input, Tensor? weight, Tensor? bias, Tensor running_mean,
+#                                            Tensor running_var, float momentum, float eps) -> (Tensor, Tensor, Tensor)
+@lower(aten._native_batch_norm_legit_no_training)
+def _batch_norm_inference(ctx, x, weight, bias, mean, var, momentum, eps):
+    bshape = (1, -1) + (1,) * (x.ndim - 2)
+    out = (x - mean.reshape(bshape)) * lax.rsqrt(var.reshape(bshape) + eps)
+    if weight is not None:
+        out = out * weight.reshape(bshape)
+    if bias is not None:
+        out = out + bias.reshape(bshape)
+    empty = jnp.zeros((0,), x.dtype)
+    return out, empty, empty
+
+
+# aten::_native_batch_norm_legit_functional(Tensor input, Tensor? weight, Tensor? bias, Tensor running_mean,
+#     Tensor running_var, bool training, float momentum, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)
+@lower(aten._native_batch_norm_legit_functional)
+def _batch_norm_functional(ctx, x, weight, bias, mean, var, training, momentum, eps):
+    out, _, _ = _batch_norm_inference(ctx, x, weight, bias, mean, var, momentum, eps)
+    empty = jnp.zeros((0,), x.dtype)
+    return out, empty, empty, mean, var
+
+
+# aten::upsample_nearest2d.vec(Tensor input, SymInt[]? output_size, float[]? scale_factors) -> Tensor
+@lower(aten.upsample_nearest2d, aten.upsample_nearest1d, aten.upsample_nearest3d)
+def _upsample_nearest(ctx, x, output_size=None, *scales):
+    out_shape = ctx.out_shape
+    nd = len(out_shape) - 2
+    for i in range(nd):
+        d = 2 + i
+        n_in, n_out = x.shape[d], out_shape[d]
+        idx = jnp.floor(jnp.arange(n_out) * (n_in / n_out)).astype(jnp.int32)
+        x = jnp.take(x, jnp.minimum(idx, n_in - 1), axis=d)
+    return x
+
+
+# aten::_scaled_dot_product_flash_attention_for_cpu / scaled_dot_product_attention: decomposed by torch
+# before reaching us in the default table; kept here for programs that preserve it.
+# aten::scaled_dot_product_attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None,
+#     float dropout_p=0.0, bool is_causal=False, *, float? scale=None, bool enable_gqa=False) -> Tensor
+@lower(aten.scaled_dot_product_attention)
+def _sdpa(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = jnp.repeat(k, rep, axis=-3), jnp.repeat(v, rep, axis=-3)
+    s = jnp.einsum("...qd,...kd->...qk", q, k, precision=lax.Precision.HIGHEST) * scale  # (..., L, S)
+    if is_causal:
+        L, S = s.shape[-2], s.shape[-1]
+        s = jnp.where(jnp.tril(jnp.ones((L, S), bool)), s, -jnp.inf)
+    if attn_mask is not None:
+        s = jnp.where(attn_mask, s, -jnp.inf) if attn_mask.dtype == jnp.bool_ else s + attn_mask
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("...qk,...kd->...qd", p, v, precision=lax.Precision.HIGHEST)

@@ -1,0 +1,164 @@
+"""Reductions: sum/mean/max/min/prod/any/all/var, argmax/argmin, cumulative ops, softmax."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import torch
+
+from ..registry import lower
+from ._util import canon_dim, canon_dims
+
+aten = torch.ops.aten
+
+
+# aten::sum.dim_IntList(Tensor self, int[1]? dim, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor
+@lower(aten.sum)
+def _sum(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    return jnp.sum(x.astype(ctx.out_dtype), axis=canon_dims(dim, x.ndim), keepdims=keepdim)
+
+
+# aten::mean.dim(Tensor self, int[1]? dim, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor
+@lower(aten.mean)
+def _mean(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    return jnp.mean(x.astype(ctx.out_dtype), axis=canon_dims(dim, x.ndim), keepdims=keepdim)
+
+
+# aten::prod.dim_int(Tensor self, int dim, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor
+@lower(aten.prod)
+def _prod(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    return jnp.prod(x.astype(ctx.out_dtype), axis=canon_dims(dim, x.ndim), keepdims=keepdim)
+
+
+# aten::amax(Tensor self, int[1] dim=[], bool keepdim=False) -> Tensor
+@lower(aten.amax)
+def _amax(ctx, x, dim=(), keepdim=False):
+    return jnp.max(x, axis=canon_dims(dim, x.ndim), keepdims=keepdim)
+
+
+# aten::amin(Tensor self, int[1] dim=[], bool keepdim=False) -> Tensor
+@lower(aten.amin)
+def _amin(ctx, x, dim=(), keepdim=False):
+    return jnp.min(x, axis=canon_dims(dim, x.ndim), keepdims=keepdim)
+
+
+# aten::max(Tensor self) -> Tensor ; aten::max.dim(Tensor self, int dim, bool keepdim=False) -> (Tensor values, Tensor indices)
+@lower(aten.max.default, aten.max.dim)
+def _max(ctx, x, dim=None, keepdim=False):
+    if dim is None:
+        return jnp.max(x)
+    d = canon_dim(dim, x.ndim)
+    return jnp.max(x, axis=d, keepdims=keepdim), jnp.argmax(x, axis=d, keepdims=keepdim)
+
+
+# aten::min(Tensor self) -> Tensor ; aten::min.dim(Tensor self, int dim, bool keepdim=False) -> (Tensor values, Tensor indices)
+@lower(aten.min.default, aten.min.dim)
+def _min(ctx, x, dim=None, keepdim=False):
+    if dim is None:
+        return jnp.min(x)
+    d = canon_dim(dim, x.ndim)
+    return jnp.min(x, axis=d, keepdims=keepdim), jnp.argmin(x, axis=d, keepdims=keepdim)
+
+
+# aten::argmax(Tensor self, int? dim=None, bool keepdim=False) -> Tensor
+@lower(aten.argmax)
+def _argmax(ctx, x, dim=None, keepdim=False):
+    if dim is None:
+        return jnp.argmax(x.reshape(-1)).reshape((1,) * x.ndim if keepdim else ())
+    return jnp.argmax(x, axis=canon_dim(dim, x.ndim), keepdims=keepdim)
+
+
+# aten::argmin(Tensor self, int? dim=None, bool keepdim=False) -> Tensor
+@lower(aten.argmin)
+def _argmin(ctx, x, dim=None, keepdim=False):
+    if dim is None:
+        return jnp.argmin(x.reshape(-1)).reshape((1,) * x.ndim if keepdim else ())
+    return jnp.argmin(x, axis=canon_dim(dim, x.ndim), keepdims=keepdim)
+
+
+# aten::any.dims(Tensor self, int[]? dim=None, bool keepdim=False) -> Tensor
+@lower(aten.any)
+def _any(ctx, x, dim=None, keepdim=False):
+    return jnp.any(x != 0, axis=canon_dims(dim, x.ndim), keepdims=keepdim)
+
+
+# aten::all.dims(Tensor self, int[]? dim=None, bool keepdim=False) -> Tensor
+@lower(aten.all)
+def _all(ctx, x, dim=None, keepdim=False):
+    return jnp.all(x != 0, axis=canon_dims(dim, x.ndim), keepdims=keepdim)
+
+
+# aten::var.correction(Tensor self, int[1]? dim=None, *, Scalar? correction=None, bool keepdim=False) -> Tensor
+@lower(aten.var.correction)
+def _var(ctx, x, dim=None, *, correction=None, keepdim=False):
+    return jnp.var(x, axis=canon_dims(dim, x.ndim), ddof=1 if correction is None else correction, keepdims=keepdim)
+
+
+# aten::var_mean.correction(Tensor self, int[1]? dim=None, *, Scalar? correction=None, bool keepdim=False) -> (Tensor, Tensor)
+@lower(aten.var_mean.correction)
+def _var_mean(ctx, x, dim=None, *, correction=None, keepdim=False):
+    axes = canon_dims(dim, x.ndim)
+    return (jnp.var(x, axis=axes, ddof=1 if correction is None else correction, keepdims=keepdim),
+            jnp.mean(x, axis=axes, keepdims=keepdim))
+
+
+# aten::cumsum(Tensor self, int dim, *, ScalarType? dtype=None) -> Tensor
+@lower(aten.cumsum)
+def _cumsum(ctx, x, dim, *, dtype=None):
+    if x.ndim == 0:
+        return x.astype(ctx.out_dtype)
+    return jnp.cumsum(x.astype(ctx.out_dtype), axis=canon_dim(dim, x.ndim))
+
+
+# aten::cumprod(Tensor self, int dim, *, ScalarType? dtype=None) -> Tensor
+@lower(aten.cumprod)
+def _cumprod(ctx, x, dim, *, dtype=None):
+    if x.ndim == 0:
+        return x.astype(ctx.out_dtype)
+    return jnp.cumprod(x.astype(ctx.out_dtype), axis=canon_dim(dim, x.ndim))
+
+
+# aten::logsumexp(Tensor self, int[1] dim, bool keepdim=False) -> Tensor
+@lower(aten.logsumexp)
+def _logsumexp(ctx, x, dim, keepdim=False):
+    return jax.scipy.special.logsumexp(x, axis=canon_dims(dim, x.ndim), keepdims=keepdim)
+
+
+# aten::_softmax(Tensor self, int dim, bool half_to_float) -> Tensor
+@lower(aten._softmax, aten.softmax.int)
+def _softmax(ctx, x, dim, half_to_float=False, *rest):
+    if x.ndim == 0:
+        return jnp.ones_like(x)
+    return jax.nn.softmax(x.astype(ctx.out_dtype), axis=canon_dim(dim, x.ndim))
+
+
+# aten::_log_softmax(Tensor self, int dim, bool half_to_float) -> Tensor
+@lower(aten._log_softmax, aten.log_softmax.int)
+def _log_softmax(ctx, x, dim, half_to_float=False, *rest):
+    if x.ndim == 0:
+        return jnp.zeros_like(x)
+    return jax.nn.log_softmax(x.astype(ctx.out_dtype), axis=canon_dim(dim, x.ndim))
+
+
+# aten::topk(Tensor self, SymInt k, int dim=-1, bool largest=True, bool sorted=True) -> (Tensor values, Tensor indices)
+@lower(aten.topk)
+def _topk(ctx, x, k, dim=-1, largest=True, sorted=True):
+    d = canon_dim(dim, x.ndim)
+    xt = jnp.moveaxis(x, d, -1)
+    vals, idx = lax.top_k(xt if largest else -xt, k)
+    if not largest:
+        vals = -vals
+    return jnp.moveaxis(vals, -1, d), jnp.moveaxis(idx, -1, d)
+
+
+# aten::sort.stable(Tensor self, *, bool? stable, int dim=-1, bool descending=False) -> (Tensor values, Tensor indices)
+@lower(aten.sort)
+def _sort(ctx, x, *args, stable=None, dim=-1, descending=False):
+    if args:  # aten::sort(Tensor self, int dim=-1, bool descending=False)
+        dim, *rest = args
+        descending = rest[0] if rest else descending
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int32)
+    d = canon_dim(dim, x.ndim)
+    idx = jnp.argsort(x, axis=d, stable=True, descending=descending)
+    return jnp.take_along_axis(x, idx, axis=d), idx

@@ -1,0 +1,46 @@
+"""Symbolic-int ops: sizes read off tensors and the Python arithmetic torch.export
+records on them. Values are ints or jax dim expressions, never arrays."""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from jax._src import core as jax_core
+
+from ..registry import lower, row
+from ._util import canon_dim
+
+aten = torch.ops.aten
+_M = __name__
+
+
+# aten::sym_size.int(Tensor self, int dim) -> SymInt
+@lower(aten.sym_size.int)
+def _sym_size(ctx, x, dim):
+    return x.shape[canon_dim(dim, x.ndim)]
+
+
+# aten::sym_numel(Tensor self) -> SymInt
+@lower(aten.sym_numel)
+def _sym_numel(ctx, x):
+    return math.prod(x.shape)
+
+
+# aten::sym_stride.int(Tensor self, int dim) -> SymInt   (contiguous strides)
+@lower(aten.sym_stride.int)
+def _sym_stride(ctx, x, dim):
+    return math.prod(x.shape[canon_dim(dim, x.ndim) + 1:])
+
+
+_add = row(operator.add, fn=lambda ctx, a, b: a + b, module=_M)
+_sub = row(operator.sub, fn=lambda ctx, a, b: a - b, module=_M)
+_mul = row(operator.mul, fn=lambda ctx, a, b: a * b, module=_M)
+_floordiv = row(operator.floordiv, fn=lambda ctx, a, b: a // b, module=_M)
+_mod = row(operator.mod, fn=lambda ctx, a, b: a % b, module=_M)
+_neg = row(operator.neg, fn=lambda ctx, a: -a, module=_M)
+_truediv = row(operator.truediv, fn=lambda ctx, a, b: a / b, module=_M)
+_max = row(torch.sym_max, fn=lambda ctx, a, b: jax_core.max_dim(a, b), module=_M)
+_min = row(torch.sym_min, fn=lambda ctx, a, b: jax_core.min_dim(a, b), module=_M)
+_sym_float = row(torch.sym_float, fn=lambda ctx, a: a, module=_M)
+_sym_int = row(torch.sym_int, fn=lambda ctx, a: a, module=_M)

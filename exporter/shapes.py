@@ -1,0 +1,212 @@
+"""torch symbolic dims -> one jax symbolic scope.
+
+torch.export names its dims `s0`, `s77`, ... and records ranges in
+`ep.range_constraints`; derived dims appear as expressions (`2*s77`). We map
+each root symbol to the user's Dim name ("batch"), turn the ranges into jax
+constraints ("batch <= 64"), and build every input shape in ONE
+`jax.export.SymbolicScope`, so independent dims (batch and sequence) and
+derived dims (2*batch) coexist in a program.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import sympy
+from jax import export as jax_export
+from jax._src import core as jax_core
+
+from .errors import ShapeSpecError
+
+# Bounds at or above this are "unbounded" (torch uses int_oo / huge sentinels).
+_UNBOUNDED = 2**62
+
+
+@dataclasses.dataclass(frozen=True)
+class Symbol:
+    """One symbolic dimension of an artifact: its name and inclusive range."""
+    name: str
+    min: int
+    max: int | None     # None: no upper bound
+
+    def constraints(self) -> list[str]:
+        out = []
+        if self.min > 1:
+            out.append(f"{self.name} >= {self.min}")
+        if self.max is not None:
+            out.append(f"{self.name} <= {self.max}")
+        return out
+
+
+def _bound(value: Any) -> int | None:
+    try:
+        v = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return None if abs(v) >= _UNBOUNDED else v
+
+
+def _expr(dim: Any) -> sympy.Expr:
+    """A torch SymInt or int -> sympy expression."""
+    if isinstance(dim, int):
+        return sympy.Integer(dim)
+    node = getattr(dim, "node", None)
+    if node is None:
+        raise ShapeSpecError(f"cannot read symbolic dim {dim!r}")
+    return node.expr
+
+
+class SymbolTable:
+    """Root symbols of one program, named by the user, in one jax scope."""
+
+    def __init__(self, symbols: dict[str, Symbol], torch_names: dict[str, str]):
+        self.symbols = symbols                # user name -> Symbol
+        self.torch_names = torch_names        # torch name (s77) -> user name (batch)
+        constraints = [c for s in symbols.values() for c in s.constraints()]
+        self.scope = jax_export.SymbolicScope(constraints)
+        self._dims = {name: jax_export.symbolic_shape(name, scope=self.scope)[0] for name in symbols}
+
+    @classmethod
+    def from_program(cls, ep, user_dynamic_shapes: Sequence[Any] | None = None) -> "SymbolTable":
+        """Name the symbols of `ep` after the Dims in `user_dynamic_shapes`.
+
+        `user_dynamic_shapes` is aligned with the program's user inputs: per
+        input a dict {dim index: Dim} (or None). Symbols not named there keep
+        torch's name (s77).
+        """
+        torch_names: dict[str, str] = {}
+        placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+        user = [n for n, spec in zip(placeholders, ep.graph_signature.input_specs)
+                if spec.kind.name == "USER_INPUT"]
+        for node, spec in zip(user, user_dynamic_shapes or ()):
+            if not spec:
+                continue
+            items = spec.items() if isinstance(spec, dict) else enumerate(spec)
+            val = node.meta.get("val")
+            for d, dim in items:
+                if dim is None or val is None:
+                    continue
+                expr = _expr(val.shape[d])
+                if not expr.free_symbols:
+                    continue  # torch specialized it; nothing symbolic to name
+                root = getattr(dim, "root", None)        # derived dims: Dim.root, fn
+                name = getattr(root if root is not None else dim, "__name__", None)
+                if not name or not str(name).isidentifier():
+                    continue
+                (sym,) = expr.free_symbols
+                torch_names[str(sym)] = str(name)
+        symbols: dict[str, Symbol] = {}
+        for sym, rng in ep.range_constraints.items():
+            if not isinstance(sym, sympy.Symbol):
+                continue  # ranges of derived expressions follow from their roots
+            name = torch_names.setdefault(str(sym), str(sym))
+            lo = max(1, _bound(rng.lower) or 1)
+            symbols[name] = Symbol(name, lo, _bound(rng.upper))
+        return cls(symbols, torch_names)
+
+    # -- conversions -------------------------------------------------------
+    def to_jax(self, dim: Any) -> int | Any:
+        """torch SymInt / sympy expr / int -> int or jax dim expression."""
+        if isinstance(dim, int):
+            return dim
+        expr = dim if isinstance(dim, sympy.Basic) else _expr(dim)
+        return self._eval(expr)
+
+    def shape(self, fake) -> tuple:
+        return tuple(self.to_jax(d) for d in fake.shape)
+
+    def shape_strings(self, fake) -> list:
+        """Shape for the manifest: ints stay ints, symbolic dims print in jax syntax."""
+        return [d if isinstance(d, int) else str(d) for d in self.shape(fake)]
+
+    def _eval(self, e: sympy.Expr):
+        if e.is_Integer:
+            return int(e)
+        if e.is_Symbol:
+            name = self.torch_names.get(str(e))
+            if name is None or name not in self._dims:
+                raise ShapeSpecError(
+                    f"dim {e} is data-dependent (unbacked); hloserve needs shapes that follow from "
+                    f"the inputs. Rewrite the model to avoid shape-from-data ops (nonzero, item, unique)."
+                )
+            return self._dims[name]
+        args = [self._eval(a) for a in e.args]
+        kind = type(e).__name__
+        if isinstance(e, sympy.Add):
+            return sum(args[1:], args[0])
+        if isinstance(e, sympy.Mul):
+            return math.prod(args[1:], start=args[0])
+        if kind in ("Pow", "PowByNatural") and isinstance(args[1], int) and args[1] >= 0:
+            return math.prod([args[0]] * args[1], start=1)
+        if kind == "FloorDiv":
+            return args[0] // args[1]
+        if kind in ("Mod", "PythonMod"):
+            return args[0] % args[1]
+        if kind in ("CeilDiv", "CleanDiv"):
+            return -((-args[0]) // args[1]) if kind == "CeilDiv" else args[0] // args[1]
+        if kind == "Max":
+            return _fold(jax_core.max_dim, args)
+        if kind == "Min":
+            return _fold(jax_core.min_dim, args)
+        raise ShapeSpecError(f"symbolic dim expression {e} ({kind}) is not supported")
+
+
+def _fold(fn, args):
+    out = args[0]
+    for a in args[1:]:
+        out = fn(out, a)
+    return out
+
+
+def parse_dynamic_spec(spec: str, input_names: Sequence[str]) -> dict[str, dict[int, Any]]:
+    """Parse the CLI's --dynamic SPEC into torch.export Dims per input.
+
+    Grammar (inputs separated by ';'):
+        input_ids:0=batch[1,64],1=seq[1,512];attention_mask:0=batch,1=seq
+        x:0=batch[1,32];y:0=2*batch
+    A dim name may carry [min,max] once; later uses refer to the same Dim.
+    `K*name`, `name+K`, `name-K` and `K*name+K` give derived dims.
+    """
+    import re
+
+    import torch
+
+    dims: dict[str, Any] = {}
+    out: dict[str, dict[int, Any]] = {}
+    if not spec.strip():
+        return out
+    pattern = re.compile(r"^(?:(\d+)\*)?([A-Za-z_]\w*)(?:\[(\d+),(\d+|inf)\])?(?:([+-])(\d+))?$")
+    for entry in filter(None, (e.strip() for e in spec.split(";"))):
+        name, sep, dims_spec = entry.partition(":")
+        if not sep:
+            raise ShapeSpecError(f"--dynamic entry {entry!r} needs INPUT:DIM=NAME, e.g. input_ids:0=batch[1,64]")
+        if name not in input_names:
+            raise ShapeSpecError(f"--dynamic names input {name!r}, but the model's inputs are {list(input_names)}")
+        for item in dims_spec.split(","):
+            if not item.strip():
+                continue
+            idx, eq, dname = item.partition("=")
+            m = pattern.match(dname.strip()) if eq else None
+            if not m or not idx.strip().isdigit():
+                raise ShapeSpecError(
+                    f"--dynamic item {item!r} of input {name!r} is not DIM=NAME[min,max] "
+                    f"(e.g. 0=batch[1,64], 1=seq, 0=2*batch)"
+                )
+            scale, base, lo, hi, sign, offset = m.groups()
+            if base not in dims:
+                kwargs = {}
+                if lo is not None:
+                    kwargs["min"] = int(lo)
+                    if hi != "inf":
+                        kwargs["max"] = int(hi)
+                dims[base] = torch.export.Dim(base, **kwargs)
+            elif lo is not None:
+                raise ShapeSpecError(f"--dynamic gives a range for {base!r} twice; give it once")
+            dim = dims[base]
+            if scale:
+                dim = int(scale) * dim
+            if offset:
+                dim = dim + int(offset) if sign == "+" else dim - int(offset)
+            out.setdefault(name, {})[int(idx)] = dim
+    return out

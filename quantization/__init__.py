@@ -1,0 +1,1 @@
+"""hloserve.quantization: weight-only int8/int4 schemes, lowered by the emitter."""

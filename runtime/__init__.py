@@ -1,0 +1,1 @@
+"""hloserve.runtime: load artifacts through PJRT and run them (never imports torch)."""

@@ -1,0 +1,1 @@
+"""hloserve.server: OpenAI- and TF-Serving-compatible HTTP serving of artifacts."""
