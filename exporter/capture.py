@@ -1,6 +1,7 @@
 """torch.export + core-ATen decompositions -> ExportedProgram (no StableHLO here)."""
 from __future__ import annotations
 
+import inspect
 from typing import Any, Sequence
 
 import torch
@@ -16,9 +17,12 @@ def capture(module: torch.nn.Module, args: Sequence[Any], dynamic_shapes: Sequen
     Buffer mutations stay in the program as BUFFER_MUTATION outputs.
     """
     module = module.eval()
+    dyn = tuple(dynamic_shapes) if dynamic_shapes else None
+    params = inspect.signature(module.forward).parameters.values()
+    if dyn is not None and any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        dyn = (dyn,)  # forward(*args): torch.export sees one tuple argument
     try:
-        ep = torch.export.export(module, tuple(args), dynamic_shapes=tuple(dynamic_shapes) if dynamic_shapes else None,
-                                 strict=strict)
+        ep = torch.export.export(module, tuple(args), dynamic_shapes=dyn, strict=strict)
     except Exception as e:  # noqa: BLE001 - torch's message is long; keep its first line and add the fix
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CaptureError(

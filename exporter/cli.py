@@ -1,0 +1,150 @@
+"""The `hloserve` command line.
+
+    hloserve export SOURCE -o OUT [--dynamic SPEC] [--dtype D] [--function F] [--pad DIM]
+    hloserve inspect ART
+    hloserve run ART --inputs in.npz --outputs out.npz [--function F]
+
+Errors print one line and exit 1 (2 for usage errors); --debug shows tracebacks.
+Subcommands import their stack lazily: `serve` and `run` never import torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from typing import Sequence
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .export import export_artifact
+    from .progress import Reporter
+    from .sources import apply_dynamic, load_source
+
+    reporter = Reporter(enabled=not args.quiet)
+    reporter.stage(f"loading {args.source}")
+    source = load_source(args.source, dtype=args.dtype)
+    entries = source.entries
+    if args.function:
+        known = {e.name for e in entries}
+        unknown = [f for f in args.function if f not in known]
+        if unknown:
+            from .errors import SourceError
+            raise SourceError(f"--function {', '.join(unknown)}: {args.source} provides {sorted(known)}")
+        entries = [e for e in entries if e.name in args.function]
+    apply_dynamic(entries, args.dynamic, args.pad.split(",") if args.pad else ())
+    model = dict(source.model, dtype=args.dtype)
+    if source.files:
+        model["files"] = sorted(source.files)
+    manifest = export_artifact(args.output, entries, source=args.source, model=model,
+                               platforms=args.platforms.split(","), reporter=reporter)
+    for name, path in source.files.items():
+        shutil.copy(path, os.path.join(args.output, name))
+    for fn in manifest.functions.values():
+        ins = ", ".join(f"{t.name}: {t.describe()}" for t in fn.inputs)
+        reporter.stage(f"  {fn.name}({ins})")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from . import artifact
+    m = artifact.read_manifest(args.artifact)
+    artifact.verify_files(args.artifact, m)
+    total = sum(1 for _ in m.weights)
+    nbytes = os.path.getsize(os.path.join(args.artifact, artifact.WEIGHTS))
+    if args.json:
+        print(json.dumps(m.to_json(), indent=2))
+        return 0
+    print(f"artifact {args.artifact} (format {m.format_version}, "
+          + ", ".join(f"{k} {v}" for k, v in m.producer.items()) + ")")
+    print(f"source: {m.source}")
+    print(f"weights: {total} tensors, {nbytes / 2**20:.1f} MiB")
+    for name, s in m.symbols.items():
+        print(f"dim {name}: [{s.min}, {'inf' if s.max is None else s.max}]")
+    for fn in m.functions.values():
+        print(f"function {fn.name} (StableHLO {fn.stablehlo_version}, platforms {','.join(fn.platforms)}):")
+        for t in fn.inputs:
+            extra = " (donated)" if t.name in fn.donated else ""
+            print(f"  in  {t.name}: {t.describe()}{extra}")
+        for t in fn.outputs:
+            print(f"  out {t.name}: {t.describe()}")
+        if fn.paddable:
+            print(f"  paddable: {', '.join(fn.paddable)}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from hloserve.runtime.loader import load
+    from .errors import HloserveError
+
+    model = load(args.artifact)
+    name = args.function or next(iter(model.functions))
+    if name not in model.functions:
+        raise HloserveError(f"--function {name!r}: the artifact has {sorted(model.functions)}")
+    try:
+        with np.load(args.inputs) as f:
+            inputs = {k: f[k] for k in f.files}
+    except (OSError, ValueError) as e:
+        raise HloserveError(f"--inputs {args.inputs}: cannot read as .npz ({e})") from e
+    outs = model.functions[name](**inputs)
+    np.savez(args.outputs, **{k: np.asarray(v) for k, v in outs.items()})
+    for k, v in outs.items():
+        print(f"{k}: {v.dtype}{list(v.shape)}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hloserve", description="Export PyTorch models to StableHLO and serve them.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("export", help="export a checkpoint to an artifact directory")
+    e.add_argument("source", help="HF model dir, .pt2, .gguf, module:factory, or a preset name")
+    e.add_argument("-o", "--output", required=True, help="artifact directory to write")
+    e.add_argument("--dynamic", help="dynamic dims, e.g. 'input_ids:0=batch[1,64],1=seq[1,512];attention_mask:0=batch,1=seq'")
+    e.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    e.add_argument("--function", action="append", help="entry point(s) to export (default: all the source provides)")
+    e.add_argument("--pad", help="symbolic dims the runtime may pad to buckets, comma-separated ('none' for none)")
+    e.add_argument("--platforms", default="cpu", help="comma-separated lowering platforms (cpu,cuda,tpu)")
+    e.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    e.set_defaults(fn=_export)
+
+    i = sub.add_parser("inspect", help="show an artifact's functions, shapes and weights")
+    i.add_argument("artifact")
+    i.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    i.set_defaults(fn=_inspect)
+
+    r = sub.add_parser("run", help="run an artifact function on inputs from an .npz file")
+    r.add_argument("artifact")
+    r.add_argument("--inputs", required=True)
+    r.add_argument("--outputs", required=True)
+    r.add_argument("--function")
+    r.set_defaults(fn=_run)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print("hloserve: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI's one-line error contract
+        if args.debug:
+            raise
+        from .errors import HloserveError
+        if isinstance(e, HloserveError):
+            msg = str(e)
+        else:
+            msg = f"internal error: {type(e).__name__}: {e} (run with --debug for the traceback)"
+        print(f"hloserve: error: {' '.join(msg.split())}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

