@@ -42,7 +42,7 @@ class Symbol:
 def _bound(value: Any) -> int | None:
     try:
         v = int(value)
-    except (TypeError, ValueError, OverflowError):
+    except (TypeError, ValueError, OverflowError, AttributeError):  # sympy oo has no int
         return None
     return None if abs(v) >= _UNBOUNDED else v
 
@@ -75,6 +75,8 @@ class SymbolTable:
         input a dict {dim index: Dim} (or None). Symbols not named there keep
         torch's name (s77).
         """
+        from torch.utils._sympy.symbol import SymT, symbol_is_type
+
         torch_names: dict[str, str] = {}
         placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
         user = [n for n, spec in zip(placeholders, ep.graph_signature.input_specs)
@@ -100,6 +102,8 @@ class SymbolTable:
         for sym, rng in ep.range_constraints.items():
             if not isinstance(sym, sympy.Symbol):
                 continue  # ranges of derived expressions follow from their roots
+            if symbol_is_type(sym, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT)):
+                continue  # unbacked (data-dependent) symbols, e.g. left by while_loop tracing, are no input dims
             name = torch_names.setdefault(str(sym), str(sym))
             lo = max(1, _bound(rng.lower) or 1)
             symbols[name] = Symbol(name, lo, _bound(rng.upper))

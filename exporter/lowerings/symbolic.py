@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import operator
 
+import jax.numpy as jnp
 import torch
 from jax._src import core as jax_core
 
@@ -44,3 +45,22 @@ _max = row(torch.sym_max, fn=lambda ctx, a, b: jax_core.max_dim(a, b), module=_M
 _min = row(torch.sym_min, fn=lambda ctx, a, b: jax_core.min_dim(a, b), module=_M)
 _sym_float = row(torch.sym_float, fn=lambda ctx, a: a, module=_M)
 _sym_int = row(torch.sym_int, fn=lambda ctx, a: a, module=_M)
+
+
+def _compare(op):
+    """A SymInt comparison: a Python bool when the dims' ranges decide it, else a
+    bool array computed from the runtime dims (e.g. the predicate of a torch.cond)."""
+    def fn(ctx, a, b):
+        try:
+            return op(a, b)
+        except jax_core.InconclusiveDimensionOperation:
+            return op(jnp.asarray(a), jnp.asarray(b))
+    return fn
+
+
+_gt = row(operator.gt, fn=_compare(operator.gt), module=_M)
+_ge = row(operator.ge, fn=_compare(operator.ge), module=_M)
+_lt = row(operator.lt, fn=_compare(operator.lt), module=_M)
+_le = row(operator.le, fn=_compare(operator.le), module=_M)
+_eq = row(operator.eq, fn=_compare(operator.eq), module=_M)
+_ne = row(operator.ne, fn=_compare(operator.ne), module=_M)
