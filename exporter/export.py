@@ -64,8 +64,31 @@ def stablehlo_target_version() -> str:
     return str(hlo.get_version_from_compatibility_requirement(hlo.StablehloCompatibilityRequirement.WEEK_4))
 
 
-def lower_entry(entry: EntryPoint, out_dir: str, *, platforms: Sequence[str] = DEFAULT_PLATFORMS,
-                reporter: Reporter = QUIET) -> _Lowered:
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """One entry point lowered to a jax `Exported` in memory; nothing is written.
+
+    Attributes:
+      exported: the jax.export.Exported; call it as `exported.call(*weights, *inputs)`.
+      symbols: the program's symbol table (one jax scope).
+      weight_names: weight names in call order (they come first).
+      weight_values: weight name -> torch tensor.
+      inputs: (name, torch fake value) per user input, in call order after the weights.
+      outputs: (name, torch fake value) per result, in result order.
+      mutations: output name -> the buffer or input it updates.
+    """
+    exported: jax_export.Exported
+    symbols: SymbolTable
+    weight_names: tuple[str, ...]
+    weight_values: Mapping[str, torch.Tensor]
+    inputs: tuple[tuple[str, Any], ...]
+    outputs: tuple[tuple[str, Any], ...]
+    mutations: Mapping[str, str]
+
+
+def trace_entry(entry: EntryPoint, *, platforms: Sequence[str] = DEFAULT_PLATFORMS,
+                reporter: Reporter = QUIET) -> Traced:
+    """Capture (unless `entry.program` is given), interpret and jax.export one entry point."""
     ep = entry.program
     if ep is None:
         reporter.stage(f"{entry.name}: torch.export + core-ATen decompositions")
@@ -79,9 +102,13 @@ def lower_entry(entry: EntryPoint, out_dir: str, *, platforms: Sequence[str] = D
     weight_names: list[str] = []
     weight_values: dict[str, torch.Tensor] = {}
     user: list[tuple[str, Any]] = []
+    unused: set[str] = set()
     for node, spec in zip(placeholders, sig.input_specs):
         kind = spec.kind.name
         if kind in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR"):
+            if not node.users and not any(o.target == spec.target for o in sig.output_specs):
+                unused.add(node.name)
+                continue  # unused by this entry point (e.g. another head of the module): not an argument
             name = spec.target if kind != "CONSTANT_TENSOR" else f"{entry.name}.{spec.target}"
             value = ep.state_dict.get(spec.target)
             if value is None:
@@ -128,12 +155,22 @@ def lower_entry(entry: EntryPoint, out_dir: str, *, platforms: Sequence[str] = D
     in_avals = [avals(weight_values[n]) for n in weight_names] + [avals(v) for _, v in user]
 
     def fn(*args):
-        return tuple(interp.run(ep.graph_module, args))
+        # re-insert None for weights this entry point does not use
+        it = iter(args)
+        full = [None if n.name in unused else next(it) for n in placeholders]
+        return tuple(interp.run(ep.graph_module, full))
 
     reporter.stage(f"{entry.name}: lowering {sum(1 for n in ep.graph.nodes if n.op == 'call_function')} ops "
                    f"to StableHLO (platforms: {', '.join(platforms)})")
     exp = jax_export.export(jax.jit(fn), platforms=tuple(platforms))(*in_avals)
+    return Traced(exp, symbols, tuple(weight_names), weight_values,
+                  tuple((n, v) for n, (_, v) in zip(input_names, user)), tuple(outputs), mutations)
 
+
+def lower_entry(entry: EntryPoint, out_dir: str, *, platforms: Sequence[str] = DEFAULT_PLATFORMS,
+                reporter: Reporter = QUIET) -> _Lowered:
+    traced = trace_entry(entry, platforms=platforms, reporter=reporter)
+    exp, symbols, input_names = traced.exported, traced.symbols, [n for n, _ in traced.inputs]
     fdir = os.path.join(out_dir, "functions")
     os.makedirs(fdir, exist_ok=True)
     files = {
@@ -157,13 +194,18 @@ def lower_entry(entry: EntryPoint, out_dir: str, *, platforms: Sequence[str] = D
         if s not in symbols.symbols:
             raise HloserveError(f"{entry.name}: paddable dim {s!r} is not a symbolic dim ({sorted(symbols.symbols)})")
     spec = artifact.FunctionSpec(
-        name=entry.name, weights=tuple(weight_names),
-        inputs=tuple(tspec(n, v) for n, (_, v) in zip(input_names, user)),
-        outputs=tuple(tspec(n, v) for n, v in outputs), mutations=mutations,
+        name=entry.name, weights=traced.weight_names,
+        inputs=tuple(tspec(n, v) for n, v in traced.inputs),
+        outputs=tuple(tspec(n, v) for n, v in traced.outputs), mutations=dict(traced.mutations),
         donated=tuple(entry.donated), paddable=tuple(entry.paddable), files=digests,
         stablehlo_version=stablehlo_target_version(), platforms=tuple(platforms))
     syms = {s.name: artifact.SymbolSpec(s.name, s.min, s.max) for s in symbols.symbols.values()}
-    return _Lowered(spec, syms, weight_values)
+    return _Lowered(spec, syms, dict(traced.weight_values))
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    """Two names with the same identity are one tensor (tied weights, shared submodules)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -186,17 +228,22 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
     functions: dict[str, artifact.FunctionSpec] = {}
     symbols: dict[str, artifact.SymbolSpec] = {}
     tensors: dict[str, torch.Tensor] = {}
+    canonical: dict[tuple, str] = {}   # storage identity -> the first name seen (tied weights stored once)
     for entry in entries:
         if entry.name in functions:
             raise HloserveError(f"two entry points are named {entry.name!r}; names must be unique")
         lowered = lower_entry(entry, out_dir, platforms=platforms, reporter=reporter)
-        functions[entry.name] = lowered.spec
+        rename = {}
+        for name, t in lowered.weights.items():
+            rename[name] = canonical.setdefault(_identity(t), name)
+        functions[entry.name] = dataclasses.replace(lowered.spec, weights=tuple(rename[n] for n in lowered.spec.weights))
         for name, sym in lowered.symbols.items():
             if name in symbols and symbols[name] != sym:
                 raise HloserveError(f"dim {name!r} has range [{sym.min}, {sym.max}] in {entry.name!r} but "
                                     f"[{symbols[name].min}, {symbols[name].max}] elsewhere; give one range per name")
             symbols[name] = sym
         for name, t in lowered.weights.items():
+            name = rename[name]
             if name in tensors and tensors[name] is not t and not (
                     tensors[name].shape == t.shape and tensors[name].dtype == t.dtype and torch.equal(tensors[name], t)):
                 raise HloserveError(f"weight {name!r} differs between entry points; shared weights must be identical")

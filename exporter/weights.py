@@ -52,7 +52,9 @@ def write(path: str, specs: Mapping[str, tuple[str, tuple[int, ...]]], produce: 
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, (dtype, shape) in specs.items():
-            arr = np.ascontiguousarray(produce(name))
+            arr = np.asarray(produce(name))
+            if not arr.flags.c_contiguous:
+                arr = np.ascontiguousarray(arr)
             if arr.dtype != dtypes.NUMPY[dtype] or tuple(arr.shape) != tuple(shape):
                 raise ArtifactError(f"weight {name!r}: produced {arr.dtype}{list(arr.shape)}, declared {dtype}{list(shape)}")
             buf = memoryview(arr.reshape(-1).view(np.uint8))

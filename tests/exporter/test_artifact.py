@@ -1,0 +1,231 @@
+"""Artifact format, symbolic shapes, errors: the contracts of exporter/ (docs/artifact-format.md)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch.export import Dim
+
+from hloserve.exporter import artifact
+from hloserve.exporter.errors import ArtifactError, ShapeConstraintError, UnsupportedOpError
+from hloserve.exporter.export import EntryPoint, export_artifact
+from hloserve.exporter.registry import DuplicateLoweringError, Registry, lower
+from hloserve.runtime.loader import load
+
+from . import factories
+
+ATOL = 1e-5
+
+
+def _export(tmp_path, factory, name="art", **kw):
+    module, args, dyn = factory()
+    names = list(dyn)
+    out = str(tmp_path / name)
+    export_artifact(out, [EntryPoint("forward", module, args, tuple(dyn[n] for n in names), input_names=names)],
+                    source=factory.__name__, **kw)
+    return out, module
+
+
+def test_independent_and_derived_dims(tmp_path):
+    out, module = _export(tmp_path, factories.two_dims)
+    m = artifact.read_manifest(out)
+    fn = m.functions["forward"]
+    assert [t.shape for t in fn.inputs] == [("batch", "seq", 16), ("batch", "2*seq", 16), ("batch", "seq + 1", 16)]
+    assert m.symbols == {"batch": artifact.SymbolSpec("batch", 1, 16), "seq": artifact.SymbolSpec("seq", 2, 64)}
+    text = open(os.path.join(out, "functions", "forward.mlir")).read()
+    assert "tensor<?x?x16xf32>" in text
+    model = load(out)
+    for b, s in [(1, 2), (3, 17), (16, 64)]:
+        x, p, sh = torch.randn(b, s, 16), torch.randn(b, 2 * s, 16), torch.randn(b, s + 1, 16)
+        got = model.functions["forward"](x=x.numpy(), pairs=p.numpy(), shifted=sh.numpy())
+        want = module(x, p, sh)
+        np.testing.assert_allclose(np.asarray(got["output_0"]), want[0].detach().numpy(), atol=ATOL)
+        np.testing.assert_allclose(np.asarray(got["output_1"]), want[1].detach().numpy(), atol=ATOL)
+
+
+@pytest.mark.parametrize("shapes,message", [
+    ({"x": (17, 5, 16), "pairs": (17, 10, 16), "shifted": (17, 6, 16)}, "batch = 17 is outside its range [1, 16]"),
+    ({"x": (2, 65, 16), "pairs": (2, 130, 16), "shifted": (2, 66, 16)}, "seq = 65 is outside its range [2, 64]"),
+    ({"x": (2, 5, 16), "pairs": (2, 11, 16), "shifted": (2, 6, 16)}, "input 'pairs' dim 1 is 11, but must equal 2*seq = 10"),
+    ({"x": (2, 5, 16), "pairs": (3, 10, 16), "shifted": (2, 6, 16)}, "dims named batch must be equal"),
+    ({"x": (2, 5), "pairs": (2, 10, 16), "shifted": (2, 6, 16)}, "input 'x' has rank 2"),
+    ({"x": (2, 5, 15), "pairs": (2, 10, 16), "shifted": (2, 6, 16)}, "input 'x' dim 2 is 15, expected 16"),
+])
+def test_constraint_violations_name_dim_and_bound(tmp_path, shapes, message):
+    out, _ = _export(tmp_path, factories.two_dims)
+    fn = load(out).functions["forward"]
+    with pytest.raises(ShapeConstraintError, match=re.escape(message)):
+        fn(**{k: np.zeros(v, np.float32) for k, v in shapes.items()})
+
+
+def test_tied_weights_stored_once_and_no_big_constants(tmp_path):
+    out, module = _export(tmp_path, factories.tied)
+    m = artifact.read_manifest(out)
+    # head.weight is tied to emb.weight: one tensor stored under one of its names
+    assert sorted(m.weights) in (["emb.weight", "table"], ["head.weight", "table"])
+    text = open(os.path.join(out, "functions", "forward.mlir")).read()
+    for const in re.findall(r"dense<[^>]*>", text):
+        assert len(const) <= 2 * 1024 + 16, const[:80]
+    ids = torch.randint(0, 100, (5, 7))
+    got = load(out).functions["forward"](ids=ids.numpy())["output"]
+    np.testing.assert_allclose(np.asarray(got), module(ids).detach().numpy(), atol=ATOL)
+
+
+class Counter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        self.total.add_(x.sum(0))
+        return self.total * self.steps
+
+
+def test_buffer_mutations_are_outputs(tmp_path):
+    out = str(tmp_path / "art")
+    export_artifact(out, [EntryPoint("forward", Counter(), (torch.randn(3, 4),), ({0: Dim("n", max=8)},))], source="t")
+    fn = load(out).functions["forward"]
+    assert fn.spec.mutations == {"updated:steps": "steps", "updated:total": "total"}
+    res = fn(x=np.ones((2, 4), np.float32))
+    assert int(res["updated:steps"]) == 1
+    np.testing.assert_array_equal(np.asarray(res["updated:total"]), np.full(4, 2.0))
+
+
+def test_entry_points_share_one_weights_file(tmp_path):
+    class Encode(torch.nn.Module):
+        def __init__(self, mlp):
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, x):
+            return self.mlp.a(x)
+
+    mlp, args, dyn = factories.mlp()
+    out = str(tmp_path / "art")
+    export_artifact(out, [EntryPoint("forward", mlp, args, (dyn["x"],)),
+                          EntryPoint("encode", Encode(mlp), args, (dyn["x"],))], source="t")
+    m = artifact.read_manifest(out)
+    assert set(m.functions) == {"forward", "encode"}
+    assert sorted(m.weights) == ["a.bias", "a.weight", "b.bias", "b.weight"]
+    assert m.functions["encode"].weights == ("a.weight", "a.bias")
+    model = load(out)
+    x = torch.randn(4, 8)
+    np.testing.assert_allclose(np.asarray(model.functions["encode"](x=x.numpy())["output"]),
+                               mlp.a(x).detach().numpy(), atol=ATOL)
+
+
+# -- loading errors ----------------------------------------------------------
+@pytest.fixture
+def mlp_artifact(tmp_path):
+    return _export(tmp_path, factories.mlp)[0]
+
+
+def test_missing_artifact(tmp_path):
+    with pytest.raises(ArtifactError, match="does not exist"):
+        load(str(tmp_path / "nope"))
+
+
+def test_newer_format_version_rejected(mlp_artifact):
+    path = os.path.join(mlp_artifact, "manifest.json")
+    data = json.load(open(path))
+    data["format_version"] = artifact.FORMAT_VERSION + 1
+    json.dump(data, open(path, "w"))
+    with pytest.raises(ArtifactError, match=f"format_version {artifact.FORMAT_VERSION + 1}.*reads up to {artifact.FORMAT_VERSION}"):
+        load(mlp_artifact)
+
+
+def test_corrupted_weight_detected(mlp_artifact):
+    path = os.path.join(mlp_artifact, "weights.safetensors")
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(ArtifactError, match=r"weight 'b.bias' does not match its sha256"):
+        load(mlp_artifact)
+
+
+def test_truncated_weights_detected(mlp_artifact):
+    path = os.path.join(mlp_artifact, "weights.safetensors")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:-10])
+    with pytest.raises(ArtifactError, match="truncated"):
+        load(mlp_artifact)
+
+
+def test_edited_function_file_detected(mlp_artifact):
+    with open(os.path.join(mlp_artifact, "functions", "forward.mlir"), "a") as f:
+        f.write("// edited\n")
+    with pytest.raises(ArtifactError, match="forward.mlir does not match its sha256"):
+        load(mlp_artifact)
+
+
+def test_wrong_dtype_names_input(mlp_artifact):
+    fn = load(mlp_artifact).functions["forward"]
+    with pytest.raises(ShapeConstraintError, match="input 'x' has dtype int8, expected f32"):
+        fn(x=np.zeros((2, 8), np.int8))
+
+
+# -- unsupported ops and the registry ---------------------------------------
+@torch.library.custom_op("hloserve_test::frobnicate", mutates_args=())
+def frobnicate(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@frobnicate.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("hloserve_test::twiddle", mutates_args=())
+def twiddle(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@twiddle.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class Exotic(torch.nn.Module):
+    def forward(self, x):
+        return twiddle(frobnicate(x) + 1)
+
+
+def test_unsupported_ops_listed_at_once(tmp_path):
+    with pytest.raises(UnsupportedOpError) as info:
+        export_artifact(str(tmp_path / "a"), [EntryPoint("forward", Exotic(), (torch.randn(2, 3),))], source="t")
+    msg = str(info.value)
+    assert "hloserve_test.frobnicate.default" in msg and "hloserve_test.twiddle.default" in msg
+    assert "test_artifact.py:" in msg            # the model's source line
+    assert "f32[2,3]" in msg                      # input shapes
+    assert "exporter/lowerings/" in msg           # where to add the lowering
+    assert len(info.value.nodes) == 2
+
+
+def test_registry_rejects_duplicates():
+    import types
+    mod = types.ModuleType("fake_family")
+
+    @lower(torch.ops.aten.abs.default)
+    def a(ctx, x):
+        return x
+
+    @lower(torch.ops.aten.abs.default)
+    def b(ctx, x):
+        return x
+
+    a.__module__ = b.__module__ = mod.__name__
+    mod.a, mod.b = a, b
+    with pytest.raises(DuplicateLoweringError, match="aten.abs.default already lowered"):
+        Registry.from_modules([mod])
+
+
+def test_registry_falls_back_from_overload_to_packet():
+    from hloserve.exporter.lowerings import default_registry
+    reg = default_registry()
+    assert reg.lookup(torch.ops.aten.add.Tensor) is reg.lookup(torch.ops.aten.add.Scalar) is not None
