@@ -1,0 +1,546 @@
+"""Llama-family decoder written for export, with a paged KV cache as explicit state.
+
+One module covers Llama 1-3, Mistral, Qwen2 and SmolLM: GQA, RoPE (default,
+'linear', 'llama3', 'dynamic'), RMSNorm, SwiGLU, tied or untied embeddings,
+optional q/k/v (Qwen2) or q/k/v/o (Llama `attention_bias`) biases, optional
+uniform sliding window (Mistral). It holds no Python-side state: the config is
+parsed once into a frozen `LlamaConfig`, and the KV cache is an input that the
+step returns updated.
+
+Weights are stored STACKED over layers (`layers.qkv_proj` is [L, q+2kv, hidden])
+so the decoder layers export as ONE scanned body (torch scan -> stablehlo.while);
+`scan=False` unrolls the same body L times over static slices of the same
+tensors, so both forms share one weight layout.
+
+The step (docs/architecture.md, "LLM step contract"):
+
+    tokens        int32[T]            tokens of this step, all sequences flattened
+    positions     int32[T]            position of each token in its sequence
+    seq_ids       int32[T]            row of block_tables each token belongs to
+    slot_mapping  int32[T]            block * block_size + offset where the token's K/V is written
+    block_tables  int32[S, B]         block ids per sequence, padded with the null block 0
+    context_lens  int32[S]            tokens in each sequence's context, this step's included
+    last_token    int32[S]            index into T of each sequence's last token
+    kv_cache      dtype[L, 2, N, block_size, kv_heads, head_dim]   (donated)
+    -> logits f32[S, vocab] (of each sequence's last token), kv_cache (updated)
+
+A step first writes this step's K/V through slot_mapping, then each token
+attends to the cache positions c of its sequence with c <= its position and
+c < context_len. Block 0 is the null block: padding tokens write there and
+padding rows of block_tables point there; it is never read unmasked. Masked
+scores use a finite minimum, so padded rows give finite garbage, never NaN.
+
+Two attention layouts share that contract (both are exact for any mix of
+sequences; they differ in cost):
+  * "gather" (entry point `decode`): every token gathers its own sequence's
+    context, [T, B*block_size]; best when T ~ S (one token per sequence).
+  * "flat" (entry point `prefill`): every token scores against all S contexts
+    at once, [T, S*B*block_size], masked to its own; best when S is small and
+    T large (prompts, chunked prefill).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# Finite "minus infinity" for masked attention scores (f32): fully masked rows
+# (padding) softmax to uniform instead of NaN.
+_MASKED = -1e30
+
+STEP_INPUTS = ("tokens", "positions", "seq_ids", "slot_mapping", "block_tables", "context_lens", "last_token",
+               "kv_cache")
+STEP_OUTPUTS = ("logits", "kv_cache")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (Hugging Face `rope_scaling` / `rope_parameters`).
+
+    Attributes:
+      kind: "default", "linear" (positions / factor), "llama3" (Llama 3.1 band
+        scaling) or "dynamic" (NTK base growth past original_max_position_embeddings,
+        per sequence from its context length).
+      factor / low_freq_factor / high_freq_factor / original_max_position_embeddings:
+        the Hugging Face parameters of that kind.
+    """
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+    KINDS = ("default", "linear", "llama3", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """A Llama-family decoder's shape and numerics, parsed once from a HF config dict.
+
+    Attributes (HF name in parentheses where it differs):
+      num_layers (num_hidden_layers), num_heads (num_attention_heads),
+      num_kv_heads (num_key_value_heads), head_dim (default hidden/heads).
+      qkv_bias: q/k/v projections have biases (Qwen2, Llama attention_bias).
+      o_bias: the output projection has a bias (Llama attention_bias only).
+      sliding_window: attend to at most this many previous positions (None: all).
+      eos_token_ids: every id that ends a generation (HF eos_token_id may be a list).
+    """
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any]) -> "LlamaConfig":
+        """Parse a Hugging Face config.json dict (transformers 4.x or 5.x spelling)."""
+        from ..errors import SourceError
+
+        model_type = d.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise SourceError(f"model_type {model_type!r} is not a Llama-family decoder; "
+                              f"the LLM path supports llama, mistral and qwen2")
+        act = d.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise SourceError(f"hidden_act {act!r} is not supported by the Llama path (SwiGLU with silu only)")
+        heads = int(d["num_attention_heads"])
+        head_dim = d.get("head_dim") or int(d["hidden_size"]) // heads
+        rope_params = dict(d.get("rope_parameters") or {})
+        rope_legacy = dict(d.get("rope_scaling") or {})
+        rope = {**rope_params, **rope_legacy}
+        theta = float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        if kind not in RopeScaling.KINDS:
+            raise SourceError(f"rope type {kind!r} is not supported; supported: {', '.join(RopeScaling.KINDS)}")
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise SourceError("partial_rotary_factor != 1 is not supported by the Llama path")
+        max_pos = int(d.get("max_position_embeddings", 2048))
+        scaling = RopeScaling(kind, float(rope.get("factor", 1.0)), float(rope.get("low_freq_factor", 1.0)),
+                              float(rope.get("high_freq_factor", 4.0)),
+                              rope.get("original_max_position_embeddings") or (max_pos if kind != "default" else None))
+        attn_bias = bool(d.get("attention_bias", False))
+        window = d.get("sliding_window")
+        if model_type == "qwen2" and not d.get("use_sliding_window", False):
+            window = None
+        if model_type == "qwen2" and window is not None and d.get("max_window_layers", 0) < int(d["num_hidden_layers"]):
+            raise SourceError("Qwen2 with sliding window on only some layers is not supported; "
+                              "set use_sliding_window=false")
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
+        return cls(
+            model_type=model_type, vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]), num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads, num_kv_heads=int(d.get("num_key_value_heads") or heads), head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=max_pos, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=attn_bias or model_type == "qwen2", o_bias=attn_bias, mlp_bias=bool(d.get("mlp_bias", False)),
+            sliding_window=int(window) if window else None,
+            bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]), eos_token_ids=eos_ids)
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["eos_token_ids"] = list(self.eos_token_ids)
+        return out
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies f32[head_dim/2], as transformers computes them at init."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    rs = cfg.rope_scaling
+    if rs.kind == "linear":
+        inv = inv / rs.factor
+    elif rs.kind == "llama3":
+        old = rs.original_max_position_embeddings
+        low_wavelen, high_wavelen = old / rs.low_freq_factor, old / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+# -- weights -----------------------------------------------------------------
+# Stacked parameter name -> (HF per-layer names concatenated along dim 0, present?)
+def _layer_layout(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
+    p = "model.layers.{i}."
+    out = {
+        "qkv_proj": (p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+        "o_proj": (p + "self_attn.o_proj.weight",),
+        "gate_up_proj": (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+        "down_proj": (p + "mlp.down_proj.weight",),
+        "input_layernorm": (p + "input_layernorm.weight",),
+        "post_attention_layernorm": (p + "post_attention_layernorm.weight",),
+    }
+    if cfg.qkv_bias:
+        out["qkv_bias"] = (p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias")
+    if cfg.o_bias:
+        out["o_bias"] = (p + "self_attn.o_proj.bias",)
+    if cfg.mlp_bias:
+        out["gate_up_bias"] = (p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias")
+        out["down_bias"] = (p + "mlp.down_proj.bias",)
+    return out
+
+
+class LlamaWeights(torch.nn.Module):
+    """Every weight of the decoder, per-layer tensors stacked on a leading [L] dim.
+
+    Names (the artifact's weight names get a `model.` prefix):
+      embed_tokens [V, hidden]; norm [hidden]; lm_head [V, hidden] (absent when tied);
+      layers.qkv_proj [L, q+2kv, hidden]; layers.o_proj [L, hidden, q];
+      layers.gate_up_proj [L, 2*inter, hidden]; layers.down_proj [L, hidden, inter];
+      layers.input_layernorm / layers.post_attention_layernorm [L, hidden];
+      optional layers.qkv_bias [L, q+2kv], o_bias, gate_up_bias, down_bias;
+      rope_inv_freq f32[head_dim/2] (a buffer).
+    """
+
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg = cfg
+        L, h, inter, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        shapes = {
+            "qkv_proj": (L, cfg.q_size + 2 * cfg.kv_size, h), "o_proj": (L, h, cfg.q_size),
+            "gate_up_proj": (L, 2 * inter, h), "down_proj": (L, h, inter),
+            "input_layernorm": (L, h), "post_attention_layernorm": (L, h),
+            "qkv_bias": (L, cfg.q_size + 2 * cfg.kv_size), "o_bias": (L, h),
+            "gate_up_bias": (L, 2 * inter), "down_bias": (L, h),
+        }
+        self.layer_names = tuple(_layer_layout(cfg))
+        self.layers = torch.nn.ParameterDict({
+            n: torch.nn.Parameter(torch.zeros(shapes[n], dtype=dtype), requires_grad=False) for n in self.layer_names})
+        self.embed_tokens = torch.nn.Parameter(torch.zeros(V, h, dtype=dtype), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(h, dtype=dtype), requires_grad=False)
+        self.lm_head = None if cfg.tie_word_embeddings else \
+            torch.nn.Parameter(torch.zeros(V, h, dtype=dtype), requires_grad=False)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(cfg))
+
+    @classmethod
+    def from_hf_tensors(cls, cfg: LlamaConfig, get: Callable[[str], torch.Tensor], names: Iterable[str],
+                        dtype: torch.dtype = torch.float32) -> "LlamaWeights":
+        """Build stacked weights from HF-named tensors; `get(name)` returns one tensor (any dtype)."""
+        from ..errors import SourceError
+
+        names = set(names)
+        w = cls(cfg, dtype)
+
+        def fetch(name):
+            if name not in names:
+                raise SourceError(f"checkpoint has no tensor {name!r} (expected for {cfg.model_type} "
+                                  f"with {cfg.num_layers} layers); is it a {cfg.model_type} CausalLM checkpoint?")
+            return get(name)
+
+        with torch.no_grad():
+            for stacked, parts in _layer_layout(cfg).items():
+                dst = w.layers[stacked]
+                for i in range(cfg.num_layers):
+                    tensors = [fetch(p.format(i=i)) for p in parts]
+                    src = torch.cat(tensors, 0) if len(tensors) > 1 else tensors[0]
+                    if tuple(src.shape) != tuple(dst.shape[1:]):
+                        raise SourceError(f"{parts[0].format(i=i)}...: shape {tuple(src.shape)} does not match the "
+                                          f"config's {tuple(dst.shape[1:])}")
+                    dst[i].copy_(src.to(dtype))
+            w.embed_tokens.copy_(fetch("model.embed_tokens.weight").to(dtype))
+            w.norm.copy_(fetch("model.norm.weight").to(dtype))
+            if w.lm_head is not None:
+                w.lm_head.copy_(fetch("lm_head.weight").to(dtype))
+        return w
+
+
+# -- the step ----------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalize in f32, scale in the input dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+class LlamaStep(torch.nn.Module):
+    """One paged-cache step of a LlamaWeights decoder (see the module docstring).
+
+    attention: "gather" (decode layout) or "flat" (prefill layout).
+    scan: decoder layers as one scanned body (True) or unrolled (False).
+    """
+
+    def __init__(self, model: LlamaWeights, *, attention: str = "gather", scan: bool = True):
+        super().__init__()
+        if attention not in ("gather", "flat"):
+            raise ValueError(f"attention must be 'gather' or 'flat', got {attention!r}")
+        self.model = model
+        self.cfg = model.cfg
+        self.attention = attention
+        self.scan = scan
+
+    def forward(self, tokens, positions, seq_ids, slot_mapping, block_tables, context_lens, last_token, kv_cache):
+        cfg, w = self.cfg, self.model
+        T = tokens.shape[0]
+        S, B = block_tables.shape
+        L, _, N, BS, KV, D = kv_cache.shape
+        C = B * BS                                   # context capacity of one sequence
+        dtype = w.embed_tokens.dtype
+
+        h = F.embedding(tokens, w.embed_tokens)      # [T, hidden]
+        cos, sin = self._rope(positions, seq_ids, context_lens, dtype)   # [T, 1, D] each
+
+        # Which cache rows each token reads, and which of them it may see.
+        ctx_pos = torch.arange(C, device=tokens.device)                   # [C]
+        pos = positions.to(torch.int64)
+        if self.attention == "gather":
+            blocks = block_tables[seq_ids]                                # [T, B]
+            seen = (ctx_pos[None, :] <= pos[:, None]) & \
+                (ctx_pos[None, :] < context_lens[seq_ids].to(torch.int64)[:, None])   # [T, C]
+            if cfg.sliding_window:
+                seen = seen & (ctx_pos[None, :] > pos[:, None] - cfg.sliding_window)
+        else:
+            blocks = block_tables                                         # [S, B]
+            own = seq_ids.to(torch.int64)[:, None] == torch.arange(S, device=tokens.device)[None, :]   # [T, S]
+            causal = ctx_pos[None, :] <= pos[:, None]                     # [T, C]
+            if cfg.sliding_window:
+                causal = causal & (ctx_pos[None, :] > pos[:, None] - cfg.sliding_window)
+            filled = ctx_pos[None, :] < context_lens.to(torch.int64)[:, None]   # [S, C]
+            seen = (own[:, :, None] & causal[:, None, :] & filled[None, :, :]).reshape(T, S * C)  # [T, S*C]
+
+        slots = slot_mapping.to(torch.int64)
+        layer_ids = torch.arange(L, device=tokens.device)
+        names = w.layer_names
+
+        def layer(h, cache, lw: dict, l):
+            """One decoder layer; cache is the full [L, 2, N, BS, KV, D], l a 0-dim layer index."""
+            x = rms_norm(h, lw["input_layernorm"], cfg.rms_norm_eps)
+            qkv = _linear(x, lw["qkv_proj"], lw.get("qkv_bias"))        # [T, q+2kv]
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = q.reshape(T, cfg.num_heads, D)                            # [T, H, D]
+            k = k.reshape(T, KV, D)                                       # [T, KV, D]
+            v = v.reshape(T, KV, D)                                       # [T, KV, D]
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+
+            # write this step's K and V (one scatter), then read the contexts
+            flat = cache.reshape(L, 2, N * BS, KV, D)                     # [L, 2, N*BS, KV, D]
+            idx_l = l.expand(2, T)                                        # [2, T]
+            idx_kv = torch.arange(2, device=h.device)[:, None].expand(2, T)   # [2, T]
+            idx_slot = slots[None, :].expand(2, T)                        # [2, T]
+            flat = flat.index_put((idx_l, idx_kv, idx_slot), torch.stack([k, v]))   # values [2, T, KV, D]
+            cache = flat.reshape(L, 2, N, BS, KV, D)                      # [L, 2, N, BS, KV, D]
+            ctx = cache[l.expand_as(blocks), :, blocks]                   # [R, B, 2, BS, KV, D]
+            R = ctx.shape[0]
+            k_ctx = ctx[:, :, 0].reshape(R, C, KV, D)                     # [R, C, KV, D]
+            v_ctx = ctx[:, :, 1].reshape(R, C, KV, D)                     # [R, C, KV, D]
+
+            qg = q.reshape(T, KV, cfg.group, D)                           # [T, KV, G, D]
+            if self.attention == "gather":
+                scores = torch.einsum("tkgd,tckd->tkgc", qg, k_ctx)      # [T, KV, G, C]
+            else:
+                k_all = k_ctx.reshape(R * C, KV, D)                       # [S*C, KV, D]
+                scores = torch.einsum("tkgd,ckd->tkgc", qg, k_all)       # [T, KV, G, S*C]
+            scores = scores.float() * (D ** -0.5)
+            scores = torch.where(seen[:, None, None, :], scores, _MASKED)
+            probs = torch.softmax(scores, dim=-1).to(dtype)
+            if self.attention == "gather":
+                out = torch.einsum("tkgc,tckd->tkgd", probs, v_ctx)      # [T, KV, G, D]
+            else:
+                out = torch.einsum("tkgc,ckd->tkgd", probs, v_ctx.reshape(R * C, KV, D))   # [T, KV, G, D]
+            out = out.reshape(T, cfg.q_size)                              # [T, H*D]
+            h = h + _linear(out, lw["o_proj"], lw.get("o_bias"))
+
+            x = rms_norm(h, lw["post_attention_layernorm"], cfg.rms_norm_eps)
+            gate, up = _linear(x, lw["gate_up_proj"], lw.get("gate_up_bias")).chunk(2, dim=-1)   # [T, I] each
+            h = h + _linear(F.silu(gate) * up, lw["down_proj"], lw.get("down_bias"))
+            return h, cache
+
+        stacked = [w.layers[n] for n in names]
+        if self.scan:
+            from torch._higher_order_ops.scan import scan
+
+            def body(carry, xs):
+                h, cache = carry
+                *ws, l = xs
+                h, cache = layer(h, cache, dict(zip(names, ws)), l)
+                return (h, cache), h.new_zeros(())
+
+            (h, kv_cache), _ = scan(body, (h, kv_cache), (*stacked, layer_ids))
+        else:
+            for i in range(L):
+                h, kv_cache = layer(h, kv_cache, {n: t[i] for n, t in zip(names, stacked)}, layer_ids[i])
+
+        h_last = rms_norm(h[last_token], w.norm, cfg.rms_norm_eps)        # [S, hidden]
+        head = w.embed_tokens if w.lm_head is None else w.lm_head
+        logits = F.linear(h_last, head).float()                           # [S, V]
+        return logits, kv_cache
+
+    def _rope(self, positions, seq_ids, context_lens, dtype):
+        """cos, sin [T, 1, D] in the model dtype (computed in f32, as transformers does)."""
+        cfg = self.cfg
+        inv = self.model.rope_inv_freq                                    # [D/2]
+        pos = positions.float()
+        rs = cfg.rope_scaling
+        if rs.kind == "dynamic":
+            # NTK base growth from each sequence's context length, as transformers does for a
+            # single sequence (it uses the batch's longest; per sequence is the servable form).
+            D = cfg.head_dim
+            seq_len = context_lens[seq_ids].float()                       # [T]
+            orig = float(cfg.max_position_embeddings)
+            grown = cfg.rope_theta * ((rs.factor * seq_len / orig) - (rs.factor - 1)) ** (D / (D - 2))
+            base = torch.where(seq_len > orig, grown, torch.full_like(seq_len, cfg.rope_theta))   # [T]
+            expo = torch.arange(0, D, 2, device=pos.device).float() / D   # [D/2]
+            freqs = pos[:, None] / base[:, None] ** expo[None, :]         # [T, D/2]
+        else:
+            freqs = pos[:, None] * inv[None, :]                           # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                           # [T, D]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]   # [T, 1, D]
+
+
+# -- export --------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StepExportOptions:
+    """Cache geometry and dim ranges of the exported step functions.
+
+    Attributes:
+      block_size: tokens per KV block (fixed in the artifact).
+      max_context: longest sequence (positions) the artifact serves; max_blocks = max_context / block_size.
+      max_tokens / max_seqs: upper bounds of the T and S dims of one step.
+      max_num_blocks: upper bound of the cache's block count (fixed at load time from memory).
+      scan: decoder layers as one scanned body (default) or unrolled.
+    """
+    block_size: int = 16
+    max_context: int = 4096
+    max_tokens: int = 4096
+    max_seqs: int = 256
+    max_num_blocks: int = 1 << 20
+    scan: bool = True
+
+    @property
+    def max_blocks(self) -> int:
+        return -(-self.max_context // self.block_size)
+
+
+def step_entries(weights: LlamaWeights, opts: StepExportOptions = StepExportOptions()) -> list:
+    """The artifact's entry points `prefill` (flat attention) and `decode` (gather attention).
+
+    Both take and return the same step contract; they share every weight and dim.
+    """
+    from ..export import EntryPoint
+
+    cfg = weights.cfg
+    Dim = torch.export.Dim
+    T = Dim("num_tokens", min=1, max=opts.max_tokens)
+    S = Dim("num_seqs", min=1, max=opts.max_seqs)
+    N = Dim("num_blocks", min=2, max=opts.max_num_blocks)
+    B = Dim("max_blocks", min=1, max=opts.max_blocks)
+    dtype = weights.embed_tokens.dtype
+    # example: 2 sequences, 5 tokens, 3 blocks of table, 7 blocks of cache (sizes distinct and >= 2)
+    bs = opts.block_size
+    ex = dict(
+        tokens=torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32),
+        positions=torch.tensor([0, 1, 2, 0, 1], dtype=torch.int32),
+        seq_ids=torch.tensor([0, 0, 0, 1, 1], dtype=torch.int32),
+        slot_mapping=torch.tensor([bs, bs + 1, bs + 2, 2 * bs, 2 * bs + 1], dtype=torch.int32),
+        block_tables=torch.tensor([[1, 0, 0], [2, 0, 0]], dtype=torch.int32),
+        context_lens=torch.tensor([3, 2], dtype=torch.int32),
+        last_token=torch.tensor([2, 4], dtype=torch.int32),
+        kv_cache=torch.zeros(cfg.num_layers, 2, 7, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype),
+    )
+    dyn = ({0: T}, {0: T}, {0: T}, {0: T}, {0: S, 1: B}, {0: S}, {0: S}, {2: N})
+    args = tuple(ex[n] for n in STEP_INPUTS)
+    return [
+        EntryPoint(name, LlamaStep(weights, attention=att, scan=opts.scan), args, dyn,
+                   input_names=STEP_INPUTS, output_names=STEP_OUTPUTS, donated=("kv_cache",),
+                   paddable=("num_tokens", "num_seqs", "max_blocks"))
+        for name, att in (("prefill", "flat"), ("decode", "gather"))
+    ]
+
+
+def llm_metadata(cfg: LlamaConfig, opts: StepExportOptions, dtype: torch.dtype) -> dict:
+    """The manifest's model["llm"]: what a server needs to drive the step functions."""
+    from .. import dtypes
+    return {
+        "num_layers": cfg.num_layers, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+        "block_size": opts.block_size, "max_context": opts.max_blocks * opts.block_size,
+        "max_blocks": opts.max_blocks, "max_tokens": opts.max_tokens, "max_seqs": opts.max_seqs,
+        "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
+        "sliding_window": cfg.sliding_window, "null_block": 0, "layers": "scan" if opts.scan else "unrolled",
+        "kv_cache": {"input": "kv_cache", "output": "kv_cache", "dtype": dtypes.artifact_name_of_torch(dtype),
+                     "shape": [cfg.num_layers, 2, "num_blocks", opts.block_size, cfg.num_kv_heads, cfg.head_dim],
+                     "donated": True},
+        "step": {"inputs": list(STEP_INPUTS), "outputs": list(STEP_OUTPUTS),
+                 "functions": {"prefill": "flat attention: cost T*S*context, for prompts and chunked prefill",
+                               "decode": "gather attention: cost T*context, for one token per sequence"},
+                 "context_lens": "tokens in the sequence's context including this step's",
+                 "slot_mapping": "block*block_size+offset; padding tokens write into the null block 0"},
+    }
+
+
+# -- a reference driver of the contract (numpy, no torch) -----------------------
+def build_step_inputs(chunks: list[tuple[list[int], int, list[int]]], block_size: int, *,
+                      pad_tokens: int | None = None, pad_seqs: int | None = None,
+                      pad_blocks: int | None = None) -> dict[str, np.ndarray]:
+    """Step inputs for sequences each adding a chunk of tokens.
+
+    chunks: per sequence (new tokens, position of the first new token, block table covering
+    position + len(tokens)). Padding (to bucket sizes) uses the null block 0 and token 0.
+    """
+    tokens, positions, seq_ids, slots, last = [], [], [], [], []
+    for s, (toks, start, table) in enumerate(chunks):
+        for i, tok in enumerate(toks):
+            p = start + i
+            tokens.append(tok), positions.append(p), seq_ids.append(s)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        last.append(len(tokens) - 1)
+    T, S = len(tokens), len(chunks)
+    Tp, Sp = max(pad_tokens or T, T), max(pad_seqs or S, S)
+    B = max(max(pad_blocks or 1, len(t)) for _, _, t in chunks)
+    tables = np.zeros((Sp, B), np.int32)
+    for s, (_, _, table) in enumerate(chunks):
+        tables[s, :len(table)] = table
+    ctx = np.zeros(Sp, np.int32)
+    ctx[:S] = [start + len(toks) for toks, start, _ in chunks]
+
+    def pad(xs, n, fill):
+        return np.asarray(list(xs) + [fill] * (n - len(xs)), np.int32)
+
+    return dict(tokens=pad(tokens, Tp, 0), positions=pad(positions, Tp, 0),
+                seq_ids=pad(seq_ids, Tp, Sp - 1 if Sp > S else 0),
+                slot_mapping=pad(slots, Tp, 0), block_tables=tables, context_lens=ctx,
+                last_token=pad(last, Sp, 0))
