@@ -1,0 +1,193 @@
+"""Sampling parameters and sampling from logits (numpy, on the host).
+
+Randomness is explicit: each draw uses a generator built from
+(request seed, index of the token being sampled), so a request's tokens
+depend only on its seed and its logits, never on which other requests share
+the batch, and a preempted-and-recomputed request draws the same tokens again.
+There is no global RNG.
+
+Order of operations per row (as in vLLM / HF): temperature 0 -> argmax;
+otherwise logits / temperature -> top-k -> top-p (nucleus) -> draw.
+Logprobs are the model's log-softmax of the raw logits (before temperature,
+top-k and top-p), as OpenAI and vLLM report them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+_NUCLEUS_PROBE = 64  # top-p first tries the 64 most likely tokens before a full sort
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (OpenAI names).
+
+    Attributes:
+      temperature: 0 means greedy (argmax); > 0 divides the logits.
+      top_p: nucleus mass in (0, 1]; 1 disables it.
+      top_k: keep the k most likely tokens; None disables it.
+      max_tokens: tokens to generate at most (finish_reason "length").
+      stop: strings that end generation; the text returned stops before them.
+      stop_token_ids: token ids that end generation besides the model's EOS ids.
+      ignore_eos: keep generating past EOS (benchmarks).
+      seed: makes the draws reproducible; None draws a seed at admission.
+      logprobs: None for no logprobs; k in [0, 20] returns the sampled token's
+        logprob and the k most likely alternatives.
+      n: completions per prompt; only 1 is supported.
+    """
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    n: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        _check(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+               f"temperature={self.temperature!r}: must be a finite number >= 0 (0 means greedy)")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
+               f"top_p={self.top_p!r}: must be in (0, 1] (1 disables nucleus sampling)")
+        _check(self.top_k is None or (_is_int(self.top_k) and (self.top_k >= 1 or self.top_k in (0, -1))),
+               f"top_k={self.top_k!r}: must be an integer >= 1, or 0/-1/None to disable it")
+        if self.top_k is not None and self.top_k <= 0:
+            object.__setattr__(self, "top_k", None)
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens={self.max_tokens!r}: must be an integer >= 1")
+        _check(all(isinstance(s, str) and s for s in self.stop), f"stop={list(self.stop)!r}: every stop sequence must be a non-empty string")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids={list(self.stop_token_ids)!r}: must be non-negative integers")
+        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64),
+               f"seed={self.seed!r}: must be an integer (64-bit) or null")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs={self.logprobs!r}: must be an integer in [0, {MAX_LOGPROBS}] or null")
+        _check(_is_int(self.n) and self.n == 1, f"n={self.n!r}: only n=1 is supported; send separate requests for more completions")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs of one sampled token.
+
+    Attributes:
+      token_id: the sampled token.
+      logprob: its log-probability under the model (raw logits).
+      top: the `logprobs` most likely (token id, logprob) pairs, most likely first.
+    """
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def rng_for(seed: int, index: int) -> np.random.Generator:
+    """The generator for draw number `index` of a request with `seed` (explicit, no global state)."""
+    return np.random.Generator(np.random.PCG64([seed % 2**64, index]))
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def filtered_probs(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """(candidate token ids, their probabilities) after temperature, top-k and top-p.
+
+    logits: f32[vocab] of one row. The probabilities sum to 1 (float64).
+    Candidates are in decreasing probability where top-k/top-p applied, else vocab order.
+    """
+    x = logits.astype(np.float64) / params.temperature
+    vocab = x.shape[0]
+    ids = np.arange(vocab)
+    if params.top_k is not None and params.top_k < vocab:
+        part = np.argpartition(-x, params.top_k - 1)[:params.top_k]
+        ids = part[np.argsort(-x[part], kind="stable")]
+        x = x[ids]
+    if params.top_p < 1.0:
+        p = np.exp(x - x.max())
+        p /= p.sum()                     # probabilities over the candidates so far
+        if params.top_k is not None:     # already sorted by top-k
+            order = np.arange(len(ids))
+        else:                            # sort only the head if it already holds the nucleus
+            head = min(_NUCLEUS_PROBE, len(ids))
+            part = np.argpartition(-x, head - 1)[:head] if head < len(ids) else np.arange(len(ids))
+            order = part[np.argsort(-x[part], kind="stable")]
+            if p[order].sum() < params.top_p:
+                order = np.argsort(-x, kind="stable")
+        # keep the smallest prefix whose mass reaches top_p (always >= 1 token)
+        keep = int(np.searchsorted(np.cumsum(p[order]), params.top_p, side="left")) + 1
+        order = order[:min(keep, len(order))]
+        ids, x = ids[order], x[order]
+    p = np.exp(x - x.max())
+    return ids, p / p.sum()
+
+
+def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, index: int) -> tuple[int, TokenLogprobs | None]:
+    """Sample one token from one row of logits (f32[vocab]); returns (token, logprobs or None)."""
+    if params.greedy:
+        token = int(np.argmax(logits))
+    else:
+        ids, p = filtered_probs(logits, params)
+        u = rng_for(seed, index).random()
+        k = min(int(np.searchsorted(np.cumsum(p), u, side="right")), len(ids) - 1)  # inverse CDF
+        token = int(ids[k])
+    return token, (token_logprobs(logits, token, params.logprobs) if params.logprobs is not None else None)
+
+
+def token_logprobs(logits: np.ndarray, token: int, k: int) -> TokenLogprobs:
+    lp = _log_softmax(logits)
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        part = np.argpartition(-lp, k - 1)[:k]
+        part = part[np.argsort(-lp[part], kind="stable")]
+        top = tuple((int(t), float(lp[t])) for t in part)
+    return TokenLogprobs(token, float(lp[token]), top)
+
+
+def sample(logits: np.ndarray, params: Sequence[SamplingParams], seeds: Sequence[int],
+           indexes: Sequence[int]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Sample one token per row. logits: f32[S, vocab] (rows beyond len(params) are padding and ignored)."""
+    logits = np.asarray(logits)
+    tokens, lps = [], []
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None]
+    argmax = np.argmax(logits[greedy_rows], axis=-1) if greedy_rows else ()
+    fast = dict(zip(greedy_rows, argmax))
+    for i, p in enumerate(params):
+        if i in fast:
+            tokens.append(int(fast[i]))
+            lps.append(None)
+        else:
+            t, lp = sample_row(logits[i], p, seeds[i], indexes[i])
+            tokens.append(t)
+            lps.append(lp)
+    return tokens, lps

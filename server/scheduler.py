@@ -1,0 +1,420 @@
+"""Continuous-batching scheduler: the policy half of the engine loop.
+
+    plan = scheduler.schedule()        # host state only: who runs, which tokens, which slots
+    out = runner.execute(plan)         # the device step + sampling
+    outputs = scheduler.update(plan, out)
+
+The algorithm of `schedule()`. Every request has `num_computed_tokens` (tokens
+whose K/V is in the cache) and `token_ids` (prompt + generated so far); a step
+runs some of the tokens in between. There is no separate "prefill" and
+"decode" phase: a decode is a request with exactly one token left to compute,
+a prefill chunk is any larger run.
+
+1. Running requests, oldest first. Each request in decode gets exactly one
+   token; the budget for all of them is reserved before any prefill chunk is
+   sized, so a long prompt never starves decodes. A running request still in
+   prefill gets `min(tokens left, budget left after the reservation)`.
+   Blocks come from the block manager; if none are free, a prefill chunk
+   shrinks to the slots available, and otherwise the NEWEST running request is
+   preempted (its blocks freed, its computed tokens forgotten, back to the
+   front of the waiting queue: preempt-and-recompute). If the newest is the
+   request itself, it preempts itself. Oldest-first means the oldest request
+   always makes progress, so preemption cannot livelock.
+2. Waiting requests, FIFO, while fewer than `max_num_seqs` run, budget is
+   left and nothing was preempted this step: look up the prefix cache, size
+   the first chunk to the budget, and admit if its blocks fit while leaving
+   a watermark of free blocks for the running decodes. The first waiting
+   request that does not fit stops admission (no overtaking).
+
+A chunk that reaches the end of a request's known tokens needs logits: the
+runner samples its next token. `update()` appends sampled tokens, hashes
+newly full blocks for the prefix cache, checks stop conditions (max_tokens,
+EOS / stop token ids, stop strings on the detokenized text, the model's
+context length), frees finished requests' blocks and emits one
+`RequestOutput` per request that produced a token.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import random
+from typing import Mapping, Sequence
+
+from .block_manager import BlockManager, KVBlocks
+from .sampling import SamplingParams, TokenLogprobs
+from .tokenizer import Decoder, IncrementalDetokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step.
+
+    Attributes:
+      max_num_seqs: requests running at once (rows of a step; <= the runner's largest S bucket).
+      max_num_batched_tokens: tokens per step (<= the runner's largest T bucket); >= max_num_seqs
+        so every running decode fits in one step.
+      max_model_len: prompt + generated tokens per request (the model's context).
+      admission_watermark: fraction of blocks kept free when admitting a new request,
+        so running decodes can grow without preempting at once.
+    """
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    admission_watermark: float = 0.01
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs={self.max_num_seqs}: "
+                             f"every running decode needs one token per step; raise the token budget")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len}: must be >= 2")
+        if not 0 <= self.admission_watermark < 1:
+            raise ValueError(f"admission_watermark={self.admission_watermark}: must be in [0, 1)")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Request:
+    """Scheduler-side state of one request (mutable; owned by the scheduler)."""
+    request_id: str
+    token_ids: list[int]                 # prompt + generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int                            # explicit RNG seed for every draw of this request
+    arrival: int                         # admission priority: smaller = older
+    eos_token_ids: frozenset[int]
+    detok: IncrementalDetokenizer | None
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0         # tokens whose K/V is in the cache
+    num_cached_tokens: int = 0           # of the prompt, tokens served by the prefix cache (last admission)
+    num_preemptions: int = 0
+    text: str = ""                       # generated text (stop strings cut off)
+    num_text_sent: int = 0               # chars of `text` already emitted
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens_left(self) -> int:
+        """Tokens to compute before the next one can be sampled."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step; one row of the runner's block tables."""
+    request_id: str
+    token_ids: tuple[int, ...]      # tokens to run this step: a prefill chunk, or one token for a decode
+    positions: tuple[int, ...]      # their positions in the sequence: num_computed_tokens, +1, ...
+    slot_mapping: tuple[int, ...]   # cache slot each token's K/V is written to: block * block_size + offset
+    block_table: tuple[int, ...]    # the request's blocks, unpadded (the runner pads with the null block 0)
+    context_len: int                # tokens attended to after this step (= positions[-1] + 1)
+    needs_logits: bool              # the chunk reaches the end of the known tokens: sample the next one
+    sampling: SamplingParams        # how to sample (read only when needs_logits)
+    seed: int                       # the request's explicit RNG seed
+    sample_index: int               # index of the token to sample among the outputs; (seed, index) picks the draw
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerPlan:
+    """What one step runs; the runner turns it into padded arrays."""
+    seqs: tuple[ScheduledSeq, ...]  # rows of the step: decodes first, then prefill chunks
+    num_tokens: int                 # total tokens (sum of len(token_ids)), the T the runner pads to a bucket
+    preempted: tuple[str, ...]      # requests preempted while planning this step (blocks already freed)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerOutput:
+    """What the runner returns for a plan."""
+    sampled: Mapping[str, int]                   # request id -> sampled token, for seqs with needs_logits
+    logprobs: Mapping[str, TokenLogprobs] = dataclasses.field(default_factory=dict)  # for requests that asked
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """One streamed update for one request.
+
+    Attributes:
+      new_token_ids: tokens generated since the last update (usually one).
+      new_text: text since the last update (may be "" while a character or a
+        possible stop string is incomplete).
+      finished / finish_reason: "stop" (EOS, stop token or stop string), "length"
+        (max_tokens or the context), "abort" (client left), "error" (the engine failed).
+      logprobs: one entry per new token, when the request asked for logprobs.
+      num_prompt_tokens / num_output_tokens / num_cached_tokens: usage so far.
+    """
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: tuple[TokenLogprobs, ...] | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    """Monotonic counters (the engine exports them as metrics)."""
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0   # prompt tokens looked up at admission
+    prefix_cache_hits: int = 0      # of those, tokens found cached
+    prompt_tokens: int = 0          # prompt tokens of admitted requests (recomputation not counted)
+    generation_tokens: int = 0
+
+
+class Scheduler:
+    """Continuous batching over a BlockManager; see the module docstring for the algorithm."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *, decoder: Decoder | None = None,
+                 eos_token_ids: Sequence[int] = (), seed_rng: random.Random | None = None):
+        self.config = config
+        self.blocks = block_manager
+        self.decoder = decoder
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._seed_rng = seed_rng or random.Random()   # owned, OS-seeded: seeds for requests without one
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []               # sorted by arrival (oldest first)
+        self._requests: dict[str, Request] = {}
+        self._arrivals = 0
+        self.stats = SchedulerStats()
+
+    # -- admission ----------------------------------------------------------------
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError (a 400 for the server) if the request can never run."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty; send at least one token")
+        limit = self.config.max_model_len
+        if n >= limit:
+            raise ValueError(f"the prompt has {n} tokens, but the model's context is {limit} tokens; shorten the prompt")
+        if n + params.max_tokens > limit:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds the "
+                             f"model's context of {limit} tokens; lower max_tokens to at most {limit - n}")
+        need = self.blocks.num_blocks_needed(n + params.max_tokens)
+        if need > self.blocks.total_blocks:
+            raise ValueError(f"prompt + max_tokens needs {need} KV blocks but the cache has {self.blocks.total_blocks}; "
+                             f"lower max_tokens or serve with a larger KV-cache budget")
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_request(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
+        detok = IncrementalDetokenizer(self.decoder, prompt_token_ids) if self.decoder is not None else None
+        req = Request(request_id, list(prompt_token_ids), len(prompt_token_ids), params, seed, self._arrivals,
+                      frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids), detok)
+        self._arrivals += 1
+        self._requests[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Remove a request now and free its blocks; None if it is unknown or already finished."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        return self._finish(req, "abort", (), None)
+
+    # -- queries ------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- the plan -----------------------------------------------------------------
+    def schedule(self) -> SchedulerPlan:
+        budget = self.config.max_num_batched_tokens
+        reserved = sum(1 for r in self.running if r.num_tokens_left == 1)  # one token per decode
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            is_decode = req.num_tokens_left == 1
+            if is_decode:
+                reserved -= 1
+                want = 1
+            else:
+                want = min(req.num_tokens_left, budget - reserved)
+                if want <= 0:
+                    i += 1
+                    continue
+            n, victims, victim_decodes = self._grow(req, want, partial_ok=not is_decode)
+            preempted += victims
+            reserved -= victim_decodes   # their reserved decode tokens are free again
+            if n == 0:  # req preempted itself: it was the newest, nothing runs after it
+                break
+            budget -= n
+            (decodes if is_decode else prefills).append(self._seq(req, n))
+            i += 1
+        if not preempted:
+            budget = self._admit(budget, prefills)
+        seqs = tuple(decodes + prefills)
+        return SchedulerPlan(seqs, sum(len(s.token_ids) for s in seqs), tuple(preempted))
+
+    def _grow(self, req: Request, want: int, *, partial_ok: bool) -> tuple[int, list[str], int]:
+        """Get blocks for `want` more tokens of a running request, shrinking or preempting as needed.
+
+        Returns (tokens granted, ids of requests preempted, how many of those other
+        than `req` were decodes). 0 tokens granted means `req` itself was preempted.
+        """
+        victims: list[str] = []
+        victim_decodes = 0
+        while True:
+            if self.blocks.allocate(req.request_id, req.num_computed_tokens + want) is not None:
+                return want, victims, victim_decodes
+            fit = min(self._fit_tokens(req), want) if partial_ok else 0
+            if fit > 0:
+                self.blocks.allocate(req.request_id, req.num_computed_tokens + fit)
+                return fit, victims, victim_decodes
+            victim = self.running[-1]   # the newest running request (running is sorted by arrival)
+            victim_decodes += victim is not req and victim.num_tokens_left == 1
+            self._preempt(victim)
+            victims.append(victim.request_id)
+            if victim is req:
+                return 0, victims, victim_decodes
+
+    def _fit_tokens(self, req: Request) -> int:
+        """How many more tokens of `req` fit in its blocks plus the free ones."""
+        owned = len(self.blocks.blocks_of(req.request_id).block_ids)
+        return (owned + self.blocks.num_free_blocks) * self.blocks.block_size - req.num_computed_tokens
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)   # it is older than every waiting request (admission is FIFO)
+
+    def _admit(self, budget: int, prefills: list[ScheduledSeq]) -> int:
+        """Admit waiting requests FIFO while they fit; appends their first chunks; returns the budget left."""
+        watermark = int(self.config.admission_watermark * self.blocks.total_blocks)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hit = self.blocks.find_cached_prefix(req.token_ids)
+            n = min(len(req.token_ids) - hit.num_cached_tokens, budget)
+            total = hit.num_cached_tokens + n
+            new_blocks = self.blocks.new_blocks_needed(req.request_id, total, hit)
+            free = self.blocks.num_free_blocks
+            if new_blocks > free or (self.running and free - new_blocks < watermark):
+                break
+            self.blocks.allocate(req.request_id, total, hit)
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = req.num_cached_tokens = hit.num_cached_tokens
+            self.stats.prefix_cache_queries += len(req.token_ids)
+            self.stats.prefix_cache_hits += hit.num_cached_tokens
+            if req.num_preemptions == 0:
+                self.stats.prompt_tokens += req.num_prompt_tokens
+            self.running.append(req)   # the newest arrival among the running (admission is FIFO)
+            budget -= n
+            prefills.append(self._seq(req, n))
+        return budget
+
+    def _seq(self, req: Request, n: int) -> ScheduledSeq:
+        """The plan row running tokens [num_computed, num_computed + n) of `req` (blocks already allocated)."""
+        start, bs = req.num_computed_tokens, self.blocks.block_size
+        table = self.blocks.blocks_of(req.request_id).block_ids
+        positions = tuple(range(start, start + n))
+        slots = tuple(table[p // bs] * bs + p % bs for p in positions)
+        needs_logits = start + n == len(req.token_ids)
+        return ScheduledSeq(req.request_id, tuple(req.token_ids[start:start + n]), positions, slots, table, start + n,
+                            needs_logits, req.params, req.seed, req.num_output_tokens)
+
+    # -- after the step -------------------------------------------------------------
+    def update(self, plan: SchedulerPlan, output: RunnerOutput) -> list[RequestOutput]:
+        """Apply a step's results: advance computed tokens, append sampled tokens, stop, free, emit."""
+        outputs: list[RequestOutput] = []
+        for seq in plan.seqs:
+            req = self._requests.get(seq.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING or req.num_computed_tokens != seq.positions[0]:
+                continue  # aborted or preempted since the plan was made
+            req.num_computed_tokens += len(seq.token_ids)
+            self.blocks.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            if not seq.needs_logits:
+                continue
+            token = int(output.sampled[seq.request_id])
+            lp = output.logprobs.get(seq.request_id)
+            req.token_ids.append(token)
+            self.stats.generation_tokens += 1
+            outputs.append(self._after_token(req, token, lp))
+        return outputs
+
+    def _after_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+        params = req.params
+        reason = None
+        if req.detok is not None and token not in req.eos_token_ids:
+            req.text += req.detok.step(token)
+        if params.stop and self._cut_at_stop(req):
+            reason = "stop"                   # text already cut before the stop string
+        elif token in req.eos_token_ids:
+            reason = "stop"
+        elif req.num_output_tokens >= params.max_tokens or len(req.token_ids) >= self.config.max_model_len:
+            reason = "length"
+        lps = (lp,) if lp is not None else (() if params.logprobs is not None else None)
+        if reason is not None:
+            if req.detok is not None and not (params.stop and len(req.text) < len(req.detok.text)):
+                req.text += req.detok.flush()   # a held-back incomplete character, if any
+            return self._finish(req, reason, (token,), lps)
+        hold = max((len(s) for s in params.stop), default=1) - 1  # a stop string may be starting
+        upto = max(req.num_text_sent, len(req.text) - hold)
+        text, req.num_text_sent = req.text[req.num_text_sent:upto], upto
+        return RequestOutput(req.request_id, (token,), text, False, None, lps, req.num_prompt_tokens,
+                             req.num_output_tokens, req.num_cached_tokens)
+
+    def _cut_at_stop(self, req: Request) -> bool:
+        """Truncate `req.text` before the first stop string; True if one was found."""
+        longest = max(len(s) for s in req.params.stop)
+        start = max(0, req.num_text_sent - longest)
+        hits = [j for j in (req.text.find(s, start) for s in req.params.stop) if j >= 0]
+        if not hits:
+            return False
+        req.text = req.text[:min(hits)]
+        return True
+
+    def _finish(self, req: Request, reason: str, tokens: tuple[int, ...], lps, error: str | None = None) -> RequestOutput:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        self.blocks.free(req.request_id)
+        req.status = RequestStatus.FINISHED
+        del self._requests[req.request_id]
+        text = req.text[req.num_text_sent:] if reason != "abort" else ""
+        req.num_text_sent = len(req.text)
+        return RequestOutput(req.request_id, tokens, text, True, reason, lps, req.num_prompt_tokens,
+                             req.num_output_tokens, req.num_cached_tokens, error)
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every request with finish_reason "error" (the runner failed); frees all blocks."""
+        outs = []
+        for req in list(self.running) + list(self.waiting):
+            if req.status is RequestStatus.WAITING:
+                self.waiting.remove(req)
+            outs.append(self._finish(req, "error", (), None, error))
+        return outs

@@ -1,0 +1,199 @@
+"""Tokenizer for serving: encode, incremental detokenization, chat templates.
+
+Text comes from the artifact: `tokenizer.json` (the `tokenizers` library,
+no transformers) and the chat template string in the manifest's model
+metadata, rendered with jinja2 in a sandbox the way HF renders it.
+
+Incremental detokenization: a token can be part of a character (byte-level
+BPE splits UTF-8 sequences) and a token's leading space depends on the token
+before it. So each step decodes a small window `tokens[prefix_offset:]`,
+compares it with the window's already-emitted part `tokens[prefix_offset:read_offset]`
+and emits only the new suffix, holding it back while it ends in an
+incomplete character (U+FFFD). Cost per token is constant.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping, Protocol, Sequence
+
+_REPLACEMENT = "\ufffd"
+_CONTEXT_TOKENS = 5  # prompt tokens kept as left context for the first decode
+
+
+class Decoder(Protocol):
+    """What the scheduler needs from a tokenizer: ids -> text."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Streams the text of generated tokens without splitting characters.
+
+    Usage: `delta = d.step(token_id)` per generated token; `d.flush()` at the
+    end returns any held-back tail (e.g. bytes that never completed a character).
+    `d.text` is everything emitted so far.
+    """
+
+    def __init__(self, decoder: Decoder, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True):
+        self._decoder = decoder
+        self._skip = skip_special_tokens
+        ctx = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._tokens = ctx
+        self._prefix_offset = 0          # start of the decode window
+        self._read_offset = len(ctx)     # tokens before this are already emitted (or are context)
+        self.text = ""
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._decoder.decode(ids, skip_special_tokens=self._skip)
+
+    def step(self, token_id: int) -> str:
+        self._tokens.append(int(token_id))
+        prefix = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+        full = self._decode(self._tokens[self._prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
+            return ""  # nothing new yet, or an incomplete character: wait for more tokens
+        delta = full[len(prefix):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        if self._prefix_offset > 64:  # keep the buffer bounded
+            drop = self._prefix_offset
+            self._tokens = self._tokens[drop:]
+            self._prefix_offset, self._read_offset = 0, self._read_offset - drop
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emit what is held back (called once, when the request finishes)."""
+        prefix = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+        full = self._decode(self._tokens[self._prefix_offset:])
+        delta = full[len(prefix):] if len(full) > len(prefix) else ""
+        self._prefix_offset = self._read_offset = len(self._tokens)
+        self.text += delta
+        return delta
+
+
+class ChatTemplateError(ValueError):
+    """The chat template failed to render (bad messages or template); the message says which."""
+
+
+def _render_env():
+    from jinja2 import ext, sandbox
+
+    def raise_exception(message):
+        raise ChatTemplateError(f"chat template rejected the messages: {message}")
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        import datetime
+        return datetime.datetime.now().strftime(fmt)
+
+    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    """What the server needs besides tokenizer.json, from the manifest's model metadata.
+
+    Attributes:
+      chat_template: jinja2 source (HF convention), or None if the model has none.
+      bos_token / eos_token: strings the template may reference.
+      eos_token_ids: ids that end generation (unless SamplingParams.ignore_eos).
+      add_bos: whether `encode` of a raw prompt should add special tokens.
+    """
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    add_bos: bool = True
+
+
+class Tokenizer:
+    """tokenizers.Tokenizer + chat template + EOS ids."""
+
+    def __init__(self, tokenizer, config: TokenizerConfig = TokenizerConfig()):
+        self._tok = tokenizer
+        self.config = config
+        self._template = None
+        if config.chat_template:
+            try:
+                self._template = _render_env().from_string(config.chat_template)
+            except Exception as e:  # noqa: BLE001 (jinja2 TemplateSyntaxError and friends)
+                raise ChatTemplateError(f"the model's chat template does not parse: {e}") from e
+
+    @classmethod
+    def from_file(cls, tokenizer_json: str, config: TokenizerConfig = TokenizerConfig()) -> "Tokenizer":
+        import tokenizers
+        if not os.path.exists(tokenizer_json):
+            raise FileNotFoundError(f"{tokenizer_json} does not exist; the artifact must ship tokenizer.json to serve text")
+        return cls(tokenizers.Tokenizer.from_file(tokenizer_json), config)
+
+    @classmethod
+    def from_artifact(cls, artifact_dir: str, model: Mapping[str, Any]) -> "Tokenizer":
+        """Build from ARTIFACT/tokenizer.json and the manifest's `model` metadata."""
+        tok_meta = model.get("tokenizer") if isinstance(model.get("tokenizer"), Mapping) else {}
+        fname = tok_meta.get("file", "tokenizer.json")
+        candidates = [os.path.join(artifact_dir, fname), os.path.join(artifact_dir, "files", fname)]
+        path = next((p for p in candidates if os.path.exists(p)), candidates[0])
+        tok = cls.from_file(path)
+
+        def get(key, default=None):
+            return tok_meta.get(key, model.get(key, default))
+
+        eos = get("eos_token_ids", get("eos_token_id", ()))
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        eos_token = get("eos_token")
+        if not eos and eos_token and tok._tok.token_to_id(eos_token) is not None:
+            eos = (tok._tok.token_to_id(eos_token),)
+        if not eos_token and eos:
+            eos_token = tok._tok.id_to_token(eos[0])
+        config = TokenizerConfig(chat_template=get("chat_template"), bos_token=get("bos_token"), eos_token=eos_token,
+                                 eos_token_ids=tuple(int(e) for e in eos), add_bos=bool(get("add_bos_token", True)))
+        return cls(tok._tok, config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    def encode(self, text: str, *, add_special_tokens: bool | None = None) -> list[int]:
+        add = self.config.add_bos if add_special_tokens is None else add_special_tokens
+        return list(self._tok.encode(text, add_special_tokens=add).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(int(token_id))
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                    **kwargs: Any) -> str:
+        """Render OpenAI-style messages with the model's chat template."""
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template in its artifact metadata; "
+                                    "use /v1/completions with a raw prompt instead")
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or "role" not in m:
+                raise ChatTemplateError(f"messages[{i}] must be an object with a 'role' (and 'content')")
+        try:
+            return self._template.render(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.config.bos_token or "", eos_token=self.config.eos_token or "",
+                                         **kwargs)
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # noqa: BLE001 (a template error is a bad request, not a crash)
+            raise ChatTemplateError(f"chat template failed to render the messages: {type(e).__name__}: {e}") from e
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
+        """Chat prompt ids: the template already writes BOS, so no special tokens are added."""
+        return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
