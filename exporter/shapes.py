@@ -187,7 +187,7 @@ def parse_dynamic_spec(spec: str, input_names: Sequence[str]) -> dict[str, dict[
             raise ShapeSpecError(f"--dynamic entry {entry!r} needs INPUT:DIM=NAME, e.g. input_ids:0=batch[1,64]")
         if name not in input_names:
             raise ShapeSpecError(f"--dynamic names input {name!r}, but the model's inputs are {list(input_names)}")
-        for item in dims_spec.split(","):
+        for item in re.split(r",(?![^\[]*\])", dims_spec):  # commas outside [min,max]
             if not item.strip():
                 continue
             idx, eq, dname = item.partition("=")

@@ -95,44 +95,69 @@ def _load_factory(spec: str, tdtype) -> Source:
     dynamic = made[2] if len(made) == 3 else None
     module = module.to(tdtype) if tdtype != torch.float32 else module
     args = tuple(a.to(tdtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    import inspect
+    names = list(inspect.signature(module.forward).parameters)[:len(args)]
     if isinstance(dynamic, dict):
-        import inspect
-        names = list(inspect.signature(module.forward).parameters)
-        dynamic = tuple(dynamic.get(n) for n in names[:len(args)])
-    return Source(f"{spec}()", [EntryPoint("forward", module, args, dynamic)], {"task": "generic"})
+        dynamic = tuple(dynamic.get(n) for n in names)
+    return Source(f"{spec}()", [EntryPoint("forward", module, args, dynamic, input_names=names)], {"task": "generic"})
 
 
 # -- Hugging Face ----------------------------------------------------------
 class _Positional(torch.nn.Module):
-    """Calls a HF model with named inputs given positionally; returns chosen outputs as a tuple."""
+    """Calls a HF model with named inputs given positionally; returns chosen outputs as a tuple.
 
-    def __init__(self, model: torch.nn.Module, input_names: Sequence[str], output_names: Sequence[str]):
+    torch.export sees `forward(*args)`, so the artifact's inputs keep the order
+    of `input_names`. `fixed` are keyword arguments passed on every call
+    (use_cache=False: a serving export never returns a KV cache it cannot name).
+    """
+
+    def __init__(self, model: torch.nn.Module, input_names: Sequence[str], output_names: Sequence[str],
+                 fixed: dict[str, Any] | None = None):
         super().__init__()
         self.model = model
         self.input_names = list(input_names)
         self.output_names = list(output_names)
+        self.fixed = dict(fixed or {})
 
     def forward(self, *args):
-        out = self.model(**dict(zip(self.input_names, args)), return_dict=True)
+        out = self.model(**dict(zip(self.input_names, args)), **self.fixed, return_dict=True)
+        missing = [k for k in self.output_names if k not in out]
+        if missing:
+            raise SourceError(f"{type(self.model).__name__} returned {list(out.keys())}, without {missing}; "
+                              f"pick output names from those")
         return tuple(out[k] for k in self.output_names)
 
 
-def hf_entry(model: torch.nn.Module, config, *, batch=(1, 64), seq=(1, 512)) -> tuple[EntryPoint, dict]:
-    """An entry point for a HF model by its input kind (text, vision, audio); returns (entry, model metadata)."""
+def _conv_hop(config) -> tuple[int, int]:
+    """(receptive field, hop) in samples of a wav2vec2-style conv feature encoder."""
+    field, hop = 1, 1
+    for k, s in reversed(list(zip(config.conv_kernel, config.conv_stride))):
+        field, hop = (field - 1) * s + k, hop * s
+    return field, hop
+
+
+def hf_entry(model: torch.nn.Module, config, *, batch=(1, 64), seq=(1, 512),
+             samples=(1, 16000 * 30)) -> tuple[EntryPoint, dict]:
+    """An entry point for a HF model by its main input (text, vision, audio); returns (entry, model metadata).
+
+    Dynamic dims: `batch` always; `seq` (capped at the config's max positions) for
+    text; `samples` (hop * (frames - 1) + receptive field, so that it gives whole encoder frames) for raw waveforms. Images
+    and mel spectrograms keep the config's size (the models fix it).
+    """
+    import inspect
     Dim = torch.export.Dim
     model = model.eval()
     b = Dim("batch", min=batch[0], max=batch[1])
     main = getattr(model, "main_input_name", "input_ids")
     archs = getattr(config, "architectures", None) or [type(model).__name__]
+    accepts = inspect.signature(model.forward).parameters
+    g = torch.Generator().manual_seed(0)
     if main == "input_ids":
         max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or seq[1]
         s = Dim("seq", min=seq[0], max=min(seq[1], max_pos))
-        vocab = config.vocab_size
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(3, vocab, (2, 16), generator=g)
+        ids = torch.randint(3, config.vocab_size, (2, 16), generator=g)
         names, args, dyn = ["input_ids", "attention_mask"], [ids, torch.ones_like(ids)], [{0: b, 1: s}, {0: b, 1: s}]
-        import inspect
-        if "token_type_ids" in inspect.signature(model.forward).parameters and getattr(config, "type_vocab_size", 0):
+        if "token_type_ids" in accepts and getattr(config, "type_vocab_size", 0):
             names.append("token_type_ids"), args.append(torch.zeros_like(ids)), dyn.append({0: b, 1: s})
         task = "causal-lm" if any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs) else "text-encoder"
         outputs = ["logits"] if task == "causal-lm" else ["last_hidden_state"]
@@ -140,19 +165,33 @@ def hf_entry(model: torch.nn.Module, config, *, batch=(1, 64), seq=(1, 512)) -> 
         size = getattr(config, "image_size", 224)
         size = size if isinstance(size, int) else size[0]
         chans = getattr(config, "num_channels", 3)
-        names, args, dyn = ["pixel_values"], [torch.randn(2, chans, size, size)], [{0: b}]
+        names, args, dyn = ["pixel_values"], [torch.randn(2, chans, size, size, generator=g)], [{0: b}]
         task = "image"
         outputs = ["logits"] if any("ForImageClassification" in a for a in archs) else ["last_hidden_state"]
     elif main == "input_features":
         mel = getattr(config, "num_mel_bins", 80)
         frames = 2 * getattr(config, "max_source_positions", 1500)
-        names, args, dyn = ["input_features"], [torch.randn(2, mel, frames)], [{0: b}]
+        names, args, dyn = ["input_features"], [torch.randn(2, mel, frames, generator=g)], [{0: b}]
         task, outputs = "audio-encoder", ["last_hidden_state"]
+    elif main == "input_values" and hasattr(config, "conv_kernel"):
+        # samples = hop * (frames - 1) + field: exactly `frames` encoder frames, so the
+        # graph's dims are `frames`, not floor divisions of a free length (torch.export
+        # cannot prove the encoder's `frames > 1` stride guards over those, and jax
+        # cannot prove `batch*(frames-1) >= 0` reshapes). At least two frames (the guard).
+        field, hop = _conv_hop(config)
+        low = max(2, -(-(samples[0] - field) // hop) + 1)
+        frames = Dim("frames", min=low, max=max(low, (samples[1] - field) // hop + 1))
+        example = hop * (2 * low - 1) + field
+        names, args, dyn = ["input_values"], [torch.randn(2, example, generator=g)], [{0: b, 1: hop * frames + (field - hop)}]
+        task = "audio-encoder"
+        outputs = ["logits"] if any(a.endswith("ForCTC") for a in archs) else ["last_hidden_state"]
     else:
-        raise SourceError(f"{archs[0]}: main input {main!r} is not supported yet (text, vision and audio models are)")
+        raise SourceError(f"{archs[0]}: main input {main!r} is not supported yet (token ids, pixel values, "
+                          f"mel features and wav2vec2-style waveforms are)")
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
     args = [a.to(dtype) if a.is_floating_point() else a for a in args]
-    wrapped = _Positional(model, names, outputs)
+    fixed = {"use_cache": False} if "use_cache" in accepts else {}
+    wrapped = _Positional(model, names, outputs, fixed)
     entry = EntryPoint("forward", wrapped, tuple(args), tuple(dyn), input_names=names, output_names=outputs,
                        paddable=("batch",))
     return entry, {"task": task, "architecture": archs[0], "config": config.to_dict()}

@@ -53,3 +53,34 @@ class Mlp(torch.nn.Module):
 
 def mlp():
     return Mlp(), (torch.randn(3, 8),), {"x": {0: Dim("batch", min=1, max=32)}}
+
+
+@torch.library.custom_op("hloserve_test::frobnicate_cli", mutates_args=())
+def frobnicate(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@frobnicate.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("hloserve_test::twiddle_cli", mutates_args=())
+def twiddle(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@twiddle.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class Exotic(torch.nn.Module):
+    """Two ops hloserve has no lowering for (custom ops), to test the error listing."""
+
+    def forward(self, x):
+        return twiddle(frobnicate(x) + 1)
+
+
+def exotic():
+    return Exotic(), (torch.randn(2, 3),)
