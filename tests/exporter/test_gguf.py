@@ -1,0 +1,212 @@
+"""GGUF loading (exporter/models/gguf.py) on the real SmolLM2-135M-Instruct Q4_1 file.
+
+References: the gguf package's own dequantization (bit-exact), transformers' GGUF loader (same file,
+its own q/k un-permutation; exact) and transformers' GGUF tokenizer (identical ids, text, template).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+STRINGS = [
+    "Hello world!",
+    "The year 2024 had 366 days; 3.14159 is pi.",
+    "  leading spaces,\ttabs\nand\n\nnewlines   ",
+    "naïve café — ünïcödé, 日本語のテキスト, emoji 🤗🚀",
+    "def f(x):\n    return x**2  # comment",
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+    "don't we'll they've I'M",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name 3 colors."},
+     {"role": "assistant", "content": "Red, green, blue."}, {"role": "user", "content": "Two more?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf() -> str:
+    from hloserve.exporter import presets
+    return presets.resolve("smollm2-135m-instruct", quiet=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(smollm2_gguf):
+    from hloserve.exporter.models.gguf import load_gguf
+    return load_gguf(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def reader(smollm2_gguf):
+    import gguf
+    return gguf.GGUFReader(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm2_gguf):
+    import transformers
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf),
+                                                      gguf_file=os.path.basename(smollm2_gguf))
+
+
+def test_config_matches_transformers(ckpt, smollm2_gguf):
+    import transformers
+    ref = transformers.AutoConfig.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf))
+    c = ckpt.config
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "rms_norm_eps", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
+                "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert c[key] == getattr(ref, key), key
+    assert c["rope_theta"] == ref.rope_parameters["rope_theta"]
+    assert c["rope_scaling"] is None and ref.rope_parameters["rope_type"] == "default"
+    assert c["model_type"] == "llama" and c["architectures"] == ["LlamaForCausalLM"]
+    # SmolLM2-135M's published config (HuggingFaceTB/SmolLM2-135M-Instruct/config.json)
+    assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"]) == (576, 30, 9, 3)
+    assert ckpt.special_tokens.bos_token == "<|im_start|>" and ckpt.special_tokens.eos_token == "<|im_end|>"
+    assert not ckpt.special_tokens.add_bos_token
+
+
+def test_hf_names(ckpt):
+    names = set(ckpt.tensors)
+    assert len(names) == 2 + 30 * 9  # embed, final norm, 9 per layer; tied: no lm_head
+    assert "lm_head.weight" not in names
+    for suffix in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                   "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"):
+        assert f"model.layers.29.{suffix}.weight" in names
+    q = ckpt.tensors["model.layers.3.self_attn.q_proj.weight"]
+    assert (q.gguf_name, q.ggml_type, q.shape, q.block_size, q.type_size) == ("blk.3.attn_q.weight", "Q4_1", (576, 576), 32, 20)
+    e = ckpt.tensors["model.embed_tokens.weight"]
+    assert (e.ggml_type, e.shape, e.blocks().shape) == ("Q8_0", (49152, 576), (49152, 18, 34))
+
+
+def test_dequantize_is_gguf_package_bit_exact(ckpt, reader):
+    """Every tensor equals gguf.quants.dequantize of the file's data (rows reordered for q/k only)."""
+    import gguf
+    from hloserve.exporter.progress import QUIET
+    weights = ckpt.materialize(reporter=QUIET)
+    by_gguf = {t.gguf_name: name for name, t in ckpt.tensors.items()}
+    permuted = 0
+    for t in reader.tensors:
+        want = gguf.quants.dequantize(t.data, t.tensor_type)
+        got = weights[by_gguf[t.name]].numpy()
+        assert got.dtype == np.float32 and got.shape == want.shape, t.name
+        if ".attn_q." in t.name or ".attn_k." in t.name:
+            perm = ckpt.tensors[by_gguf[t.name]].row_perm
+            assert sorted(perm.tolist()) == list(range(want.shape[0]))
+            want = want[perm]
+            permuted += 1
+        np.testing.assert_array_equal(got, want, err_msg=t.name)
+    assert permuted == 60
+
+
+def test_blocks_are_the_stored_bytes_in_hf_row_order(ckpt, reader):
+    """blocks() moves whole rows of quantized blocks: dequantizing them gives dequantize(), exactly."""
+    import gguf
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                 "model.embed_tokens.weight"):
+        t = ckpt.tensors[name]
+        blocks = t.blocks()
+        qtype = gguf.GGMLQuantizationType[t.ggml_type]
+        rows = blocks.reshape(t.shape[0], -1)  # (rows, row_bytes)
+        np.testing.assert_array_equal(gguf.quants.dequantize(rows, qtype), t.dequantize())
+        if t.row_perm is None:
+            np.testing.assert_array_equal(rows, np.asarray(t.raw))
+        else:
+            assert not np.array_equal(rows, np.asarray(t.raw))  # the rows did move
+
+
+def _rope_interleaved(x: np.ndarray, pos: int, theta: float) -> np.ndarray:
+    """llama.cpp's rope (NORM mode) on [heads, head_dim]: rotates pairs (2j, 2j+1) by pos * theta^(-2j/d)."""
+    d = x.shape[-1]
+    ang = pos * theta ** (-np.arange(0, d, 2) / d)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = x0 * np.cos(ang) - x1 * np.sin(ang)
+    out[..., 1::2] = x0 * np.sin(ang) + x1 * np.cos(ang)
+    return out
+
+
+def _rope_rotate_half(x: np.ndarray, pos: int, theta: float) -> np.ndarray:
+    """HF Llama's rope on [heads, head_dim]: rotates pairs (j, j + d/2) by pos * theta^(-2j/d)."""
+    d = x.shape[-1]
+    ang = np.concatenate([pos * theta ** (-np.arange(0, d, 2) / d)] * 2)
+    rot = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1)
+    return x * np.cos(ang) + rot * np.sin(ang)
+
+
+def test_unpermuted_q_k_give_hf_rope(ckpt):
+    """llama.cpp's interleaved RoPE on the file's rows equals HF rotate_half RoPE on our rows, up to the
+    same per-head row order for q and k, so q.k scores agree (float64, 1e-9)."""
+    cfg = ckpt.config
+    d, theta = cfg["head_dim"], cfg["rope_theta"]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(cfg["hidden_size"])
+    for proj, heads in (("q_proj", cfg["num_attention_heads"]), ("k_proj", cfg["num_key_value_heads"])):
+        t = ckpt.tensors[f"model.layers.7.self_attn.{proj}.weight"]
+        w_hf = t.dequantize().astype(np.float64)
+        w_file = np.empty_like(w_hf)
+        w_file[t.row_perm] = w_hf
+        for pos in (0, 5, 1000):
+            cpp = _rope_interleaved((w_file @ x).reshape(heads, d), pos, theta).reshape(-1)
+            hf = _rope_rotate_half((w_hf @ x).reshape(heads, d), pos, theta).reshape(-1)
+            np.testing.assert_allclose(cpp[t.row_perm], hf, rtol=0, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_weights_equal_transformers_gguf_loader(ckpt, smollm2_gguf):
+    """transformers dequantizes and un-permutes the same file on its own: every tensor is identical."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_gguf),
+                                                              gguf_file=os.path.basename(smollm2_gguf),
+                                                              dtype=torch.float32)
+    ref = model.state_dict()
+    sd = ckpt.state_dict()
+    assert set(sd) == set(ref) - {"lm_head.weight"}  # tied: HF shows lm_head as an alias of embed_tokens
+    for name in sd:
+        torch.testing.assert_close(sd[name], ref[name], rtol=0, atol=0, msg=name)
+
+
+def test_tokenizer_matches_transformers(ckpt, hf_tokenizer):
+    import tokenizers
+    tok = tokenizers.Tokenizer.from_str(ckpt.tokenizer_json)
+    assert tok.get_vocab_size() == ckpt.config["vocab_size"] == len(hf_tokenizer)
+    for text in STRINGS:
+        want = hf_tokenizer(text, add_special_tokens=True)["input_ids"]
+        got = tok.encode(text).ids
+        assert got == want, text
+        assert tok.decode(got, skip_special_tokens=False) == hf_tokenizer.decode(want, skip_special_tokens=False)
+        assert tok.decode(got, skip_special_tokens=True) == hf_tokenizer.decode(want, skip_special_tokens=True)
+    # specials stay whole and keep the file's ids
+    assert tok.encode("<|im_start|>assistant").ids[0] == 1
+    assert tok.encode("2024").ids == [tok.token_to_id(c) for c in "2024"]  # SmolLM splits digits
+
+
+def test_chat_template_matches_transformers(ckpt, hf_tokenizer):
+    import tokenizers
+
+    from hloserve.exporter.models.tokenizer import render_chat_template
+    tok = tokenizers.Tokenizer.from_str(ckpt.tokenizer_json)
+    assert ckpt.chat_template and ckpt.chat_template == hf_tokenizer.chat_template
+    s = ckpt.special_tokens
+    for messages in CHATS:
+        for gen in (True, False):
+            want = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            got = render_chat_template(ckpt.chat_template, messages, add_generation_prompt=gen,
+                                       bos_token=s.bos_token, eos_token=s.eos_token)
+            assert got == want
+            assert tok.encode(got).ids == hf_tokenizer(want, add_special_tokens=False)["input_ids"]
+    assert got.startswith("<|im_start|>system\nYou are terse.<|im_end|>\n")
+
+
+def test_non_gguf_file_is_a_clear_error(tmp_path):
+    from hloserve.exporter.errors import SourceError
+    from hloserve.exporter.models.gguf import load_gguf
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(SourceError, match="not a readable GGUF file"):
+        load_gguf(str(bad))
+    with pytest.raises(SourceError, match="no such GGUF file"):
+        load_gguf(str(tmp_path / "missing.gguf"))
