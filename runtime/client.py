@@ -1,0 +1,171 @@
+"""The one place that talks to jax/PJRT about platforms, devices and the compile cache.
+
+A `Client` is the platform, the devices a model runs on, and the persistent
+compilation cache directory. PJRT clients come from jaxlib (CPU) or from jax's
+PJRT plugins (`pip install hloserve[cuda]` / `hloserve[tpu]`); we never build
+one by hand.
+
+jax keeps the persistent cache directory and its thresholds in process-wide
+config, so the cache is per process: the last `connect` with a cache dir wins.
+`compile_events()` counts jax's compile and cache events for the whole process
+(one listener, installed on first use); executables read it around their own
+compiles to learn whether the persistent cache was hit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Any, Sequence
+
+import jax
+
+from hloserve.exporter.errors import HloserveError
+
+# jax platform names for what users type; "gpu" means whichever GPU plugin is installed.
+_ALIASES = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "cpu": "cpu", "tpu": "tpu"}
+_EXTRAS = {"gpu": "hloserve[cuda]", "tpu": "hloserve[tpu]"}
+
+# Sentinel: the default persistent cache directory (see default_cache_dir()).
+DEFAULT_CACHE = "default"
+
+
+class PlatformError(HloserveError):
+    """The requested platform or devices are not available."""
+
+
+def default_cache_dir() -> str:
+    """$HLOSERVE_CACHE_DIR, else $XDG_CACHE_HOME/hloserve/xla, else ~/.cache/hloserve/xla."""
+    if os.environ.get("HLOSERVE_CACHE_DIR"):
+        return os.environ["HLOSERVE_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hloserve", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Client:
+    """Where a model runs.
+
+    Attributes:
+      platform: jax platform name ("cpu", "gpu", "tpu").
+      devices: the devices used, in order (one device without a mesh).
+      cache_dir: persistent compilation cache directory, or None when disabled.
+    """
+    platform: str
+    devices: tuple[Any, ...]
+    cache_dir: str | None
+
+    def describe(self) -> str:
+        kinds = sorted({getattr(d, "device_kind", self.platform) for d in self.devices})
+        return f"{self.platform} x{len(self.devices)} ({', '.join(kinds)})"
+
+
+def connect(platform: str | None = None, devices: Sequence[Any] | None = None,
+            cache_dir: str | None = DEFAULT_CACHE) -> Client:
+    """Pick the platform and devices and configure the persistent compile cache.
+
+    devices: jax devices, or indices into the platform's devices; default all of them
+    (the model uses devices[0] unless a mesh spans more).
+    """
+    jplat = None
+    if platform is not None:
+        jplat = _ALIASES.get(platform.lower())
+        if jplat is None:
+            raise PlatformError(f"platform {platform!r} is unknown; use one of cpu, cuda, rocm, gpu, tpu")
+    try:
+        available = jax.devices(jplat) if jplat else jax.devices()
+    except RuntimeError as e:
+        have = sorted({d.platform for d in jax.devices()})
+        raise PlatformError(f"platform {platform!r} is not available (jax sees {', '.join(have)}); "
+                            f"install its PJRT plugin: pip install '{_EXTRAS.get(jplat, 'hloserve')}' ({e})") from None
+    if devices is None:
+        chosen = tuple(available)
+    else:
+        chosen = []
+        for d in devices:
+            if isinstance(d, int):
+                if not 0 <= d < len(available):
+                    raise PlatformError(f"device index {d} is out of range: platform {available[0].platform} "
+                                        f"has {len(available)} device(s)")
+                chosen.append(available[d])
+            else:
+                chosen.append(d)
+        chosen = tuple(chosen)
+        if not chosen:
+            raise PlatformError("devices is empty; give at least one device")
+    resolved = None
+    if cache_dir is not None:
+        resolved = os.path.abspath(os.path.expanduser(default_cache_dir() if cache_dir == DEFAULT_CACHE else cache_dir))
+    configure_compile_cache(resolved)
+    return Client(chosen[0].platform, chosen, resolved)
+
+
+_CACHE_LOCK = threading.Lock()
+
+
+def configure_compile_cache(cache_dir: str | None) -> None:
+    """Point jax's persistent compilation cache at `cache_dir` (None disables it).
+
+    Thresholds are lowered so that every executable is written, however small or
+    quick to compile: a server's first request must not pay for any compile.
+    """
+    from jax._src import compilation_cache as cc  # reset_cache is the only way to switch dirs in-process
+    with _CACHE_LOCK:
+        current = jax.config.jax_compilation_cache_dir
+        enabled = jax.config.jax_enable_compilation_cache
+        if cache_dir is None:
+            if enabled and current:
+                jax.config.update("jax_enable_compilation_cache", False)
+                cc.reset_cache()
+            return
+        os.makedirs(cache_dir, exist_ok=True)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        if current != cache_dir or not enabled:
+            jax.config.update("jax_enable_compilation_cache", True)
+            jax.config.update("jax_compilation_cache_dir", cache_dir)
+            cc.reset_cache()
+
+
+@dataclasses.dataclass
+class CompileEvents:
+    """Process-wide counts of jax compile events (monotonic; compare before/after).
+
+    Attributes:
+      backend_compiles: XLA compiles requested by jax (persistent cache hits included).
+      cache_hits: executables read from the persistent cache.
+      cache_misses: executables compiled and written to the persistent cache.
+    """
+    backend_compiles: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+
+    def snapshot(self) -> "CompileEvents":
+        return dataclasses.replace(self)
+
+
+_EVENTS_LOCK = threading.Lock()
+_EVENTS: list[CompileEvents] = []  # at most one; filled on first use (lazily, lock-guarded)
+
+
+def compile_events() -> CompileEvents:
+    """The process's CompileEvents, installing jax monitoring listeners on first use."""
+    with _EVENTS_LOCK:
+        if _EVENTS:
+            return _EVENTS[0]
+        ev = CompileEvents()
+
+        def on_event(name: str, **_: Any) -> None:
+            if name == "/jax/compilation_cache/cache_hits":
+                ev.cache_hits += 1
+            elif name == "/jax/compilation_cache/cache_misses":
+                ev.cache_misses += 1
+
+        def on_duration(name: str, _secs: float, **_: Any) -> None:
+            if name == "/jax/core/compile/backend_compile_duration":
+                ev.backend_compiles += 1
+
+        jax.monitoring.register_event_listener(on_event)
+        jax.monitoring.register_event_duration_secs_listener(on_duration)
+        _EVENTS.append(ev)
+        return ev

@@ -1,0 +1,291 @@
+"""One artifact function: compile per concrete (bucketed) shape, cache, call, count recompiles.
+
+A call goes: check the inputs against the manifest (bind_symbols: names, rank,
+static dims, symbol ranges) -> coerce dtypes -> pick each paddable dim's bucket
+-> pad on the host -> look the bucketed shapes up in the in-memory executable
+table (compiling on a miss, through jax's persistent cache) -> run with the
+device-resident weights -> slice padded outputs back.
+
+Outputs whose shape involves a padded dim come back as numpy views of the
+bucket-sized result (slicing on the host compiles nothing); all other outputs
+stay on the device as jax arrays (a donated KV cache never leaves it).
+
+Recompile accounting: every compile bumps `stats.compiles` and logs one line
+naming the function, the concrete shapes, and the dim whose new value caused it.
+After `warmup`, a compile is unplanned: it logs a warning, and in strict mode it
+raises RecompileError instead of compiling.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax import export as jax_export
+
+from hloserve.exporter import artifact
+from hloserve.exporter.errors import HloserveError, ShapeConstraintError
+
+from . import buckets as buckets_mod
+from .client import compile_events
+from .exec_cache import ExecutableCache
+
+LOG = logging.getLogger("hloserve.runtime")
+
+Env = tuple[tuple[str, int], ...]   # sorted (symbol, value) pairs: the compile key
+
+
+class RecompileError(HloserveError):
+    """Strict mode: a call needs an executable that warm-up did not build."""
+
+
+@dataclasses.dataclass
+class FunctionStats:
+    """Counters of one function (they only grow).
+
+    Attributes:
+      calls: completed calls.
+      compiles: executables built (persistent cache hits included: each is still a new shape).
+      compiles_after_warmup: of those, built after warmup() (unplanned; 0 in a healthy server).
+      persistent_cache_hits: executables read from the on-disk compilation cache.
+      compile_seconds: wall time spent lowering + compiling (or reading the cache).
+      padded_calls: calls whose inputs were padded up to a bucket.
+    """
+    calls: int = 0
+    compiles: int = 0
+    compiles_after_warmup: int = 0
+    persistent_cache_hits: int = 0
+    compile_seconds: float = 0.0
+    padded_calls: int = 0
+
+
+def coerce(name: str, value: Any, spec: artifact.TensorSpec) -> Any:
+    """Accept numpy/jax arrays and nested lists; narrow i64->i32 / f64->f32 as the exporter does."""
+    want = artifact.numpy_dtype(spec.dtype)
+    if isinstance(value, jax.Array):
+        if value.dtype != want:
+            raise ShapeConstraintError(f"input {name!r} has dtype {value.dtype}, expected {spec.dtype} "
+                                       f"({spec.describe()}); convert it before the call")
+        return value
+    arr = np.asarray(value)
+    if arr.dtype == want:
+        return arr
+    if arr.dtype.kind in "iu" and want.kind in "iu":
+        if arr.size and (arr.min() < np.iinfo(want).min or arr.max() > np.iinfo(want).max):
+            raise ShapeConstraintError(f"input {name!r} has values outside {spec.dtype}'s range")
+        return arr.astype(want)
+    if arr.dtype.kind == "f" and want.kind == "f":
+        return arr.astype(want)
+    raise ShapeConstraintError(f"input {name!r} has dtype {arr.dtype}, expected {spec.dtype} ({spec.describe()}); "
+                               f"convert it before the call")
+
+
+def _describe_env(env: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(env.items())) or "static shapes"
+
+
+class Function:
+    """A callable artifact function bound to device-resident weights.
+
+    `fn(**inputs) -> {output name: array}`. Thread-safe; compiles are serialized.
+    """
+
+    def __init__(self, spec: artifact.FunctionSpec, symbols: Mapping[str, artifact.SymbolSpec],
+                 exported: jax_export.Exported, weights: Sequence[jax.Array], weight_shardings: Sequence[Any],
+                 input_sharding: Any, buckets: buckets_mod.Buckets, *, strict: bool = False,
+                 exec_cache: ExecutableCache | None = None, devices: Sequence[Any] = (),
+                 cache_identity: Mapping[str, Any] | None = None):
+        self.spec = spec
+        self.symbols = symbols
+        self.exported = exported
+        self.buckets = buckets
+        self.strict = strict
+        self.stats = FunctionStats()
+        self.warmed = False
+        self._weights = list(weights)
+        self._weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=s)
+                              for w, s in zip(weights, weight_shardings)]
+        self._input_sharding = input_sharding
+        self._dims = sorted(artifact.names_in([d for t in spec.inputs for d in t.shape]))
+        self._paddable = set(spec.paddable)
+        donate = tuple(len(self._weights) + i for i, t in enumerate(spec.inputs) if t.name in spec.donated)
+        self._jit = jax.jit(exported.call, donate_argnums=donate)
+        self._executables: dict[Env, Any] = {}
+        self._lock = threading.Lock()
+        # on-disk executable cache: the key is the identity (artifact function digest, shardings,
+        # devices) plus the symbol values, so a warm start needs no lowering
+        self._exec_cache = exec_cache
+        self._devices = list(devices)
+        self._cache_identity = dict(cache_identity or {}, donated=list(donate))
+
+    # -- compile ----------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def compiled_shapes(self) -> list[dict[str, int]]:
+        """The symbol values of every executable built so far."""
+        return [dict(k) for k in self._executables]
+
+    def _cause(self, env: Mapping[str, int]) -> str:
+        if not self._executables:
+            return "first compile" if env else "first compile (static shapes)"
+        seen: dict[str, set[int]] = {}
+        for key in self._executables:
+            for k, v in key:
+                seen.setdefault(k, set()).add(v)
+        new = [f"{k}={v}" for k, v in sorted(env.items()) if v not in seen.get(k, ())]
+        if new:
+            return f"new {', '.join(new)}"
+        return f"new combination {_describe_env(env)}"
+
+    def _executable(self, env: Mapping[str, int], requested: Mapping[str, int] | None = None,
+                    *, warming: bool = False) -> Any:
+        key: Env = tuple(sorted(env.items()))
+        exe = self._executables.get(key)
+        if exe is not None:
+            return exe
+        with self._lock:
+            exe = self._executables.get(key)
+            if exe is not None:
+                return exe
+            shapes = ", ".join(f"{t.name}={t.dtype}[{','.join(map(str, artifact.concrete_shape(t, env)))}]"
+                               for t in self.spec.inputs)
+            cause = self._cause(env)
+            padded = ""
+            if requested and dict(requested) != dict(env):
+                padded = f" (bucket for {_describe_env(requested)})"
+            after = self.warmed and not warming
+            if after and self.strict:
+                raise RecompileError(
+                    f"strict mode: function {self.name!r} needs a new executable for {_describe_env(env)}{padded} "
+                    f"after warm-up ({cause}); warm it up (model.warmup(sizes=...)) or add the size to the "
+                    f"buckets of {', '.join(sorted(env)) or 'its dims'}")
+            avals = list(self._weight_avals)
+            avals += [jax.ShapeDtypeStruct(artifact.concrete_shape(t, env), artifact.numpy_dtype(t.dtype),
+                                           sharding=self._input_sharding) for t in self.spec.inputs]
+            t0 = time.perf_counter()
+            exe, source = self._build(env, avals)
+            secs = time.perf_counter() - t0
+            hit = source != "compiled"
+            self.stats.compiles += 1
+            self.stats.compiles_after_warmup += int(after)
+            self.stats.persistent_cache_hits += int(hit)
+            self.stats.compile_seconds += secs
+            self._executables[key] = exe
+            level = logging.WARNING if after else logging.INFO
+            LOG.log(level, "%scompile #%d of %r for %s%s: %s; %s in %.2f s%s",
+                    "unplanned " if after else "", self.stats.compiles, self.name, shapes, padded, cause,
+                    source, secs,
+                    " (after warm-up: add this size to the buckets or warm it up)" if after else "")
+            return exe
+
+    def _build(self, env: Mapping[str, int], avals: list) -> tuple[Any, str]:
+        """Executable for `env` from the executable cache, jax's persistent cache, or XLA."""
+        key = None
+        if self._exec_cache is not None and self._devices:
+            key = ExecutableCache.key({**self._cache_identity, "env": sorted(env.items())})
+            exe = self._exec_cache.get(key, self._devices)
+            if exe is not None:
+                return exe, "read from the executable cache"
+        events = compile_events()
+        hits0 = events.cache_hits
+        exe = self._jit.lower(*avals).compile()
+        if key is not None:
+            self._exec_cache.put(key, exe)
+        if events.cache_hits > hits0:
+            return exe, "read from jax's persistent compilation cache"
+        return exe, "compiled"
+
+    def warmup_envs(self, sizes: Mapping[str, Sequence[int]] | None = None) -> list[dict[str, int]]:
+        """Symbol values to compile ahead of time: every bucket of each paddable dim (or the buckets
+        of the sizes given), times the sizes given for each other dim."""
+        sizes = dict(sizes or {})
+        axes: list[list[int]] = []
+        for dim in self._dims:
+            sym = self.symbols.get(dim)
+            if dim in self.buckets.sizes:
+                given = sizes.get(dim)
+                vals = self.buckets.sizes[dim] if given is None else sorted(
+                    {self.buckets.bucket(dim, int(v)) or int(v) for v in given})
+            elif dim in sizes:
+                vals = sorted({int(v) for v in sizes[dim]})
+            elif sym is not None and sym.max is not None and sym.min == sym.max:
+                vals = [sym.min]
+            else:
+                raise HloserveError(f"warm-up of {self.name!r}: dim {dim!r} is not paddable, so it compiles per "
+                                    f"exact size; give its sizes, e.g. warmup(sizes={{{dim!r}: [128, 512]}})")
+            axes.append(list(vals))
+        envs = []
+        for combo in itertools.product(*axes):
+            env = dict(zip(self._dims, combo))
+            shapes = {t.name: artifact.concrete_shape(t, env) for t in self.spec.inputs}
+            artifact.bind_symbols(self.spec, self.symbols, shapes)   # range checks name the input
+            envs.append(env)
+        return envs
+
+    def warmup(self, sizes: Mapping[str, Sequence[int]] | None = None,
+               progress: Callable[[str], None] | None = None, *, run: bool = True) -> int:
+        """Compile every warm-up shape (see warmup_envs); returns how many were new.
+
+        run: also execute each new executable once on zeros. XLA:CPU initializes an
+        executable's kernels on its first run (~0.25 s for MiniLM), which would
+        otherwise land on the first real request of each bucket. It needs memory for
+        one set of inputs (a donated KV cache included); pass run=False to skip it.
+        """
+        envs = self.warmup_envs(sizes)
+        new = 0
+        for i, env in enumerate(envs, 1):
+            key = tuple(sorted(env.items()))
+            if key in self._executables:
+                continue
+            t0 = time.perf_counter()
+            exe = self._executable(env, warming=True)
+            new += 1
+            if run:
+                args = list(self._weights) + [
+                    jax.device_put(np.zeros(artifact.concrete_shape(t, env), artifact.numpy_dtype(t.dtype)),
+                                   self._input_sharding) for t in self.spec.inputs]
+                jax.block_until_ready(exe(*args))
+                del args
+            if progress:
+                progress(f"warm-up {self.name} {i}/{len(envs)}: {_describe_env(env)} "
+                         f"({time.perf_counter() - t0:.2f} s)")
+        self.warmed = True
+        return new
+
+    # -- call -------------------------------------------------------------
+    def bind(self, inputs: Mapping[str, Any]) -> dict[str, int]:
+        """Check input names and shapes against the manifest; returns the symbol values."""
+        shapes = {k: tuple(np.shape(v)) for k, v in inputs.items()}
+        return artifact.bind_symbols(self.spec, self.symbols, shapes)
+
+    def __call__(self, **inputs: Any) -> dict[str, Any]:
+        env = self.bind(inputs)
+        env = {k: env[k] for k in self._dims if k in env}
+        padded_env = dict(env)
+        for k, v in env.items():
+            if k in self._paddable:
+                b = self.buckets.bucket(k, v)
+                padded_env[k] = v if b is None else b
+        args = list(self._weights)
+        padded = padded_env != env
+        for t in self.spec.inputs:
+            value = coerce(t.name, inputs[t.name], t)
+            if padded:
+                value = buckets_mod.pad_to(t.name, value, artifact.concrete_shape(t, padded_env))
+            args.append(jax.device_put(value, self._input_sharding))
+        exe = self._executable(padded_env, env)
+        outs = exe(*args)
+        self.stats.calls += 1
+        self.stats.padded_calls += int(padded)
+        result = {}
+        for t, o in zip(self.spec.outputs, outs):
+            result[t.name] = buckets_mod.slice_to(o, artifact.concrete_shape(t, env)) if padded else o
+        return result

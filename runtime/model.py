@@ -1,0 +1,162 @@
+"""`load(path) -> LoadedModel`: an artifact's weights on device once, its functions callable.
+
+    model = hloserve.runtime.load("art/", buckets={"batch": [1, 8, 32]}, strict=True)
+    model.warmup(sizes={"seq": [128]})          # compile every bucket ahead of time
+    out = model.functions["forward"](input_ids=ids, attention_mask=mask)
+
+Weights are memory-mapped from weights.safetensors and placed on the devices
+(sharded by `partition_rules` over `mesh`, or on one device) before any call;
+calls pass those device arrays, never re-transfer them. Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+from jax import export as jax_export
+
+from hloserve.exporter import artifact, weights as weights_io
+from hloserve.exporter.errors import ArtifactError
+
+from . import buckets as buckets_mod
+from . import sharding as sharding_mod
+from .client import DEFAULT_CACHE, Client, PlatformError, connect
+from .exec_cache import ExecutableCache
+from .executable import Function, FunctionStats
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """An artifact loaded onto devices.
+
+    Attributes:
+      path: the artifact directory.
+      manifest: its manifest.
+      client: platform, devices and compile cache in use.
+      mesh: the SPMD mesh, or None on one device.
+      weights: weight name -> device array (sharded over the mesh when there is one).
+      functions: function name -> callable Function.
+    """
+    path: str
+    manifest: artifact.Manifest
+    client: Client
+    mesh: Any
+    weights: dict[str, jax.Array]
+    functions: dict[str, Function]
+
+    def warmup(self, sizes: Mapping[str, Sequence[int]] | None = None, *, functions: Sequence[str] | None = None,
+               progress: Callable[[str], None] | None = None, run: bool = True) -> int:
+        """Compile every bucket of every (or the named) function ahead of time; returns compiles done.
+
+        sizes: per dim, the sizes to warm: required for dims that are not paddable
+        (they compile per exact size); for paddable dims it narrows the buckets warmed.
+        After warm-up, any further compile is logged as unplanned (raises in strict mode).
+        run: execute each new executable once on zeros (see Function.warmup).
+        """
+        names = list(functions or self.functions)
+        for n in names:
+            if n not in self.functions:
+                raise ArtifactError(f"warm-up: the artifact has no function {n!r}; it has {sorted(self.functions)}")
+        return sum(self.functions[n].warmup(sizes, progress, run=run) for n in names)
+
+    def stats(self) -> dict[str, FunctionStats]:
+        return {n: f.stats for n, f in self.functions.items()}
+
+
+def _check_platform(name: str, exported: jax_export.Exported, client: Client, path: str) -> None:
+    plat = client.platform
+    ok = plat in exported.platforms or (plat == "gpu" and {"cuda", "rocm"} & set(exported.platforms))
+    if not ok:
+        raise PlatformError(f"artifact {path}: function {name!r} was lowered for {', '.join(exported.platforms)}, "
+                            f"not {plat}; re-export with --platforms {','.join([*exported.platforms, plat])}")
+
+
+def _read_exported(path: str, name: str) -> jax_export.Exported:
+    fpath = os.path.join(path, "functions", f"{name}.jax_exported")
+    try:
+        with open(fpath, "rb") as f:
+            return jax_export.deserialize(bytearray(f.read()))
+    except OSError as e:
+        raise ArtifactError(f"artifact {path}: functions/{name}.jax_exported cannot be read ({e}); re-export it") from e
+    except Exception as e:  # noqa: BLE001 - flatbuffer errors have no common type
+        raise ArtifactError(f"artifact {path}: function {name!r} cannot be deserialized "
+                            f"({type(e).__name__}: {e}); the file is corrupted, re-export it") from e
+
+
+def load(path: str, platform: str | None = None, devices: Sequence[Any] | None = None, mesh: Any = None,
+         partition_rules: sharding_mod.Rules | None = None, cache_dir: str | None = DEFAULT_CACHE,
+         buckets: Mapping[str, Sequence[int]] | None = None, strict: bool = False, *, verify: bool = True,
+         functions: Sequence[str] | None = None) -> LoadedModel:
+    """Load the artifact at `path` onto devices.
+
+    Args:
+      platform: "cpu", "cuda"/"gpu", "tpu" (default: jax's default backend).
+      devices: jax devices or indices (default: all of the platform's; one is used without a mesh).
+      mesh: a jax Mesh, or {axis: size} over `devices`, for SPMD.
+      partition_rules: [(regex on weight name, PartitionSpec or tuple), ...]; needs `mesh`.
+      cache_dir: persistent compilation cache dir (default ~/.cache/hloserve/xla or
+        $HLOSERVE_CACHE_DIR); None disables it.
+      buckets: explicit bucket sizes per paddable dim (default: powers of two over its range).
+      strict: raise RecompileError on any compile after warmup().
+      verify: check file and weight sha256s against the manifest (catches corrupted artifacts).
+      functions: load only these functions (default all).
+    """
+    manifest = artifact.read_manifest(path)
+    names = list(functions or manifest.functions)
+    for n in names:
+        if n not in manifest.functions:
+            raise ArtifactError(f"artifact {path} has no function {n!r}; it has {sorted(manifest.functions)}")
+    if verify:
+        artifact.verify_files(path, manifest)
+    reader = weights_io.Reader(os.path.join(path, artifact.WEIGHTS))
+    if verify:
+        artifact.verify_weights(path, manifest, reader)
+    client = connect(platform, devices, cache_dir)
+    jmesh = sharding_mod.make_mesh(mesh, client.devices) if mesh is not None else None
+    device = client.devices[0]
+
+    exported = {n: _read_exported(path, n) for n in names}
+    for n, exp in exported.items():
+        _check_platform(n, exp, client, path)
+    used = list(dict.fromkeys(w for n in names for w in manifest.functions[n].weights))
+    for w in used:
+        if w not in reader:
+            raise ArtifactError(f"artifact {path}: weight {w!r} is missing from {artifact.WEIGHTS}; re-export it")
+    shardings = sharding_mod.weight_shardings({w: reader[w].shape for w in used}, partition_rules, jmesh, device)
+    # memory-mapped views go to the device once; with a mesh each device receives only its shard
+    on_device = {w: jax.device_put(reader[w], shardings[w]) for w in used}
+    in_sharding = sharding_mod.input_sharding(jmesh, device)
+
+    cache = ExecutableCache(client.cache_dir) if client.cache_dir else None
+    exec_devices = list(jmesh.devices.flat) if jmesh is not None else [device]
+    fns = {}
+    for n in names:
+        spec = manifest.functions[n]
+        bks = buckets_mod.Buckets.build(manifest.symbols, spec.paddable,
+                                        {k: v for k, v in (buckets or {}).items() if k in spec.paddable
+                                         or k not in _paddable_anywhere(manifest)})
+        fns[n] = Function(spec, manifest.symbols, exported[n], [on_device[w] for w in spec.weights],
+                          [shardings[w] for w in spec.weights], in_sharding, bks, strict=strict,
+                          exec_cache=cache, devices=exec_devices,
+                          cache_identity=_identity(spec, shardings, in_sharding, exec_devices))
+    return LoadedModel(path, manifest, client, jmesh, on_device, fns)
+
+
+def _identity(spec: artifact.FunctionSpec, shardings: Mapping[str, Any], in_sharding: Any,
+              devices: Sequence[Any]) -> dict[str, Any]:
+    """What, besides the symbol values, fixes a compiled executable of `spec` (the executable-cache key)."""
+    exported_file = f"{spec.name}.jax_exported"
+    return {
+        "function": spec.files.get(exported_file, spec.name),
+        "weights": [[w, repr(getattr(shardings[w], "spec", None))] for w in spec.weights],
+        "inputs": repr(getattr(in_sharding, "spec", None)),
+        "mesh": repr(getattr(getattr(in_sharding, "mesh", None), "shape", None)),
+        "devices": [[d.id, d.platform, getattr(d, "device_kind", "")] for d in devices],
+        "backend": getattr(devices[0].client, "platform_version", ""),
+    }
+
+
+def _paddable_anywhere(manifest: artifact.Manifest) -> set[str]:
+    return {s for f in manifest.functions.values() for s in f.paddable}
