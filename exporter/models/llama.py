@@ -87,6 +87,8 @@ class LlamaConfig:
       qkv_bias: q/k/v projections have biases (Qwen2, Llama attention_bias).
       o_bias: the output projection has a bias (Llama attention_bias only).
       sliding_window: attend to at most this many previous positions (None: all).
+      rope_freq_factors: per-frequency divisors of the RoPE inverse frequencies (GGUF
+        `rope_freqs`, llama.cpp's form of Llama 3 scaling), [head_dim/2] or None.
       eos_token_ids: every id that ends a generation (HF eos_token_id may be a list).
     """
     model_type: str
@@ -106,6 +108,7 @@ class LlamaConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    rope_freq_factors: tuple[float, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -164,13 +167,17 @@ class LlamaConfig:
             num_heads=heads, num_kv_heads=int(d.get("num_key_value_heads") or heads), head_dim=int(head_dim),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=max_pos, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=attn_bias or model_type == "qwen2", o_bias=attn_bias, mlp_bias=bool(d.get("mlp_bias", False)),
+            # Qwen2 has q/k/v biases and never an o bias, whatever attention_bias says
+            qkv_bias=attn_bias or model_type == "qwen2", o_bias=attn_bias and model_type != "qwen2", mlp_bias=bool(d.get("mlp_bias", False)),
             sliding_window=int(window) if window else None,
+            rope_freq_factors=tuple(float(f) for f in d["rope_freq_factors"]) if d.get("rope_freq_factors") else None,
             bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]), eos_token_ids=eos_ids)
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
         out["eos_token_ids"] = list(self.eos_token_ids)
+        if self.rope_freq_factors is not None:
+            out["rope_freq_factors"] = list(self.rope_freq_factors)
         return out
 
 
@@ -190,6 +197,11 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
+    if cfg.rope_freq_factors is not None:
+        factors = torch.tensor(cfg.rope_freq_factors, dtype=torch.float)
+        if factors.shape != inv.shape:
+            raise ValueError(f"rope_freq_factors has {factors.numel()} values; head_dim {dim} needs {inv.numel()}")
+        inv = inv / factors
     return inv
 
 
@@ -346,7 +358,13 @@ class LlamaStep(torch.nn.Module):
         names = w.layer_names
 
         def layer(h, cache, lw: dict, l):
-            """One decoder layer; cache is the full [L, 2, N, BS, KV, D], l a 0-dim layer index."""
+            """One decoder layer; cache is the full [L, 2, N, BS, KV, D], l a 0-dim layer index.
+
+            Sizes are read from the arguments, never closed over: the scan body is traced
+            by dynamo, which cannot take outer symbolic sizes (SymInts) as free variables.
+            """
+            T = h.shape[0]
+            L, _, N, BS, KV, D = cache.shape
             x = rms_norm(h, lw["input_layernorm"], cfg.rms_norm_eps)
             qkv = _linear(x, lw["qkv_proj"], lw.get("qkv_bias"))        # [T, q+2kv]
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -364,7 +382,7 @@ class LlamaStep(torch.nn.Module):
             flat = flat.index_put((idx_l, idx_kv, idx_slot), torch.stack([k, v]))   # values [2, T, KV, D]
             cache = flat.reshape(L, 2, N, BS, KV, D)                      # [L, 2, N, BS, KV, D]
             ctx = cache[l.expand_as(blocks), :, blocks]                   # [R, B, 2, BS, KV, D]
-            R = ctx.shape[0]
+            R, C = ctx.shape[0], ctx.shape[1] * BS
             k_ctx = ctx[:, :, 0].reshape(R, C, KV, D)                     # [R, C, KV, D]
             v_ctx = ctx[:, :, 1].reshape(R, C, KV, D)                     # [R, C, KV, D]
 
