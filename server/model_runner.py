@@ -1,0 +1,290 @@
+"""The mechanism half of a step: plan -> padded arrays -> one artifact call -> logits -> tokens.
+
+ModelRunner drives an LLM artifact's step functions (docs/architecture.md,
+"LLM step contract"; exporter/models/llama.py):
+
+    tokens, positions, seq_ids, slot_mapping   int32[T]
+    block_tables                               int32[S, B]  (padded with the null block 0)
+    context_lens, last_token                   int32[S]
+    kv_cache                                   [L, 2, N, block_size, kv_heads, head_dim]  (donated)
+    -> logits f32[S, vocab], kv_cache
+
+T, S and B are padded up to buckets chosen once (RunnerConfig) and compiled
+by `warmup()`, so serving never compiles: a decode-only step (one token per
+sequence) calls `decode` with T = S; any step with a prefill chunk calls
+`prefill`. Padding tokens write into the null block and belong to a padding
+row whose context is empty; padding rows are never sampled. The KV cache
+lives on the device for the runner's lifetime: each call donates it and keeps
+the returned one. N (num_blocks) is fixed at construction from a memory budget.
+
+MockRunner implements the same `execute` for tests and is computable by hand:
+its "KV cache" stores token ids, and the next token is (last token + 1) % vocab,
+read back from the cache through the block table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from .block_manager import NULL_BLOCK
+from .sampling import sample
+from .scheduler import RunnerOutput, SchedulerPlan
+
+log = logging.getLogger("hloserve.server.model_runner")
+
+
+def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
+    out, p = [], lo
+    while p < hi:
+        out.append(p)
+        p *= 2
+    return tuple(out) + (hi,)
+
+
+def _bucket(buckets: Sequence[int], n: int, what: str) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{what}={n} is above the largest bucket {buckets[-1]}; the scheduler's limits must not exceed "
+                     f"the runner's buckets (max_num_batched_tokens / max_num_seqs / max_model_len)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """Shapes the runner compiles and the cache it allocates.
+
+    Attributes:
+      token_buckets: padded T of prefill steps (the largest >= the scheduler's max_num_batched_tokens).
+      seq_buckets: padded S of every step (the largest >= max_num_seqs); decode steps use T = S.
+      block_buckets: padded B, the block-table width (the largest covers max_model_len).
+      num_blocks: KV blocks N, or None to derive it from kv_cache_bytes.
+      kv_cache_bytes: device memory for the KV cache when num_blocks is None.
+    """
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    block_buckets: tuple[int, ...]
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 256 << 20
+
+    @classmethod
+    def for_limits(cls, *, max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int,
+                   num_blocks: int | None = None, kv_cache_bytes: int = 256 << 20,
+                   min_tokens: int = 16, block_buckets: int = 2) -> "RunnerConfig":
+        """Power-of-two buckets up to the scheduler's limits; `block_buckets` widths ending at max_blocks (x4 apart)."""
+        widths = [max_blocks]
+        while len(widths) < block_buckets and widths[-1] // 4 >= 1:
+            widths.append(widths[-1] // 4)
+        return cls(_pow2_upto(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens),
+                   _pow2_upto(1, max_num_seqs), tuple(sorted(set(widths))), num_blocks, kv_cache_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepArrays:
+    """The padded inputs of one step (host numpy, int32) and what to read back."""
+    function: str                 # "decode" or "prefill"
+    inputs: dict[str, np.ndarray]  # step inputs except kv_cache
+    num_seqs: int                 # real rows (the rest are padding)
+
+
+def build_step_arrays(plan: SchedulerPlan, cfg: RunnerConfig, *, decode_fn: str = "decode",
+                      prefill_fn: str = "prefill") -> StepArrays:
+    """Flatten a plan into padded step inputs (shapes from cfg's buckets)."""
+    seqs = plan.seqs
+    S, T = len(seqs), plan.num_tokens
+    is_decode = T == S   # one token per sequence
+    Sp = _bucket(cfg.seq_buckets, S, "num_seqs")
+    Tp = Sp if is_decode else _bucket(cfg.token_buckets, T, "num_tokens")
+    Bp = _bucket(cfg.block_buckets, max(len(s.block_table) for s in seqs), "max_blocks")
+    tokens = np.zeros(Tp, np.int32)
+    positions = np.zeros(Tp, np.int32)
+    seq_ids = np.full(Tp, Sp - 1 if Sp > S else 0, np.int32)   # padding tokens -> a padding row
+    slots = np.full(Tp, NULL_BLOCK, np.int32)                  # ... and write into the null block
+    tables = np.full((Sp, Bp), NULL_BLOCK, np.int32)
+    ctx = np.zeros(Sp, np.int32)
+    last = np.zeros(Sp, np.int32)
+    t = 0
+    for i, s in enumerate(seqs):
+        n = len(s.token_ids)
+        tokens[t:t + n] = s.token_ids
+        positions[t:t + n] = s.positions
+        seq_ids[t:t + n] = i
+        slots[t:t + n] = s.slot_mapping
+        tables[i, :len(s.block_table)] = s.block_table
+        ctx[i] = s.context_len
+        t += n
+        last[i] = t - 1
+    return StepArrays(decode_fn if is_decode else prefill_fn,
+                      dict(tokens=tokens, positions=positions, seq_ids=seq_ids, slot_mapping=slots,
+                           block_tables=tables, context_lens=ctx, last_token=last), S)
+
+
+def warmup_shapes(cfg: RunnerConfig, decode_fn: str = "decode", prefill_fn: str = "prefill") -> list[tuple[str, int, int, int]]:
+    """Every (function, T, S, B) that build_step_arrays can produce under cfg.
+
+    Decode steps: T = S = each seq bucket. Prefill steps have T > S: a seq bucket
+    whose smallest member is m pairs with every token bucket holding m + 1 tokens or more.
+    """
+    out = []
+    for b in cfg.block_buckets:
+        out += [(decode_fn, s, s, b) for s in cfg.seq_buckets]
+        prev = 0
+        for s in cfg.seq_buckets:
+            smallest = prev + 1            # the fewest sequences padded to bucket s
+            prev = s
+            if smallest + 1 > cfg.token_buckets[-1]:
+                continue
+            t_min = _bucket(cfg.token_buckets, smallest + 1, "num_tokens")
+            out += [(prefill_fn, t, s, b) for t in cfg.token_buckets if t >= t_min]
+    return list(dict.fromkeys(out))
+
+
+def sample_plan(plan: SchedulerPlan, logits: np.ndarray) -> RunnerOutput:
+    """Sample the rows of `logits` (f32[>=S, vocab], row i = plan.seqs[i]) that need a token."""
+    rows = [i for i, s in enumerate(plan.seqs) if s.needs_logits]
+    if not rows:
+        return RunnerOutput({})
+    seqs = [plan.seqs[i] for i in rows]
+    tokens, lps = sample(np.asarray(logits)[rows], [s.sampling for s in seqs], [s.seed for s in seqs],
+                         [s.sample_index for s in seqs])
+    return RunnerOutput({s.request_id: t for s, t in zip(seqs, tokens)},
+                        {s.request_id: lp for s, lp in zip(seqs, lps) if lp is not None})
+
+
+class ModelRunner:
+    """Runs plans on an LLM artifact loaded by hloserve.runtime.
+
+    Construct with `ModelRunner.from_artifact(path, cfg)` (loads the artifact with
+    buckets matching cfg) or from an already loaded `LoadedModel`.
+    """
+
+    def __init__(self, model: Any, cfg: RunnerConfig):
+        llm = model.manifest.model.get("llm")
+        if not isinstance(llm, Mapping):
+            raise ValueError(f"artifact {model.path} has no model['llm'] metadata: it is not an LLM step artifact "
+                             f"(export an LLM with `hloserve export`, or serve it with the predict API)")
+        self.model = model
+        self.cfg = cfg
+        self.llm = llm
+        self.block_size = int(llm["block_size"])
+        self.vocab_size = int(llm["vocab_size"])
+        self.max_blocks = int(llm["max_blocks"])
+        fns = model.functions
+        self.decode_fn = "decode" if "decode" in fns else "prefill"
+        self.prefill_fn = "prefill" if "prefill" in fns else "decode"
+        if self.decode_fn not in fns:
+            raise ValueError(f"artifact {model.path} has neither a 'decode' nor a 'prefill' function "
+                             f"(it has {sorted(fns)})")
+        if max(cfg.block_buckets) > self.max_blocks:
+            raise ValueError(f"block bucket {max(cfg.block_buckets)} exceeds the artifact's max_blocks "
+                             f"{self.max_blocks}; lower max_model_len")
+        kv = llm["kv_cache"]
+        shape = [int(d) if not isinstance(d, str) else None for d in kv["shape"]]   # [L, 2, N, bs, kvh, hd]
+        from hloserve.exporter import artifact
+        dtype = artifact.numpy_dtype(kv["dtype"])
+        per_block = int(np.prod([d for d in shape if d is not None])) * np.dtype(dtype).itemsize
+        n = cfg.num_blocks or max(2, cfg.kv_cache_bytes // per_block)
+        sym = model.manifest.symbols.get("num_blocks")
+        if sym is not None and sym.max is not None:
+            n = min(n, sym.max)
+        self.num_blocks = int(n)
+        shape[2] = self.num_blocks
+        import jax.numpy as jnp   # the runner is the one server module that touches the device
+        self._kv_name = kv.get("input", "kv_cache")
+        self._kv_out = kv.get("output", "kv_cache")
+        self.kv_cache = jnp.zeros(shape, dtype)                     # [L, 2, N, bs, kvh, hd]
+        self.kv_cache_bytes = per_block * self.num_blocks
+        self.steps = 0
+        self.step_seconds = 0.0
+
+    @classmethod
+    def from_artifact(cls, path: str, cfg: RunnerConfig, *, platform: str | None = None, strict: bool = True,
+                      verify: bool = True) -> "ModelRunner":
+        from hloserve import runtime
+        tokens = sorted(set(cfg.token_buckets) | set(cfg.seq_buckets))   # decode steps use T = S
+        model = runtime.load(path, platform=platform, strict=strict, verify=verify,
+                             buckets={"num_tokens": tokens, "num_seqs": list(cfg.seq_buckets),
+                                      "max_blocks": list(cfg.block_buckets)})
+        return cls(model, cfg)
+
+    def warmup_shapes(self) -> list[tuple[str, int, int, int]]:
+        """(function, T, S, B) for every padded shape `build_step_arrays` can produce."""
+        return warmup_shapes(self.cfg, self.decode_fn, self.prefill_fn)
+
+    def warmup(self, progress: Callable[[str], None] | None = None) -> int:
+        """Compile every serving shape now; returns how many compiles it took."""
+        done = 0
+        for fn, t, s, b in self.warmup_shapes():
+            done += self.model.functions[fn].warmup(
+                {"num_tokens": [t], "num_seqs": [s], "max_blocks": [b], "num_blocks": [self.num_blocks]}, progress)
+        return done
+
+    def execute(self, plan: SchedulerPlan) -> RunnerOutput:
+        if plan.is_empty:
+            return RunnerOutput({})
+        t0 = time.perf_counter()
+        step = build_step_arrays(plan, self.cfg, decode_fn=self.decode_fn, prefill_fn=self.prefill_fn)
+        out = self.model.functions[step.function](**step.inputs, **{self._kv_name: self.kv_cache})
+        self.kv_cache = out[self._kv_out]
+        logits = np.asarray(out["logits"])[:step.num_seqs]          # [S, vocab]
+        result = sample_plan(plan, logits)
+        self.steps += 1
+        self.step_seconds += time.perf_counter() - t0
+        return result
+
+    def stats(self) -> dict[str, float]:
+        fs = [f.stats for f in self.model.functions.values()]
+        return {"compiles_total": sum(s.compiles for s in fs),
+                "compiles_after_warmup_total": sum(s.compiles_after_warmup for s in fs),
+                "runner_steps_total": self.steps, "runner_step_seconds_total": self.step_seconds}
+
+
+class MockRunner:
+    """A runner computable by hand (JetStream mock_engine style), for policy and engine tests.
+
+    Its KV cache holds token ids: a step writes each token into its slot, then
+    for each sequence needing logits reads the whole context back through the
+    block table; the next token is (context[-1] + 1) % vocab_size, given to the
+    real sampler as logits with `peak` at that token. A prompt [5, 6] therefore
+    generates 7, 8, 9, ... greedily. `contexts[request_id]` records the last
+    context read, so tests can check that prefix-cache hits and slot mappings
+    put the right tokens in the right places.
+    """
+
+    def __init__(self, vocab_size: int, num_blocks: int, block_size: int, *, peak: float = 20.0,
+                 on_execute: Callable[[SchedulerPlan], None] | None = None):
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.peak = peak
+        self.cache = np.full(num_blocks * block_size, -1, np.int64)   # token id per slot; -1 = never written
+        self.contexts: dict[str, list[int]] = {}
+        self.plans: list[SchedulerPlan] = []
+        self.on_execute = on_execute
+        self.steps = 0
+
+    def execute(self, plan: SchedulerPlan) -> RunnerOutput:
+        self.plans.append(plan)
+        if self.on_execute is not None:
+            self.on_execute(plan)
+        if plan.is_empty:
+            return RunnerOutput({})
+        self.steps += 1
+        bs = self.block_size
+        logits = np.zeros((len(plan.seqs), self.vocab_size), np.float32)
+        for i, s in enumerate(plan.seqs):
+            for slot, tok in zip(s.slot_mapping, s.token_ids):
+                if slot // bs == NULL_BLOCK:
+                    raise AssertionError(f"{s.request_id}: a real token was written into the null block")
+                self.cache[slot] = tok
+            if not s.needs_logits:
+                continue
+            ctx = [int(self.cache[s.block_table[p // bs] * bs + p % bs]) for p in range(s.context_len)]
+            self.contexts[s.request_id] = ctx
+            logits[i, (ctx[-1] + 1) % self.vocab_size] = self.peak
+        return sample_plan(plan, logits)
+
+    def stats(self) -> dict[str, float]:
+        return {"runner_steps_total": self.steps}

@@ -1,0 +1,261 @@
+"""Scheduler policy against MockRunner, whose outputs are computable by hand.
+
+MockRunner: next token = (last token + 1) % vocab, read back from its token-id
+"KV cache" through the block table. So a prompt [5, 6, 7] generates 8, 9, 10 ...
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hloserve.server.block_manager import BlockManager
+from hloserve.server.model_runner import MockRunner
+from hloserve.server.sampling import SamplingParams
+from hloserve.server.scheduler import RunnerOutput, Scheduler, SchedulerConfig
+
+VOCAB = 64
+GREEDY = dict(temperature=0.0)
+
+
+class CharDecoder:
+    """Token i is the letter chr(97 + i % 26)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def make(num_blocks=32, block_size=4, max_num_seqs=4, max_tokens=8, max_model_len=64, watermark=0.0, **kw):
+    bm = BlockManager(num_blocks, block_size)
+    sched = Scheduler(SchedulerConfig(max_num_seqs, max_tokens, max_model_len, watermark), bm,
+                      seed_rng=random.Random(0), **kw)
+    return sched, MockRunner(VOCAB, num_blocks, block_size)
+
+
+def run(sched, runner, max_steps=200):
+    """Step until idle; returns {request_id: [outputs]} and checks the invariants after every step."""
+    outs: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            break
+        plan = sched.schedule()
+        assert plan.num_tokens <= sched.config.max_num_batched_tokens
+        assert len(plan.seqs) <= sched.config.max_num_seqs
+        for o in sched.update(plan, runner.execute(plan)):
+            outs.setdefault(o.request_id, []).append(o)
+        sched.blocks.check_invariants()
+    assert not sched.has_unfinished()
+    return outs
+
+
+def tokens(outs):
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def test_single_request_greedy_by_hand():
+    sched, runner = make()
+    sched.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, **GREEDY))
+    outs = run(sched, runner)["a"]
+    assert tokens(outs) == [8, 9, 10]
+    assert [o.finished for o in outs] == [False, False, True] and outs[-1].finish_reason == "length"
+    assert runner.contexts["a"] == [5, 6, 7, 8, 9]          # the last decode read the whole context back
+    assert sched.blocks.num_free_blocks == sched.blocks.total_blocks
+
+
+def test_chunked_prefill_does_not_starve_decodes():
+    sched, runner = make(max_tokens=8)
+    sched.add_request("short", [1, 2], SamplingParams(max_tokens=6, **GREEDY))
+    plan = sched.schedule()                                  # step 1: short's whole prompt
+    assert [(s.request_id, len(s.token_ids)) for s in plan.seqs] == [("short", 2)]
+    sched.update(plan, runner.execute(plan))
+    sched.add_request("long", list(range(20)), SamplingParams(max_tokens=2, **GREEDY))
+    shapes, long_tokens = [], []
+    for _ in range(4):
+        plan = sched.schedule()
+        shapes.append([(s.request_id, len(s.token_ids), s.needs_logits) for s in plan.seqs])
+        long_tokens += [t for o in sched.update(plan, runner.execute(plan)) if o.request_id == "long"
+                        for t in o.new_token_ids]
+    # every step: short's decode first (1 token), long's prefill chunk gets the other 7 of the budget of 8
+    assert shapes == [
+        [("short", 1, True), ("long", 7, False)],
+        [("short", 1, True), ("long", 7, False)],
+        [("short", 1, True), ("long", 6, True)],             # 7 + 7 + 6 = 20: the last chunk samples
+        [("short", 1, True), ("long", 1, True)],             # both decoding
+    ]
+    assert long_tokens == [20, 21]                           # the first token came with the last chunk
+    assert runner.contexts["long"] == list(range(21))
+    assert tokens(run(sched, runner)["short"]) == [8]        # 3 .. 7 came in the five steps above
+
+
+def test_positions_and_slot_mapping_follow_the_block_table():
+    sched, runner = make(block_size=4, max_tokens=16)
+    sched.add_request("a", list(range(10)), SamplingParams(max_tokens=1, **GREEDY))
+    plan = sched.schedule()
+    (s,) = plan.seqs
+    assert s.block_table == (1, 2, 3)
+    assert s.positions == tuple(range(10)) and s.context_len == 10
+    assert s.slot_mapping == (4, 5, 6, 7, 8, 9, 10, 11, 12, 13)   # block 1 starts at slot 4
+
+
+def test_max_num_seqs_and_fifo_admission():
+    sched, runner = make(max_num_seqs=2, max_tokens=16)
+    for r in "abc":
+        sched.add_request(r, [1, 2, 3], SamplingParams(max_tokens=2, **GREEDY))
+    plan = sched.schedule()
+    assert [s.request_id for s in plan.seqs] == ["a", "b"]
+    assert sched.num_waiting == 1
+    outs = run(sched, runner)
+    assert {r: tokens(o) for r, o in outs.items()} == {"a": [4, 5], "b": [4, 5], "c": [4, 5]}
+
+
+def test_preempt_newest_and_recompute_gives_same_tokens():
+    # 5 usable blocks of 2 tokens. a and b each grow to 3 + 6 = 9 tokens = 5 blocks: they cannot both fit.
+    sched, runner = make(num_blocks=6, block_size=2, max_num_seqs=4, max_tokens=8, max_model_len=16)
+    sched.add_request("a", [1, 2, 3], SamplingParams(max_tokens=6, **GREEDY))
+    sched.add_request("b", [10, 11, 12], SamplingParams(max_tokens=6, **GREEDY))
+    outs = run(sched, runner)
+    assert tokens(outs["a"]) == [4, 5, 6, 7, 8, 9]
+    assert tokens(outs["b"]) == [13, 14, 15, 16, 17, 18]      # recomputed after preemption: same tokens
+    assert sched.stats.num_preemptions >= 1
+    preempted = [rid for p in runner.plans for rid in p.preempted]
+    assert set(preempted) == {"b"}                             # always the newest, never the oldest
+    assert runner.contexts["b"] == [10, 11, 12, 13, 14, 15, 16, 17]
+    assert sched.blocks.num_free_blocks == sched.blocks.total_blocks
+
+
+def test_preemption_count_exact():
+    # 4 usable blocks of 2: a (3 prompt + 4 out = 7 tokens = 4 blocks) alone fills the pool
+    sched, runner = make(num_blocks=5, block_size=2, max_num_seqs=2, max_tokens=8, max_model_len=16)
+    sched.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4, **GREEDY))
+    sched.add_request("b", [7], SamplingParams(max_tokens=4, **GREEDY))
+    # step 1: a (2 blocks) + b (1 block); step 2: decodes (a at pos 3 fits block 2; b at 1 fits);
+    # step 3: a needs block 3 (pos 4) -> 1 free -> ok; b pos 2 needs a block -> none -> b preempts itself.
+    outs = run(sched, runner)
+    assert tokens(outs["a"]) == [4, 5, 6, 7] and tokens(outs["b"]) == [8, 9, 10, 11]
+    assert sched.stats.num_preemptions == 1
+    assert [p.preempted for p in runner.plans if p.preempted] == [("b",)]
+
+
+def test_abort_frees_blocks_at_once():
+    sched, runner = make(max_tokens=16)
+    sched.add_request("a", list(range(9)), SamplingParams(max_tokens=20, **GREEDY))
+    sched.add_request("w", [1], SamplingParams(max_tokens=20, **GREEDY))
+    plan = sched.schedule()
+    sched.update(plan, runner.execute(plan))
+    used = sched.blocks.total_blocks - sched.blocks.num_free_blocks
+    assert used == 3 + 1
+    out = sched.abort("a")
+    assert out.finished and out.finish_reason == "abort"
+    assert sched.blocks.total_blocks - sched.blocks.num_free_blocks == 1
+    assert sched.abort("a") is None                           # already gone
+    # abort between schedule and update: the stale plan row is ignored
+    plan = sched.schedule()
+    sched.abort("w")
+    assert sched.update(plan, runner.execute(plan)) == []
+    assert sched.blocks.num_free_blocks == sched.blocks.total_blocks and not sched.has_unfinished()
+
+
+def test_abort_waiting_request():
+    sched, _ = make(max_num_seqs=1)
+    sched.add_request("a", [1], SamplingParams(max_tokens=2))
+    sched.add_request("b", [1], SamplingParams(max_tokens=2))
+    sched.schedule()
+    assert sched.abort("b").finish_reason == "abort" and sched.num_waiting == 0
+
+
+def test_prefix_cache_hit_skips_computed_blocks():
+    sched, runner = make(block_size=4, max_tokens=16)
+    prompt = list(range(30, 39))                              # 9 tokens: 2 full blocks
+    sched.add_request("a", prompt, SamplingParams(max_tokens=2, **GREEDY))
+    run(sched, runner)
+    sched.add_request("b", prompt, SamplingParams(max_tokens=2, **GREEDY))
+    plan = sched.schedule()
+    (s,) = plan.seqs
+    assert s.positions == (8,) and s.token_ids == (38,)       # only the last token is computed
+    assert sched.stats.prefix_cache_hits == 8 and sched.stats.prefix_cache_queries == 18
+    outs = run(sched, runner)
+    assert runner.contexts["b"][:9] == prompt                 # the revived blocks hold a's tokens
+    assert outs["b"][-1].num_cached_tokens == 8
+
+
+def test_eos_and_stop_token_ids():
+    sched, runner = make(eos_token_ids=[9])
+    sched.add_request("a", [6], SamplingParams(max_tokens=10, **GREEDY))
+    sched.add_request("b", [6], SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY))
+    sched.add_request("c", [1], SamplingParams(max_tokens=10, stop_token_ids=[3], **GREEDY))
+    outs = run(sched, runner)
+    assert tokens(outs["a"]) == [7, 8, 9] and outs["a"][-1].finish_reason == "stop"
+    assert len(tokens(outs["b"])) == 10 and outs["b"][-1].finish_reason == "length"
+    assert tokens(outs["c"]) == [2, 3] and outs["c"][-1].finish_reason == "stop"
+
+
+def test_stop_string_cuts_text_and_holds_back_partial_matches():
+    sched, runner = make(decoder=CharDecoder())
+    sched.add_request("a", [0, 1, 2], SamplingParams(max_tokens=10, stop=["ef"], **GREEDY))   # "abc" -> d e f
+    outs = run(sched, runner)["a"]
+    assert tokens(outs) == [3, 4, 5]
+    assert [o.new_text for o in outs] == ["", "d", ""]        # "e" is held back: it may start "ef"
+    assert outs[-1].finish_reason == "stop"
+    sched.add_request("b", [0], SamplingParams(max_tokens=4, stop=["zz"], **GREEDY))   # never matches
+    outs = run(sched, runner)["b"]
+    assert "".join(o.new_text for o in outs) == "bcde" and outs[-1].finish_reason == "length"
+
+
+def test_context_length_and_pool_size_validation():
+    sched, _ = make(num_blocks=4, block_size=4, max_model_len=32)
+    with pytest.raises(ValueError, match="prompt has 32 tokens, but the model's context is 32"):
+        sched.add_request("a", [1] * 32, SamplingParams())
+    with pytest.raises(ValueError, match=r"lower max_tokens to at most 12"):
+        sched.add_request("a", [1] * 20, SamplingParams(max_tokens=13))
+    with pytest.raises(ValueError, match="needs 4 KV blocks but the cache has 3"):
+        sched.add_request("a", [1] * 10, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="empty"):
+        sched.add_request("a", [], SamplingParams())
+    sched.add_request("a", [1] * 10, SamplingParams(max_tokens=3))   # 12 computed tokens = 3 blocks: fits
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request("a", [1], SamplingParams(max_tokens=2))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="raise the token budget"):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
+
+
+def test_seeded_sampling_is_reproducible_across_batches_and_preemption():
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=1234)
+
+    def gen(num_blocks, others):
+        sched, runner = make(num_blocks=num_blocks, block_size=2, max_tokens=8, max_model_len=16)
+        runner.peak = 1.0                                      # flat-ish logits: the draws matter
+        sched.add_request("x", [1, 2, 3], params)
+        for i in range(others):
+            sched.add_request(f"o{i}", [4, 5], SamplingParams(temperature=1.0, max_tokens=6))
+        outs = run(sched, runner)
+        return tokens(outs["x"]), sched.stats.num_preemptions
+
+    alone, _ = gen(64, 0)
+    crowded, preemptions = gen(8, 3)
+    assert crowded == alone and preemptions > 0
+
+
+def test_update_with_many_requests_keeps_invariants():
+    sched, runner = make(num_blocks=20, block_size=4, max_num_seqs=6, max_tokens=16, max_model_len=48)
+    rng = random.Random(7)
+    for i in range(25):
+        n = rng.randint(1, 30)
+        sched.add_request(f"r{i}", [rng.randrange(VOCAB) for _ in range(n)],
+                          SamplingParams(max_tokens=rng.randint(1, 12), **GREEDY))
+    outs = run(sched, runner, max_steps=2000)
+    assert len(outs) == 25 and all(o[-1].finished for o in outs.values())
+    for rid, o in outs.items():                                # tokens are consecutive from the prompt's last
+        ts = tokens(o)
+        assert all((b - a) % VOCAB == 1 for a, b in zip(ts, ts[1:]))
+    assert sched.blocks.num_free_blocks == sched.blocks.total_blocks
+
+
+def test_empty_runner_output_for_prefill_only_plan():
+    sched, _ = make(max_tokens=4)
+    sched.add_request("a", list(range(10)), SamplingParams(max_tokens=1))
+    plan = sched.schedule()
+    assert not plan.seqs[0].needs_logits
+    assert sched.update(plan, RunnerOutput({})) == []
