@@ -50,8 +50,9 @@ class RequestStream:
 
     Created inside a running event loop it is async-iterable (`async for out in
     stream`); created outside one it is a plain iterator. Cancelling the task
-    that awaits it (client disconnect) aborts the request; `abort()` does too.
-    Iteration ends after the output with `finished=True`.
+    that awaits it (client disconnect) aborts the request; so do `abort()` and
+    leaving an `async with stream:` block early. Iteration ends after the
+    output with `finished=True`.
     """
     _DONE = object()
 
@@ -79,6 +80,19 @@ class RequestStream:
     def abort(self) -> None:
         if not self.finished:
             self._on_abort(self.request_id)
+
+    # `async with stream:` / `with stream:` abort the request if the body leaves before it finished
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.abort()
+
+    def __enter__(self) -> "RequestStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.abort()
 
     def __aiter__(self) -> "RequestStream":
         if self._aq is None:
@@ -174,14 +188,14 @@ def prometheus_text(m: MetricsSnapshot, *, model_name: str = "model") -> str:
     lines: list[str] = []
 
     def metric(name, kind, help_, value, extra=""):
-        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
         lines.append(f"{name}{{{label}{extra}}} {value}")
 
     def hist(name, help_, h: Histogram):
-        lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} histogram"])
         for bound, cum in zip(list(h.buckets) + ["+Inf"], itertools.accumulate(h.counts)):
             lines.append(f'{name}_bucket{{{label},le="{bound}"}} {cum}')
-        lines += [f"{name}_sum{{{label}}} {h.sum}", f"{name}_count{{{label}}} {h.count}"]
+        lines.extend([f"{name}_sum{{{label}}} {h.sum}", f"{name}_count{{{label}}} {h.count}"])
 
     metric("vllm:num_requests_running", "gauge", "Requests running on the device.", m.num_running)
     metric("vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", m.num_waiting)
@@ -311,13 +325,15 @@ class Engine:
                     self._cv.wait()
                 if self._stopping:
                     break
-                messages = list(self._inbox)
-                self._inbox.clear()
-            self.run_once(messages)
+            self.run_once()
         self._shutdown()
 
-    def run_once(self, messages: Sequence[tuple[str, object]] = ()) -> None:
-        """Handle inbox messages, then run one step if there is work (the loop body; tests may call it)."""
+    def run_once(self) -> None:
+        """Handle the inbox, then run one step if there is work (the loop body; drive it by hand
+        only when the loop thread is not started)."""
+        with self._cv:
+            messages = list(self._inbox)
+            self._inbox.clear()
         for kind, payload in messages:
             self._handle(kind, payload)
         if self.scheduler.has_unfinished():

@@ -1,0 +1,161 @@
+"""Engine loop thread with MockRunner (next token = last + 1): streams, abort, errors, metrics."""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+
+from hloserve.server.block_manager import BlockManager
+from hloserve.server.engine import Engine, EngineError, prometheus_text
+from hloserve.server.model_runner import MockRunner
+from hloserve.server.sampling import SamplingParams
+from hloserve.server.scheduler import Scheduler, SchedulerConfig
+
+VOCAB = 100
+GREEDY = dict(temperature=0.0)
+
+
+def make_engine(num_blocks=64, block_size=4, step_delay=0.0, fail_on=None, **cfg):
+    bm = BlockManager(num_blocks, block_size)
+    sched = Scheduler(SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 32, "max_model_len": 128,
+                                         "admission_watermark": 0.0, **cfg}), bm, seed_rng=random.Random(0))
+
+    def hook(plan):
+        if step_delay:
+            time.sleep(step_delay)
+        if fail_on is not None and fail_on(plan):
+            raise RuntimeError("device lost")
+
+    runner = MockRunner(VOCAB, num_blocks, block_size, on_execute=hook)
+    return Engine(sched, runner, vocab_size=VOCAB)
+
+
+def wait_until(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_step_by_hand_without_the_thread():
+    eng = make_engine()
+    stream = eng.add_request([1, 2, 3], SamplingParams(max_tokens=2, **GREEDY), request_id="x")
+    eng.run_once()   # admits and runs the prompt: token 4
+    eng.run_once()   # decode: token 5
+    outs = list(stream)
+    assert [o.new_token_ids for o in outs] == [(4,), (5,)] and outs[-1].finish_reason == "length"
+
+
+def test_sync_streams_from_the_loop_thread():
+    with make_engine() as eng:
+        streams = [eng.add_request([i, i + 1], SamplingParams(max_tokens=5, **GREEDY)) for i in range(0, 50, 10)]
+        results = [[t for o in s for t in o.new_token_ids] for s in streams]
+    assert results == [[i + 2, i + 3, i + 4, i + 5, i + 6] for i in range(0, 50, 10)]
+    m = eng.metrics()
+    assert m.ttft.count == 5 and m.e2e.count == 5 and m.itl.count == 5 * 4
+    assert m.finished == {"length": 5} and m.generation_tokens == 25 and m.prompt_tokens == 10
+    assert m.kv_free_blocks == m.kv_total_blocks and m.num_running == 0 and m.num_waiting == 0
+
+
+def test_async_streams_and_cancel_aborts_and_frees_blocks():
+    eng = make_engine(step_delay=0.002).start()
+    try:
+        async def consume(i, got):
+            stream = eng.add_request([i], SamplingParams(max_tokens=40, **GREEDY), request_id=f"r{i}")
+            async for out in stream:
+                got += out.new_token_ids
+            return got
+
+        async def leave_early(i):
+            async with eng.add_request([i], SamplingParams(max_tokens=40, **GREEDY)) as stream:
+                async for out in stream:
+                    break          # the handler stops reading: leaving the block aborts
+
+        async def main():
+            got = {i: [] for i in range(6)}
+            tasks = [asyncio.create_task(consume(i, got[i])) for i in range(6)]
+            early = asyncio.create_task(leave_early(50))
+            while len(got[1]) < 3 or len(got[3]) < 3:
+                await asyncio.sleep(0.001)
+            tasks[1].cancel()      # what a client disconnect does to the handler task
+            tasks[3].cancel()
+            await early
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+        results = asyncio.run(main())
+        for i, r in enumerate(results):
+            if i in (1, 3):
+                assert isinstance(r, asyncio.CancelledError)
+            else:
+                assert r == [(i + k) % VOCAB for k in range(1, 41)]
+        assert wait_until(lambda: eng.metrics().finished.get("abort") == 3)
+        m = eng.metrics()
+        assert m.finished["length"] == 4
+        assert wait_until(lambda: eng.metrics().kv_free_blocks == m.kv_total_blocks)
+    finally:
+        eng.stop()
+
+
+def test_abort_by_id_is_handled_at_the_next_step():
+    eng = make_engine(step_delay=0.005).start()
+    try:
+        stream = eng.add_request([1], SamplingParams(max_tokens=100, **GREEDY), request_id="a")
+        first = next(stream)
+        eng.abort("a")
+        rest = list(stream)
+        assert first.new_token_ids == (2,) and rest[-1].finish_reason == "abort" and len(rest) < 99
+        assert wait_until(lambda: eng.metrics().kv_free_blocks == eng.metrics().kv_total_blocks)
+    finally:
+        eng.stop()
+
+
+def test_bad_requests_fail_on_the_callers_thread():
+    eng = make_engine()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.add_request([5, 100], SamplingParams())
+    with pytest.raises(ValueError, match="lower max_tokens to at most 126"):
+        eng.add_request([1, 2], SamplingParams(max_tokens=127))
+
+
+def test_runner_failure_fails_in_flight_requests_and_the_loop_survives():
+    fail = threading.Event()
+    fail.set()
+    eng = make_engine(fail_on=lambda plan: fail.is_set()).start()
+    try:
+        out = list(eng.add_request([1], SamplingParams(max_tokens=3, **GREEDY)))
+        assert out[-1].finish_reason == "error" and "device lost" in out[-1].error
+        fail.clear()
+        out = list(eng.add_request([1], SamplingParams(max_tokens=3, **GREEDY)))
+        assert [t for o in out for t in o.new_token_ids] == [2, 3, 4]
+        assert eng.metrics().kv_free_blocks == eng.metrics().kv_total_blocks
+    finally:
+        eng.stop()
+
+
+def test_stop_aborts_unfinished_requests_and_rejects_new_ones():
+    eng = make_engine(step_delay=0.01).start()
+    stream = eng.add_request([1], SamplingParams(max_tokens=120, **GREEDY))
+    next(stream)
+    eng.stop()
+    assert list(stream)[-1].finish_reason == "abort"
+    with pytest.raises(EngineError, match="stopped"):
+        eng.add_request([1], SamplingParams())
+
+
+def test_prometheus_text_uses_vllm_names():
+    with make_engine() as eng:
+        list(eng.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=2, **GREEDY)))
+        list(eng.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=2, **GREEDY)))
+    text = prometheus_text(eng.metrics(), model_name="m")
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_sum", "vllm:num_preemptions_total"):
+        assert name in text
+    assert 'vllm:prefix_cache_hits_total{model_name="m"} 4' in text   # the second request hit one full block
+    assert 'vllm:request_success_total{model_name="m",finished_reason="length"} 2' in text
+    assert 'vllm:e2e_request_latency_seconds_bucket{model_name="m",le="+Inf"} 2' in text
