@@ -137,25 +137,25 @@ class Tokenizer:
 
     @classmethod
     def from_artifact(cls, artifact_dir: str, model: Mapping[str, Any]) -> "Tokenizer":
-        """Build from ARTIFACT/tokenizer.json and the manifest's `model` metadata."""
-        tok_meta = model.get("tokenizer") if isinstance(model.get("tokenizer"), Mapping) else {}
-        fname = tok_meta.get("file", "tokenizer.json")
-        candidates = [os.path.join(artifact_dir, fname), os.path.join(artifact_dir, "files", fname)]
-        path = next((p for p in candidates if os.path.exists(p)), candidates[0])
-        tok = cls.from_file(path)
+        """Build from the artifact's tokenizer file and its manifest `model` metadata.
 
-        def get(key, default=None):
-            return tok_meta.get(key, model.get(key, default))
-
-        eos = get("eos_token_ids", get("eos_token_id", ()))
-        eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        eos_token = get("eos_token")
-        if not eos and eos_token and tok._tok.token_to_id(eos_token) is not None:
-            eos = (tok._tok.token_to_id(eos_token),)
-        if not eos_token and eos:
-            eos_token = tok._tok.id_to_token(eos[0])
-        config = TokenizerConfig(chat_template=get("chat_template"), bos_token=get("bos_token"), eos_token=eos_token,
-                                 eos_token_ids=tuple(int(e) for e in eos), add_bos=bool(get("add_bos_token", True)))
+        Reads (exporter/models/llama_source.py writes them): model["tokenizer"] (file name in the
+        artifact, default "tokenizer.json"), model["chat_template"], model["add_bos_token"], and
+        the EOS ids from model["llm"]["eos_token_ids"] (or model["eos_token_ids"]).
+        """
+        fname = model.get("tokenizer") or "tokenizer.json"
+        if not isinstance(fname, str):
+            raise ValueError(f"artifact {artifact_dir}: model['tokenizer'] must be a file name, got {fname!r}")
+        tok = cls.from_file(os.path.join(artifact_dir, fname))
+        llm = model.get("llm") if isinstance(model.get("llm"), Mapping) else {}
+        eos = llm.get("eos_token_ids", model.get("eos_token_ids", ()))
+        eos = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
+        bos_id = llm.get("bos_token_id", model.get("bos_token_id"))
+        config = TokenizerConfig(
+            chat_template=model.get("chat_template"),
+            bos_token=tok._tok.id_to_token(int(bos_id)) if bos_id is not None else None,
+            eos_token=tok._tok.id_to_token(eos[0]) if eos else None,
+            eos_token_ids=eos, add_bos=bool(model.get("add_bos_token", True)))
         return cls(tok._tok, config)
 
     @property
