@@ -1,11 +1,13 @@
 """The `hloserve` command line.
 
     hloserve export SOURCE -o OUT [--dynamic SPEC] [--dtype D] [--function F] [--pad DIM]
+    hloserve tf ART -o SAVEDMODEL [--function F] [--xla-call-module-version N] [--platforms P]
     hloserve inspect ART
     hloserve run ART --inputs in.npz --outputs out.npz [--function F]
+    hloserve bench ART --shape INPUT:2x16 [--shape DIM=N] [--function F] [--iters N]
 
 Errors print one line and exit 1 (2 for usage errors); --debug shows tracebacks.
-Subcommands import their stack lazily: `serve` and `run` never import torch.
+Subcommands import their stack lazily: `serve`, `run` and `bench` never import torch.
 """
 from __future__ import annotations
 
@@ -44,6 +46,33 @@ def _export(args: argparse.Namespace) -> int:
     for fn in manifest.functions.values():
         ins = ", ".join(f"{t.name}: {t.describe()}" for t in fn.inputs)
         reporter.stage(f"  {fn.name}({ins})")
+    if args.savedmodel:
+        _write_savedmodel(args.output, args.savedmodel, reporter=reporter)
+    return 0
+
+
+def _write_savedmodel(artifact_dir: str, out: str, *, reporter, **options) -> None:
+    from .tf_savedmodel import to_savedmodel
+    reporter.stage(f"writing TensorFlow SavedModel to {out} (XlaCallModule)")
+    info = to_savedmodel(artifact_dir, out, **options)
+    reporter.stage(f"  XlaCallModule version {info.call_module_version}, platforms "
+                   f"{','.join(info.platforms) or 'any'}, {info.variables} variables "
+                   f"({info.variable_bytes / 2**20:.1f} MiB), TensorFlow {info.tensorflow}")
+    for key, sig in info.signatures.items():
+        ins = ", ".join(f"{n}: {d}{list(s)}" for n, d, s in sig.inputs)
+        reporter.stage(f"  signature {key} -> {sig.function}({ins})")
+
+
+def _tf(args: argparse.Namespace) -> int:
+    from .progress import Reporter
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # TensorFlow's C++ start-up chatter
+    platforms = None
+    if args.platforms is not None:
+        platforms = [] if args.platforms == "none" else args.platforms.split(",")
+    _write_savedmodel(args.artifact, args.output, reporter=Reporter(enabled=not args.quiet),
+                      functions=args.function, serving_default=args.serving_default,
+                      call_module_version=args.xla_call_module_version, platforms=platforms,
+                      stablehlo_version=args.stablehlo_version)
     return 0
 
 
@@ -77,10 +106,10 @@ def _inspect(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from hloserve.runtime.loader import load
+    from hloserve.runtime import load
     from .errors import HloserveError
 
-    model = load(args.artifact)
+    model = load(args.artifact, platform=args.platform, cache_dir=_cache_dir(args))
     name = args.function or next(iter(model.functions))
     if name not in model.functions:
         raise HloserveError(f"--function {name!r}: the artifact has {sorted(model.functions)}")
@@ -96,6 +125,25 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache_dir(args: argparse.Namespace) -> str | None:
+    from hloserve.runtime.client import DEFAULT_CACHE
+    return None if args.no_cache else (args.cache_dir or DEFAULT_CACHE)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from hloserve.runtime.bench import run_bench
+    from .progress import Reporter
+    run_bench(args.artifact, args.shape, function=args.function, iters=args.iters, warmup_iters=args.warmup_iters,
+              platform=args.platform, cache_dir=_cache_dir(args), reporter=Reporter(enabled=not args.quiet))
+    return 0
+
+
+def _runtime_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--platform", help="cpu, cuda or tpu (default: jax's default backend)")
+    p.add_argument("--cache-dir", help="persistent compilation cache (default ~/.cache/hloserve/xla)")
+    p.add_argument("--no-cache", action="store_true", help="disable the persistent compilation cache")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hloserve", description="Export PyTorch models to StableHLO and serve them.")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -109,8 +157,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--function", action="append", help="entry point(s) to export (default: all the source provides)")
     e.add_argument("--pad", help="symbolic dims the runtime may pad to buckets, comma-separated ('none' for none)")
     e.add_argument("--platforms", default="cpu", help="comma-separated lowering platforms (cpu,cuda,tpu)")
+    e.add_argument("--savedmodel", metavar="DIR", help="also write a TensorFlow SavedModel (see `hloserve tf`)")
     e.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     e.set_defaults(fn=_export)
+
+    t = sub.add_parser("tf", help="convert an artifact to a TensorFlow SavedModel (XlaCallModule) for TF Serving")
+    t.add_argument("artifact")
+    t.add_argument("-o", "--output", required=True, help="SavedModel directory to write (e.g. models/NAME/1)")
+    t.add_argument("--function", action="append", help="function(s) to export (default: all, one signature each)")
+    t.add_argument("--serving-default", help="function behind serving_default (default: the first)")
+    t.add_argument("--xla-call-module-version", type=int,
+                   help="XlaCallModule version (default: the module's, lowered to what this TensorFlow accepts)")
+    t.add_argument("--platforms", help="XlaCallModule platforms (default: the artifact's lowering platforms; "
+                                       "'none' disables the platform check)")
+    t.add_argument("--stablehlo-version", help="re-serialize the StableHLO for an older consumer, e.g. 1.0.0")
+    t.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    t.set_defaults(fn=_tf)
 
     i = sub.add_parser("inspect", help="show an artifact's functions, shapes and weights")
     i.add_argument("artifact")
@@ -122,7 +184,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--inputs", required=True)
     r.add_argument("--outputs", required=True)
     r.add_argument("--function")
+    _runtime_options(r)
     r.set_defaults(fn=_run)
+
+    b = sub.add_parser("bench", help="compile time, latency p50/p99 and throughput of an artifact function")
+    b.add_argument("artifact")
+    b.add_argument("--shape", action="append", default=[],
+                   help="an input's shape, INPUT:2x16, or a dim's size, DIM=16 (repeatable); inputs not "
+                        "given take their shape from the dims")
+    b.add_argument("--function", help="function to run (default: the first)")
+    b.add_argument("--iters", type=int, default=100, help="timed calls (default 100)")
+    b.add_argument("--warmup-iters", type=int, default=3, help="untimed calls after compiling (default 3)")
+    _runtime_options(b)
+    b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    b.set_defaults(fn=_bench)
     return p
 
 

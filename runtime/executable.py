@@ -64,6 +64,22 @@ class FunctionStats:
     padded_calls: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class CompileInfo:
+    """What `Function.prepare` did.
+
+    Attributes:
+      env: the (bucketed) symbol values the executable is for.
+      compiled: a new executable was built (False: it was already in memory).
+      seconds: time spent building it (0 when it was in memory).
+      from_disk: it came from the executable cache or jax's persistent cache.
+    """
+    env: Mapping[str, int]
+    compiled: bool
+    seconds: float
+    from_disk: bool
+
+
 def coerce(name: str, value: Any, spec: artifact.TensorSpec) -> Any:
     """Accept numpy/jax arrays and nested lists; narrow i64->i32 / f64->f32 as the exporter does."""
     want = artifact.numpy_dtype(spec.dtype)
@@ -266,7 +282,8 @@ class Function:
         shapes = {k: tuple(np.shape(v)) for k, v in inputs.items()}
         return artifact.bind_symbols(self.spec, self.symbols, shapes)
 
-    def __call__(self, **inputs: Any) -> dict[str, Any]:
+    def _plan(self, inputs: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
+        """(symbol values of the call, the bucketed values it runs at)."""
         env = self.bind(inputs)
         env = {k: env[k] for k in self._dims if k in env}
         padded_env = dict(env)
@@ -274,8 +291,20 @@ class Function:
             if k in self._paddable:
                 b = self.buckets.bucket(k, v)
                 padded_env[k] = v if b is None else b
-        args = list(self._weights)
+        return env, padded_env
+
+    def prepare(self, **inputs: Any) -> CompileInfo:
+        """Build (or find) the executable a call with these inputs would use, without running it."""
+        env, padded_env = self._plan(inputs)
+        before = (self.stats.compiles, self.stats.compile_seconds, self.stats.persistent_cache_hits)
+        self._executable(padded_env, env)
+        return CompileInfo(padded_env, self.stats.compiles > before[0], self.stats.compile_seconds - before[1],
+                           self.stats.persistent_cache_hits > before[2])
+
+    def __call__(self, **inputs: Any) -> dict[str, Any]:
+        env, padded_env = self._plan(inputs)
         padded = padded_env != env
+        args = list(self._weights)
         for t in self.spec.inputs:
             value = coerce(t.name, inputs[t.name], t)
             if padded:
