@@ -283,12 +283,12 @@ def to_savedmodel(path: str, out_dir: str, *, functions: Sequence[str] | None = 
     if verify:
         artifact.verify_files(path, manifest)
     plans = {n: plan_function(path, manifest, n, stablehlo_version=stablehlo_version) for n in names}
+    call_platforms = _call_platforms(list(plans.values()), platforms)
 
+    tf_max = tf_max_call_module_version()   # imports TensorFlow (seconds)
     import tensorflow as tf
 
-    version = choose_call_module_version(list(plans.values()), tf_max_call_module_version(), call_module_version,
-                                         tf.__version__)
-    call_platforms = _call_platforms(list(plans.values()), platforms)
+    version = choose_call_module_version(list(plans.values()), tf_max, call_module_version, tf.__version__)
     reader = weights_io.Reader(os.path.join(path, artifact.WEIGHTS))
     if verify:
         artifact.verify_weights(path, manifest, reader)
