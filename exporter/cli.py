@@ -4,9 +4,10 @@
     hloserve tf ART -o SAVEDMODEL [--function F] [--xla-call-module-version N] [--platforms P]
     hloserve inspect ART
     hloserve run ART --inputs in.npz --outputs out.npz [--function F]
+    hloserve bench ART --shape INPUT:2x16 [--shape DIM=N] [--function F] [--iters N]
 
 Errors print one line and exit 1 (2 for usage errors); --debug shows tracebacks.
-Subcommands import their stack lazily: `serve` and `run` never import torch.
+Subcommands import their stack lazily: `serve`, `run` and `bench` never import torch.
 """
 from __future__ import annotations
 
@@ -105,10 +106,10 @@ def _inspect(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from hloserve.runtime.loader import load
+    from hloserve.runtime import load
     from .errors import HloserveError
 
-    model = load(args.artifact)
+    model = load(args.artifact, platform=args.platform, cache_dir=_cache_dir(args))
     name = args.function or next(iter(model.functions))
     if name not in model.functions:
         raise HloserveError(f"--function {name!r}: the artifact has {sorted(model.functions)}")
@@ -122,6 +123,25 @@ def _run(args: argparse.Namespace) -> int:
     for k, v in outs.items():
         print(f"{k}: {v.dtype}{list(v.shape)}", file=sys.stderr)
     return 0
+
+
+def _cache_dir(args: argparse.Namespace) -> str | None:
+    from hloserve.runtime.client import DEFAULT_CACHE
+    return None if args.no_cache else (args.cache_dir or DEFAULT_CACHE)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from hloserve.runtime.bench import run_bench
+    from .progress import Reporter
+    run_bench(args.artifact, args.shape, function=args.function, iters=args.iters, warmup_iters=args.warmup_iters,
+              platform=args.platform, cache_dir=_cache_dir(args), reporter=Reporter(enabled=not args.quiet))
+    return 0
+
+
+def _runtime_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--platform", help="cpu, cuda or tpu (default: jax's default backend)")
+    p.add_argument("--cache-dir", help="persistent compilation cache (default ~/.cache/hloserve/xla)")
+    p.add_argument("--no-cache", action="store_true", help="disable the persistent compilation cache")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,7 +184,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--inputs", required=True)
     r.add_argument("--outputs", required=True)
     r.add_argument("--function")
+    _runtime_options(r)
     r.set_defaults(fn=_run)
+
+    b = sub.add_parser("bench", help="compile time, latency p50/p99 and throughput of an artifact function")
+    b.add_argument("artifact")
+    b.add_argument("--shape", action="append", default=[],
+                   help="an input's shape, INPUT:2x16, or a dim's size, DIM=16 (repeatable); inputs not "
+                        "given take their shape from the dims")
+    b.add_argument("--function", help="function to run (default: the first)")
+    b.add_argument("--iters", type=int, default=100, help="timed calls (default 100)")
+    b.add_argument("--warmup-iters", type=int, default=3, help="untimed calls after compiling (default 3)")
+    _runtime_options(b)
+    b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    b.set_defaults(fn=_bench)
     return p
 
 
