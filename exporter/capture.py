@@ -36,4 +36,9 @@ def capture(module: torch.nn.Module, args: Sequence[Any], dynamic_shapes: Sequen
 def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """Core-ATen decompositions, keeping ops we lower better whole."""
     table = torch.export.default_decompositions()
+    # SDPA stays whole (lowered in lowerings/nn.py). Decomposing it re-traces the
+    # math path, whose output strides differ from the fused kernel's that export
+    # recorded; a later `.view` then fails at decomposition time (HF GPT-2's
+    # Conv1D: "Cannot view a tensor with shape [s0, s1, 32] and strides ...").
+    table.pop(torch.ops.aten.scaled_dot_product_attention.default, None)
     return ep.run_decompositions(table)

@@ -162,3 +162,11 @@ def _sort(ctx, x, *args, stable=None, dim=-1, descending=False):
     d = canon_dim(dim, x.ndim)
     idx = jnp.argsort(x, axis=d, stable=True, descending=descending)
     return jnp.take_along_axis(x, idx, axis=d), idx
+
+
+# aten::linalg_vector_norm(Tensor self, Scalar ord=2, int[1]? dim=None, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor
+@lower(aten.linalg_vector_norm)
+def _linalg_vector_norm(ctx, x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    # dim=None or [] reduces over every dim, as in torch.
+    axes = canon_dims(dim, x.ndim) if x.ndim else None
+    return jnp.linalg.vector_norm(x.astype(ctx.out_dtype), ord=ord, axis=axes, keepdims=keepdim)
