@@ -121,35 +121,43 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def filtered_probs(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """(candidate token ids, their probabilities) after temperature, top-k and top-p.
-
-    logits: f32[vocab] of one row. The probabilities sum to 1 (float64).
-    Candidates are in decreasing probability where top-k/top-p applied, else vocab order.
-    """
-    x = logits.astype(np.float64) / params.temperature
-    vocab = x.shape[0]
-    ids = np.arange(vocab)
-    if params.top_k is not None and params.top_k < vocab:
-        part = np.argpartition(-x, params.top_k - 1)[:params.top_k]
-        ids = part[np.argsort(-x[part], kind="stable")]
-        x = x[ids]
-    if params.top_p < 1.0:
-        p = np.exp(x - x.max())
-        p /= p.sum()                     # probabilities over the candidates so far
-        if params.top_k is not None:     # already sorted by top-k
-            order = np.arange(len(ids))
-        else:                            # sort only the head if it already holds the nucleus
-            head = min(_NUCLEUS_PROBE, len(ids))
-            part = np.argpartition(-x, head - 1)[:head] if head < len(ids) else np.arange(len(ids))
-            order = part[np.argsort(-x[part], kind="stable")]
-            if p[order].sum() < params.top_p:
-                order = np.argsort(-x, kind="stable")
-        # keep the smallest prefix whose mass reaches top_p (always >= 1 token)
-        keep = int(np.searchsorted(np.cumsum(p[order]), params.top_p, side="left")) + 1
-        order = order[:min(keep, len(order))]
-        ids, x = ids[order], x[order]
-    p = np.exp(x - x.max())
+    """(candidate token ids, their probabilities) after temperature, top-k and top-p; probabilities sum to 1."""
+    ids, w = _candidates(logits, params)
+    p = w.astype(np.float64)
     return ids, p / p.sum()
+
+
+def _candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """(candidate token ids, unnormalized f32 weights) after temperature, top-k and top-p.
+
+    logits: f32[vocab] of one row.
+    Top-p keeps the smallest set of most likely tokens whose mass reaches top_p
+    (tokens tied with the last one kept are kept too). It finds the cut-off
+    probability without sorting the vocabulary when the 64 most likely tokens
+    already hold the nucleus (the usual case for a trained model), and with a
+    value-only sort otherwise; candidates come back in vocabulary order.
+    """
+    z = np.asarray(logits, np.float32) / np.float32(params.temperature)
+    ids = None
+    if params.top_k is not None and params.top_k < z.shape[0]:
+        ids = np.sort(np.argpartition(-z, params.top_k - 1)[:params.top_k])
+        z = z[ids]
+    e = np.exp(z - z.max())                                   # unnormalized probabilities, f32
+    if params.top_p < 1.0:
+        target = params.top_p * float(e.sum(dtype=np.float64))
+        head = min(_NUCLEUS_PROBE, e.shape[0])
+        top = np.partition(e, e.shape[0] - head)[e.shape[0] - head:] if head < e.shape[0] else e
+        if float(top.sum(dtype=np.float64)) < target:
+            top = e                                           # the nucleus is larger than the probe
+        desc = np.sort(top)[::-1]
+        keep = int(np.searchsorted(np.cumsum(desc, dtype=np.float64), target, side="left"))
+        cutoff = desc[min(keep, len(desc) - 1)]
+        sel = np.flatnonzero(e >= cutoff)
+        ids = sel if ids is None else ids[sel]
+        e = e[sel]
+    if ids is None:
+        ids = np.arange(e.shape[0])
+    return ids, e
 
 
 def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, index: int) -> tuple[int, TokenLogprobs | None]:
@@ -157,9 +165,10 @@ def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, index: int
     if params.greedy:
         token = int(np.argmax(logits))
     else:
-        ids, p = filtered_probs(logits, params)
-        u = rng_for(seed, index).random()
-        k = min(int(np.searchsorted(np.cumsum(p), u, side="right")), len(ids) - 1)  # inverse CDF
+        ids, w = _candidates(logits, params)
+        cdf = np.cumsum(w, dtype=np.float64)
+        u = rng_for(seed, index).random() * cdf[-1]
+        k = min(int(np.searchsorted(cdf, u, side="right")), len(ids) - 1)  # inverse CDF
         token = int(ids[k])
     return token, (token_logprobs(logits, token, params.logprobs) if params.logprobs is not None else None)
 
