@@ -1,0 +1,229 @@
+"""TensorFlow Serving REST predict bodies <-> input/output arrays (no HTTP, no TensorFlow).
+
+    POST /v1/models/{name}:predict          (TF Serving's REST API, served by hloserve too)
+    {"signature_name": "serving_default", "instances": [{"input_ids": [101, 7592, 102], ...}, ...]}   row form
+    {"signature_name": "serving_default", "inputs": {"input_ids": [[101, 7592, 102], ...], ...}}      columnar form
+
+    req = decode_predict_request(body, manifest)      # -> PredictRequest (function, arrays, form)
+    outs = model.functions[req.function](**req.inputs)
+    return encode_predict_response(outs, req)        # {"predictions": [...]} or {"outputs": ...}
+
+The rules follow https://www.tensorflow.org/tfx/serving/api_rest#request_format_2:
+  - exactly one of "instances" (row) and "inputs" (columnar); "signature_name" defaults to
+    "serving_default", which is the artifact's first function (the SavedModel that `hloserve tf`
+    writes uses the same rule), and every function's own name is a signature too;
+  - row form: a list of instances; each instance is an object {input name: value}, or, when the
+    signature has one input, the bare value. Instances are stacked on a new leading (batch) dim,
+    so every instance must give every input with the same shape;
+  - columnar form: an object {input name: full tensor}, or the bare tensor for a one-input
+    signature; no batch dim is added;
+  - the response mirrors the form: row -> {"predictions": [one value per instance]} (an object
+    per instance when there are several outputs); columnar -> {"outputs": tensor} (an object of
+    tensors when there are several outputs);
+  - {"b64": ...} values are for string tensors only, which hloserve artifacts do not have.
+Values convert to the artifact's dtypes: integers must be integral and in range (int64 inputs
+were narrowed to int32 at export), booleans are true/false. Every problem raises
+PredictRequestError, whose message the server returns as {"error": message} with status 400.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from hloserve.exporter import artifact
+
+SERVING_DEFAULT = "serving_default"
+
+
+class PredictRequestError(ValueError):
+    """A predict body that cannot be turned into the function's inputs (HTTP 400)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictRequest:
+    """A decoded predict body.
+
+    Attributes:
+      signature_name: as sent (default "serving_default").
+      function: the artifact function it names.
+      inputs: input name -> array in the artifact's dtype, in the function's input order.
+      row_format: True for "instances" (the response is "predictions"), False for "inputs" ("outputs").
+      output_names: the function's outputs, in order (the response keeps it).
+    """
+    signature_name: str
+    function: str
+    inputs: Mapping[str, np.ndarray]
+    row_format: bool
+    output_names: tuple[str, ...]
+
+
+def default_function(manifest: artifact.Manifest) -> str:
+    """The function behind "serving_default": the artifact's first one."""
+    return next(iter(manifest.functions))
+
+
+def resolve_signature(signature_name: str | None, manifest: artifact.Manifest) -> str:
+    """Signature key -> artifact function ("serving_default" or a function's own name)."""
+    name = SERVING_DEFAULT if signature_name in (None, "") else signature_name
+    if name == SERVING_DEFAULT:
+        return default_function(manifest)
+    if name not in manifest.functions:
+        raise PredictRequestError(f"signature_name {name!r} not found; the model has "
+                                  f"{[SERVING_DEFAULT, *manifest.functions]}")
+    return name
+
+
+def decode_predict_request(body: Mapping[str, Any] | str | bytes, manifest: artifact.Manifest) -> PredictRequest:
+    """Parse a TF Serving predict body (dict or JSON text) into the function's input arrays."""
+    if isinstance(body, (str, bytes)):
+        try:
+            body = json.loads(body)
+        except ValueError as e:
+            raise PredictRequestError(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, Mapping):
+        raise PredictRequestError(f"request body must be a JSON object, got {type(body).__name__}")
+    unknown = set(body) - {"signature_name", "instances", "inputs"}
+    if unknown:
+        raise PredictRequestError(f"unknown request field(s) {sorted(unknown)}; expected 'signature_name' and "
+                                  f"one of 'instances' (row form) or 'inputs' (columnar form)")
+    if ("instances" in body) == ("inputs" in body):
+        raise PredictRequestError("the request needs exactly one of 'instances' (row form) and 'inputs' "
+                                  "(columnar form)")
+    sig = body.get("signature_name") or SERVING_DEFAULT
+    if not isinstance(sig, str):
+        raise PredictRequestError(f"signature_name must be a string, got {type(sig).__name__}")
+    fn = manifest.functions[resolve_signature(sig, manifest)]
+    if "instances" in body:
+        arrays = instances_to_arrays(body["instances"], fn.inputs)
+    else:
+        arrays = columnar_to_arrays(body["inputs"], fn.inputs)
+    return PredictRequest(sig, fn.name, arrays, "instances" in body, tuple(t.name for t in fn.outputs))
+
+
+def instances_to_arrays(instances: Any, specs: Sequence[artifact.TensorSpec]) -> dict[str, np.ndarray]:
+    """Row form: a list of instances -> {input name: array with a leading batch dim}."""
+    if not isinstance(instances, list) or not instances:
+        raise PredictRequestError("'instances' must be a non-empty list (one entry per example)")
+    names = [t.name for t in specs]
+    rows: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    for i, inst in enumerate(instances):
+        if isinstance(inst, Mapping):
+            named = dict(inst)
+        elif len(specs) == 1:
+            named = {names[0]: inst}
+        else:
+            raise PredictRequestError(f"instance {i} must be an object with the inputs {names} "
+                                      f"(the signature has {len(names)} inputs)")
+        _check_names(named, names, f"instance {i}")
+        for t in specs:
+            arr = _to_array(named[t.name], t, f"instance {i} input {t.name!r}")
+            want = len(t.shape) - 1
+            if arr.ndim != want:
+                raise PredictRequestError(f"instance {i} input {t.name!r} has rank {arr.ndim}, expected {want} "
+                                          f"(the input is {t.describe()}; instances drop the leading batch dim)")
+            if rows[t.name] and arr.shape != rows[t.name][0].shape:
+                raise PredictRequestError(
+                    f"input {t.name!r}: instance {i} has shape {list(arr.shape)} but instance 0 has "
+                    f"{list(rows[t.name][0].shape)}; instances are stacked into one batch, so pad them to one "
+                    f"shape or send the columnar 'inputs' form")
+            rows[t.name].append(arr)
+    return {n: np.stack(rows[n]) for n in names}
+
+
+def columnar_to_arrays(inputs: Any, specs: Sequence[artifact.TensorSpec]) -> dict[str, np.ndarray]:
+    """Columnar form: {input name: tensor} (or a bare tensor for one input) -> arrays."""
+    names = [t.name for t in specs]
+    if isinstance(inputs, Mapping):
+        named = dict(inputs)
+    elif len(specs) == 1:
+        named = {names[0]: inputs}
+    else:
+        raise PredictRequestError(f"'inputs' must be an object with the inputs {names} "
+                                  f"(the signature has {len(names)} inputs)")
+    _check_names(named, names, "'inputs'")
+    out = {}
+    for t in specs:
+        arr = _to_array(named[t.name], t, f"input {t.name!r}")
+        if arr.ndim != len(t.shape):
+            raise PredictRequestError(f"input {t.name!r} has rank {arr.ndim} (shape {list(arr.shape)}), "
+                                      f"expected {t.describe()}")
+        out[t.name] = arr
+    return out
+
+
+def _check_names(named: Mapping[str, Any], names: Sequence[str], where: str) -> None:
+    missing = [n for n in names if n not in named]
+    extra = sorted(set(named) - set(names))
+    if missing or extra:
+        parts = ([f"missing {missing}"] if missing else []) + ([f"unknown {extra}"] if extra else [])
+        raise PredictRequestError(f"{where}: {', '.join(parts)}; the signature's inputs are {list(names)}")
+
+
+def _to_array(value: Any, spec: artifact.TensorSpec, where: str) -> np.ndarray:
+    """A JSON value -> array of the spec's dtype; rejects ragged lists, b64, and lossy integer casts."""
+    dtype = artifact.numpy_dtype(spec.dtype)
+    if _has_b64(value):
+        raise PredictRequestError(f"{where}: {{'b64': ...}} values are for string tensors; this input is {spec.dtype}")
+    try:
+        raw = np.array(value, dtype=object if dtype.kind in "iub" else np.float64)
+    except (ValueError, TypeError) as e:
+        raise PredictRequestError(f"{where}: not a rectangular numeric tensor ({e}); nested lists must have "
+                                  f"equal lengths at every level") from e
+    if raw.dtype == object:
+        flat = raw.reshape(-1)
+        if any(isinstance(v, (list, dict)) for v in flat):
+            raise PredictRequestError(f"{where}: nested lists have unequal lengths (ragged); pad them to one length")
+        if dtype.kind == "b":
+            if not all(isinstance(v, bool) for v in flat):
+                raise PredictRequestError(f"{where}: expected true/false values for a bool input")
+            return raw.astype(np.bool_)
+        bad = next((v for v in flat if isinstance(v, bool) or not isinstance(v, (int, float))
+                    or (isinstance(v, float) and (not math.isfinite(v) or v != int(v)))), None)
+        if bad is not None:
+            raise PredictRequestError(f"{where}: {bad!r} is not an integer; the input is {spec.dtype} "
+                                      f"(64-bit integers are narrowed to int32 in hloserve artifacts)")
+        info = np.iinfo(dtype)
+        ints = [int(v) for v in flat]
+        out_of_range = next((v for v in ints if not info.min <= v <= info.max), None)
+        if out_of_range is not None:
+            raise PredictRequestError(f"{where}: {out_of_range} does not fit {spec.dtype} "
+                                      f"[{info.min}, {info.max}]")
+        return np.array(ints, dtype=dtype).reshape(raw.shape)
+    return raw.astype(dtype)
+
+
+def _has_b64(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return "b64" in value
+    if isinstance(value, list):
+        return any(_has_b64(v) for v in value[:1])
+    return False
+
+
+def _json_value(arr: np.ndarray) -> Any:
+    arr = np.asarray(arr)
+    if arr.dtype.kind == "f" and arr.dtype.itemsize < 4 or arr.dtype.kind == "V" or str(arr.dtype) == "bfloat16":
+        arr = arr.astype(np.float32)   # bf16/f16 as float32 values (exact)
+    return arr.tolist()
+
+
+def encode_predict_response(outputs: Mapping[str, Any], request: PredictRequest) -> dict[str, Any]:
+    """The function's outputs -> the TF Serving response body for the request's form."""
+    names = [n for n in request.output_names if n in outputs] or list(outputs)
+    arrays = {n: np.asarray(outputs[n]) for n in names}
+    if not request.row_format:
+        if len(names) == 1:
+            return {"outputs": _json_value(arrays[names[0]])}
+        return {"outputs": {n: _json_value(a) for n, a in arrays.items()}}
+    batch = {n: (a.shape[0] if a.ndim else None) for n, a in arrays.items()}
+    if len(set(batch.values())) != 1 or None in batch.values():
+        raise PredictRequestError(f"outputs {batch} do not share a leading batch dim, which the row form needs; "
+                                  f"send the columnar 'inputs' form instead")
+    if len(names) == 1:
+        return {"predictions": _json_value(arrays[names[0]])}
+    values = {n: _json_value(a) for n, a in arrays.items()}
+    return {"predictions": [{n: values[n][i] for n in names} for i in range(next(iter(batch.values())))]}
