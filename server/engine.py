@@ -28,8 +28,9 @@ import time
 import traceback
 from typing import Callable, Iterator, Protocol, Sequence
 
+from .block_manager import BlockManager
 from .sampling import SamplingParams
-from .scheduler import RequestOutput, RunnerOutput, Scheduler, SchedulerPlan
+from .scheduler import RequestOutput, RunnerOutput, Scheduler, SchedulerConfig, SchedulerPlan
 
 log = logging.getLogger("hloserve.server.engine")
 
@@ -286,6 +287,13 @@ class Engine:
             self._inbox.append(("abort", request_id))
             self._cv.notify()
 
+    def warmup(self, progress: Callable[[str], None] | None = None) -> int:
+        """Compile every shape the runner can be asked for (before /ready); returns compiles done."""
+        warm = getattr(self.runner, "warmup", None)
+        n = warm(progress) if callable(warm) else 0
+        self._snapshot = self._take_snapshot()
+        return n
+
     def metrics(self) -> MetricsSnapshot:
         with self._snapshot_lock:
             return self._snapshot
@@ -405,3 +413,73 @@ class Engine:
             num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
             finished=dict(self._finished), steps=self._steps, ttft=self._ttft.copy(), itl=self._itl.copy(),
             e2e=self._e2e.copy(), runner=dict(runner_stats()) if callable(runner_stats) else {})
+
+
+# -- wiring an artifact into an engine ------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Serving limits, parsed once at the edge (CLI flags / app settings).
+
+    Attributes:
+      max_num_seqs / max_num_batched_tokens: per-step limits (SchedulerConfig); the runner's
+        largest S and T buckets equal them.
+      max_model_len: context per request; None = the artifact's max_context.
+      kv_cache_bytes: device memory for the KV cache (sets num_blocks); num_blocks overrides it.
+      block_buckets: how many block-table widths to compile (x4 apart, the largest covers max_model_len).
+      min_token_bucket: the smallest prefill T bucket.
+      enable_prefix_caching / admission_watermark: scheduler policy knobs.
+      platform: "cpu", "gpu", "tpu" or None for jax's default.
+    """
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    kv_cache_bytes: int = 512 << 20
+    num_blocks: int | None = None
+    block_buckets: int = 2
+    min_token_bucket: int = 16
+    enable_prefix_caching: bool = True
+    admission_watermark: float = 0.01
+    platform: str | None = None
+
+
+def build_engine(artifact_path: str, config: EngineConfig = EngineConfig(), *, strict: bool = True):
+    """Load an LLM artifact and wire runner, block manager, tokenizer and scheduler.
+
+    Returns (engine, tokenizer); the tokenizer is None when the artifact ships none.
+    The engine is not started and not warmed up: call `engine.warmup()` (every
+    bucket compiles; /ready waits for it), then `engine.start()`.
+    """
+    import os
+
+    from hloserve.exporter import artifact
+
+    from .model_runner import ModelRunner, RunnerConfig
+    from .tokenizer import Tokenizer
+
+    manifest = artifact.read_manifest(artifact_path)
+    llm = manifest.model.get("llm")
+    if not isinstance(llm, dict):
+        raise ValueError(f"artifact {artifact_path} is not an LLM step artifact (no model['llm'] in its manifest); "
+                         f"serve it with the predict API instead")
+    bs, max_ctx = int(llm["block_size"]), int(llm["max_context"])
+    max_len = min(config.max_model_len or max_ctx, max_ctx)
+    if config.max_model_len and config.max_model_len > max_ctx:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the artifact's max_context {max_ctx}; "
+                         f"re-export with a longer context or lower max_model_len")
+    if config.max_num_seqs > int(llm["max_seqs"]) or config.max_num_batched_tokens > int(llm["max_tokens"]):
+        raise ValueError(f"max_num_seqs={config.max_num_seqs} / max_num_batched_tokens={config.max_num_batched_tokens} "
+                         f"exceed the artifact's max_seqs={llm['max_seqs']} / max_tokens={llm['max_tokens']}")
+    rcfg = RunnerConfig.for_limits(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_blocks=-(-max_len // bs), num_blocks=config.num_blocks,
+                                   kv_cache_bytes=config.kv_cache_bytes, min_tokens=config.min_token_bucket,
+                                   block_buckets=config.block_buckets)
+    runner = ModelRunner.from_artifact(artifact_path, rcfg, platform=config.platform, strict=strict)
+    tok_file = manifest.model.get("tokenizer")
+    tokenizer = (Tokenizer.from_artifact(artifact_path, manifest.model)
+                 if tok_file and os.path.exists(os.path.join(artifact_path, tok_file)) else None)
+    eos = tokenizer.eos_token_ids if tokenizer else tuple(llm.get("eos_token_ids") or ())
+    sched = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
+                                      config.admission_watermark),
+                      BlockManager(runner.num_blocks, bs, enable_prefix_caching=config.enable_prefix_caching),
+                      decoder=tokenizer, eos_token_ids=eos)
+    return Engine(sched, runner, vocab_size=runner.vocab_size), tokenizer

@@ -206,6 +206,9 @@ class Scheduler:
         if n + params.max_tokens > limit:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds the "
                              f"model's context of {limit} tokens; lower max_tokens to at most {limit - n}")
+        if params.stop and self.decoder is None:
+            raise ValueError("stop strings need a tokenizer to detokenize the output, and this engine has none; "
+                             "use stop_token_ids instead")
         need = self.blocks.num_blocks_needed(n + params.max_tokens - 1)   # the last token is never computed
         if need > self.blocks.total_blocks:
             raise ValueError(f"prompt + max_tokens needs {need} KV blocks but the cache has {self.blocks.total_blocks}; "

@@ -136,3 +136,23 @@ def test_engine_thread_on_the_real_artifact(tiny_llm, runner):
     m = eng.metrics()
     assert m.runner["compiles_after_warmup_total"] == 0 and m.kv_free_blocks == m.kv_total_blocks
     assert np.isfinite(m.ttft.sum) and m.ttft.count == 4
+
+
+@pytest.mark.slow
+def test_build_engine_wires_an_artifact(tiny_llm):
+    from hloserve.server.engine import EngineConfig, build_engine
+    hf, art = tiny_llm
+    with pytest.raises(ValueError, match="exceeds the artifact's max_context 128"):
+        build_engine(art, EngineConfig(max_model_len=256))
+    with pytest.raises(ValueError, match="exceed the artifact's max_seqs=8"):
+        build_engine(art, EngineConfig(max_num_seqs=16, max_num_batched_tokens=64))
+    eng, tok = build_engine(art, EngineConfig(max_num_seqs=1, max_num_batched_tokens=32, block_buckets=1,
+                                              num_blocks=32, platform="cpu"))
+    assert tok is None                                         # save_pretrained of a bare model ships no tokenizer
+    assert eng.scheduler.config.max_model_len == 128 and eng.scheduler.eos_token_ids == {2}
+    assert eng.warmup() == 3                                   # decode (1,1) + prefill (16,1), (32,1), width 16
+    with eng:
+        out = list(eng.add_request([4, 5, 6], SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)))
+    assert [t for o in out for t in o.new_token_ids] == hf_greedy(hf, [4, 5, 6], GEN)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        eng.add_request([1], SamplingParams(stop=["x"]))
