@@ -20,8 +20,10 @@ Interface
                            model.layers.N.self_attn.{q,k,v,o}_proj.weight (+ q/k/v .bias if present),
                            model.layers.N.mlp.{gate,up,down}_proj.weight, model.norm.weight,
                            lm_head.weight (only when the file has output.weight, i.e. untied).
-    ckpt.state_dict()      LazyStateDict: Mapping HF name -> torch.float32 tensor, dequantized on
-                           each access (nothing is cached; iterate once).
+    ckpt.state_dict(reporter=None)
+                           LazyStateDict: Mapping HF name -> torch.float32 tensor, dequantized on
+                           each access (nothing is cached; read each name once); prints a progress
+                           line per quarter of the bytes (stderr; pass progress.QUIET to silence).
     ckpt.materialize(reporter=None, dtype=torch.float32)
                            dict HF name -> tensor, all dequantized, with a progress bar (stderr;
                            pass progress.QUIET to silence).
@@ -40,6 +42,9 @@ Interface
     t.row_perm             None, or int64 [rows]: HF row i is file row row_perm[i] (see below)
     t.blocks()             uint8 [*shape[:-1], shape[-1] // block_size, type_size], HF row order:
                            the quantized blocks exactly as stored, rows reordered (no float round trip)
+    t.block_fields()       Q4_0/Q4_1/Q8_0 only: {"d": f16 [..., nb], "m": f16 (Q4_1), "q": [..., nb, 32]
+                           uint8 0..15 (Q4_*) or int8 (Q8_0)}, HF row order; value = (q - 8) * d (Q4_0),
+                           q * d + m (Q4_1), q * d (Q8_0), bit-exact in float32
     t.dequantize()         np.float32 array of t.shape, HF row order; bit-identical to
                            gguf.quants.dequantize(t.raw, type)[t.row_perm]
 
@@ -90,6 +95,8 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# ggml block type -> (float16 fields before the quants, quants packed as nibbles)
+_BLOCK_LAYOUTS = {"Q4_0": (("d",), True), "Q4_1": (("d", "m"), True), "Q8_0": (("d",), False)}
 # Tensors that are not weights of the HF model; their contents go into the config instead.
 _CONFIG_TENSORS = ("rope_freqs.weight",)
 
@@ -117,6 +124,28 @@ class GGUFTensor:
         data = np.asarray(self.raw).view(np.uint8)
         data = data.reshape(*self.shape[:-1], self.shape[-1] // self.block_size, self.type_size)
         return data[self.row_perm] if self.row_perm is not None else data.copy()
+
+    def block_fields(self) -> dict[str, np.ndarray]:
+        """The blocks of a Q4_0 / Q4_1 / Q8_0 tensor split into their fields, HF row order.
+
+        Returns {"d": float16 [..., nb] scales, "m": float16 [..., nb] minimums (Q4_1 only),
+        "q": [..., nb, 32] quantized values in element order: uint8 0..15 for Q4_0 (value (q - 8) * d)
+        and Q4_1 (value q * d + m), int8 for Q8_0 (value q * d)}, with [...] = shape[:-1] and
+        nb = shape[-1] // 32. Computed in float32 these formulas give `dequantize()` exactly.
+        """
+        if self.ggml_type not in _BLOCK_LAYOUTS:
+            raise SourceError(f"{self.gguf_name}: block fields are defined for {sorted(_BLOCK_LAYOUTS)}, "
+                              f"not {self.ggml_type}; use dequantize()")
+        scales, nibbles = _BLOCK_LAYOUTS[self.ggml_type]
+        b = self.blocks()                                                 # [..., nb, type_size]
+        out = {name: np.ascontiguousarray(b[..., 2 * i:2 * i + 2]).view(np.float16)[..., 0]
+               for i, name in enumerate(scales)}                          # [..., nb] each
+        qs = b[..., 2 * len(scales):]                                     # [..., nb, 16 | 32]
+        if nibbles:  # element j < 16 in the low nibble of byte j, element j + 16 in its high nibble
+            out["q"] = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)      # [..., nb, 32]
+        else:
+            out["q"] = qs.view(np.int8)                                   # [..., nb, 32]
+        return out
 
     def dequantize(self) -> np.ndarray:
         """float32 values of `shape` in HF row order (gguf.quants' own dequantization, rows reordered)."""
@@ -146,14 +175,30 @@ class SpecialTokens:
 
 
 class LazyStateDict(Mapping[str, "torch.Tensor"]):
-    """HF name -> float32 torch tensor, dequantized from the file on each access."""
+    """HF name -> float32 torch tensor, dequantized from the file on each access.
 
-    def __init__(self, tensors: Mapping[str, GGUFTensor]):
+    Progress: the reporter gets a stage line each time another quarter of the file's bytes has
+    been dequantized (first access of each name counts).
+    """
+
+    def __init__(self, tensors: Mapping[str, GGUFTensor], reporter: "Reporter"):
         self._tensors = tensors
+        self._reporter = reporter
+        self._seen: set[str] = set()
+        self._done = 0
+        self._total = sum(t.nbytes for t in tensors.values()) or 1
 
     def __getitem__(self, name: str) -> "torch.Tensor":
         import torch
-        return torch.from_numpy(self._tensors[name].dequantize())
+        value = torch.from_numpy(self._tensors[name].dequantize())
+        if name not in self._seen:
+            self._seen.add(name)
+            before = 4 * self._done // self._total
+            self._done += self._tensors[name].nbytes
+            if 4 * self._done // self._total > before:
+                self._reporter.stage(f"dequantized {len(self._seen)}/{len(self._tensors)} GGUF tensors "
+                                     f"({100 * self._done // self._total}% of {self._total / 2**20:.0f} MiB)")
+        return value
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
@@ -174,8 +219,10 @@ class GGUFCheckpoint:
     special_tokens: SpecialTokens
     metadata: dict
 
-    def state_dict(self) -> LazyStateDict:
-        return LazyStateDict(self.tensors)
+    def state_dict(self, reporter: "Reporter | None" = None) -> LazyStateDict:
+        """Lazily dequantized weights; progress lines go to `reporter` (default: stderr; progress.QUIET: none)."""
+        from ..progress import Reporter
+        return LazyStateDict(self.tensors, Reporter() if reporter is None else reporter)
 
     def materialize(self, reporter: "Reporter | None" = None, dtype: "torch.dtype | None" = None
                     ) -> dict[str, "torch.Tensor"]:

@@ -1,0 +1,117 @@
+"""The real SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to f32) exported by the CLI preset and run
+through the runtime with the paged KV cache: greedy continuations of three chat prompts equal
+transformers' eager greedy output on the same dequantized weights (transformers' own GGUF loader;
+test_gguf.py checks that its weights equal ours bit for bit) for 64 tokens.
+
+The three sequences run batched: one `prefill` step for all prompts, then `decode` steps of one token
+per sequence; their blocks are interleaved in one cache so each block table is non-contiguous.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 64
+# Prompts whose answers run past 64 tokens, so every position is compared (no early EOS).
+CHATS = [
+    [{"role": "user", "content": "Write a short story about a robot who learns to paint."}],
+    [{"role": "system", "content": "You are a patient teacher."},
+     {"role": "user", "content": "Explain step by step how photosynthesis works."}],
+    [{"role": "user", "content": "List ten tips for staying productive while working from home."}],
+]
+# Last-token logits of the prompts, runtime vs transformers eager (f32, 30 layers): measured max |diff|
+# is ~1e-5; the bound leaves room for other CPU/accelerator reduction orders.
+LOGITS_ATOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def smollm2_artifact(tmp_path_factory) -> str:
+    """`hloserve export smollm2-135m-instruct -o OUT`, once per module."""
+    from hloserve.exporter.cli import main
+    out = str(tmp_path_factory.mktemp("smollm2") / "art")
+    assert main(["export", "smollm2-135m-instruct", "-o", out, "-q"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    import transformers
+
+    from hloserve.exporter import presets
+    path = presets.resolve("smollm2-135m-instruct", quiet=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def _prompts(art: str) -> list[list[int]]:
+    """The chats rendered with the artifact's chat template and encoded with its tokenizer.json."""
+    import tokenizers
+
+    from hloserve.exporter.models.tokenizer import render_chat_template
+    with open(os.path.join(art, "manifest.json")) as f:
+        model = json.load(f)["model"]
+    assert model["chat_template"], "the artifact must carry the GGUF chat template"
+    tok = tokenizers.Tokenizer.from_file(os.path.join(art, model.get("tokenizer") or "tokenizer.json"))
+    texts = [render_chat_template(model["chat_template"], chat, add_generation_prompt=True) for chat in CHATS]
+    assert texts[0].endswith("<|im_start|>assistant\n")
+    return [tok.encode(t, add_special_tokens=bool(model.get("add_bos_token", False))).ids for t in texts]
+
+
+def _runtime_greedy(art: str, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], np.ndarray]:
+    """Greedy decoding of all prompts at once through the artifact; returns (continuations, prefill logits)."""
+    from hloserve.exporter.models.llama import build_step_inputs
+    from hloserve.runtime.loader import load
+
+    rt = load(art)
+    llm = rt.manifest.model["llm"]
+    bs = llm["block_size"]
+    # blocks interleaved between sequences (1, 4, 7, ... for seq 0), block 0 is the null block
+    need = [-(-(len(p) + new_tokens) // bs) for p in prompts]
+    S = len(prompts)
+    tables = [[1 + s + S * i for i in range(n)] for s, n in enumerate(need)]
+    num_blocks = 1 + S * max(need)
+    width = max(need)
+    cache = np.zeros((llm["num_layers"], 2, num_blocks, bs, llm["num_kv_heads"], llm["head_dim"]), np.float32)
+
+    step = build_step_inputs([(p, 0, t) for p, t in zip(prompts, tables)], bs, pad_blocks=width)
+    out = rt.functions["prefill"](**step, kv_cache=cache)
+    prefill_logits = np.asarray(out["logits"])
+    cache = out["kv_cache"]
+    seqs = [list(p) for p in prompts]
+    for i in range(new_tokens):
+        nxt = np.asarray(out["logits"]).argmax(-1)
+        for s in range(S):
+            seqs[s].append(int(nxt[s]))
+        if i == new_tokens - 1:
+            break
+        step = build_step_inputs([(sq[-1:], len(sq) - 1, t) for sq, t in zip(seqs, tables)], bs, pad_blocks=width)
+        out = rt.functions["decode"](**step, kv_cache=cache)
+        cache = out["kv_cache"]
+    return [sq[len(p):] for sq, p in zip(seqs, prompts)], prefill_logits
+
+
+def test_smollm2_greedy_matches_transformers(smollm2_artifact, hf_model):
+    with open(os.path.join(smollm2_artifact, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert set(manifest["functions"]) >= {"prefill", "decode"}
+    assert manifest["model"]["preset"] == "smollm2-135m-instruct"
+    prompts = _prompts(smollm2_artifact)
+    got, prefill_logits = _runtime_greedy(smollm2_artifact, prompts, NEW_TOKENS)
+
+    eos = hf_model.config.eos_token_id
+    for i, (prompt, cont) in enumerate(zip(prompts, got)):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want_logits = hf_model(ids).logits[0, -1].numpy()
+            want = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                     do_sample=False, pad_token_id=eos)[0, len(prompt):].tolist()
+        np.testing.assert_allclose(prefill_logits[i], want_logits, rtol=0, atol=LOGITS_ATOL)
+        assert len(want) == NEW_TOKENS and eos not in want, f"prompt {i}: reference ended early; pick a longer prompt"
+        assert cont == want, f"prompt {i}: first difference at token {next(j for j, (a, b) in enumerate(zip(cont, want)) if a != b)}"
