@@ -259,3 +259,63 @@ def test_empty_runner_output_for_prefill_only_plan():
     plan = sched.schedule()
     assert not plan.seqs[0].needs_logits
     assert sched.update(plan, RunnerOutput({})) == []
+
+
+# -- property test: random workloads with aborts -------------------------------------
+from hypothesis import event, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+workload = st.lists(st.tuples(st.integers(1, 24),          # prompt length
+                              st.integers(0, 2),           # prompt family (shared prefixes -> cache hits)
+                              st.integers(1, 10),          # max_tokens
+                              st.integers(0, 40)),         # abort at this step (> 30: never)
+                    min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(workload, st.integers(8, 24), st.sampled_from([2, 4]))
+def test_random_workloads_keep_every_invariant(reqs, num_blocks, block_size):
+    sched, runner = make(num_blocks=num_blocks, block_size=block_size, max_num_seqs=3, max_tokens=8,
+                         max_model_len=40, watermark=0.05)
+    prompts, aborts = {}, {}
+    for i, (n, fam, max_tokens, abort_at) in enumerate(reqs):
+        prompt = [(fam * 16 + k) % VOCAB for k in range(n)]
+        try:
+            sched.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))
+        except ValueError:
+            continue                                          # does not fit the pool: rejected up front
+        prompts[f"r{i}"] = (prompt, max_tokens)
+        aborts.setdefault(abort_at, []).append(f"r{i}")
+    got: dict[str, list[int]] = {}
+    finished = {}
+    for step in range(2000):
+        if not sched.has_unfinished():
+            break
+        for rid in aborts.get(step, []):
+            out = sched.abort(rid)
+            if out is not None:
+                finished[rid] = out.finish_reason
+        plan = sched.schedule()
+        assert plan.num_tokens <= 8 and len(plan.seqs) <= 3
+        assert len({s.request_id for s in plan.seqs}) == len(plan.seqs)
+        for o in sched.update(plan, runner.execute(plan)):
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                finished[o.request_id] = o.finish_reason
+        sched.blocks.check_invariants()
+        for s in plan.seqs:                                   # the cache held exactly prompt + outputs
+            if s.request_id in runner.contexts and s.needs_logits and s.request_id in prompts:
+                prompt, _ = prompts[s.request_id]
+                ctx = runner.contexts[s.request_id]
+                assert ctx == (prompt + got.get(s.request_id, []))[:len(ctx)]
+    assert not sched.has_unfinished()
+    assert set(finished) == set(prompts)
+    for rid, (prompt, max_tokens) in prompts.items():
+        toks = got.get(rid, [])
+        assert toks == [(prompt[-1] + k) % VOCAB for k in range(1, len(toks) + 1)]
+        if finished[rid] == "length":
+            assert len(toks) == max_tokens
+    assert sched.blocks.num_free_blocks == sched.blocks.total_blocks
+    event(f"preempted: {sched.stats.num_preemptions > 0}")
+    event(f"prefix hits: {sched.stats.prefix_cache_hits > 0}")
+    event(f"aborted: {'abort' in finished.values()}")
