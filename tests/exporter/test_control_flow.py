@@ -1,4 +1,4 @@
-"""Higher-order ops (torch.cond, while_loop, scan) against torch eager, plus the
+"""Higher-order ops (torch.cond, while_loop, scan, map) against torch eager, plus the
 StableHLO structure they lower to (one stablehlo.case / stablehlo.while per op,
 bodies emitted once)."""
 from __future__ import annotations
@@ -90,6 +90,30 @@ def test_cond_on_a_symbolic_dim_is_decided_at_run_time(tmp_path):
     small = _check(fn, m, (torch.randn(2, 4),))
     big = _check(fn, m, (torch.randn(7, 4),))
     assert np.asarray(small["output"]).min() > 90 and np.asarray(big["output"]).max() < 90
+
+
+class CondWithSizes(torch.nn.Module):
+    """A branch reshapes with the symbolic batch size (a SymInt operand) and both return an int tensor too."""
+
+    def forward(self, x):                         # x: (B, 4)
+        b = x.shape[0]
+
+        def yes(x):
+            return x.argmax(-1), x.reshape(b, 2, 2).sum(1) + b
+
+        def no(x):
+            return x.argmin(-1), x[:, :2] * 2.0
+
+        return torch.cond(x.sum() > 0, yes, no, (x,))
+
+
+def test_cond_with_symbolic_size_operands_and_int_outputs(tmp_path):
+    m = CondWithSizes()
+    fn, text = _export(tmp_path, m, (torch.randn(3, 4),), ({0: Dim("batch", min=1, max=32)},))
+    assert _branches(text) == 1
+    assert [t.dtype for t in fn.spec.outputs] == ["i32", "f32"]
+    _check(fn, m, (torch.randn(5, 4) + 1,))
+    _check(fn, m, (torch.randn(6, 4) - 1,))
 
 
 # -- while_loop ----------------------------------------------------------------------
@@ -201,6 +225,19 @@ def test_cond_nested_in_scan_is_emitted_once(tmp_path):
     fn, text = _export(tmp_path, m, (torch.randn(3), torch.randn(6, 3)))
     assert _count(text, "stablehlo.while") == 1 and _branches(text) == 1
     _check(fn, m, (torch.randn(3), torch.randn(6, 3)))
+
+
+class MapRows(torch.nn.Module):
+    def forward(self, xs, y):                     # xs: (T, 3), y: (3,)
+        from torch._higher_order_ops.map import map as map_rows
+        return map_rows(lambda x, y: torch.sin(x) * y + 1, xs, y)
+
+
+def test_map_lowers_to_one_loop(tmp_path):
+    m = MapRows()
+    fn, text = _export(tmp_path, m, (torch.randn(5, 3), torch.randn(3)))
+    assert _count(text, "stablehlo.while") == 1
+    _check(fn, m, (torch.randn(5, 3), torch.randn(3)))
 
 
 # -- a 24-layer stack written with scan is the size of one layer ---------------------
