@@ -247,14 +247,17 @@ class Function:
         return envs
 
     def warmup(self, sizes: Mapping[str, Sequence[int]] | None = None,
-               progress: Callable[[str], None] | None = None, *, run: bool = True) -> int:
+               progress: Callable[[str], None] | None = None, *, run: bool | None = None) -> int:
         """Compile every warm-up shape (see warmup_envs); returns how many were new.
 
         run: also execute each new executable once on zeros. XLA:CPU initializes an
         executable's kernels on its first run (~0.25 s for MiniLM), which would
-        otherwise land on the first real request of each bucket. It needs memory for
-        one set of inputs (a donated KV cache included); pass run=False to skip it.
+        otherwise land on the first real request of each bucket. The default runs
+        functions without donated inputs only: a dummy run of a function with a
+        donated KV cache would need a second cache's worth of memory.
         """
+        if run is None:
+            run = not self.spec.donated
         envs = self.warmup_envs(sizes)
         new = 0
         for i, env in enumerate(envs, 1):

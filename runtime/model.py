@@ -47,13 +47,14 @@ class LoadedModel:
     functions: dict[str, Function]
 
     def warmup(self, sizes: Mapping[str, Sequence[int]] | None = None, *, functions: Sequence[str] | None = None,
-               progress: Callable[[str], None] | None = None, run: bool = True) -> int:
+               progress: Callable[[str], None] | None = None, run: bool | None = None) -> int:
         """Compile every bucket of every (or the named) function ahead of time; returns compiles done.
 
         sizes: per dim, the sizes to warm: required for dims that are not paddable
         (they compile per exact size); for paddable dims it narrows the buckets warmed.
         After warm-up, any further compile is logged as unplanned (raises in strict mode).
-        run: execute each new executable once on zeros (see Function.warmup).
+        run: execute each new executable once on zeros (default: functions without donated inputs;
+          see Function.warmup).
         """
         names = list(functions or self.functions)
         for n in names:
