@@ -37,12 +37,8 @@ def _export(args: argparse.Namespace) -> int:
         entries = [e for e in entries if e.name in args.function]
     apply_dynamic(entries, args.dynamic, args.pad.split(",") if args.pad else ())
     model = dict(source.model, dtype=args.dtype)
-    if source.files:
-        model["files"] = sorted(source.files)
     manifest = export_artifact(args.output, entries, source=args.source, model=model,
-                               platforms=args.platforms.split(","), reporter=reporter)
-    for name, path in source.files.items():
-        shutil.copy(path, os.path.join(args.output, name))
+                               platforms=args.platforms.split(","), reporter=reporter, files=source.files)
     for fn in manifest.functions.values():
         ins = ", ".join(f"{t.name}: {t.describe()}" for t in fn.inputs)
         reporter.stage(f"  {fn.name}({ins})")
@@ -56,7 +52,7 @@ def _write_savedmodel(artifact_dir: str, out: str, *, reporter, **options) -> No
     reporter.stage(f"writing TensorFlow SavedModel to {out} (XlaCallModule)")
     info = to_savedmodel(artifact_dir, out, **options)
     reporter.stage(f"  XlaCallModule version {info.call_module_version}, platforms "
-                   f"{','.join(info.platforms) or 'any'}, {info.variables} variables "
+                   f"{','.join(info.platforms)}{'' if info.platform_check else ' (check disabled)'}, {info.variables} variables "
                    f"({info.variable_bytes / 2**20:.1f} MiB), TensorFlow {info.tensorflow}")
     for key, sig in info.signatures.items():
         ins = ", ".join(f"{n}: {d}{list(s)}" for n, d, s in sig.inputs)
@@ -144,6 +140,19 @@ def _runtime_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cache", action="store_true", help="disable the persistent compilation cache")
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from hloserve.server.serve import serve
+    from hloserve.server.services import ServeConfig
+
+    config = ServeConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_mib << 20,
+                         max_pending=args.max_pending, max_batch_size=args.max_batch_size,
+                         batch_timeout_s=args.batch_timeout_ms / 1000, model_name=args.model_name,
+                         api_key=args.api_key or os.environ.get("HLOSERVE_API_KEY"), platform=args.platform)
+    serve(args.artifact, host=args.host, port=args.port, config=config, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hloserve", description="Export PyTorch models to StableHLO and serve them.")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -198,6 +207,22 @@ def build_parser() -> argparse.ArgumentParser:
     _runtime_options(b)
     b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     b.set_defaults(fn=_bench)
+    sv = sub.add_parser("serve", help="serve an artifact over HTTP (OpenAI API for LLMs, TF Serving predict otherwise)")
+    sv.add_argument("artifact", nargs="?", help="artifact directory (default: export and serve SmolLM2-135M-Instruct)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set HLOSERVE_API_KEY)")
+    sv.add_argument("--model-name", help="model name clients use (default: the artifact directory's name)")
+    sv.add_argument("--max-num-seqs", type=int, default=16, help="LLM: sequences per step")
+    sv.add_argument("--max-num-batched-tokens", type=int, default=256, help="LLM: tokens per step (chunked prefill)")
+    sv.add_argument("--max-model-len", type=int, help="LLM: context per request (default: the artifact's)")
+    sv.add_argument("--kv-cache-mib", type=int, default=256, help="LLM: device memory for the paged KV cache")
+    sv.add_argument("--max-pending", type=int, default=256, help="requests in flight before answering 429")
+    sv.add_argument("--max-batch-size", type=int, default=32, help="predict: rows batched per call")
+    sv.add_argument("--batch-timeout-ms", type=float, default=5.0, help="predict: wait for a batch to fill")
+    sv.add_argument("--platform", help="PJRT platform (cpu, cuda, tpu); default: jax's")
+    sv.add_argument("--log-level", default="warning", help="uvicorn log level")
+    sv.set_defaults(fn=_serve)
     return p
 
 

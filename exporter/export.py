@@ -220,8 +220,13 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str, model: Mapping[str, Any] | None = None,
                     platforms: Sequence[str] = DEFAULT_PLATFORMS, reporter: Reporter = QUIET,
-                    extra_weights: Mapping[str, np.ndarray] | None = None) -> artifact.Manifest:
-    """Lower every entry point and write the artifact directory `out_dir`."""
+                    extra_weights: Mapping[str, np.ndarray] | None = None,
+                    files: Mapping[str, str] | None = None) -> artifact.Manifest:
+    """Lower every entry point and write the artifact directory `out_dir`.
+
+    `files` (name -> path) are copied into the artifact (tokenizer.json, ...) and
+    listed with their sha256 in manifest.model["files"].
+    """
     if os.path.exists(os.path.join(out_dir, artifact.MANIFEST)):
         shutil.rmtree(out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -268,12 +273,17 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
         except md.PackageNotFoundError:
             return "unknown"
 
+    model = dict(model or {})
+    if files:
+        for name, src_path in files.items():
+            shutil.copy(src_path, os.path.join(out_dir, name))
+        model["files"] = {name: artifact.file_digest(os.path.join(out_dir, name)) for name in files}
     manifest = artifact.Manifest(
         format_version=artifact.FORMAT_VERSION,
         producer={"hloserve": version("hloserve"), "torch": torch.__version__, "jax": jax.__version__},
         source=source, functions=functions,
         weights={n: artifact.WeightSpec(n, d, s, digests[n]) for n, (d, s) in specs.items()},
-        symbols=symbols, model=dict(model or {}))
+        symbols=symbols, model=model)
     artifact.write_manifest(out_dir, manifest)
     reporter.stage(f"artifact written to {out_dir}")
     return manifest

@@ -19,5 +19,5 @@ def minilm_artifact(tmp_path_factory, minilm_dir) -> str:
     from hloserve.exporter.sources import load_source
     out = str(tmp_path_factory.mktemp("minilm") / "art")
     src = load_source(minilm_dir)
-    export_artifact(out, src.entries, source="all-minilm-l6-v2", model=src.model)
+    export_artifact(out, src.entries, source="all-minilm-l6-v2", model=src.model, files=src.files)
     return out

@@ -1,0 +1,61 @@
+"""`hloserve serve [ARTIFACT]`: build the service, start uvicorn, warm up in the background.
+
+/health answers at once; /ready answers 503 until warm-up has compiled every
+bucket (then the engine loop starts). With no ARTIFACT, the default model
+(SmolLM2-135M-Instruct) is exported into the cache on first use — in a
+subprocess, so the serving process itself never imports torch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+from .services import ServeConfig, build_service
+
+DEFAULT_PRESET = "smollm2-135m-instruct"
+log = logging.getLogger("hloserve.server")
+
+
+def default_artifact(preset: str = DEFAULT_PRESET) -> str:
+    """The default model's artifact, exported into the cache the first time."""
+    from hloserve.exporter.presets import cache_dir
+    path = os.path.join(cache_dir(), "artifacts", preset)
+    if os.path.exists(os.path.join(path, "manifest.json")):
+        return path
+    print(f"[hloserve] first run: exporting {preset} to {path} (once; later starts reuse it)", file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "hloserve.exporter.cli", "export", preset, "-o", path]
+    if subprocess.run(cmd).returncode != 0:
+        from hloserve.exporter.errors import HloserveError
+        raise HloserveError(f"exporting the default model {preset} failed (see above); run `{' '.join(cmd[2:])}` to retry")
+    return path
+
+
+def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 8000, config: ServeConfig | None = None,
+          log_level: str = "info") -> None:
+    import uvicorn
+
+    from .app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="[hloserve] %(message)s")
+    config = config or ServeConfig()
+    path = artifact_path or default_artifact()
+    print(f"[hloserve] loading {path}", file=sys.stderr, flush=True)
+    service = build_service(path, config)
+    app = create_app(service, api_key=config.api_key)
+
+    def warm():
+        print(f"[hloserve] warming up {service.model_name} (compiling every bucket; /ready says 503 until done)",
+              file=sys.stderr, flush=True)
+        service.warmup()
+        state = "ready" if service.readiness.ready else service.readiness.error
+        print(f"[hloserve] {service.model_name}: {state}", file=sys.stderr, flush=True)
+
+    threading.Thread(target=warm, name="hloserve-warmup", daemon=True).start()
+    print(f"[hloserve] serving {service.model_name} on http://{host}:{port}", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        service.close()

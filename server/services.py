@@ -1,0 +1,280 @@
+"""What the HTTP app serves: an LLM engine (OpenAI API) or a predict model (TF Serving API).
+
+Both are built from an artifact by `build_service` and own their device work:
+the LLM engine's loop thread, or the predict batcher's single worker. Both
+start "not ready" and become ready after warm-up has compiled every bucket.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+log = logging.getLogger("hloserve.server")
+
+
+@dataclasses.dataclass
+class ServeConfig:
+    """Server options, parsed once at the CLI edge.
+
+    Attributes:
+      max_num_seqs / max_num_batched_tokens: the LLM scheduler's per-step limits.
+      max_model_len: context per request (<= the artifact's max_context); None: the artifact's.
+      kv_cache_bytes: device memory for the paged KV cache.
+      max_pending: requests admitted at once (queued + running); more answer 429 with Retry-After.
+      max_batch_size / batch_timeout_s: predict batching (TF Serving's batching_parameters).
+      model_name: the name clients use (default: the artifact directory's name).
+      api_key: when set, /v1/* requires `Authorization: Bearer KEY`.
+    """
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_model_len: int | None = None
+    kv_cache_bytes: int = 256 << 20
+    num_blocks: int | None = None
+    max_pending: int = 256
+    max_batch_size: int = 32
+    batch_timeout_s: float = 0.005
+    model_name: str | None = None
+    api_key: str | None = None
+    platform: str | None = None
+    strict: bool = True
+
+
+class Readiness:
+    """Ready once warm-up ends; `error` holds why warm-up failed, if it did."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self.error: str | None = None
+        self.progress = "starting"
+
+    def set(self) -> None:
+        self._event.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._event.is_set() and self.error is None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+
+class Admission:
+    """Counts requests in flight; refuses past `limit` (the server answers 429)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def try_enter(self) -> bool:
+        with self._lock:
+            if self._n >= self.limit:
+                return False
+            self._n += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self._n -= 1
+
+    @property
+    def in_flight(self) -> int:
+        return self._n
+
+
+@dataclasses.dataclass
+class LLMService:
+    engine: Any                    # server.engine.Engine
+    tokenizer: Any                 # server.tokenizer.Tokenizer
+    runner: Any                    # server.model_runner.ModelRunner (recompile counters)
+    model_name: str
+    max_model_len: int
+    readiness: Readiness
+    admission: Admission
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    kind: str = "llm"
+
+    def warmup(self) -> None:
+        """Compile every serving shape, then start the engine loop and report ready."""
+        try:
+            n = self.runner.warmup(lambda msg: setattr(self.readiness, "progress", msg))
+            log.info("warm-up compiled %d executables; ready", n)
+            self.engine.start()
+        except Exception as e:  # noqa: BLE001 - reported on /ready and in the log
+            self.readiness.error = f"warm-up failed: {type(e).__name__}: {e}"
+            log.exception("warm-up failed")
+        self.readiness.set()
+
+    def close(self) -> None:
+        self.engine.stop()
+
+
+class PredictBatcher:
+    """Batches concurrent predict calls of one function along their shared leading dim.
+
+    Requests wait at most `timeout_s` for company, up to `max_batch_size` rows;
+    requests with different non-batch shapes run in separate batches. One worker
+    thread owns the device, as the LLM engine loop does.
+    """
+
+    def __init__(self, model: Any, max_batch_size: int, timeout_s: float):
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.timeout_s = timeout_s
+        self._queue: asyncio.Queue | None = None
+        self._task: asyncio.Task | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hloserve-predict")
+        self.batches = 0
+        self.batched_requests = 0
+
+    def batch_dim(self, function: str) -> str | None:
+        """The symbol every input shares as dim 0, if the function is batchable."""
+        spec = self.model.functions[function].spec
+        firsts = {t.shape[0] if t.shape else None for t in spec.inputs}
+        (first,) = firsts if len(firsts) == 1 else (None,)
+        return first if isinstance(first, str) and first.isidentifier() else None
+
+    async def run(self, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        loop = asyncio.get_running_loop()
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+            self._task = loop.create_task(self._collect())
+        if self.batch_dim(function) is None:
+            return await loop.run_in_executor(self._pool, self._call, function, dict(inputs))
+        fut = loop.create_future()
+        await self._queue.put((function, dict(inputs), fut))
+        return await fut
+
+    def _call(self, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = self.model.functions[function](**inputs)
+        return {k: np.asarray(v) for k, v in out.items()}
+
+    async def _collect(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            first = await self._queue.get()
+            batch = [first]
+            rows = len(next(iter(first[1].values())))
+            deadline = loop.time() + self.timeout_s
+            while rows < self.max_batch_size:
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), left)
+                except asyncio.TimeoutError:
+                    break
+                batch.append(item)
+                rows += len(next(iter(item[1].values())))
+            for group in self._groups(batch):
+                loop.create_task(self._run_group(group))
+
+    @staticmethod
+    def _groups(batch: list) -> list[list]:
+        groups: dict[tuple, list] = {}
+        for item in batch:
+            fn, inputs, _ = item
+            key = (fn, tuple((k, v.shape[1:], str(v.dtype)) for k, v in sorted(inputs.items())))
+            groups.setdefault(key, []).append(item)
+        return list(groups.values())
+
+    async def _run_group(self, group: list) -> None:
+        loop = asyncio.get_running_loop()
+        fn = group[0][0]
+        sizes = [len(next(iter(inputs.values()))) for _, inputs, _ in group]
+        merged = {k: np.concatenate([inputs[k] for _, inputs, _ in group]) for k in group[0][1]}
+        try:
+            out = await loop.run_in_executor(self._pool, self._call, fn, merged)
+        except Exception as e:  # noqa: BLE001 - handed to each waiting request
+            for _, _, fut in group:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        self.batches += 1
+        self.batched_requests += len(group)
+        start = 0
+        for (_, _, fut), n in zip(group, sizes):
+            if not fut.done():
+                fut.set_result({k: v[start:start + n] for k, v in out.items()})
+            start += n
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclasses.dataclass
+class PredictService:
+    model: Any                     # runtime.LoadedModel
+    model_name: str
+    batcher: PredictBatcher
+    readiness: Readiness
+    admission: Admission
+    version: int = 1
+    kind: str = "predict"
+
+    def warmup(self) -> None:
+        """Compile every bucket when all symbolic dims are paddable (bucketed).
+
+        A dim that is not paddable (e.g. a sequence length without a mask) compiles
+        per exact size on first use instead: its sizes are the clients' to choose.
+        """
+        try:
+            fixed = {d for fn in self.model.functions.values() for t in fn.spec.inputs for d in t.shape
+                     if isinstance(d, str) and d.isidentifier() and d not in fn.spec.paddable}
+            if not fixed:
+                self.model.warmup(progress=lambda m: setattr(self.readiness, "progress", m))
+        except Exception as e:  # noqa: BLE001 - reported on /ready and in the log
+            self.readiness.error = f"warm-up failed: {type(e).__name__}: {e}"
+            log.exception("warm-up failed")
+        self.readiness.set()
+
+    def close(self) -> None:
+        self.batcher.close()
+
+
+def build_service(artifact_path: str, config: ServeConfig) -> LLMService | PredictService:
+    """Load the artifact and build the service that fits it (LLM or predict). Does not warm up."""
+    import os
+
+    from hloserve import runtime
+    from hloserve.exporter import artifact
+
+    manifest = artifact.read_manifest(artifact_path)
+    name = config.model_name or os.path.basename(os.path.normpath(artifact_path))
+    readiness, admission = Readiness(), Admission(config.max_pending)
+    llm = manifest.model.get("llm")
+    if not isinstance(llm, Mapping):
+        model = runtime.load(artifact_path, platform=config.platform, strict=False)
+        return PredictService(model, name, PredictBatcher(model, config.max_batch_size, config.batch_timeout_s),
+                              readiness, admission)
+
+    from .block_manager import BlockManager
+    from .engine import Engine
+    from .model_runner import ModelRunner, RunnerConfig
+    from .scheduler import Scheduler, SchedulerConfig
+    from .tokenizer import Tokenizer
+
+    block_size = int(llm["block_size"])
+    max_len = min(config.max_model_len or int(llm["max_context"]), int(llm["max_context"]))
+    max_blocks = -(-max_len // block_size)
+    tokens = min(config.max_num_batched_tokens, int(llm.get("max_tokens", config.max_num_batched_tokens)))
+    seqs = min(config.max_num_seqs, int(llm.get("max_seqs", config.max_num_seqs)), tokens)
+    rcfg = RunnerConfig.for_limits(max_num_seqs=seqs, max_num_batched_tokens=tokens, max_blocks=max_blocks,
+                                   num_blocks=config.num_blocks, kv_cache_bytes=config.kv_cache_bytes)
+    runner = ModelRunner.from_artifact(artifact_path, rcfg, platform=config.platform, strict=config.strict)
+    tokenizer = Tokenizer.from_artifact(artifact_path, manifest.model)
+    blocks = BlockManager(runner.num_blocks, block_size)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=max(rcfg.seq_buckets), max_num_batched_tokens=max(rcfg.token_buckets),
+                                          max_model_len=max_len),
+                          blocks, decoder=tokenizer, eos_token_ids=tokenizer.eos_token_ids)
+    engine = Engine(scheduler, runner, vocab_size=runner.vocab_size)
+    return LLMService(engine, tokenizer, runner, name, max_len, readiness, admission)

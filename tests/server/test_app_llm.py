@@ -1,0 +1,161 @@
+"""The real server on 127.0.0.1 with an exported Llama artifact, driven by the real `openai` client.
+
+The model is a tiny random-init Llama using SmolLM2's real tokenizer and chat template (from the
+GGUF), so prompts, detokenization and templates are real; outputs are checked token-for-token
+against transformers' greedy generation on the same weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from .servers import running_server
+
+pytestmark = pytest.mark.slow
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_llm(tmp_path_factory):
+    import transformers
+
+    from hloserve.exporter import presets
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.models import llama_source
+    from hloserve.exporter.models.gguf import load_gguf
+    from hloserve.exporter.models.llama import StepExportOptions
+
+    ckpt = load_gguf(presets.resolve("smollm2-135m-instruct", quiet=True))
+    vocab = ckpt.config["vocab_size"]
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   bos_token_id=ckpt.special_tokens.bos_token_id,
+                                   eos_token_id=ckpt.special_tokens.eos_token_id, tie_word_embeddings=True)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    root = tmp_path_factory.mktemp("chat-llm")
+    hf.save_pretrained(str(root / "hf"))
+    (root / "hf" / "tokenizer.json").write_text(ckpt.tokenizer_json)
+    (root / "hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": ckpt.chat_template,
+                                                                    "add_bos_token": False}))
+    src = llama_source.from_hf_directory(str(root / "hf"), opts=StepExportOptions(
+        block_size=BLOCK, max_context=256, max_tokens=64, max_seqs=8))
+    art = str(root / "tiny-chat")
+    export_artifact(art, src.entries, source="tiny-chat", model=src.model, files=src.files)
+    return hf, art
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_llm):
+    _, art = tiny_chat_llm
+    with running_server(art, "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "128",
+                        "--api-key", "sk-test", "--max-pending", "64") as (base, proc):
+        yield base, proc
+
+
+def hf_greedy(hf, ids, n):
+    ids = list(ids)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            tok = int(torch.argmax(hf(torch.tensor([ids])).logits[0, -1]))
+            ids.append(tok)
+            out.append(tok)
+    return out
+
+
+def client(base):
+    import openai
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test", max_retries=0)
+
+
+def test_completion_matches_transformers_greedy(server, tiny_chat_llm):
+    hf, art = tiny_chat_llm
+    base, _ = server
+    from hloserve.server.tokenizer import Tokenizer
+    from hloserve.exporter import artifact
+    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    prompt = "The capital of France is"
+    ids = tok.encode(prompt)
+    want = hf_greedy(hf, ids, 12)
+    r = client(base).completions.create(model="tiny-chat", prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert r.choices[0].text == tok.decode(want)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 12
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_chat_streaming_equals_non_streaming(server):
+    base, _ = server
+    c = client(base)
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
+    full = c.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=10, temperature=0)
+    chunks = list(c.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert full.choices[0].message.role == "assistant"
+
+
+def test_seeded_sampling_reproducible_and_logprobs(server):
+    base, _ = server
+    c = client(base)
+    kw = dict(model="tiny-chat", prompt="Once upon a time", max_tokens=8, temperature=0.9, top_p=0.9, seed=7,
+              logprobs=2, extra_body={"top_k": 50, "ignore_eos": True})
+    a, b = c.completions.create(**kw), c.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text
+    lp = a.choices[0].logprobs
+    assert len(lp.tokens) == 8 and all(v <= 0 for v in lp.token_logprobs)
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+
+
+def test_models_and_auth(server):
+    base, _ = server
+    assert [m.id for m in client(base).models.list().data] == ["tiny-chat"]
+    r = httpx.get(f"{base}/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ("{not json", "malformed JSON"),
+    ({"model": "tiny-chat", "prompt": "hi", "max_token": 5}, "unknown field 'max_token'"),
+    ({"model": "tiny-chat", "prompt": "hi", "temperature": "hot"}, "invalid value for 'temperature'"),
+    ({"model": "tiny-chat", "prompt": "hi", "temperature": 3}, "invalid value for 'temperature'"),
+    ({"model": "tiny-chat", "prompt": "hi", "top_p": 0}, "invalid value for 'top_p'"),
+    ({"model": "tiny-chat", "prompt": "hi", "n": 2}, "invalid value for 'n'"),
+    ({"model": "tiny-chat", "prompt": "hi", "max_tokens": 1000}, "lower max_tokens to at most"),
+    ({"model": "tiny-chat", "prompt": "word " * 200}, "the model's context is 128 tokens"),
+    ({"model": "other", "prompt": "hi"}, "model 'other' does not exist"),
+    ({"prompt": "hi"}, "missing required field 'model'"),
+])
+def test_bad_requests_answer_400_and_server_keeps_serving(server, body, fragment):
+    base, _ = server
+    headers = {"Authorization": "Bearer sk-test", "Content-Type": "application/json"}
+    data = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{base}/v1/completions", content=data, headers=headers, timeout=30)
+    assert r.status_code in (400, 404), r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and err["type"]
+    assert httpx.get(f"{base}/health").status_code == 200
+
+
+def test_health_ready_metrics(server):
+    base, _ = server
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{base}/ready").status_code == 200
+    text = httpx.get(f"{base}/metrics").text
+    for name in ("vllm:time_to_first_token_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "hloserve:recompiles_after_warmup_total"):
+        assert name in text, name
+
+
+def test_serving_process_never_imports_torch(server):
+    _, proc = server
+    maps = open(f"/proc/{proc.pid}/maps").read()
+    assert "libtorch" not in maps
