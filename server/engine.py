@@ -291,7 +291,8 @@ class Engine:
         """Compile every shape the runner can be asked for (before /ready); returns compiles done."""
         warm = getattr(self.runner, "warmup", None)
         n = warm(progress) if callable(warm) else 0
-        self._snapshot = self._take_snapshot()
+        with self._snapshot_lock:
+            self._snapshot = self._take_snapshot()
         return n
 
     def metrics(self) -> MetricsSnapshot:
