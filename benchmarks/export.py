@@ -13,7 +13,9 @@
   MiniLM the interpreter's own ~1 GB dominates, so the increment over the
   RSS before the model was built is reported as well).
 
-Progress goes to stderr; each measurement ends with a one-line summary on stdout.
+Progress goes to stderr; tables (markdown, as in docs/performance.md) go to stdout.
+Artifacts are written to a temporary directory under $HLOSERVE_BENCH_DIR (default:
+the system temp dir) and removed.
 """
 from __future__ import annotations
 
@@ -153,12 +155,12 @@ def _build_minilm():
 
 def child(name: str) -> dict:
     """Build one model and export it, in this process; returns the measurements."""
-    import torch
-    import transformers  # noqa: F401 - imported before the baseline RSS is taken
+    import torch  # noqa: F401 - everything is imported before the baseline RSS is taken
+    import transformers  # noqa: F401
 
+    from hloserve.exporter import sources  # noqa: F401
     from hloserve.exporter.export import export_artifact
     from hloserve.exporter.progress import Reporter
-    from hloserve.exporter import sources  # noqa: F401
 
     rss_imports = _rss_now()
     t0 = time.perf_counter()
@@ -166,7 +168,8 @@ def child(name: str) -> dict:
     build_s = time.perf_counter() - t0
     module = entry.module
     params = sum(p.numel() for p in module.parameters())
-    weight_bytes = sum(t.numel() * t.element_size() for t in dict(module.state_dict(keep_vars=True)).values())
+    unique = {t.data_ptr(): t for t in module.state_dict(keep_vars=True).values()}  # tied weights once
+    weight_bytes = sum(t.numel() * t.element_size() for t in unique.values())
     rss_model = _rss_now()
     _log(f"{desc}: {params / 1e6:.0f}M params, {weight_bytes / GiB:.2f} GiB weights, built in {build_s:.1f}s, "
          f"RSS {rss_model / GiB:.2f} GiB")
@@ -176,7 +179,6 @@ def child(name: str) -> dict:
         export_s = time.perf_counter() - t0
         file_bytes = os.path.getsize(os.path.join(out, "weights.safetensors"))
     peak = _peak_rss()
-    del torch
     return dict(model=name, description=desc, params=params, weight_bytes=weight_bytes, file_bytes=file_bytes,
                 build_s=build_s, export_s=export_s, rss_imports=rss_imports, rss_model=rss_model, peak_rss=peak,
                 peak_over_weights=peak / weight_bytes, increment_over_weights=(peak - rss_imports) / weight_bytes)
@@ -224,12 +226,13 @@ def main(argv=None) -> int:
                   f"{r['whiles']} | {r['export_s']:.2f} s | {r['compile_s']:.3f} s |")
     mem = [bench_memory(n) for n in ("minilm", "llama-1b") if n in args.which]
     if mem:
-        print("| model | params | weights | export time | RSS after imports | peak RSS | peak / weights | "
-              "(peak - imports) / weights |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| model | params | weights | build | export time | RSS after imports | RSS after build | peak RSS | "
+              "peak / weights | (peak - imports) / weights |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in mem:
             print(f"| {r['description']} | {r['params'] / 1e6:.0f}M | {r['weight_bytes'] / GiB:.2f} GiB | "
-                  f"{r['export_s']:.1f} s | {r['rss_imports'] / GiB:.2f} GiB | {r['peak_rss'] / GiB:.2f} GiB | "
+                  f"{r['build_s']:.1f} s | {r['export_s']:.1f} s | {r['rss_imports'] / GiB:.2f} GiB | "
+                  f"{r['rss_model'] / GiB:.2f} GiB | {r['peak_rss'] / GiB:.2f} GiB | "
                   f"{r['peak_over_weights']:.2f}x | {r['increment_over_weights']:.2f}x |")
     return 0
 
