@@ -41,7 +41,7 @@ import enum
 import random
 from typing import Mapping, Sequence
 
-from .block_manager import BlockManager, KVBlocks
+from .block_manager import BlockManager
 from .sampling import SamplingParams, TokenLogprobs
 from .tokenizer import Decoder, IncrementalDetokenizer
 
