@@ -24,7 +24,6 @@ read back from the cache through the block table.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -33,8 +32,6 @@ import numpy as np
 from .block_manager import NULL_BLOCK
 from .sampling import sample
 from .scheduler import RunnerOutput, SchedulerPlan
-
-log = logging.getLogger("hloserve.server.model_runner")
 
 
 def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
