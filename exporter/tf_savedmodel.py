@@ -16,6 +16,9 @@ What the SavedModel holds:
     is the artifact's serialized StableHLO (functions/NAME.mlirbc; the jax_exported file gives
     the calling convention, platforms and the argument indices the module keeps).
 
+Buffer and input mutations ("updated:NAME" outputs) are returned, never assigned back to the
+variables, as in the runtime: the SavedModel's functions are pure.
+
 XlaCallModule has only an XLA kernel: TensorFlow compiles it with XLA (on CPU too); TensorFlow
 Serving needs `--xla_cpu_compilation_enabled=true` on CPU (see docs/deploy.md).
 
@@ -76,7 +79,8 @@ class SavedModelInfo:
       path: the SavedModel directory.
       signatures: signature key -> SignatureInfo (serving_default first).
       call_module_version: the XlaCallModule `version` attribute used for every function.
-      platforms: the XlaCallModule `platforms` attribute (upper case; () = platform check disabled).
+      platforms: the XlaCallModule `platforms` attribute (upper case).
+      platform_check: False when the platform check is disabled (the module may run on any platform).
       stablehlo_version: target version of the embedded StableHLO (the artifact's unless re-serialized).
       variables: number of tf.Variables (weights used by the exported functions).
       variable_bytes: their total size in bytes.
@@ -86,6 +90,7 @@ class SavedModelInfo:
     signatures: Mapping[str, SignatureInfo]
     call_module_version: int
     platforms: tuple[str, ...]
+    platform_check: bool
     stablehlo_version: str
     variables: int
     variable_bytes: int
@@ -220,12 +225,12 @@ def _tfxla():
     return tfxla
 
 
-def _call_platforms(plans: Sequence[_CallPlan], platforms: Sequence[str] | None) -> tuple[str, ...]:
-    """XlaCallModule `platforms`: the lowering platforms, upper case; () disables the platform check.
+def _call_platforms(plans: Sequence[_CallPlan], platforms: Sequence[str] | None) -> tuple[tuple[str, ...], bool]:
+    """XlaCallModule `platforms` (the lowering platforms, upper case) and whether to check them.
 
     A module lowered for several platforms has a platform-index argument, so the attribute must
     list exactly those platforms in order. A single-platform module may run with the check off
-    (`platforms=[]`), e.g. a CPU-lowered module on a TPU host where XLA compiles it for TPU.
+    (`platforms=[]`, the "platform" disabled check), e.g. a CPU-lowered module on a GPU host.
     """
     lowered = plans[0].platforms
     for p in plans:
@@ -233,20 +238,21 @@ def _call_platforms(plans: Sequence[_CallPlan], platforms: Sequence[str] | None)
             raise SavedModelError(f"functions {plans[0].spec.name!r} and {p.spec.name!r} were lowered for different "
                                   f"platforms ({','.join(lowered)} vs {','.join(p.platforms)}); re-export with one "
                                   f"--platforms list")
+    upper = tuple(p.upper() for p in lowered)
     if platforms is None:
-        return tuple(p.upper() for p in lowered)
+        return upper, True
     want = tuple(p.strip().lower() for p in platforms if p.strip())
     if not want:
         if len(lowered) > 1:
             raise SavedModelError(f"the platform check cannot be disabled for a module lowered for several "
                                   f"platforms ({','.join(lowered)}); pass --platforms {','.join(lowered)}")
-        return ()
+        return upper, False   # XlaCallModule needs non-empty platforms; the check is a disabled_checks entry
     if want != lowered:
         raise SavedModelError(f"--platforms {','.join(want)}: the artifact's functions were lowered for "
                               f"{','.join(lowered)}, and XlaCallModule runs only those; re-export the artifact with "
                               f"`hloserve export ... --platforms {','.join(want)}` or pass --platforms "
                               f"{','.join(lowered)} ('none' disables the check for a single-platform module)")
-    return tuple(p.upper() for p in lowered)
+    return upper, True
 
 
 def _variable_name(weight: str) -> str:
@@ -283,7 +289,7 @@ def to_savedmodel(path: str, out_dir: str, *, functions: Sequence[str] | None = 
     if verify:
         artifact.verify_files(path, manifest)
     plans = {n: plan_function(path, manifest, n, stablehlo_version=stablehlo_version) for n in names}
-    call_platforms = _call_platforms(list(plans.values()), platforms)
+    call_platforms, check_platform = _call_platforms(list(plans.values()), platforms)
 
     tf_max = tf_max_call_module_version()   # imports TensorFlow (seconds)
     import tensorflow as tf
@@ -306,7 +312,7 @@ def to_savedmodel(path: str, out_dir: str, *, functions: Sequence[str] | None = 
     signatures: dict[str, Any] = {}
     infos: dict[str, SignatureInfo] = {}
     for n in [default] + [m for m in names if m != default]:
-        fn = _tf_function(tf, plans[n], variables, version, call_platforms)
+        fn = _tf_function(tf, plans[n], variables, version, call_platforms, check_platform)
         setattr(root, n, fn)
         concrete = fn.get_concrete_function()
         spec = plans[n].spec
@@ -330,13 +336,14 @@ def to_savedmodel(path: str, out_dir: str, *, functions: Sequence[str] | None = 
     first = next(iter(plans.values()))
     return SavedModelInfo(
         path=out_dir, signatures=infos, call_module_version=version, platforms=call_platforms,
+        platform_check=check_platform,
         stablehlo_version=stablehlo_version or first.spec.stablehlo_version, variables=len(variables),
         variable_bytes=sum(int(v.shape.num_elements()) * v.dtype.size for v in variables.values()),
         tensorflow=tf.__version__)
 
 
 def _tf_function(tf, plan: _CallPlan, variables: Mapping[str, Any], version: int,
-                 platforms: tuple[str, ...]):
+                 platforms: tuple[str, ...], check_platform: bool):
     """tf.function(jit_compile=True) of the artifact's inputs -> {output name: tensor}."""
     tfxla = _tfxla()
     spec = plan.spec
@@ -346,6 +353,8 @@ def _tf_function(tf, plan: _CallPlan, variables: Mapping[str, Any], version: int
     attrs: dict[str, Any] = dict(version=version, module=plan.module, Tout=tout, Sout=list(plan.out_shapes),
                                  platforms=list(platforms), function_list=(), has_token_input_output=False,
                                  disabled_checks=list(plan.disabled_checks))
+    if not check_platform and "platform" not in plan.disabled_checks:
+        attrs["disabled_checks"].append("platform")   # jax's DisabledSafetyCheck.platform()
     if version >= SHARDY_CALL_MODULE_VERSION:
         attrs["use_shardy_partitioner"] = plan.uses_shardy
     weights = [variables.get(w) for w in spec.weights]

@@ -229,12 +229,14 @@ def test_tiny_saved_model_cli_runs_a_non_default_signature(tmp_path, tiny_savedm
 
 
 @pytest.mark.slow
-def test_version_9_and_older_stablehlo_run_the_same(tf, tiny_artifact, tiny_runtime, tmp_path):
-    """The "must be <= 9" case: a version-10 module written as version 9, StableHLO re-serialized for 1.0.0."""
+def test_version_9_older_stablehlo_and_no_platform_check_run_the_same(tf, tiny_artifact, tiny_runtime, tmp_path):
+    """The "must be <= 9" case: a version-10 module written as version 9, StableHLO re-serialized for 1.0.0,
+    and the platform check off (`--platforms none`)."""
     info = to_savedmodel(tiny_artifact, str(tmp_path / "v9"), call_module_version=9, stablehlo_version="1.0.0",
-                         functions=["pool"])
+                         functions=["pool"], platforms=[])
     assert info.call_module_version == 9 and info.stablehlo_version == "1.0.0" and list(info.signatures) == [
         "serving_default", "pool"]
+    assert info.platforms == ("CPU",) and not info.platform_check
     loaded = tf.saved_model.load(info.path)
     x = tiny_inputs("pool", 5, 13)
     want = {k: np.asarray(v) for k, v in tiny_runtime.functions["pool"](**x).items()}
