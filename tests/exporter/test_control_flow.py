@@ -183,16 +183,16 @@ class RnnScan(torch.nn.Module):
         return h, total, ys, sums
 
 
-def test_scan_carry_and_stacked_ys_with_dynamic_batch(tmp_path):
+def test_scan_carry_and_stacked_ys_with_dynamic_batch_and_length(tmp_path):
     torch.manual_seed(2)
     m = RnnScan().eval()
-    b = Dim("batch", min=1, max=32)
+    b, t = Dim("batch", min=1, max=32), Dim("steps", min=1, max=100)
     fn, text = _export(tmp_path, m, (torch.randn(2, 8), torch.randn(5, 2, 8), torch.tensor(0.5)),
-                       ({0: b}, {1: b}, None))
+                       ({0: b}, {0: t, 1: b}, None))
     assert _count(text, "stablehlo.while") == 1
-    assert re.search(r"tensor<5x\?x8xf32>", text)  # ys stacked along the scanned dim, batch symbolic
-    for batch in (1, 6):
-        _check(fn, m, (torch.randn(batch, 8), torch.randn(5, batch, 8), torch.tensor(0.7)))
+    assert re.search(r"tensor<\?x\?x8xf32>", text)  # ys stacked along the scanned dim, both symbolic
+    for batch, steps in ((1, 5), (6, 1), (3, 17)):
+        _check(fn, m, (torch.randn(batch, 8), torch.randn(steps, batch, 8), torch.tensor(0.7)))
 
 
 class ReverseScanOverDim1(torch.nn.Module):
