@@ -14,6 +14,7 @@ from torch.export import Dim
 
 from hloserve.exporter import artifact, weights as weights_io
 from hloserve.exporter.export import EntryPoint, export_artifact
+from hloserve.runtime.loader import load
 
 ATOL = 1e-5  # f32
 
@@ -38,6 +39,7 @@ class Artifact:
     `call(weights, **inputs)` with weights {name: array}, so updated buffers can be fed back."""
 
     def __init__(self, path: str):
+        self.path = path
         self.manifest = artifact.read_manifest(path)
         self.spec = self.manifest.functions["forward"]
         with open(os.path.join(path, "functions", "forward.jax_exported"), "rb") as f:
@@ -98,10 +100,11 @@ def test_user_input_mutation_is_an_output_and_feeds_back(tmp_path):
     assert spec["mutations"] == {"updated:cache": "cache"}
     assert spec["weights"] == []
 
+    runtime_fn = load(fn.path).functions["forward"]   # inputs go by name: the runtime takes the cache back as is
     cache_eager, cache_art = torch.zeros(8, 4), np.zeros((8, 4), np.float32)
     for x, pos in [(torch.randn(2, 4), torch.tensor([1, 5])), (torch.randn(1, 4), torch.tensor([1]))]:
         want = InputCache()(cache_eager, x, pos)                    # mutates cache_eager
-        got = fn.call({}, cache=cache_art, x=x.numpy(), pos=pos.numpy())
+        got = runtime_fn(cache=cache_art, x=x.numpy(), pos=pos.numpy())
         np.testing.assert_allclose(np.asarray(got["updated:cache"]), cache_eager.numpy(), atol=ATOL, rtol=0)
         np.testing.assert_allclose(np.asarray(got["output"]), want.numpy(), atol=ATOL, rtol=0)
         cache_art = np.asarray(got["updated:cache"])
