@@ -104,7 +104,7 @@ class LLMService:
     def warmup(self) -> None:
         """Compile every serving shape, then start the engine loop and report ready."""
         try:
-            n = self.runner.warmup(lambda msg: setattr(self.readiness, "progress", msg))
+            n = self.engine.warmup(lambda msg: setattr(self.readiness, "progress", msg))
             log.info("warm-up compiled %d executables; ready", n)
             self.engine.start()
         except Exception as e:  # noqa: BLE001 - reported on /ready and in the log
@@ -247,6 +247,7 @@ def build_service(artifact_path: str, config: ServeConfig) -> LLMService | Predi
 
     from hloserve import runtime
     from hloserve.exporter import artifact
+    from hloserve.exporter.errors import HloserveError
 
     manifest = artifact.read_manifest(artifact_path)
     name = config.model_name or os.path.basename(os.path.normpath(artifact_path))
@@ -257,24 +258,20 @@ def build_service(artifact_path: str, config: ServeConfig) -> LLMService | Predi
         return PredictService(model, name, PredictBatcher(model, config.max_batch_size, config.batch_timeout_s),
                               readiness, admission)
 
-    from .block_manager import BlockManager
-    from .engine import Engine
-    from .model_runner import ModelRunner, RunnerConfig
-    from .scheduler import Scheduler, SchedulerConfig
-    from .tokenizer import Tokenizer
+    from .engine import EngineConfig, build_engine
 
-    block_size = int(llm["block_size"])
-    max_len = min(config.max_model_len or int(llm["max_context"]), int(llm["max_context"]))
-    max_blocks = -(-max_len // block_size)
-    tokens = min(config.max_num_batched_tokens, int(llm.get("max_tokens", config.max_num_batched_tokens)))
-    seqs = min(config.max_num_seqs, int(llm.get("max_seqs", config.max_num_seqs)), tokens)
-    rcfg = RunnerConfig.for_limits(max_num_seqs=seqs, max_num_batched_tokens=tokens, max_blocks=max_blocks,
-                                   num_blocks=config.num_blocks, kv_cache_bytes=config.kv_cache_bytes)
-    runner = ModelRunner.from_artifact(artifact_path, rcfg, platform=config.platform, strict=config.strict)
-    tokenizer = Tokenizer.from_artifact(artifact_path, manifest.model)
-    blocks = BlockManager(runner.num_blocks, block_size)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=max(rcfg.seq_buckets), max_num_batched_tokens=max(rcfg.token_buckets),
-                                          max_model_len=max_len),
-                          blocks, decoder=tokenizer, eos_token_ids=tokenizer.eos_token_ids)
-    engine = Engine(scheduler, runner, vocab_size=runner.vocab_size)
-    return LLMService(engine, tokenizer, runner, name, max_len, readiness, admission)
+    max_ctx = int(llm["max_context"])
+    tokens = min(config.max_num_batched_tokens, int(llm["max_tokens"]))
+    seqs = min(config.max_num_seqs, int(llm["max_seqs"]), tokens)
+    try:
+        engine, tokenizer = build_engine(artifact_path, EngineConfig(
+            max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=config.max_model_len,
+            kv_cache_bytes=config.kv_cache_bytes, num_blocks=config.num_blocks, platform=config.platform),
+            strict=config.strict)
+    except ValueError as e:
+        raise HloserveError(str(e)) from None
+    if tokenizer is None:
+        raise HloserveError(f"artifact {artifact_path} ships no tokenizer; re-export it from a checkpoint with "
+                            f"tokenizer.json to serve text")
+    max_len = engine.scheduler.config.max_model_len
+    return LLMService(engine, tokenizer, engine.runner, name, max_len, readiness, admission)
