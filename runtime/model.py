@@ -11,6 +11,8 @@ calls pass those device arrays, never re-transfer them. Nothing here imports tor
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from typing import Any, Callable, Mapping, Sequence
 
@@ -88,7 +90,7 @@ def _read_exported(path: str, name: str) -> jax_export.Exported:
 
 def load(path: str, platform: str | None = None, devices: Sequence[Any] | None = None, mesh: Any = None,
          partition_rules: sharding_mod.Rules | None = None, cache_dir: str | None = DEFAULT_CACHE,
-         buckets: Mapping[str, Sequence[int]] | None = None, strict: bool = False, *, verify: bool = True,
+         buckets: Mapping[str, Sequence[int]] | None = None, strict: bool = False, *, verify: bool | str = True,
          functions: Sequence[str] | None = None) -> LoadedModel:
     """Load the artifact at `path` onto devices.
 
@@ -102,6 +104,9 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
       buckets: explicit bucket sizes per paddable dim (default: powers of two over its range).
       strict: raise RecompileError on any compile after warmup().
       verify: check file and weight sha256s against the manifest (catches corrupted artifacts).
+        Hashing every weight costs ~1 s per GB, so a successful check is remembered in the
+        cache dir by the weights file's identity (path, size, mtime, inode): a restart on an
+        unchanged file skips the re-hash. "full" always re-hashes; False checks nothing.
       functions: load only these functions (default all).
     """
     manifest = artifact.read_manifest(path)
@@ -112,9 +117,9 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
     if verify:
         artifact.verify_files(path, manifest)
     reader = weights_io.Reader(os.path.join(path, artifact.WEIGHTS))
-    if verify:
-        artifact.verify_weights(path, manifest, reader)
     client = connect(platform, devices, cache_dir)
+    if verify:
+        _verify_weights(path, manifest, reader, client.cache_dir, full=verify == "full")
     jmesh = sharding_mod.make_mesh(mesh, client.devices) if mesh is not None else None
     device = client.devices[0]
 
@@ -143,6 +148,36 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
                           exec_cache=cache, devices=exec_devices,
                           cache_identity=_identity(spec, shardings, in_sharding, exec_devices))
     return LoadedModel(path, manifest, client, jmesh, on_device, fns)
+
+
+def _verify_weights(path: str, manifest: artifact.Manifest, reader: weights_io.Reader, cache_dir: str | None,
+                    *, full: bool) -> None:
+    """artifact.verify_weights, skipped when this exact file already passed (a stamp in cache_dir)."""
+    wpath = os.path.abspath(reader.path)
+    st = os.stat(wpath)
+    digests = hashlib.sha256(json.dumps({n: w.sha256 for n, w in manifest.weights.items()},
+                                        sort_keys=True).encode()).hexdigest()
+    stamp = {"path": wpath, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "weights": digests}
+    stamp_file = None
+    if cache_dir is not None:
+        stamp_file = os.path.join(cache_dir, "verified", hashlib.sha256(wpath.encode()).hexdigest() + ".json")
+        if not full:
+            try:
+                with open(stamp_file) as f:
+                    if json.load(f) == stamp:
+                        return
+            except (OSError, ValueError):
+                pass
+    artifact.verify_weights(path, manifest, reader)
+    if stamp_file is not None:
+        try:
+            os.makedirs(os.path.dirname(stamp_file), exist_ok=True)
+            tmp = f"{stamp_file}.{os.getpid()}.partial"
+            with open(tmp, "w") as f:
+                json.dump(stamp, f)
+            os.replace(tmp, stamp_file)
+        except OSError:
+            pass   # a read-only cache only costs the re-hash next time
 
 
 def _identity(spec: artifact.FunctionSpec, shardings: Mapping[str, Any], in_sharding: Any,

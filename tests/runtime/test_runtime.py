@@ -240,3 +240,20 @@ def test_old_loader_api_still_works(mlp_artifact, eager_mlp):
     model = load(mlp_artifact, device=jax.devices()[0], cache_dir=None)
     x = _x(3)
     np.testing.assert_allclose(np.asarray(model.functions["forward"](x=x)["y"]), _eager(eager_mlp, x), atol=ATOL)
+
+
+def test_weight_check_is_remembered_until_the_file_changes(mlp_artifact, tmp_path):
+    art = _copy(mlp_artifact, tmp_path)
+    cache = str(tmp_path / "cache")
+    runtime.load(art, cache_dir=cache)
+    assert len(os.listdir(os.path.join(cache, "verified"))) == 1
+    weights = os.path.join(art, "weights.safetensors")
+    st = os.stat(weights)
+    _flip_byte(weights, st.st_size - 10)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))   # same size and mtime: the stamp still matches
+    runtime.load(art, cache_dir=cache)                        # (documented: only "full" re-hashes then)
+    with pytest.raises(ArtifactError, match="does not match its sha256"):
+        runtime.load(art, cache_dir=cache, verify="full")
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))   # any write moves the mtime
+    with pytest.raises(ArtifactError, match="does not match its sha256"):
+        runtime.load(art, cache_dir=cache)
