@@ -408,12 +408,8 @@ def _add_predict_routes(app: FastAPI, svc: PredictService) -> None:
                                           "status": {"error_code": "OK", "error_message": svc.readiness.error or ""}}]}
 
     @app.get("/v1/models/{name}")
-    async def model_status(name: str):
-        check(name, None)
-        return status()
-
     @app.get("/v1/models/{name}/versions/{version}")
-    async def model_version_status(name: str, version: str):
+    async def model_status(name: str, version: str | None = None):
         check(name, version)
         return status()
 
@@ -422,12 +418,8 @@ def _add_predict_routes(app: FastAPI, svc: PredictService) -> None:
                 "metadata": {"signature_def": _signature_defs(svc.model.manifest)}}
 
     @app.get("/v1/models/{name}/metadata")
-    async def model_metadata(name: str):
-        check(name, None)
-        return metadata()
-
     @app.get("/v1/models/{name}/versions/{version}/metadata")
-    async def model_version_metadata(name: str, version: str):
+    async def model_metadata(name: str, version: str | None = None):
         check(name, version)
         return metadata()
 

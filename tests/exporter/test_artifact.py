@@ -171,37 +171,12 @@ def test_wrong_dtype_names_input(mlp_artifact):
 
 
 # -- unsupported ops and the registry ---------------------------------------
-@torch.library.custom_op("hloserve_test::frobnicate", mutates_args=())
-def frobnicate(x: torch.Tensor) -> torch.Tensor:
-    return x * 2
-
-
-@frobnicate.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("hloserve_test::twiddle", mutates_args=())
-def twiddle(x: torch.Tensor) -> torch.Tensor:
-    return x + 1
-
-
-@twiddle.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-class Exotic(torch.nn.Module):
-    def forward(self, x):
-        return twiddle(frobnicate(x) + 1)
-
-
 def test_unsupported_ops_listed_at_once(tmp_path):
     with pytest.raises(UnsupportedOpError) as info:
-        export_artifact(str(tmp_path / "a"), [EntryPoint("forward", Exotic(), (torch.randn(2, 3),))], source="t")
+        export_artifact(str(tmp_path / "a"), [EntryPoint("forward", *factories.exotic())], source="t")
     msg = str(info.value)
-    assert "hloserve_test.frobnicate.default" in msg and "hloserve_test.twiddle.default" in msg
-    assert "test_artifact.py:" in msg            # the model's source line
+    assert "hloserve_test.frobnicate_cli.default" in msg and "hloserve_test.twiddle_cli.default" in msg
+    assert "factories.py:" in msg                # the model's source line
     assert "f32[2,3]" in msg                      # input shapes
     assert "exporter/lowerings/" in msg           # where to add the lowering
     assert len(info.value.nodes) == 2
