@@ -1,9 +1,10 @@
-"""`hloserve export ... --dtype bfloat16`: a small random-init decoder exported by the CLI
-in bf16 matches torch eager in bf16.
+"""`hloserve export ... --dtype bfloat16`: a small random-init decoder (module:factory
+source) and the real all-MiniLM-L6-v2 (HF directory source, slow) exported by the CLI
+in bf16 match torch eager in bf16.
 
 Tolerance: both sides compute in bf16 (8 bits of mantissa) with different op
-orders and fusions, so logits differ by a few bf16 ulps; we require the max abs
-difference to stay below 3% of the logits' max magnitude and the mean below 0.5%,
+orders and fusions, so outputs differ by a few bf16 ulps; we require the max abs
+difference to stay below 3% of the outputs' max magnitude and the mean below 0.5%,
 and the bf16 artifact to be as close to the f32 model as torch's own bf16 run is
 (within 1.5x).
 """
@@ -13,6 +14,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import torch
 from torch.export import Dim
 
@@ -81,4 +83,30 @@ def test_cli_bf16_export_matches_eager_bf16(tmp_path):
         assert diff.max() <= 0.03 * scale, (diff.max(), scale)
         assert diff.mean() <= 0.005 * scale, (diff.mean(), scale)
         # no worse than torch's own bf16 rounding against f32
+        assert np.abs(got - exact).mean() <= 1.5 * np.abs(want - exact).mean()
+
+
+@pytest.mark.slow
+def test_minilm_cli_bf16_matches_eager_bf16(tmp_path, minilm_dir):
+    """The real checkpoint through the HF-directory source, same tolerances."""
+    import transformers
+    out = str(tmp_path / "art")
+    assert main(["export", "all-minilm-l6-v2", "-o", out, "--dtype", "bfloat16", "-q"]) == 0
+    fn = load(out).functions["forward"]
+    ref = transformers.AutoModel.from_pretrained(minilm_dir, dtype=torch.bfloat16).eval()
+    exact_ref = transformers.AutoModel.from_pretrained(minilm_dir).eval()
+    g = torch.Generator().manual_seed(3)
+    for batch, seq in [(1, 7), (3, 33)]:
+        ids = torch.randint(1000, 29000, (batch, seq), generator=g)
+        mask, tt = torch.ones_like(ids), torch.zeros_like(ids)
+        if batch > 1:
+            mask[-1, seq // 2:] = 0  # a padded row
+        with torch.no_grad():
+            want = ref(input_ids=ids, attention_mask=mask, token_type_ids=tt).last_hidden_state.float().numpy()
+            exact = exact_ref(input_ids=ids, attention_mask=mask, token_type_ids=tt).last_hidden_state.numpy()
+        got = fn(input_ids=ids.numpy(), attention_mask=mask.numpy(), token_type_ids=tt.numpy())
+        got = np.asarray(got["last_hidden_state"]).astype(np.float32)
+        scale, diff = np.abs(want).max(), np.abs(got - want)
+        assert diff.max() <= 0.03 * scale, (diff.max(), scale)
+        assert diff.mean() <= 0.005 * scale, (diff.mean(), scale)
         assert np.abs(got - exact).mean() <= 1.5 * np.abs(want - exact).mean()
