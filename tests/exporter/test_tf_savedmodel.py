@@ -300,3 +300,24 @@ def test_conversion_never_imports_torch(tiny_artifact, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=TF_ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [False, 10]
+
+
+@pytest.mark.slow
+def test_cpu_tpu_artifact_runs_in_tensorflow_on_cpu(tf, tmp_path):
+    """The artifact for Cloud TPU (`--platforms cpu,tpu`) also serves from TF on CPU: the module's
+    platform-index argument picks CPU, so one artifact feeds both deployment paths."""
+    from hloserve.exporter.export import export_artifact
+    from hloserve.runtime import load
+    from tests.exporter.tf_models import entries
+    art = str(tmp_path / "art")
+    export_artifact(art, entries()[1:], source="tests.exporter.tf_models:entries", platforms=("cpu", "tpu"))
+    info = to_savedmodel(art, str(tmp_path / "sm"))
+    assert info.platforms == ("CPU", "TPU") and info.platform_check
+    with pytest.raises(SavedModelError, match="cannot be disabled for a module lowered for several platforms"):
+        to_savedmodel(art, str(tmp_path / "sm2"), platforms=[])
+    loaded = tf.saved_model.load(info.path)
+    rt = load(art, cache_dir=None)
+    for b, s in TINY_SHAPES:
+        x = tiny_inputs("pool", b, s)
+        want = {k: np.asarray(v) for k, v in rt.functions["pool"](**x).items()}
+        assert_same(call_signature(tf, loaded.signatures["pool"], x), want, f"cpu,tpu module at {b}x{s}")
