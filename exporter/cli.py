@@ -19,7 +19,18 @@ import sys
 from typing import Sequence
 
 
+def _need_export_stack() -> None:
+    """`hloserve export` needs torch; serving does not (it is the `export` extra)."""
+    import importlib.util
+    missing = [m for m in ("torch", "transformers", "gguf") if importlib.util.find_spec(m) is None]
+    if missing:
+        from .errors import HloserveError
+        raise HloserveError(f"exporting needs {', '.join(missing)}, which this install lacks; "
+                            f"install them with: pip install 'hloserve[export]'")
+
+
 def _export(args: argparse.Namespace) -> int:
+    _need_export_stack()
     from .export import export_artifact
     from .progress import Reporter
     from .sources import apply_dynamic, load_source
