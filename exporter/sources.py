@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 from typing import Any, Callable, Sequence
 
 import torch
@@ -136,13 +137,34 @@ def _conv_hop(config) -> tuple[int, int]:
     return field, hop
 
 
+# architecture suffix -> (task, outputs) for heads whose outputs are not `logits`
+_HEADS = {
+    "ForCausalLM": ("causal-lm", ["logits"]),
+    "LMHeadModel": ("causal-lm", ["logits"]),
+    "ForQuestionAnswering": ("question-answering", ["start_logits", "end_logits"]),
+}
+
+
+def _head(arch: str, base_task: str) -> tuple[str, list[str]]:
+    """(task, output names) of a HF class: base models give last_hidden_state, heads (`...ForX`) logits."""
+    for suffix, found in _HEADS.items():
+        if arch.endswith(suffix):
+            return found[0], list(found[1])
+    if "For" in arch:
+        head = arch[arch.index("For") + 3:]  # ImageClassification -> image-classification
+        return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "-", head).lower(), ["logits"]
+    return base_task, ["last_hidden_state"]
+
+
 def hf_entry(model: torch.nn.Module, config, *, batch=(1, 64), seq=(1, 512),
              samples=(1, 16000 * 30)) -> tuple[EntryPoint, dict]:
     """An entry point for a HF model by its main input (text, vision, audio); returns (entry, model metadata).
 
     Dynamic dims: `batch` always; `seq` (capped at the config's max positions) for
-    text; `samples` (hop * (frames - 1) + receptive field, so that it gives whole encoder frames) for raw waveforms. Images
-    and mel spectrograms keep the config's size (the models fix it).
+    text; for raw waveforms `frames`, the encoder's output length, with `samples`
+    = hop * (frames - 1) + receptive field. Images and spectrograms keep the
+    config's size (the models fix it). Outputs: `last_hidden_state` for base
+    models, `logits` for heads (start/end logits for question answering).
     """
     import inspect
     Dim = torch.export.Dim
@@ -159,20 +181,18 @@ def hf_entry(model: torch.nn.Module, config, *, batch=(1, 64), seq=(1, 512),
         names, args, dyn = ["input_ids", "attention_mask"], [ids, torch.ones_like(ids)], [{0: b, 1: s}, {0: b, 1: s}]
         if "token_type_ids" in accepts and getattr(config, "type_vocab_size", 0):
             names.append("token_type_ids"), args.append(torch.zeros_like(ids)), dyn.append({0: b, 1: s})
-        task = "causal-lm" if any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs) else "text-encoder"
-        outputs = ["logits"] if task == "causal-lm" else ["last_hidden_state"]
+        base = "text-encoder"
     elif main == "pixel_values":
         size = getattr(config, "image_size", 224)
         size = size if isinstance(size, int) else size[0]
         chans = getattr(config, "num_channels", 3)
         names, args, dyn = ["pixel_values"], [torch.randn(2, chans, size, size, generator=g)], [{0: b}]
-        task = "image"
-        outputs = ["logits"] if any("ForImageClassification" in a for a in archs) else ["last_hidden_state"]
+        base = "image"
     elif main == "input_features":
         mel = getattr(config, "num_mel_bins", 80)
         frames = 2 * getattr(config, "max_source_positions", 1500)
         names, args, dyn = ["input_features"], [torch.randn(2, mel, frames, generator=g)], [{0: b}]
-        task, outputs = "audio-encoder", ["last_hidden_state"]
+        base = "audio-encoder"
     elif main == "input_values" and hasattr(config, "conv_kernel"):
         # samples = hop * (frames - 1) + field: exactly `frames` encoder frames, so the
         # graph's dims are `frames`, not floor divisions of a free length (torch.export
@@ -183,11 +203,16 @@ def hf_entry(model: torch.nn.Module, config, *, batch=(1, 64), seq=(1, 512),
         frames = Dim("frames", min=low, max=max(low, (samples[1] - field) // hop + 1))
         example = hop * (2 * low - 1) + field
         names, args, dyn = ["input_values"], [torch.randn(2, example, generator=g)], [{0: b, 1: hop * frames + (field - hop)}]
-        task = "audio-encoder"
-        outputs = ["logits"] if any(a.endswith("ForCTC") for a in archs) else ["last_hidden_state"]
+        base = "audio-encoder"
+    elif main == "input_values" and hasattr(config, "max_length") and hasattr(config, "num_mel_bins"):
+        # Audio Spectrogram Transformer: (batch, max_length frames, mel bins), fixed by its position table
+        spec = torch.randn(2, config.max_length, config.num_mel_bins, generator=g)
+        names, args, dyn = ["input_values"], [spec], [{0: b}]
+        base = "audio-encoder"
     else:
         raise SourceError(f"{archs[0]}: main input {main!r} is not supported yet (token ids, pixel values, "
-                          f"mel features and wav2vec2-style waveforms are)")
+                          f"mel features, wav2vec2-style waveforms and AST spectrograms are)")
+    task, outputs = _head(archs[0], base)
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
     args = [a.to(dtype) if a.is_floating_point() else a for a in args]
     fixed = {"use_cache": False} if "use_cache" in accepts else {}

@@ -217,6 +217,36 @@ def _upsample_nearest(ctx, x, output_size=None, *scales):
     return x
 
 
+# aten::upsample_bilinear2d.vec(Tensor input, SymInt[]? output_size, bool align_corners, float[]? scale_factors) -> Tensor
+# aten::upsample_bilinear2d(Tensor self, SymInt[2] output_size, bool align_corners, float? scales_h=None,
+#     float? scales_w=None) -> Tensor   (likewise upsample_linear1d, upsample_trilinear3d)
+@lower(aten.upsample_bilinear2d, aten.upsample_linear1d, aten.upsample_trilinear3d)
+def _upsample_linear(ctx, x, output_size, align_corners, *scales):
+    out_shape = ctx.out_shape
+    nd = len(out_shape) - 2
+    if len(scales) == 1 and (scales[0] is None or isinstance(scales[0], (list, tuple))):
+        scales = tuple(scales[0]) if scales[0] is not None else ()  # .vec: one list or None
+    scales = tuple(scales) + (None,) * (nd - len(scales))
+    for i in range(nd):  # separable: interpolate one spatial dim at a time, as torch's kernels do
+        d = 2 + i
+        n_in, n_out = x.shape[d], out_shape[d]
+        if not (isinstance(n_in, int) and isinstance(n_out, int)):
+            raise NotImplementedError(f"linear upsampling over a symbolic spatial dim ({n_in} -> {n_out}); "
+                                      f"export with static image sizes")
+        # torch's area_pixel_compute_scale / area_pixel_compute_source_index (linear modes clamp at 0)
+        dst = jnp.arange(n_out, dtype=jnp.float32)
+        if align_corners:
+            src = dst * ((n_in - 1) / (n_out - 1) if n_out > 1 else 0.0)
+        else:
+            ratio = 1.0 / scales[i] if scales[i] else n_in / n_out
+            src = jnp.maximum((dst + 0.5) * ratio - 0.5, 0.0)
+        i0 = jnp.minimum(jnp.floor(src).astype(jnp.int32), n_in - 1)
+        i1 = jnp.minimum(i0 + 1, n_in - 1)
+        w1 = (src - i0).astype(x.dtype).reshape((n_out,) + (1,) * (x.ndim - d - 1))  # broadcast along dim d
+        x = jnp.take(x, i0, axis=d) * (1 - w1) + jnp.take(x, i1, axis=d) * w1
+    return x
+
+
 # aten::_scaled_dot_product_flash_attention_for_cpu / scaled_dot_product_attention: decomposed by torch
 # before reaching us in the default table; kept here for programs that preserve it.
 # aten::scaled_dot_product_attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None,

@@ -127,6 +127,46 @@ def _wav2vec2():
     return Wav2Vec2Model(c), c
 
 
+def _gemma2():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    # sliding window 16 < seq 33 and 64: local and global layers differ; logit soft-capping on
+    c = Gemma2Config(**_TEXT, num_key_value_heads=2, head_dim=8, sliding_window=16)
+    return Gemma2ForCausalLM(c), c
+
+
+def _bloom():
+    from transformers import BloomConfig, BloomForCausalLM
+    c = BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4, **_TOK)  # ALiBi positions
+    return BloomForCausalLM(c), c
+
+
+def _deberta_v2():
+    from transformers import DebertaV2Config, DebertaV2Model
+    c = DebertaV2Config(**_TEXT)  # disentangled relative-position attention (gathers over seq)
+    return DebertaV2Model(c), c
+
+
+def _swin():
+    from transformers import SwinConfig, SwinModel
+    c = SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4)
+    return SwinModel(c), c
+
+
+def _beit():
+    from transformers import BeitConfig, BeitModel
+    # relative position bias, resized with bilinear interpolation (upsample_bilinear2d)
+    c = BeitConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
+                   patch_size=8, use_relative_position_bias=True)
+    return BeitModel(c), c
+
+
+def _ast():
+    from transformers import ASTConfig, ASTModel
+    c = ASTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, num_mel_bins=16,
+                  max_length=32, patch_size=8)
+    return ASTModel(c), c
+
+
 # -- the table ---------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -172,6 +212,12 @@ ROWS = (
     Row("mobilenet-v2", _mobilenet_v2, _batch(1, 3, 8)),
     Row("whisper-encoder", _whisper_encoder, _batch(1, 3, 8)),
     Row("wav2vec2", _wav2vec2, tuple({"batch": b, "frames": f} for b, f in ((1, 2), (3, 17), (8, 40)))),
+    Row("gemma2", _gemma2, TEXT_SHAPES),
+    Row("bloom", _bloom, TEXT_SHAPES),
+    Row("deberta-v2", _deberta_v2, TEXT_SHAPES),
+    Row("swin", _swin, _batch(1, 3, 8)),
+    Row("beit", _beit, _batch(1, 3, 8)),
+    Row("ast", _ast, _batch(1, 3, 8)),
 )
 # name -> why torch.export cannot capture it (models tried and left out of ROWS)
 NOT_EXPORTABLE: dict[str, str] = {}
