@@ -31,12 +31,15 @@ def lower(*targets: Any) -> Callable[[Callable], Callable]:
 
 def target_name(target: Any) -> str:
     """A readable op name: 'aten.add.Tensor', 'operator.mul', 'higher_order.scan'."""
-    name = getattr(target, "_name", None) or getattr(target, "__name__", None) or str(target)
+    name = (getattr(target, "_name", None) or getattr(target, "_qualified_op_name", None)  # overload / packet
+            or getattr(target, "__name__", None) or str(target))
     ns = getattr(target, "namespace", None)
     if isinstance(name, str) and "::" in name:
         ns, _, name = name.partition("::")
         overload = getattr(target, "_overloadname", None)
-        return f"{ns}.{name}.{overload}" if overload else f"{ns}.{name}"
+        if overload and not name.endswith(f".{overload}"):  # OpOverload._name has it, except `default`
+            name = f"{name}.{overload}"
+        return f"{ns}.{name}"
     if ns:
         return f"{ns}.{name}"
     module = getattr(target, "__module__", None)

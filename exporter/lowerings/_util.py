@@ -16,6 +16,8 @@ def canon_dim(dim: int, ndim: int) -> int:
 
 
 def canon_dims(dims, ndim: int) -> tuple[int, ...]:
+    if ndim == 0:  # a rank-0 tensor reduces over nothing, whatever dims (0 / -1) it is given
+        return ()
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         return tuple(range(ndim))
     if isinstance(dims, int):

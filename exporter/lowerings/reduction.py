@@ -47,6 +47,8 @@ def _amin(ctx, x, dim=(), keepdim=False):
 def _max(ctx, x, dim=None, keepdim=False):
     if dim is None:
         return jnp.max(x)
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int32)
     d = canon_dim(dim, x.ndim)
     return jnp.max(x, axis=d, keepdims=keepdim), jnp.argmax(x, axis=d, keepdims=keepdim)
 
@@ -56,6 +58,8 @@ def _max(ctx, x, dim=None, keepdim=False):
 def _min(ctx, x, dim=None, keepdim=False):
     if dim is None:
         return jnp.min(x)
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int32)
     d = canon_dim(dim, x.ndim)
     return jnp.min(x, axis=d, keepdims=keepdim), jnp.argmin(x, axis=d, keepdims=keepdim)
 
@@ -63,6 +67,8 @@ def _min(ctx, x, dim=None, keepdim=False):
 # aten::argmax(Tensor self, int? dim=None, bool keepdim=False) -> Tensor
 @lower(aten.argmax)
 def _argmax(ctx, x, dim=None, keepdim=False):
+    if x.ndim == 0:
+        return jnp.zeros((), jnp.int32)
     if dim is None:
         return jnp.argmax(x.reshape(-1)).reshape((1,) * x.ndim if keepdim else ())
     return jnp.argmax(x, axis=canon_dim(dim, x.ndim), keepdims=keepdim)
@@ -71,6 +77,8 @@ def _argmax(ctx, x, dim=None, keepdim=False):
 # aten::argmin(Tensor self, int? dim=None, bool keepdim=False) -> Tensor
 @lower(aten.argmin)
 def _argmin(ctx, x, dim=None, keepdim=False):
+    if x.ndim == 0:
+        return jnp.zeros((), jnp.int32)
     if dim is None:
         return jnp.argmin(x.reshape(-1)).reshape((1,) * x.ndim if keepdim else ())
     return jnp.argmin(x, axis=canon_dim(dim, x.ndim), keepdims=keepdim)
@@ -143,6 +151,8 @@ def _log_softmax(ctx, x, dim, half_to_float=False, *rest):
 # aten::topk(Tensor self, SymInt k, int dim=-1, bool largest=True, bool sorted=True) -> (Tensor values, Tensor indices)
 @lower(aten.topk)
 def _topk(ctx, x, k, dim=-1, largest=True, sorted=True):
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int32)
     d = canon_dim(dim, x.ndim)
     xt = jnp.moveaxis(x, d, -1)
     vals, idx = lax.top_k(xt if largest else -xt, k)
