@@ -37,6 +37,7 @@ from .exec_cache import ExecutableCache
 
 LOG = logging.getLogger("hloserve.runtime")
 
+_FLOATS = ("f64", "f32", "bf16", "f16")
 Env = tuple[tuple[str, int], ...]   # sorted (symbol, value) pairs: the compile key
 
 
@@ -95,7 +96,7 @@ def coerce(name: str, value: Any, spec: artifact.TensorSpec) -> Any:
         if arr.size and (arr.min() < np.iinfo(want).min or arr.max() > np.iinfo(want).max):
             raise ShapeConstraintError(f"input {name!r} has values outside {spec.dtype}'s range")
         return arr.astype(want)
-    if arr.dtype.kind == "f" and want.kind == "f":
+    if arr.dtype.kind == "f" and spec.dtype in _FLOATS:       # f64 -> f32, f32 -> bf16/f16, ...
         return arr.astype(want)
     raise ShapeConstraintError(f"input {name!r} has dtype {arr.dtype}, expected {spec.dtype} ({spec.describe()}); "
                                f"convert it before the call")
