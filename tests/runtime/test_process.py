@@ -91,7 +91,7 @@ for _ in range(2):
     outs.append(np.asarray(m.functions["forward"](x=x)["y"]))
 cache_hits = m.functions["forward"].stats.persistent_cache_hits
 print(json.dumps({{"err": float(np.abs(got - want).max()), "per_device": per_device, "total_split": total_split,
-                  "all_reduce": hlo.count("all-reduce("),
+                  "all_reduce": hlo.count("all-reduce("), "all_gather": hlo.count("all-gather("),
                   "cached_err": float(max(np.abs(o - want).max() for o in outs)), "cache_hits": cache_hits, "spec": list(sharded.weights["layers.0.up.weight"].sharding.spec)}}))
 """
 
@@ -104,7 +104,8 @@ def test_spmd_megatron_rules_match_single_device(mlp_artifact, tmp_path):
     assert sorted(r["per_device"]) == ["0", "1", "2", "3"]
     for nbytes in r["per_device"].values():
         assert nbytes == r["total_split"] // 4           # each device holds a quarter of the split weights
-    assert r["all_reduce"] >= 2                           # XLA inserted the row-split reductions (one per layer)
+    # XLA inserted exactly the row-split reductions, one per layer, and gathered nothing
+    assert r["all_reduce"] == 2 and r["all_gather"] == 0
     assert r["cache_hits"] == 1 and r["cached_err"] < 1e-5
 
 
