@@ -48,6 +48,15 @@ def _index(ctx, x, indices):
 # aten::index_put(Tensor self, Tensor?[] indices, Tensor values, bool accumulate=False) -> Tensor
 @lower(aten.index_put)
 def _index_put(ctx, x, indices, values, accumulate=False):
+    values = jnp.asarray(values, x.dtype)
+    if len(indices) == 1 and indices[0] is not None and indices[0].dtype == jnp.bool_:
+        # x[mask] = v with v broadcast over the selected rows: a select, no data-dependent shape.
+        mask = indices[0]
+        rest = x.ndim - mask.ndim
+        if values.ndim <= rest or (values.ndim == rest + 1 and values.shape[0] == 1):
+            v = values.reshape(values.shape[-rest:] if rest else ()) if values.ndim > rest else values
+            m = mask.reshape(mask.shape + (1,) * rest)                      # (*mask, 1, ...)
+            return jnp.where(m, x + v if accumulate else jnp.broadcast_to(v, x.shape), x)
     key = tuple(slice(None) if i is None else
                 (i if i.dtype == jnp.bool_ else _wrap(i, x.shape[k]))
                 for k, i in enumerate(indices))
@@ -60,6 +69,8 @@ def _index_put(ctx, x, indices, values, accumulate=False):
 def _gather(ctx, x, dim, index, *, sparse_grad=False):
     if x.ndim == 0:
         return jnp.broadcast_to(x, index.shape)
+    if index.size == 0:
+        return jnp.zeros(ctx.out_shape, x.dtype)
     d = canon_dim(dim, x.ndim)
     # index may be smaller than x in dims other than d: slice x to match
     x = x[tuple(slice(0, index.shape[k]) if k != d else slice(None) for k in range(x.ndim))]
@@ -163,3 +174,14 @@ def _select_scatter(ctx, x, src, dim, index):
     if isinstance(index, int) and index < 0:
         index = index + x.shape[d]
     return lax.dynamic_update_index_in_dim(x, src.astype(x.dtype), index, axis=d)
+
+
+# aten::masked_scatter(Tensor self, Tensor mask, Tensor source) -> Tensor
+@lower(aten.masked_scatter)
+def _masked_scatter(ctx, x, mask, source):
+    # the k-th True of mask (row-major) takes source.flat[k]
+    mask = jnp.broadcast_to(mask, ctx.out_shape)
+    x = jnp.broadcast_to(x, ctx.out_shape)
+    k = jnp.cumsum(mask.reshape(-1).astype(jnp.int32)) - 1
+    picked = jnp.take(source.reshape(-1), jnp.clip(k, 0, max(source.size - 1, 0)), mode="clip")
+    return jnp.where(mask, picked.reshape(mask.shape).astype(x.dtype), x)

@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 import torch
 
@@ -168,7 +169,7 @@ def _native_layer_norm(ctx, x, normalized_shape, weight, bias, eps):
 @lower(aten.native_group_norm)
 def _native_group_norm(ctx, x, weight, bias, n, c, hw, group, eps):
     shape = x.shape
-    xg = x.reshape(shape[0], group, -1)                      # (N, G, C/G * HxW)
+    xg = x.reshape(n, group, (c // group) * hw)              # (N, G, C/G * HxW)
     mean = jnp.mean(xg, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(xg - mean), axis=-1, keepdims=True)
     rstd = lax.rsqrt(var + eps)
@@ -178,7 +179,7 @@ def _native_group_norm(ctx, x, weight, bias, n, c, hw, group, eps):
         out = out * weight.reshape(bshape)
     if bias is not None:
         out = out + bias.reshape(bshape)
-    return out, mean.reshape(shape[0], group), rstd.reshape(shape[0], group)
+    return out, mean.reshape(n, group), rstd.reshape(n, group)
 
 
 # aten::_native_batch_norm_legit_no_training(Tensor input, Tensor? weight, Tensor? bias, Tensor running_mean,
@@ -199,9 +200,38 @@ def _batch_norm_inference(ctx, x, weight, bias, mean, var, momentum, eps):
 #     Tensor running_var, bool training, float momentum, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)
 @lower(aten._native_batch_norm_legit_functional)
 def _batch_norm_functional(ctx, x, weight, bias, mean, var, training, momentum, eps):
-    out, _, _ = _batch_norm_inference(ctx, x, weight, bias, mean, var, momentum, eps)
-    empty = jnp.zeros((0,), x.dtype)
-    return out, empty, empty, mean, var
+    if not training:
+        out, _, _ = _batch_norm_inference(ctx, x, weight, bias, mean, var, momentum, eps)
+        empty = jnp.zeros((0,), x.dtype)
+        return out, empty, empty, mean, var
+    out, batch_mean, rstd, batch_var = _batch_norm_train(x, weight, bias, eps)
+    count = x.size // x.shape[1]
+    unbiased = batch_var * (count / max(count - 1, 1))
+    return (out, batch_mean, rstd, (1 - momentum) * mean + momentum * batch_mean.astype(mean.dtype),
+            (1 - momentum) * var + momentum * unbiased.astype(var.dtype))
+
+
+def _batch_norm_train(x, weight, bias, eps):
+    """Normalize with batch statistics over every dim but 1: (out, mean[C], rstd[C], biased var[C])."""
+    axes = (0,) + tuple(range(2, x.ndim))
+    bshape = (1, -1) + (1,) * (x.ndim - 2)
+    mean = jnp.mean(x, axis=axes)
+    var = jnp.mean(jnp.square(x - mean.reshape(bshape)), axis=axes)
+    rstd = lax.rsqrt(var + eps)
+    out = (x - mean.reshape(bshape)) * rstd.reshape(bshape)
+    if weight is not None:
+        out = out * weight.reshape(bshape)
+    if bias is not None:
+        out = out + bias.reshape(bshape)
+    return out, mean, rstd, var
+
+
+# aten::_native_batch_norm_legit.no_stats(Tensor input, Tensor? weight, Tensor? bias, bool training,
+#                                         float momentum, float eps) -> (Tensor, Tensor, Tensor)
+@lower(aten._native_batch_norm_legit.no_stats)
+def _batch_norm_no_stats(ctx, x, weight, bias, training, momentum, eps):
+    out, mean, rstd, _ = _batch_norm_train(x, weight, bias, eps)
+    return out, mean, rstd
 
 
 # aten::upsample_nearest2d.vec(Tensor input, SymInt[]? output_size, float[]? scale_factors) -> Tensor
@@ -209,10 +239,16 @@ def _batch_norm_functional(ctx, x, weight, bias, mean, var, training, momentum, 
 def _upsample_nearest(ctx, x, output_size=None, *scales):
     out_shape = ctx.out_shape
     nd = len(out_shape) - 2
+    if len(scales) == 1 and (scales[0] is None or isinstance(scales[0], (list, tuple))):
+        scales = tuple(scales[0]) if scales[0] is not None else ()  # .vec: one list or None
+    scales = tuple(scales) + (None,) * (nd - len(scales))
     for i in range(nd):
         d = 2 + i
         n_in, n_out = x.shape[d], out_shape[d]
-        idx = jnp.floor(jnp.arange(n_out) * (n_in / n_out)).astype(jnp.int32)
+        # torch's nearest_neighbor_compute_source_index: floor(dst * scale) in float32, where scale is
+        # 1/scale_factor when the caller gave one, else in/out
+        scale = np.float32(1.0 / scales[i]) if scales[i] else np.float32(n_in) / np.float32(n_out)
+        idx = jnp.floor(jnp.arange(n_out, dtype=jnp.float32) * scale).astype(jnp.int32)
         x = jnp.take(x, jnp.minimum(idx, n_in - 1), axis=d)
     return x
 
@@ -265,3 +301,49 @@ def _sdpa(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale
         s = jnp.where(attn_mask, s, -jnp.inf) if attn_mask.dtype == jnp.bool_ else s + attn_mask
     p = jax.nn.softmax(s, axis=-1)
     return jnp.einsum("...qk,...kd->...qd", p, v, precision=lax.Precision.HIGHEST)
+
+
+# aten::max_pool2d_with_indices_backward(Tensor grad_output, Tensor self, int[2] kernel_size, int[2] stride,
+#     int[2] padding, int[2] dilation, bool ceil_mode, Tensor indices) -> Tensor
+@lower(aten.max_pool2d_with_indices_backward, aten.max_pool3d_with_indices_backward)
+def _max_pool_backward(ctx, grad, x, kernel, stride, padding, dilation, ceil_mode, indices):
+    nd = _spatial_rank(ctx, "max_pool")
+    lead = x.shape[:x.ndim - nd]
+    rows = math.prod(lead)
+    spatial = math.prod(x.shape[x.ndim - nd:])
+    g = grad.reshape(rows, -1)                                   # (N*C, out spatial)
+    idx = indices.reshape(rows, -1)
+    r = jnp.broadcast_to(jnp.arange(rows)[:, None], idx.shape)
+    out = jnp.zeros((rows, spatial), grad.dtype).at[r, idx].add(g)  # (N*C, in spatial)
+    return out.reshape(x.shape)
+
+
+def _pairwise_dist(a, b, p):
+    """(..., P, M), (..., R, M) -> (..., P, R) p-norm distances, computed from differences."""
+    diff = jnp.abs(a[..., :, None, :] - b[..., None, :, :])   # (..., P, R, M)
+    if p == 0:
+        return jnp.sum(diff != 0, axis=-1).astype(a.dtype)
+    if p == math.inf:
+        return jnp.max(diff, axis=-1, initial=0.0)
+    if p == 1:
+        return jnp.sum(diff, axis=-1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(diff * diff, axis=-1))
+    return jnp.sum(diff ** p, axis=-1) ** (1.0 / p)
+
+
+# aten::_cdist_forward(Tensor x1, Tensor x2, float p, int? compute_mode) -> Tensor
+@lower(aten._cdist_forward)
+def _cdist_forward(ctx, x1, x2, p, compute_mode=None):
+    batch = ctx.out_shape[:-2]
+    x1 = jnp.broadcast_to(x1, batch + x1.shape[-2:])
+    x2 = jnp.broadcast_to(x2, batch + x2.shape[-2:])
+    return _pairwise_dist(x1, x2, p)
+
+
+# aten::_pdist_forward(Tensor self, float p=2) -> Tensor
+@lower(aten._pdist_forward)
+def _pdist_forward(ctx, x, p=2.0):
+    n = x.shape[0]
+    i, j = np.triu_indices(n, k=1)                 # row-major pairs i < j, as torch orders them
+    return _pairwise_dist(x, x, p)[i, j]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 import torch
 
 from ..registry import lower
@@ -213,3 +214,36 @@ def _pixel_shuffle(ctx, x, r):
     n = len(b)
     x = jnp.transpose(x, (*range(n), n, n + 3, n + 1, n + 4, n + 2))  # (..., C', H, r, W, r)
     return x.reshape(ctx.out_shape)
+
+
+# aten::diagonal(Tensor(a) self, int offset=0, int dim1=0, int dim2=1) -> Tensor(a)
+@lower(aten.diagonal.default, aten.diagonal_copy.default)
+def _diagonal(ctx, x, offset=0, dim1=0, dim2=1):
+    return jnp.diagonal(x, offset, canon_dim(dim1, x.ndim), canon_dim(dim2, x.ndim))  # diag on the last axis
+
+
+# aten::as_strided(Tensor(a) self, SymInt[] size, SymInt[] stride, SymInt? storage_offset=None) -> Tensor(a)
+@lower(aten.as_strided.default, aten.as_strided_copy.default)
+def _as_strided(ctx, x, size, stride, storage_offset=None):
+    # size/stride address x's storage. Our array is x in logical order; rebuild the storage torch
+    # would see from the input's recorded strides (identical to x.reshape(-1) when contiguous).
+    val = ctx.node.args[0].meta["val"]
+    in_strides, in_offset = tuple(val.stride()), int(val.storage_offset())
+    if not all(isinstance(d, int) for d in (*x.shape, *size, *stride, *in_strides)):
+        raise NotImplementedError("as_strided over symbolic sizes or strides; export with static shapes")
+    offset = in_offset if storage_offset is None else storage_offset
+    if tuple(val.shape) and val.is_contiguous() and in_offset == 0:
+        storage = x.reshape(-1)
+    else:
+        extent = in_offset + sum((n - 1) * st for n, st in zip(x.shape, in_strides)) + 1 if x.size else 0
+        where = in_offset + sum(jnp.arange(n).reshape((-1,) + (1,) * (x.ndim - 1 - k)) * st
+                                for k, (n, st) in enumerate(zip(x.shape, in_strides)))
+        storage = jnp.zeros((max(extent, 1),), x.dtype).at[jnp.reshape(where, -1)].set(x.reshape(-1))
+    idx = offset + sum(np.arange(n).reshape((-1,) + (1,) * (len(size) - 1 - k)) * st
+                       for k, (n, st) in enumerate(zip(size, stride)))
+    idx = np.broadcast_to(idx, tuple(size))                                       # (*size)
+    if idx.size and (idx.min() < in_offset or idx.max() >= storage.shape[0]):  # storage holds [in_offset, end)
+        raise NotImplementedError(
+            f"as_strided reads storage elements outside its input (offsets {idx.min()}..{idx.max()}, input at "
+            f"{in_offset}, {x.size} elements); an exported input carries only its own elements")
+    return jnp.take(storage, jnp.asarray(idx), mode="clip")
