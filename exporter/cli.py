@@ -1,6 +1,6 @@
 """The `hloserve` command line.
 
-    hloserve export SOURCE -o OUT [--dynamic SPEC] [--dtype D] [--function F] [--pad DIM]
+    hloserve export SOURCE -o OUT [--dynamic SPEC] [--dtype D] [--function F] [--pad DIM] [--quantize Q]
     hloserve tf ART -o SAVEDMODEL [--function F] [--xla-call-module-version N] [--platforms P]
     hloserve inspect ART
     hloserve run ART --inputs in.npz --outputs out.npz [--function F]
@@ -37,7 +37,8 @@ def _export(args: argparse.Namespace) -> int:
 
     reporter = Reporter(enabled=not args.quiet)
     reporter.stage(f"loading {args.source}")
-    source = load_source(args.source, dtype=args.dtype)
+    source = load_source(args.source, dtype=args.dtype, quantize=args.quantize,
+                         quantize_skip=args.quantize_skip.split(",") if args.quantize_skip else ())
     entries = source.entries
     if args.function:
         known = {e.name for e in entries}
@@ -49,7 +50,8 @@ def _export(args: argparse.Namespace) -> int:
     apply_dynamic(entries, args.dynamic, args.pad.split(",") if args.pad else ())
     model = dict(source.model, dtype=args.dtype)
     manifest = export_artifact(args.output, entries, source=args.source, model=model,
-                               platforms=args.platforms.split(","), reporter=reporter, files=source.files)
+                               platforms=args.platforms.split(","), reporter=reporter, files=source.files,
+                               weight_quant=source.weight_quant)
     for fn in manifest.functions.values():
         ins = ", ".join(f"{t.name}: {t.describe()}" for t in fn.inputs)
         reporter.stage(f"  {fn.name}({ins})")
@@ -177,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--function", action="append", help="entry point(s) to export (default: all the source provides)")
     e.add_argument("--pad", help="symbolic dims the runtime may pad to buckets, comma-separated ('none' for none)")
     e.add_argument("--platforms", default="cpu", help="comma-separated lowering platforms (cpu,cuda,tpu)")
+    e.add_argument("--quantize", metavar="SPEC",
+                   help="weight-only quantization: int8 (per channel), int8:GROUP, int4[:GROUP[:asym]] "
+                        "(default group 32), or gguf (keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks); "
+                        "see docs/quantization.md")
+    e.add_argument("--quantize-skip", metavar="PATTERNS",
+                   help="comma-separated fnmatch patterns of modules left in float, e.g. '*embed*,lm_head'")
     e.add_argument("--savedmodel", metavar="DIR", help="also write a TensorFlow SavedModel (see `hloserve tf`)")
     e.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     e.set_defaults(fn=_export)

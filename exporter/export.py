@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -221,8 +221,13 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str, model: Mapping[str, Any] | None = None,
                     platforms: Sequence[str] = DEFAULT_PLATFORMS, reporter: Reporter = QUIET,
                     extra_weights: Mapping[str, np.ndarray] | None = None,
-                    files: Mapping[str, str] | None = None) -> artifact.Manifest:
+                    files: Mapping[str, str] | None = None,
+                    weight_quant: Callable[[str, torch.Tensor], Mapping[str, Any] | None] | None = None
+                    ) -> artifact.Manifest:
     """Lower every entry point and write the artifact directory `out_dir`.
+
+    `weight_quant(name, tensor)` gives a weight's quantization scheme for the manifest
+    (WeightSpec.quant; quantization.convert.QuantRecord), None for plain weights.
 
     `files` (name -> path) are copied into the artifact (tokenizer.json, ...) and
     listed with their sha256 in manifest.model["files"].
@@ -282,7 +287,9 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
         format_version=artifact.FORMAT_VERSION,
         producer={"hloserve": version("hloserve"), "torch": torch.__version__, "jax": jax.__version__},
         source=source, functions=functions,
-        weights={n: artifact.WeightSpec(n, d, s, digests[n]) for n, (d, s) in specs.items()},
+        weights={n: artifact.WeightSpec(n, d, s, digests[n], weight_quant(n, tensors[n])
+                                        if weight_quant is not None and n in tensors else None)
+                 for n, (d, s) in specs.items()},
         symbols=symbols, model=model)
     artifact.write_manifest(out_dir, manifest)
     reporter.stage(f"artifact written to {out_dir}")

@@ -34,31 +34,51 @@ class Source:
       entries: entry points, each with default dynamic dims (overridable by --dynamic).
       model: manifest "model" metadata (task, tokenizer files, config).
       files: extra files copied into the artifact (tokenizer.json, ...), name -> source path.
+      weight_quant: (artifact weight name, tensor) -> the manifest's WeightSpec.quant or None
+        (set by quantization.convert.quantize_source).
     """
     description: str
     entries: list[EntryPoint]
     model: dict = dataclasses.field(default_factory=dict)
     files: dict[str, str] = dataclasses.field(default_factory=dict)
+    weight_quant: Callable[[str, torch.Tensor], Any] | None = None
 
 
-def load_source(spec: str, *, dtype: str = "float32") -> Source:
+def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = None,
+                quantize_skip: Sequence[str] = ()) -> Source:
+    """Load SOURCE; with `quantize` (--quantize, see quantization.schemes.QuantConfig.parse) its
+    Linear/Embedding weights are swapped for quantized ones (a GGUF with `gguf` keeps its blocks)."""
+    if quantize:
+        from hloserve.quantization.convert import quantize_source
+        from hloserve.quantization.schemes import QuantConfig
+        config = QuantConfig.parse(quantize, tuple(quantize_skip))
+        src = _load_source(spec, dtype, config)
+        return quantize_source(src, config)
+    return _load_source(spec, dtype, None)
+
+
+def _load_source(spec: str, dtype: str, quant) -> Source:
     if dtype not in DTYPES:
         raise SourceError(f"--dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     tdtype = DTYPES[dtype]
+    if quant is not None and quant.native and not spec.endswith(".gguf") and \
+            not (spec in presets.PRESETS and presets.resolve(spec).endswith(".gguf")):
+        raise SourceError(f"--quantize gguf keeps a GGUF file's blocks, but {spec} is not a .gguf; "
+                          f"use --quantize int8 or int4[:GROUP[:asym]]")
     if spec in presets.PRESETS:
         path = presets.resolve(spec)
-        src = _load_path(path, tdtype)
+        src = _load_path(path, tdtype, quant)
         src.model["preset"] = spec
         return src
     if os.path.exists(spec):
-        return _load_path(spec, tdtype)
+        return _load_path(spec, tdtype, quant)
     if ":" in spec and not spec.startswith(("/", ".")):
         return _load_factory(spec, tdtype)
     raise SourceError(f"source {spec!r} is not a file, a directory, module:factory or a preset "
                       f"({', '.join(sorted(presets.PRESETS))})")
 
 
-def _load_path(path: str, tdtype) -> Source:
+def _load_path(path: str, tdtype, quant=None) -> Source:
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
             raise SourceError(f"{path} is a directory without config.json; expected a Hugging Face model directory")
@@ -67,6 +87,12 @@ def _load_path(path: str, tdtype) -> Source:
         return _load_pt2(path, tdtype)
     if path.endswith(".gguf"):
         from .models import llama_source  # the LLM export path (imported only when needed)
+        if quant is not None and quant.native:  # keep the file's Q8_0/Q4_0/Q4_1 blocks
+            from hloserve.quantization.convert import gguf_weights_builder
+            build, record = gguf_weights_builder(quant, tdtype)
+            src = llama_source.from_gguf(path, tdtype, build_weights=build)
+            src.weight_quant = record
+            return src
         return llama_source.from_gguf(path, tdtype)
     raise SourceError(f"{path}: unknown checkpoint type; expected a HF directory, a .pt2 or a .gguf file")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import functools
 
 from ..registry import Registry
-from . import control_flow, creation, elementwise, indexing, linalg, nn, reduction, shape, symbolic
+from . import control_flow, creation, elementwise, indexing, linalg, nn, quantized, reduction, shape, symbolic
 
-FAMILIES = (elementwise, reduction, shape, creation, indexing, linalg, nn, control_flow, symbolic)
+FAMILIES = (elementwise, reduction, shape, creation, indexing, linalg, nn, control_flow, symbolic, quantized)
 
 
 @functools.cache

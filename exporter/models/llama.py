@@ -259,6 +259,24 @@ class LlamaWeights(torch.nn.Module):
             torch.nn.Parameter(torch.zeros(V, h, dtype=dtype), requires_grad=False)
         self.register_buffer("rope_inv_freq", rope_inv_freq(cfg))
 
+    # The step reads weights only through these (quantization.convert.QuantizedLlamaWeights
+    # implements the same four over quantized storage).
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute dtype: activations and the KV cache."""
+        return self.norm.dtype
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.embed_tokens)                     # [T, hidden]
+
+    def linear(self, x: torch.Tensor, lw: Mapping[str, torch.Tensor], name: str,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ lw[name].T + bias, lw being one layer's slice of the stacked weights."""
+        return F.linear(x, lw[name], bias)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.embed_tokens if self.lm_head is None else self.lm_head)   # [S, V]
+
     @classmethod
     def from_hf_tensors(cls, cfg: LlamaConfig, get: Callable[[str], torch.Tensor], names: Iterable[str],
                         dtype: torch.dtype = torch.float32) -> "LlamaWeights":
@@ -304,10 +322,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, w, b)
-
-
 class LlamaStep(torch.nn.Module):
     """One paged-cache step of a LlamaWeights decoder (see the module docstring).
 
@@ -330,9 +344,9 @@ class LlamaStep(torch.nn.Module):
         S, B = block_tables.shape
         L, _, N, BS, KV, D = kv_cache.shape
         C = B * BS                                   # context capacity of one sequence
-        dtype = w.embed_tokens.dtype
+        dtype = w.dtype
 
-        h = F.embedding(tokens, w.embed_tokens)      # [T, hidden]
+        h = w.embed(tokens)                          # [T, hidden]
         cos, sin = self._rope(positions, seq_ids, context_lens, dtype)   # [T, 1, D] each
 
         # Which cache rows each token reads, and which of them it may see.
@@ -366,7 +380,7 @@ class LlamaStep(torch.nn.Module):
             T = h.shape[0]
             L, _, N, BS, KV, D = cache.shape
             x = rms_norm(h, lw["input_layernorm"], cfg.rms_norm_eps)
-            qkv = _linear(x, lw["qkv_proj"], lw.get("qkv_bias"))        # [T, q+2kv]
+            qkv = w.linear(x, lw, "qkv_proj", lw.get("qkv_bias"))        # [T, q+2kv]
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.reshape(T, cfg.num_heads, D)                            # [T, H, D]
             k = k.reshape(T, KV, D)                                       # [T, KV, D]
@@ -400,11 +414,11 @@ class LlamaStep(torch.nn.Module):
             else:
                 out = torch.einsum("tkgc,ckd->tkgd", probs, v_ctx.reshape(R * C, KV, D))   # [T, KV, G, D]
             out = out.reshape(T, cfg.q_size)                              # [T, H*D]
-            h = h + _linear(out, lw["o_proj"], lw.get("o_bias"))
+            h = h + w.linear(out, lw, "o_proj", lw.get("o_bias"))
 
             x = rms_norm(h, lw["post_attention_layernorm"], cfg.rms_norm_eps)
-            gate, up = _linear(x, lw["gate_up_proj"], lw.get("gate_up_bias")).chunk(2, dim=-1)   # [T, I] each
-            h = h + _linear(F.silu(gate) * up, lw["down_proj"], lw.get("down_bias"))
+            gate, up = w.linear(x, lw, "gate_up_proj", lw.get("gate_up_bias")).chunk(2, dim=-1)   # [T, I] each
+            h = h + w.linear(F.silu(gate) * up, lw, "down_proj", lw.get("down_bias"))
             return h, cache
 
         stacked = [w.layers[n] for n in names]
@@ -423,8 +437,7 @@ class LlamaStep(torch.nn.Module):
                 h, kv_cache = layer(h, kv_cache, {n: t[i] for n, t in zip(names, stacked)}, layer_ids[i])
 
         h_last = rms_norm(h[last_token], w.norm, cfg.rms_norm_eps)        # [S, hidden]
-        head = w.embed_tokens if w.lm_head is None else w.lm_head
-        logits = F.linear(h_last, head).float()                           # [S, V]
+        logits = w.head(h_last).float()                                   # [S, V]
         return logits, kv_cache
 
     def _rope(self, positions, seq_ids, context_lens, dtype):
@@ -486,7 +499,7 @@ def step_entries(weights: LlamaWeights, opts: StepExportOptions = StepExportOpti
     S = Dim("num_seqs", min=1, max=opts.max_seqs)
     N = Dim("num_blocks", min=2, max=opts.max_num_blocks)
     B = Dim("max_blocks", min=1, max=opts.max_blocks)
-    dtype = weights.embed_tokens.dtype
+    dtype = weights.dtype
     # example: 2 sequences, 5 tokens, 3 blocks of table, 7 blocks of cache (sizes distinct and >= 2)
     bs = opts.block_size
     ex = dict(

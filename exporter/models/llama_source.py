@@ -57,7 +57,7 @@ def source_from_weights(weights: LlamaWeights, description: str, *, opts: StepEx
     """A Source exporting `weights` as the prefill/decode step functions."""
     cfg = weights.cfg
     opts = opts or default_options(cfg)
-    dtype = weights.embed_tokens.dtype
+    dtype = weights.dtype
     model = {
         "task": "causal-lm", "architecture": architecture or f"{cfg.model_type}ForCausalLM",
         "config": cfg.to_json(), "llm": llm_metadata(cfg, opts, dtype),
@@ -134,8 +134,13 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *,
 
 
 # -- GGUF ---------------------------------------------------------------------------
-def from_gguf(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExportOptions | None = None) -> Source:
-    """A llama.cpp GGUF file (llama / qwen2 architectures) -> Source, weights dequantized to `tdtype`."""
+def from_gguf(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExportOptions | None = None,
+              build_weights: Callable | None = None) -> Source:
+    """A llama.cpp GGUF file (llama / qwen2 architectures) -> Source, weights dequantized to `tdtype`.
+
+    build_weights(cfg, ckpt) -> weights replaces the dequantization (e.g.
+    quantization.convert.llama_from_gguf keeps the file's quantized blocks).
+    """
     from .gguf import load_gguf
 
     ckpt = load_gguf(path)
@@ -146,8 +151,11 @@ def from_gguf(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExpor
     if st.bos_token_id is not None and raw.get("bos_token_id") is None:
         raw["bos_token_id"] = st.bos_token_id
     cfg = LlamaConfig.from_hf(raw)
-    sd = ckpt.state_dict()
-    weights = LlamaWeights.from_hf_tensors(cfg, sd.__getitem__, list(sd), tdtype)
+    if build_weights is not None:
+        weights = build_weights(cfg, ckpt)
+    else:
+        sd = ckpt.state_dict()
+        weights = LlamaWeights.from_hf_tensors(cfg, sd.__getitem__, list(sd), tdtype)
     # Source.files copies from paths: write the GGUF's tokenizer to a private temp dir
     tmp = tempfile.mkdtemp(prefix="hloserve-gguf-tok-")
     tok_path = os.path.join(tmp, "tokenizer.json")

@@ -1,0 +1,118 @@
+"""Quantized Linear / Embedding, exported through two custom ops the emitter lowers.
+
+    hloserve::quantized_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? min, Tensor? bias,
+                               int bits, int group) -> Tensor                    # x [..., in] -> [..., out]
+    hloserve::quantized_embedding(Tensor qweight, Tensor scale, Tensor? min, Tensor indices,
+                                  int bits, int group, ScalarType dtype) -> Tensor   # [*idx, hidden]
+
+`group` 0 means one scale per output row. The ops keep the quantized tensors whole through
+torch.export (a q/dq pattern in ATen would be decomposed and re-fused by chance); the lowering
+in exporter/lowerings/quantized.py decides how XLA sees the dequantization. Their eager
+implementations (dequantize in float32, then F.linear / F.embedding) are the torch reference.
+
+The ops are registered with torch's dispatcher when this module is first imported (torch's
+custom-op API has no other form); registering is idempotent per process and changes nothing
+else.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .schemes import MIN_SUFFIX, SCALE_SUFFIX, WeightScheme
+
+_FLOAT_SCALE = {"f32": torch.float32, "f16": torch.float16}
+
+
+def unpack_int4(packed: torch.Tensor, signed: bool) -> torch.Tensor:
+    """uint8 [..., m] -> int8 [..., 2m] (schemes.py layout: element 2k low nibble, 2k+1 high)."""
+    lo = (packed & 0xF).to(torch.int8)
+    hi = (packed >> 4).to(torch.int8)
+    if signed:
+        lo = torch.where(lo > 7, lo - 16, lo)
+        hi = torch.where(hi > 7, hi - 16, hi)
+    return torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])   # [..., 2m]
+
+
+def dequantize(qweight: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor], bits: int,
+               group: int) -> torch.Tensor:
+    """float32 [..., out, in] of a stored weight (the torch twin of primitives.dequantize)."""
+    q = unpack_int4(qweight, signed=min is None) if bits == 4 else qweight
+    n_in = q.shape[-1]
+    g = group or n_in
+    qg = q.to(torch.float32).reshape(*q.shape[:-1], n_in // g, g)        # [..., out, G, g]
+    s = scale.to(torch.float32).reshape(*q.shape[:-1], n_in // g, 1)     # [..., out, G, 1]
+    w = qg * s
+    if min is not None:
+        w = w + min.to(torch.float32).reshape(*q.shape[:-1], n_in // g, 1)
+    return w.reshape(q.shape)                                            # [..., out, in]
+
+
+@torch.library.custom_op("hloserve::quantized_linear", mutates_args=())
+def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor],
+                     bias: Optional[torch.Tensor], bits: int, group: int) -> torch.Tensor:
+    w = dequantize(qweight, scale, min, bits, group)
+    return F.linear(x, w.to(x.dtype), bias)
+
+
+@quantized_linear.register_fake
+def _(x, qweight, scale, min, bias, bits, group):
+    return x.new_empty((*x.shape[:-1], qweight.shape[-2]))
+
+
+@torch.library.custom_op("hloserve::quantized_embedding", mutates_args=())
+def quantized_embedding(qweight: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor],
+                        indices: torch.Tensor, bits: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    rows = qweight[indices]                                              # [*idx, in or in/2]
+    mn = None if min is None else min[indices]
+    return dequantize(rows, scale[indices], mn, bits, group).to(dtype)
+
+
+@quantized_embedding.register_fake
+def _(qweight, scale, min, indices, bits, group, dtype):
+    n = qweight.shape[-1] * (2 if bits == 4 else 1)
+    return qweight.new_empty((*indices.shape, n), dtype=dtype)
+
+
+def _register(module: torch.nn.Module, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    module.register_buffer(name, tensors["qweight"])
+    module.register_buffer(name + SCALE_SUFFIX, tensors["scale"])
+    module.register_buffer(name + MIN_SUFFIX, tensors.get("min"))
+
+
+class QuantizedLinear(torch.nn.Module):
+    """A Linear whose weight is stored quantized: buffers weight, weight_scale, weight_min (asym)."""
+
+    def __init__(self, in_features: int, out_features: int, scheme: WeightScheme, tensors: dict[str, torch.Tensor],
+                 bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features, self.scheme, self.dtype = in_features, out_features, scheme, dtype
+        _register(self, "weight", tensors)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.hloserve.quantized_linear(x, self.weight, self.weight_scale, self.weight_min, self.bias,
+                                                   self.scheme.bits, self.scheme.group or 0)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.scheme.describe()}"
+
+
+class QuantizedEmbedding(torch.nn.Module):
+    """An Embedding whose table is stored quantized (rows gathered, then dequantized)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, scheme: WeightScheme,
+                 tensors: dict[str, torch.Tensor], dtype: torch.dtype, padding_idx: int | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.scheme, self.dtype = num_embeddings, embedding_dim, scheme, dtype
+        self.padding_idx = padding_idx
+        _register(self, "weight", tensors)
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        return torch.ops.hloserve.quantized_embedding(self.weight, self.weight_scale, self.weight_min, indices,
+                                                      self.scheme.bits, self.scheme.group or 0, self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.scheme.describe()}"

@@ -1,0 +1,123 @@
+"""Reference quantize / dequantize / pack functions in NumPy (schemes.py defines the layout).
+
+These are the definition the in-graph lowering (exporter/lowerings/quantized.py) and the
+tests are checked against. Quantization rules:
+
+  * int8 symmetric:   scale = amax / 127, q = clip(round(w / scale), -127, 127)
+  * int4 symmetric:   llama.cpp's Q4_0 rule: m = the signed value of largest magnitude,
+                      scale = m / -8, q = clip(round(w / scale), -8, 7) (16 levels, m -> -8)
+  * asymmetric:       scale = (max - min) / (2^bits - 1), q = clip(round((w - min) / scale), 0, 2^bits - 1)
+
+per group of `group` input elements (or per output row). Scales (and mins) are rounded to
+their storage dtype FIRST and q is computed against the rounded values, so what is stored is
+what the quantizer chose. An all-zero group gets scale 0 (q = 0).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .schemes import QuantizationError, WeightScheme
+
+_NP_SCALE = {"f32": np.float32, "f16": np.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+    """One quantized weight as stored: qweight (int8 or packed uint8), scale, min (or None)."""
+    qweight: np.ndarray
+    scale: np.ndarray
+    min: np.ndarray | None
+    scheme: WeightScheme
+    shape: tuple[int, ...]
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        out = {"qweight": self.qweight, "scale": self.scale}
+        if self.min is not None:
+            out["min"] = self.min
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.tensors().values())
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """int values in [-8, 7] or [0, 15], [..., n] (n even) -> uint8 [..., n // 2]; 2k low nibble, 2k+1 high."""
+    q = np.asarray(q)
+    if q.shape[-1] % 2:
+        raise QuantizationError(f"pack_int4: last dim {q.shape[-1]} is odd")
+    if q.size and (q.min() < -8 or q.max() > 15):
+        raise QuantizationError(f"pack_int4: values in [{q.min()}, {q.max()}] do not fit 4 bits")
+    nib = (q.astype(np.int16) & 0xF).astype(np.uint8)
+    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_int4(packed: np.ndarray, *, signed: bool) -> np.ndarray:
+    """uint8 [..., m] -> int8 [..., 2m]: signed two's complement nibbles ([-8, 7]) or unsigned ([0, 15])."""
+    p = np.asarray(packed, dtype=np.uint8)
+    lo, hi = (p & 0xF).astype(np.int8), (p >> 4).astype(np.int8)
+    if signed:
+        lo, hi = np.where(lo > 7, lo - 16, lo), np.where(hi > 7, hi - 16, hi)
+    return np.stack([lo, hi], axis=-1).reshape(*p.shape[:-1], 2 * p.shape[-1]).astype(np.int8)
+
+
+def _grouped(w: np.ndarray, group: int | None) -> np.ndarray:
+    """[..., out, in] -> [..., out, in // group, group] (per-channel: [..., out, 1, in])."""
+    g = group or w.shape[-1]
+    return w.reshape(*w.shape[:-1], w.shape[-1] // g, g)
+
+
+def quantize(w: np.ndarray, scheme: WeightScheme, *, where: str = "weight") -> QuantizedArray:
+    """Quantize a float weight [..., out, in] (any float dtype; computed in float32)."""
+    w = np.asarray(w, dtype=np.float32)
+    scheme.check_shape(w.shape, where)
+    sdt = _NP_SCALE[scheme.scale_dtype]
+    wg = _grouped(w, scheme.group)                                       # [..., out, G, g]
+    levels = (1 << scheme.bits) - 1
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if scheme.symmetric:
+            if scheme.bits == 8:
+                scale = (np.abs(wg).max(-1) / 127.0).astype(sdt)              # [..., out, G]
+                lo, hi = -127, 127
+            else:
+                idx = np.abs(wg).argmax(-1)[..., None]
+                m = np.take_along_axis(wg, idx, -1)[..., 0]                  # signed extreme
+                scale = (m / -8.0).astype(sdt)
+                lo, hi = -8, 7
+            s32 = scale.astype(np.float32)[..., None]
+            q = np.where(s32 != 0, np.round(wg / s32), 0.0)
+            mn = None
+        else:
+            mn = wg.min(-1).astype(sdt)                                       # [..., out, G]
+            scale = ((wg.max(-1) - mn.astype(np.float32)) / levels).astype(sdt)
+            s32, m32 = scale.astype(np.float32)[..., None], mn.astype(np.float32)[..., None]
+            q = np.where(s32 != 0, np.round((wg - m32) / s32), 0.0)
+            lo, hi = 0, levels
+    q = np.clip(q, lo, hi).reshape(w.shape).astype(np.int8)             # [..., out, in]
+    qweight = pack_int4(q) if scheme.bits == 4 else q
+    if scheme.group is None:
+        scale = scale[..., 0]
+        mn = None if mn is None else mn[..., 0]
+    return QuantizedArray(qweight, np.ascontiguousarray(scale), None if mn is None else np.ascontiguousarray(mn),
+                          scheme, tuple(w.shape))
+
+
+def int_values(qa: QuantizedArray) -> np.ndarray:
+    """The integer values q [..., out, in] (unpacked for int4)."""
+    if qa.scheme.bits == 4:
+        return unpack_int4(qa.qweight, signed=qa.scheme.symmetric)
+    return np.asarray(qa.qweight)
+
+
+def dequantize(qa: QuantizedArray) -> np.ndarray:
+    """float32 [..., out, in]: q * scale (+ min), in float32 with scale and min widened first."""
+    q = int_values(qa).astype(np.float32)
+    qg = _grouped(q, qa.scheme.group)                                    # [..., out, G, g]
+    scale = qa.scale if qa.scheme.group else qa.scale[..., None]
+    out = qg * scale.astype(np.float32)[..., None]
+    if qa.min is not None:
+        mn = qa.min if qa.scheme.group else qa.min[..., None]
+        out = out + mn.astype(np.float32)[..., None]
+    return out.reshape(qa.shape)

@@ -1,0 +1,165 @@
+"""Quantization schemes as data: the one source of truth for how a weight is stored.
+
+A weight W [..., out, in] (a Linear's [out, in], a stacked Llama weight [L, out, in], an
+embedding table [vocab, hidden]) is stored as up to three tensors:
+
+    NAME          qweight  int8 [..., out, in]         bits=8: q in [-128, 127]
+                           uint8 [..., out, in // 2]   bits=4: two values per byte, element 2k in
+                                                       the low nibble, 2k+1 in the high nibble;
+                                                       symmetric: signed two's complement [-8, 7],
+                                                       asymmetric: unsigned [0, 15]
+    NAME_scale    scale    [..., out, in // group]     (group) or [..., out] (per output channel)
+    NAME_min      min      same shape as scale         asymmetric only
+
+    symmetric:   W = q * scale
+    asymmetric:  W = q * scale + min          (a zero point z is min = -z * scale; storing the
+                                               float `min` keeps llama.cpp's Q4_1 exact)
+
+All arithmetic is float32 (scale and min are widened first), which is exactly what the gguf
+package computes for Q8_0 / Q4_0 / Q4_1, so an imported GGUF tensor dequantizes bit-identically.
+The scheme of each stored tensor is recorded in the artifact manifest (WeightSpec.quant, see
+`WeightScheme.manifest_entry`), never inferred from names.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any, Mapping
+
+from hloserve.exporter.errors import HloserveError
+
+
+class QuantizationError(HloserveError):
+    """A quantization spec or tensor that cannot be used; the message says what to change."""
+
+
+SCALE_SUFFIX = "_scale"
+MIN_SUFFIX = "_min"
+SCALE_DTYPES = ("f32", "f16")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightScheme:
+    """How one weight is quantized.
+
+    Attributes:
+      bits: 8 (int8) or 4 (int4, stored packed two per byte).
+      group: elements of the input dim sharing one scale; None: one scale per output channel.
+      symmetric: W = q * scale (True) or W = q * scale + min (False).
+      scale_dtype: "f32" or "f16" storage of scale and min (GGUF blocks carry f16).
+    """
+    bits: int = 8
+    group: int | None = None
+    symmetric: bool = True
+    scale_dtype: str = "f32"
+
+    def __post_init__(self):
+        if self.bits not in (4, 8):
+            raise QuantizationError(f"bits={self.bits} is not supported; use 8 (int8) or 4 (int4)")
+        if self.group is not None and (self.group < 2 or self.group % 2):
+            raise QuantizationError(f"group={self.group} must be an even number >= 2 (e.g. 32, 64, 128)")
+        if self.bits == 4 and self.group is None:
+            raise QuantizationError("int4 needs a group size (per-channel int4 collapses small LLMs); e.g. int4:32")
+        if self.bits == 8 and not self.symmetric:
+            raise QuantizationError("asymmetric int8 is not supported (q would not fit int8); use int8 or int4:GROUP:asym")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise QuantizationError(f"scale_dtype {self.scale_dtype!r}: use one of {SCALE_DTYPES}")
+
+    @property
+    def name(self) -> str:
+        return f"int{self.bits}"
+
+    def describe(self) -> str:
+        parts = [self.name] + ([str(self.group)] if self.group else [])
+        if not self.symmetric:
+            parts.append("asym")
+        return ":".join(parts)
+
+    def check_shape(self, shape: tuple[int, ...], where: str) -> None:
+        """Raise unless a float weight of `shape` can be stored in this scheme."""
+        if len(shape) < 2:
+            raise QuantizationError(f"{where}: shape {list(shape)} has no [out, in] dims to quantize")
+        n_in = shape[-1]
+        if self.group and n_in % self.group:
+            raise QuantizationError(f"{where}: input dim {n_in} is not a multiple of group {self.group}; "
+                                    f"use a group dividing {n_in} or skip this module")
+        if self.bits == 4 and n_in % 2:
+            raise QuantizationError(f"{where}: input dim {n_in} is odd; int4 packs two values per byte")
+
+    def stored_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """role -> shape of the stored tensors of a float weight of `shape`."""
+        *lead, n_in = shape
+        q = (*lead, n_in // 2) if self.bits == 4 else tuple(shape)
+        s = (*lead, n_in // self.group) if self.group else tuple(lead)
+        out = {"qweight": q, "scale": s}
+        if not self.symmetric:
+            out["min"] = s
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"scheme": self.name, "group": self.group, "symmetric": self.symmetric,
+                "scale_dtype": self.scale_dtype}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "WeightScheme":
+        return cls(int(str(d["scheme"]).removeprefix("int")), d.get("group"), bool(d.get("symmetric", True)),
+                   d.get("scale_dtype", "f32"))
+
+    def manifest_entry(self, role: str, of: str, shape: tuple[int, ...]) -> dict[str, Any]:
+        """WeightSpec.quant of one stored tensor: the scheme, its role, and the float weight it encodes."""
+        return {**self.to_json(), "role": role, "of": of, "shape": list(shape)}
+
+
+INT8 = WeightScheme(8, None, True, "f32")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """What to quantize and how: parsed once from `--quantize` (see `parse`).
+
+    Attributes:
+      scheme: the scheme of every quantized weight.
+      skip: fnmatch patterns of module / weight names left in float (e.g. "*embed*", "lm_head").
+      spec: the user's spelling, for messages and the manifest.
+      native: keep a GGUF file's own blocks (Q8_0 -> int8 g32, Q4_0 -> int4 g32, Q4_1 -> int4 g32 asym)
+        instead of requantizing; `scheme` then applies to tensors of other ggml types.
+    """
+    scheme: WeightScheme
+    skip: tuple[str, ...] = ()
+    spec: str = ""
+    native: bool = False
+
+    def skipped(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.skip)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"spec": self.spec, **self.scheme.to_json(), "skip": list(self.skip), "native": self.native}
+
+    @classmethod
+    def parse(cls, spec: str, skip: tuple[str, ...] | list[str] = ()) -> "QuantConfig":
+        """`int8`, `int8:GROUP`, `int4[:GROUP[:asym|sym]]` or `gguf` (the file's own blocks).
+
+        int8 defaults to one f32 scale per output channel; int4 to group 32, symmetric, f16
+        scales (int4 without a group is refused: channel-wise int4 collapses small LLMs).
+        """
+        usage = ("use int8, int8:GROUP, int4[:GROUP[:asym]] (GROUP 32, 64, 128, ...) or gguf "
+                 "(keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks)")
+        parts = [p.strip().lower() for p in spec.split(":")]
+        kind = parts[0]
+        if kind == "gguf" and len(parts) == 1:
+            return cls(WeightScheme(8, 32, True, "f16"), tuple(skip), spec, native=True)
+        if kind not in ("int8", "int4") or len(parts) > 3:
+            raise QuantizationError(f"--quantize {spec!r} is not a quantization spec; {usage}")
+        bits = int(kind[3:])
+        group: int | None = 32 if bits == 4 else None
+        symmetric = True
+        if len(parts) >= 2 and parts[1]:
+            if not parts[1].isdigit():
+                raise QuantizationError(f"--quantize {spec!r}: group {parts[1]!r} is not a number; {usage}")
+            group = int(parts[1])
+        if len(parts) == 3:
+            if parts[2] not in ("asym", "sym"):
+                raise QuantizationError(f"--quantize {spec!r}: {parts[2]!r} must be asym or sym; {usage}")
+            symmetric = parts[2] == "sym"
+        scale_dtype = "f16" if group else "f32"
+        return cls(WeightScheme(bits, group, symmetric, scale_dtype), tuple(skip), spec)
