@@ -210,3 +210,136 @@ def test_non_gguf_file_is_a_clear_error(tmp_path):
         load_gguf(str(bad))
     with pytest.raises(SourceError, match="no such GGUF file"):
         load_gguf(str(tmp_path / "missing.gguf"))
+
+
+# -- synthetic files: what the SmolLM2 file does not exercise ------------------------------------
+def _llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py `LlamaModel.permute`, verbatim."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+def _write_gguf(path: str, arch: str, hf_cfg, state: dict[str, np.ndarray], *, rope_scaling=None,
+                add_bos: bool = True) -> None:
+    """A GGUF file as llama.cpp's converter writes it for `arch` (F32 tensors; q/k permuted for llama)."""
+    import gguf
+    from gguf.tensor_mapping import get_tensor_name_map
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(hf_cfg.num_hidden_layers)
+    w.add_context_length(hf_cfg.max_position_embeddings)
+    w.add_embedding_length(hf_cfg.hidden_size)
+    w.add_feed_forward_length(hf_cfg.intermediate_size)
+    w.add_head_count(hf_cfg.num_attention_heads)
+    w.add_head_count_kv(hf_cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(hf_cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(hf_cfg.hidden_size // hf_cfg.num_attention_heads)
+    w.add_vocab_size(hf_cfg.vocab_size)
+    if rope_scaling:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope_scaling)
+    # byte-level vocabulary: the 256 byte symbols, one merge, one control token
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    tokens = list(bytes_to_unicode().values()) + ["Ġt", "<|endoftext|>"]
+    assert len(tokens) == hf_cfg.vocab_size
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 1) + [3])
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(len(tokens) - 1)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_add_bos_token(add_bos)
+    w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = get_tensor_name_map(arch_id, hf_cfg.num_hidden_layers)   # HF module name -> GGUF name
+    heads, kv = hf_cfg.num_attention_heads, hf_cfg.num_key_value_heads
+    for name, value in state.items():
+        if name == "lm_head.weight" and hf_cfg.tie_word_embeddings:
+            continue
+        base, _, suffix = name.rpartition(".")
+        value = value.astype(np.float32)
+        if arch == "llama" and ".q_proj." in name:
+            value = _llama_cpp_permute(value, heads, heads)
+        elif arch == "llama" and ".k_proj." in name:
+            value = _llama_cpp_permute(value, heads, kv)
+        w.add_tensor(f"{names.get_name(base)}.{suffix}", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_synthetic_gguf_round_trip(tmp_path, arch):
+    """HF weights -> GGUF the way llama.cpp writes them -> load_gguf gives the HF weights back exactly:
+    q/k rows and biases un-permuted (llama) or untouched (qwen2), untied lm_head kept, config read."""
+    import tokenizers
+    import transformers
+
+    from hloserve.exporter.models.gguf import load_gguf
+    from hloserve.exporter.progress import QUIET
+    torch.manual_seed(0)
+    common = dict(vocab_size=258, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common, attention_bias=True, rms_norm_eps=1e-5)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(**common, rms_norm_eps=1e-6)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    for k in state:  # biases are zero-initialised: make them distinguishable per row
+        if k.endswith(".bias"):
+            state[k] = np.random.default_rng(len(k)).standard_normal(state[k].shape).astype(np.float32)
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    _write_gguf(path, arch, cfg, state, rope_scaling=2.0 if arch == "llama" else None)
+
+    ckpt = load_gguf(path)
+    assert set(ckpt.tensors) == set(state)  # incl. lm_head (untied) and o_proj.bias (llama attention_bias)
+    sd = ckpt.state_dict(reporter=QUIET)
+    for name, want in state.items():
+        np.testing.assert_array_equal(sd[name].numpy(), want, err_msg=name)
+    perm = ckpt.tensors["model.layers.1.self_attn.k_proj.bias"].row_perm
+    assert (perm is not None) == (arch == "llama")
+
+    c = ckpt.config
+    assert c["model_type"] == arch and c["tie_word_embeddings"] is False
+    assert (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["intermediate_size"]) == (4, 2, 16, 96)
+    assert c["attention_bias"] is True
+    assert c["rms_norm_eps"] == pytest.approx(cfg.rms_norm_eps, rel=1e-6)
+    if arch == "llama":
+        assert c["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    else:
+        assert c["rope_scaling"] is None
+    tok = tokenizers.Tokenizer.from_str(ckpt.tokenizer_json)
+    assert tok.encode(" t<|endoftext|>").ids == [257, 256, 257]  # BOS added (add_bos_token), merge, control token
+    assert ckpt.special_tokens.add_bos_token and ckpt.special_tokens.bos_token == "<|endoftext|>"
+
+
+def test_block_fields_reconstruct_dequantize(ckpt):
+    """Q4_0 / Q4_1 / Q8_0 block fields give gguf's dequantization bit-exactly with the documented formulas."""
+    import gguf
+
+    from hloserve.exporter.models.gguf import GGUFTensor
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((8, 64)).astype(np.float32)
+    q4_0 = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_0)  # uint8 [8, 2 * 18]
+    tensors = [GGUFTensor("w", "w", "Q4_0", 2, (8, 64), 32, 18, q4_0, None, 0),
+               ckpt.tensors["model.layers.2.self_attn.q_proj.weight"],   # Q4_1, rows un-permuted
+               ckpt.tensors["model.embed_tokens.weight"]]                # Q8_0
+    for t in tensors:
+        f = t.block_fields()
+        d = f["d"].astype(np.float32)[..., None]                          # [..., nb, 1]
+        if t.ggml_type == "Q4_0":
+            got = d * (f["q"].astype(np.int8) - np.int8(8)).astype(np.float32)
+        elif t.ggml_type == "Q4_1":
+            got = d * f["q"].astype(np.float32) + f["m"].astype(np.float32)[..., None]
+        else:
+            got = d * f["q"].astype(np.float32)
+        np.testing.assert_array_equal(got.reshape(t.shape), t.dequantize(), err_msg=t.ggml_type)
+    with pytest.raises(Exception, match="block fields are defined for"):
+        ckpt.tensors["model.norm.weight"].block_fields()

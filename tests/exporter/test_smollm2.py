@@ -8,6 +8,7 @@ per sequence; their blocks are interleaved in one cache so each block table is n
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -25,9 +26,10 @@ CHATS = [
      {"role": "user", "content": "Explain step by step how photosynthesis works."}],
     [{"role": "user", "content": "List ten tips for staying productive while working from home."}],
 ]
-# Last-token logits of the prompts, runtime vs transformers eager (f32, 30 layers): measured max |diff|
-# is ~1e-5; the bound leaves room for other CPU/accelerator reduction orders.
-LOGITS_ATOL = 2e-3
+# Last-token logits of the prompts, runtime vs transformers eager (f32, 30 layers, logits up to ~31):
+# measured max |diff| 7.2e-5; the bound leaves room for other reduction orders. Greedy is robust to
+# that: the smallest top-1/top-2 logit margin along the three 64-token continuations is 0.0135.
+LOGITS_ATOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,19 @@ def hf_model():
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, attn_implementation="eager")
     return model.eval()
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    """torch on n threads for the block. With one thread the eager reference runs ~8x faster on a loaded
+    2-core machine (measured: 4.2 s -> 0.53 s per 40-token forward), where multi-threaded kernels spin
+    against other processes."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def _prompts(art: str) -> list[list[int]]:
@@ -108,7 +123,7 @@ def test_smollm2_greedy_matches_transformers(smollm2_artifact, hf_model):
     eos = hf_model.config.eos_token_id
     for i, (prompt, cont) in enumerate(zip(prompts, got)):
         ids = torch.tensor([prompt])
-        with torch.no_grad():
+        with torch.no_grad(), _torch_threads(1):
             want_logits = hf_model(ids).logits[0, -1].numpy()
             want = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
                                      do_sample=False, pad_token_id=eos)[0, len(prompt):].tolist()
