@@ -9,7 +9,8 @@ Interface
                            num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
                            rms_norm_eps, rope_theta, rope_scaling (None or {"rope_type", "factor",
                            "original_max_position_embeddings", ...}), vocab_size,
-                           max_position_embeddings, tie_word_embeddings, attention_bias, mlp_bias,
+                           max_position_embeddings, tie_word_embeddings, attention_bias (q_proj has a
+                           bias), mlp_bias,
                            hidden_act, bos_token_id, eos_token_id, pad_token_id, unk_token_id;
                            plus "rope_freq_factors": [float] * (head_dim // 2) when the file has a
                            rope_freqs tensor (Llama 3.x: per-frequency divisors of the RoPE inverse
@@ -17,7 +18,7 @@ Interface
     ckpt.tensors           Mapping HF name -> GGUFTensor, in file order. Names follow HF
                            LlamaForCausalLM: model.embed_tokens.weight,
                            model.layers.N.{input_layernorm,post_attention_layernorm}.weight,
-                           model.layers.N.self_attn.{q,k,v,o}_proj.weight (+ q/k/v .bias if present),
+                           model.layers.N.self_attn.{q,k,v,o}_proj.weight (+ .bias where the file has one),
                            model.layers.N.mlp.{gate,up,down}_proj.weight, model.norm.weight,
                            lm_head.weight (only when the file has output.weight, i.e. untied).
     ckpt.state_dict(reporter=None)
@@ -39,6 +40,7 @@ Interface
     t.block_size, t.type_size   elements per block along the last dim, bytes per block (Q4_1: 32, 20)
     t.raw                  read-only memory-mapped file data, file row order: uint8 [rows, row_bytes]
                            for block types, the float array itself for F32/F16/BF16
+    t.nbytes, t.file_offset     stored size; offset of the data in the file
     t.row_perm             None, or int64 [rows]: HF row i is file row row_perm[i] (see below)
     t.blocks()             uint8 [*shape[:-1], shape[-1] // block_size, type_size], HF row order:
                            the quantized blocks exactly as stored, rows reordered (no float round trip)

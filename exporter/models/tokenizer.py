@@ -27,8 +27,8 @@ from ..errors import SourceError
 # GGUF token types (gguf.TokenType); kept as ints so this module does not import gguf.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-# The GPT-2 split; ByteLevel(use_regex=True) applies exactly this one.
-_GPT2 = None
+# Splits named by sentinel are built from pre-tokenizers that carry them (see gguf_tokenizer_json).
+_GPT2 = "gpt2"                      # ByteLevel(use_regex=True) applies exactly GPT-2's regex
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -39,7 +39,7 @@ _TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{L
 _DIGITS_THEN_GPT2 = "digits+gpt2"   # llama.cpp: "\p{N}" then the GPT-2 regex (= HF Digits(individual) + ByteLevel)
 
 # tokenizer.ggml.pre -> split, as in llama.cpp's llama-vocab.cpp.
-PRE_TOKENIZER_SPLITS: Mapping[str, str | None] = {
+PRE_TOKENIZER_SPLITS: Mapping[str, str] = {
     "default": _GPT2, "gpt2": _GPT2, "gpt-2": _GPT2, "olmo": _GPT2, "jais": _GPT2,
     "smollm": _DIGITS_THEN_GPT2, "starcoder": _DIGITS_THEN_GPT2, "refact": _DIGITS_THEN_GPT2,
     "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
@@ -47,6 +47,9 @@ PRE_TOKENIZER_SPLITS: Mapping[str, str | None] = {
     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
     "tekken": _TEKKEN_SPLIT,
 }
+# Pre-tokenizer names for which llama.cpp looks a whole pre-token up in the vocabulary before merging
+# (its `ignore_merges`, HF BPE's `ignore_merges`): the Llama 3 family.
+IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +101,10 @@ def gguf_tokenizer_json(vocab: GGUFVocab, *, where: str = "the GGUF file") -> st
             raise SourceError(f"{where}: BPE merge {m!r} is not 'left right'")
         merges.append((left, right))
     bpe = models.BPE(vocab=ids, merges=merges, dropout=None, unk_token=None, continuing_subword_prefix="",
-                     end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+                     end_of_word_suffix="", fuse_unk=False, byte_fallback=False, ignore_merges=pre in IGNORE_MERGES)
     tok = Tokenizer(bpe)
     split = PRE_TOKENIZER_SPLITS[pre]
-    if split is _GPT2:
+    if split == _GPT2:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     elif split == _DIGITS_THEN_GPT2:
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
