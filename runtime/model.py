@@ -191,6 +191,8 @@ def _identity(spec: artifact.FunctionSpec, shardings: Mapping[str, Any], in_shar
         "mesh": repr(getattr(getattr(in_sharding, "mesh", None), "shape", None)),
         "devices": [[d.id, d.platform, getattr(d, "device_kind", "")] for d in devices],
         "backend": getattr(devices[0].client, "platform_version", ""),
+        # flags change the code XLA generates; an executable built under other flags is not this one
+        "flags": [os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", "")],
     }
 
 
