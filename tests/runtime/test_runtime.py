@@ -186,10 +186,21 @@ def test_unknown_platform_and_device(mlp_artifact, tmp_path):
     from hloserve.runtime.client import PlatformError
     with pytest.raises(PlatformError, match="platform 'quantum' is unknown"):
         runtime.load(mlp_artifact, platform="quantum", cache_dir=None)
-    with pytest.raises(PlatformError, match=r"platform 'cuda' is not available .*pip install 'hloserve\[cuda\]'"):
-        runtime.load(mlp_artifact, platform="cuda", cache_dir=None)
     with pytest.raises(PlatformError, match="device index 99 is out of range"):
         runtime.load(mlp_artifact, devices=[99], cache_dir=None)
+
+
+def test_missing_platform_names_the_extra_to_install(mlp_artifact):
+    import jax
+    from hloserve.runtime.client import PlatformError
+    try:
+        jax.devices("gpu")
+    except RuntimeError:
+        pass
+    else:
+        pytest.skip("this machine has a GPU backend; the error path needs one without")
+    with pytest.raises(PlatformError, match=r"platform 'cuda' is not available .*pip install 'hloserve\[cuda\]'"):
+        runtime.load(mlp_artifact, platform="cuda", cache_dir=None)
 
 
 def test_donated_state_is_updated_in_place(state_artifact, tmp_path):
