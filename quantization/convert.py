@@ -65,8 +65,10 @@ def to_torch(qa: primitives.QuantizedArray) -> dict[str, torch.Tensor]:
     return {role: torch.from_numpy(np.ascontiguousarray(a)) for role, a in qa.tensors().items()}
 
 
-def _quantize_tensor(w: torch.Tensor, scheme: WeightScheme, where: str) -> dict[str, torch.Tensor]:
-    return to_torch(primitives.quantize(w.detach().float().cpu().numpy(), scheme, where=where))
+def _quantize_tensor(w: torch.Tensor, scheme: WeightScheme, where: str) -> tuple[dict[str, torch.Tensor], WeightScheme]:
+    """(stored tensors, the scheme used: `scheme` fitted to w's input dim, see WeightScheme.fitted)."""
+    scheme = scheme.fitted(w.shape[-1])
+    return to_torch(primitives.quantize(w.detach().float().cpu().numpy(), scheme, where=where)), scheme
 
 
 # -- generic modules --------------------------------------------------------------
@@ -78,7 +80,7 @@ def quantize_module(module: torch.nn.Module, config: QuantConfig, record: QuantR
     Modules sharing one weight (tied embeddings) share one quantized tensor.
     """
     record = record if record is not None else QuantRecord()
-    shared: dict[tuple, dict[str, torch.Tensor]] = {}
+    shared: dict[tuple, tuple[dict[str, torch.Tensor], WeightScheme]] = {}
     targets = [(n, m) for n, m in module.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
     for name, child in targets:
         if config.skipped(name):
@@ -87,16 +89,16 @@ def quantize_module(module: torch.nn.Module, config: QuantConfig, record: QuantR
         key = _identity(w)
         if key not in shared:
             shared[key] = _quantize_tensor(w, config.scheme, name)
-            record.add(shared[key], config.scheme, tuple(w.shape))
-        tensors = shared[key]
+            record.add(shared[key][0], shared[key][1], tuple(w.shape))
+        tensors, scheme = shared[key]
         if isinstance(child, torch.nn.Linear):
-            new: torch.nn.Module = QuantizedLinear(child.in_features, child.out_features, config.scheme, tensors,
+            new: torch.nn.Module = QuantizedLinear(child.in_features, child.out_features, scheme, tensors,
                                                    child.bias, w.dtype)
         else:
             if child.max_norm is not None:
                 raise QuantizationError(f"{name}: Embedding(max_norm=...) renormalizes its weight; skip it "
                                         f"(--quantize-skip '{name}')")
-            new = QuantizedEmbedding(child.num_embeddings, child.embedding_dim, config.scheme, tensors, w.dtype,
+            new = QuantizedEmbedding(child.num_embeddings, child.embedding_dim, scheme, tensors, w.dtype,
                                      child.padding_idx)
         parent_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent_name) if parent_name else module, attr, new)
@@ -175,10 +177,10 @@ def quantize_llama(weights, config: QuantConfig, record: QuantRecord | None = No
     for n in weights.layer_names:
         t = weights.layers[n].detach()
         if n in _MATMULS and not config.skipped(f"layers.{n}"):
-            q = _quantize_tensor(t, config.scheme, f"layers.{n}")
-            record.add(q, config.scheme, tuple(t.shape))
+            q, scheme = _quantize_tensor(t, config.scheme, f"layers.{n}")
+            record.add(q, scheme, tuple(t.shape))
             _store(layers, n, q)
-            schemes[n] = config.scheme
+            schemes[n] = scheme
         else:
             layers[n] = t
     globals_: dict[str, torch.Tensor] = {"norm": weights.norm.detach()}
@@ -189,10 +191,10 @@ def quantize_llama(weights, config: QuantConfig, record: QuantRecord | None = No
         if config.skipped(n):
             globals_[n] = t.detach()
             continue
-        q = _quantize_tensor(t, config.scheme, n)
-        record.add(q, config.scheme, tuple(t.shape))
+        q, scheme = _quantize_tensor(t, config.scheme, n)
+        record.add(q, scheme, tuple(t.shape))
         _store(globals_, n, q)
-        schemes[n] = config.scheme
+        schemes[n] = scheme
     return QuantizedLlamaWeights(weights.cfg, weights.dtype, layers, globals_, schemes, weights.rope_inv_freq)
 
 
@@ -268,8 +270,8 @@ def llama_from_gguf(cfg, ckpt, config: QuantConfig, record: QuantRecord | None =
             q = {role: torch.from_numpy(np.stack([np.concatenate([b[role] for b in bl], 0) for bl in blocks]))
                  for role in blocks[0][0]}                               # [L, rows, ...] each
         else:
-            scheme = config.scheme
-            q = _quantize_tensor(torch.stack([dequantized(names) for names in per_layer]), scheme, stacked)
+            q, scheme = _quantize_tensor(torch.stack([dequantized(names) for names in per_layer]), config.scheme,
+                                         stacked)
         record.add(q, scheme, shape)
         _store(layers, stacked, q)
         schemes[stacked] = scheme
@@ -287,8 +289,7 @@ def llama_from_gguf(cfg, ckpt, config: QuantConfig, record: QuantRecord | None =
         if scheme is not None:
             q = {role: torch.from_numpy(a) for role, a in gguf_blocks(t).items()}
         else:
-            scheme = config.scheme
-            q = _quantize_tensor(torch.from_numpy(t.dequantize()), scheme, n)
+            q, scheme = _quantize_tensor(torch.from_numpy(t.dequantize()), config.scheme, n)
         record.add(q, scheme, tuple(t.shape))
         _store(globals_, n, q)
         schemes[n] = scheme

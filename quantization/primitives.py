@@ -10,7 +10,10 @@ tests are checked against. Quantization rules:
 
 per group of `group` input elements (or per output row). Scales (and mins) are rounded to
 their storage dtype FIRST and q is computed against the rounded values, so what is stored is
-what the quantizer chose. An all-zero group gets scale 0 (q = 0).
+what the quantizer chose. Rounding goes outward (scale magnitudes up, mins down), so the
+group's extremes still fit the integer range: nothing is clipped by the f16 rounding and the
+error stays within scale / 2 (int4 symmetric: the +8 side clips to 7, within one scale).
+An all-zero group gets scale 0 (q = 0).
 """
 from __future__ import annotations
 
@@ -63,6 +66,19 @@ def unpack_int4(packed: np.ndarray, *, signed: bool) -> np.ndarray:
     return np.stack([lo, hi], axis=-1).reshape(*p.shape[:-1], 2 * p.shape[-1]).astype(np.int8)
 
 
+def _outward(x: np.ndarray, dtype, *, down: bool = False) -> np.ndarray:
+    """Round float32 `x` to `dtype`, away from zero (or toward -inf with down=True)."""
+    r = x.astype(dtype)
+    r32 = r.astype(np.float32)
+    if down:
+        fix = r32 > x
+        toward = np.full_like(r, -np.inf)
+    else:
+        fix = np.abs(r32) < np.abs(x)
+        toward = np.where(x < 0, -np.inf, np.inf).astype(dtype)
+    return np.where(fix, np.nextafter(r, toward), r).astype(dtype)
+
+
 def _grouped(w: np.ndarray, group: int | None) -> np.ndarray:
     """[..., out, in] -> [..., out, in // group, group] (per-channel: [..., out, 1, in])."""
     g = group or w.shape[-1]
@@ -79,19 +95,19 @@ def quantize(w: np.ndarray, scheme: WeightScheme, *, where: str = "weight") -> Q
     with np.errstate(divide="ignore", invalid="ignore"):
         if scheme.symmetric:
             if scheme.bits == 8:
-                scale = (np.abs(wg).max(-1) / 127.0).astype(sdt)              # [..., out, G]
+                scale = _outward(np.abs(wg).max(-1) / np.float32(127), sdt)  # [..., out, G]
                 lo, hi = -127, 127
             else:
                 idx = np.abs(wg).argmax(-1)[..., None]
                 m = np.take_along_axis(wg, idx, -1)[..., 0]                  # signed extreme
-                scale = (m / -8.0).astype(sdt)
+                scale = _outward(m / np.float32(-8), sdt)
                 lo, hi = -8, 7
             s32 = scale.astype(np.float32)[..., None]
             q = np.where(s32 != 0, np.round(wg / s32), 0.0)
             mn = None
         else:
-            mn = wg.min(-1).astype(sdt)                                       # [..., out, G]
-            scale = ((wg.max(-1) - mn.astype(np.float32)) / levels).astype(sdt)
+            mn = _outward(wg.min(-1), sdt, down=True)                         # [..., out, G]
+            scale = _outward((wg.max(-1) - mn.astype(np.float32)) / np.float32(levels), sdt)
             s32, m32 = scale.astype(np.float32)[..., None], mn.astype(np.float32)[..., None]
             q = np.where(s32 != 0, np.round((wg - m32) / s32), 0.0)
             lo, hi = 0, levels

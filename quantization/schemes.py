@@ -75,6 +75,17 @@ class WeightScheme:
             parts.append("asym")
         return ":".join(parts)
 
+    def fitted(self, n_in: int) -> "WeightScheme":
+        """This scheme for an input dim of n_in: a group that does not divide n_in is replaced by
+        the largest power of two that does and is smaller (576 with group 128 -> 64). The
+        manifest records the group each weight actually uses."""
+        if not self.group or n_in % self.group == 0:
+            return self
+        g = self.group
+        while g > 2 and n_in % g:
+            g //= 2
+        return dataclasses.replace(self, group=g) if n_in % g == 0 and g >= 8 else self
+
     def check_shape(self, shape: tuple[int, ...], where: str) -> None:
         """Raise unless a float weight of `shape` can be stored in this scheme."""
         if len(shape) < 2:

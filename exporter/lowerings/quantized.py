@@ -14,7 +14,10 @@ materializes ONE layer's weight per iteration: the int8/int4 layer is read from 
 (1/4 or ~1/7 of the f32 bytes) and its float copy is used while still in cache, which is what
 makes decode faster than f32. On GPU, XLA fuses the same convert/multiply into the GEMM's
 operand. The multiply-add of asymmetric groups is float32 q * scale + min with scale and min
-widened first: exactly the gguf package's Q4_1 arithmetic (tests check bit equality).
+widened first: the gguf package's Q4_1 arithmetic. XLA:CPU may contract it into an FMA; with
+f16 scales (every GGUF import) q * scale needs at most 4 + 11 bits, is exact in float32, and
+the FMA rounds identically, so imported GGUF weights dequantize bit-exactly (tests check it).
+With f32 scales an asymmetric value may differ from NumPy's by one ulp.
 """
 from __future__ import annotations
 

@@ -1,0 +1,172 @@
+"""quantize / dequantize / pack against a NumPy reference written independently here (loops over
+groups, no shared helpers), plus the torch (eager op) and jax (lowering) dequantizers against
+primitives.dequantize, bit for bit. Property tests draw shapes, groups and value ranges."""
+from __future__ import annotations
+
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
+import jax
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+
+from hloserve.exporter.lowerings import quantized as lowering
+from hloserve.quantization import modules, primitives
+from hloserve.quantization.schemes import INT8, QuantConfig, QuantizationError, WeightScheme
+
+SCHEMES = [INT8, WeightScheme(8, 32, True, "f16"), WeightScheme(4, 32, True, "f16"),
+           WeightScheme(4, 64, False, "f16"), WeightScheme(4, 128, True, "f32"), WeightScheme(4, 32, False, "f32")]
+
+
+def _out(value, sdt, down=False):
+    """Scalar outward rounding to the storage dtype: magnitude up (mins: toward -inf)."""
+    value = np.float32(value)
+    r = sdt(value)
+    if down and np.float32(r) > value:
+        r = np.nextafter(r, sdt(-np.inf))
+    if not down and abs(np.float32(r)) < abs(value):
+        r = np.nextafter(r, sdt(np.inf) if value > 0 else sdt(-np.inf))
+    return sdt(r)
+
+
+def _reference(w: np.ndarray, s: WeightScheme):
+    """Row by row, group by group: (q int values [out, in], scale [out, G], min [out, G] or None)."""
+    sdt = np.float16 if s.scale_dtype == "f16" else np.float32
+    out, n = w.shape
+    g = s.group or n
+    q = np.zeros((out, n), np.int64)
+    scale = np.zeros((out, n // g), sdt)
+    mins = np.zeros((out, n // g), sdt)
+    for r in range(out):
+        for k in range(n // g):
+            blk = w[r, k * g:(k + 1) * g].astype(np.float32)
+            if s.symmetric and s.bits == 8:
+                sc = _out(np.abs(blk).max() / np.float32(127), sdt)
+                lo, hi, off = -127, 127, np.float32(0)
+            elif s.symmetric:
+                m = blk[np.abs(blk).argmax()]
+                sc = _out(m / np.float32(-8), sdt)
+                lo, hi, off = -8, 7, np.float32(0)
+            else:
+                mins[r, k] = _out(blk.min(), sdt, down=True)
+                off = np.float32(mins[r, k])
+                sc = _out((blk.max() - off) / np.float32(15), sdt)
+                lo, hi = 0, 15
+            scale[r, k] = sc
+            sc32 = np.float32(sc)
+            vals = np.round((blk - off) / sc32) if sc32 != 0 else np.zeros_like(blk)
+            q[r, k * g:(k + 1) * g] = np.clip(vals, lo, hi)
+    return q, scale, (None if s.symmetric else mins)
+
+
+@st.composite
+def weights(draw, scheme: WeightScheme):
+    g = scheme.group or draw(st.sampled_from([2, 6, 16]))
+    out = draw(st.integers(1, 4))
+    n = g * draw(st.integers(1, 3))
+    mag = draw(st.sampled_from([1e-3, 1.0, 50.0]))
+    elems = st.floats(-1, 1, width=32, allow_nan=False)
+    w = draw(hnp.arrays(np.float32, (out, n), elements=elems)) * np.float32(mag)
+    w[np.abs(w) < 1e-30] = 0.0   # float32 subnormals: amax / 127 would underflow to a zero scale
+    if draw(st.booleans()):
+        w[0, :g] = 0.0   # an all-zero group: scale 0, q 0
+    return w
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.describe()}-{s.scale_dtype}")
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_quantize_matches_reference(scheme, data):
+    w = data.draw(weights(scheme))
+    qa = primitives.quantize(w, scheme)
+    q_ref, scale_ref, min_ref = _reference(w, scheme)
+    np.testing.assert_array_equal(primitives.int_values(qa), q_ref)
+    scale = qa.scale if scheme.group else qa.scale[:, None]
+    np.testing.assert_array_equal(scale, scale_ref)
+    if min_ref is not None:
+        np.testing.assert_array_equal(qa.min, min_ref)
+    # dequantized = q * scale (+ min), f32; within scale / 2 of w (int4 symmetric: within one scale,
+    # the +8 side clips to 7)
+    g = scheme.group or w.shape[1]
+    deq = primitives.dequantize(qa)
+    expect = q_ref.astype(np.float32) * np.repeat(scale_ref.astype(np.float32), g, axis=1)
+    if min_ref is not None:
+        expect = expect + np.repeat(min_ref.astype(np.float32), g, axis=1)
+    np.testing.assert_array_equal(deq, expect)
+    step = np.repeat(np.abs(scale_ref.astype(np.float32)), g, axis=1)
+    bound = step * (1.0 if scheme.bits == 4 and scheme.symmetric else 0.5)
+    assert np.all(np.abs(deq - w) <= bound * 1.001 + 1e-6 * np.abs(w).max())
+
+
+@settings(max_examples=60, deadline=None)
+@given(q=hnp.arrays(np.int8, hnp.array_shapes(min_dims=1, max_dims=3, max_side=6).map(lambda s: (*s[:-1], 2 * s[-1])),
+                    elements=st.integers(-8, 7)))
+def test_pack_roundtrip_and_nibble_order(q):
+    p = primitives.pack_int4(q)
+    assert p.dtype == np.uint8 and p.shape == (*q.shape[:-1], q.shape[-1] // 2)
+    np.testing.assert_array_equal(p & 0xF, q[..., 0::2].astype(np.int16) & 0xF)   # element 2k: low nibble
+    np.testing.assert_array_equal(p >> 4, q[..., 1::2].astype(np.int16) & 0xF)     # element 2k+1: high nibble
+    np.testing.assert_array_equal(primitives.unpack_int4(p, signed=True), q)
+    u = (q.astype(np.int16) + 8).astype(np.int8)      # [0, 15]
+    np.testing.assert_array_equal(primitives.unpack_int4(primitives.pack_int4(u), signed=False), u)
+    # the torch (eager op) and jax (lowering) unpackers agree with NumPy
+    np.testing.assert_array_equal(modules.unpack_int4(torch.from_numpy(p), signed=True).numpy(), q)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: lowering.unpack_int4(a, True))(p)), q)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: lowering.unpack_int4(a, False))(
+        primitives.pack_int4(u))), u)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.describe()}-{s.scale_dtype}")
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_torch_and_jax_dequantize_bit_exact(scheme, data):
+    w = data.draw(weights(scheme))
+    qa = primitives.quantize(np.stack([w, -w]), scheme)        # a stacked [2, out, in] weight
+    ref = primitives.dequantize(qa)
+    t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in qa.tensors().items()}
+    got_t = modules.dequantize(t["qweight"], t["scale"], t.get("min"), scheme.bits, scheme.group or 0).numpy()
+    got_j = np.asarray(jax.jit(lambda q, s, m: lowering.dequantize(q, s, m, scheme.bits, scheme.group or 0))(
+        qa.qweight, qa.scale, qa.min))
+    np.testing.assert_array_equal(got_t.view(np.uint32), ref.view(np.uint32))
+    if scheme.symmetric or scheme.scale_dtype == "f16":
+        np.testing.assert_array_equal(got_j.view(np.uint32), ref.view(np.uint32))
+    else:   # XLA may fuse q * scale + min into an FMA: q * scale (< 16 * scale) is not exact with f32 scales
+        np.testing.assert_allclose(got_j, ref, rtol=0, atol=16 * 2.0 ** -23 * float(np.abs(qa.scale).max()))
+
+
+@pytest.mark.parametrize("spec, want", [
+    ("int8", WeightScheme(8, None, True, "f32")),
+    ("int8:32", WeightScheme(8, 32, True, "f16")),
+    ("int4", WeightScheme(4, 32, True, "f16")),
+    ("int4:128", WeightScheme(4, 128, True, "f16")),
+    ("INT4:64:asym", WeightScheme(4, 64, False, "f16")),
+])
+def test_parse(spec, want):
+    assert QuantConfig.parse(spec).scheme == want
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("int3", "not a quantization spec"),
+    ("int4:abc", "is not a number"),
+    ("int4:32:wide", "must be asym or sym"),
+    ("int8:32:asym", "asymmetric int8 is not supported"),
+    ("int4:0", "even number"),
+])
+def test_parse_errors_say_what_to_use(spec, match):
+    with pytest.raises(QuantizationError, match=match):
+        QuantConfig.parse(spec)
+
+
+def test_group_fits_the_input_dim():
+    s = WeightScheme(4, 128)
+    assert s.fitted(1536) is s
+    assert s.fitted(576).group == 64        # SmolLM2's hidden size: 576 = 9 * 64
+    assert s.fitted(100).group == 128       # nothing fits: left for check_shape to refuse
+
+
+def test_shape_errors_name_the_weight():
+    with pytest.raises(QuantizationError, match=r"blk\.0: input dim 48 is not a multiple of group 32"):
+        primitives.quantize(np.zeros((4, 48), np.float32), WeightScheme(4, 32), where="blk.0")
+    with pytest.raises(QuantizationError, match="int4 needs a group size"):
+        WeightScheme(4, None)
