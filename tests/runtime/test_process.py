@@ -9,6 +9,7 @@ from tests.runtime.conftest import run_python
 
 FIRST_RESULT = """
 import json, sys
+import numpy as np
 from hloserve import runtime
 from hloserve.runtime.client import compile_events
 model = runtime.load({art!r}, cache_dir={cache!r})
@@ -59,6 +60,7 @@ def test_runtime_never_imports_torch(mlp_artifact, tmp_path):
 
 SPMD = """
 import json
+import numpy as np
 import jax
 from hloserve import runtime
 assert len(jax.devices()) == 4, jax.devices()
