@@ -159,6 +159,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = ServeConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_mib << 20,
+                         num_blocks=args.num_blocks,
                          max_pending=args.max_pending, max_batch_size=args.max_batch_size,
                          batch_timeout_s=args.batch_timeout_ms / 1000, model_name=args.model_name,
                          api_key=args.api_key or os.environ.get("HLOSERVE_API_KEY"), platform=args.platform)
@@ -236,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-num-batched-tokens", type=int, default=256, help="LLM: tokens per step (chunked prefill)")
     sv.add_argument("--max-model-len", type=int, help="LLM: context per request (default: the artifact's)")
     sv.add_argument("--kv-cache-mib", type=int, default=256, help="LLM: device memory for the paged KV cache")
+    sv.add_argument("--num-blocks", type=int, help="LLM: KV blocks (overrides --kv-cache-mib)")
     sv.add_argument("--max-pending", type=int, default=256, help="requests in flight before answering 429")
     sv.add_argument("--max-batch-size", type=int, default=32, help="predict: rows batched per call")
     sv.add_argument("--batch-timeout-ms", type=float, default=5.0, help="predict: wait for a batch to fill")

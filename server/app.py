@@ -136,7 +136,10 @@ def _metrics_text(service) -> str:
                  f"# TYPE hloserve:compiles_total counter\nhloserve:compiles_total{{{lbl}}} {stats['compiles_total']}\n"
                  f"# HELP hloserve:recompiles_after_warmup_total Compiles after warm-up (should stay 0).\n"
                  f"# TYPE hloserve:recompiles_after_warmup_total counter\n"
-                 f"hloserve:recompiles_after_warmup_total{{{lbl}}} {stats['compiles_after_warmup_total']}\n")
+                 f"hloserve:recompiles_after_warmup_total{{{lbl}}} {stats['compiles_after_warmup_total']}\n"
+                 f"# HELP hloserve:requests_in_flight Requests admitted and not yet answered (max_pending bounds it).\n"
+                 f"# TYPE hloserve:requests_in_flight gauge\nhloserve:requests_in_flight{{{lbl}}} "
+                 f"{service.admission.in_flight}\n")
         return text
     lbl = f'model_name="{service.model_name}"'
     stats = service.model.stats()
@@ -246,7 +249,8 @@ def _add_openai_routes(app: FastAPI, svc: LLMService) -> None:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             gen = _sse(svc, stream, rid, created, req, chat=chat, include_usage=include_usage)
-            return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return _SSEResponse(gen, on_close=lambda: (stream.abort(), svc.admission.leave()),
+                                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             text, toks, lps, last = await _collect(request, stream)
         finally:
@@ -330,33 +334,54 @@ async def _sse(svc, stream, rid, created, req, *, chat: bool, include_usage: boo
         return f"data: {json.dumps(body)}\n\n"
 
     last = None
-    try:
-        async with stream:   # leaving early (client disconnect -> cancellation) aborts the request
+    async with stream:   # leaving early (client disconnect -> cancellation) aborts the request
+        if chat:
+            yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None})
+        async for out in stream:
+            last = out
+            if out.finish_reason == "error":
+                yield f"data: {json.dumps(error_body(f'generation failed: {out.error}', type_='internal_error'))}\n\n"
+                break
+            lps = list(out.logprobs or ())
+            reason = out.finish_reason if out.finished else None
+            if not out.new_text and not reason and not lps:
+                continue
             if chat:
-                yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
-            async for out in stream:
-                last = out
-                if out.finish_reason == "error":
-                    yield f"data: {json.dumps(error_body(f'generation failed: {out.error}', type_='internal_error'))}\n\n"
-                    break
-                lps = list(out.logprobs or ())
-                reason = out.finish_reason if out.finished else None
-                if not out.new_text and not reason and not lps:
-                    continue
-                if chat:
-                    choice = {"index": 0, "delta": {"content": out.new_text} if out.new_text else {},
-                              "logprobs": _chat_logprobs(svc, lps) if (req.logprobs and lps) else None,
-                              "finish_reason": reason}
-                else:
-                    choice = {"index": 0, "text": out.new_text, "finish_reason": reason,
-                              "logprobs": _completion_logprobs(svc, lps) if req.logprobs is not None and lps else None}
-                yield chunk(choice)
-            if include_usage:
-                yield chunk({}, _usage(last))
-            yield "data: [DONE]\n\n"
-    finally:
-        svc.admission.leave()
+                choice = {"index": 0, "delta": {"content": out.new_text} if out.new_text else {},
+                          "logprobs": _chat_logprobs(svc, lps) if (req.logprobs and lps) else None,
+                          "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": out.new_text, "finish_reason": reason,
+                          "logprobs": _completion_logprobs(svc, lps) if req.logprobs is not None and lps else None}
+            yield chunk(choice)
+        if include_usage:
+            yield chunk({}, _usage(last))
+        yield "data: [DONE]\n\n"
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that always releases its request when the response ends.
+
+    Starlette leaves the body generator suspended (or never started) when the client
+    disconnects, so cleanup inside it would wait for garbage collection, or never run.
+    Here it runs at once, however the response ended: the generator is closed (its
+    `async with stream` aborts the request, freeing its KV blocks before the next
+    step) and `on_close` releases the admission slot.
+    """
+
+    def __init__(self, content, *, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self._on_close()
 
 
 # -- TF Serving --------------------------------------------------------------------

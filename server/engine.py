@@ -200,7 +200,14 @@ def prometheus_text(m: MetricsSnapshot, *, model_name: str = "model") -> str:
 
     metric("vllm:num_requests_running", "gauge", "Requests running on the device.", m.num_running)
     metric("vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", m.num_waiting)
-    metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage (1 = full).", m.kv_usage)
+    metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage (1 = full): blocks held by requests; blocks kept "
+           "only for prefix-cache reuse count as free.", m.kv_usage)
+    metric("hloserve:kv_cache_used_blocks", "gauge", "KV blocks held by requests (reference count > 0).",
+           m.kv_total_blocks - m.kv_free_blocks)
+    metric("hloserve:kv_cache_free_blocks", "gauge", "KV blocks free to allocate (prefix-cached ones included).",
+           m.kv_free_blocks)
+    metric("hloserve:kv_cache_total_blocks", "gauge", "Allocatable KV blocks (the null block excluded).",
+           m.kv_total_blocks)
     metric("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", m.prefix_cache_queries)
     metric("vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", m.prefix_cache_hits)
     metric("vllm:num_preemptions_total", "counter", "Requests preempted (recomputed later).", m.num_preemptions)

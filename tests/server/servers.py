@@ -1,4 +1,4 @@
-"""Start a real `hloserve serve` subprocess on 127.0.0.1 and wait until it is ready."""
+"""Start a real `hloserve serve` subprocess on 127.0.0.1 and wait until it is ready; transformers greedy reference."""
 from __future__ import annotations
 
 import contextlib
@@ -47,3 +47,16 @@ def running_server(artifact: str, *args: str, ready_timeout: float = 600.0, env:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def hf_greedy(hf, ids, n):
+    """n greedy tokens from transformers (full recompute each step, no cache)."""
+    import torch
+    ids = list(ids)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            tok = int(torch.argmax(hf(torch.tensor([ids])).logits[0, -1]))
+            ids.append(tok)
+            out.append(tok)
+    return out

@@ -7,47 +7,13 @@ against transformers' greedy generation on the same weights.
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
-import numpy as np
 import pytest
-import torch
 
-from .servers import running_server
+from .servers import hf_greedy, running_server
 
 pytestmark = pytest.mark.slow
-BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_llm(tmp_path_factory):
-    import transformers
-
-    from hloserve.exporter import presets
-    from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.models import llama_source
-    from hloserve.exporter.models.gguf import load_gguf
-    from hloserve.exporter.models.llama import StepExportOptions
-
-    ckpt = load_gguf(presets.resolve("smollm2-135m-instruct", quiet=True))
-    vocab = ckpt.config["vocab_size"]
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   bos_token_id=ckpt.special_tokens.bos_token_id,
-                                   eos_token_id=ckpt.special_tokens.eos_token_id, tie_word_embeddings=True)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    root = tmp_path_factory.mktemp("chat-llm")
-    hf.save_pretrained(str(root / "hf"))
-    (root / "hf" / "tokenizer.json").write_text(ckpt.tokenizer_json)
-    (root / "hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": ckpt.chat_template,
-                                                                    "add_bos_token": False}))
-    src = llama_source.from_hf_directory(str(root / "hf"), opts=StepExportOptions(
-        block_size=BLOCK, max_context=256, max_tokens=64, max_seqs=8))
-    art = str(root / "tiny-chat")
-    export_artifact(art, src.entries, source="tiny-chat", model=src.model, files=src.files)
-    return hf, art
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +22,6 @@ def server(tiny_chat_llm):
     with running_server(art, "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "128",
                         "--api-key", "sk-test", "--max-pending", "64") as (base, proc):
         yield base, proc
-
-
-def hf_greedy(hf, ids, n):
-    ids = list(ids)
-    out = []
-    with torch.no_grad():
-        for _ in range(n):
-            tok = int(torch.argmax(hf(torch.tensor([ids])).logits[0, -1]))
-            ids.append(tok)
-            out.append(tok)
-    return out
 
 
 def client(base):

@@ -1,0 +1,175 @@
+"""Load on the real server (127.0.0.1 only, bounded): concurrency, disconnects mid-stream, overload.
+
+The model is the tiny random-init Llama of conftest.py (real SmolLM2 tokenizer). The KV cache
+is kept small (64 blocks of 16 tokens for up to 8 running sequences of up to 256 tokens), so
+the load also runs through preemption and prefix-cache hits (prompts repeat). Greedy outputs
+under load must equal the same request's output when it ran alone, and a few of those equal
+transformers' greedy generation on the same weights.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import time
+
+import httpx
+import pytest
+
+from .servers import hf_greedy, running_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-chat"
+NUM_REQUESTS = 200
+CONCURRENCY = 32
+DISCONNECT_EVERY = 5          # every 5th request (20%) closes its connection after a few chunks
+CHUNKS_BEFORE_DISCONNECT = 3
+REQUEST_TIMEOUT = 60.0        # seconds, per request
+LOAD_TIMEOUT = 150.0          # seconds, the whole load phase
+
+
+def metric(text: str, name: str) -> float:
+    """The value of an unlabelled-by-bucket Prometheus sample `name{...} value`."""
+    m = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
+    assert m, f"metric {name} missing from /metrics"
+    return float(m.group(1))
+
+
+def make_prompts(seed: int = 0, n: int = 40) -> list[tuple[str, int]]:
+    """(prompt text, max_tokens): mixed lengths, from a few words to ~150 tokens."""
+    rng = random.Random(seed)
+    words = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
+             "under bright autumn skies near old stone bridges and busy harbour markets").split()
+    out = []
+    for i in range(n):
+        length = rng.choice([3, 8, 20, 45, 90, 140])
+        out.append((f"Request {i}: " + " ".join(rng.choice(words) for _ in range(length)), rng.choice([4, 12, 24])))
+    return out
+
+
+async def stream_completion(client: httpx.AsyncClient, prompt: str, max_tokens: int, *,
+                            disconnect_after: int | None = None) -> tuple[str, str | None, int]:
+    """Stream one greedy completion over SSE; returns (text, finish_reason, chunks read).
+
+    With `disconnect_after`, leaves after that many chunks; the connection is closed because
+    the response body was not read to the end (httpx never reuses such a connection).
+    """
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    text, reason, chunks = [], None, 0
+    async with client.stream("POST", "/v1/completions", json=body, timeout=REQUEST_TIMEOUT) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                break
+            choice = json.loads(data)["choices"][0]
+            text.append(choice["text"])
+            reason = choice["finish_reason"] or reason
+            chunks += 1
+            if disconnect_after is not None and chunks >= disconnect_after:
+                break
+    return "".join(text), reason, chunks
+
+
+@pytest.fixture(scope="module")
+def load_server(tiny_chat_llm):
+    _, art = tiny_chat_llm
+    with running_server(art, "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--max-model-len", "256",
+                        "--num-blocks", "64", "--max-pending", "256", "--model-name", MODEL) as (base, proc):
+        yield base
+
+
+def test_load_with_disconnects_frees_every_block_and_never_recompiles(load_server, tiny_chat_llm):
+    base = load_server
+    prompts = make_prompts()
+
+    async def run() -> tuple[dict, list, float]:
+        limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
+        async with httpx.AsyncClient(base_url=base, limits=limits) as client:
+            # references: each distinct prompt alone on the idle server
+            ref = {}
+            for p, n in prompts:
+                text, reason, _ = await stream_completion(client, p, n)
+                assert reason == "length"
+                ref[p, n] = text
+            sem = asyncio.Semaphore(CONCURRENCY)
+            rng = random.Random(1)
+            plan = [(rng.choice(prompts), i % DISCONNECT_EVERY == 0) for i in range(NUM_REQUESTS)]
+
+            async def one(pn, leave):
+                async with sem:
+                    if leave:   # long enough that it cannot finish before the server sees the disconnect
+                        return pn, leave, await stream_completion(client, pn[0], 64,
+                                                                  disconnect_after=CHUNKS_BEFORE_DISCONNECT)
+                    return pn, leave, await stream_completion(client, *pn)
+
+            t0 = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*(one(pn, leave) for pn, leave in plan)), LOAD_TIMEOUT)
+            return ref, results, time.monotonic() - t0
+
+    ref, results, seconds = asyncio.run(run())
+    completed = [(pn, out) for pn, leave, out in results if not leave]
+    assert len(completed) == NUM_REQUESTS - NUM_REQUESTS // DISCONNECT_EVERY
+    wrong = [(pn, out[0], ref[pn]) for pn, out in completed if out[0] != ref[pn] or out[1] != "length"]
+    assert not wrong, f"{len(wrong)} of {len(completed)} differ from the request alone, e.g. {wrong[0]}"
+
+    # all requests finished or were aborted: nothing runs, waits or holds a block or an admission slot
+    deadline = time.monotonic() + 10
+    while True:
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        idle = (metric(text, "vllm:num_requests_running") == 0 and metric(text, "vllm:num_requests_waiting") == 0
+                and metric(text, "hloserve:requests_in_flight") == 0)
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle, text
+    assert metric(text, "hloserve:kv_cache_used_blocks") == 0
+    assert metric(text, "hloserve:kv_cache_free_blocks") == metric(text, "hloserve:kv_cache_total_blocks") == 63
+    assert metric(text, "vllm:kv_cache_usage_perc") == 0
+    assert metric(text, "hloserve:recompiles_after_warmup_total") == 0
+    aborted = re.search(r'vllm:request_success_total{[^}]*finished_reason="abort"} (\S+)', text)
+    assert aborted and float(aborted.group(1)) == NUM_REQUESTS // DISCONNECT_EVERY   # disconnects reached the engine
+    assert metric(text, "vllm:prefix_cache_hits_total") > 0
+    print(f"\n{NUM_REQUESTS} requests at concurrency {CONCURRENCY} in {seconds:.1f} s; "
+          f"preemptions {metric(text, 'vllm:num_preemptions_total'):.0f}, "
+          f"prefix-cache hits {metric(text, 'vllm:prefix_cache_hits_total'):.0f} tokens")
+
+    # the references themselves are transformers' greedy tokens on the same weights (a few, short ones)
+    hf, art = tiny_chat_llm
+    from hloserve.exporter import artifact
+    from hloserve.server.tokenizer import Tokenizer
+    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    for p, n in [pn for pn in ref if pn[1] <= 12][:3]:
+        assert ref[p, n] == tok.decode(hf_greedy(hf, tok.encode(p), n)), p
+
+
+def test_overload_answers_429_with_retry_after(tiny_chat_llm):
+    _, art = tiny_chat_llm
+    with running_server(art, "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "256",
+                        "--max-pending", "3", "--model-name", MODEL) as (base, _):
+        async def run():
+            async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT,
+                                         limits=httpx.Limits(max_connections=16)) as client:
+                body = {"model": MODEL, "prompt": "Tell me a long story about a harbour", "max_tokens": 48,
+                        "temperature": 0, "ignore_eos": True}
+                return await asyncio.wait_for(asyncio.gather(*(client.post("/v1/completions", json=body)
+                                                               for _ in range(16))), LOAD_TIMEOUT)
+
+        answers = asyncio.run(run())
+        ok = [r for r in answers if r.status_code == 200]
+        refused = [r for r in answers if r.status_code == 429]
+        assert len(ok) + len(refused) == len(answers), [r.status_code for r in answers]
+        assert 1 <= len(ok) and len(refused) >= 16 - 2 * 3, [r.status_code for r in answers]
+        assert all(r.headers.get("retry-after") for r in refused)
+        assert all(r.json()["error"]["type"] == "rate_limit_error" for r in refused)
+        assert len({r.json()["choices"][0]["text"] for r in ok}) == 1          # the admitted ones all completed
+        assert all(r.json()["usage"]["completion_tokens"] == 48 for r in ok)
+        # slots are released: once the burst is over the server admits again
+        r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200
+        assert metric(httpx.get(f"{base}/metrics").text, "hloserve:requests_in_flight") == 0
