@@ -58,6 +58,12 @@ class ExecutableCache:
             LOG.warning("executable cache entry %s is unreadable (%s: %s); recompiling", path, type(e).__name__, e)
             return None
 
+    def evict(self, key: str) -> None:
+        try:
+            os.remove(self._path(key))
+        except OSError:
+            pass
+
     def put(self, key: str, compiled: Any) -> None:
         from jax.experimental import serialize_executable
         try:

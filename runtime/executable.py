@@ -137,6 +137,7 @@ class Function:
         # on-disk executable cache: the key is the identity (artifact function digest, shardings,
         # devices) plus the symbol values, so a warm start needs no lowering
         self._exec_cache = exec_cache
+        self._exec_cache_keys: dict[Env, str] = {}   # executables read from the executable cache
         self._devices = list(devices)
         self._cache_identity = dict(cache_identity or {}, donated=list(donate))
 
@@ -210,15 +211,42 @@ class Function:
             key = ExecutableCache.key({**self._cache_identity, "env": sorted(env.items())})
             exe = self._exec_cache.get(key, self._devices)
             if exe is not None:
+                self._exec_cache_keys[tuple(sorted(env.items()))] = key
                 return exe, "read from the executable cache"
         events = compile_events()
         hits0 = events.cache_hits
         exe = self._jit.lower(*avals).compile()
+        if events.cache_hits > hits0:
+            # NOTE: an XLA:CPU executable deserialized from jax's cache re-serializes without its
+            # kernels ("Function wrapped_iota not found" in the next process): only fresh compiles
+            # are written to the executable cache.
+            return exe, "read from jax's persistent compilation cache"
         if key is not None:
             self._exec_cache.put(key, exe)
-        if events.cache_hits > hits0:
-            return exe, "read from jax's persistent compilation cache"
         return exe, "compiled"
+
+    def _run(self, key: Env, env: Mapping[str, int], requested: Mapping[str, int], args: list) -> Any:
+        """Run the executable for `key`; one read from the executable cache that fails to run is
+        evicted and rebuilt once (a bad entry is a miss, never an error)."""
+        exe = self._executable(env, requested)
+        try:
+            return exe(*args)
+        except Exception as e:  # noqa: BLE001 - re-raised unless the executable came from the cache
+            cache_key = self._exec_cache_keys.pop(key, None)
+            if cache_key is None:
+                raise
+            LOG.warning("executable cache entry for %r %s failed to run (%s); evicting and recompiling",
+                        self.name, _describe_env(env), e)
+            self._exec_cache.evict(cache_key)
+            with self._lock:
+                self._executables.pop(key, None)
+                saved, self._exec_cache = self._exec_cache, None
+                try:
+                    self.stats.compiles -= 1   # the rebuild replaces the failed load; it is not a new shape
+                    exe = self._executable(env, requested, warming=True)
+                finally:
+                    self._exec_cache = saved
+            return exe(*args)
 
     def warmup_envs(self, sizes: Mapping[str, Sequence[int]] | None = None) -> list[dict[str, int]]:
         """Symbol values to compile ahead of time: every bucket of each paddable dim (or the buckets
@@ -314,8 +342,7 @@ class Function:
             if padded:
                 value = buckets_mod.pad_to(t.name, value, artifact.concrete_shape(t, padded_env))
             args.append(jax.device_put(value, self._input_sharding))
-        exe = self._executable(padded_env, env)
-        outs = exe(*args)
+        outs = self._run(tuple(sorted(padded_env.items())), padded_env, env, args)
         self.stats.calls += 1
         self.stats.padded_calls += int(padded)
         result = {}
