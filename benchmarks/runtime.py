@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -85,6 +86,13 @@ def main() -> None:
     ap.add_argument("--warm-runs", type=int, default=3)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="hloserve-bench-")
+    try:
+        run(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, tmp: str) -> None:
     art = args.artifact
     if art is None:
         art = os.path.join(tmp, "minilm")
