@@ -347,3 +347,72 @@ def _pdist_forward(ctx, x, p=2.0):
     n = x.shape[0]
     i, j = np.triu_indices(n, k=1)                 # row-major pairs i < j, as torch orders them
     return _pairwise_dist(x, x, p)[i, j]
+
+
+def _grid_reflect(coord, twice_low, twice_high):
+    """torch's reflect_coordinates: fold coord into [twice_low/2, twice_high/2]."""
+    if twice_low == twice_high:
+        return jnp.zeros_like(coord)
+    lo, span = twice_low / 2, (twice_high - twice_low) / 2
+    c = jnp.abs(coord - lo)
+    extra, flips = jnp.fmod(c, span), jnp.floor(c / span)
+    return jnp.where(jnp.fmod(flips, 2) == 0, extra + lo, span - extra + lo)
+
+
+def _grid_pad(coord, size, padding_mode, align_corners):
+    """torch's compute_coordinates: 0 zeros (as is), 1 border (clip), 2 reflection (reflect, then clip)."""
+    if padding_mode == 1:
+        return jnp.clip(coord, 0, size - 1)
+    if padding_mode == 2:
+        coord = _grid_reflect(coord, 0, 2 * (size - 1)) if align_corners else _grid_reflect(coord, -1, 2 * size - 1)
+        return jnp.clip(coord, 0, size - 1)
+    return coord
+
+
+def _grid_cubic(t, a=-0.75):
+    """The four cubic-convolution weights for fractional offset t (torch's get_cubic_upsample_coefficients)."""
+    def near(x):
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def far(x):
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return far(t + 1), near(t), near(1 - t), far(2 - t)
+
+
+# aten::grid_sampler_2d(Tensor input, Tensor grid, int interpolation_mode, int padding_mode,
+#                       bool align_corners) -> Tensor
+@lower(aten.grid_sampler_2d)
+def _grid_sampler_2d(ctx, x, grid, interpolation_mode, padding_mode, align_corners):
+    # x: (N, C, H, W); grid: (N, Ho, Wo, 2) holding (x, y) in [-1, 1]; modes: 0 bilinear, 1 nearest, 2 bicubic
+    h, w = x.shape[2], x.shape[3]
+
+    def unnormalize(c, size):
+        return (c + 1) / 2 * (size - 1) if align_corners else ((c + 1) * size - 1) / 2
+
+    ix, iy = unnormalize(grid[..., 0], w), unnormalize(grid[..., 1], h)   # (N, Ho, Wo)
+
+    def tap(yy, xx):
+        """x at integer (yy, xx) per batch, zero outside the image: (N, C, Ho, Wo)."""
+        inside = (xx >= 0) & (xx <= w - 1) & (yy >= 0) & (yy <= h - 1)
+        yi = jnp.clip(yy, 0, h - 1).astype(jnp.int32)
+        xi = jnp.clip(xx, 0, w - 1).astype(jnp.int32)
+        vals = jax.vmap(lambda img, a, b: img[:, a, b])(x, yi, xi)            # (N, C, Ho, Wo)
+        return vals * inside[:, None].astype(x.dtype)
+
+    if interpolation_mode == 2:
+        x0, y0 = jnp.floor(ix), jnp.floor(iy)
+        wx, wy = _grid_cubic(ix - x0), _grid_cubic(iy - y0)
+        rows = []
+        for i in range(4):
+            yy = _grid_pad(y0 - 1 + i, h, padding_mode, align_corners)
+            row = sum(tap(yy, _grid_pad(x0 - 1 + j, w, padding_mode, align_corners)) * wx[j][:, None]
+                      for j in range(4))
+            rows.append(row)
+        return sum(r * wy[i][:, None] for i, r in enumerate(rows))
+    ix, iy = _grid_pad(ix, w, padding_mode, align_corners), _grid_pad(iy, h, padding_mode, align_corners)
+    if interpolation_mode == 1:
+        return tap(jnp.round(iy), jnp.round(ix))  # round half to even, as nearbyint
+    x0, y0 = jnp.floor(ix), jnp.floor(iy)
+    tx, ty = (ix - x0)[:, None], (iy - y0)[:, None]
+    return (tap(y0, x0) * (1 - tx) * (1 - ty) + tap(y0, x0 + 1) * tx * (1 - ty)
+            + tap(y0 + 1, x0) * (1 - tx) * ty + tap(y0 + 1, x0 + 1) * tx * ty)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 import time
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import opinfo_harness as harness  # noqa: E402
 
+STATUS_FILE = "opinfo_status.json"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -63,6 +65,14 @@ def render(outcomes: list[harness.OpOutcome], *, max_samples: int | None, second
         for name, tol in sorted(harness.TOLERANCES.items()):
             lines.append(f"| `{name}` | {tol.atol:g} | {tol.rtol:g} | {tol.reason} |")
         lines.append("")
+    if harness.SHAPE_ONLY:
+        lines += ["## Shape-only comparisons", "", "| op | why |", "|---|---|"]
+        lines += [f"| `{n}` | {why} |" for n, why in sorted(harness.SHAPE_ONLY.items())]
+        lines.append("")
+    if harness.SKIP:
+        lines += ["## Ops not run", "", "| op | why |", "|---|---|"]
+        lines += [f"| `{n}` | {why} |" for n, why in sorted(harness.SKIP.items())]
+        lines.append("")
     lines += ["## All ops", "", "| op | status | samples passed/run | reason |", "|---|---|---:|---|"]
     for o in sorted(outcomes, key=lambda o: o.name):
         reason = o.reason.replace("|", "\\|").replace("\n", " ")
@@ -75,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-samples", type=int, default=None, help="samples per op (default: all)")
     parser.add_argument("--ops", default="", help="comma-separated OpInfo names to run (default: all)")
     parser.add_argument("--out", default=os.path.join(REPO, "docs", "op-coverage.md"))
+    parser.add_argument("--status", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), STATUS_FILE),
+                        help="status table test_opinfo.py reads (written only when every op runs)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
 
@@ -98,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
+    if not args.ops:
+        with open(args.status, "w") as f:
+            json.dump({o.name: [o.status.value, o.reason] for o in sorted(outcomes, key=lambda o: o.name)}, f,
+                      indent=0, sort_keys=True)
+            f.write("\n")
     s = harness.summarize(outcomes)
     print(f"[op-coverage] {', '.join(f'{k.value} {v}' for k, v in s.counts.items())}; pass rate "
           f"{s.pass_rate:.1%} of {s.in_scope}; {seconds / 60:.1f} min; wrote {args.out}", file=sys.stderr)

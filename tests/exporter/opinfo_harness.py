@@ -64,6 +64,11 @@ SHAPE_ONLY: Mapping[str, str] = {
 }
 
 
+def tolerance(name: str) -> Tolerance:
+    tol = TOLERANCES.get(name, Tolerance(ATOL, RTOL, "default"))
+    return dataclasses.replace(tol, shape_only=True) if name in SHAPE_ONLY else tol
+
+
 class Status(str, enum.Enum):
     PASSED = "passed"
     FAILED = "failed"
@@ -118,6 +123,8 @@ class _Prepared:
     arrays: list[np.ndarray]          # the inputs as the artifact sees them (64-bit narrowed), before eager
     expected: list[torch.Tensor]      # eager outputs, flattened
     after: list[torch.Tensor]         # the inputs after eager ran (ops like batch_norm update some in place)
+    fn: Callable                      # the op
+    tol: Tolerance                    # how its float outputs are compared
 
 
 class _Batch(torch.nn.Module):
@@ -128,9 +135,9 @@ class _Batch(torch.nn.Module):
     batch, not once per sample.
     """
 
-    def __init__(self, fn: Callable, samples: list[_Prepared]):
+    def __init__(self, samples: list[_Prepared]):
         super().__init__()
-        self.fn, self.samples = fn, samples
+        self.samples = samples
 
     def forward(self, *tensors):
         outs, k = [], 0
@@ -140,11 +147,11 @@ class _Batch(torch.nn.Module):
                 leaves[leaf] = tensors[k + i]
             k += len(p.inputs)
             args, kwargs = pytree.tree_unflatten(leaves, p.spec)
-            outs.extend(pytree.tree_leaves(self.fn(*args, **kwargs)))
+            outs.extend(pytree.tree_leaves(p.fn(*args, **kwargs)))
         return tuple(outs)
 
 
-def _prepare(fn: Callable, sample) -> _Prepared | SampleOutcome:
+def _prepare(fn: Callable, sample, tol: Tolerance) -> _Prepared | SampleOutcome:
     """Flatten a sample, run it eagerly, or say why it is skipped."""
     from hloserve.exporter.export import to_numpy
     leaves, spec = pytree.tree_flatten(((sample.input, *sample.args), dict(sample.kwargs)))
@@ -175,7 +182,7 @@ def _prepare(fn: Callable, sample) -> _Prepared | SampleOutcome:
     if any(t.dtype not in _SUPPORTED_DTYPES for t in expected):
         return SampleOutcome(Status.SKIPPED, f"output dtype {next(t.dtype for t in expected if t.dtype not in _SUPPORTED_DTYPES)}")
     return _Prepared(leaves, spec, slots, inputs, arrays, [t.detach().clone() for t in expected],
-                     [t.detach().clone() for t in inputs])
+                     [t.detach().clone() for t in inputs], fn, tol)
 
 
 # Dtypes the artifact carries (dtypes.py); 64-bit types narrow to 32-bit.
@@ -263,23 +270,20 @@ class Runner:
     platforms: tuple[str, ...] = ("cpu",)
 
     def run_samples(self, name: str, fn: Callable, samples: Iterable) -> list[SampleOutcome]:
-        tol = TOLERANCES.get(name, Tolerance(ATOL, RTOL, "default"))
-        if name in SHAPE_ONLY:
-            tol = dataclasses.replace(tol, shape_only=True)
-        prepared = [_prepare(fn, s) for s in samples]
+        prepared = [_prepare(fn, s, tolerance(name)) for s in samples]
         ready = [i for i, p in enumerate(prepared) if isinstance(p, _Prepared)]
         outcomes = list(prepared)
         for c in range(0, len(ready), self.batch):
             idx = ready[c:c + self.batch]
             chunk = [prepared[i] for i in idx]
-            got = self._run(name, fn, chunk, tol) if len(chunk) > 1 else None
+            got = self._run(name, chunk) if len(chunk) > 1 else None
             if got is None:
-                got = [self._run(name, fn, [p], tol)[0] for p in chunk]
+                got = [self._run(name, [p])[0] for p in chunk]
             for i, o in zip(idx, got):
                 outcomes[i] = o
         return outcomes
 
-    def _run(self, name: str, fn: Callable, chunk: list[_Prepared], tol: Tolerance) -> list[SampleOutcome] | None:
+    def _run(self, name: str, chunk: list[_Prepared]) -> list[SampleOutcome] | None:
         """Outcomes of one program holding `chunk`; None if a batch of several broke before comparing."""
         import jax
         from hloserve.exporter.capture import capture
@@ -294,12 +298,12 @@ class Runner:
 
         inputs = [t for p in chunk for t in p.inputs]
         try:
-            ep = capture(_Batch(fn, chunk), inputs)
+            ep = capture(_Batch(chunk), inputs)
         except Exception as e:  # noqa: BLE001
             return each(SampleOutcome(Status.SKIPPED, f"torch.export: {_first_line(e.__cause__ or e)}"))
         skip = _graph_checks(ep, default_registry())
         if skip is not None:  # random / non-core ops / data-dependent shapes: the op's nature, not one sample's
-            return [skip] * len(chunk)
+            return [skip] * len(chunk) if all(p.fn is chunk[0].fn for p in chunk) else None
         try:
             traced = trace_entry(EntryPoint(name, program=ep), platforms=self.platforms)
         except UnsupportedOpError as e:
@@ -333,8 +337,8 @@ class Runner:
             got = jax.jit(traced.exported.call)(*weights, *[a for p in chunk for a in p.arrays])
         except Exception as e:  # noqa: BLE001
             return each(SampleOutcome(Status.FAILED, f"PJRT run: {_first_line(e)}"))
-        return [_compare([w for w, o in zip(want, owner) if o == j], [g for g, o in zip(got, owner) if o == j], tol)
-                for j in range(len(chunk))]
+        return [_compare([w for w, o in zip(want, owner) if o == j], [g for g, o in zip(got, owner) if o == j],
+                         chunk[j].tol) for j in range(len(chunk))]
 
 
 # -- one op ---------------------------------------------------------------------
@@ -354,6 +358,37 @@ def run_op(op, *, max_samples: int | None = None, runner: Runner | None = None) 
                          time.perf_counter() - t0)
     outcomes = runner.run_samples(name, op.op, samples)
     return _classify(name, outcomes, time.perf_counter() - t0)
+
+
+def run_group(ops: list, *, max_samples: int | None = None, runner: Runner | None = None) -> list[OpOutcome]:
+    """Like run_op for each op, but all their samples go into ONE program when that works.
+
+    Used by the pytest run, where most ops are expected to pass: one capture
+    and one compile for a dozen ops. If the shared program breaks anywhere,
+    each op is run on its own (run_op), so outcomes stay per op.
+    """
+    runner = runner or Runner()
+    t0 = time.perf_counter()
+    per_op, chunk = [], []
+    for op in ops:
+        name = full_name(op)
+        if name in SKIP or torch.float32 not in op.supported_dtypes("cpu"):
+            return [run_op(op, max_samples=max_samples, runner=runner) for op in ops]
+        try:
+            samples = list(itertools.islice(op.sample_inputs("cpu", torch.float32), max_samples))
+        except Exception:  # noqa: BLE001 - run_op reports it
+            return [run_op(op, max_samples=max_samples, runner=runner) for op in ops]
+        prepared = [_prepare(op.op, s, tolerance(name)) for s in samples]
+        per_op.append((name, prepared))
+        chunk.extend(p for p in prepared if isinstance(p, _Prepared))
+    got = runner._run("group", chunk) if chunk else []
+    if got is None:
+        return [run_op(op, max_samples=max_samples, runner=runner) for op in ops]
+    results, it = [], iter(got)
+    seconds = (time.perf_counter() - t0) / max(len(ops), 1)
+    for name, prepared in per_op:
+        results.append(_classify(name, [next(it) if isinstance(p, _Prepared) else p for p in prepared], seconds))
+    return results
 
 
 def _classify(name: str, outcomes: list[SampleOutcome], seconds: float) -> OpOutcome:
