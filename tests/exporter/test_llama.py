@@ -199,7 +199,8 @@ def test_manifest_describes_the_step(exported):
     ("mistral", dict(sliding_window=8), 40),
 ])
 def test_eager_step_variants_match_transformers(arch, extra, length):
-    """The torch step (scan and unrolled) against HF eager, prompt in two chunks through the paged cache.
+    """The torch step (scanned and unrolled; all three attention layouts) against HF eager, prompt in
+    two chunks through the paged cache.
 
     Dynamic NTK RoPE past max_position_embeddings: ours grows the base from each sequence's context
     length; transformers from the batch's; for one sequence in one prefill they agree.
@@ -210,8 +211,8 @@ def test_eager_step_variants_match_transformers(arch, extra, length):
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0].numpy()
     split = 1 if extra.get("rope_scaling", {}).get("rope_type") == "dynamic" else length // 2
-    for scan in (True, False):
-        step = LlamaStep(w, attention="flat", scan=scan)
+    for scan, attention in ((True, "flat"), (False, "flat"), (True, "gather"), (True, "paged")):
+        step = LlamaStep(w, attention=attention, scan=scan)
         cache = torch.zeros(2, 2, 12, BLOCK, w.cfg.num_kv_heads, w.cfg.head_dim)
         table = [5, 3, 9, 1, 7, 11, 2][: -(-length // BLOCK)]
         chunks = [(prompt, 0)] if split == 1 else [(prompt[:split], 0), (prompt[split:], split)]
@@ -220,7 +221,7 @@ def test_eager_step_variants_match_transformers(arch, extra, length):
             with torch.no_grad():
                 logits, cache = step(*[torch.from_numpy(inp[k]) for k in STEP_INPUTS[:-1]], cache)
             np.testing.assert_allclose(logits[0].numpy(), want[start + len(toks) - 1], atol=ATOL, rtol=0,
-                                       err_msg=f"{arch} {extra} scan={scan} chunk at {start}")
+                                       err_msg=f"{arch} {extra} scan={scan} {attention} chunk at {start}")
             assert torch.isfinite(logits).all(), "padding rows must stay finite (no NaN from masked softmax)"
 
 
@@ -259,3 +260,27 @@ def test_cli_export_bfloat16(tmp_path):
     assert got.dtype == np.float32
     # bf16 has 8 mantissa bits: compare relative to the logit scale
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max(), (np.abs(got - want).max(), np.abs(want).max())
+
+
+@pytest.mark.slow
+def test_paged_attention_exports_as_nested_loop(tmp_path):
+    """The "paged" layout (a loop over blocks inside the layer loop) through export and the runtime:
+    two sequences, one chunked, match HF; the StableHLO has the nested while."""
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.models.llama import StepExportOptions, llm_metadata, step_entries
+    from hloserve.runtime import load
+    hf = _hf_model("llama", seed=7)
+    w = _our_weights(hf)
+    opts = StepExportOptions(max_context=512, functions=(("paged", "paged"),))
+    export_artifact(str(tmp_path / "art"), step_entries(w, opts), source="test",
+                    model={"task": "causal-lm", "llm": llm_metadata(w.cfg, opts, torch.float32)})
+    assert open(tmp_path / "art" / "functions" / "paged.mlir").read().count("stablehlo.while") == 2
+    paged = Paged(load(str(tmp_path / "art")))
+    a, b = _prompts([40, 9], seed=8)
+    paged.step("paged", {0: a[:23], 1: b})
+    got = paged.step("paged", {0: a[23:], 1: [7]})
+    with torch.no_grad():
+        want_a = hf(torch.tensor([a])).logits[0, -1].numpy()
+        want_b = hf(torch.tensor([b + [7]])).logits[0, -1].numpy()
+    np.testing.assert_allclose(got[0], want_a, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(got[1], want_b, atol=ATOL, rtol=0)
