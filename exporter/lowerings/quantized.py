@@ -1,20 +1,28 @@
 """Weight-only quantized ops (hloserve::quantized_linear / quantized_embedding, see
 quantization/modules.py; storage layout in quantization/schemes.py).
 
-Dequantization happens in the graph, next to its consumer:
+Dequantization happens in the graph, next to its consumer, in a form XLA:CPU keeps cheap
+(benchmarks/quant.py measures the alternatives; docs/quantization.md has the numbers):
 
-    int4: uint8 [.., out, in/2] --shifts--> int8 [.., out, in]   (signed: arithmetic shifts)
-    q.astype(f32) * scale (+ min), per group           -> f32 [.., out, in]
-    dot(x, w) contracting `in`                         -> [.., out]
+  * int8:  w = q.astype(f32) * scale (+ min) per group, then dot(x, w).
+  * int4:  never interleave the nibbles back into element order. The low nibbles of a row are
+    its even elements, the high nibbles its odd ones, so
+        y = dot(x[..., 0::2], deq(low)) + dot(x[..., 1::2], deq(high))
+    and each half dequantizes with plain shifts and a per-group multiply (a group of g
+    elements is g/2 consecutive nibbles of each half). Unpacking to [.., in] first costs a
+    concatenate XLA does not fuse (measured 4-5x slower per layer).
+  * Large weights (out * in > BLOCK_ELEMS, e.g. a 49152 x 576 LM head) are processed in row
+    blocks inside a loop (lax.map): XLA:CPU does not fuse a convert/multiply into a dot, so the
+    dequantized weight is materialized; one block at a time it stays in cache instead of
+    writing and re-reading a full float copy on every call.
 
-Why this form (benchmarks/quant.py measures the alternatives): XLA:CPU does not fuse a
-convert/multiply into a dot, so outside a loop this materializes the float weight on every
-call. Inside the Llama decoder's layer scan (stablehlo.while over stacked weights) it
-materializes ONE layer's weight per iteration: the int8/int4 layer is read from memory once
-(1/4 or ~1/7 of the f32 bytes) and its float copy is used while still in cache, which is what
-makes decode faster than f32. On GPU, XLA fuses the same convert/multiply into the GEMM's
-operand. The multiply-add of asymmetric groups is float32 q * scale + min with scale and min
-widened first: the gguf package's Q4_1 arithmetic. XLA:CPU may contract it into an FMA; with
+Inside the Llama decoder's layer scan (stablehlo.while over stacked weights) each iteration
+dequantizes ONE layer: the int8/int4 layer is read from memory once (1/4 or ~1/7 of the f32
+bytes) and its float copy is used while still in cache. On GPU, XLA fuses the same
+convert/multiply into the GEMM's operand.
+
+Exactness: the multiply-add of asymmetric groups is float32 q * scale + min with scale and min
+widened first, the gguf package's Q4_1 arithmetic. XLA:CPU may contract it into an FMA; with
 f16 scales (every GGUF import) q * scale needs at most 4 + 11 bits, is exact in float32, and
 the FMA rounds identically, so imported GGUF weights dequantize bit-exactly (tests check it).
 With f32 scales an asymmetric value may differ from NumPy's by one ulp.
@@ -57,14 +65,71 @@ def dequantize(qweight, scale, min_, bits: int, group: int):
     return w.reshape(q.shape)                                            # [..., out, in]
 
 
+BLOCK_ELEMS = 1 << 20   # weights above this many elements are dequantized in row blocks of at most this size
+
+
+def _dot(x, w, acc):
+    """x [..., in] . w [out, in] -> [..., out]."""
+    return lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=acc)
+
+
+def _int4_halves(packed, scale, min_, group: int):
+    """Packed int4 [out, in/2] -> (even elements, odd elements), each float32 [out, in/2], dequantized."""
+    b = lax.bitcast_convert_type(packed, jnp.int8)
+    if min_ is None:   # signed nibbles: arithmetic shifts sign-extend
+        lo = lax.shift_right_arithmetic(lax.shift_left(b, jnp.int8(4)), jnp.int8(4))
+        hi = lax.shift_right_arithmetic(b, jnp.int8(4))
+    else:
+        lo = b & jnp.int8(0xF)
+        hi = lax.shift_right_logical(b, jnp.int8(4))
+    out, half = packed.shape
+    G = half // (group // 2)
+
+    def deq(v):
+        w = v.astype(jnp.float32).reshape(out, G, group // 2) * scale.astype(jnp.float32).reshape(out, G, 1)
+        if min_ is not None:
+            w = w + min_.astype(jnp.float32).reshape(out, G, 1)
+        return w.reshape(out, half)                                      # [out, in/2]
+    return deq(lo), deq(hi)
+
+
+def _linear_block(x, qweight, scale, min_, bits: int, group: int):
+    """x [..., in] times one [rows, in] block of a stored weight -> [..., rows] (accumulated in f32 for bf16/f16)."""
+    acc = jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else None
+    if bits == 4:
+        even, odd = _int4_halves(qweight, scale, min_, group)
+        return _dot(x[..., 0::2], even.astype(x.dtype), acc) + _dot(x[..., 1::2], odd.astype(x.dtype), acc)
+    return _dot(x, dequantize(qweight, scale, min_, bits, group).astype(x.dtype), acc)
+
+
+def _block_rows(out: int, n_in: int) -> int:
+    """Rows per block: the largest divisor of `out` with rows * n_in <= BLOCK_ELEMS (out if it fits)."""
+    if out * n_in <= BLOCK_ELEMS:
+        return out
+    rows = max(1, BLOCK_ELEMS // n_in)
+    while out % rows:
+        rows -= 1
+    return rows
+
+
 # hloserve::quantized_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? min, Tensor? bias,
 #                            int bits, int group) -> Tensor
 @lower(torch.ops.hloserve.quantized_linear.default)
 def _quantized_linear(ctx, x, qweight, scale, min_, bias, bits, group):
-    w = dequantize(qweight, scale, min_, bits, group).astype(x.dtype)   # [out, in]
-    acc = jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else None
-    y = lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=_HIGHEST,
-                        preferred_element_type=acc)                      # [..., out]
+    out, n_in = qweight.shape[0], x.shape[-1]
+    if bits == 4 and not group:
+        raise ValueError("int4 weights need a group size (schemes.WeightScheme refuses per-channel int4)")
+    rows = _block_rows(out, n_in)
+    if rows == out:
+        y = _linear_block(x, qweight, scale, min_, bits, group)         # [..., out]
+    else:
+        n = out // rows
+
+        def blocks(a):
+            return a.reshape(n, rows, *a.shape[1:]) if a is not None else None   # [n, rows, ...]
+
+        ys = lax.map(lambda b: _linear_block(x, *b, bits, group), (blocks(qweight), blocks(scale), blocks(min_)))
+        y = jnp.moveaxis(ys, 0, -2).reshape(*x.shape[:-1], out)          # [n, ..., rows] -> [..., out]
     if bias is not None:
         y = y + bias.astype(y.dtype)
     return y.astype(ctx.out_dtype)

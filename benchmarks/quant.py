@@ -1,0 +1,313 @@
+"""Quantization benchmark: size, quality and decode speed of SmolLM2-135M-Instruct artifacts,
+MiniLM int8 embedding similarity, and the in-graph dequantization formulations on XLA.
+
+    python benchmarks/quant.py [--out DIR] [--variants f32,int8,int4-g32,int4-g128,gguf]
+                               [--skip-ppl] [--skip-speed] [--skip-minilm] [--skip-micro]
+                               [--window 256] [--max-tokens N] [--steps 64]
+
+All measured in one run, on jax's default backend (CPU here):
+  * variants of the `smollm2-135m-instruct` preset (the Q4_1 GGUF): f32 = the GGUF dequantized
+    (the float reference), int8 / int4-g32 / int4-g32-asym / int4-g128 = requantized from that
+    f32 (g128 falls back to g64 where the input dim is 576), gguf = the file's own Q4_1 (layers)
+    and Q8_0 (tied embedding) blocks imported as int4-g32-asym / int8-g32;
+  * artifact bytes (weights.safetensors + functions/), and the ratio to f32;
+  * perplexity on tests/data/web_genesis.txt (World English Bible, Genesis 1-19, public domain)
+    through the exported `decode` function via hloserve.runtime: each window of W tokens is one
+    step in which token i is the last token of its own "sequence" i, all sequences sharing one
+    block table, so token i attends to tokens 0..i and its logits predict token i+1 (exact causal
+    LM scoring, logits of every position in one call). Windows do not overlap and each starts
+    with an empty context;
+  * batch-1 decode tokens/s: one token per step at context 120 .. 120+steps (runtime, cache
+    donated), median step latency;
+  * MiniLM (all-MiniLM-L6-v2): cosine similarity of mean-pooled sentence embeddings, int8 vs f32;
+  * micro: a 30-layer SmolLM2-shaped stack of 4 GEMVs under lax.scan at batch 1 in several
+    dequantization formulations (f32, dequantize-then-dot, scale after the dot, unrolled int8,
+    int8 x int8 dot with dynamic activation quantization, int4 g32 unpack-then-dot).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+VARIANTS = {"f32": None, "int8": "int8", "int4-g32": "int4:32", "int4-g32-asym": "int4:32:asym",
+            "int4-g128": "int4:128", "gguf": "gguf"}
+TEXT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "web_genesis.txt")
+BLOCK = 16
+
+
+def export_variant(name: str, out: str) -> dict:
+    """Export the decode function of SmolLM2 in one variant (reused when already there)."""
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.sources import load_source
+
+    if os.path.exists(os.path.join(out, "manifest.json")):
+        return {"export_s": None}
+    t = time.perf_counter()
+    src = load_source("smollm2-135m-instruct", quantize=VARIANTS[name])
+    entries = [e for e in src.entries if e.name == "decode"]
+    export_artifact(out, entries, source=f"smollm2-135m-instruct ({name})", model=src.model, files=src.files,
+                    weight_quant=src.weight_quant)
+    return {"export_s": time.perf_counter() - t}
+
+
+def artifact_bytes(path: str) -> int:
+    total = os.path.getsize(os.path.join(path, "weights.safetensors"))
+    fdir = os.path.join(path, "functions")
+    return total + sum(os.path.getsize(os.path.join(fdir, f)) for f in os.listdir(fdir))
+
+
+def text_tokens(path: str) -> list[int]:
+    import tokenizers
+    with open(os.path.join(path, "manifest.json")) as f:
+        tok_file = json.load(f)["model"]["tokenizer"]
+    tok = tokenizers.Tokenizer.from_file(os.path.join(path, tok_file))
+    with open(TEXT) as f:
+        return tok.encode(f.read()).ids
+
+
+def window_inputs(window: list[int]) -> dict[str, np.ndarray]:
+    """One step scoring every position of `window` (see the module docstring)."""
+    W = len(window)
+    nb = -(-W // BLOCK)
+    table = np.arange(1, nb + 1, dtype=np.int32)                          # blocks 1..nb, 0 is null
+    pos = np.arange(W, dtype=np.int32)
+    return dict(tokens=np.asarray(window, np.int32), positions=pos, seq_ids=pos.copy(),
+                slot_mapping=(table[pos // BLOCK] * BLOCK + pos % BLOCK).astype(np.int32),
+                block_tables=np.broadcast_to(table, (W, nb)).copy(), context_lens=pos + 1, last_token=pos.copy())
+
+
+def perplexity(path: str, window: int, max_tokens: int | None) -> dict:
+    import jax.numpy as jnp
+    from hloserve.runtime import load
+
+    ids = text_tokens(path)
+    if max_tokens:
+        ids = ids[:max_tokens]
+    nb = -(-window // BLOCK)
+    m = load(path, buckets={"num_tokens": [window], "num_seqs": [window], "max_blocks": [nb]})
+    llm = m.manifest.model["llm"]
+    decode = m.functions["decode"]
+    nll, count = 0.0, 0
+    t = time.perf_counter()
+    for start in range(0, len(ids) - window + 1, window):
+        w = ids[start:start + window]
+        cache = jnp.zeros((llm["num_layers"], 2, nb + 1, BLOCK, llm["num_kv_heads"], llm["head_dim"]), jnp.float32)
+        logits = np.asarray(decode(**window_inputs(w), kv_cache=cache)["logits"], np.float64)   # [W, V]
+        logp = logits - logits.max(-1, keepdims=True)
+        logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+        nll -= float(logp[np.arange(window - 1), w[1:]].sum())
+        count += window - 1
+    return {"ppl": float(np.exp(nll / count)), "scored_tokens": count, "text_tokens": len(ids),
+            "ppl_s": time.perf_counter() - t}
+
+
+def decode_speed(path: str, steps: int, context: int = 120) -> dict:
+    """Batch-1 decode: one token per step from `context` on; median step latency -> tokens/s."""
+    import jax.numpy as jnp
+    from hloserve.exporter.models.llama import build_step_inputs
+    from hloserve.runtime import load
+
+    total = context + steps + 1
+    nb = -(-total // BLOCK)
+    m = load(path, buckets={"num_tokens": [1], "num_seqs": [1], "max_blocks": [nb]})
+    llm = m.manifest.model["llm"]
+    decode = m.functions["decode"]
+    cache = jnp.zeros((llm["num_layers"], 2, nb + 1, BLOCK, llm["num_kv_heads"], llm["head_dim"]), jnp.float32)
+    table = list(range(1, nb + 1))
+    times = []
+    tok = 1
+    for i in range(steps + 3):
+        inputs = build_step_inputs([([tok], context + i, table)], BLOCK, pad_blocks=nb)
+        t = time.perf_counter()
+        out = decode(**inputs, kv_cache=cache)
+        out["logits"].block_until_ready()
+        times.append(time.perf_counter() - t)
+        cache = out["kv_cache"]
+        tok = int(np.argmax(np.asarray(out["logits"])[0]))
+    times = times[3:]   # compile + warm-up
+    med = statistics.median(times)
+    return {"decode_ms": med * 1e3, "decode_min_ms": min(times) * 1e3, "tokens_per_s": 1 / med}
+
+
+def minilm_similarity(out: str) -> dict:
+    """Mean-pooled MiniLM embeddings of a few sentences, int8 artifact vs f32 artifact."""
+    import tokenizers
+
+    from hloserve.exporter import presets
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.sources import load_source
+    from hloserve.runtime import load
+
+    sentences = ["In the beginning God created the heavens and the earth.",
+                 "The quick brown fox jumps over the lazy dog.",
+                 "Weight-only quantization stores int8 values with one scale per output channel.",
+                 "A man is playing a guitar on the street.",
+                 "Paris is the capital of France.",
+                 "How do I export a PyTorch model to StableHLO?",
+                 "The weather will be sunny tomorrow with a light breeze.",
+                 "She sold seashells by the seashore."]
+    hf_dir = presets.resolve("all-minilm-l6-v2")
+    tok = tokenizers.Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
+    tok.enable_padding(pad_id=0)
+    enc = tok.encode_batch(sentences)
+    ids = np.asarray([e.ids for e in enc], np.int32)
+    mask = np.asarray([e.attention_mask for e in enc], np.int32)
+    embs, sizes = {}, {}
+    for name, q in (("f32", None), ("int8", "int8")):
+        path = os.path.join(out, f"minilm-{name}")
+        if not os.path.exists(os.path.join(path, "manifest.json")):
+            src = load_source("all-minilm-l6-v2", quantize=q)
+            export_artifact(path, src.entries, source=f"all-minilm-l6-v2 ({name})", model=src.model,
+                            weight_quant=src.weight_quant)
+        m = load(path)
+        fn = m.functions["forward"]
+        names = [t.name for t in fn.spec.inputs]
+        feed = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+        hidden = np.asarray(fn(**{k: feed[k] for k in names})["last_hidden_state"])   # [B, S, 384]
+        e = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
+        embs[name] = e / np.linalg.norm(e, axis=-1, keepdims=True)
+        sizes[name] = artifact_bytes(path)
+    cos = (embs["f32"] * embs["int8"]).sum(-1)
+    return {"cosine_min": float(cos.min()), "cosine_mean": float(cos.mean()), "sentences": len(sentences),
+            "bytes_f32": sizes["f32"], "bytes_int8": sizes["int8"]}
+
+
+# -- micro: formulations of the dequantization on XLA ---------------------------------------
+def micro(steps: int = 30) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from hloserve.exporter.lowerings.quantized import dequantize
+    from hloserve.quantization import primitives
+    from hloserve.quantization.schemes import INT8, WeightScheme
+
+    L, H, I, QKV = 30, 576, 1536, 960
+    shapes = [(QKV, H), (H, H), (2 * I, H), (H, I)]
+    rng = np.random.default_rng(0)
+    W = [(rng.standard_normal((L, o, i)) * 0.05).astype(np.float32) for o, i in shapes]
+    q8 = [primitives.quantize(w, INT8) for w in W]
+    q4 = [primitives.quantize(w, WeightScheme(4, 32, True, "f16")) for w in W]
+    x = rng.standard_normal((1, H)).astype(np.float32)
+    dn = (((1,), (1,)), ((), ()))
+
+    def layer(h, lin, ws):
+        a = lin(h, ws[0])[:, :H]
+        h = h + lin(a, ws[1])
+        g = lin(h, ws[2])
+        return h + 0.1 * lin(jax.nn.silu(g[:, :I]) * g[:, I:], ws[3])
+
+    def stack(lin, scan=True):
+        def f(h, ws):
+            if scan:
+                return lax.scan(lambda h, w: (layer(h, lin, w), None), h, ws)[0]
+            for i in range(L):
+                h = layer(h, lin, jax.tree.map(lambda a: a[i], ws))
+            return h
+        return jax.jit(f)
+
+    def f32(x, w):
+        return lax.dot_general(x, w, dn)
+
+    def deq_dot(x, w):          # what lowerings/quantized.py emits
+        q, s = w
+        return lax.dot_general(x, dequantize(q, s, None, 8, 0), dn)
+
+    def scale_after(x, w):      # per-channel scale moved past the dot
+        q, s = w
+        return lax.dot_general(x, q.astype(jnp.float32), dn) * s
+
+    def i8_dot(x, w):           # dynamic per-token activation quantization, int32 accumulation
+        q, s = w
+        xs = jnp.max(jnp.abs(x), -1, keepdims=True) / 127.0
+        xq = jnp.round(x / jnp.where(xs == 0, 1.0, xs)).astype(jnp.int8)
+        return lax.dot_general(xq, q, dn, preferred_element_type=jnp.int32).astype(jnp.float32) * xs * s
+
+    def int4(x, w):
+        p, s = w
+        return lax.dot_general(x, dequantize(p, s, None, 4, 32), dn)
+
+    w8 = [(jnp.asarray(a.qweight), jnp.asarray(a.scale)) for a in q8]
+    w4 = [(jnp.asarray(a.qweight), jnp.asarray(a.scale)) for a in q4]
+    cases = {"f32 scan": (stack(f32), [jnp.asarray(w) for w in W]),
+             "f32 unrolled": (stack(f32, False), [jnp.asarray(w) for w in W]),
+             "int8 dequantize-then-dot, scan (ours)": (stack(deq_dot), w8),
+             "int8 scale after dot, scan": (stack(scale_after), w8),
+             "int8 dequantize-then-dot, unrolled": (stack(deq_dot, False), w8),
+             "int8 x int8 dot (dynamic act. quant), scan": (stack(i8_dot), w8),
+             "int4 g32 unpack-then-dot, scan (ours)": (stack(int4), w4)}
+    res = {}
+    for name, (fn, ws) in cases.items():
+        fn(x, ws).block_until_ready()
+        ts = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            fn(x, ws).block_until_ready()
+            ts.append(time.perf_counter() - t)
+        res[name] = {"median_ms": statistics.median(ts) * 1e3, "min_ms": min(ts) * 1e3}
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="/tmp/hloserve-quant-bench")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--skip-ppl", action="store_true")
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-minilm", action="store_true")
+    ap.add_argument("--skip-micro", action="store_true")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    import jax
+    results: dict = {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+                     "variants": {}}
+    variants = args.variants.split(",")
+    for v in variants:
+        path = os.path.join(args.out, f"smollm2-{v}")
+        r = export_variant(v, path)
+        r["bytes"] = artifact_bytes(path)
+        results["variants"][v] = r
+        print(f"[quant] {v}: exported, {r['bytes'] / 2**20:.1f} MiB", file=sys.stderr, flush=True)
+    base = results["variants"].get("f32")
+    for v, r in results["variants"].items():
+        path = os.path.join(args.out, f"smollm2-{v}")
+        if base:
+            r["size_vs_f32"] = r["bytes"] / base["bytes"]
+        if not args.skip_ppl:
+            r.update(perplexity(path, args.window, args.max_tokens))
+            print(f"[quant] {v}: ppl {r['ppl']:.4f}", file=sys.stderr, flush=True)
+        if not args.skip_speed:
+            r.update(decode_speed(path, args.steps))
+            print(f"[quant] {v}: decode {r['decode_ms']:.2f} ms", file=sys.stderr, flush=True)
+    if base:
+        for r in results["variants"].values():
+            if "ppl" in r and "ppl" in base:
+                r["ppl_vs_f32"] = r["ppl"] / base["ppl"]
+            if "tokens_per_s" in r and "tokens_per_s" in base:
+                r["speed_vs_f32"] = r["tokens_per_s"] / base["tokens_per_s"]
+    if not args.skip_minilm:
+        results["minilm"] = minilm_similarity(args.out)
+    if not args.skip_micro:
+        results["micro"] = micro()
+    print(json.dumps(results, indent=2))
+    print("\n| variant | MiB | vs f32 | perplexity | vs f32 | decode ms (b=1) | tokens/s | vs f32 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for v, r in results["variants"].items():
+        print(f"| {v} | {r['bytes'] / 2**20:.1f} | {r.get('size_vs_f32', float('nan')):.3f} | "
+              f"{r.get('ppl', float('nan')):.3f} | {r.get('ppl_vs_f32', float('nan')):.4f} | "
+              f"{r.get('decode_ms', float('nan')):.2f} | {r.get('tokens_per_s', float('nan')):.1f} | "
+              f"{r.get('speed_vs_f32', float('nan')):.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
