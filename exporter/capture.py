@@ -41,4 +41,10 @@ def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     # recorded; a later `.view` then fails at decomposition time (HF GPT-2's
     # Conv1D: "Cannot view a tensor with shape [s0, s1, 32] and strides ...").
     table.pop(torch.ops.aten.scaled_dot_product_attention.default, None)
-    return ep.run_decompositions(table)
+    ep = ep.run_decompositions(table)
+    # Side-effecting ops (linalg error checks, prints) come wrapped in with_effects with token
+    # inputs/outputs; a jax function orders nothing by tokens, so call the ops directly.
+    if any(n.target is torch.ops.higher_order.with_effects for n in ep.graph.nodes):
+        from torch.export._remove_effect_tokens_pass import _remove_effect_tokens
+        ep = _remove_effect_tokens(ep)
+    return ep

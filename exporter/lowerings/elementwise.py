@@ -262,3 +262,43 @@ def _shl(ctx, x, y):
 def _shr(ctx, x, y):
     x, y = _compute(ctx, x, y)
     return jnp.right_shift(x, y)
+
+
+# -- special functions and IEEE helpers outside core ATen (torch keeps them whole) ----
+_special = jax.scipy.special
+_i0 = unary(aten.i0, aten.special_modified_bessel_i0, fn=_special.i0, module=_M)
+_i0e = unary(aten.special_i0e, fn=_special.i0e, module=_M)
+_i1 = unary(aten.special_i1, aten.special_modified_bessel_i1, fn=_special.i1, module=_M)
+_i1e = unary(aten.special_i1e, fn=_special.i1e, module=_M)
+_ndtri = unary(aten.special_ndtri, fn=_special.ndtri, module=_M)
+_erfcx = unary(aten.special_erfcx, fn=_special.erfcx, module=_M)
+_signbit = unary(aten.signbit, fn=jnp.signbit, module=_M)
+_conj = unary(aten._conj, aten.conj_physical, fn=jnp.conj, module=_M)
+_fmax = binary(aten.fmax, fn=jnp.fmax, module=_M)
+_fmin = binary(aten.fmin, fn=jnp.fmin, module=_M)
+_zeta = binary(aten.special_zeta, fn=_special.zeta, module=_M)
+_igamma = binary(aten.igamma, fn=_special.gammainc, module=_M)
+_igammac = binary(aten.igammac, fn=_special.gammaincc, module=_M)
+
+
+# aten::ldexp.Tensor(Tensor self, Tensor other) -> Tensor   (self * 2**other)
+@lower(aten.ldexp.Tensor)
+def _ldexp(ctx, x, e):
+    x, e = _compute(ctx, x, e)
+    return x * jnp.exp2(e)
+
+
+# aten::frexp.Tensor(Tensor self) -> (Tensor mantissa, Tensor exponent)
+@lower(aten.frexp.Tensor)
+def _frexp(ctx, x):
+    m, e = jnp.frexp(x)
+    return m, e.astype(jnp.int32)
+
+
+# aten::angle(Tensor self) -> Tensor   (real input: pi for negatives, NaN stays NaN)
+@lower(aten.angle)
+def _angle(ctx, x):
+    if jnp.iscomplexobj(x):
+        return jnp.angle(x)
+    (x,) = _compute(ctx, x)
+    return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, jnp.pi, 0.0).astype(x.dtype))

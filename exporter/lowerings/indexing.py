@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 import torch
 
 from ..registry import lower
@@ -185,3 +186,48 @@ def _masked_scatter(ctx, x, mask, source):
     k = jnp.cumsum(mask.reshape(-1).astype(jnp.int32)) - 1
     picked = jnp.take(source.reshape(-1), jnp.clip(k, 0, max(source.size - 1, 0)), mode="clip")
     return jnp.where(mask, picked.reshape(mask.shape).astype(x.dtype), x)
+
+
+# aten::diagonal_scatter(Tensor self, Tensor src, int offset=0, int dim1=0, int dim2=1) -> Tensor
+@lower(aten.diagonal_scatter)
+def _diagonal_scatter(ctx, x, src, offset=0, dim1=0, dim2=1):
+    d1, d2 = canon_dim(dim1, x.ndim), canon_dim(dim2, x.ndim)
+    xt = jnp.moveaxis(x, (d1, d2), (-2, -1))                                    # (..., n1, n2)
+    n = src.shape[-1]
+    rows = np.arange(n) + max(-offset, 0)
+    cols = np.arange(n) + max(offset, 0)
+    xt = xt.at[..., rows, cols].set(src.astype(x.dtype))
+    return jnp.moveaxis(xt, (-2, -1), (d1, d2))
+
+
+# aten::scatter.reduce(Tensor self, int dim, Tensor index, Tensor src, *, str reduce) -> Tensor
+# aten::scatter.value_reduce(Tensor self, int dim, Tensor index, Scalar value, *, str reduce) -> Tensor
+@lower(aten.scatter.reduce, aten.scatter.value_reduce)
+def _scatter_legacy_reduce(ctx, x, dim, index, src, *, reduce):
+    if not hasattr(src, "shape") or src.ndim == 0:
+        src = jnp.full(index.shape, src, x.dtype)
+    return _scatter_reduce(ctx, x, dim, index, src, {"add": "sum", "multiply": "prod"}[reduce])
+
+
+# aten::put(Tensor self, Tensor index, Tensor source, bool accumulate=False) -> Tensor
+@lower(aten.put)
+def _put(ctx, x, index, source, accumulate=False):
+    flat = x.reshape(-1)
+    idx = _wrap(index.reshape(-1), flat.shape[0])
+    src = source.reshape(-1).astype(x.dtype)
+    flat = flat.at[idx].add(src) if accumulate else flat.at[idx].set(src)
+    return flat.reshape(x.shape)
+
+
+# aten::index_reduce(Tensor self, int dim, Tensor index, Tensor source, str reduce, *, bool include_self=True) -> Tensor
+@lower(aten.index_reduce)
+def _index_reduce(ctx, x, dim, index, source, reduce, *, include_self=True):
+    d = canon_dim(dim, x.ndim)
+    if x.ndim == 0:
+        x, source = x.reshape(1), source.reshape(1)
+        return _index_reduce(ctx, x, 0, index, source, reduce, include_self=include_self).reshape(())
+    # index_reduce along d == scatter_reduce with the index broadcast over source's other dims
+    shape = [1] * source.ndim
+    shape[d] = -1
+    full = jnp.broadcast_to(_wrap(index, x.shape[d]).reshape(shape), source.shape)
+    return _scatter_reduce(ctx, x, d, full, source, reduce, include_self=include_self)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 import torch
@@ -81,3 +82,151 @@ def _fft_c2c(ctx, x, dim, normalization, forward):
     axes = [d % x.ndim for d in dim]
     out = jnp.fft.fftn(x, axes=axes) if forward else jnp.fft.ifftn(x, axes=axes, norm="forward")
     return _fft_scale(out, math.prod(x.shape[d] for d in axes), normalization)
+
+
+# -- factorizations and solvers outside core ATen (torch keeps them whole) -------------
+def _lu(a):
+    """LU with torch's conventions: (LU, 1-based int32 pivots)."""
+    lu, piv, _ = lax.linalg.lu(a)
+    return lu, piv.astype(jnp.int32) + 1
+
+
+def _ok(a):
+    """The `info` output: 0 for every matrix (jax does not report failures)."""
+    return jnp.zeros(a.shape[:-2], jnp.int32)
+
+
+# aten::linalg_inv_ex(Tensor A, *, bool check_errors=False) -> (Tensor inverse, Tensor info)
+@lower(aten.linalg_inv_ex)
+def _inv_ex(ctx, a, *, check_errors=False):
+    return jnp.linalg.inv(a), _ok(a)
+
+
+# aten::linalg_cholesky_ex(Tensor self, *, bool upper=False, bool check_errors=False) -> (Tensor L, Tensor info)
+@lower(aten.linalg_cholesky_ex)
+def _cholesky_ex(ctx, a, *, upper=False, check_errors=False):
+    return _cholesky(ctx, a, upper), _ok(a)
+
+
+# aten::cholesky(Tensor self, bool upper=False) -> Tensor
+@lower(aten.cholesky)
+def _cholesky(ctx, a, upper=False):
+    low = jnp.linalg.cholesky(a)
+    return jnp.swapaxes(low, -1, -2).conj() if upper else low
+
+
+# aten::cholesky_solve(Tensor self, Tensor input2, bool upper=False) -> Tensor   (solves A X = self, A = L L^H)
+@lower(aten.cholesky_solve)
+def _cholesky_solve(ctx, b, factor, upper=False):
+    batch = ctx.out_shape[:-2]
+    b = jnp.broadcast_to(b, batch + b.shape[-2:])
+    factor = jnp.broadcast_to(factor, batch + factor.shape[-2:])
+    return jax.scipy.linalg.cho_solve((factor, not upper), b)
+
+
+# aten::cholesky_inverse(Tensor self, bool upper=False) -> Tensor
+@lower(aten.cholesky_inverse)
+def _cholesky_inverse(ctx, factor, upper=False):
+    eye = jnp.broadcast_to(jnp.eye(factor.shape[-1], dtype=factor.dtype), factor.shape)
+    return jax.scipy.linalg.cho_solve((factor, not upper), eye)
+
+
+# aten::_linalg_det(Tensor A) -> (Tensor result, Tensor LU, Tensor pivots)
+@lower(aten._linalg_det)
+def _det(ctx, a):
+    lu, piv = _lu(a)
+    return jnp.linalg.det(a), lu, piv
+
+
+# aten::_linalg_slogdet(Tensor A) -> (Tensor sign, Tensor logabsdet, Tensor LU, Tensor pivots)
+@lower(aten._linalg_slogdet)
+def _slogdet(ctx, a):
+    sign, logabsdet = jnp.linalg.slogdet(a)
+    lu, piv = _lu(a)
+    return sign, logabsdet, lu, piv
+
+
+# aten::_linalg_solve_ex(Tensor A, Tensor B, *, bool left=True, bool check_errors=False)
+#     -> (Tensor result, Tensor LU, Tensor pivots, Tensor info)
+@lower(aten._linalg_solve_ex)
+def _solve_ex(ctx, a, b, *, left=True, check_errors=False):
+    out_shape = ctx.out_shape
+    vector = len(out_shape) == a.ndim - 1 or b.ndim == 1       # torch treats B as a (batch of) vector(s)
+    if not left:  # X A = B  <=>  A^T X^T = B^T
+        a, b = jnp.swapaxes(a, -1, -2), jnp.swapaxes(b, -1, -2)
+    bm = b[..., None] if vector else b                         # (..., n, k)
+    batch = tuple(out_shape[:-1] if vector else out_shape[:-2])
+    x = jnp.linalg.solve(jnp.broadcast_to(a, batch + a.shape[-2:]), jnp.broadcast_to(bm, batch + bm.shape[-2:]))
+    x = x[..., 0] if vector else x
+    if not left:
+        x = jnp.swapaxes(x, -1, -2)
+    lu, piv = _lu(a)
+    return x, lu, piv, _ok(a)
+
+
+# aten::linalg_qr(Tensor A, str mode='reduced') -> (Tensor Q, Tensor R)
+@lower(aten.linalg_qr)
+def _qr(ctx, a, mode="reduced"):
+    if mode == "r":
+        return jnp.zeros((0,), a.dtype), jnp.linalg.qr(a, mode="r")
+    q, r = jnp.linalg.qr(a, mode=mode)
+    return q, r
+
+
+# aten::linalg_solve_triangular(Tensor self, Tensor B, *, bool upper, bool left=True, bool unitriangular=False) -> Tensor
+@lower(aten.linalg_solve_triangular)
+def _solve_triangular(ctx, a, b, *, upper, left=True, unitriangular=False):
+    batch = ctx.out_shape[:-2]
+    a = jnp.broadcast_to(a, batch + a.shape[-2:])
+    b = jnp.broadcast_to(b, batch + b.shape[-2:])
+    return lax.linalg.triangular_solve(a, b, left_side=left, lower=not upper, unit_diagonal=unitriangular)
+
+
+# aten::triangular_solve(Tensor self, Tensor A, bool upper=True, bool transpose=False, bool unitriangular=False)
+#     -> (Tensor solution, Tensor cloned_coefficient)
+@lower(aten.triangular_solve)
+def _triangular_solve(ctx, b, a, upper=True, transpose=False, unitriangular=False):
+    batch = ctx.out_shape[:-2]
+    a = jnp.broadcast_to(a, batch + a.shape[-2:])
+    b = jnp.broadcast_to(b, batch + b.shape[-2:])
+    x = lax.linalg.triangular_solve(a, b, left_side=True, lower=not upper, transpose_a=transpose,
+                                    unit_diagonal=unitriangular)
+    return x, a
+
+
+# aten::linalg_matrix_exp(Tensor self) -> Tensor
+@lower(aten.linalg_matrix_exp)
+def _matrix_exp(ctx, a):
+    return jax.scipy.linalg.expm(a)
+
+
+# aten::addbmm(Tensor self, Tensor batch1, Tensor batch2, *, Scalar beta=1, Scalar alpha=1) -> Tensor
+@lower(aten.addbmm)
+def _addbmm(ctx, bias, b1, b2, *, beta=1, alpha=1):
+    prod = jnp.sum(_matmul(b1, b2, ctx.out_dtype), axis=0)
+    if alpha != 1:
+        prod = prod * alpha
+    if beta == 0:
+        return prod
+    return prod + (bias * beta if beta != 1 else bias).astype(ctx.out_dtype)
+
+
+# aten::dist(Tensor self, Tensor other, Scalar p=2) -> Tensor
+@lower(aten.dist)
+def _dist(ctx, a, b, p=2):
+    d = jnp.abs(a - b).reshape(-1)
+    if p == 0:
+        return jnp.sum(d != 0).astype(ctx.out_dtype)
+    if p == math.inf:
+        return jnp.max(d, initial=0.0)
+    if p == -math.inf:
+        return jnp.min(d, initial=jnp.inf)
+    return jnp.sum(d ** p) ** (1.0 / p)
+
+
+# aten::_linalg_check_errors(Tensor info, str api_name, *, bool is_matrix) -> ()
+@lower(aten._linalg_check_errors)
+def _linalg_check_errors(ctx, info, api_name, *, is_matrix):
+    # jax's factorizations report no `info`, so there is nothing to check: a singular or
+    # non-positive-definite input gives NaNs/infs instead of torch's error.
+    return None

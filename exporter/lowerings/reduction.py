@@ -180,3 +180,58 @@ def _linalg_vector_norm(ctx, x, ord=2, dim=None, keepdim=False, *, dtype=None):
     # dim=None or [] reduces over every dim, as in torch.
     axes = canon_dims(dim, x.ndim) if x.ndim else None
     return jnp.linalg.vector_norm(x.astype(ctx.out_dtype), ord=ord, axis=axes, keepdims=keepdim)
+
+
+# aten::logcumsumexp(Tensor self, int dim) -> Tensor
+@lower(aten.logcumsumexp)
+def _logcumsumexp(ctx, x, dim):
+    if x.ndim == 0:
+        return x
+    return lax.cumlogsumexp(x, axis=canon_dim(dim, x.ndim))
+
+
+def _cum_extreme(x, dim, better):
+    """Running max/min with the index of its LAST occurrence; NaN wins and sticks (torch's cummax/cummin)."""
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int32)
+    d = canon_dim(dim, x.ndim)
+    idx = lax.broadcasted_iota(jnp.int32, x.shape, d)
+
+    def combine(a, b):
+        (av, ai), (bv, bi) = a, b
+        take_b = jnp.isnan(bv) | (~jnp.isnan(av) & better(bv, av))
+        return jnp.where(take_b, bv, av), jnp.where(take_b, bi, ai)
+    return lax.associative_scan(combine, (x, idx), axis=d)
+
+
+# aten::cummax(Tensor self, int dim) -> (Tensor values, Tensor indices)
+@lower(aten.cummax)
+def _cummax(ctx, x, dim):
+    return _cum_extreme(x, dim, lambda b, a: b >= a)
+
+
+# aten::cummin(Tensor self, int dim) -> (Tensor values, Tensor indices)
+@lower(aten.cummin)
+def _cummin(ctx, x, dim):
+    return _cum_extreme(x, dim, lambda b, a: b <= a)
+
+
+# aten::searchsorted.Tensor(Tensor sorted_sequence, Tensor self, *, bool out_int32=False, bool right=False,
+#                           str? side=None, Tensor? sorter=None) -> Tensor
+@lower(aten.searchsorted.Tensor)
+def _searchsorted(ctx, seq, x, *, out_int32=False, right=False, side=None, sorter=None):
+    side = side or ("right" if right else "left")
+    if sorter is not None:
+        seq = jnp.take_along_axis(seq, sorter, axis=-1)
+    if seq.ndim == 1:
+        return jnp.searchsorted(seq, x, side=side)
+    flat_seq = seq.reshape(-1, seq.shape[-1])                  # (B, S)
+    flat_x = x.reshape(flat_seq.shape[0], -1)                  # (B, V)
+    out = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side=side))(flat_seq, flat_x)
+    return out.reshape(x.shape)
+
+
+# aten::bucketize.Tensor(Tensor self, Tensor boundaries, *, bool out_int32=False, bool right=False) -> Tensor
+@lower(aten.bucketize.Tensor)
+def _bucketize(ctx, x, boundaries, *, out_int32=False, right=False):
+    return jnp.searchsorted(boundaries, x, side="right" if right else "left")

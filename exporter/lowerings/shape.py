@@ -138,7 +138,7 @@ def _select(ctx, x, dim, index):
 
 
 # aten::narrow(Tensor(a) self, int dim, SymInt start, SymInt length) -> Tensor(a)
-@lower(aten.narrow)
+@lower(aten.narrow, aten.narrow_copy)
 def _narrow(ctx, x, dim, start, length):
     d = canon_dim(dim, x.ndim)
     return lax.slice_in_dim(x, start, start + length, axis=d)
@@ -247,3 +247,16 @@ def _as_strided(ctx, x, size, stride, storage_offset=None):
             f"as_strided reads storage elements outside its input (offsets {idx.min()}..{idx.max()}, input at "
             f"{in_offset}, {x.size} elements); an exported input carries only its own elements")
     return jnp.take(storage, jnp.asarray(idx), mode="clip")
+
+
+# aten::unfold(Tensor(a) self, int dimension, int size, int step) -> Tensor(a)
+@lower(aten.unfold, aten.unfold_copy)
+def _unfold(ctx, x, dimension, size, step):
+    if x.ndim == 0:
+        return x.reshape(1)
+    d = canon_dim(dimension, x.ndim)
+    n = (x.shape[d] - size) // step + 1
+    idx = np.arange(n)[:, None] * step + np.arange(size)[None, :]               # (n, size)
+    win = jnp.take(x, jnp.asarray(idx.reshape(-1)), axis=d)                      # (..., n*size, ...)
+    win = win.reshape(x.shape[:d] + (n, size) + x.shape[d + 1:])                 # (..., n, size, ...)
+    return jnp.moveaxis(win, d + 1, -1)                                          # (..., n, ..., size)

@@ -51,6 +51,8 @@ class Tolerance:
 
 # Per-op overrides, keyed by OpInfo full name ("name" or "name.variant").
 TOLERANCES: Mapping[str, Tolerance] = {
+    "matrix_exp": Tolerance(1e-1, 1e-4, "entries span 1e-1..1e5; float32 scaling-and-squaring is accurate to ~1e-6 "
+                                        "of the matrix norm (torch itself is 0.05 off float64 on this sample)"),
 }
 
 # Ops not run at all, with the reason (checked before any sample is built).
