@@ -34,11 +34,12 @@ from .sampling import sample
 from .scheduler import RunnerOutput, SchedulerPlan
 
 
-def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
+def _pow2_upto(lo: int, hi: int, growth: int = 2) -> tuple[int, ...]:
+    """lo, lo*growth, lo*growth**2, ... below hi, then hi."""
     out, p = [], lo
     while p < hi:
         out.append(p)
-        p *= 2
+        p *= growth
     return tuple(out) + (hi,)
 
 
@@ -56,27 +57,42 @@ class RunnerConfig:
 
     Attributes:
       token_buckets: padded T of prefill steps (the largest >= the scheduler's max_num_batched_tokens).
-      seq_buckets: padded S of every step (the largest >= max_num_seqs); decode steps use T = S.
+      seq_buckets: padded S of decode steps (the largest >= max_num_seqs); decode steps use T = S.
       block_buckets: padded B, the block-table width (the largest covers max_model_len).
       num_blocks: KV blocks N, or None to derive it from kv_cache_bytes.
       kv_cache_bytes: device memory for the KV cache when num_blocks is None.
+      prefill_seq_buckets: padded S of prefill steps; None = seq_buckets. Coarser than the
+        decode buckets means fewer executables to compile: a decode step's cost grows with
+        its padded rows, a prefill step's mostly with its T.
     """
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
     block_buckets: tuple[int, ...]
     num_blocks: int | None = None
     kv_cache_bytes: int = 256 << 20
+    prefill_seq_buckets: tuple[int, ...] | None = None
+
+    @property
+    def prefill_seqs(self) -> tuple[int, ...]:
+        return self.prefill_seq_buckets or self.seq_buckets
 
     @classmethod
     def for_limits(cls, *, max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int,
                    num_blocks: int | None = None, kv_cache_bytes: int = 256 << 20,
-                   min_tokens: int = 16, block_buckets: int = 2) -> "RunnerConfig":
-        """Power-of-two buckets up to the scheduler's limits; `block_buckets` widths ending at max_blocks (x4 apart)."""
+                   min_tokens: int = 16, block_buckets: int = 2, prefill_growth: int = 2) -> "RunnerConfig":
+        """Buckets up to the scheduler's limits.
+
+        Decode S: powers of two. Prefill T and S: min_tokens (1 for S) times powers of
+        `prefill_growth`. B: `block_buckets` widths ending at max_blocks, x4 apart.
+        """
         widths = [max_blocks]
         while len(widths) < block_buckets and widths[-1] // 4 >= 1:
             widths.append(widths[-1] // 4)
-        return cls(_pow2_upto(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens),
-                   _pow2_upto(1, max_num_seqs), tuple(sorted(set(widths))), num_blocks, kv_cache_bytes)
+        seqs = _pow2_upto(1, max_num_seqs)
+        prefill_seqs = _pow2_upto(1, max_num_seqs, prefill_growth)
+        return cls(_pow2_upto(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens, prefill_growth),
+                   seqs, tuple(sorted(set(widths))), num_blocks, kv_cache_bytes,
+                   None if prefill_seqs == seqs else prefill_seqs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +109,7 @@ def build_step_arrays(plan: SchedulerPlan, cfg: RunnerConfig, *, decode_fn: str 
     seqs = plan.seqs
     S, T = len(seqs), plan.num_tokens
     is_decode = T == S   # one token per sequence
-    Sp = _bucket(cfg.seq_buckets, S, "num_seqs")
+    Sp = _bucket(cfg.seq_buckets if is_decode else cfg.prefill_seqs, S, "num_seqs")
     Tp = Sp if is_decode else _bucket(cfg.token_buckets, T, "num_tokens")
     Bp = _bucket(cfg.block_buckets, max(len(s.block_table) for s in seqs), "max_blocks")
     tokens = np.zeros(Tp, np.int32)
@@ -129,7 +145,7 @@ def warmup_shapes(cfg: RunnerConfig, decode_fn: str = "decode", prefill_fn: str 
     for b in cfg.block_buckets:
         out += [(decode_fn, s, s, b) for s in cfg.seq_buckets]
         prev = 0
-        for s in cfg.seq_buckets:
+        for s in cfg.prefill_seqs:
             smallest = prev + 1            # the fewest sequences padded to bucket s
             prev = s
             if smallest + 1 > cfg.token_buckets[-1]:
@@ -203,7 +219,8 @@ class ModelRunner:
         from hloserve import runtime
         tokens = sorted(set(cfg.token_buckets) | set(cfg.seq_buckets))   # decode steps use T = S
         model = runtime.load(path, platform=platform, strict=strict, verify=verify,
-                             buckets={"num_tokens": tokens, "num_seqs": list(cfg.seq_buckets),
+                             buckets={"num_tokens": tokens,
+                                      "num_seqs": sorted(set(cfg.seq_buckets) | set(cfg.prefill_seqs)),
                                       "max_blocks": list(cfg.block_buckets)})
         return cls(model, cfg)
 
@@ -212,11 +229,29 @@ class ModelRunner:
         return warmup_shapes(self.cfg, self.decode_fn, self.prefill_fn)
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> int:
-        """Compile every serving shape now; returns how many compiles it took."""
+        """Compile every serving shape now and run each once; returns how many compiles it took.
+
+        The run (all rows padding: every token writes into the null block) initializes the
+        executable's kernels, which XLA:CPU otherwise does on the first real step of each shape.
+        `progress` gets one line per shape.
+        """
         done = 0
-        for fn, t, s, b in self.warmup_shapes():
+        shapes = self.warmup_shapes()
+        t_start = time.perf_counter()
+        for i, (fn, t, s, b) in enumerate(shapes, 1):
+            t0 = time.perf_counter()
             done += self.model.functions[fn].warmup(
-                {"num_tokens": [t], "num_seqs": [s], "max_blocks": [b], "num_blocks": [self.num_blocks]}, progress)
+                {"num_tokens": [t], "num_seqs": [s], "max_blocks": [b], "num_blocks": [self.num_blocks]})
+            z = np.zeros
+            out = self.model.functions[fn](tokens=z(t, np.int32), positions=z(t, np.int32), seq_ids=z(t, np.int32),
+                                           slot_mapping=z(t, np.int32), block_tables=z((s, b), np.int32),
+                                           context_lens=z(s, np.int32), last_token=z(s, np.int32),
+                                           **{self._kv_name: self.kv_cache})
+            self.kv_cache = out[self._kv_out]
+            np.asarray(out["logits"])
+            if progress is not None:
+                progress(f"warm-up {i}/{len(shapes)}: {fn} T={t} S={s} B={b} in {time.perf_counter() - t0:.1f} s "
+                         f"({time.perf_counter() - t_start:.0f} s so far)")
         return done
 
     def execute(self, plan: SchedulerPlan) -> RunnerOutput:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 
-from .services import ServeConfig, build_service
+from .services import LLMService, ServeConfig, build_service
 
 DEFAULT_PRESET = "smollm2-135m-instruct"
 log = logging.getLogger("hloserve.server")
@@ -49,7 +49,10 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
     def warm():
         print(f"[hloserve] warming up {service.model_name} (compiling every bucket; /ready says 503 until done)",
               file=sys.stderr, flush=True)
-        service.warmup()
+        if isinstance(service, LLMService):
+            service.warmup(lambda msg: print(f"[hloserve] {msg}", file=sys.stderr, flush=True))
+        else:
+            service.warmup()
         state = "ready" if service.readiness.ready else service.readiness.error
         print(f"[hloserve] {service.model_name}: {state}", file=sys.stderr, flush=True)
 

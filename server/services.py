@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 log = logging.getLogger("hloserve.server")
+DEFAULT_MAX_MODEL_LEN = 2048
 
 
 @dataclasses.dataclass
@@ -25,17 +26,24 @@ class ServeConfig:
 
     Attributes:
       max_num_seqs / max_num_batched_tokens: the LLM scheduler's per-step limits.
-      max_model_len: context per request (<= the artifact's max_context); None: the artifact's.
+      max_model_len: context per request (<= the artifact's max_context); None: the artifact's,
+        at most DEFAULT_MAX_MODEL_LEN (a longer context means wider block tables to compile).
       kv_cache_bytes: device memory for the paged KV cache.
+      min_token_bucket / block_buckets / prefill_growth: the LLM runner's shape buckets
+        (EngineConfig); the defaults compile 33 shapes for 16 sequences, 128 tokens a step
+        and a 2048-token context.
       max_pending: requests admitted at once (queued + running); more answer 429 with Retry-After.
       max_batch_size / batch_timeout_s: predict batching (TF Serving's batching_parameters).
       model_name: the name clients use (default: the artifact directory's name).
       api_key: when set, /v1/* requires `Authorization: Bearer KEY`.
     """
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 256
+    max_num_batched_tokens: int = 128
     max_model_len: int | None = None
-    kv_cache_bytes: int = 256 << 20
+    kv_cache_bytes: int = 1 << 30
+    min_token_bucket: int = 32
+    block_buckets: int = 3
+    prefill_growth: int = 4
     num_blocks: int | None = None
     max_pending: int = 256
     max_batch_size: int = 32
@@ -101,11 +109,20 @@ class LLMService:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     kind: str = "llm"
 
-    def warmup(self) -> None:
-        """Compile every serving shape, then start the engine loop and report ready."""
+    def warmup(self, report: Callable[[str], None] | None = None) -> None:
+        """Compile every serving shape, then start the engine loop and report ready.
+
+        Each progress line goes to /ready's detail and to `report` (e.g. the console).
+        """
+        def progress(msg: str) -> None:
+            self.readiness.progress = msg
+            if report is not None:
+                report(msg)
+
         try:
-            n = self.engine.warmup(lambda msg: setattr(self.readiness, "progress", msg))
-            log.info("warm-up compiled %d executables; ready", n)
+            t0 = time.perf_counter()
+            n = self.engine.warmup(progress)
+            log.info("warm-up compiled %d executables in %.1f s; ready", n, time.perf_counter() - t0)
             self.engine.start()
         except Exception as e:  # noqa: BLE001 - reported on /ready and in the log
             self.readiness.error = f"warm-up failed: {type(e).__name__}: {e}"
@@ -263,11 +280,13 @@ def build_service(artifact_path: str, config: ServeConfig) -> LLMService | Predi
     max_ctx = int(llm["max_context"])
     tokens = min(config.max_num_batched_tokens, int(llm["max_tokens"]))
     seqs = min(config.max_num_seqs, int(llm["max_seqs"]), tokens)
+    max_len = config.max_model_len or min(max_ctx, DEFAULT_MAX_MODEL_LEN)
     try:
         engine, tokenizer = build_engine(artifact_path, EngineConfig(
-            max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=config.max_model_len,
-            kv_cache_bytes=config.kv_cache_bytes, num_blocks=config.num_blocks, platform=config.platform),
-            strict=config.strict)
+            max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=max_len,
+            kv_cache_bytes=config.kv_cache_bytes, num_blocks=config.num_blocks, platform=config.platform,
+            min_token_bucket=config.min_token_bucket, block_buckets=config.block_buckets,
+            prefill_growth=config.prefill_growth), strict=config.strict)
     except ValueError as e:
         raise HloserveError(str(e)) from None
     if tokenizer is None:
