@@ -143,12 +143,48 @@ def pick_torch_threads(hf, vocab: int) -> int:
     return best[0]
 
 
+def compare_layouts(weights: LlamaWeights, out: str) -> None:
+    """One artifact with the three attention layouts as functions; time a prompt and a mixed step."""
+    import jax.numpy as jnp
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.models.llama import step_entries
+    from hloserve.runtime import load
+    cfg = weights.cfg
+    layouts = ("flat", "gather", "paged")
+    opts = StepExportOptions(block_size=BLOCK, max_context=2048, functions=tuple((a, a) for a in layouts))
+    export_artifact(out, step_entries(weights, opts), source="benchmark")
+    model = load(out, cache_dir=None)
+    g = np.random.default_rng(0)
+    cases = {
+        "one 512-token prompt (S=1, 32 blocks)": [(g.integers(3, cfg.vocab_size, 512).tolist(), 0, list(range(1, 33)))],
+        "31 decodes at context 1000 + one 256-token chunk (S=32, T=287)":
+            [([5], 1000, list(range(1 + 64 * s, 64 + 64 * s))) for s in range(31)]
+            + [(g.integers(3, cfg.vocab_size, 256).tolist(), 700, list(range(1 + 64 * 31, 64 + 64 * 31)))],
+    }
+    print("\nattention layouts (every one exact for any step), median of 3 after one warm call:")
+    for name, chunks in cases.items():
+        inputs = build_step_inputs(chunks, BLOCK)
+        row = []
+        for att in layouts:
+            state = {"cache": jnp.zeros((cfg.num_layers, 2, 64 * 32 + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim),
+                                        jnp.float32)}
+
+            def call():
+                o = model.functions[att](**inputs, kv_cache=state["cache"])
+                state["cache"] = o["kv_cache"]
+                return np.asarray(o["logits"])
+            row.append(f"{att} {timed(call, 3):.2f} s")
+        print(f"  {name}: " + ", ".join(row))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "random"])
     ap.add_argument("--steps", type=int, default=10, help="timed repetitions per measurement (median)")
     ap.add_argument("--skip-unrolled", action="store_true", help="skip the scan vs unrolled comparison")
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--layouts", action="store_true",
+                    help="also time the flat / gather / paged attention layouts on a prompt and a mixed step")
     args = ap.parse_args(argv)
 
     import jax
@@ -201,6 +237,8 @@ def main(argv=None) -> int:
     print("compile seconds so far (all shapes): " + ", ".join(f"{n} {s:.1f}" for n, s in compile_s.items()))
     del model
 
+    if args.layouts:
+        compare_layouts(weights, os.path.join(tmp, "layouts"))
     if args.skip_unrolled:
         return 0
     print(f"\nlayers scanned vs unrolled ({cfg.num_layers} layers, decode function, batch 8):")

@@ -411,7 +411,7 @@ class LlamaStep(torch.nn.Module):
                 seen = seen & (ctx_pos[None, :] > pos[:, None] - cfg.sliding_window)
         elif self.attention == "paged":
             blocks = block_tables[seq_ids].transpose(0, 1)                # [B, T]: scanned over B
-            seen = context_lens[seq_ids].to(torch.int64)                  # [T] (context length per token)
+            seen = context_lens[seq_ids].to(torch.int64)                  # [T]: masks are built per block
         else:
             blocks = block_tables                                         # [S, B]
             own = seq_ids.to(torch.int64)[:, None] == torch.arange(S, device=tokens.device)[None, :]   # [T, S]
@@ -451,6 +451,7 @@ class LlamaStep(torch.nn.Module):
             cache = flat.reshape(L, 2, N, BS, KV, D)                      # [L, 2, N, BS, KV, D]
             qg = q.reshape(T, KV, cfg.group, D)                           # [T, KV, G, D]
             if self.attention == "paged":
+                # `seen` is each token's context length here; the loop masks block by block
                 out = _paged_attention(qg, cache, l, blocks, pos, seen, cfg.sliding_window)   # [T, KV, G, D]
             else:
                 ctx = cache[l.expand_as(blocks), :, blocks]               # [R, B, 2, BS, KV, D]
