@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -18,12 +19,18 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(artifact: str, *args: str, ready_timeout: float = 600.0, env: dict | None = None):
-    """Yields (base_url, process). The server's stderr goes to a log file shown on failure."""
+def running_server(artifact: str | None, *args: str, ready_timeout: float = 600.0, env: dict | None = None,
+                   log_dir: str | None = None):
+    """Yields (base_url, process). The server's stderr goes to a log file shown on failure.
+
+    artifact None runs `hloserve serve` without one (the default model, exported on first use).
+    """
     port = free_port()
-    log_path = os.path.join(os.path.dirname(os.path.normpath(artifact)), f"server-{port}.log")
+    log_dir = log_dir or (os.path.dirname(os.path.normpath(artifact)) if artifact else tempfile.gettempdir())
+    log_path = os.path.join(log_dir, f"server-{port}.log")
     log = open(log_path, "w")
-    cmd = [sys.executable, "-m", "hloserve.exporter.cli", "serve", artifact, "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "hloserve.exporter.cli", "serve", *([artifact] if artifact else []), "--port", str(port),
+           *args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:

@@ -1,0 +1,53 @@
+"""`hloserve serve` with no artifact: the real SmolLM2-135M-Instruct, end to end.
+
+The first run exports the preset into the hloserve cache (HLOSERVE_CACHE, default
+~/.cache/hloserve; several minutes on 2 cores), later runs reuse it. The greedy chat answer
+must name Paris and equal, token for token, transformers' greedy generation on the same
+dequantized weights.
+"""
+from __future__ import annotations
+
+import pytest
+
+from .servers import hf_greedy, running_server
+
+pytestmark = pytest.mark.slow
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+ANSWER_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    with running_server(None, "--model-name", "smollm2", "--max-num-seqs", "4", ready_timeout=1200,
+                        log_dir=str(tmp_path_factory.mktemp("serve-default"))) as (base, _):
+        yield base
+
+
+def test_default_model_answers_the_capital_of_france(default_server):
+    import openai
+    client = openai.OpenAI(base_url=f"{default_server}/v1", api_key="unused", max_retries=0, timeout=120)
+    r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=ANSWER_TOKENS, temperature=0)
+    answer = r.choices[0].message.content
+    assert "Paris" in answer, answer
+
+    # the same tokens as transformers' greedy generation on the GGUF's weights (dequantized to f32)
+    import torch
+    import transformers
+
+    from hloserve.exporter import artifact, presets
+    from hloserve.exporter.models.gguf import load_gguf
+    from hloserve.server.serve import default_artifact
+    from hloserve.server.tokenizer import Tokenizer
+
+    ckpt = load_gguf(presets.resolve("smollm2-135m-instruct", quiet=True))
+    cfg = transformers.LlamaConfig(**{k: v for k, v in ckpt.config.items() if k not in ("architectures", "model_type")})
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    missing, unexpected = hf.load_state_dict({k: torch.as_tensor(v) for k, v in ckpt.materialize().items()},
+                                             strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected   # the head is tied to the embedding
+    hf.tie_weights()
+    art = default_artifact()
+    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    want = hf_greedy(hf, tok.encode_chat(QUESTION), r.usage.completion_tokens)
+    assert r.usage.prompt_tokens == len(tok.encode_chat(QUESTION))
+    assert answer == tok.decode(want, skip_special_tokens=True), (answer, tok.decode(want))
