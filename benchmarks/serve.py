@@ -363,6 +363,7 @@ def main() -> int:
 
     if "transformers" not in skip:
         print("transformers: eager generate, static left-padded batches of up to c", flush=True)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads its OpenMP (see llama.cpp above)
         levels += bench_transformers(gguf, os.path.join(art, "tokenizer.json"), sets)
 
     summaries = [lv.summary() for lv in levels]
