@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -188,7 +189,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import jax
-    from hloserve.runtime import load
 
     config, sd, desc = load_model(args.model)
     cfg = LlamaConfig.from_hf(config)
@@ -201,6 +201,16 @@ def main(argv=None) -> int:
           f"on {os.cpu_count()} cores")
 
     tmp = tempfile.mkdtemp(prefix="hloserve-llm-bench-")
+    try:
+        return _run(args, cfg, weights, hf, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)   # artifacts of ~0.5 GiB each
+
+
+def _run(args, cfg: LlamaConfig, weights: LlamaWeights, hf, tmp: str) -> int:
+    import jax.numpy as jnp
+    from hloserve.runtime import load
+
     secs = export(weights, os.path.join(tmp, "scan"), scan=True)
     print(f"export (prefill + decode, scanned layers): {secs:.1f} s")
     model = load(os.path.join(tmp, "scan"), cache_dir=None,
@@ -213,7 +223,6 @@ def main(argv=None) -> int:
         theirs = timed(hf_decode(hf, b, cfg.vocab_size), args.steps)
         print(f"  {b:>5}  {ours * 1e3:>12.2f}  {theirs * 1e3:>12.2f}  {theirs / ours:>8.2f}  {b / ours:>10.0f}")
 
-    import jax.numpy as jnp
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, cfg.vocab_size, (PREFILL_LEN,), generator=g).tolist()
     blocks = PREFILL_LEN // BLOCK
