@@ -18,11 +18,14 @@ All measured in one run, on jax's default backend (CPU here):
     LM scoring, logits of every position in one call). Windows do not overlap and each starts
     with an empty context;
   * batch-1 decode tokens/s: one token per step at context 120 .. 120+steps (runtime, cache
-    donated), median step latency;
+    donated), median step latency; the variants run interleaved (rounds of a few steps each)
+    so load from other processes on a shared machine falls on all of them alike;
   * MiniLM (all-MiniLM-L6-v2): cosine similarity of mean-pooled sentence embeddings, int8 vs f32;
   * micro: a 30-layer SmolLM2-shaped stack of 4 GEMVs under lax.scan at batch 1 in several
     dequantization formulations (f32, dequantize-then-dot, scale after the dot, unrolled int8,
-    int8 x int8 dot with dynamic activation quantization, int4 g32 unpack-then-dot).
+    int8 x int8 dot with dynamic activation quantization, int4 g32 interleaved vs even/odd
+    halves), and the 49152 x 576 LM head GEMV (f32, int8 whole, int8 in row blocks). "ours" is
+    the lowering in exporter/lowerings/quantized.py called directly.
 """
 from __future__ import annotations
 
@@ -107,32 +110,52 @@ def perplexity(path: str, window: int, max_tokens: int | None) -> dict:
             "ppl_s": time.perf_counter() - t}
 
 
-def decode_speed(path: str, steps: int, context: int = 120) -> dict:
-    """Batch-1 decode: one token per step from `context` on; median step latency -> tokens/s."""
-    import jax.numpy as jnp
-    from hloserve.exporter.models.llama import build_step_inputs
-    from hloserve.runtime import load
+class _Decoder:
+    """One variant's decode function at batch 1, stepping one token at a time from `context` on."""
 
-    total = context + steps + 1
-    nb = -(-total // BLOCK)
-    m = load(path, buckets={"num_tokens": [1], "num_seqs": [1], "max_blocks": [nb]})
-    llm = m.manifest.model["llm"]
-    decode = m.functions["decode"]
-    cache = jnp.zeros((llm["num_layers"], 2, nb + 1, BLOCK, llm["num_kv_heads"], llm["head_dim"]), jnp.float32)
-    table = list(range(1, nb + 1))
-    times = []
-    tok = 1
-    for i in range(steps + 3):
-        inputs = build_step_inputs([([tok], context + i, table)], BLOCK, pad_blocks=nb)
+    def __init__(self, path: str, context: int, max_steps: int):
+        import jax.numpy as jnp
+        from hloserve.runtime import load
+
+        self.context, self.nb = context, -(-(context + max_steps + 1) // BLOCK)
+        m = load(path, buckets={"num_tokens": [1], "num_seqs": [1], "max_blocks": [self.nb]})
+        llm = m.manifest.model["llm"]
+        self.decode = m.functions["decode"]
+        self.cache = jnp.zeros((llm["num_layers"], 2, self.nb + 1, BLOCK, llm["num_kv_heads"], llm["head_dim"]),
+                               jnp.float32)
+        self.pos, self.tok = context, 1
+
+    def step(self) -> float:
+        from hloserve.exporter.models.llama import build_step_inputs
+
+        inputs = build_step_inputs([([self.tok], self.pos, list(range(1, self.nb + 1)))], BLOCK, pad_blocks=self.nb)
         t = time.perf_counter()
-        out = decode(**inputs, kv_cache=cache)
+        out = self.decode(**inputs, kv_cache=self.cache)
         out["logits"].block_until_ready()
-        times.append(time.perf_counter() - t)
-        cache = out["kv_cache"]
-        tok = int(np.argmax(np.asarray(out["logits"])[0]))
-    times = times[3:]   # compile + warm-up
-    med = statistics.median(times)
-    return {"decode_ms": med * 1e3, "decode_min_ms": min(times) * 1e3, "tokens_per_s": 1 / med}
+        dt = time.perf_counter() - t
+        self.cache = out["kv_cache"]
+        self.tok = int(np.argmax(np.asarray(out["logits"])[0]))
+        self.pos += 1
+        return dt
+
+
+def decode_speed(paths: dict[str, str], steps: int, context: int = 120, rounds: int = 6) -> dict[str, dict]:
+    """Batch-1 decode latency per variant, interleaved: `rounds` rounds, each running steps/rounds
+    steps of every variant in turn, so a busy moment of a shared machine hits all variants alike."""
+    decoders = {v: _Decoder(p, context, steps + 2) for v, p in paths.items()}
+    for d in decoders.values():      # compile + warm up
+        d.step(), d.step()
+    times: dict[str, list[float]] = {v: [] for v in decoders}
+    per = max(1, steps // rounds)
+    for _ in range(rounds):
+        for v, d in decoders.items():
+            times[v] += [d.step() for _ in range(per)]
+    out = {}
+    for v, ts in times.items():
+        med = statistics.median(ts)
+        out[v] = {"decode_ms": med * 1e3, "decode_min_ms": min(ts) * 1e3, "tokens_per_s": 1 / med,
+                  "decode_steps": len(ts)}
+    return out
 
 
 def minilm_similarity(out: str) -> dict:
@@ -184,7 +207,7 @@ def micro(steps: int = 30) -> dict:
     import jax.numpy as jnp
     from jax import lax
 
-    from hloserve.exporter.lowerings.quantized import dequantize
+    from hloserve.exporter.lowerings.quantized import _quantized_linear, dequantize
     from hloserve.quantization import primitives
     from hloserve.quantization.schemes import INT8, WeightScheme
 
@@ -229,19 +252,36 @@ def micro(steps: int = 30) -> dict:
         xq = jnp.round(x / jnp.where(xs == 0, 1.0, xs)).astype(jnp.int8)
         return lax.dot_general(xq, q, dn, preferred_element_type=jnp.int32).astype(jnp.float32) * xs * s
 
-    def int4(x, w):
+    class _Ctx:   # what the lowering reads from its LoweringContext
+        out_dtype = jnp.float32
+
+    def ours(bits, group):
+        def lin(x, w):
+            return _quantized_linear(_Ctx, x, w[0], w[1], None, None, bits, group)
+        return lin
+
+    def int4_interleaved(x, w):   # unpack to element order first (a concatenate XLA does not fuse)
         p, s = w
         return lax.dot_general(x, dequantize(p, s, None, 4, 32), dn)
+
+    V = 49152                    # the tied LM head, outside the scan
+    head = (rng.standard_normal((V, H)) * 0.05).astype(np.float32)
+    head8 = primitives.quantize(head, INT8)
+    head8 = (jnp.asarray(head8.qweight), jnp.asarray(head8.scale))
 
     w8 = [(jnp.asarray(a.qweight), jnp.asarray(a.scale)) for a in q8]
     w4 = [(jnp.asarray(a.qweight), jnp.asarray(a.scale)) for a in q4]
     cases = {"f32 scan": (stack(f32), [jnp.asarray(w) for w in W]),
              "f32 unrolled": (stack(f32, False), [jnp.asarray(w) for w in W]),
-             "int8 dequantize-then-dot, scan (ours)": (stack(deq_dot), w8),
+             "int8 dequantize-then-dot, scan (ours)": (stack(ours(8, 0)), w8),
              "int8 scale after dot, scan": (stack(scale_after), w8),
              "int8 dequantize-then-dot, unrolled": (stack(deq_dot, False), w8),
              "int8 x int8 dot (dynamic act. quant), scan": (stack(i8_dot), w8),
-             "int4 g32 unpack-then-dot, scan (ours)": (stack(int4), w4)}
+             "int4 g32 interleaved unpack-then-dot, scan": (stack(int4_interleaved), w4),
+             "int4 g32 even/odd halves, two dots, scan (ours)": (stack(ours(4, 32)), w4),
+             "LM head 49152x576 f32": (jax.jit(f32), jnp.asarray(head)),
+             "LM head int8 dequantize-then-dot (whole)": (jax.jit(deq_dot), head8),
+             "LM head int8 row blocks in a loop (ours)": (jax.jit(ours(8, 0)), head8)}
     res = {}
     for name, (fn, ws) in cases.items():
         fn(x, ws).block_until_ready()
@@ -260,7 +300,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--skip-ppl", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-minilm", action="store_true")
@@ -285,8 +325,10 @@ def main(argv=None) -> int:
         if not args.skip_ppl:
             r.update(perplexity(path, args.window, args.max_tokens))
             print(f"[quant] {v}: ppl {r['ppl']:.4f}", file=sys.stderr, flush=True)
-        if not args.skip_speed:
-            r.update(decode_speed(path, args.steps))
+    if not args.skip_speed:
+        speeds = decode_speed({v: os.path.join(args.out, f"smollm2-{v}") for v in results["variants"]}, args.steps)
+        for v, r in speeds.items():
+            results["variants"][v].update(r)
             print(f"[quant] {v}: decode {r['decode_ms']:.2f} ms", file=sys.stderr, flush=True)
     if base:
         for r in results["variants"].values():

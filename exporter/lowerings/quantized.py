@@ -11,7 +11,7 @@ Dequantization happens in the graph, next to its consumer, in a form XLA:CPU kee
     and each half dequantizes with plain shifts and a per-group multiply (a group of g
     elements is g/2 consecutive nibbles of each half). Unpacking to [.., in] first costs a
     concatenate XLA does not fuse (measured 4-5x slower per layer).
-  * Large weights (out * in > BLOCK_ELEMS, e.g. a 49152 x 576 LM head) are processed in row
+  * Large weights (out * in > BLOCK_ABOVE, e.g. a 49152 x 576 LM head) are processed in row
     blocks inside a loop (lax.map): XLA:CPU does not fuse a convert/multiply into a dot, so the
     dequantized weight is materialized; one block at a time it stays in cache instead of
     writing and re-reading a full float copy on every call.
@@ -65,7 +65,8 @@ def dequantize(qweight, scale, min_, bits: int, group: int):
     return w.reshape(q.shape)                                            # [..., out, in]
 
 
-BLOCK_ELEMS = 1 << 20   # weights above this many elements are dequantized in row blocks of at most this size
+BLOCK_ABOVE = 1 << 22   # weights of more elements than this are dequantized in row blocks ...
+BLOCK_ELEMS = 1 << 20   # ... of at most this many elements (4 MiB in float32: stays in L2/L3)
 
 
 def _dot(x, w, acc):
@@ -103,8 +104,9 @@ def _linear_block(x, qweight, scale, min_, bits: int, group: int):
 
 
 def _block_rows(out: int, n_in: int) -> int:
-    """Rows per block: the largest divisor of `out` with rows * n_in <= BLOCK_ELEMS (out if it fits)."""
-    if out * n_in <= BLOCK_ELEMS:
+    """Rows per block: `out` up to BLOCK_ABOVE elements, else the largest divisor of `out` with
+    rows * n_in <= BLOCK_ELEMS."""
+    if out * n_in <= BLOCK_ABOVE:
         return out
     rows = max(1, BLOCK_ELEMS // n_in)
     while out % rows:

@@ -81,12 +81,12 @@ def test_module_swap_exports_and_matches_eager(spec, tmp_path):
 
 @pytest.mark.parametrize("spec", ["int8", "int4:32:asym"])
 def test_large_weight_runs_in_row_blocks(spec, tmp_path):
-    """A 17000 x 64 head (> BLOCK_ELEMS) is dequantized block by block inside a loop."""
-    from hloserve.exporter.lowerings.quantized import BLOCK_ELEMS, _block_rows
+    """A 66000 x 64 head (> BLOCK_ABOVE) is dequantized block by block inside a loop."""
+    from hloserve.exporter.lowerings.quantized import BLOCK_ABOVE, _block_rows
 
-    assert 17000 * 64 > BLOCK_ELEMS and _block_rows(17000, 64) == 8500
+    assert 66000 * 64 > BLOCK_ABOVE and _block_rows(66000, 64) == 16500
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 17000)).eval()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 66000)).eval()
     x = torch.randn(3, 64)
     record = quantize_module(model, QuantConfig.parse(spec))
     with torch.no_grad():
