@@ -1,6 +1,8 @@
 """Reductions: sum/mean/max/min/prod/any/all/var, argmax/argmin, cumulative ops, softmax."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -224,9 +226,13 @@ def _searchsorted(ctx, seq, x, *, out_int32=False, right=False, side=None, sorte
     if sorter is not None:
         seq = jnp.take_along_axis(seq, sorter, axis=-1)
     if seq.ndim == 1:
-        return jnp.searchsorted(seq, x, side=side)
-    flat_seq = seq.reshape(-1, seq.shape[-1])                  # (B, S)
-    flat_x = x.reshape(flat_seq.shape[0], -1)                  # (B, V)
+        return jnp.searchsorted(seq, x, side=side) if seq.shape[0] else jnp.zeros(jnp.shape(x), jnp.int32)
+    flat_seq = seq.reshape(math.prod(seq.shape[:-1]), seq.shape[-1])     # (B, S)
+    flat_x = x.reshape(flat_seq.shape[0], x.shape[-1])                   # (B, V)
+    if flat_seq.shape[0] == 0 or flat_x.shape[1] == 0:
+        return jnp.zeros(x.shape, jnp.int32)
+    if flat_seq.shape[1] == 0:  # nothing to search: every value goes to position 0
+        return jnp.zeros(x.shape, jnp.int32)
     out = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side=side))(flat_seq, flat_x)
     return out.reshape(x.shape)
 

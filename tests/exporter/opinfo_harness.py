@@ -17,10 +17,14 @@ Per sample the outcome is one of:
 An op is `passed` when every sample it ran passed, `unsupported` when some
 sample lacked a lowering, `failed` when some sample failed, and `skipped` when
 every sample was skipped. Ops in scope are those with at least one sample that
-was not skipped; the pass rate is passed / in scope.
+was not skipped (so a non-core op we do lower, such as linalg_inv_ex, is in
+scope); the pass rate is passed / in scope.
 
-Samples are static-shape exports (no Dim): the point is op coverage, and
-symbolic shapes have their own tests.
+Ops that write to an input (batch_norm's running stats) are also compared on
+the updated input. Samples are static-shape exports (no Dim): the point is op
+coverage, and symbolic shapes have their own tests. Several samples share one
+program (Runner.batch; run_group shares one across ops): torch.export, the
+decompositions and the XLA compile cost ~1 s per program, whatever its size.
 """
 from __future__ import annotations
 

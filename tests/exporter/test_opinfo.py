@@ -9,6 +9,8 @@ docs/op-coverage.md plus opinfo_status.json, which this file reads:
     their failing samples may come after the first MAX_SAMPLES);
   - every other op must pass, and the pass rate over the ops run must stay
     >= MIN_PASS_RATE.
+Measured: ~2 min for the whole file on 2 cores (524 ops run, 179 skipped);
+the full generator takes ~32 min (all 19k samples).
 Regenerate the status file after adding lowerings:
     .venv/bin/python tests/exporter/gen_op_coverage.py
 """
@@ -32,12 +34,10 @@ MIN_PASS_RATE = 0.90
 # Ops that fail or lack a lowering today, with why. Keep in sync with docs/op-coverage.md.
 KNOWN_FAILURES: dict[str, str] = {
     "as_strided.partial_views": "reads storage outside the input view; an exported input carries only its elements",
-    "grid_sampler_2d": "no lowering yet",
-    "nn.functional.grid_sample": "no lowering yet",
 }
 
 with open(os.path.join(os.path.dirname(__file__), "opinfo_status.json")) as _f:
-    STATUS: dict[str, list[str]] = json.load(_f)
+    STATUS: dict[str, list] = json.load(_f)["ops"]   # name -> [status, reason, passed, samples, skipped]
 
 
 class _Coverage:
@@ -64,12 +64,12 @@ def coverage() -> _Coverage:
 
 
 def _in_scope() -> list[str]:
-    return sorted(n for n, (status, _) in STATUS.items() if status != "skipped")
+    return sorted(n for n, v in STATUS.items() if v[0] != "skipped")
 
 
 @pytest.mark.parametrize("name", sorted(STATUS))
 def test_op(name: str, coverage: _Coverage) -> None:
-    status, reason = STATUS[name]
+    status, reason = STATUS[name][:2]
     if status == "skipped":
         pytest.skip(f"out of scope: {reason}")
     if name not in coverage.ops:
@@ -84,7 +84,7 @@ def test_op(name: str, coverage: _Coverage) -> None:
 
 def test_known_failures_are_listed() -> None:
     """Every op the generator saw fail is in KNOWN_FAILURES, and every entry there still fails."""
-    failing = {n for n, (status, _) in STATUS.items() if status in ("failed", "unsupported")}
+    failing = {n for n, v in STATUS.items() if v[0] in ("failed", "unsupported")}
     assert failing == set(KNOWN_FAILURES), (
         f"not listed: {sorted(failing - set(KNOWN_FAILURES))}; listed but passing or skipped now: "
         f"{sorted(set(KNOWN_FAILURES) - failing)}")
