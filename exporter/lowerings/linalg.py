@@ -230,3 +230,36 @@ def _linalg_check_errors(ctx, info, api_name, *, is_matrix):
     # jax's factorizations report no `info`, so there is nothing to check: a singular or
     # non-positive-definite input gives NaNs/infs instead of torch's error.
     return None
+
+
+# aten::_trilinear(Tensor i1, Tensor i2, Tensor i3, int[] expand1, int[] expand2, int[] expand3, int[] sumdim,
+#                  int unroll_dim=1) -> Tensor   (nn.functional.bilinear)
+@lower(aten._trilinear)
+def _trilinear(ctx, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    # unsqueeze each operand at its expand dims, multiply with broadcasting, sum out `sumdim`
+    i1 = jnp.expand_dims(i1, tuple(expand1)) if expand1 else i1
+    i2 = jnp.expand_dims(i2, tuple(expand2)) if expand2 else i2
+    i3 = jnp.expand_dims(i3, tuple(expand3)) if expand3 else i3
+    return jnp.sum(i1 * i2 * i3, axis=tuple(sumdim))
+
+
+def _empty_like_out(ctx, i, dtype):
+    """Zeros shaped like the node's i-th output (torch returns empty U/V when they are not computed)."""
+    return jnp.zeros(ctx.interpreter.symbols.shape(ctx.out_val[i]), dtype)
+
+
+# aten::_linalg_svd(Tensor A, bool full_matrices=False, bool compute_uv=True, *, str? driver=None)
+#     -> (Tensor U, Tensor S, Tensor Vh)
+@lower(aten._linalg_svd)
+def _svd(ctx, a, full_matrices=False, compute_uv=True, *, driver=None):
+    if not compute_uv:
+        return _empty_like_out(ctx, 0, a.dtype), jnp.linalg.svd(a, compute_uv=False), _empty_like_out(ctx, 2, a.dtype)
+    u, s, vh = jnp.linalg.svd(a, full_matrices=full_matrices)   # LAPACK gesdd, as torch on CPU
+    return u, s, vh
+
+
+# aten::_linalg_eigh(Tensor A, str UPLO="L", bool compute_v=True) -> (Tensor eigenvalues, Tensor eigenvectors)
+@lower(aten._linalg_eigh)
+def _eigh(ctx, a, UPLO="L", compute_v=True):
+    w, v = jnp.linalg.eigh(a, UPLO=UPLO, symmetrize_input=False)
+    return w, (v if compute_v else _empty_like_out(ctx, 1, a.dtype))

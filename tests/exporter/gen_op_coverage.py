@@ -84,6 +84,11 @@ def render(outcomes: list[harness.OpOutcome], *, run: dict) -> str:
         lines += ["## Shape-only comparisons", "", "| op | why |", "|---|---|"]
         lines += [f"| `{n}` | {why} |" for n, why in sorted(harness.SHAPE_ONLY.items())]
         lines.append("")
+    if harness.UP_TO_SIGN:
+        lines += ["## Compared up to sign", "", "Singular vectors and eigenvectors are unique only up to sign: "
+                  "these outputs are compared in absolute value.", "", "| op | outputs |", "|---|---|"]
+        lines += [f"| `{n}` | {', '.join(map(str, idx))} |" for n, idx in sorted(harness.UP_TO_SIGN.items())]
+        lines.append("")
     if harness.SKIP:
         lines += ["## Ops not run", "", "| op | why |", "|---|---|"]
         lines += [f"| `{n}` | {why} |" for n, why in sorted(harness.SKIP.items())]

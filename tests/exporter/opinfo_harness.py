@@ -51,6 +51,7 @@ class Tolerance:
     rtol: float
     reason: str
     shape_only: bool = False
+    up_to_sign: tuple[int, ...] = ()   # outputs compared in absolute value (vectors unique up to sign)
 
 
 # Per-op overrides, keyed by OpInfo full name ("name" or "name.variant").
@@ -70,9 +71,19 @@ SHAPE_ONLY: Mapping[str, str] = {
 }
 
 
+# Ops whose vector outputs are unique only up to sign: those outputs (by index) are compared in
+# absolute value. Sign choices of LAPACK's gesdd/syevd differ between torch's and jax's calls.
+UP_TO_SIGN: Mapping[str, tuple[int, ...]] = {
+    "svd": (0, 2), "linalg.svd": (0, 2),    # U, Vh
+    "linalg.eigh": (1,),                    # eigenvectors
+}
+
+
 def tolerance(name: str) -> Tolerance:
     tol = TOLERANCES.get(name, Tolerance(ATOL, RTOL, "default"))
-    return dataclasses.replace(tol, shape_only=True) if name in SHAPE_ONLY else tol
+    if name in SHAPE_ONLY:
+        tol = dataclasses.replace(tol, shape_only=True)
+    return dataclasses.replace(tol, up_to_sign=UP_TO_SIGN.get(name, ()))
 
 
 class Status(str, enum.Enum):
@@ -245,6 +256,8 @@ def _compare(expected: list[torch.Tensor], got: list, tol: Tolerance) -> SampleO
             return SampleOutcome(Status.FAILED, f"{where} dtype {g.dtype}, torch gives {want.dtype}")
         if tol.shape_only:
             continue
+        if i in tol.up_to_sign:
+            want, g = np.abs(want), np.abs(g)
         if np.issubdtype(want.dtype, np.floating):
             w64, g64 = want.astype(np.float64), g.astype(np.float64)
             bad = ~np.isclose(g64, w64, rtol=tol.rtol, atol=tol.atol, equal_nan=True)
