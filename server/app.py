@@ -204,10 +204,16 @@ def _add_openai_routes(app: FastAPI, svc: LLMService) -> None:
             raise ApiError(400, str(e)) from None
 
     def start(ids: list[int], params: SamplingParams):
+        """Admit (429/503 past the limits) and enqueue; the admission is released if enqueueing fails."""
+        _admit(svc)
         try:
             return svc.engine.add_request(ids, params, request_id=f"cmpl-{uuid.uuid4().hex}")
         except ValueError as e:
+            svc.admission.leave()
             raise ApiError(400, str(e)) from None
+        except BaseException:
+            svc.admission.leave()
+            raise
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -217,12 +223,7 @@ def _add_openai_routes(app: FastAPI, svc: LLMService) -> None:
         else:
             ids = [int(t) for t in req.prompt]
         params = sampling(req, len(ids), req.max_tokens, req.logprobs)
-        _admit(svc)
-        try:
-            stream = start(ids, params)
-        except BaseException:
-            svc.admission.leave()
-            raise
+        stream = start(ids, params)
         return await _respond(request, stream, req, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -235,12 +236,7 @@ def _add_openai_routes(app: FastAPI, svc: LLMService) -> None:
             raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling(req, len(ids), req.max_completion_tokens or req.max_tokens, k)
-        _admit(svc)
-        try:
-            stream = start(ids, params)
-        except BaseException:
-            svc.admission.leave()
-            raise
+        stream = start(ids, params)
         return await _respond(request, stream, req, chat=True)
 
     async def _respond(request: Request, stream, req, *, chat: bool):

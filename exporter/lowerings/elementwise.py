@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 import torch
 
-from ..registry import lower
+from ..registry import lower, row
 from ._util import binary, unary
 
 aten = torch.ops.aten
@@ -83,6 +83,17 @@ def _compute(ctx, *xs):
     return [jnp.asarray(x, dtype=dt) if not hasattr(x, "dtype") else x.astype(dt) for x in xs]
 
 
+def _promoted(*targets, fn):
+    """Table row: a binary op computed in torch's result dtype (operands cast first)."""
+    return row(*targets, fn=lambda ctx, x, y: fn(*_compute(ctx, x, y)), module=_M)
+
+
+_remainder = _promoted(aten.remainder, fn=jnp.remainder)          # Python-style modulo
+_fmod = _promoted(aten.fmod, fn=jnp.fmod)                         # C-style modulo
+_shl = _promoted(aten.bitwise_left_shift, fn=jnp.left_shift)
+_shr = _promoted(aten.bitwise_right_shift, fn=jnp.right_shift)
+
+
 # aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor
 @lower(aten.add)
 def _add(ctx, x, y, *, alpha=1):
@@ -120,20 +131,6 @@ def _div(ctx, x, y, *, rounding_mode=None):
     x, y = _compute(ctx, x, y)
     q = x / y
     return jnp.floor(q) if rounding_mode == "floor" else jnp.trunc(q)
-
-
-# aten::remainder.Tensor(Tensor self, Tensor other) -> Tensor   (Python-style modulo)
-@lower(aten.remainder)
-def _remainder(ctx, x, y):
-    x, y = _compute(ctx, x, y)
-    return jnp.remainder(x, y)
-
-
-# aten::fmod.Tensor(Tensor self, Tensor other) -> Tensor   (C-style modulo)
-@lower(aten.fmod)
-def _fmod(ctx, x, y):
-    x, y = _compute(ctx, x, y)
-    return jnp.fmod(x, y)
 
 
 # aten::pow.Tensor_Tensor(Tensor self, Tensor exponent) -> Tensor
@@ -248,20 +245,6 @@ def _xlogy(ctx, x, y):
 @lower(aten.lerp)
 def _lerp(ctx, x, end, weight):
     return x + weight * (end - x)
-
-
-# aten::bitwise_left_shift.Tensor(Tensor self, Tensor other) -> Tensor
-@lower(aten.bitwise_left_shift)
-def _shl(ctx, x, y):
-    x, y = _compute(ctx, x, y)
-    return jnp.left_shift(x, y)
-
-
-# aten::bitwise_right_shift.Tensor(Tensor self, Tensor other) -> Tensor
-@lower(aten.bitwise_right_shift)
-def _shr(ctx, x, y):
-    x, y = _compute(ctx, x, y)
-    return jnp.right_shift(x, y)
 
 
 # -- special functions and IEEE helpers outside core ATen (torch keeps them whole) ----
