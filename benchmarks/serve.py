@@ -476,15 +476,19 @@ are a few percent. The step functions are. CPU time per call of the exported Smo
 | prefill T=128, S=1, B=8 | 321 |
 | prefill T=128, S=16, B=32 (15 decodes + one chunk in one call) | 3245 |
 
-Decode costs ~30 ms per extra sequence, so batching 16 sequences buys little over one. A jax
-profile of decode S=16, B=8 puts ~60% of the step in the attention's data movement: the context
-gather (72 ms) and two transposes of the gathered K and V into dot layout (104 + 83 ms), against
-~110 ms of matmuls. The same attention written directly in jax (`cache[l][:, blocks]`, then
-einsums) costs 24 ms for all 30 layers at T=16, B=8 (158 ms at B=32), and the MLP stack 36 ms, so
-the exported step is ~2x slower than the straightforward formulation: the decode attention of
-exporter/models/llama.py (advanced indexing with two index arrays, K/V split after the gather) is
-the cost to fix next, then the per-layer copies of dynamically sliced weights (33 ms) and f32
-weights (540 MB read per decode step). The one change made here in the serving path: a step mixing
+Decode costs ~30 ms per extra sequence, so batching 16 sequences buys little over one. Measured
+again back to back at load 3.4: decode S=1 47 ms, S=16 533 ms at B=8 and 526 ms at B=32 (wall = CPU:
+the step runs on one core), while the same work written directly in jax takes, for all 30 layers at
+T=16, 21 ms of attention at B=8 (144 ms at B=32; `cache[l][:, blocks]` then two einsums) and 19 ms of
+MLP. A jax profile of the exported decode at S=16, B=8 attributes most of the step to the context
+gather and the two transposes of the gathered K and V into dot layout (72, 104 and 83 ms) against
+~110 ms of matmuls, yet the step hardly changes between B=8 and B=32, so the per-sequence cost sits
+in how the exported decode graph (exporter/models/llama.py's gather attention, lowered through
+torch.export) is compiled rather than in the amount of context read. That graph is the cost to fix
+next, then the per-layer copies of dynamically sliced weights (33 ms) and f32 weights (540 MB read
+per decode step). At c=1 the server adds ~1 ms per token over the bare decode call (engine in
+process: 30.8 vs 29.8 ms/token); hloserve alone at c=1 and load 3.3 measured TPOT 31 ms (27 output
+tok/s with TTFT), against the issue's 17-20 tok/s for transformers eager f32 on a quiet machine. The one change made here in the serving path: a step mixing
 decodes and prefill chunks runs as two calls (decode rows through `decode`, chunks through
 `prefill`), since the flat prefill attention costs T x S x context: 0.5 s + 0.3 s instead of 3.2 s.
 """
