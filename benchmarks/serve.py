@@ -330,7 +330,7 @@ def main() -> int:
     p.add_argument("--serve-args", default="", help="extra `hloserve serve` flags")
     p.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python")
     p.add_argument("--llamacpp-threads", type=int, default=1,
-                   help="llama.cpp threads (1 was its fastest on the shared 2-core machine: 55 vs 18 tok/s with 2)")
+                   help="llama.cpp threads (1 was its fastest here: 134 vs 89 tok/s with 2 at load 1; 55 vs 18 at load 8)")
     p.add_argument("--skip", default="", help="systems to skip: hloserve,transformers,llama-cpp-python")
     p.add_argument("--write-docs", action="store_true")
     args = p.parse_args()
@@ -450,47 +450,46 @@ NOTES_TEXT = """
 context 2048 (the artifact allows 8192; `--max-model-len` raises it), 1 GiB of KV cache (1456 blocks
 of 16 tokens for SmolLM2, 23k tokens). Buckets: decode S 1, 2, 4, 8, 16; prefill T 32, 128 and S 1, 4,
 16; block-table widths 8, 32, 128 blocks: 33 executables, each compiled and run once before /ready.
-Measured on this machine (load average 5-11): warm-up 74 s with an empty XLA cache, 14-38 s on later
-starts (persistent compilation cache). The first `hloserve serve` with no artifact also exports the
+Measured on this machine: warm-up 74 s with an empty XLA cache (load ~8), 8-38 s on later starts
+(persistent compilation cache; 8 s at load 1). The first `hloserve serve` with no artifact also exports the
 preset into `~/.cache/hloserve/artifacts` (3 min 48 s at load 11); `tests/server/test_serve_default.py`
 (export, warm-up, "Paris", token-exact against transformers greedy) took 4 min 32 s.
 
 ### Where the time goes
 
-The numbers above swing by 1.5x between runs on this shared machine (a rerun of hloserve alone at
-c=16 a few minutes later, load 4.7: 33.3 output tok/s, 31.8 with `--max-num-seqs 8`). llama.cpp runs
-with 1 thread and passive OpenMP waits: in the same conditions 2 threads gave 18 tok/s against 55 for
-1 (spinning threads on an oversubscribed machine); transformers gets passive waits too.
+Load on this shared machine swings from 1 to 12 within minutes, and every number above moves with
+it (an earlier run of this benchmark at load ~5: hloserve 15.9 / 32.8 / 22.2 / 29.3 output tok/s at
+c = 1 / 4 / 16 / 32, llama-cpp-python 30.4 / 26.0 / 19.2 / 16.6, transformers 13.7 / 15.8 / 23.1 /
+23.1). llama.cpp runs with 1 thread and passive OpenMP waits, its fastest setting here (a bare
+generate loop: 134 tok/s with 1 thread, 89 with 2 at load 1; 55 vs 18 at load 8 with spinning
+threads); transformers gets passive waits too.
 
 The serving path is not the bottleneck: py-spy on the server at c=16 shows the engine thread inside
 the step call nearly all the time; scheduling, sampling (argmax on the host), detokenization and SSE
-are a few percent. The step functions are. CPU time per call of the exported SmolLM2 step
-(in-process, load ~11, context 100 tokens):
+are a few percent, and in process the engine adds ~1 ms per token over the bare decode call (30.8
+vs 29.8 ms/token at c=1). The step functions are, and their cost is set by the padded shape. Wall /
+CPU ms per call of the exported SmolLM2 step at load 1.1 (in process, buckets as served):
 
-| call | CPU ms |
+| call | wall / CPU ms |
 |---|---|
-| decode S=1, B=8 | 36-43 |
-| decode S=4, B=8 | 140 |
-| decode S=8, B=8 | 241 |
-| decode S=16, B=8 / B=32 | 493 / 508 |
-| prefill T=128, S=1, B=8 | 321 |
-| prefill T=128, S=16, B=32 (15 decodes + one chunk in one call) | 3245 |
+| decode S=1, B=8 | 14 / 26 |
+| decode S=4, B=8 | 39 / 71 |
+| decode S=16, B=8 | 41 / 78 |
+| decode S=16, B=32 | 86 / 156 |
+| decode S=16, B=128 | 269 / 493 |
+| prefill T=128, S=1, B=8 | 89 / 167 |
+| prefill T=128, S=16, B=32 (15 decodes + one chunk in one call) | 511 / 958 |
 
-Decode costs ~30 ms per extra sequence, so batching 16 sequences buys little over one. Measured
-again back to back at load 3.4: decode S=1 47 ms, S=16 533 ms at B=8 and 526 ms at B=32 (wall = CPU:
-the step runs on one core), while the same work written directly in jax takes, for all 30 layers at
-T=16, 21 ms of attention at B=8 (144 ms at B=32; `cache[l][:, blocks]` then two einsums) and 19 ms of
-MLP. A jax profile of the exported decode at S=16, B=8 attributes most of the step to the context
-gather and the two transposes of the gathered K and V into dot layout (72, 104 and 83 ms) against
-~110 ms of matmuls, yet the step hardly changes between B=8 and B=32, so the per-sequence cost sits
-in how the exported decode graph (exporter/models/llama.py's gather attention, lowered through
-torch.export) is compiled rather than in the amount of context read. That graph is the cost to fix
-next, then the per-layer copies of dynamically sliced weights (33 ms) and f32 weights (540 MB read
-per decode step). At c=1 the server adds ~1 ms per token over the bare decode call (engine in
-process: 30.8 vs 29.8 ms/token); hloserve alone at c=1 and load 3.3 measured TPOT 31 ms (27 output
-tok/s with TTFT), against the issue's 17-20 tok/s for transformers eager f32 on a quiet machine. The one change made here in the serving path: a step mixing
-decodes and prefill chunks runs as two calls (decode rows through `decode`, chunks through
-`prefill`), since the flat prefill attention costs T x S x context: 0.5 s + 0.3 s instead of 3.2 s.
+B, the block-table width (context capacity, padded to its bucket), dominates batched decode: the
+gather attention reads B x 16 positions per token whatever the real context, so 16 sequences cost
+2x more at B=32 than at B=8 and 6.5x more at B=128 (the whole batch pays for its longest sequence).
+A jax profile of decode S=16 at B=64 puts the context gather and the two transposes of the gathered
+K and V into dot layout (72, 104 and 83 ms) above the matmuls (~110 ms). Next steps: block-table
+buckets 2x apart instead of 4x (a context just past a bucket pays up to 4x now; 22 more shapes to
+warm up), and an attention that reads only the blocks in use. The one change made here in the
+serving path: a step mixing decodes and prefill chunks runs as two calls (decode rows through
+`decode`, chunks through `prefill`), since the flat prefill attention costs T x S x context: about
+86 + 90 ms instead of 511 ms for 15 decodes and one 128-token chunk.
 """
 
 if __name__ == "__main__":
