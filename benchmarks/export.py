@@ -8,7 +8,7 @@
   op count, and XLA (CPU) compile time of the exported module.
 * minilm, llama-1b: `export_artifact` of all-MiniLM-L6-v2 (f32) and of a
   random-init ~1B-parameter Llama built directly in bf16. Each runs in its own
-  subprocess so its peak RSS (getrusage ru_maxrss) is its own; weights must
+  subprocess so its peak RSS (VmHWM) is its own; weights must
   stream to disk, so peak RSS should stay at most 1.5x the weight bytes (for
   MiniLM the interpreter's own ~1 GB dominates, so the increment over the
   RSS before the model was built is reported as well).
@@ -44,7 +44,8 @@ def _rss_now() -> int:
 
 
 def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    # VmHWM is this address space's peak; ru_maxrss survives exec and would include the forking parent
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
 
 
 def _log(msg: str) -> None:

@@ -1,7 +1,7 @@
 """Weights stream to disk: exporting holds no second copy of the model.
 
 A ~300 MB bf16 MLP is built and exported in a fresh subprocess; its peak RSS
-(ru_maxrss) may exceed the RSS after building the model by at most half the
+(VmHWM) may exceed the RSS after building the model by at most half the
 weight bytes (capture and lowering need ~100 MB of their own; one extra copy of
 the weights would need 300 MB). benchmarks/export.py measures the same for a
 1B-parameter Llama.
@@ -29,7 +29,7 @@ rss_model = psutil.Process().memory_info().rss
 with tempfile.TemporaryDirectory() as out:
     export_artifact(out, [EntryPoint("forward", model, (torch.randn(2, dim, dtype=torch.bfloat16),))], source="t")
     file_bytes = os.path.getsize(os.path.join(out, "weights.safetensors"))
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024  # VmHWM: this address space only (ru_maxrss survives exec, so it would include the forking parent)
 print(json.dumps(dict(weight_bytes=weight_bytes, file_bytes=file_bytes, rss_model=rss_model, peak=peak)))
 """
 

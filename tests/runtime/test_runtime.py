@@ -237,7 +237,7 @@ for i in range(100):
     slots = rng.integers(0, 1 << 28, 64).astype(np.int32)
     state = fn(state=state, slots=slots, values=np.full(64, i, np.float32))["updated:state"]
     state.block_until_ready()   # one update at a time: measure donation, not the async dispatch queue
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024  # VmHWM: this address space only (ru_maxrss survives exec, so it would include the forking parent)
 print(base, peak, int(state.unsafe_buffer_pointer() == ptr), fn.stats.calls)
 """
     base, peak, same, calls = map(int, run_python(code).split())
