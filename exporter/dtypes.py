@@ -64,9 +64,5 @@ def jax_of_torch(dtype) -> np.dtype:
     return NUMPY[artifact_name_of_torch(dtype)]
 
 
-def numpy_of_name(name: str) -> np.dtype:
-    return NUMPY[name]
-
-
 def name_of_numpy(dtype) -> str:
     return NAME_OF_NUMPY[np.dtype(dtype)]

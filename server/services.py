@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -72,6 +72,15 @@ class Readiness:
     def wait(self, timeout: float | None = None) -> bool:
         return self._event.wait(timeout)
 
+    def run(self, warmup: Callable[[], None]) -> None:
+        """Run a service's warm-up, record why it failed (if it did), then report done."""
+        try:
+            warmup()
+        except Exception as e:  # noqa: BLE001 - reported on /ready and in the log
+            self.error = f"warm-up failed: {type(e).__name__}: {e}"
+            log.exception("warm-up failed")
+        self.set()
+
 
 class Admission:
     """Counts requests in flight; refuses past `limit` (the server answers 429)."""
@@ -119,15 +128,13 @@ class LLMService:
             if report is not None:
                 report(msg)
 
-        try:
+        def warm() -> None:
             t0 = time.perf_counter()
             n = self.engine.warmup(progress)
             log.info("warm-up compiled %d executables in %.1f s; ready", n, time.perf_counter() - t0)
             self.engine.start()
-        except Exception as e:  # noqa: BLE001 - reported on /ready and in the log
-            self.readiness.error = f"warm-up failed: {type(e).__name__}: {e}"
-            log.exception("warm-up failed")
-        self.readiness.set()
+
+        self.readiness.run(warm)
 
     def close(self) -> None:
         self.engine.stop()
@@ -244,15 +251,13 @@ class PredictService:
         A dim that is not paddable (e.g. a sequence length without a mask) compiles
         per exact size on first use instead: its sizes are the clients' to choose.
         """
-        try:
+        def warm() -> None:
             fixed = {d for fn in self.model.functions.values() for t in fn.spec.inputs for d in t.shape
                      if isinstance(d, str) and d.isidentifier() and d not in fn.spec.paddable}
             if not fixed:
                 self.model.warmup(progress=lambda m: setattr(self.readiness, "progress", m))
-        except Exception as e:  # noqa: BLE001 - reported on /ready and in the log
-            self.readiness.error = f"warm-up failed: {type(e).__name__}: {e}"
-            log.exception("warm-up failed")
-        self.readiness.set()
+
+        self.readiness.run(warm)
 
     def close(self) -> None:
         self.batcher.close()

@@ -111,14 +111,7 @@ def instances_to_arrays(instances: Any, specs: Sequence[artifact.TensorSpec]) ->
     names = [t.name for t in specs]
     rows: dict[str, list[np.ndarray]] = {n: [] for n in names}
     for i, inst in enumerate(instances):
-        if isinstance(inst, Mapping):
-            named = dict(inst)
-        elif len(specs) == 1:
-            named = {names[0]: inst}
-        else:
-            raise PredictRequestError(f"instance {i} must be an object with the inputs {names} "
-                                      f"(the signature has {len(names)} inputs)")
-        _check_names(named, names, f"instance {i}")
+        named = _named(inst, names, f"instance {i}")
         for t in specs:
             arr = _to_array(named[t.name], t, f"instance {i} input {t.name!r}")
             want = len(t.shape) - 1
@@ -137,14 +130,7 @@ def instances_to_arrays(instances: Any, specs: Sequence[artifact.TensorSpec]) ->
 def columnar_to_arrays(inputs: Any, specs: Sequence[artifact.TensorSpec]) -> dict[str, np.ndarray]:
     """Columnar form: {input name: tensor} (or a bare tensor for one input) -> arrays."""
     names = [t.name for t in specs]
-    if isinstance(inputs, Mapping):
-        named = dict(inputs)
-    elif len(specs) == 1:
-        named = {names[0]: inputs}
-    else:
-        raise PredictRequestError(f"'inputs' must be an object with the inputs {names} "
-                                  f"(the signature has {len(names)} inputs)")
-    _check_names(named, names, "'inputs'")
+    named = _named(inputs, names, "'inputs'")
     out = {}
     for t in specs:
         arr = _to_array(named[t.name], t, f"input {t.name!r}")
@@ -153,6 +139,19 @@ def columnar_to_arrays(inputs: Any, specs: Sequence[artifact.TensorSpec]) -> dic
                                       f"expected {t.describe()}")
         out[t.name] = arr
     return out
+
+
+def _named(value: Any, names: Sequence[str], where: str) -> dict[str, Any]:
+    """{input name: value} from an object, or from a bare value when the signature has one input."""
+    if isinstance(value, Mapping):
+        named = dict(value)
+    elif len(names) == 1:
+        named = {names[0]: value}
+    else:
+        raise PredictRequestError(f"{where} must be an object with the inputs {list(names)} "
+                                  f"(the signature has {len(names)} inputs)")
+    _check_names(named, names, where)
+    return named
 
 
 def _check_names(named: Mapping[str, Any], names: Sequence[str], where: str) -> None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import jax.numpy as jnp
 
 from ..registry import row
 
@@ -34,6 +33,3 @@ def binary(*targets: Any, fn: Callable, module: str) -> Callable:
     """Table row for an elementwise binary op (Tensor/Scalar overloads alike)."""
     return row(*targets, fn=lambda ctx, x, y, *a, **k: fn(x, y), module=module)
 
-
-def as_array(x: Any):
-    return x if hasattr(x, "dtype") else jnp.asarray(x)

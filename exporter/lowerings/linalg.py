@@ -20,6 +20,15 @@ def _matmul(a, b, out_dtype):
     return jnp.matmul(a, b, precision=_HIGHEST, preferred_element_type=acc).astype(out_dtype)
 
 
+def _scale_add(prod, bias, alpha, beta, out_dtype):
+    """alpha * prod + beta * bias, as torch's add*mm family (beta=0 ignores bias, even NaN)."""
+    if alpha != 1:
+        prod = prod * alpha
+    if beta == 0:
+        return prod
+    return prod + (bias * beta if beta != 1 else bias).astype(out_dtype)
+
+
 # aten::mm(Tensor self, Tensor mat2) -> Tensor
 @lower(aten.mm, aten.bmm, aten.matmul)
 def _mm(ctx, a, b):
@@ -30,11 +39,7 @@ def _mm(ctx, a, b):
 @lower(aten.addmm, aten.baddbmm)
 def _addmm(ctx, bias, a, b, *, beta=1, alpha=1):
     prod = _matmul(a, b, ctx.out_dtype)
-    if alpha != 1:
-        prod = prod * alpha
-    if beta == 0:
-        return prod
-    return prod + (bias * beta if beta != 1 else bias).astype(ctx.out_dtype)
+    return _scale_add(prod, bias, alpha, beta, ctx.out_dtype)
 
 
 # aten::addmv(Tensor self, Tensor mat, Tensor vec, *, Scalar beta=1, Scalar alpha=1) -> Tensor
@@ -204,11 +209,7 @@ def _matrix_exp(ctx, a):
 @lower(aten.addbmm)
 def _addbmm(ctx, bias, b1, b2, *, beta=1, alpha=1):
     prod = jnp.sum(_matmul(b1, b2, ctx.out_dtype), axis=0)
-    if alpha != 1:
-        prod = prod * alpha
-    if beta == 0:
-        return prod
-    return prod + (bias * beta if beta != 1 else bias).astype(ctx.out_dtype)
+    return _scale_add(prod, bias, alpha, beta, ctx.out_dtype)
 
 
 # aten::dist(Tensor self, Tensor other, Scalar p=2) -> Tensor
