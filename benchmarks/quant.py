@@ -3,13 +3,14 @@ MiniLM int8 embedding similarity, and the in-graph dequantization formulations o
 
     python benchmarks/quant.py [--out DIR] [--variants f32,int8,int4-g32,int4-g128,gguf]
                                [--skip-ppl] [--skip-speed] [--skip-minilm] [--skip-micro]
-                               [--window 256] [--max-tokens N] [--steps 64]
+                               [--window 256] [--max-tokens N] [--steps 300] [--rounds 20]
 
 All measured in one run, on jax's default backend (CPU here):
   * variants of the `smollm2-135m-instruct` preset (the Q4_1 GGUF): f32 = the GGUF dequantized
-    (the float reference), int8 / int4-g32 / int4-g32-asym / int4-g128 = requantized from that
-    f32 (g128 falls back to g64 where the input dim is 576), gguf = the file's own Q4_1 (layers)
-    and Q8_0 (tied embedding) blocks imported as int4-g32-asym / int8-g32;
+    (the float reference), int8 / int4-g32 (asymmetric, the default) / int4-g32-sym (scales
+    searched for least squared error) / int4-g32-sym-minmax (llama.cpp's Q4_0 rule) / int4-g128
+    = requantized from that f32 (g128 falls back to g64 where the input dim is 576), gguf = the
+    file's own Q4_1 (layers) and Q8_0 (tied embedding) blocks imported as int4 g32 asym / int8 g32;
   * artifact bytes (weights.safetensors + functions/), and the ratio to f32;
   * perplexity on tests/data/web_genesis.txt (World English Bible, Genesis 1-19, public domain)
     through the exported `decode` function via hloserve.runtime: each window of W tokens is one
@@ -18,8 +19,9 @@ All measured in one run, on jax's default backend (CPU here):
     LM scoring, logits of every position in one call). Windows do not overlap and each starts
     with an empty context;
   * batch-1 decode tokens/s: one token per step at context 120 .. 120+steps (runtime, cache
-    donated), median step latency; the variants run interleaved (rounds of a few steps each)
-    so load from other processes on a shared machine falls on all of them alike;
+    donated), median and 10th/90th percentile step latency; the variants run interleaved
+    (--rounds rounds of steps/rounds steps each) so load from other processes on a shared
+    machine falls on all of them alike;
   * MiniLM (all-MiniLM-L6-v2): cosine similarity of mean-pooled sentence embeddings, int8 vs f32;
   * micro: a 30-layer SmolLM2-shaped stack of 4 GEMVs under lax.scan at batch 1 in several
     dequantization formulations (f32, dequantize-then-dot, scale after the dot, unrolled int8,
@@ -38,8 +40,8 @@ import time
 
 import numpy as np
 
-VARIANTS = {"f32": None, "int8": "int8", "int4-g32": "int4:32", "int4-g32-asym": "int4:32:asym",
-            "int4-g128": "int4:128", "gguf": "gguf"}
+VARIANTS = {"f32": None, "int8": "int8", "int4-g32": "int4:32", "int4-g32-sym": "int4:32:sym",
+            "int4-g32-sym-minmax": "int4:32:sym:minmax", "int4-g128": "int4:128", "gguf": "gguf"}
 TEXT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "web_genesis.txt")
 BLOCK = 16
 
@@ -139,7 +141,7 @@ class _Decoder:
         return dt
 
 
-def decode_speed(paths: dict[str, str], steps: int, context: int = 120, rounds: int = 6) -> dict[str, dict]:
+def decode_speed(paths: dict[str, str], steps: int, context: int = 120, rounds: int = 20) -> dict[str, dict]:
     """Batch-1 decode latency per variant, interleaved: `rounds` rounds, each running steps/rounds
     steps of every variant in turn, so a busy moment of a shared machine hits all variants alike."""
     decoders = {v: _Decoder(p, context, steps + 2) for v, p in paths.items()}
@@ -147,14 +149,17 @@ def decode_speed(paths: dict[str, str], steps: int, context: int = 120, rounds: 
         d.step(), d.step()
     times: dict[str, list[float]] = {v: [] for v in decoders}
     per = max(1, steps // rounds)
-    for _ in range(rounds):
+    for i in range(rounds):
         for v, d in decoders.items():
             times[v] += [d.step() for _ in range(per)]
+        print(f"[quant] decode round {i + 1}/{rounds}: " + ", ".join(
+            f"{v} {statistics.median(ts[-per:]) * 1e3:.1f} ms" for v, ts in times.items()), file=sys.stderr, flush=True)
     out = {}
     for v, ts in times.items():
         med = statistics.median(ts)
-        out[v] = {"decode_ms": med * 1e3, "decode_min_ms": min(ts) * 1e3, "tokens_per_s": 1 / med,
-                  "decode_steps": len(ts)}
+        p10, p90 = np.percentile(ts, [10, 90])
+        out[v] = {"decode_ms": med * 1e3, "decode_min_ms": min(ts) * 1e3, "decode_p10_ms": p10 * 1e3,
+                  "decode_p90_ms": p90 * 1e3, "tokens_per_s": 1 / med, "decode_steps": len(ts)}
     return out
 
 
@@ -300,7 +305,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=96)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--skip-ppl", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-minilm", action="store_true")
@@ -326,7 +332,8 @@ def main(argv=None) -> int:
             r.update(perplexity(path, args.window, args.max_tokens))
             print(f"[quant] {v}: ppl {r['ppl']:.4f}", file=sys.stderr, flush=True)
     if not args.skip_speed:
-        speeds = decode_speed({v: os.path.join(args.out, f"smollm2-{v}") for v in results["variants"]}, args.steps)
+        speeds = decode_speed({v: os.path.join(args.out, f"smollm2-{v}") for v in results["variants"]}, args.steps,
+                              rounds=args.rounds)
         for v, r in speeds.items():
             results["variants"][v].update(r)
             print(f"[quant] {v}: decode {r['decode_ms']:.2f} ms", file=sys.stderr, flush=True)
@@ -341,12 +348,14 @@ def main(argv=None) -> int:
     if not args.skip_micro:
         results["micro"] = micro()
     print(json.dumps(results, indent=2))
-    print("\n| variant | MiB | vs f32 | perplexity | vs f32 | decode ms (b=1) | tokens/s | vs f32 |")
+    print("\n| variant | MiB | vs f32 | perplexity | vs f32 | decode ms (b=1) p50 [p10, p90] | tokens/s | vs f32 |")
     print("|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
     for v, r in results["variants"].items():
-        print(f"| {v} | {r['bytes'] / 2**20:.1f} | {r.get('size_vs_f32', float('nan')):.3f} | "
-              f"{r.get('ppl', float('nan')):.3f} | {r.get('ppl_vs_f32', float('nan')):.4f} | "
-              f"{r.get('decode_ms', float('nan')):.2f} | {r.get('tokens_per_s', float('nan')):.1f} | "
+        print(f"| {v} | {r['bytes'] / 2**20:.1f} | {r.get('size_vs_f32', nan):.3f} | "
+              f"{r.get('ppl', nan):.3f} | {r.get('ppl_vs_f32', nan):.4f} | "
+              f"{r.get('decode_ms', nan):.2f} [{r.get('decode_p10_ms', nan):.1f}, {r.get('decode_p90_ms', nan):.1f}] | "
+              f"{r.get('tokens_per_s', nan):.1f} | "
               f"{r.get('speed_vs_f32', float('nan')):.2f}x |")
     return 0
 

@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--pad", help="symbolic dims the runtime may pad to buckets, comma-separated ('none' for none)")
     e.add_argument("--platforms", default="cpu", help="comma-separated lowering platforms (cpu,cuda,tpu)")
     e.add_argument("--quantize", metavar="SPEC",
-                   help="weight-only quantization: int8 (per channel), int8:GROUP, int4[:GROUP[:asym]] "
+                   help="weight-only quantization: int8 (per channel), int8:GROUP, int4[:GROUP[:asym|sym]] "
                         "(default group 32), or gguf (keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks); "
                         "see docs/quantization.md")
     e.add_argument("--quantize-skip", metavar="PATTERNS",

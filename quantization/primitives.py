@@ -7,6 +7,11 @@ tests are checked against. Quantization rules:
   * int4 symmetric:   llama.cpp's Q4_0 rule: m = the signed value of largest magnitude,
                       scale = m / -8, q = clip(round(w / scale), -8, 7) (16 levels, m -> -8)
   * asymmetric:       scale = (max - min) / (2^bits - 1), q = clip(round((w - min) / scale), 0, 2^bits - 1)
+  * int4 symmetric, rounding "mse": for each candidate divisor d in 6, 6.25, ..., 9 (8 is the
+                      rule above), q_d = clip(round(w / (m / -d)), -8, 7) and the least-squares
+                      scale s_d = sum(w q_d) / sum(q_d^2), rounded to its storage dtype; the group
+                      keeps the (q_d, s_d) of least sum((w - s_d q_d)^2). It trades clipping the
+                      extreme for finer steps in the bulk of the group.
 
 per group of `group` input elements (or per output row). Scales (and mins) are rounded to
 their storage dtype FIRST and q is computed against the rounded values, so what is stored is
@@ -111,6 +116,8 @@ def quantize(w: np.ndarray, scheme: WeightScheme, *, where: str = "weight") -> Q
             s32, m32 = scale.astype(np.float32)[..., None], mn.astype(np.float32)[..., None]
             q = np.where(s32 != 0, np.round((wg - m32) / s32), 0.0)
             lo, hi = 0, levels
+    if scheme.rounding == "mse":
+        q, scale = _search_sym_int4(wg, np.clip(q, lo, hi), scale)       # [..., out, G, g], [..., out, G]
     q = np.clip(q, lo, hi).reshape(w.shape).astype(np.int8)             # [..., out, in]
     qweight = pack_int4(q) if scheme.bits == 4 else q
     if scheme.group is None:
@@ -118,6 +125,32 @@ def quantize(w: np.ndarray, scheme: WeightScheme, *, where: str = "weight") -> Q
         mn = None if mn is None else mn[..., 0]
     return QuantizedArray(qweight, np.ascontiguousarray(scale), None if mn is None else np.ascontiguousarray(mn),
                           scheme, tuple(w.shape))
+
+
+MSE_DIVISORS = np.arange(6.0, 9.001, 0.25, dtype=np.float32)
+
+
+def _search_sym_int4(wg: np.ndarray, q0: np.ndarray, s0: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rounding "mse" of int4 symmetric: per group of wg [..., G, g], the (q, scale) of least
+    squared error among the minmax pair (q0, s0) and MSE_DIVISORS (see the module docstring);
+    returns q float [..., G, g] and scale [..., G] in s0's dtype."""
+    sdt = s0.dtype
+    idx = np.abs(wg).argmax(-1)[..., None]
+    m = np.take_along_axis(wg, idx, -1)                                  # [..., G, 1] signed extreme
+    best_q, best_s = q0.astype(np.float32), s0
+    best_err = np.square(wg - s0.astype(np.float32)[..., None] * best_q).sum(-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for d in MSE_DIVISORS:
+            s0 = m / -d
+            q = np.clip(np.where(s0 != 0, np.round(wg / s0), 0.0), -8, 7)
+            qq = (q * q).sum(-1)                                         # [..., G]
+            s = np.where(qq > 0, (wg * q).sum(-1) / qq, 0.0).astype(sdt)
+            err = np.square(wg - s.astype(np.float32)[..., None] * q).sum(-1)
+            better = err < best_err
+            best_err = np.where(better, err, best_err)
+            best_s = np.where(better, s, best_s)
+            best_q = np.where(better[..., None], q, best_q)
+    return best_q, best_s
 
 
 def int_values(qa: QuantizedArray) -> np.ndarray:

@@ -41,7 +41,7 @@ class TinyLM(torch.nn.Module):
         return self.head(h)                                              # [B, S, 100]
 
 
-@pytest.mark.parametrize("spec", ["int8", "int8:32", "int4:32", "int4:64:asym"])
+@pytest.mark.parametrize("spec", ["int8", "int8:32", "int4:32:sym", "int4:64"])
 def test_module_swap_exports_and_matches_eager(spec, tmp_path):
     model = TinyLM().eval()
     ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(1))
@@ -68,7 +68,7 @@ def test_module_swap_exports_and_matches_eager(spec, tmp_path):
     assert w["up.weight"].quant["role"] == "qweight" and w["up.weight"].quant["shape"] == [128, 64]
     assert w["up.weight_scale"].quant == {**w["up.weight"].quant, "role": "scale"}
     assert w["up.bias"].quant is None and w["up.bias"].dtype == "f32"
-    assert ("up.weight_min" in w) == spec.endswith("asym")
+    assert ("up.weight_min" in w) == (bits == 4 and not spec.endswith("sym"))
     assert "head.weight" not in w or "embed.weight" not in w         # stored once
     # the StableHLO takes the stored integers as arguments: i8 (int8) or ui8 (packed int4)
     mlir = open(tmp_path / "functions" / "forward.mlir").read()
@@ -177,8 +177,9 @@ def test_cli_quantize(hf_llama, tmp_path):
                  "--function", "decode", "-q"]) == 0
     with open(os.path.join(out, "manifest.json")) as f:
         man = json.load(f)
-    assert man["model"]["quantization"] == {"spec": "int4:32", "scheme": "int4", "group": 32, "symmetric": True,
-                                            "scale_dtype": "f16", "skip": ["lm_head"], "native": False}
+    assert man["model"]["quantization"] == {"spec": "int4:32", "scheme": "int4", "group": 32, "symmetric": False,
+                                            "scale_dtype": "f16", "rounding": "minmax", "skip": ["lm_head"],
+                                            "native": False}
     assert man["weights"]["model.lm_head"]["dtype"] == "f32" and "quant" not in man["weights"]["model.lm_head"]
     assert man["weights"]["model.layers.down_proj"]["quant"]["group"] == 32
     assert main(["export", path, "-o", str(tmp_path / "x"), "--quantize", "int5", "-q"]) == 1

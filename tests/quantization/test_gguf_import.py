@@ -116,7 +116,7 @@ def test_llama_from_gguf_keeps_the_files_blocks(ckpt):
     want = np.concatenate([ckpt.tensors[f"model.layers.{i}.self_attn.{p}_proj.weight"].dequantize() for p in "qkv"])
     np.testing.assert_array_equal(_bits(got.numpy()), _bits(want))
     entry = record("model.layers.gate_up_proj_min", w.layers["gate_up_proj_min"])
-    assert entry == {"scheme": "int4", "group": 32, "symmetric": False, "scale_dtype": "f16", "role": "min",
+    assert entry == {"scheme": "int4", "group": 32, "symmetric": False, "scale_dtype": "f16", "rounding": "minmax", "role": "min",
                      "of": "model.layers.gate_up_proj", "shape": [L, 2 * cfg.intermediate_size, cfg.hidden_size]}
 
 
