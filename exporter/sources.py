@@ -64,7 +64,7 @@ def _load_source(spec: str, dtype: str, quant) -> Source:
     if quant is not None and quant.native and not spec.endswith(".gguf") and \
             not (spec in presets.PRESETS and presets.resolve(spec).endswith(".gguf")):
         raise SourceError(f"--quantize gguf keeps a GGUF file's blocks, but {spec} is not a .gguf; "
-                          f"use --quantize int8 or int4[:GROUP[:asym]]")
+                          f"use --quantize int8 or int4[:GROUP[:sym]]")
     if spec in presets.PRESETS:
         path = presets.resolve(spec)
         src = _load_path(path, tdtype, quant)

@@ -67,7 +67,7 @@ class WeightScheme:
         if self.bits == 4 and self.group is None:
             raise QuantizationError("int4 needs a group size (per-channel int4 collapses small LLMs); e.g. int4:32")
         if self.bits == 8 and not self.symmetric:
-            raise QuantizationError("asymmetric int8 is not supported (q would not fit int8); use int8 or int4:GROUP:asym")
+            raise QuantizationError("asymmetric int8 is not supported (q would not fit int8); use int8 or int4:GROUP (asymmetric)")
         if self.scale_dtype not in SCALE_DTYPES:
             raise QuantizationError(f"scale_dtype {self.scale_dtype!r}: use one of {SCALE_DTYPES}")
         if self.rounding not in ROUNDINGS:
