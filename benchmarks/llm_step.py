@@ -103,7 +103,7 @@ class OurDecode:
         self.fn = model.functions[fn]
         blocks_per_seq = -(-(DECODE_CONTEXT + 1) // BLOCK)
         num_blocks = batch * blocks_per_seq + 1
-        self.cache = jnp.zeros((cfg.num_layers, 2, num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+        self.cache = jnp.zeros((cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, BLOCK, cfg.head_dim), jnp.float32)
         tables = [list(range(1 + s * blocks_per_seq, 1 + (s + 1) * blocks_per_seq)) for s in range(batch)]
         self.inputs = build_step_inputs([([5 + s], DECODE_CONTEXT, tables[s]) for s in range(batch)], BLOCK)
 
@@ -167,7 +167,7 @@ def compare_layouts(weights: LlamaWeights, out: str) -> None:
         inputs = build_step_inputs(chunks, BLOCK)
         row = []
         for att in layouts:
-            state = {"cache": jnp.zeros((cfg.num_layers, 2, 64 * 32 + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim),
+            state = {"cache": jnp.zeros((cfg.num_layers, 2, cfg.num_kv_heads, 64 * 32 + 1, BLOCK, cfg.head_dim),
                                         jnp.float32)}
 
             def call():
@@ -227,7 +227,7 @@ def _run(args, cfg: LlamaConfig, weights: LlamaWeights, hf, tmp: str) -> int:
     prompt = torch.randint(3, cfg.vocab_size, (PREFILL_LEN,), generator=g).tolist()
     blocks = PREFILL_LEN // BLOCK
     inputs = build_step_inputs([(prompt, 0, list(range(1, blocks + 1)))], BLOCK)
-    state = {"cache": jnp.zeros((cfg.num_layers, 2, blocks + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim), jnp.float32)}
+    state = {"cache": jnp.zeros((cfg.num_layers, 2, cfg.num_kv_heads, blocks + 1, BLOCK, cfg.head_dim), jnp.float32)}
 
     def ours_prefill():
         out = model.functions["prefill"](**inputs, kv_cache=state["cache"])

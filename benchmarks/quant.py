@@ -40,6 +40,8 @@ import time
 
 import numpy as np
 
+from hloserve.server.model_runner import kv_cache_shape
+
 VARIANTS = {"f32": None, "int8": "int8", "int4-g32": "int4:32", "int4-g32-sym": "int4:32:sym",
             "int4-g32-sym-minmax": "int4:32:sym:minmax", "int4-g128": "int4:128", "gguf": "gguf"}
 TEXT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "web_genesis.txt")
@@ -102,7 +104,7 @@ def perplexity(path: str, window: int, max_tokens: int | None) -> dict:
     t = time.perf_counter()
     for start in range(0, len(ids) - window + 1, window):
         w = ids[start:start + window]
-        cache = jnp.zeros((llm["num_layers"], 2, nb + 1, BLOCK, llm["num_kv_heads"], llm["head_dim"]), jnp.float32)
+        cache = jnp.zeros(kv_cache_shape(llm, nb + 1), jnp.float32)
         logits = np.asarray(decode(**window_inputs(w), kv_cache=cache)["logits"], np.float64)   # [W, V]
         logp = logits - logits.max(-1, keepdims=True)
         logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
@@ -123,8 +125,7 @@ class _Decoder:
         m = load(path, buckets={"num_tokens": [1], "num_seqs": [1], "max_blocks": [self.nb]})
         llm = m.manifest.model["llm"]
         self.decode = m.functions["decode"]
-        self.cache = jnp.zeros((llm["num_layers"], 2, self.nb + 1, BLOCK, llm["num_kv_heads"], llm["head_dim"]),
-                               jnp.float32)
+        self.cache = jnp.zeros(kv_cache_shape(llm, self.nb + 1), jnp.float32)
         self.pos, self.tok = context, 1
 
     def step(self) -> float:

@@ -6,7 +6,7 @@ ModelRunner drives an LLM artifact's step functions (docs/architecture.md,
     tokens, positions, seq_ids, slot_mapping   int32[T]
     block_tables                               int32[S, B]  (padded with the null block 0)
     context_lens, last_token                   int32[S]
-    kv_cache                                   [L, 2, N, block_size, kv_heads, head_dim]  (donated)
+    kv_cache                                   [L, 2, kv_heads, N, block_size, head_dim]  (donated)
     -> logits f32[S, vocab], kv_cache
 
 T, S and B are padded up to buckets chosen once (RunnerConfig) and compiled
@@ -36,6 +36,12 @@ import numpy as np
 from .block_manager import NULL_BLOCK
 from .sampling import sample
 from .scheduler import RunnerOutput, SchedulerPlan
+
+
+def kv_cache_shape(llm: Mapping[str, Any], num_blocks: int) -> tuple[int, ...]:
+    """The KV cache's shape for `num_blocks` blocks, from the manifest's model["llm"]["kv_cache"]["shape"]
+    (ints, and the string "num_blocks" where the block count goes)."""
+    return tuple(int(num_blocks) if d == "num_blocks" else int(d) for d in llm["kv_cache"]["shape"])
 
 
 def _pow2_upto(lo: int, hi: int, growth: int = 2) -> tuple[int, ...]:
@@ -199,20 +205,18 @@ class ModelRunner:
             raise ValueError(f"block bucket {max(cfg.block_buckets)} exceeds the artifact's max_blocks "
                              f"{self.max_blocks}; lower max_model_len")
         kv = llm["kv_cache"]
-        shape = [int(d) if not isinstance(d, str) else None for d in kv["shape"]]   # [L, 2, N, bs, kvh, hd]
         from hloserve.exporter import artifact
         dtype = artifact.numpy_dtype(kv["dtype"])
-        per_block = int(np.prod([d for d in shape if d is not None])) * np.dtype(dtype).itemsize
+        per_block = int(np.prod(kv_cache_shape(llm, 1))) * np.dtype(dtype).itemsize
         n = cfg.num_blocks or max(2, cfg.kv_cache_bytes // per_block)
         sym = model.manifest.symbols.get("num_blocks")
         if sym is not None and sym.max is not None:
             n = min(n, sym.max)
         self.num_blocks = int(n)
-        shape[2] = self.num_blocks
         import jax.numpy as jnp   # the runner is the one server module that touches the device
         self._kv_name = kv.get("input", "kv_cache")
         self._kv_out = kv.get("output", "kv_cache")
-        self.kv_cache = jnp.zeros(shape, dtype)                     # [L, 2, N, bs, kvh, hd]
+        self.kv_cache = jnp.zeros(kv_cache_shape(llm, self.num_blocks), dtype)   # [L, 2, kvh, N, bs, hd]
         self.kv_cache_bytes = per_block * self.num_blocks
         self.steps = 0
         self.step_seconds = 0.0

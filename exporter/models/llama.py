@@ -21,7 +21,7 @@ The step (docs/architecture.md, "LLM step contract"):
     block_tables  int32[S, B]         block ids per sequence, padded with the null block 0
     context_lens  int32[S]            tokens in each sequence's context, this step's included
     last_token    int32[S]            index into T of each sequence's last token
-    kv_cache      dtype[L, 2, N, block_size, kv_heads, head_dim]   (donated)
+    kv_cache      dtype[L, 2, kv_heads, N, block_size, head_dim]   (donated)
     -> logits f32[S, vocab] (of each sequence's last token), kv_cache (updated)
 
 A step first writes this step's K/V through slot_mapping, then each token
@@ -339,14 +339,14 @@ def _paged_attention(qg: torch.Tensor, cache: torch.Tensor, layer: torch.Tensor,
                      pos: torch.Tensor, ctx_len: torch.Tensor, window: int | None) -> torch.Tensor:
     """Attention over each token's own paged context, one block at a time with an online softmax.
 
-    qg [T, KV, G, D] (rotated queries); cache [L, 2, N, BS, KV, D] read at layer `layer` (0-dim);
+    qg [T, KV, G, D] (rotated queries); cache [L, 2, KV, N, BS, D] read at layer `layer` (0-dim);
     blocks [B, T] (block j of each token's sequence); pos, ctx_len [T]. Peak memory is O(T * block_size) per layer, whatever
     the number of sequences or the context length. Returns [T, KV, G, D] in qg's dtype.
     """
     from torch._higher_order_ops.scan import scan
 
     T, KV, G, D = qg.shape
-    BS = cache.shape[3]
+    BS = cache.shape[4]
     m0 = torch.full((T, KV, G), _MASKED, dtype=torch.float32, device=qg.device)   # running max
     s0 = torch.zeros((T, KV, G), dtype=torch.float32, device=qg.device)          # running sum
     acc0 = torch.zeros((T, KV, G, D), dtype=torch.float32, device=qg.device)     # running numerator
@@ -355,8 +355,8 @@ def _paged_attention(qg: torch.Tensor, cache: torch.Tensor, layer: torch.Tensor,
     def one_block(carry, xs):
         m, ssum, acc = carry
         bids, j = xs                                                      # [T], 0-dim
-        kv = cache[layer.expand_as(bids), :, bids]                        # [T, 2, BS, KV, D]
-        scores = torch.einsum("tkgd,tbkd->tkgb", qg, kv[:, 0]).float() * (D ** -0.5)   # [T, KV, G, BS]
+        kv = cache[layer.expand_as(bids), :, :, bids]                     # [T, 2, KV, BS, D]
+        scores = torch.einsum("tkgd,tkbd->tkgb", qg, kv[:, 0]).float() * (D ** -0.5)   # [T, KV, G, BS]
         cpos = j * BS + torch.arange(BS, device=qg.device)                # [BS]
         seen = (cpos[None, :] <= pos[:, None]) & (cpos[None, :] < ctx_len[:, None])   # [T, BS]
         if window:
@@ -366,7 +366,7 @@ def _paged_attention(qg: torch.Tensor, cache: torch.Tensor, layer: torch.Tensor,
         p = torch.exp(scores - m_new[..., None])                          # [T, KV, G, BS]
         scale = torch.exp(m - m_new)                                      # [T, KV, G]
         ssum = ssum * scale + p.sum(dim=-1)
-        acc = acc * scale[..., None] + torch.einsum("tkgb,tbkd->tkgd", p.to(qg.dtype), kv[:, 1]).float()
+        acc = acc * scale[..., None] + torch.einsum("tkgb,tkbd->tkgd", p.to(qg.dtype), kv[:, 1]).float()
         return (m_new, ssum, acc), m_new.new_zeros(())
 
     (m, ssum, acc), _ = scan(one_block, (m0, s0, acc0), (blocks, block_ids))
@@ -393,7 +393,7 @@ class LlamaStep(torch.nn.Module):
         cfg, w = self.cfg, self.model
         T = tokens.shape[0]
         S, B = block_tables.shape
-        L, _, N, BS, KV, D = kv_cache.shape
+        L, _, KV, N, BS, D = kv_cache.shape
         C = B * BS                                   # context capacity of one sequence
         dtype = w.dtype
 
@@ -426,13 +426,13 @@ class LlamaStep(torch.nn.Module):
         names = w.layer_names
 
         def layer(h, cache, lw: dict, l):
-            """One decoder layer; cache is the full [L, 2, N, BS, KV, D], l a 0-dim layer index.
+            """One decoder layer; cache is the full [L, 2, KV, N, BS, D], l a 0-dim layer index.
 
             Sizes are read from the arguments, never closed over: the scan body is traced
             by dynamo, which cannot take outer symbolic sizes (SymInts) as free variables.
             """
             T = h.shape[0]
-            L, _, N, BS, KV, D = cache.shape
+            L, _, KV, N, BS, D = cache.shape
             x = rms_norm(h, lw["input_layernorm"], cfg.rms_norm_eps)
             qkv = w.linear(x, lw, "qkv_proj", lw.get("qkv_bias"))        # [T, q+2kv]
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -443,34 +443,49 @@ class LlamaStep(torch.nn.Module):
             k = k * cos + rotate_half(k) * sin
 
             # write this step's K and V (one scatter), then read the contexts
-            flat = cache.reshape(L, 2, N * BS, KV, D)                     # [L, 2, N*BS, KV, D]
-            idx_l = l.expand(2, T)                                        # [2, T]
-            idx_kv = torch.arange(2, device=h.device)[:, None].expand(2, T)   # [2, T]
-            idx_slot = slots[None, :].expand(2, T)                        # [2, T]
-            flat = flat.index_put((idx_l, idx_kv, idx_slot), torch.stack([k, v]))   # values [2, T, KV, D]
-            cache = flat.reshape(L, 2, N, BS, KV, D)                      # [L, 2, N, BS, KV, D]
+            flat = cache.reshape(L, 2, KV, N * BS, D)                     # [L, 2, KV, N*BS, D]
+            ar = torch.arange(2 * KV, device=h.device)
+            idx_l = l.expand(2, KV, T)                                    # [2, KV, T]
+            idx_kv = (ar // KV).reshape(2, KV, 1).expand(2, KV, T)        # [2, KV, T]: K or V
+            idx_h = (ar % KV).reshape(2, KV, 1).expand(2, KV, T)          # [2, KV, T]: kv head
+            idx_slot = slots[None, None, :].expand(2, KV, T)              # [2, KV, T]
+            values = torch.stack([k, v]).transpose(1, 2)                  # [2, KV, T, D]
+            flat = flat.index_put((idx_l, idx_kv, idx_h, idx_slot), values)
+            cache = flat.reshape(L, 2, KV, N, BS, D)                      # [L, 2, KV, N, BS, D]
             qg = q.reshape(T, KV, cfg.group, D)                           # [T, KV, G, D]
             if self.attention == "paged":
                 # `seen` is each token's context length here; the loop masks block by block
                 out = _paged_attention(qg, cache, l, blocks, pos, seen, cfg.sliding_window)   # [T, KV, G, D]
             else:
-                ctx = cache[l.expand_as(blocks), :, blocks]               # [R, B, 2, BS, KV, D]
-                R, C = ctx.shape[0], ctx.shape[1] * BS
-                k_ctx = ctx[:, :, 0].reshape(R, C, KV, D)                 # [R, C, KV, D]
-                v_ctx = ctx[:, :, 1].reshape(R, C, KV, D)                 # [R, C, KV, D]
+                # Whole blocks gathered as rows of a 2-D view, one row per (layer, K|V, kv head,
+                # block), K and V by separate gathers: each lands in the layout its dot reads
+                # ([KV, R, C, D], batch dims first), so XLA adds no slice copy or transpose of the
+                # gathered context (which cost more than the gather itself; docs/performance.md).
+                R, Bw = blocks.shape
+                C = Bw * BS
+                rows = cache.reshape(L * 2 * KV * N, BS * D)              # [L*2*KV*N, BS*D]
+                heads = torch.arange(KV, device=h.device)
+                blk = blocks.to(torch.int64)[None]                        # [1, R, B]
+                k_idx = ((l * 2 * KV + heads) * N)[:, None, None] + blk   # [KV, R, B]
+                k_ctx = rows.index_select(0, k_idx.reshape(-1)).reshape(KV, R, C, D)           # [KV, R, C, D]
+                v_ctx = rows.index_select(0, (k_idx + KV * N).reshape(-1)).reshape(KV, R, C, D)  # [KV, R, C, D]
+                qk = qg.transpose(0, 1)                                   # [KV, T, G, D]
                 if self.attention == "gather":
-                    scores = torch.einsum("tkgd,tckd->tkgc", qg, k_ctx)  # [T, KV, G, C]
+                    # scores as K @ q^T: the big operand K is the dot's row-major left side
+                    scores = torch.matmul(k_ctx, qk.transpose(-1, -2))    # [KV, T, C, G]
+                    scores = scores.float() * (D ** -0.5)
+                    scores = torch.where(seen[None, :, :, None], scores, _MASKED)
+                    probs = torch.softmax(scores, dim=-2).to(dtype)       # over C
+                    out = torch.matmul(probs.transpose(-1, -2), v_ctx)    # [KV, T, G, D]
                 else:
-                    k_ctx = k_ctx.reshape(R * C, KV, D)                   # [S*C, KV, D]
-                    v_ctx = v_ctx.reshape(R * C, KV, D)                   # [S*C, KV, D]
-                    scores = torch.einsum("tkgd,ckd->tkgc", qg, k_ctx)   # [T, KV, G, S*C]
-                scores = scores.float() * (D ** -0.5)
-                scores = torch.where(seen[:, None, None, :], scores, _MASKED)
-                probs = torch.softmax(scores, dim=-1).to(dtype)
-                if self.attention == "gather":
-                    out = torch.einsum("tkgc,tckd->tkgd", probs, v_ctx)  # [T, KV, G, D]
-                else:
-                    out = torch.einsum("tkgc,ckd->tkgd", probs, v_ctx)   # [T, KV, G, D]
+                    k_ctx = k_ctx.reshape(KV, R * C, D)                   # [KV, S*C, D]
+                    v_ctx = v_ctx.reshape(KV, R * C, D)                   # [KV, S*C, D]
+                    scores = torch.einsum("ktgd,kcd->ktgc", qk, k_ctx)   # [KV, T, G, S*C]
+                    scores = scores.float() * (D ** -0.5)
+                    scores = torch.where(seen[None, :, None, :], scores, _MASKED)
+                    probs = torch.softmax(scores, dim=-1).to(dtype)
+                    out = torch.einsum("ktgc,kcd->ktgd", probs, v_ctx)   # [KV, T, G, D]
+                out = out.transpose(0, 1)                                 # [T, KV, G, D]
             out = out.reshape(T, cfg.q_size)                              # [T, H*D]
             h = h + w.linear(out, lw, "o_proj", lw.get("o_bias"))
 
@@ -571,9 +586,9 @@ def step_entries(weights: LlamaWeights, opts: StepExportOptions = StepExportOpti
         block_tables=torch.tensor([[1, 0, 0], [2, 0, 0]], dtype=torch.int32),
         context_lens=torch.tensor([3, 2], dtype=torch.int32),
         last_token=torch.tensor([2, 4], dtype=torch.int32),
-        kv_cache=torch.zeros(cfg.num_layers, 2, 7, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype),
+        kv_cache=torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, 7, bs, cfg.head_dim, dtype=dtype),
     )
-    dyn = ({0: T}, {0: T}, {0: T}, {0: T}, {0: S, 1: B}, {0: S}, {0: S}, {2: N})
+    dyn = ({0: T}, {0: T}, {0: T}, {0: T}, {0: S, 1: B}, {0: S}, {0: S}, {3: N})
     args = tuple(ex[n] for n in STEP_INPUTS)
     return [
         EntryPoint(name, LlamaStep(weights, attention=att, scan=opts.scan), args, dyn,
@@ -594,7 +609,7 @@ def llm_metadata(cfg: LlamaConfig, opts: StepExportOptions, dtype: torch.dtype) 
         "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
         "sliding_window": cfg.sliding_window, "null_block": 0, "layers": "scan" if opts.scan else "unrolled",
         "kv_cache": {"input": "kv_cache", "output": "kv_cache", "dtype": dtypes.artifact_name_of_torch(dtype),
-                     "shape": [cfg.num_layers, 2, "num_blocks", opts.block_size, cfg.num_kv_heads, cfg.head_dim],
+                     "shape": [cfg.num_layers, 2, cfg.num_kv_heads, "num_blocks", opts.block_size, cfg.head_dim],
                      "donated": True},
         "step": {"inputs": list(STEP_INPUTS), "outputs": list(STEP_OUTPUTS),
                  "functions": {name: f"{att}: {ATTENTION_COST[att]}" for name, att in opts.functions},

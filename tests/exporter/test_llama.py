@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hloserve.exporter.models.llama import (STEP_INPUTS, LlamaConfig, LlamaStep, LlamaWeights, build_step_inputs)
+from hloserve.server.model_runner import kv_cache_shape
 
 ATOL = 1e-4
 BLOCK = 16
@@ -70,8 +71,7 @@ class Paged:
         llm = model.manifest.model["llm"]
         self.fns = model.functions
         self.block = llm["block_size"]
-        self.cache = jnp.zeros((llm["num_layers"], 2, num_blocks, self.block, llm["num_kv_heads"], llm["head_dim"]),
-                               jnp.float32)
+        self.cache = jnp.zeros(kv_cache_shape(llm, num_blocks), jnp.float32)
         self.free = list(range(num_blocks - 1, 0, -1))
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
@@ -180,7 +180,7 @@ def test_manifest_describes_the_step(exported):
         assert fn.donated == ("kv_cache",)
         shapes = {t.name: list(t.shape) for t in fn.inputs}
         assert shapes["tokens"] == ["num_tokens"] and shapes["block_tables"] == ["num_seqs", "max_blocks"]
-        assert shapes["kv_cache"] == [2, 2, "num_blocks", BLOCK, cfg.num_key_value_heads, 16]
+        assert shapes["kv_cache"] == [2, 2, cfg.num_key_value_heads, "num_blocks", BLOCK, 16]
         outs = {t.name: (t.dtype, list(t.shape)) for t in fn.outputs}
         assert outs["logits"] == ("f32", ["num_seqs", VOCAB])
         assert set(fn.weights) == set(m.functions["prefill"].weights)   # one shared weight table
@@ -213,7 +213,7 @@ def test_eager_step_variants_match_transformers(arch, extra, length):
     split = 1 if extra.get("rope_scaling", {}).get("rope_type") == "dynamic" else length // 2
     for scan, attention in ((True, "flat"), (False, "flat"), (True, "gather"), (True, "paged")):
         step = LlamaStep(w, attention=attention, scan=scan)
-        cache = torch.zeros(2, 2, 12, BLOCK, w.cfg.num_kv_heads, w.cfg.head_dim)
+        cache = torch.zeros(2, 2, w.cfg.num_kv_heads, 12, BLOCK, w.cfg.head_dim)   # [L, 2, KV, N, BS, D]
         table = [5, 3, 9, 1, 7, 11, 2][: -(-length // BLOCK)]
         chunks = [(prompt, 0)] if split == 1 else [(prompt[:split], 0), (prompt[split:], split)]
         for toks, start in chunks:
@@ -251,7 +251,7 @@ def test_cli_export_bfloat16(tmp_path):
     model = load(str(tmp_path / "art"))
     import jax.numpy as jnp
     llm = manifest["model"]["llm"]
-    cache = jnp.zeros((2, 2, 8, BLOCK, llm["num_kv_heads"], llm["head_dim"]), jnp.bfloat16)
+    cache = jnp.zeros(kv_cache_shape(llm, 8), jnp.bfloat16)
     (prompt,) = _prompts([20], seed=6)
     out = model.functions["prefill"](**build_step_inputs([(prompt, 0, [1, 2])], BLOCK), kv_cache=cache)
     with torch.no_grad():

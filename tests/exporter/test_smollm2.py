@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from hloserve.server.model_runner import kv_cache_shape
+
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 64
@@ -93,7 +95,7 @@ def _runtime_greedy(art: str, prompts: list[list[int]], new_tokens: int) -> tupl
     tables = [[1 + s + S * i for i in range(n)] for s, n in enumerate(need)]
     num_blocks = 1 + S * max(need)
     width = max(need)
-    cache = np.zeros((llm["num_layers"], 2, num_blocks, bs, llm["num_kv_heads"], llm["head_dim"]), np.float32)
+    cache = np.zeros(kv_cache_shape(llm, num_blocks), np.float32)
 
     step = build_step_inputs([(p, 0, t) for p, t in zip(prompts, tables)], bs, pad_blocks=width)
     out = rt.functions["prefill"](**step, kv_cache=cache)

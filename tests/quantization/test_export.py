@@ -134,7 +134,7 @@ def test_llama_step_quantized_matches_eager(spec, hf_llama, tmp_path):
 
     # eager: the same step module on the same inputs (fresh cache, one step per call as above)
     cfg = step.model.cfg
-    kv = torch.zeros(cfg.num_layers, 2, 40, 16, cfg.num_kv_heads, cfg.head_dim)
+    kv = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, 40, 16, cfg.head_dim)   # [L, 2, KV, N, BS, D]
     tables, free, chunks = [], list(range(39, 0, -1)), []
     for p in prompts:
         t = [free.pop() for _ in range(-(-len(p) // 16))]
