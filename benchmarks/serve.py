@@ -34,13 +34,13 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 import httpx
+
+from hloserve.server.launch import free_port, server_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "smollm2"
@@ -138,40 +138,13 @@ async def run_level_http(base: str, requests: list[Request], concurrency: int, e
         return list(results), time.perf_counter() - t0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
-def server_process(cmd: list[str], ready_path: str, port: int, log_path: str, timeout: float = 1800,
-                   env: dict | None = None):
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+def server_at(cmd: list[str], port: int, ready_path: str, log_path: str, env: dict | None = None):
+    """The server of `cmd` on 127.0.0.1:port, once GET ready_path answers 200; yields its base URL."""
     base = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {log_path}")
-            try:
-                if httpx.get(base + ready_path, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"server not ready after {timeout}s; see {log_path}")
-            time.sleep(1)
-        print(f"  ready after {time.monotonic() - t0:.0f} s", flush=True)
+    with server_process(cmd, base + ready_path, log_path, timeout=1800, env=env, poll=1.0, grace=30,
+                        on_ready=lambda s: print(f"  ready after {s:.0f} s", flush=True)):
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def bench_server(name: str, base: str, sets: dict[int, list[Request]], warm: Request, extra: dict) -> list[Level]:
@@ -364,7 +337,7 @@ def main() -> int:
         port = free_port()
         cmd = [sys.executable, "-m", "hloserve.exporter.cli", "serve", art, "--port", str(port), "--model-name", MODEL,
                *args.serve_args.split()]
-        with server_process(cmd, "/ready", port, os.path.join(logs, "hloserve.log")) as base:
+        with server_at(cmd, port, "/ready", os.path.join(logs, "hloserve.log")) as base:
             levels += bench_server("hloserve", base, sets, warm, {"ignore_eos": True})
             metrics = httpx.get(base + "/metrics").text
             rec = [ln for ln in metrics.splitlines() if ln.startswith("hloserve:recompiles_after_warmup_total")]
@@ -379,8 +352,8 @@ def main() -> int:
             cmd = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", MODEL,
                    "--port", str(port), "--n_ctx", "2048", "--n_threads", str(args.llamacpp_threads),
                    "--interrupt_requests", "False"]   # else a new request cuts off the one streaming
-            env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}   # spinning OpenMP threads crawl on a shared machine
-            with server_process(cmd, "/v1/models", port, os.path.join(logs, "llamacpp.log"), env=env) as base:
+            env = {"OMP_WAIT_POLICY": "PASSIVE"}   # spinning OpenMP threads crawl on a shared machine
+            with server_at(cmd, port, "/v1/models", os.path.join(logs, "llamacpp.log"), env=env) as base:
                 levels += bench_server("llama-cpp-python", base, sets, warm,
                                        {"logit_bias": {str(t): -100 for t in EOS_IDS}})
 
@@ -467,29 +440,43 @@ threads); transformers gets passive waits too.
 The serving path is not the bottleneck: py-spy on the server at c=16 shows the engine thread inside
 the step call nearly all the time; scheduling, sampling (argmax on the host), detokenization and SSE
 are a few percent, and in process the engine adds ~1 ms per token over the bare decode call (30.8
-vs 29.8 ms/token at c=1). The step functions are, and their cost is set by the padded shape. Wall /
-CPU ms per call of the exported SmolLM2 step at load 1.1 (in process, buckets as served):
+vs 29.8 ms/token at c=1). The step functions are, and their cost is set by the padded shape. Wall ms
+per call of the exported SmolLM2 step (in process, buckets as served, median of 5, load ~1.1), with
+the KV cache layout of this run ([L, 2, kv_heads, N, block, head_dim], K and V gathered straight
+into the dots' layout) and the earlier one ([L, 2, N, block, kv_heads, head_dim], measured right
+after on the same machine):
 
-| call | wall / CPU ms |
-|---|---|
-| decode S=1, B=8 | 14 / 26 |
-| decode S=4, B=8 | 39 / 71 |
-| decode S=16, B=8 | 41 / 78 |
-| decode S=16, B=32 | 86 / 156 |
-| decode S=16, B=128 | 269 / 493 |
-| prefill T=128, S=1, B=8 | 89 / 167 |
-| prefill T=128, S=16, B=32 (15 decodes + one chunk in one call) | 511 / 958 |
+| call | this layout | earlier layout |
+|---|---|---|
+| decode S=1, B=8 | 15-17 | 17 |
+| decode S=16, B=8 | 38-56 | 43 |
+| decode S=16, B=32 | 66 | 89 |
+| decode S=16, B=128 | 184 | 267 |
+| prefill T=128, S=1, B=8 | 103 | |
+| prefill T=128, S=4, B=32 | 170 | |
 
-B, the block-table width (context capacity, padded to its bucket), dominates batched decode: the
-gather attention reads B x 16 positions per token whatever the real context, so 16 sequences cost
-2x more at B=32 than at B=8 and 6.5x more at B=128 (the whole batch pays for its longest sequence).
-A jax profile of decode S=16 at B=64 puts the context gather and the two transposes of the gathered
-K and V into dot layout (72, 104 and 83 ms) above the matmuls (~110 ms). Next steps: block-table
-buckets 2x apart instead of 4x (a context just past a bucket pays up to 4x now; 22 more shapes to
-warm up), and an attention that reads only the blocks in use. The one change made here in the
-serving path: a step mixing decodes and prefill chunks runs as two calls (decode rows through
-`decode`, chunks through `prefill`), since the flat prefill attention costs T x S x context: about
-86 + 90 ms instead of 511 ms for 15 decodes and one 128-token chunk.
+B, the block-table width (context capacity, padded to its bucket), still sets batched decode's
+cost: the gather attention reads B x 16 positions per token whatever the real context (the whole
+batch pays for its longest sequence). jax profiles (`jax.profiler`, per fusion, 30 layers):
+
+* decode S=16, B=32, earlier layout (~95 ms): gather 12 ms, then two copies of the gathered
+  context into the dots' layouts (a slice of V and a transpose of K: 12 + 12 ms), the layer
+  matmuls ~40 ms, copies of each layer's slice of the stacked weights ~15 ms. Gathering K and V
+  as separate rows of a [L*2*KV*N, block*head_dim] view of a kv-head-major cache lands them in
+  the dots' layout ([KV, S, C, D], batch dims first), and computing the scores as K @ q^T keeps
+  the big operand on the row-major side: the two copies are gone (66 ms in the same
+  conditions; the whole c=16 level in process: 19.1 s -> 15.8 s).
+* prefill T=128, S=4, B=32 (~200 ms): layer matmuls ~95 ms; attention ~95 ms, because the flat
+  layout scores every token against all S contexts (T x S*B*16 = 128 x 2048 here: as many
+  multiply-adds as the MLP); the per-layer weight-slice copies ~30 ms.
+
+What is left for the 3x target, in order of size: prefill's flat attention (an input listing only
+the blocks in use, so a step scores T x (its blocks) instead of T x S x B; a change of the step
+contract), decode's padding to the longest sequence (the same list, or block buckets 2x apart), and
+the weight-slice copies of the scanned layers (XLA:CPU copies each dynamic slice before a dot).
+The one change made in the serving path: a step mixing decodes and prefill chunks runs as two
+calls (decode rows through `decode`, chunks through `prefill`), since the flat prefill attention
+costs T x S x context: about 86 + 90 ms instead of 511 ms for 15 decodes and one 128-token chunk.
 """
 
 if __name__ == "__main__":
