@@ -185,11 +185,8 @@ class Function:
                     f"strict mode: function {self.name!r} needs a new executable for {_describe_env(env)}{padded} "
                     f"after warm-up ({cause}); warm it up (model.warmup(sizes=...)) or add the size to the "
                     f"buckets of {', '.join(sorted(env)) or 'its dims'}")
-            avals = list(self._weight_avals)
-            avals += [jax.ShapeDtypeStruct(artifact.concrete_shape(t, env), artifact.numpy_dtype(t.dtype),
-                                           sharding=self._input_sharding) for t in self.spec.inputs]
             t0 = time.perf_counter()
-            exe, source = self._build(env, avals)
+            exe, source = self._build(env)
             secs = time.perf_counter() - t0
             hit = source != "compiled"
             self.stats.compiles += 1
@@ -204,12 +201,16 @@ class Function:
                     " (after warm-up: add this size to the buckets or warm it up)" if after else "")
             return exe
 
-    def _build(self, env: Mapping[str, int], avals: list) -> tuple[Any, str]:
-        """Executable for `env` from the executable cache, jax's persistent cache, or XLA."""
+    def _build(self, env: Mapping[str, int], *, read_cache: bool = True) -> tuple[Any, str]:
+        """Executable for `env` from the executable cache (unless read_cache is False), jax's
+        persistent cache, or XLA."""
+        avals = list(self._weight_avals)
+        avals += [jax.ShapeDtypeStruct(artifact.concrete_shape(t, env), artifact.numpy_dtype(t.dtype),
+                                       sharding=self._input_sharding) for t in self.spec.inputs]
         key = None
         if self._exec_cache is not None and self._devices:
             key = ExecutableCache.key({**self._cache_identity, "env": sorted(env.items())})
-            exe = self._exec_cache.get(key, self._devices)
+            exe = self._exec_cache.get(key, self._devices) if read_cache else None
             if exe is not None:
                 self._exec_cache_keys[tuple(sorted(env.items()))] = key
                 return exe, "read from the executable cache"
@@ -238,14 +239,9 @@ class Function:
             LOG.warning("executable cache entry for %r %s failed to run (%s); evicting and recompiling",
                         self.name, _describe_env(env), e)
             self._exec_cache.evict(cache_key)
-            with self._lock:
-                self._executables.pop(key, None)
-                saved, self._exec_cache = self._exec_cache, None
-                try:
-                    self.stats.compiles -= 1   # the rebuild replaces the failed load; it is not a new shape
-                    exe = self._executable(env, requested, warming=True)
-                finally:
-                    self._exec_cache = saved
+            with self._lock:   # the same shape rebuilt, not a new one: no compile is counted
+                exe, _ = self._build(env, read_cache=False)
+                self._executables[key] = exe
             return exe(*args)
 
     def warmup_envs(self, sizes: Mapping[str, Sequence[int]] | None = None) -> list[dict[str, int]]:

@@ -53,6 +53,36 @@ def test_corrupted_cache_entry_recompiles(mlp_artifact, tmp_path):
     assert again["y"] == cold["y"] and again["compiles"] == 1
 
 
+BROKEN_ENTRY = """
+import json
+import numpy as np
+from hloserve import runtime
+from hloserve.runtime import exec_cache
+
+class Broken:   # deserializes but fails to run, like an XLA:CPU entry missing its kernels
+    def __call__(self, *args):
+        raise RuntimeError("Function wrapped_iota not found")
+
+get = exec_cache.ExecutableCache.get
+exec_cache.ExecutableCache.get = lambda self, key, devices: Broken() if get(self, key, devices) else None
+model = runtime.load({art!r}, cache_dir={cache!r})
+fn = model.functions["forward"]
+y = np.asarray(fn(x=np.ones((3, 64), np.float32))["y"])
+y2 = np.asarray(fn(x=np.ones((3, 64), np.float32))["y"])
+print(json.dumps({{"compiles": fn.stats.compiles, "y": float(y.sum()), "y2": float(y2.sum())}}))
+"""
+
+
+def test_cache_entry_that_fails_to_run_is_rebuilt_once(mlp_artifact, tmp_path):
+    cache = str(tmp_path / "cache")
+    cold = _first_result(mlp_artifact, cache)
+    out = json.loads(run_python(BROKEN_ENTRY.format(art=mlp_artifact, cache=cache)).strip().splitlines()[-1])
+    # the same shape rebuilt in place of the broken entry: one executable counted, same result
+    assert out["compiles"] == 1 and out["y"] == out["y2"] == cold["y"]
+    again = _first_result(mlp_artifact, cache)   # the rebuilt executable was written back
+    assert again["hits"] == 1 and again["y"] == cold["y"]
+
+
 def test_runtime_never_imports_torch(mlp_artifact, tmp_path):
     out = _first_result(mlp_artifact, str(tmp_path / "cache"))
     assert out["torch"] is False
