@@ -16,6 +16,7 @@ from hloserve.exporter.lowerings import quantized as lowering
 from hloserve.exporter.models.gguf import GGUFTensor, load_gguf
 from hloserve.quantization import convert, modules, primitives
 from hloserve.quantization.schemes import QuantConfig
+from hloserve.server.model_runner import kv_cache_shape
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,7 @@ def test_native_export_matches_the_dequantized_model(tmp_path):
     prompt = [1, 504, 3458, 282, 260, 1345, 28, 253, 2114, 1953, 30]
     inputs = build_step_inputs([(prompt, 0, [1])], 16)
     model = load(str(tmp_path), buckets={"num_tokens": [16], "num_seqs": [1], "max_blocks": [1]})
-    cache = np.zeros((30, 2, 2, 16, 3, 64), np.float32)
+    cache = np.zeros(kv_cache_shape(manifest.model["llm"], 2), np.float32)   # [30, 2, 3, 2, 16, 64]
     got = np.asarray(model.functions["decode"](**inputs, kv_cache=cache)["logits"])
     ref = from_gguf(presets.resolve("smollm2-135m-instruct", quiet=True)).entries[1].module
     with torch.no_grad():
