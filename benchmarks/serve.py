@@ -470,6 +470,12 @@ batch pays for its longest sequence). jax profiles (`jax.profiler`, per fusion, 
   layout scores every token against all S contexts (T x S*B*16 = 128 x 2048 here: as many
   multiply-adds as the MLP); the per-layer weight-slice copies ~30 ms.
 
+Serving the same weights as llama.cpp does, i.e. the GGUF's own Q4_1/Q8_0 blocks (`hloserve export
+smollm2-135m-instruct --quantize gguf`, then `benchmarks/serve.py --artifact ART`, same machine, right
+after this run): c=1 51.8 output tok/s (TPOT p50 13 ms against 19 ms in f32), but c=16 71.2 tok/s
+(against 96.3): at batch 16 and in 128-token prefill chunks the matmuls are compute-bound and the
+per-layer dequantization is extra work, so the f32 artifact stays the default.
+
 What is left for the 3x target, in order of size: prefill's flat attention (an input listing only
 the blocks in use, so a step scores T x (its blocks) instead of T x S x B; a change of the step
 contract), decode's padding to the longest sequence (the same list, or block buckets 2x apart), and
