@@ -188,6 +188,16 @@ def test_parse_errors_say_what_to_use(spec, match):
         QuantConfig.parse(spec)
 
 
+def test_scheme_json_round_trip_and_older_manifests():
+    for s in SCHEMES + [WeightScheme(4, 32, True, "f16", "mse")]:
+        assert WeightScheme.from_json(s.to_json()) == s
+    # manifests written before `rounding` existed read as minmax (what they were quantized with)
+    old = {"scheme": "int4", "group": 32, "symmetric": True, "scale_dtype": "f16"}
+    assert WeightScheme.from_json(old).rounding == "minmax"
+    with pytest.raises(QuantizationError, match="int4 symmetric only"):
+        WeightScheme(8, None, True, "f32", "mse")
+
+
 def test_group_fits_the_input_dim():
     s = WeightScheme(4, 128)
     assert s.fitted(1536) is s
