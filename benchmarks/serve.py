@@ -441,7 +441,8 @@ The serving path is not the bottleneck: py-spy on the server at c=16 shows the e
 the step call nearly all the time; scheduling, sampling (argmax on the host), detokenization and SSE
 are a few percent, and in process the engine adds ~1 ms per token over the bare decode call (30.8
 vs 29.8 ms/token at c=1). The step functions are, and their cost is set by the padded shape. Wall ms
-per call of the exported SmolLM2 step (in process, buckets as served, median of 5, load ~1.1), with
+per call of the exported SmolLM2 step (in process, buckets as served, median of 5, load ~1.1;
+`benchmarks/engine_level.py` runs a whole level in process and prints this per call shape), with
 the KV cache layout of this run ([L, 2, kv_heads, N, block, head_dim], K and V gathered straight
 into the dots' layout) and the earlier one ([L, 2, N, block, kv_heads, head_dim], measured right
 after on the same machine):

@@ -123,6 +123,21 @@ class RequestStream:
         self.finished = out.finished
         return out
 
+    def drain(self) -> list[RequestOutput]:
+        """The outputs queued so far, without waiting (plain-iterator streams; for loops driven
+        by hand with `Engine.run_once`)."""
+        if self._q is None:
+            raise TypeError("this stream was created inside an event loop; iterate it with `async for`")
+        outs = []
+        while not self.finished:
+            try:
+                out = self._q.get_nowait()
+            except queue.Empty:
+                break
+            self.finished = out.finished
+            outs.append(out)
+        return outs
+
 
 # -- metrics -----------------------------------------------------------------------
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

@@ -51,6 +51,18 @@ def test_step_by_hand_without_the_thread():
     assert [o.new_token_ids for o in outs] == [(4,), (5,)] and outs[-1].finish_reason == "length"
 
 
+def test_drain_returns_what_is_queued_without_waiting():
+    eng = make_engine()
+    stream = eng.add_request([1, 2, 3], SamplingParams(max_tokens=3, **GREEDY), request_id="x")
+    assert stream.drain() == []                      # nothing ran yet: returns at once
+    eng.run_once()
+    eng.run_once()
+    assert [o.new_token_ids for o in stream.drain()] == [(4,), (5,)] and not stream.finished
+    eng.run_once()
+    last = stream.drain()
+    assert [o.new_token_ids for o in last] == [(6,)] and stream.finished and stream.drain() == []
+
+
 def test_sync_streams_from_the_loop_thread():
     with make_engine() as eng:
         streams = [eng.add_request([i, i + 1], SamplingParams(max_tokens=5, **GREEDY)) for i in range(0, 50, 10)]

@@ -1,0 +1,104 @@
+"""Where a serving level's time goes: the engine in process, no HTTP, every step call timed by shape.
+
+    python benchmarks/engine_level.py [--artifact DIR] [--requests 32] [--concurrency 16]
+                                      [--output-len 48] [--min-input 35] [--max-input 414]
+
+Runs `benchmarks/serve.py`'s kind of level (random-token prompts of mixed lengths, greedy,
+EOS ignored, at most --concurrency requests in flight, a new one as soon as one finishes) on the
+engine `hloserve serve` builds (same defaults: server.services.ServeConfig), driving its loop by
+hand, and prints output tokens/s and, per step-function call shape (function, T, S, B), the
+number of calls, mean and total wall time. Timings include copying the logits to the host.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import sys
+import time
+
+import numpy as np
+
+
+class TimedFunction:
+    """Wraps a runtime function: records the wall time of each call by (name, T, S, B)."""
+
+    def __init__(self, name: str, fn, times: dict):
+        self.name, self.fn, self.times = name, fn, times
+
+    def __call__(self, **inputs):
+        t0 = time.perf_counter()
+        out = self.fn(**inputs)
+        np.asarray(out["logits"])
+        key = (self.name, inputs["tokens"].shape[0], *inputs["block_tables"].shape)
+        self.times[key].append(time.perf_counter() - t0)
+        return out
+
+    def __getattr__(self, attr):
+        return getattr(self.fn, attr)
+
+
+def main(argv=None) -> int:
+    from hloserve.exporter.presets import cache_dir
+    from hloserve.server.engine import EngineConfig, build_engine
+    from hloserve.server.sampling import SamplingParams
+    from hloserve.server.services import ServeConfig
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--artifact", default=os.path.join(cache_dir(), "artifacts", "smollm2-135m-instruct"))
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=48)
+    ap.add_argument("--min-input", type=int, default=35)
+    ap.add_argument("--max-input", type=int, default=414)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if not os.path.exists(os.path.join(args.artifact, "manifest.json")):
+        print(f"engine_level: no artifact at {args.artifact}; run `hloserve serve` once (it exports the default "
+              f"model there) or pass --artifact", file=sys.stderr)
+        return 2
+
+    sc = ServeConfig()
+    engine, _ = build_engine(args.artifact, EngineConfig(
+        max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=2048,
+        kv_cache_bytes=sc.kv_cache_bytes, min_token_bucket=sc.min_token_bucket, block_buckets=sc.block_buckets,
+        prefill_growth=sc.prefill_growth))
+    t0 = time.perf_counter()
+    engine.warmup(lambda line: print(f"  {line}", end="\r", flush=True))
+    print(f"\nwarm-up {time.perf_counter() - t0:.1f} s", flush=True)
+
+    times: dict = collections.defaultdict(list)
+    fns = engine.runner.model.functions
+    for name in list(fns):
+        fns[name] = TimedFunction(name, fns[name], times)
+
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(rng.randint(args.min_input, args.max_input))]
+               for _ in range(args.requests)]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    pending, live, done, tokens = list(prompts), [], 0, 0
+    t0 = time.perf_counter()
+    while done < args.requests:
+        while pending and len(live) < args.concurrency:
+            live.append(engine.add_request(pending.pop(0), params))
+        engine.run_once()
+        for stream in list(live):
+            for out in stream.drain():
+                tokens += len(out.new_token_ids)
+                if out.finished:
+                    live.remove(stream)
+                    done += 1
+                    print(f"  {done}/{args.requests} requests done", end="\r", flush=True)
+    wall = time.perf_counter() - t0
+    print(f"\nlevel: {args.requests} requests at concurrency {args.concurrency}: {wall:.2f} s, {tokens} output "
+          f"tokens, {tokens / wall:.1f} tok/s")
+    print("| call (function, T, S, B) | calls | mean ms | total s |\n|---|---|---|---|")
+    for key, ts in sorted(times.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {key} | {len(ts)} | {1e3 * sum(ts) / len(ts):.1f} | {sum(ts):.2f} |")
+    print(f"step calls: {sum(sum(ts) for ts in times.values()):.2f} s of {wall:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
