@@ -41,7 +41,8 @@ class TimedFunction:
 
 def main(argv=None) -> int:
     from hloserve.exporter.presets import cache_dir
-    from hloserve.server.engine import EngineConfig, build_engine
+    from hloserve.exporter.artifact import read_manifest
+    from hloserve.server.engine import build_engine
     from hloserve.server.sampling import SamplingParams
     from hloserve.server.services import ServeConfig
 
@@ -59,11 +60,8 @@ def main(argv=None) -> int:
               f"model there) or pass --artifact", file=sys.stderr)
         return 2
 
-    sc = ServeConfig()
-    engine, _ = build_engine(args.artifact, EngineConfig(
-        max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=2048,
-        kv_cache_bytes=sc.kv_cache_bytes, min_token_bucket=sc.min_token_bucket, block_buckets=sc.block_buckets,
-        prefill_growth=sc.prefill_growth))
+    llm = read_manifest(args.artifact).model["llm"]
+    engine, _ = build_engine(args.artifact, ServeConfig().engine_config(llm))
     t0 = time.perf_counter()
     engine.warmup(lambda line: print(f"  {line}", end="\r", flush=True))
     print(f"\nwarm-up {time.perf_counter() - t0:.1f} s", flush=True)

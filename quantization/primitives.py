@@ -141,8 +141,8 @@ def _search_sym_int4(wg: np.ndarray, q0: np.ndarray, s0: np.ndarray) -> tuple[np
     best_err = np.square(wg - s0.astype(np.float32)[..., None] * best_q).sum(-1)
     with np.errstate(divide="ignore", invalid="ignore"):
         for d in MSE_DIVISORS:
-            s0 = m / -d
-            q = np.clip(np.where(s0 != 0, np.round(wg / s0), 0.0), -8, 7)
+            trial = m / -d                                               # [..., G, 1]
+            q = np.clip(np.where(trial != 0, np.round(wg / trial), 0.0), -8, 7)
             qq = (q * q).sum(-1)                                         # [..., G]
             s = np.where(qq > 0, (wg * q).sum(-1) / qq, 0.0).astype(sdt)
             err = np.square(wg - s.astype(np.float32)[..., None] * q).sum(-1)

@@ -53,6 +53,19 @@ class ServeConfig:
     platform: str | None = None
     strict: bool = True
 
+    def engine_config(self, llm: Mapping[str, Any]):
+        """The EngineConfig for an LLM artifact whose manifest has model["llm"] = llm: the limits
+        clamped to what the artifact was exported for, context DEFAULT_MAX_MODEL_LEN by default."""
+        from .engine import EngineConfig
+
+        tokens = min(self.max_num_batched_tokens, int(llm["max_tokens"]))
+        return EngineConfig(
+            max_num_seqs=min(self.max_num_seqs, int(llm["max_seqs"]), tokens), max_num_batched_tokens=tokens,
+            max_model_len=self.max_model_len or min(int(llm["max_context"]), DEFAULT_MAX_MODEL_LEN),
+            kv_cache_bytes=self.kv_cache_bytes, num_blocks=self.num_blocks, platform=self.platform,
+            min_token_bucket=self.min_token_bucket, block_buckets=self.block_buckets,
+            prefill_growth=self.prefill_growth)
+
 
 class Readiness:
     """Ready once warm-up ends; `error` holds why warm-up failed, if it did."""
@@ -280,18 +293,10 @@ def build_service(artifact_path: str, config: ServeConfig) -> LLMService | Predi
         return PredictService(model, name, PredictBatcher(model, config.max_batch_size, config.batch_timeout_s),
                               readiness, admission)
 
-    from .engine import EngineConfig, build_engine
+    from .engine import build_engine
 
-    max_ctx = int(llm["max_context"])
-    tokens = min(config.max_num_batched_tokens, int(llm["max_tokens"]))
-    seqs = min(config.max_num_seqs, int(llm["max_seqs"]), tokens)
-    max_len = config.max_model_len or min(max_ctx, DEFAULT_MAX_MODEL_LEN)
     try:
-        engine, tokenizer = build_engine(artifact_path, EngineConfig(
-            max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=max_len,
-            kv_cache_bytes=config.kv_cache_bytes, num_blocks=config.num_blocks, platform=config.platform,
-            min_token_bucket=config.min_token_bucket, block_buckets=config.block_buckets,
-            prefill_growth=config.prefill_growth), strict=config.strict)
+        engine, tokenizer = build_engine(artifact_path, config.engine_config(llm), strict=config.strict)
     except ValueError as e:
         raise HloserveError(str(e)) from None
     if tokenizer is None:
