@@ -1,6 +1,6 @@
 """The `hloserve` command line.
 
-    hloserve export SOURCE -o OUT [--dynamic SPEC] [--dtype D] [--function F] [--pad DIM] [--quantize Q]
+    hloserve export SOURCE -o OUT [--dynamic SPEC] [--dtype D] [--weight-dtype D] [--function F] [--pad DIM] [--quantize Q]
     hloserve tf ART -o SAVEDMODEL [--function F] [--xla-call-module-version N] [--platforms P]
     hloserve inspect ART
     hloserve run ART --inputs in.npz --outputs out.npz [--function F]
@@ -37,7 +37,8 @@ def _export(args: argparse.Namespace) -> int:
     reporter = Reporter(enabled=not args.quiet)
     reporter.stage(f"loading {args.source}")
     source = load_source(args.source, dtype=args.dtype, quantize=args.quantize,
-                         quantize_skip=args.quantize_skip.split(",") if args.quantize_skip else ())
+                         quantize_skip=args.quantize_skip.split(",") if args.quantize_skip else (),
+                         weight_dtype=args.weight_dtype)
     entries = source.entries
     if args.function:
         known = {e.name for e in entries}
@@ -176,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("-o", "--output", required=True, help="artifact directory to write")
     e.add_argument("--dynamic", help="dynamic dims, e.g. 'input_ids:0=batch[1,64],1=seq[1,512];attention_mask:0=batch,1=seq'")
     e.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    e.add_argument("--weight-dtype", metavar="D",
+                   help="LLMs: store the weight matrices in D (bfloat16 or float16) under --dtype activations and "
+                        "KV cache; matmuls round activations to D and sum in float32 (docs/performance.md)")
     e.add_argument("--function", action="append", help="entry point(s) to export (default: all the source provides)")
     e.add_argument("--pad", help="symbolic dims the runtime may pad to buckets, comma-separated ('none' for none)")
     e.add_argument("--platforms", default="cpu", help="comma-separated lowering platforms (cpu,cuda,tpu)")

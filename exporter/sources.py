@@ -45,9 +45,19 @@ class Source:
 
 
 def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = None,
-                quantize_skip: Sequence[str] = ()) -> Source:
+                quantize_skip: Sequence[str] = (), weight_dtype: str | None = None) -> Source:
     """Load SOURCE; with `quantize` (--quantize, see quantization.schemes.QuantConfig.parse) its
-    Linear/Embedding weights are swapped for quantized ones (a GGUF with `gguf` keeps its blocks)."""
+    Linear/Embedding weights are swapped for quantized ones (a GGUF with `gguf` keeps its blocks).
+    `weight_dtype` (--weight-dtype) stores an LLM's matrices narrower than `dtype` (models/llama.py)."""
+    if weight_dtype is not None:
+        if weight_dtype not in DTYPES:
+            raise SourceError(f"--weight-dtype {weight_dtype!r} is not supported; use one of {sorted(DTYPES)}")
+        if quantize:
+            raise SourceError("--weight-dtype and --quantize both choose how weights are stored; use one of them")
+        if weight_dtype == dtype:
+            weight_dtype = None
+    if weight_dtype is not None:
+        return _load_source(spec, dtype, None, DTYPES[weight_dtype])
     if quantize:
         from hloserve.quantization.convert import quantize_source
         from hloserve.quantization.schemes import QuantConfig
@@ -57,7 +67,7 @@ def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = Non
     return _load_source(spec, dtype, None)
 
 
-def _load_source(spec: str, dtype: str, quant) -> Source:
+def _load_source(spec: str, dtype: str, quant, wdtype=None) -> Source:
     if dtype not in DTYPES:
         raise SourceError(f"--dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     tdtype = DTYPES[dtype]
@@ -67,23 +77,34 @@ def _load_source(spec: str, dtype: str, quant) -> Source:
                           f"use --quantize int8 or int4[:GROUP[:sym]]")
     if spec in presets.PRESETS:
         path = presets.resolve(spec)
-        src = _load_path(path, tdtype, quant)
+        src = _load_path(path, tdtype, quant, wdtype)
         src.model["preset"] = spec
         return src
     if os.path.exists(spec):
-        return _load_path(spec, tdtype, quant)
+        return _load_path(spec, tdtype, quant, wdtype)
     if ":" in spec and not spec.startswith(("/", ".")):
+        _no_weight_dtype(spec, wdtype)
         return _load_factory(spec, tdtype)
     raise SourceError(f"source {spec!r} is not a file, a directory, module:factory or a preset "
                       f"({', '.join(sorted(presets.PRESETS))})")
 
 
-def _load_path(path: str, tdtype, quant=None) -> Source:
+def _no_weight_dtype(spec: str, wdtype) -> None:
+    if wdtype is not None:
+        raise SourceError(f"--weight-dtype applies to LLMs exported as step functions (a GGUF, or a Hugging Face "
+                          f"Llama/Mistral/Qwen2 directory); {spec} is not one: use --dtype instead")
+
+
+def _load_path(path: str, tdtype, quant=None, wdtype=None) -> Source:
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
             raise SourceError(f"{path} is a directory without config.json; expected a Hugging Face model directory")
-        return hf_directory(path, tdtype)
+        src = hf_directory(path, tdtype, wdtype)
+        if wdtype is not None and src.model.get("task") != "causal-lm":
+            _no_weight_dtype(path, wdtype)
+        return src
     if path.endswith(".pt2"):
+        _no_weight_dtype(path, wdtype)
         return _load_pt2(path, tdtype)
     if path.endswith(".gguf"):
         from .models import llama_source  # the LLM export path (imported only when needed)
@@ -93,7 +114,7 @@ def _load_path(path: str, tdtype, quant=None) -> Source:
             src = llama_source.from_gguf(path, tdtype, build_weights=build)
             src.weight_quant = record
             return src
-        return llama_source.from_gguf(path, tdtype)
+        return llama_source.from_gguf(path, tdtype, weight_dtype=wdtype)
     raise SourceError(f"{path}: unknown checkpoint type; expected a HF directory, a .pt2 or a .gguf file")
 
 
@@ -248,7 +269,7 @@ def hf_entry(model: torch.nn.Module, config, *, batch=(1, 64), seq=(1, 512),
     return entry, {"task": task, "architecture": archs[0], "config": config.to_dict()}
 
 
-def hf_directory(path: str, tdtype) -> Source:
+def hf_directory(path: str, tdtype, wdtype=None) -> Source:
     import transformers
     try:
         config = transformers.AutoConfig.from_pretrained(path)
@@ -263,7 +284,7 @@ def hf_directory(path: str, tdtype) -> Source:
     if config.model_type in ("llama", "mistral", "qwen2") and any(a.endswith("ForCausalLM") for a in archs):
         try:
             from .models import llama_source
-            return llama_source.from_hf_directory(path, tdtype)
+            return llama_source.from_hf_directory(path, tdtype, weight_dtype=wdtype)
         except ImportError:
             pass  # LLM export path not available; export as a plain HF model
     if not any(f.endswith(".safetensors") for f in os.listdir(path)):

@@ -18,6 +18,7 @@ from jax import lax
 
 from .. import dtypes
 from ..registry import lower
+from ._util import from_bits, to_bits
 
 hop = torch.ops.higher_order
 
@@ -85,12 +86,16 @@ def _scan(ctx, combine_gm, init, xs, additional):
     n_carry = len(init)
     init = _as_torch(init, ctx.out_val[:n_carry])
 
+    x_dtypes = [x.dtype for x in xs]
+
     def step(carry, x):
-        out = fn(*carry, *x, *additional)
+        # xs cross the loop boundary as bits (_util.to_bits: XLA:CPU would widen a 16-bit float
+        # stack to f32 before slicing it)
+        out = fn(*carry, *(from_bits(v, d) for v, d in zip(x, x_dtypes)), *additional)
         next_carry = tuple(jnp.asarray(o).astype(c.dtype) for o, c in zip(out[:n_carry], carry))
         return next_carry, _as_torch(out[n_carry:], ctx.out_val[n_carry:])
 
-    carry, ys = lax.scan(step, init, tuple(xs))
+    carry, ys = lax.scan(step, init, tuple(to_bits(x) for x in xs))
     return [*carry, *ys]
 
 
@@ -99,4 +104,9 @@ def _scan(ctx, combine_gm, init, xs, additional):
 @lower(hop.map_impl)
 def _map(ctx, body_gm, xs, pos_args):
     fn = ctx.subgraph(body_gm)
-    return list(lax.map(lambda x: _as_torch(fn(*x, *pos_args), ctx.out_val), tuple(xs)))
+    x_dtypes = [x.dtype for x in xs]
+
+    def body(x):
+        return _as_torch(fn(*(from_bits(v, d) for v, d in zip(x, x_dtypes)), *pos_args), ctx.out_val)
+
+    return list(lax.map(body, tuple(to_bits(x) for x in xs)))

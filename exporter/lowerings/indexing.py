@@ -2,6 +2,8 @@
 
 torch indices may be negative (Python-style); jax's `mode="fill"`/clip modes
 differ, so indices are wrapped explicitly where torch allows negatives.
+Gathers and plain scatters of bf16/f16 move the bits as uint16 (_util.to_bits): XLA:CPU would
+otherwise widen the whole operand (an embedding table, a KV cache) to f32 on every call.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import numpy as np
 import torch
 
 from ..registry import lower
-from ._util import canon_dim
+from ._util import canon_dim, from_bits, to_bits
 
 aten = torch.ops.aten
 
@@ -25,7 +27,7 @@ def _wrap(idx, size):
 # aten::embedding(Tensor weight, Tensor indices, SymInt padding_idx=-1, bool scale_grad_by_freq=False, bool sparse=False) -> Tensor
 @lower(aten.embedding)
 def _embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    return jnp.take(weight, indices, axis=0)
+    return from_bits(jnp.take(to_bits(weight), indices, axis=0), weight.dtype)
 
 
 # aten::index_select(Tensor self, int dim, Tensor index) -> Tensor
@@ -34,7 +36,7 @@ def _index_select(ctx, x, dim, index):
     d = canon_dim(dim, x.ndim)
     if x.ndim == 0:
         return x
-    return jnp.take(x, _wrap(index, x.shape[d]).reshape(-1), axis=d)
+    return from_bits(jnp.take(to_bits(x), _wrap(index, x.shape[d]).reshape(-1), axis=d), x.dtype)
 
 
 # aten::index.Tensor(Tensor self, Tensor?[] indices) -> Tensor
@@ -43,7 +45,7 @@ def _index(ctx, x, indices):
     key = tuple(slice(None) if i is None else
                 (i if i.dtype == jnp.bool_ else _wrap(i, x.shape[k]))
                 for k, i in enumerate(indices))
-    return x[key]
+    return from_bits(to_bits(x)[key], x.dtype)
 
 
 # aten::index_put(Tensor self, Tensor?[] indices, Tensor values, bool accumulate=False) -> Tensor
@@ -62,7 +64,9 @@ def _index_put(ctx, x, indices, values, accumulate=False):
                 (i if i.dtype == jnp.bool_ else _wrap(i, x.shape[k]))
                 for k, i in enumerate(indices))
     values = jnp.asarray(values, x.dtype)
-    return x.at[key].add(values) if accumulate else x.at[key].set(values)
+    if accumulate:
+        return x.at[key].add(values)
+    return from_bits(to_bits(x).at[key].set(to_bits(values)), x.dtype)
 
 
 # aten::gather(Tensor self, int dim, Tensor index, *, bool sparse_grad=False) -> Tensor

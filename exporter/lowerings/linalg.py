@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 import torch
 
+from .. import custom_ops as _custom_ops  # noqa: F401 - defines torch.ops.hloserve.mixed_linear
 from ..registry import lower
 
 aten = torch.ops.aten
@@ -16,8 +17,11 @@ _HIGHEST = lax.Precision.HIGHEST
 
 
 def _matmul(a, b, out_dtype):
-    acc = jnp.float32 if a.dtype in (jnp.bfloat16, jnp.float16) else None
-    return jnp.matmul(a, b, precision=_HIGHEST, preferred_element_type=acc).astype(out_dtype)
+    if a.dtype in (jnp.bfloat16, jnp.float16):
+        # 16-bit products are exact in f32, so precision has nothing to add; HIGHEST would make
+        # XLA:CPU widen both operands to f32 and lose its bf16 kernels (2x slower than f32).
+        return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(out_dtype)
+    return jnp.matmul(a, b, precision=_HIGHEST).astype(out_dtype)
 
 
 def _scale_add(prod, bias, alpha, beta, out_dtype):
@@ -46,6 +50,25 @@ def _addmm(ctx, bias, a, b, *, beta=1, alpha=1):
 @lower(aten.addmv)
 def _addmv(ctx, bias, a, v, *, beta=1, alpha=1):
     return _addmm(ctx, bias, a, v, beta=beta, alpha=alpha)
+
+
+# hloserve::mixed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor
+@lower(torch.ops.hloserve.mixed_linear)
+def _mixed_linear(ctx, x, weight, bias=None):
+    # XLA:CPU runs 16-bit dots on its bf16 kernels only as a matrix product whose operands it
+    # does not have to move: so the weight's dim 1 is contracted in place (a transposed bf16
+    # operand is widened to f32 first, 1.8x slower), and a single row is padded to two (a
+    # one-row dot becomes a vector product computed in f32 on a widened weight: 13x slower for
+    # a 49152 x 576 LM head).
+    *lead, k = x.shape
+    rows = math.prod(lead)
+    x2 = x.reshape(rows, k).astype(weight.dtype)                          # [M, in]
+    pad = jax.core.max_dim(rows, 2) - rows if not isinstance(rows, int) else max(2 - rows, 0)
+    if not (isinstance(pad, int) and pad == 0):
+        x2 = jnp.concatenate([x2, jnp.zeros((pad, k), x2.dtype)])          # [max(M, 2), in]
+    y = lax.dot_general(x2, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    y = y[:rows].reshape(*lead, weight.shape[0]).astype(x.dtype)          # [..., out]
+    return y if bias is None else y + bias.astype(x.dtype)
 
 
 # aten::dot(Tensor self, Tensor tensor) -> Tensor

@@ -240,6 +240,16 @@ def _layer_layout(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
     return out
 
 
+# the stacked layer weights that are matrices (the rest are norms and biases)
+MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# Why stacked 16-bit matrices under wider activations are stored as int16 bits: XLA:CPU has no
+# 16-bit float data movement, so a dynamic-slice of a bf16 stack inside the layer loop makes it
+# widen the whole stack to f32 before the loop, and a bitcast of a bf16 parameter to integers
+# is a full copy (together ~25 ms of a 60 ms decode step). An int16 parameter is sliced as it
+# is; each layer's slice is viewed as bf16 right before its dot (a free bitcast).
+BITS_STORAGE = "int16 holding the bits of bf16/f16 values (viewed back before each dot)"
+
+
 class LlamaWeights(torch.nn.Module):
     """Every weight of the decoder, per-layer tensors stacked on a leading [L] dim.
 
@@ -250,9 +260,14 @@ class LlamaWeights(torch.nn.Module):
       layers.input_layernorm / layers.post_attention_layernorm [L, hidden];
       optional layers.qkv_bias [L, q+2kv], o_bias, gate_up_bias, down_bias;
       rope_inv_freq f32[head_dim/2] (a buffer).
+
+    `weight_dtype` (e.g. bf16 under f32 activations) stores the matrices narrower: their
+    products then go through hloserve::mixed_linear (exporter/custom_ops.py), activations
+    rounded to the weight dtype, sums in f32; the KV cache, norms and residuals keep `dtype`.
+    The stacked ones are then int16 tensors holding the bf16/f16 bits (BITS_STORAGE).
     """
 
-    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype = torch.float32, weight_dtype: torch.dtype | None = None):
         super().__init__()
         self.cfg = cfg
         L, h, inter, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -263,13 +278,21 @@ class LlamaWeights(torch.nn.Module):
             "qkv_bias": (L, cfg.q_size + 2 * cfg.kv_size), "o_bias": (L, h),
             "gate_up_bias": (L, 2 * inter), "down_bias": (L, h),
         }
+        # matrices (projections, embedding table, LM head) may be stored narrower than the
+        # activations; norms and biases stay in `dtype`
+        wdtype = weight_dtype or dtype
+        # narrower stacked matrices are stored as int16 holding their bits (BITS_STORAGE)
+        self.bits_dtype = wdtype if wdtype.is_floating_point and wdtype.itemsize == 2 else None
+
+        def param(shape, matrix: bool, stacked: bool = False):
+            dt = (torch.int16 if stacked and self.bits_dtype else wdtype) if matrix else dtype
+            return torch.nn.Parameter(torch.zeros(shape, dtype=dt), requires_grad=False)
+
         self.layer_names = tuple(_layer_layout(cfg))
-        self.layers = torch.nn.ParameterDict({
-            n: torch.nn.Parameter(torch.zeros(shapes[n], dtype=dtype), requires_grad=False) for n in self.layer_names})
-        self.embed_tokens = torch.nn.Parameter(torch.zeros(V, h, dtype=dtype), requires_grad=False)
-        self.norm = torch.nn.Parameter(torch.zeros(h, dtype=dtype), requires_grad=False)
-        self.lm_head = None if cfg.tie_word_embeddings else \
-            torch.nn.Parameter(torch.zeros(V, h, dtype=dtype), requires_grad=False)
+        self.layers = torch.nn.ParameterDict({n: param(shapes[n], n in MATRICES, True) for n in self.layer_names})
+        self.embed_tokens = param((V, h), True)
+        self.norm = param((h,), False)
+        self.lm_head = None if cfg.tie_word_embeddings else param((V, h), True)
         self.register_buffer("rope_inv_freq", rope_inv_freq(cfg))
 
     # The step reads weights only through these (quantization.convert.QuantizedLlamaWeights
@@ -279,25 +302,39 @@ class LlamaWeights(torch.nn.Module):
         """Compute dtype: activations and the KV cache."""
         return self.norm.dtype
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """dtype of the matrices' values (the compute dtype unless stored narrower)."""
+        return self.embed_tokens.dtype
+
+    def weight_quant(self, name: str, tensor: torch.Tensor) -> dict | None:
+        """The manifest's WeightSpec.quant of an artifact weight: says which int16 weights are bits."""
+        if self.bits_dtype is None or tensor.dtype != torch.int16:
+            return None
+        from .. import dtypes
+        return {"scheme": dtypes.artifact_name_of_torch(self.bits_dtype), "role": "bits", "stored": BITS_STORAGE,
+                "shape": list(tensor.shape)}
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.embed_tokens)                     # [T, hidden]
+        return F.embedding(tokens, self.embed_tokens).to(self.dtype)      # [T, hidden]
 
     def linear(self, x: torch.Tensor, lw: Mapping[str, torch.Tensor], name: str,
                bias: torch.Tensor | None) -> torch.Tensor:
         """x @ lw[name].T + bias, lw being one layer's slice of the stacked weights."""
-        return F.linear(x, lw[name], bias)
+        w = lw[name]
+        return _linear(x, w.view(self.bits_dtype) if self.bits_dtype else w, bias)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.embed_tokens if self.lm_head is None else self.lm_head)   # [S, V]
+        return _linear(h, self.embed_tokens if self.lm_head is None else self.lm_head, None)   # [S, V]
 
     @classmethod
     def from_hf_tensors(cls, cfg: LlamaConfig, get: Callable[[str], torch.Tensor], names: Iterable[str],
-                        dtype: torch.dtype = torch.float32) -> "LlamaWeights":
+                        dtype: torch.dtype = torch.float32, weight_dtype: torch.dtype | None = None) -> "LlamaWeights":
         """Build stacked weights from HF-named tensors; `get(name)` returns one tensor (any dtype)."""
         from ..errors import SourceError
 
         names = set(names)
-        w = cls(cfg, dtype)
+        w = cls(cfg, dtype, weight_dtype)
 
         def fetch(name):
             if name not in names:
@@ -314,15 +351,25 @@ class LlamaWeights(torch.nn.Module):
                     if tuple(src.shape) != tuple(dst.shape[1:]):
                         raise SourceError(f"{parts[0].format(i=i)}...: shape {tuple(src.shape)} does not match the "
                                           f"config's {tuple(dst.shape[1:])}")
-                    dst[i].copy_(src.to(dtype))
-            w.embed_tokens.copy_(fetch("model.embed_tokens.weight").to(dtype))
+                    src = src.to(w.bits_dtype).view(torch.int16) if dst.dtype == torch.int16 else src.to(dst.dtype)
+                    dst[i].copy_(src)
+            w.embed_tokens.copy_(fetch("model.embed_tokens.weight").to(w.embed_tokens.dtype))
             w.norm.copy_(fetch("model.norm.weight").to(dtype))
             if w.lm_head is not None:
-                w.lm_head.copy_(fetch("lm_head.weight").to(dtype))
+                w.lm_head.copy_(fetch("lm_head.weight").to(w.lm_head.dtype))
         return w
 
 
 # -- the step ----------------------------------------------------------------
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, or mixed_linear for 16-bit weights (narrower than x, or not: its lowering keeps
+    XLA:CPU's bf16 kernels, which a bf16 F.linear's transposed operand loses)."""
+    if weight.dtype.itemsize != 2 or not weight.dtype.is_floating_point:
+        return F.linear(x, weight, bias)
+    from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.mixed_linear
+    return torch.ops.hloserve.mixed_linear(x, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: normalize in f32, scale in the input dtype."""
     xf = x.float()

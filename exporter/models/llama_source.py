@@ -65,7 +65,11 @@ def source_from_weights(weights: LlamaWeights, description: str, *, opts: StepEx
     }
     if add_bos_token is not None:
         model["add_bos_token"] = add_bos_token
-    return Source(description, step_entries(weights, opts), model, dict(files or {}))
+    if getattr(weights, "weight_dtype", dtype) != dtype:
+        from .. import dtypes
+        model["weight_dtype"] = dtypes.artifact_name_of_torch(weights.weight_dtype)
+    return Source(description, step_entries(weights, opts), model, dict(files or {}),
+                  weight_quant=weights.weight_quant if getattr(weights, "bits_dtype", None) else None)
 
 
 # -- Hugging Face directory -------------------------------------------------------
@@ -107,7 +111,7 @@ def _chat_template(path: str) -> str | None:
 
 
 def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *,
-                      opts: StepExportOptions | None = None) -> Source:
+                      opts: StepExportOptions | None = None, weight_dtype: torch.dtype | None = None) -> Source:
     """A HF LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM directory -> Source."""
     cfg_path = os.path.join(path, "config.json")
     try:
@@ -119,7 +123,7 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *,
     get, names = _safetensors_getter(path)
     if cfg.tie_word_embeddings is False and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
         raise SourceError(f"{path}: config says tie_word_embeddings=false but there is no lm_head.weight")
-    weights = LlamaWeights.from_hf_tensors(cfg, get, names, tdtype)
+    weights = LlamaWeights.from_hf_tensors(cfg, get, names, tdtype, weight_dtype)
     files = {f: os.path.join(path, f) for f in _TOKENIZER_FILES if os.path.exists(os.path.join(path, f))}
     archs = raw.get("architectures") or []
     add_bos = None
@@ -135,7 +139,7 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *,
 
 # -- GGUF ---------------------------------------------------------------------------
 def from_gguf(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExportOptions | None = None,
-              build_weights: Callable | None = None) -> Source:
+              build_weights: Callable | None = None, weight_dtype: torch.dtype | None = None) -> Source:
     """A llama.cpp GGUF file (llama / qwen2 architectures) -> Source, weights dequantized to `tdtype`.
 
     build_weights(cfg, ckpt) -> weights replaces the dequantization (e.g.
@@ -155,7 +159,7 @@ def from_gguf(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExpor
         weights = build_weights(cfg, ckpt)
     else:
         sd = ckpt.state_dict()
-        weights = LlamaWeights.from_hf_tensors(cfg, sd.__getitem__, list(sd), tdtype)
+        weights = LlamaWeights.from_hf_tensors(cfg, sd.__getitem__, list(sd), tdtype, weight_dtype)
     # Source.files copies from paths: write the GGUF's tokenizer to a private temp dir
     tmp = tempfile.mkdtemp(prefix="hloserve-gguf-tok-")
     tok_path = os.path.join(tmp, "tokenizer.json")

@@ -110,3 +110,42 @@ def test_minilm_cli_bf16_matches_eager_bf16(tmp_path, minilm_dir):
         assert diff.max() <= 0.03 * scale, (diff.max(), scale)
         assert diff.mean() <= 0.005 * scale, (diff.mean(), scale)
         assert np.abs(got - exact).mean() <= 1.5 * np.abs(want - exact).mean()
+
+
+class MixedLinear(torch.nn.Module):
+    """hloserve::mixed_linear over a bf16 weight (with and without bias) on f32 activations."""
+
+    def __init__(self, bias: bool):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.weight = torch.nn.Parameter(torch.randn(48, 32, generator=g).to(torch.bfloat16), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.randn(48, generator=g), requires_grad=False) if bias else None
+
+    def forward(self, x):                         # (B, S, 32) f32 -> (B, S, 48) f32
+        from hloserve.exporter import custom_ops  # noqa: F401
+        return torch.ops.hloserve.mixed_linear(x, self.weight, self.bias)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_mixed_linear_matches_its_eager_definition(tmp_path, bias):
+    """The lowering (bf16 dot, f32 sums; one row padded to two) against the op's eager form (f32
+    linear over bf16-rounded operands: the products are exact, only the summation order differs),
+    for 1 row, a few rows and a 3-D input, through a dynamic batch and sequence."""
+    from hloserve.exporter.export import EntryPoint, export_artifact
+    module = MixedLinear(bias).eval()
+    x = torch.randn(2, 3, 32)
+    dyn = ({0: Dim("batch", min=1, max=8), 1: Dim("seq", min=1, max=64)},)
+    export_artifact(str(tmp_path / "art"), [EntryPoint("forward", module, (x,), dyn, input_names=["x"])],
+                    source="mixed-linear", model={"task": "generic"})
+    fn = load(str(tmp_path / "art")).functions["forward"]
+    g = torch.Generator().manual_seed(4)
+    for shape in [(1, 1, 32), (1, 5, 32), (3, 7, 32)]:
+        xs = torch.randn(*shape, generator=g)
+        with torch.no_grad():
+            want = module(xs).numpy()
+            f32 = torch.nn.functional.linear(xs, module.weight.float(), module.bias).numpy()
+        got = np.asarray(fn(x=xs.numpy())["output"])
+        assert got.dtype == np.float32 and got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        # and it is a real rounding of the activations: not the f32 product
+        assert np.abs(got - f32).max() > 1e-4

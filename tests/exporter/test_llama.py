@@ -246,7 +246,10 @@ def test_cli_export_bfloat16(tmp_path):
     assert main(["export", str(tmp_path / "hf"), "-o", str(tmp_path / "art"), "--dtype", "bfloat16", "-q"]) == 0
     with open(tmp_path / "art" / "manifest.json") as f:
         manifest = json.load(f)
-    assert manifest["weights"]["model.layers.qkv_proj"]["dtype"] == "bf16"
+    # the stacked matrices are stored as their bits in int16 (models/llama.py, BITS_STORAGE)
+    assert manifest["weights"]["model.layers.qkv_proj"]["dtype"] == "i16"
+    assert manifest["weights"]["model.layers.qkv_proj"]["quant"]["scheme"] == "bf16"
+    assert manifest["weights"]["model.embed_tokens"]["dtype"] == "bf16"
     assert manifest["model"]["llm"]["kv_cache"]["dtype"] == "bf16"
     model = load(str(tmp_path / "art"))
     import jax.numpy as jnp
@@ -260,6 +263,81 @@ def test_cli_export_bfloat16(tmp_path):
     assert got.dtype == np.float32
     # bf16 has 8 mantissa bits: compare relative to the logit scale
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max(), (np.abs(got - want).max(), np.abs(want).max())
+
+
+def _hf_with_mixed_linears(hf, dtype=torch.bfloat16):
+    """`hf` computing every Linear as hloserve::mixed_linear does: weights and inputs rounded to
+    `dtype`, products summed in f32 (pre-hooks round the inputs; the weights are rounded once)."""
+    with torch.no_grad():
+        for m in hf.modules():
+            if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+                m.weight.copy_(m.weight.to(dtype).float())
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_pre_hook(lambda mod, args: (args[0].to(dtype).float(),))
+    return hf
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_cli_export_bf16_weights(tmp_path, arch):
+    """`--weight-dtype bfloat16`: bf16 matrices (stacked ones as int16 bits), f32 norms, activations
+    and KV cache. Logits match transformers computing its Linears the same way (inputs and weights
+    rounded to bf16, f32 sums) within 1e-3 of the logit scale, and plain f32 transformers within
+    2%; a two-chunk prompt and greedy decode agree with the first."""
+    from hloserve.exporter.cli import main
+    from hloserve.runtime import load
+    hf = _hf_model(arch, seed=5)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    assert main(["export", str(tmp_path / "hf"), "-o", str(tmp_path / "art"), "--weight-dtype", "bfloat16",
+                 "-q"]) == 0
+    with open(tmp_path / "art" / "manifest.json") as f:
+        manifest = json.load(f)
+    weights = manifest["weights"]
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        assert weights[f"model.layers.{name}"]["dtype"] == "i16"
+        assert weights[f"model.layers.{name}"]["quant"]["scheme"] == "bf16"
+    assert weights["model.embed_tokens"]["dtype"] == "bf16" and "quant" not in weights["model.embed_tokens"]
+    assert weights["model.layers.input_layernorm"]["dtype"] == "f32" and weights["model.norm"]["dtype"] == "f32"
+    assert manifest["model"]["weight_dtype"] == "bf16"
+    assert manifest["model"]["llm"]["kv_cache"]["dtype"] == "f32"
+    # half the bytes of the f32 matrices
+    f32_bytes = sum(p.numel() * 4 for p in hf.parameters())
+    assert os.path.getsize(tmp_path / "art" / "weights.safetensors") < 0.6 * f32_bytes
+
+    model = load(str(tmp_path / "art"), buckets={"num_tokens": [1, 8, 32], "num_seqs": [1, 8], "max_blocks": [8]})
+    (prompt,) = _prompts([21], seed=6)
+    with torch.no_grad():
+        f32_logits = hf(torch.tensor([prompt])).logits[0].numpy()
+        want = _hf_with_mixed_linears(hf)(torch.tensor([prompt])).logits[0].numpy()
+    scale = np.abs(want).max()
+    paged = Paged(model)
+    got = np.concatenate([paged.step("prefill", {0: prompt[:13]}), paged.step("decode", {0: prompt[13:14]}),
+                          paged.step("prefill", {0: prompt[14:]})])
+    for row, pos in zip(got, (12, 13, 20)):
+        assert np.abs(row - want[pos]).max() < 1e-3 * scale, (pos, np.abs(row - want[pos]).max(), scale)
+        assert np.abs(row - f32_logits[pos]).max() < 0.02 * scale
+    # greedy continuation: token-identical to the hooked transformers model
+    ids = list(prompt)
+    tok = int(np.argmax(got[-1]))
+    for _ in range(8):
+        ids.append(tok)
+        with torch.no_grad():
+            ref = int(hf(torch.tensor([ids])).logits[0, -1].argmax())
+        tok = int(np.argmax(paged.step("decode", {0: [ids[-1]]})[0]))
+        assert tok == ref
+
+
+def test_weight_dtype_errors_name_the_fix(tmp_path, capsys):
+    """--weight-dtype is for LLM step exports, not with --quantize, and must be a float dtype."""
+    from hloserve.exporter.cli import main
+    art = str(tmp_path / "art")
+    assert main(["export", "smollm2-135m-instruct", "-o", art, "--weight-dtype", "bfloat16", "--quantize", "int8"]) == 1
+    assert "--weight-dtype and --quantize both choose how weights are stored" in capsys.readouterr().err
+    assert main(["export", "smollm2-135m-instruct", "-o", art, "--weight-dtype", "int8"]) == 1
+    assert "--weight-dtype 'int8' is not supported" in capsys.readouterr().err
+    assert main(["export", "tests.exporter.factories:mlp", "-o", art, "--weight-dtype", "bfloat16"]) == 1
+    assert "--weight-dtype applies to LLMs exported as step functions" in capsys.readouterr().err
+    assert not os.path.exists(art)
 
 
 @pytest.mark.slow
