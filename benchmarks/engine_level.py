@@ -40,14 +40,14 @@ class TimedFunction:
 
 
 def main(argv=None) -> int:
-    from hloserve.exporter.presets import cache_dir
+    from hloserve.server.serve import default_artifact_path
     from hloserve.exporter.artifact import read_manifest
     from hloserve.server.engine import build_engine
     from hloserve.server.sampling import SamplingParams
     from hloserve.server.services import ServeConfig
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--artifact", default=os.path.join(cache_dir(), "artifacts", "smollm2-135m-instruct"))
+    ap.add_argument("--artifact", default=default_artifact_path())
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=48)

@@ -3,7 +3,9 @@
 /health answers at once; /ready answers 503 until warm-up has compiled every
 bucket (then the engine loop starts). With no ARTIFACT, the default model
 (SmolLM2-135M-Instruct) is exported into the cache on first use — in a
-subprocess, so the serving process itself never imports torch.
+subprocess, so the serving process itself never imports torch — with
+DEFAULT_EXPORT_FLAGS: bf16 weight matrices under f32 activations and KV cache, the
+form XLA:CPU serves fastest at the f32 model's perplexity (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -16,17 +18,26 @@ import threading
 from .services import LLMService, ServeConfig, build_service
 
 DEFAULT_PRESET = "smollm2-135m-instruct"
+# How the default model is exported, and the cache directory's suffix naming it (a cache
+# written with other flags is never mistaken for this one).
+DEFAULT_EXPORT_FLAGS = ("--weight-dtype", "bfloat16")
+DEFAULT_EXPORT_TAG = "bf16w"
 log = logging.getLogger("hloserve.server")
+
+
+def default_artifact_path(preset: str = DEFAULT_PRESET) -> str:
+    """Where `hloserve serve` keeps the default model's artifact (it may not exist yet)."""
+    from hloserve.exporter.presets import cache_dir
+    return os.path.join(cache_dir(), "artifacts", f"{preset}-{DEFAULT_EXPORT_TAG}")
 
 
 def default_artifact(preset: str = DEFAULT_PRESET) -> str:
     """The default model's artifact, exported into the cache the first time."""
-    from hloserve.exporter.presets import cache_dir
-    path = os.path.join(cache_dir(), "artifacts", preset)
+    path = default_artifact_path(preset)
     if os.path.exists(os.path.join(path, "manifest.json")):
         return path
     print(f"[hloserve] first run: exporting {preset} to {path} (once; later starts reuse it)", file=sys.stderr, flush=True)
-    cmd = [sys.executable, "-m", "hloserve.exporter.cli", "export", preset, "-o", path]
+    cmd = [sys.executable, "-m", "hloserve.exporter.cli", "export", preset, "-o", path, *DEFAULT_EXPORT_FLAGS]
     if subprocess.run(cmd).returncode != 0:
         from hloserve.exporter.errors import HloserveError
         raise HloserveError(f"exporting the default model {preset} failed (see above); run `{' '.join(cmd[2:])}` to retry")

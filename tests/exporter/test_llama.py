@@ -19,6 +19,8 @@ import torch
 from hloserve.exporter.models.llama import (STEP_INPUTS, LlamaConfig, LlamaStep, LlamaWeights, build_step_inputs)
 from hloserve.server.model_runner import kv_cache_shape
 
+from ..reference import hf_with_mixed_linears
+
 ATOL = 1e-4
 BLOCK = 16
 NUM_BLOCKS = 40
@@ -265,18 +267,6 @@ def test_cli_export_bfloat16(tmp_path):
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max(), (np.abs(got - want).max(), np.abs(want).max())
 
 
-def _hf_with_mixed_linears(hf, dtype=torch.bfloat16):
-    """`hf` computing every Linear as hloserve::mixed_linear does: weights and inputs rounded to
-    `dtype`, products summed in f32 (pre-hooks round the inputs; the weights are rounded once)."""
-    with torch.no_grad():
-        for m in hf.modules():
-            if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
-                m.weight.copy_(m.weight.to(dtype).float())
-            if isinstance(m, torch.nn.Linear):
-                m.register_forward_pre_hook(lambda mod, args: (args[0].to(dtype).float(),))
-    return hf
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_cli_export_bf16_weights(tmp_path, arch):
@@ -308,7 +298,7 @@ def test_cli_export_bf16_weights(tmp_path, arch):
     (prompt,) = _prompts([21], seed=6)
     with torch.no_grad():
         f32_logits = hf(torch.tensor([prompt])).logits[0].numpy()
-        want = _hf_with_mixed_linears(hf)(torch.tensor([prompt])).logits[0].numpy()
+        want = hf_with_mixed_linears(hf)(torch.tensor([prompt])).logits[0].numpy()
     scale = np.abs(want).max()
     paged = Paged(model)
     got = np.concatenate([paged.step("prefill", {0: prompt[:13]}), paged.step("decode", {0: prompt[13:14]}),

@@ -3,12 +3,14 @@
 The first run exports the preset into the hloserve cache (HLOSERVE_CACHE, default
 ~/.cache/hloserve; several minutes on 2 cores), later runs reuse it. The greedy chat answer
 must name Paris and equal, token for token, transformers' greedy generation on the same
-dequantized weights.
+dequantized weights computed the way the default artifact computes them (its Linears on
+bf16-rounded weights and inputs with f32 sums: `hloserve serve`'s DEFAULT_EXPORT_FLAGS).
 """
 from __future__ import annotations
 
 import pytest
 
+from ..reference import hf_with_mixed_linears
 from .servers import hf_greedy, running_server
 
 pytestmark = pytest.mark.slow
@@ -30,7 +32,8 @@ def test_default_model_answers_the_capital_of_france(default_server):
     answer = r.choices[0].message.content
     assert "Paris" in answer, answer
 
-    # the same tokens as transformers' greedy generation on the GGUF's weights (dequantized to f32)
+    # the same tokens as transformers' greedy generation on the GGUF's weights (dequantized), with
+    # the default artifact's matmul rounding
     import torch
     import transformers
 
@@ -47,6 +50,8 @@ def test_default_model_answers_the_capital_of_france(default_server):
     assert set(missing) <= {"lm_head.weight"} and not unexpected   # the head is tied to the embedding
     hf.tie_weights()
     art = default_artifact()
+    assert artifact.read_manifest(art).model["weight_dtype"] == "bf16"
+    hf_with_mixed_linears(hf)
     tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
     want = hf_greedy(hf, tok.encode_chat(QUESTION), r.usage.completion_tokens)
     assert r.usage.prompt_tokens == len(tok.encode_chat(QUESTION))
