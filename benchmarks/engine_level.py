@@ -2,6 +2,7 @@
 
     python benchmarks/engine_level.py [--artifact DIR] [--requests 32] [--concurrency 16]
                                       [--output-len 48] [--min-input 35] [--max-input 414]
+                                      [--serve FIELD=VALUE ...]
 
 Runs `benchmarks/serve.py`'s kind of level (random-token prompts of mixed lengths, greedy,
 EOS ignored, at most --concurrency requests in flight, a new one as soon as one finishes) on the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import random
 import sys
@@ -54,6 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-input", type=int, default=35)
     ap.add_argument("--max-input", type=int, default=414)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--serve", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a ServeConfig field to change, e.g. --serve prefill_growth=2 (repeatable)")
     args = ap.parse_args(argv)
     if not os.path.exists(os.path.join(args.artifact, "manifest.json")):
         print(f"engine_level: no artifact at {args.artifact}; run `hloserve serve` once (it exports the default "
@@ -61,7 +65,8 @@ def main(argv=None) -> int:
         return 2
 
     llm = read_manifest(args.artifact).model["llm"]
-    engine, _ = build_engine(args.artifact, ServeConfig().engine_config(llm))
+    fields = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.serve)}
+    engine, _ = build_engine(args.artifact, dataclasses.replace(ServeConfig(), **fields).engine_config(llm))
     t0 = time.perf_counter()
     engine.warmup(lambda line: print(f"  {line}", end="\r", flush=True))
     print(f"\nwarm-up {time.perf_counter() - t0:.1f} s", flush=True)

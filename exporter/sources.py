@@ -50,12 +50,11 @@ def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = Non
     Linear/Embedding weights are swapped for quantized ones (a GGUF with `gguf` keeps its blocks).
     `weight_dtype` (--weight-dtype) stores an LLM's matrices narrower than `dtype` (models/llama.py)."""
     if weight_dtype is not None:
-        if weight_dtype not in DTYPES:
-            raise SourceError(f"--weight-dtype {weight_dtype!r} is not supported; use one of {sorted(DTYPES)}")
+        if weight_dtype not in ("bfloat16", "float16") or dtype != "float32":
+            raise SourceError(f"--weight-dtype {weight_dtype!r} is not supported with --dtype {dtype}; use bfloat16 or "
+                              f"float16 under --dtype float32 (or --dtype alone for one dtype throughout)")
         if quantize:
             raise SourceError("--weight-dtype and --quantize both choose how weights are stored; use one of them")
-        if weight_dtype == dtype:
-            weight_dtype = None
     if weight_dtype is not None:
         return _load_source(spec, dtype, None, DTYPES[weight_dtype])
     if quantize:

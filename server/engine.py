@@ -448,7 +448,8 @@ class EngineConfig:
         largest S and T buckets equal them.
       max_model_len: context per request; None = the artifact's max_context.
       kv_cache_bytes: device memory for the KV cache (sets num_blocks); num_blocks overrides it.
-      block_buckets: how many block-table widths to compile (x4 apart, the largest covers max_model_len).
+      block_buckets / block_growth: how many block-table widths to compile, and their ratio (the
+        largest covers max_model_len; every step pays attention for its bucket's width).
       min_token_bucket: the smallest prefill T bucket.
       prefill_growth: ratio between consecutive prefill T and S buckets (2 = powers of two;
         4 compiles about half as many prefill shapes, padding a prefill step more).
@@ -461,6 +462,7 @@ class EngineConfig:
     kv_cache_bytes: int = 512 << 20
     num_blocks: int | None = None
     block_buckets: int = 2
+    block_growth: int = 4
     min_token_bucket: int = 16
     prefill_growth: int = 2
     enable_prefix_caching: bool = True
@@ -498,7 +500,8 @@ def build_engine(artifact_path: str, config: EngineConfig = EngineConfig(), *, s
     rcfg = RunnerConfig.for_limits(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_blocks=-(-max_len // bs), num_blocks=config.num_blocks,
                                    kv_cache_bytes=config.kv_cache_bytes, min_tokens=config.min_token_bucket,
-                                   block_buckets=config.block_buckets, prefill_growth=config.prefill_growth)
+                                   block_buckets=config.block_buckets, prefill_growth=config.prefill_growth,
+                                   block_growth=config.block_growth)
     runner = ModelRunner.from_artifact(artifact_path, rcfg, platform=config.platform, strict=strict)
     tok_file = manifest.model.get("tokenizer")
     tokenizer = (Tokenizer.from_artifact(artifact_path, manifest.model)

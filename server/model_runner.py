@@ -89,20 +89,21 @@ class RunnerConfig:
     @classmethod
     def for_limits(cls, *, max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int,
                    num_blocks: int | None = None, kv_cache_bytes: int = 256 << 20,
-                   min_tokens: int = 16, block_buckets: int = 2, prefill_growth: int = 2) -> "RunnerConfig":
+                   min_tokens: int = 16, block_buckets: int = 2, prefill_growth: int = 2,
+                   block_growth: int = 4) -> "RunnerConfig":
         """Buckets up to the scheduler's limits.
 
-        Decode S: powers of two. Prefill T and S: min_tokens (1 for S) times powers of
-        `prefill_growth`. B: `block_buckets` widths ending at max_blocks, x4 apart.
+        S (decode and prefill): powers of two: a padding sequence costs prefill's flat
+        attention a whole context (T x C), so S buckets stay fine. Prefill T: min_tokens times
+        powers of `prefill_growth`. B: `block_buckets` widths ending at max_blocks, `block_growth`
+        apart.
         """
         widths = [max_blocks]
-        while len(widths) < block_buckets and widths[-1] // 4 >= 1:
-            widths.append(widths[-1] // 4)
+        while len(widths) < block_buckets and widths[-1] // block_growth >= 1:
+            widths.append(widths[-1] // block_growth)
         seqs = _pow2_upto(1, max_num_seqs)
-        prefill_seqs = _pow2_upto(1, max_num_seqs, prefill_growth)
         return cls(_pow2_upto(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens, prefill_growth),
-                   seqs, tuple(sorted(set(widths))), num_blocks, kv_cache_bytes,
-                   None if prefill_seqs == seqs else prefill_seqs)
+                   seqs, tuple(sorted(set(widths))), num_blocks, kv_cache_bytes)
 
 
 @dataclasses.dataclass(frozen=True)

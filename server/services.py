@@ -29,9 +29,10 @@ class ServeConfig:
       max_model_len: context per request (<= the artifact's max_context); None: the artifact's,
         at most DEFAULT_MAX_MODEL_LEN (a longer context means wider block tables to compile).
       kv_cache_bytes: device memory for the paged KV cache.
-      min_token_bucket / block_buckets / prefill_growth: the LLM runner's shape buckets
-        (EngineConfig); the defaults compile 33 shapes for 16 sequences, 128 tokens a step
-        and a 2048-token context.
+      min_token_bucket / block_buckets / block_growth / prefill_growth: the LLM runner's shape buckets
+        (EngineConfig); the defaults compile 75 shapes for 16 sequences, 128 tokens a step
+        and a 2048-token context: block-table widths 8..128 blocks x2 apart, since every step
+        pays attention for its width (a 205-token prompt costs 16 blocks, not 32).
       max_pending: requests admitted at once (queued + running); more answer 429 with Retry-After.
       max_batch_size / batch_timeout_s: predict batching (TF Serving's batching_parameters).
       model_name: the name clients use (default: the artifact directory's name).
@@ -42,7 +43,8 @@ class ServeConfig:
     max_model_len: int | None = None
     kv_cache_bytes: int = 1 << 30
     min_token_bucket: int = 32
-    block_buckets: int = 3
+    block_buckets: int = 5
+    block_growth: int = 2
     prefill_growth: int = 4
     num_blocks: int | None = None
     max_pending: int = 256
@@ -64,7 +66,7 @@ class ServeConfig:
             max_model_len=self.max_model_len or min(int(llm["max_context"]), DEFAULT_MAX_MODEL_LEN),
             kv_cache_bytes=self.kv_cache_bytes, num_blocks=self.num_blocks, platform=self.platform,
             min_token_bucket=self.min_token_bucket, block_buckets=self.block_buckets,
-            prefill_growth=self.prefill_growth)
+            block_growth=self.block_growth, prefill_growth=self.prefill_growth)
 
 
 class Readiness:
