@@ -157,8 +157,9 @@ def _serve(args: argparse.Namespace) -> int:
     from hloserve.server.serve import serve
     from hloserve.server.services import ServeConfig
 
-    config = ServeConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_mib << 20,
+    limits = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
+                                ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
+    config = ServeConfig(**limits, max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_mib << 20,
                          num_blocks=args.num_blocks,
                          max_pending=args.max_pending, max_batch_size=args.max_batch_size,
                          batch_timeout_s=args.batch_timeout_ms / 1000, model_name=args.model_name,
@@ -236,8 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set HLOSERVE_API_KEY)")
     sv.add_argument("--model-name", help="model name clients use (default: the artifact directory's name)")
-    sv.add_argument("--max-num-seqs", type=int, default=16, help="LLM: sequences per step")
-    sv.add_argument("--max-num-batched-tokens", type=int, default=128, help="LLM: tokens per step (chunked prefill)")
+    sv.add_argument("--max-num-seqs", type=int, help="LLM: sequences per step (default 16)")
+    sv.add_argument("--max-num-batched-tokens", type=int, help="LLM: tokens per step, prompts chunked to fit (default 256)")
     sv.add_argument("--max-model-len", type=int, help="LLM: context per request (default: the artifact's, at most 2048)")
     sv.add_argument("--kv-cache-mib", type=int, default=1024, help="LLM: device memory for the paged KV cache")
     sv.add_argument("--num-blocks", type=int, help="LLM: KV blocks (overrides --kv-cache-mib)")

@@ -30,7 +30,7 @@ class ServeConfig:
         at most DEFAULT_MAX_MODEL_LEN (a longer context means wider block tables to compile).
       kv_cache_bytes: device memory for the paged KV cache.
       min_token_bucket / block_buckets / block_growth / prefill_growth: the LLM runner's shape buckets
-        (EngineConfig); the defaults compile 75 shapes for 16 sequences, 128 tokens a step
+        (EngineConfig); the defaults compile 100 shapes for 16 sequences, 256 tokens a step
         and a 2048-token context: block-table widths 8..128 blocks x2 apart, since every step
         pays attention for its width (a 205-token prompt costs 16 blocks, not 32).
       max_pending: requests admitted at once (queued + running); more answer 429 with Retry-After.
@@ -39,7 +39,7 @@ class ServeConfig:
       api_key: when set, /v1/* requires `Authorization: Bearer KEY`.
     """
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 128
+    max_num_batched_tokens: int = 256
     max_model_len: int | None = None
     kv_cache_bytes: int = 1 << 30
     min_token_bucket: int = 32
