@@ -4,6 +4,9 @@ torch indices may be negative (Python-style); jax's `mode="fill"`/clip modes
 differ, so indices are wrapped explicitly where torch allows negatives.
 Gathers and plain scatters of bf16/f16 move the bits as uint16 (_util.to_bits): XLA:CPU would
 otherwise widen the whole operand (an embedding table, a KV cache) to f32 on every call.
+Row gathers (embedding, index_select) clamp their indices (torch requires them in bounds):
+jnp.take's default NaN fill adds a bounds check and a select to every gathered element;
+clamping touches only the indices.
 """
 from __future__ import annotations
 
@@ -14,6 +17,9 @@ import torch
 
 from ..registry import lower
 from ._util import canon_dim, from_bits, to_bits
+
+# torch errors on an out-of-range row index; clamping it costs nothing per gathered element
+_IN_BOUNDS = "clip"
 
 aten = torch.ops.aten
 
@@ -27,7 +33,7 @@ def _wrap(idx, size):
 # aten::embedding(Tensor weight, Tensor indices, SymInt padding_idx=-1, bool scale_grad_by_freq=False, bool sparse=False) -> Tensor
 @lower(aten.embedding)
 def _embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    return from_bits(jnp.take(to_bits(weight), indices, axis=0), weight.dtype)
+    return from_bits(jnp.take(to_bits(weight), indices, axis=0, mode=_IN_BOUNDS), weight.dtype)
 
 
 # aten::index_select(Tensor self, int dim, Tensor index) -> Tensor
@@ -36,7 +42,7 @@ def _index_select(ctx, x, dim, index):
     d = canon_dim(dim, x.ndim)
     if x.ndim == 0:
         return x
-    return from_bits(jnp.take(to_bits(x), _wrap(index, x.shape[d]).reshape(-1), axis=d), x.dtype)
+    return from_bits(jnp.take(to_bits(x), _wrap(index, x.shape[d]).reshape(-1), axis=d, mode=_IN_BOUNDS), x.dtype)
 
 
 # aten::index.Tensor(Tensor self, Tensor?[] indices) -> Tensor
