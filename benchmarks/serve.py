@@ -10,7 +10,8 @@ HTTP streaming (SSE) and measure, per request: TTFT (time to the first token), I
 consecutive streamed tokens), TPOT ((e2e - TTFT) / (tokens - 1)) and e2e latency; per level: output
 tokens/s over the level's wall time. Systems, run one at a time on the same SmolLM2-135M-Instruct:
 
-  * hloserve: `hloserve serve` on the preset's artifact (GGUF Q4_1 dequantized to f32), default settings;
+  * hloserve: `hloserve serve` on the default artifact (the preset's GGUF Q4_1 dequantized; weight
+    matrices in bf16, activations and KV cache f32: `--weight-dtype bfloat16`), default settings;
   * transformers eager `generate` (f32, the same dequantized weights), the same requests in static
     batches of up to c, left-padded; a batch starts when the previous one ends, so a request's
     latencies count from its batch's start (queueing before it is not counted), and ITL is the time
@@ -399,8 +400,10 @@ numbers are pessimistic and vary run to run. Date: {date}. jax {jax}, torch {tor
 
 Workload: {n} fixed random prompts ({lo}..{hi} tokens, mean {mean:.0f}), {out} greedy output tokens
 each (EOS ignored), streamed over HTTP (SSE) by c concurrent clients; requests per level: {levels}.
-Same SmolLM2-135M-Instruct weights everywhere: hloserve and transformers run the GGUF's Q4_1 weights
-dequantized to f32; llama-cpp-python's server runs the Q4_1 GGUF itself. transformers eager
+Same SmolLM2-135M-Instruct weights everywhere: transformers runs the GGUF's Q4_1 weights dequantized
+to f32; hloserve serves its default artifact of them (weight matrices in bf16, matmuls on
+bf16-rounded activations with f32 sums, everything else f32; perplexity 13.509 against f32's 13.514,
+see below); llama-cpp-python's server runs the Q4_1 GGUF itself. transformers eager
 `generate` gets the same requests in static left-padded batches of up to c (latencies count from
 the batch's start).
 
@@ -419,72 +422,65 @@ Targets of the serving issue:
 NOTES_TEXT = """
 ### Serving defaults and warm-up
 
-`hloserve serve` defaults (server/services.py `ServeConfig`): 16 sequences and 128 tokens a step,
+`hloserve serve` defaults (server/services.py `ServeConfig`): 16 sequences and 256 tokens a step,
 context 2048 (the artifact allows 8192; `--max-model-len` raises it), 1 GiB of KV cache (1456 blocks
-of 16 tokens for SmolLM2, 23k tokens). Buckets: decode S 1, 2, 4, 8, 16; prefill T 32, 128 and S 1, 4,
-16; block-table widths 8, 32, 128 blocks: 33 executables, each compiled and run once before /ready.
-Measured on this machine: warm-up 74 s with an empty XLA cache (load ~8), 8-38 s on later starts
-(persistent compilation cache; 8 s at load 1). The first `hloserve serve` with no artifact also exports the
-preset into `~/.cache/hloserve/artifacts` (3 min 48 s at load 11); `tests/server/test_serve_default.py`
-(export, warm-up, "Paris", token-exact against transformers greedy) took 4 min 32 s.
+of 16 tokens for SmolLM2, 23k tokens). Buckets: decode S 1, 2, 4, 8, 16; prefill T 32, 128, 256 and
+S 1, 2, 4, 8, 16; block-table widths 8, 16, 32, 64, 128 blocks: 100 executables, each compiled and
+run once before /ready. Measured on this machine (2026-11-22, load ~1): warm-up 74 s with an empty
+XLA cache, 29 s on later starts (persistent compilation cache). The first `hloserve serve` with no
+artifact also exports the preset into `~/.cache/hloserve/artifacts` (about 10 s).
 
 ### Where the time goes
 
-Load on this shared machine swings from 1 to 12 within minutes, and every number above moves with
-it (an earlier run of this benchmark at load ~5: hloserve 15.9 / 32.8 / 22.2 / 29.3 output tok/s at
-c = 1 / 4 / 16 / 32, llama-cpp-python 30.4 / 26.0 / 19.2 / 16.6, transformers 13.7 / 15.8 / 23.1 /
-23.1). llama.cpp runs with 1 thread and passive OpenMP waits, its fastest setting here (a bare
-generate loop: 134 tok/s with 1 thread, 89 with 2 at load 1; 55 vs 18 at load 8 with spinning
-threads); transformers gets passive waits too.
+Load on this shared machine swings within minutes, and step times are bimodal on it (the same
+decode call measures ~36 or ~64 ms from one process to the next), so every number here moves run
+to run; ratios come from systems measured in the same run. llama.cpp runs with 1 thread and passive
+OpenMP waits, its fastest setting here (a bare generate loop: 134 tok/s with 1 thread, 89 with 2 at
+load 1); transformers gets passive waits too.
 
-The serving path is not the bottleneck: py-spy on the server at c=16 shows the engine thread inside
-the step call nearly all the time; scheduling, sampling (argmax on the host), detokenization and SSE
-are a few percent, and in process the engine adds ~1 ms per token over the bare decode call (30.8
-vs 29.8 ms/token at c=1). The step functions are, and their cost is set by the padded shape. Wall ms
-per call of the exported SmolLM2 step (in process, buckets as served, median of 5, load ~1.1;
-`benchmarks/engine_level.py` runs a whole level in process and prints this per call shape), with
-the KV cache layout of this run ([L, 2, kv_heads, N, block, head_dim], K and V gathered straight
-into the dots' layout) and the earlier one ([L, 2, N, block, kv_heads, head_dim], measured right
-after on the same machine):
+The serving path is not the bottleneck: in process (`benchmarks/engine_level.py`, the c=16 level
+driven by hand) the step calls take 98-99% of the level's wall time. Per call shape at c=16 (one
+run, mean ms, current defaults): decode S=16, B=32: 96 calls, 43 ms; prefill T=256: S=1, B=16 99 ms;
+S=1, B=32 115 ms; S=2, B=32 165 ms; S=4, B=32 257 ms. Decode is ~45% of the level, prefill ~55%.
 
-| call | this layout | earlier layout |
-|---|---|---|
-| decode S=1, B=8 | 15-17 | 17 |
-| decode S=16, B=8 | 38-56 | 43 |
-| decode S=16, B=32 | 66 | 89 |
-| decode S=16, B=128 | 184 | 267 |
-| prefill T=128, S=1, B=8 | 103 | |
-| prefill T=128, S=4, B=32 | 170 | |
+What moved c=16 from 96 to ~180 output tok/s this session, each measured in process:
 
-B, the block-table width (context capacity, padded to its bucket), still sets batched decode's
-cost: the gather attention reads B x 16 positions per token whatever the real context (the whole
-batch pays for its longest sequence). jax profiles (`jax.profiler`, per fusion, 30 layers):
+* bf16 weight matrices (`--weight-dtype bfloat16`, the default artifact). This CPU (AMD EPYC,
+  avx512_bf16) runs XLA:CPU's bf16 dots at ~1.7x the f32 rate (a 512x576 @ 576x1536 product: 837
+  vs 491 GFLOPS) and reads half the weight bytes. Getting there took three fixes, each found in the
+  optimized HLO: (1) a bf16 stack sliced inside the layer loop made XLA widen the whole stack to
+  f32 before the loop on every call, and a bitcast of a bf16 parameter to integers is a full copy,
+  so the stacked matrices are stored as int16 bits and each layer's slice is viewed as bf16;
+  (2) a transposed bf16 operand (torch's linear is `x @ W.T`) is widened too, so
+  `hloserve::mixed_linear` contracts the weight's dim 1 in place; (3) a one-row product is
+  rewritten into an f32 vector product on a widened weight (13x slower for the LM head), so one
+  row is padded to two. Also 16-bit dots no longer ask for HIGHEST precision (which widened them).
+  Step times (quiet mode): decode S=16, B=32 55 -> 31 ms; prefill T=128, S=4, B=32 153 -> 109 ms;
+  the c=16 level in process 113 -> 161 tok/s. Perplexity on tests/data's 13,515 tokens: 13.509
+  against f32's 13.514.
+* Buckets: prefill S in powers of two (S=2 ran padded to 4) and block-table widths 2x apart (a
+  205-token prompt pays attention for 16 blocks, not 32): each padded sequence or block costs the
+  flat prefill attention a whole T x context product (prefill T=128, S=2: B=16 86 ms, B=32 109 ms).
+* 256 tokens a step instead of 128: with cheaper matmuls each step's fixed costs (the weights read
+  twice, decode and prefill calls) weigh more; fewer, fuller prefill chunks. c=16 in process, two
+  interleaved runs each: 195 / 173 tok/s against 154 / 155. 512 tokens: 170 (flat attention over 4
+  sequences of 512-token chunks grows faster than the saving).
 
-* decode S=16, B=32, earlier layout (~95 ms): gather 12 ms, then two copies of the gathered
-  context into the dots' layouts (a slice of V and a transpose of K: 12 + 12 ms), the layer
-  matmuls ~40 ms, copies of each layer's slice of the stacked weights ~15 ms. Gathering K and V
-  as separate rows of a [L*2*KV*N, block*head_dim] view of a kv-head-major cache lands them in
-  the dots' layout ([KV, S, C, D], batch dims first), and computing the scores as K @ q^T keeps
-  the big operand on the row-major side: the two copies are gone (66 ms in the same
-  conditions; the whole c=16 level in process: 19.1 s -> 15.8 s).
-* prefill T=128, S=4, B=32 (~200 ms): layer matmuls ~95 ms; attention ~95 ms, because the flat
-  layout scores every token against all S contexts (T x S*B*16 = 128 x 2048 here: as many
-  multiply-adds as the MLP); the per-layer weight-slice copies ~30 ms.
+Tried and dropped: attention's two products in bf16 too (`mixed_matmul` over the f32 cache, and a
+bf16 KV cache stored as int16 bits with `mixed_einsum`): XLA:CPU widened the batched bf16 dots back
+to f32 (a transposed or non-canonical 16-bit operand), decode 30 -> 52 ms and 40 vs 40 ms; no gain.
+Serving the GGUF's own Q4_1/Q8_0 blocks (`--quantize gguf`), measured in the f32 era: faster at c=1
+(TPOT 13 vs 19 ms) but slower at c=16 (71 vs 96 tok/s), dequantization being extra work once the
+matmuls are compute-bound.
 
-Serving the same weights as llama.cpp does, i.e. the GGUF's own Q4_1/Q8_0 blocks (`hloserve export
-smollm2-135m-instruct --quantize gguf`, then `benchmarks/serve.py --artifact ART`, same machine, right
-after this run): c=1 51.8 output tok/s (TPOT p50 13 ms against 19 ms in f32), but c=16 71.2 tok/s
-(against 96.3): at batch 16 and in 128-token prefill chunks the matmuls are compute-bound and the
-per-layer dequantization is extra work, so the f32 artifact stays the default.
-
-What is left for the 3x target, in order of size: prefill's flat attention (an input listing only
-the blocks in use, so a step scores T x (its blocks) instead of T x S x B; a change of the step
-contract), decode's padding to the longest sequence (the same list, or block buckets 2x apart), and
-the weight-slice copies of the scanned layers (XLA:CPU copies each dynamic slice before a dot).
-The one change made in the serving path: a step mixing decodes and prefill chunks runs as two
-calls (decode rows through `decode`, chunks through `prefill`), since the flat prefill attention
-costs T x S x context: about 86 + 90 ms instead of 511 ms for 15 decodes and one 128-token chunk.
+What is left, in order of size: decode reads every sequence's context padded to the batch's
+widest bucket (~12 ms of a 31 ms step are the K/V gathers at B=32); prefill's flat attention
+scores every token against all S contexts of the step; XLA:CPU copies each layer's weight slice
+out of the stack before its dot (~6 ms a step). A step mixing decodes and prefill chunks runs as
+two calls (decode rows through `decode`, chunks through `prefill`), since the flat prefill
+attention costs T x S x context.
 """
+
 
 if __name__ == "__main__":
     sys.exit(main())
