@@ -1,13 +1,14 @@
 """Quantization benchmark: size, quality and decode speed of SmolLM2-135M-Instruct artifacts,
 MiniLM int8 embedding similarity, and the in-graph dequantization formulations on XLA.
 
-    python benchmarks/quant.py [--out DIR] [--variants f32,int8,int4-g32,int4-g128,gguf]
+    python benchmarks/quant.py [--out DIR] [--variants f32,bf16w,int8,int4-g32,int4-g128,gguf]
                                [--skip-ppl] [--skip-speed] [--skip-minilm] [--skip-micro]
                                [--window 256] [--max-tokens N] [--steps 300] [--rounds 20]
 
 All measured in one run, on jax's default backend (CPU here):
   * variants of the `smollm2-135m-instruct` preset (the Q4_1 GGUF): f32 = the GGUF dequantized
-    (the float reference), int8 / int4-g32 (asymmetric, the default) / int4-g32-sym (scales
+    (the float reference), bf16w = its weight matrices stored in bf16 (`--weight-dtype bfloat16`,
+    what `hloserve serve` serves), int8 / int4-g32 (asymmetric, the default) / int4-g32-sym (scales
     searched for least squared error) / int4-g32-sym-minmax (llama.cpp's Q4_0 rule) / int4-g128
     = requantized from that f32 (g128 falls back to g64 where the input dim is 576), gguf = the
     file's own Q4_1 (layers) and Q8_0 (tied embedding) blocks imported as int4 g32 asym / int8 g32;
@@ -40,10 +41,13 @@ import time
 
 import numpy as np
 
-from hloserve.server.model_runner import kv_cache_shape
+from hloserve.server.model_runner import kv_cache_dtype, kv_cache_shape
 
-VARIANTS = {"f32": None, "int8": "int8", "int4-g32": "int4:32", "int4-g32-sym": "int4:32:sym",
-            "int4-g32-sym-minmax": "int4:32:sym:minmax", "int4-g128": "int4:128", "gguf": "gguf"}
+# variant -> load_source options
+VARIANTS = {"f32": {}, "bf16w": {"weight_dtype": "bfloat16"}, "int8": {"quantize": "int8"},
+            "int4-g32": {"quantize": "int4:32"}, "int4-g32-sym": {"quantize": "int4:32:sym"},
+            "int4-g32-sym-minmax": {"quantize": "int4:32:sym:minmax"}, "int4-g128": {"quantize": "int4:128"},
+            "gguf": {"quantize": "gguf"}}
 TEXT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "web_genesis.txt")
 BLOCK = 16
 
@@ -56,7 +60,7 @@ def export_variant(name: str, out: str) -> dict:
     if os.path.exists(os.path.join(out, "manifest.json")):
         return {"export_s": None}
     t = time.perf_counter()
-    src = load_source("smollm2-135m-instruct", quantize=VARIANTS[name])
+    src = load_source("smollm2-135m-instruct", **VARIANTS[name])
     entries = [e for e in src.entries if e.name == "decode"]
     export_artifact(out, entries, source=f"smollm2-135m-instruct ({name})", model=src.model, files=src.files,
                     weight_quant=src.weight_quant)
@@ -104,7 +108,7 @@ def perplexity(path: str, window: int, max_tokens: int | None) -> dict:
     t = time.perf_counter()
     for start in range(0, len(ids) - window + 1, window):
         w = ids[start:start + window]
-        cache = jnp.zeros(kv_cache_shape(llm, nb + 1), jnp.float32)
+        cache = jnp.zeros(kv_cache_shape(llm, nb + 1), kv_cache_dtype(llm))
         logits = np.asarray(decode(**window_inputs(w), kv_cache=cache)["logits"], np.float64)   # [W, V]
         logp = logits - logits.max(-1, keepdims=True)
         logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
@@ -125,7 +129,7 @@ class _Decoder:
         m = load(path, buckets={"num_tokens": [1], "num_seqs": [1], "max_blocks": [self.nb]})
         llm = m.manifest.model["llm"]
         self.decode = m.functions["decode"]
-        self.cache = jnp.zeros(kv_cache_shape(llm, self.nb + 1), jnp.float32)
+        self.cache = jnp.zeros(kv_cache_shape(llm, self.nb + 1), kv_cache_dtype(llm))
         self.pos, self.tok = context, 1
 
     def step(self) -> float:

@@ -1,6 +1,6 @@
 """The `hloserve` command line.
 
-    hloserve export SOURCE -o OUT [--dynamic SPEC] [--dtype D] [--weight-dtype D] [--function F] [--pad DIM] [--quantize Q]
+    hloserve export SOURCE -o OUT [--dynamic SPEC] [--dtype D] [--weight-dtype D] [--kv-cache-dtype D] [--function F] [--pad DIM] [--quantize Q]
     hloserve tf ART -o SAVEDMODEL [--function F] [--xla-call-module-version N] [--platforms P]
     hloserve inspect ART
     hloserve run ART --inputs in.npz --outputs out.npz [--function F]
@@ -38,7 +38,7 @@ def _export(args: argparse.Namespace) -> int:
     reporter.stage(f"loading {args.source}")
     source = load_source(args.source, dtype=args.dtype, quantize=args.quantize,
                          quantize_skip=args.quantize_skip.split(",") if args.quantize_skip else (),
-                         weight_dtype=args.weight_dtype)
+                         weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype)
     entries = source.entries
     if args.function:
         known = {e.name for e in entries}
@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--weight-dtype", metavar="D",
                    help="LLMs: store the weight matrices in D (bfloat16 or float16) under --dtype activations and "
                         "KV cache; matmuls round activations to D and sum in float32 (docs/performance.md)")
+    e.add_argument("--kv-cache-dtype", metavar="D",
+                   help="LLMs: store K and V in D (bfloat16 or float16) under float32 activations: half the "
+                        "cache memory and gather traffic; attention still computes in float32")
     e.add_argument("--function", action="append", help="entry point(s) to export (default: all the source provides)")
     e.add_argument("--pad", help="symbolic dims the runtime may pad to buckets, comma-separated ('none' for none)")
     e.add_argument("--platforms", default="cpu", help="comma-separated lowering platforms (cpu,cuda,tpu)")

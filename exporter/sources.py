@@ -24,6 +24,7 @@ from .export import EntryPoint
 from .shapes import parse_dynamic_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOW_DTYPES = ("bfloat16", "float16")
 
 
 @dataclasses.dataclass
@@ -45,28 +46,33 @@ class Source:
 
 
 def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = None,
-                quantize_skip: Sequence[str] = (), weight_dtype: str | None = None) -> Source:
+                quantize_skip: Sequence[str] = (), weight_dtype: str | None = None,
+                kv_cache_dtype: str | None = None) -> Source:
     """Load SOURCE; with `quantize` (--quantize, see quantization.schemes.QuantConfig.parse) its
     Linear/Embedding weights are swapped for quantized ones (a GGUF with `gguf` keeps its blocks).
-    `weight_dtype` (--weight-dtype) stores an LLM's matrices narrower than `dtype` (models/llama.py)."""
-    if weight_dtype is not None:
-        if weight_dtype not in ("bfloat16", "float16") or dtype != "float32":
-            raise SourceError(f"--weight-dtype {weight_dtype!r} is not supported with --dtype {dtype}; use bfloat16 or "
-                              f"float16 under --dtype float32 (or --dtype alone for one dtype throughout)")
-        if quantize:
-            raise SourceError("--weight-dtype and --quantize both choose how weights are stored; use one of them")
-    if weight_dtype is not None:
-        return _load_source(spec, dtype, None, DTYPES[weight_dtype])
+    `weight_dtype` / `kv_cache_dtype` (--weight-dtype, --kv-cache-dtype) store an LLM's weight
+    matrices / K and V in a 16-bit float under float32 activations (models/llama.py)."""
+    llm = {}
+    for flag, value, key in (("--weight-dtype", weight_dtype, "weight_dtype"),
+                             ("--kv-cache-dtype", kv_cache_dtype, "kv_dtype")):
+        if value is None:
+            continue
+        if value not in LOW_DTYPES or dtype != "float32":
+            raise SourceError(f"{flag} {value!r} is not supported with --dtype {dtype}; use bfloat16 or float16 "
+                              f"under --dtype float32 (or --dtype alone for one dtype throughout)")
+        llm[key] = DTYPES[value]
+    if quantize and "weight_dtype" in llm:
+        raise SourceError("--weight-dtype and --quantize both choose how weights are stored; use one of them")
     if quantize:
         from hloserve.quantization.convert import quantize_source
         from hloserve.quantization.schemes import QuantConfig
         config = QuantConfig.parse(quantize, tuple(quantize_skip))
-        src = _load_source(spec, dtype, config)
+        src = _load_source(spec, dtype, config, llm)
         return quantize_source(src, config)
-    return _load_source(spec, dtype, None)
+    return _load_source(spec, dtype, None, llm)
 
 
-def _load_source(spec: str, dtype: str, quant, wdtype=None) -> Source:
+def _load_source(spec: str, dtype: str, quant, llm: dict) -> Source:
     if dtype not in DTYPES:
         raise SourceError(f"--dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     tdtype = DTYPES[dtype]
@@ -76,44 +82,46 @@ def _load_source(spec: str, dtype: str, quant, wdtype=None) -> Source:
                           f"use --quantize int8 or int4[:GROUP[:sym]]")
     if spec in presets.PRESETS:
         path = presets.resolve(spec)
-        src = _load_path(path, tdtype, quant, wdtype)
+        src = _load_path(path, tdtype, quant, llm)
         src.model["preset"] = spec
         return src
     if os.path.exists(spec):
-        return _load_path(spec, tdtype, quant, wdtype)
+        return _load_path(spec, tdtype, quant, llm)
     if ":" in spec and not spec.startswith(("/", ".")):
-        _no_weight_dtype(spec, wdtype)
+        _llm_only(spec, llm)
         return _load_factory(spec, tdtype)
     raise SourceError(f"source {spec!r} is not a file, a directory, module:factory or a preset "
                       f"({', '.join(sorted(presets.PRESETS))})")
 
 
-def _no_weight_dtype(spec: str, wdtype) -> None:
-    if wdtype is not None:
-        raise SourceError(f"--weight-dtype applies to LLMs exported as step functions (a GGUF, or a Hugging Face "
-                          f"Llama/Mistral/Qwen2 directory); {spec} is not one: use --dtype instead")
+def _llm_only(spec: str, llm: dict) -> None:
+    """--weight-dtype / --kv-cache-dtype are options of the LLM step export only."""
+    if llm:
+        raise SourceError(f"--weight-dtype and --kv-cache-dtype apply to LLMs exported as step functions (a GGUF, "
+                          f"or a Hugging Face Llama/Mistral/Qwen2 directory); {spec} is not one: use --dtype instead")
 
 
-def _load_path(path: str, tdtype, quant=None, wdtype=None) -> Source:
+def _load_path(path: str, tdtype, quant=None, llm: dict | None = None) -> Source:
+    llm = llm or {}
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
             raise SourceError(f"{path} is a directory without config.json; expected a Hugging Face model directory")
-        src = hf_directory(path, tdtype, wdtype)
-        if wdtype is not None and src.model.get("task") != "causal-lm":
-            _no_weight_dtype(path, wdtype)
+        src = hf_directory(path, tdtype, llm)
+        if src.model.get("task") != "causal-lm":
+            _llm_only(path, llm)
         return src
     if path.endswith(".pt2"):
-        _no_weight_dtype(path, wdtype)
+        _llm_only(path, llm)
         return _load_pt2(path, tdtype)
     if path.endswith(".gguf"):
         from .models import llama_source  # the LLM export path (imported only when needed)
         if quant is not None and quant.native:  # keep the file's Q8_0/Q4_0/Q4_1 blocks
             from hloserve.quantization.convert import gguf_weights_builder
             build, record = gguf_weights_builder(quant, tdtype)
-            src = llama_source.from_gguf(path, tdtype, build_weights=build)
+            src = llama_source.from_gguf(path, tdtype, build_weights=build, kv_dtype=llm.get("kv_dtype"))
             src.weight_quant = record
             return src
-        return llama_source.from_gguf(path, tdtype, weight_dtype=wdtype)
+        return llama_source.from_gguf(path, tdtype, **llm)
     raise SourceError(f"{path}: unknown checkpoint type; expected a HF directory, a .pt2 or a .gguf file")
 
 
@@ -268,7 +276,7 @@ def hf_entry(model: torch.nn.Module, config, *, batch=(1, 64), seq=(1, 512),
     return entry, {"task": task, "architecture": archs[0], "config": config.to_dict()}
 
 
-def hf_directory(path: str, tdtype, wdtype=None) -> Source:
+def hf_directory(path: str, tdtype, llm: dict | None = None) -> Source:
     import transformers
     try:
         config = transformers.AutoConfig.from_pretrained(path)
@@ -283,7 +291,7 @@ def hf_directory(path: str, tdtype, wdtype=None) -> Source:
     if config.model_type in ("llama", "mistral", "qwen2") and any(a.endswith("ForCausalLM") for a in archs):
         try:
             from .models import llama_source
-            return llama_source.from_hf_directory(path, tdtype, weight_dtype=wdtype)
+            return llama_source.from_hf_directory(path, tdtype, **(llm or {}))
         except ImportError:
             pass  # LLM export path not available; export as a plain HF model
     if not any(f.endswith(".safetensors") for f in os.listdir(path)):

@@ -44,6 +44,12 @@ def kv_cache_shape(llm: Mapping[str, Any], num_blocks: int) -> tuple[int, ...]:
     return tuple(int(num_blocks) if d == "num_blocks" else int(d) for d in llm["kv_cache"]["shape"])
 
 
+def kv_cache_dtype(llm: Mapping[str, Any]) -> np.dtype:
+    """The KV cache's storage dtype (int16 for a 16-bit cache kept as bits: "holds" names the values')."""
+    from hloserve.exporter import artifact
+    return np.dtype(artifact.numpy_dtype(llm["kv_cache"]["dtype"]))
+
+
 def _pow2_upto(lo: int, hi: int, growth: int = 2) -> tuple[int, ...]:
     """lo, lo*growth, lo*growth**2, ... below hi, then hi."""
     out, p = [], lo
@@ -205,18 +211,16 @@ class ModelRunner:
         if max(cfg.block_buckets) > self.max_blocks:
             raise ValueError(f"block bucket {max(cfg.block_buckets)} exceeds the artifact's max_blocks "
                              f"{self.max_blocks}; lower max_model_len")
-        kv = llm["kv_cache"]
-        from hloserve.exporter import artifact
-        dtype = artifact.numpy_dtype(kv["dtype"])
-        per_block = int(np.prod(kv_cache_shape(llm, 1))) * np.dtype(dtype).itemsize
+        dtype = kv_cache_dtype(llm)
+        per_block = int(np.prod(kv_cache_shape(llm, 1))) * dtype.itemsize
         n = cfg.num_blocks or max(2, cfg.kv_cache_bytes // per_block)
         sym = model.manifest.symbols.get("num_blocks")
         if sym is not None and sym.max is not None:
             n = min(n, sym.max)
         self.num_blocks = int(n)
         import jax.numpy as jnp   # the runner is the one server module that touches the device
-        self._kv_name = kv.get("input", "kv_cache")
-        self._kv_out = kv.get("output", "kv_cache")
+        self._kv_name = llm["kv_cache"].get("input", "kv_cache")
+        self._kv_out = llm["kv_cache"].get("output", "kv_cache")
         self.kv_cache = jnp.zeros(kv_cache_shape(llm, self.num_blocks), dtype)   # [L, 2, kvh, N, bs, hd]
         self.kv_cache_bytes = per_block * self.num_blocks
         self.steps = 0

@@ -4,7 +4,7 @@
 bucket (then the engine loop starts). With no ARTIFACT, the default model
 (SmolLM2-135M-Instruct) is exported into the cache on first use — in a
 subprocess, so the serving process itself never imports torch — with
-DEFAULT_EXPORT_FLAGS: bf16 weight matrices under f32 activations and KV cache, the
+DEFAULT_EXPORT_FLAGS: bf16 weight matrices and KV cache under f32 activations, the
 form XLA:CPU serves fastest at the f32 model's perplexity (docs/performance.md).
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ from .services import LLMService, ServeConfig, build_service
 DEFAULT_PRESET = "smollm2-135m-instruct"
 # How the default model is exported, and the cache directory's suffix naming it (a cache
 # written with other flags is never mistaken for this one).
-DEFAULT_EXPORT_FLAGS = ("--weight-dtype", "bfloat16")
-DEFAULT_EXPORT_TAG = "bf16w"
+DEFAULT_EXPORT_FLAGS = ("--weight-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16")
+DEFAULT_EXPORT_TAG = "bf16"
 log = logging.getLogger("hloserve.server")
 
 

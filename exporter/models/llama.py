@@ -248,6 +248,10 @@ MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # is a full copy (together ~25 ms of a 60 ms decode step). An int16 parameter is sliced as it
 # is; each layer's slice is viewed as bf16 right before its dot (a free bitcast).
 BITS_STORAGE = "int16 holding the bits of bf16/f16 values (viewed back before each dot)"
+# A 16-bit KV cache under f32 activations is int16 for the same reason: each step's K/V are
+# scattered and the contexts gathered as bits, then widened to f32 inside the gather (half
+# the bytes read; attention itself stays f32: XLA:CPU widens batched bf16 dots anyway).
+KV_BITS = "int16 holding the bits of the K/V values (zeros are zeros)"
 
 
 class LlamaWeights(torch.nn.Module):
@@ -425,16 +429,24 @@ class LlamaStep(torch.nn.Module):
 
     attention: "gather" (decode layout) or "flat" (prefill layout).
     scan: decoder layers as one scanned body (True) or unrolled (False).
+    kv_dtype: a 16-bit float K and V are stored in under wider activations (None: the model
+      dtype); the cache is then int16 holding their bits (KV_BITS).
     """
 
-    def __init__(self, model: LlamaWeights, *, attention: str = "gather", scan: bool = True):
+    def __init__(self, model: LlamaWeights, *, attention: str = "gather", scan: bool = True,
+                 kv_dtype: torch.dtype | None = None):
         super().__init__()
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        if kv_dtype is not None and (kv_dtype.itemsize != 2 or not kv_dtype.is_floating_point):
+            raise ValueError(f"kv_dtype must be a 16-bit float (bfloat16, float16), got {kv_dtype}")
+        if kv_dtype is not None and attention == "paged":
+            raise ValueError("a 16-bit KV cache is implemented for the flat and gather layouts, not paged")
         self.model = model
         self.cfg = model.cfg
         self.attention = attention
         self.scan = scan
+        self.kv_dtype = kv_dtype
 
     def forward(self, tokens, positions, seq_ids, slot_mapping, block_tables, context_lens, last_token, kv_cache):
         cfg, w = self.cfg, self.model
@@ -470,6 +482,7 @@ class LlamaStep(torch.nn.Module):
 
         slots = slot_mapping.to(torch.int64)
         layer_ids = torch.arange(L, device=tokens.device)
+        kvd = self.kv_dtype
         names = w.layer_names
 
         def layer(h, cache, lw: dict, l):
@@ -497,6 +510,8 @@ class LlamaStep(torch.nn.Module):
             idx_h = (ar % KV).reshape(2, KV, 1).expand(2, KV, T)          # [2, KV, T]: kv head
             idx_slot = slots[None, None, :].expand(2, KV, T)              # [2, KV, T]
             values = torch.stack([k, v]).transpose(1, 2)                  # [2, KV, T, D]
+            if kvd is not None:
+                values = values.to(kvd).view(torch.int16)                 # the cache holds bits
             flat = flat.index_put((idx_l, idx_kv, idx_h, idx_slot), values)
             cache = flat.reshape(L, 2, KV, N, BS, D)                      # [L, 2, KV, N, BS, D]
             qg = q.reshape(T, KV, cfg.group, D)                           # [T, KV, G, D]
@@ -516,6 +531,8 @@ class LlamaStep(torch.nn.Module):
                 k_idx = ((l * 2 * KV + heads) * N)[:, None, None] + blk   # [KV, R, B]
                 k_ctx = rows.index_select(0, k_idx.reshape(-1)).reshape(KV, R, C, D)           # [KV, R, C, D]
                 v_ctx = rows.index_select(0, (k_idx + KV * N).reshape(-1)).reshape(KV, R, C, D)  # [KV, R, C, D]
+                if kvd is not None:   # widened inside the gather: half the bytes read, same dots
+                    k_ctx, v_ctx = k_ctx.view(kvd).to(dtype), v_ctx.view(kvd).to(dtype)
                 qk = qg.transpose(0, 1)                                   # [KV, T, G, D]
                 if self.attention == "gather":
                     # scores as K @ q^T: the big operand K is the dot's row-major left side
@@ -595,6 +612,7 @@ class StepExportOptions:
       scan: decoder layers as one scanned body (default) or unrolled.
       functions: entry point name -> attention layout ("flat", "gather" or "paged"); every one
         takes the full step contract and is exact for any mix of sequences (see ATTENTION_COST).
+      kv_dtype: bfloat16/float16 K and V under float32 activations (LlamaStep), None: the model dtype.
     """
     block_size: int = 16
     max_context: int = 4096
@@ -603,6 +621,7 @@ class StepExportOptions:
     max_num_blocks: int = 1 << 20
     scan: bool = True
     functions: tuple[tuple[str, str], ...] = (("prefill", "flat"), ("decode", "gather"))
+    kv_dtype: torch.dtype | None = None
 
     @property
     def max_blocks(self) -> int:
@@ -633,12 +652,13 @@ def step_entries(weights: LlamaWeights, opts: StepExportOptions = StepExportOpti
         block_tables=torch.tensor([[1, 0, 0], [2, 0, 0]], dtype=torch.int32),
         context_lens=torch.tensor([3, 2], dtype=torch.int32),
         last_token=torch.tensor([2, 4], dtype=torch.int32),
-        kv_cache=torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, 7, bs, cfg.head_dim, dtype=dtype),
+        kv_cache=torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, 7, bs, cfg.head_dim,
+                             dtype=torch.int16 if opts.kv_dtype is not None else dtype),
     )
     dyn = ({0: T}, {0: T}, {0: T}, {0: T}, {0: S, 1: B}, {0: S}, {0: S}, {3: N})
     args = tuple(ex[n] for n in STEP_INPUTS)
     return [
-        EntryPoint(name, LlamaStep(weights, attention=att, scan=opts.scan), args, dyn,
+        EntryPoint(name, LlamaStep(weights, attention=att, scan=opts.scan, kv_dtype=opts.kv_dtype), args, dyn,
                    input_names=STEP_INPUTS, output_names=STEP_OUTPUTS, donated=("kv_cache",),
                    paddable=("num_tokens", "num_seqs", "max_blocks"))
         for name, att in opts.functions
@@ -655,7 +675,10 @@ def llm_metadata(cfg: LlamaConfig, opts: StepExportOptions, dtype: torch.dtype) 
         "max_blocks": opts.max_blocks, "max_tokens": opts.max_tokens, "max_seqs": opts.max_seqs,
         "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
         "sliding_window": cfg.sliding_window, "null_block": 0, "layers": "scan" if opts.scan else "unrolled",
-        "kv_cache": {"input": "kv_cache", "output": "kv_cache", "dtype": dtypes.artifact_name_of_torch(dtype),
+        "kv_cache": {"input": "kv_cache", "output": "kv_cache",
+                     "dtype": dtypes.artifact_name_of_torch(torch.int16 if opts.kv_dtype is not None else dtype),
+                     **({"holds": dtypes.artifact_name_of_torch(opts.kv_dtype), "stored": KV_BITS}
+                        if opts.kv_dtype is not None else {}),
                      "shape": [cfg.num_layers, 2, cfg.num_kv_heads, "num_blocks", opts.block_size, cfg.head_dim],
                      "donated": True},
         "step": {"inputs": list(STEP_INPUTS), "outputs": list(STEP_OUTPUTS),

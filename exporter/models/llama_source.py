@@ -111,7 +111,8 @@ def _chat_template(path: str) -> str | None:
 
 
 def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *,
-                      opts: StepExportOptions | None = None, weight_dtype: torch.dtype | None = None) -> Source:
+                      opts: StepExportOptions | None = None, weight_dtype: torch.dtype | None = None,
+                      kv_dtype: torch.dtype | None = None) -> Source:
     """A HF LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM directory -> Source."""
     cfg_path = os.path.join(path, "config.json")
     try:
@@ -132,14 +133,15 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *,
             add_bos = json.load(f).get("add_bos_token")
     return source_from_weights(
         weights, f"Hugging Face {archs[0] if archs else cfg.model_type} from {path} (paged-cache step)",
-        opts=opts, architecture=archs[0] if archs else "",
+        opts=opts or default_options(cfg, kv_dtype=kv_dtype), architecture=archs[0] if archs else "",
         tokenizer_file="tokenizer.json" if "tokenizer.json" in files else None,
         chat_template=_chat_template(path), add_bos_token=add_bos, files=files)
 
 
 # -- GGUF ---------------------------------------------------------------------------
 def from_gguf(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExportOptions | None = None,
-              build_weights: Callable | None = None, weight_dtype: torch.dtype | None = None) -> Source:
+              build_weights: Callable | None = None, weight_dtype: torch.dtype | None = None,
+              kv_dtype: torch.dtype | None = None) -> Source:
     """A llama.cpp GGUF file (llama / qwen2 architectures) -> Source, weights dequantized to `tdtype`.
 
     build_weights(cfg, ckpt) -> weights replaces the dequantization (e.g.
@@ -168,5 +170,5 @@ def from_gguf(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExpor
     archs = raw.get("architectures") or []
     return source_from_weights(
         weights, f"GGUF {ckpt.architecture} from {os.path.basename(path)} (dequantized, paged-cache step)",
-        opts=opts, architecture=archs[0] if archs else "", tokenizer_file="tokenizer.json",
+        opts=opts or default_options(cfg, kv_dtype=kv_dtype), architecture=archs[0] if archs else "", tokenizer_file="tokenizer.json",
         chat_template=ckpt.chat_template, add_bos_token=st.add_bos_token, files={"tokenizer.json": tok_path})

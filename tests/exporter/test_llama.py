@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hloserve.exporter.models.llama import (STEP_INPUTS, LlamaConfig, LlamaStep, LlamaWeights, build_step_inputs)
-from hloserve.server.model_runner import kv_cache_shape
+from hloserve.server.model_runner import kv_cache_dtype, kv_cache_shape
 
 from ..reference import hf_with_mixed_linears
 
@@ -73,7 +73,7 @@ class Paged:
         llm = model.manifest.model["llm"]
         self.fns = model.functions
         self.block = llm["block_size"]
-        self.cache = jnp.zeros(kv_cache_shape(llm, num_blocks), jnp.float32)
+        self.cache = jnp.zeros(kv_cache_shape(llm, num_blocks), kv_cache_dtype(llm))
         self.free = list(range(num_blocks - 1, 0, -1))
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
@@ -317,6 +317,52 @@ def test_cli_export_bf16_weights(tmp_path, arch):
         assert tok == ref
 
 
+@pytest.mark.slow
+def test_cli_export_bf16_kv_cache(tmp_path):
+    """`--weight-dtype bfloat16 --kv-cache-dtype bfloat16`: the cache is int16 holding bf16 K/V.
+    Through the runtime, a chunked prompt and decodes match our torch step eager on the same
+    weights and kv_dtype within 1e-4 of the logit scale, and transformers with the same
+    roundings (K rounded before RoPE there) within 1e-2; greedy decoding agrees with the eager step."""
+    from hloserve.exporter.cli import main
+    from hloserve.exporter.models.llama_source import from_hf_directory
+    from hloserve.runtime import load
+    hf = _hf_model("llama", seed=7)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    assert main(["export", str(tmp_path / "hf"), "-o", str(tmp_path / "art"), "--weight-dtype", "bfloat16",
+                 "--kv-cache-dtype", "bfloat16", "-q"]) == 0
+    with open(tmp_path / "art" / "manifest.json") as f:
+        kv = json.load(f)["model"]["llm"]["kv_cache"]
+    assert kv["dtype"] == "i16" and kv["holds"] == "bf16"
+    model = load(str(tmp_path / "art"), buckets={"num_tokens": [1, 8, 32], "num_seqs": [1, 8], "max_blocks": [8]})
+    eager = from_hf_directory(str(tmp_path / "hf"), weight_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+    step = eager.entries[0].module                                         # LlamaStep, flat layout
+    assert step.kv_dtype == torch.bfloat16 and step.model.bits_dtype == torch.bfloat16
+    (prompt,) = _prompts([21], seed=8)
+    with torch.no_grad():
+        want = hf_with_mixed_linears(hf, kv_dtype=torch.bfloat16)(torch.tensor([prompt])).logits[0].numpy()
+    scale = np.abs(want).max()
+    paged, cache = Paged(model), torch.zeros(kv_cache_shape(model.manifest.model["llm"], NUM_BLOCKS), dtype=torch.int16)
+
+    def eager_step(chunk):
+        nonlocal cache
+        inp = build_step_inputs([chunk], BLOCK)
+        with torch.no_grad():
+            logits, cache = step(*[torch.from_numpy(inp[k]) for k in STEP_INPUTS[:-1]], cache)
+        return logits[0].numpy()
+
+    ids = list(prompt)
+    for fn, lo, hi in (("prefill", 0, 13), ("decode", 13, 14), ("prefill", 14, 21)):
+        got = paged.step(fn, {0: ids[lo:hi]})[0]
+        ref = eager_step((ids[lo:hi], lo, paged.tables[0]))
+        assert np.abs(got - ref).max() < 1e-4 * scale, (fn, np.abs(got - ref).max(), scale)
+        assert np.abs(got - want[hi - 1]).max() < 1e-2 * scale
+    for _ in range(6):
+        ids.append(int(np.argmax(got)))
+        got = paged.step("decode", {0: ids[-1:]})[0]
+        ref = eager_step((ids[-1:], len(ids) - 1, paged.tables[0]))
+        assert int(np.argmax(got)) == int(np.argmax(ref))
+
+
 def test_weight_dtype_errors_name_the_fix(tmp_path, capsys):
     """--weight-dtype is for LLM step exports, not with --quantize, and must be a float dtype."""
     from hloserve.exporter.cli import main
@@ -326,7 +372,7 @@ def test_weight_dtype_errors_name_the_fix(tmp_path, capsys):
     assert main(["export", "smollm2-135m-instruct", "-o", art, "--weight-dtype", "int8"]) == 1
     assert "--weight-dtype 'int8' is not supported" in capsys.readouterr().err
     assert main(["export", "tests.exporter.factories:mlp", "-o", art, "--weight-dtype", "bfloat16"]) == 1
-    assert "--weight-dtype applies to LLMs exported as step functions" in capsys.readouterr().err
+    assert "--weight-dtype and --kv-cache-dtype apply to LLMs exported as step functions" in capsys.readouterr().err
     assert not os.path.exists(art)
 
 

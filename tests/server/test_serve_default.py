@@ -4,7 +4,8 @@ The first run exports the preset into the hloserve cache (HLOSERVE_CACHE, defaul
 ~/.cache/hloserve; several minutes on 2 cores), later runs reuse it. The greedy chat answer
 must name Paris and equal, token for token, transformers' greedy generation on the same
 dequantized weights computed the way the default artifact computes them (its Linears on
-bf16-rounded weights and inputs with f32 sums: `hloserve serve`'s DEFAULT_EXPORT_FLAGS).
+bf16-rounded weights and inputs with f32 sums, K and V rounded to bf16: `hloserve serve`'s
+DEFAULT_EXPORT_FLAGS; K is rounded before RoPE there, after it here).
 """
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ def test_default_model_answers_the_capital_of_france(default_server):
     assert set(missing) <= {"lm_head.weight"} and not unexpected   # the head is tied to the embedding
     hf.tie_weights()
     art = default_artifact()
-    assert artifact.read_manifest(art).model["weight_dtype"] == "bf16"
-    hf_with_mixed_linears(hf)
+    model = artifact.read_manifest(art).model
+    assert model["weight_dtype"] == "bf16" and model["llm"]["kv_cache"]["holds"] == "bf16"
+    hf_with_mixed_linears(hf, kv_dtype=torch.bfloat16)
     tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
     want = hf_greedy(hf, tok.encode_chat(QUESTION), r.usage.completion_tokens)
     assert r.usage.prompt_tokens == len(tok.encode_chat(QUESTION))
