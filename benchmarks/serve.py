@@ -11,7 +11,8 @@ consecutive streamed tokens), TPOT ((e2e - TTFT) / (tokens - 1)) and e2e latency
 tokens/s over the level's wall time. Systems, run one at a time on the same SmolLM2-135M-Instruct:
 
   * hloserve: `hloserve serve` on the default artifact (the preset's GGUF Q4_1 dequantized; weight
-    matrices in bf16, activations and KV cache f32: `--weight-dtype bfloat16`), default settings;
+    matrices and KV cache in bf16, activations f32: `--weight-dtype bfloat16 --kv-cache-dtype
+    bfloat16`), default settings;
   * transformers eager `generate` (f32, the same dequantized weights), the same requests in static
     batches of up to c, left-padded; a batch starts when the previous one ends, so a request's
     latencies count from its batch's start (queueing before it is not counted), and ITL is the time
@@ -401,9 +402,9 @@ numbers are pessimistic and vary run to run. Date: {date}. jax {jax}, torch {tor
 Workload: {n} fixed random prompts ({lo}..{hi} tokens, mean {mean:.0f}), {out} greedy output tokens
 each (EOS ignored), streamed over HTTP (SSE) by c concurrent clients; requests per level: {levels}.
 Same SmolLM2-135M-Instruct weights everywhere: transformers runs the GGUF's Q4_1 weights dequantized
-to f32; hloserve serves its default artifact of them (weight matrices in bf16, matmuls on
-bf16-rounded activations with f32 sums, everything else f32; perplexity 13.509 against f32's 13.514,
-see below); llama-cpp-python's server runs the Q4_1 GGUF itself. transformers eager
+to f32; hloserve serves its default artifact of them (weight matrices and K/V stored in bf16,
+matmuls on bf16-rounded activations with f32 sums, everything else f32; perplexity 13.512 against
+f32's 13.514, see below); llama-cpp-python's server runs the Q4_1 GGUF itself. transformers eager
 `generate` gets the same requests in static left-padded batches of up to c (latencies count from
 the batch's start).
 
@@ -423,8 +424,8 @@ NOTES_TEXT = """
 ### Serving defaults and warm-up
 
 `hloserve serve` defaults (server/services.py `ServeConfig`): 16 sequences and 256 tokens a step,
-context 2048 (the artifact allows 8192; `--max-model-len` raises it), 1 GiB of KV cache (1456 blocks
-of 16 tokens for SmolLM2, 23k tokens). Buckets: decode S 1, 2, 4, 8, 16; prefill T 32, 128, 256 and
+context 2048 (the artifact allows 8192; `--max-model-len` raises it), 1 GiB of KV cache (2912 blocks
+of 16 tokens for SmolLM2 with its bf16 cache, 46k tokens). Buckets: decode S 1, 2, 4, 8, 16; prefill T 32, 128, 256 and
 S 1, 2, 4, 8, 16; block-table widths 8, 16, 32, 64, 128 blocks: 100 executables, each compiled and
 run once before /ready. Measured on this machine (2026-11-22, load ~1): warm-up 74 s with an empty
 XLA cache, 29 s on later starts (persistent compilation cache). The first `hloserve serve` with no
@@ -461,20 +462,24 @@ What moved c=16 from 96 to ~180 output tok/s this session, each measured in proc
 * Buckets: prefill S in powers of two (S=2 ran padded to 4) and block-table widths 2x apart (a
   205-token prompt pays attention for 16 blocks, not 32): each padded sequence or block costs the
   flat prefill attention a whole T x context product (prefill T=128, S=2: B=16 86 ms, B=32 109 ms).
+* A bf16 KV cache (`--kv-cache-dtype bfloat16`), stored as int16 bits for the same reason as the
+  weights and widened to f32 inside the gather: decode's K/V gathers read half the bytes (K and V
+  gathers at S=16, B=32: 7.3 + 4.3 -> ~3.5 + <2 ms; the decode step 29.6 -> 27.7 ms at best), and
+  the same memory holds twice the blocks. Attention itself stays f32. Perplexity 13.512.
 * 256 tokens a step instead of 128: with cheaper matmuls each step's fixed costs (the weights read
   twice, decode and prefill calls) weigh more; fewer, fuller prefill chunks. c=16 in process, two
   interleaved runs each: 195 / 173 tok/s against 154 / 155. 512 tokens: 170 (flat attention over 4
   sequences of 512-token chunks grows faster than the saving).
 
-Tried and dropped: attention's two products in bf16 too (`mixed_matmul` over the f32 cache, and a
-bf16 KV cache stored as int16 bits with `mixed_einsum`): XLA:CPU widened the batched bf16 dots back
-to f32 (a transposed or non-canonical 16-bit operand), decode 30 -> 52 ms and 40 vs 40 ms; no gain.
+Tried and dropped: attention's two products in bf16 too (over the f32 cache, and over the bf16
+cache with an einsum-shaped op): XLA:CPU widened the batched bf16 dots back to f32 (a transposed or
+non-canonical 16-bit operand), decode 30 -> 52 ms and 40 vs 40 ms; no gain.
 Serving the GGUF's own Q4_1/Q8_0 blocks (`--quantize gguf`), measured in the f32 era: faster at c=1
 (TPOT 13 vs 19 ms) but slower at c=16 (71 vs 96 tok/s), dequantization being extra work once the
 matmuls are compute-bound.
 
 What is left, in order of size: decode reads every sequence's context padded to the batch's
-widest bucket (~12 ms of a 31 ms step are the K/V gathers at B=32); prefill's flat attention
+widest bucket (the K/V gathers and attention dots are ~12 of a ~28 ms step at B=32); prefill's flat attention
 scores every token against all S contexts of the step; XLA:CPU copies each layer's weight slice
 out of the stack before its dot (~6 ms a step). A step mixing decodes and prefill chunks runs as
 two calls (decode rows through `decode`, chunks through `prefill`), since the flat prefill
