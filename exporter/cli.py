@@ -12,6 +12,7 @@ Subcommands import their stack lazily: `serve`, `run` and `bench` never import t
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -97,7 +98,13 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"artifact {args.artifact} (format {m.format_version}, "
           + ", ".join(f"{k} {v}" for k, v in m.producer.items()) + ")")
     print(f"source: {m.source}")
-    print(f"weights: {total} tensors, {nbytes / 2**20:.1f} MiB")
+    schemes = collections.Counter(w.quant["scheme"] for w in m.weights.values() if w.quant)
+    stored = "".join(f", {n} stored as {k}" for k, n in sorted(schemes.items()))
+    print(f"weights: {total} tensors, {nbytes / 2**20:.1f} MiB{stored}")
+    kv = (m.model.get("llm") or {}).get("kv_cache")
+    if kv:
+        held = f" holding {kv['holds']} bits" if kv.get("holds") else ""
+        print(f"kv cache: {kv['dtype']}{held} {kv['shape']}")
     for name, s in m.symbols.items():
         print(f"dim {name}: [{s.min}, {'inf' if s.max is None else s.max}]")
     for fn in m.functions.values():

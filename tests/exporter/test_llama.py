@@ -318,7 +318,7 @@ def test_cli_export_bf16_weights(tmp_path, arch):
 
 
 @pytest.mark.slow
-def test_cli_export_bf16_kv_cache(tmp_path):
+def test_cli_export_bf16_kv_cache(tmp_path, capsys):
     """`--weight-dtype bfloat16 --kv-cache-dtype bfloat16`: the cache is int16 holding bf16 K/V.
     Through the runtime, a chunked prompt and decodes match our torch step eager on the same
     weights and kv_dtype within 1e-4 of the logit scale, and transformers with the same
@@ -333,6 +333,9 @@ def test_cli_export_bf16_kv_cache(tmp_path):
     with open(tmp_path / "art" / "manifest.json") as f:
         kv = json.load(f)["model"]["llm"]["kv_cache"]
     assert kv["dtype"] == "i16" and kv["holds"] == "bf16"
+    assert main(["inspect", str(tmp_path / "art")]) == 0
+    shown = capsys.readouterr().out
+    assert ", 4 stored as bf16" in shown and "kv cache: i16 holding bf16 bits" in shown
     model = load(str(tmp_path / "art"), buckets={"num_tokens": [1, 8, 32], "num_seqs": [1, 8], "max_blocks": [8]})
     eager = from_hf_directory(str(tmp_path / "hf"), weight_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
     step = eager.entries[0].module                                         # LlamaStep, flat layout
