@@ -451,8 +451,8 @@ class EngineConfig:
       block_buckets / block_growth: how many block-table widths to compile, and their ratio (the
         largest covers max_model_len; every step pays attention for its bucket's width).
       min_token_bucket: the smallest prefill T bucket.
-      prefill_growth: ratio between consecutive prefill T and S buckets (2 = powers of two;
-        4 compiles about half as many prefill shapes, padding a prefill step more).
+      prefill_growth: ratio between consecutive prefill T buckets (2 = powers of two; 4
+        compiles fewer prefill shapes, padding a prefill step more). S buckets are powers of two.
       enable_prefix_caching / admission_watermark: scheduler policy knobs.
       platform: "cpu", "gpu", "tpu" or None for jax's default.
     """

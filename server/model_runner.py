@@ -73,24 +73,17 @@ class RunnerConfig:
 
     Attributes:
       token_buckets: padded T of prefill steps (the largest >= the scheduler's max_num_batched_tokens).
-      seq_buckets: padded S of decode steps (the largest >= max_num_seqs); decode steps use T = S.
+      seq_buckets: padded S of decode and prefill steps (the largest >= max_num_seqs); decode
+        steps use T = S.
       block_buckets: padded B, the block-table width (the largest covers max_model_len).
       num_blocks: KV blocks N, or None to derive it from kv_cache_bytes.
       kv_cache_bytes: device memory for the KV cache when num_blocks is None.
-      prefill_seq_buckets: padded S of prefill steps; None = seq_buckets. Coarser than the
-        decode buckets means fewer executables to compile: a decode step's cost grows with
-        its padded rows, a prefill step's mostly with its T.
     """
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
     block_buckets: tuple[int, ...]
     num_blocks: int | None = None
     kv_cache_bytes: int = 256 << 20
-    prefill_seq_buckets: tuple[int, ...] | None = None
-
-    @property
-    def prefill_seqs(self) -> tuple[int, ...]:
-        return self.prefill_seq_buckets or self.seq_buckets
 
     @classmethod
     def for_limits(cls, *, max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int,
@@ -126,7 +119,7 @@ def build_step_arrays(plan: SchedulerPlan, cfg: RunnerConfig, *, decode_fn: str 
     seqs = plan.seqs
     S, T = len(seqs), plan.num_tokens
     is_decode = T == S   # one token per sequence
-    Sp = _bucket(cfg.seq_buckets if is_decode else cfg.prefill_seqs, S, "num_seqs")
+    Sp = _bucket(cfg.seq_buckets, S, "num_seqs")
     Tp = Sp if is_decode else _bucket(cfg.token_buckets, T, "num_tokens")
     Bp = _bucket(cfg.block_buckets, max(len(s.block_table) for s in seqs), "max_blocks")
     tokens = np.zeros(Tp, np.int32)
@@ -162,7 +155,7 @@ def warmup_shapes(cfg: RunnerConfig, decode_fn: str = "decode", prefill_fn: str 
     for b in cfg.block_buckets:
         out += [(decode_fn, s, s, b) for s in cfg.seq_buckets]
         prev = 0
-        for s in cfg.prefill_seqs:
+        for s in cfg.seq_buckets:
             smallest = prev + 1            # the fewest sequences padded to bucket s
             prev = s
             if smallest + 1 > cfg.token_buckets[-1]:
@@ -233,7 +226,7 @@ class ModelRunner:
         tokens = sorted(set(cfg.token_buckets) | set(cfg.seq_buckets))   # decode steps use T = S
         model = runtime.load(path, platform=platform, strict=strict, verify=verify,
                              buckets={"num_tokens": tokens,
-                                      "num_seqs": sorted(set(cfg.seq_buckets) | set(cfg.prefill_seqs)),
+                                      "num_seqs": list(cfg.seq_buckets),
                                       "max_blocks": list(cfg.block_buckets)})
         return cls(model, cfg)
 

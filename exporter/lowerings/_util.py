@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax.numpy as jnp
+from jax import lax
 
 from ..registry import row
 
@@ -34,7 +36,6 @@ def binary(*targets: Any, fn: Callable, module: str) -> Callable:
     return row(*targets, fn=lambda ctx, x, y, *a, **k: fn(x, y), module=module)
 
 
-
 # -- 16-bit floats moved as bits ----------------------------------------------------------
 # XLA:CPU computes bf16/f16 in f32: its float normalization widens the operands of ops it has
 # no 16-bit kernels for, data movement included (dynamic-slice, gather, scatter). For a loop
@@ -46,14 +47,10 @@ _BITS = {"bfloat16": "uint16", "float16": "uint16"}
 
 def to_bits(x):
     """A 16-bit float array as uint16 of the same bits (any other array unchanged)."""
-    import jax.numpy as jnp
-    from jax import lax
     bits = _BITS.get(str(getattr(x, "dtype", "")))
     return lax.bitcast_convert_type(x, jnp.dtype(bits)) if bits else x
 
 
 def from_bits(x, dtype):
     """Inverse of to_bits for an array that was `dtype` before."""
-    import jax.numpy as jnp
-    from jax import lax
     return lax.bitcast_convert_type(x, dtype) if str(jnp.dtype(dtype)) in _BITS else x

@@ -63,8 +63,8 @@ def _mixed_linear(ctx, x, weight, bias=None):
     *lead, k = x.shape
     rows = math.prod(lead)
     x2 = x.reshape(rows, k).astype(weight.dtype)                          # [M, in]
-    pad = jax.core.max_dim(rows, 2) - rows if not isinstance(rows, int) else max(2 - rows, 0)
-    if not (isinstance(pad, int) and pad == 0):
+    pad = max(2 - rows, 0) if isinstance(rows, int) else jax.core.max_dim(rows, 2) - rows   # 0 for M >= 2
+    if not isinstance(pad, int) or pad:
         x2 = jnp.concatenate([x2, jnp.zeros((pad, k), x2.dtype)])          # [max(M, 2), in]
     y = lax.dot_general(x2, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     y = y[:rows].reshape(*lead, weight.shape[0]).astype(x.dtype)          # [..., out]

@@ -170,5 +170,6 @@ def from_gguf(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExpor
     archs = raw.get("architectures") or []
     return source_from_weights(
         weights, f"GGUF {ckpt.architecture} from {os.path.basename(path)} (dequantized, paged-cache step)",
-        opts=opts or default_options(cfg, kv_dtype=kv_dtype), architecture=archs[0] if archs else "", tokenizer_file="tokenizer.json",
+        opts=opts or default_options(cfg, kv_dtype=kv_dtype), architecture=archs[0] if archs else "",
+        tokenizer_file="tokenizer.json",
         chat_template=ckpt.chat_template, add_bos_token=st.add_bos_token, files={"tokenizer.json": tok_path})
