@@ -43,9 +43,9 @@ class TimedFunction:
 
 def main(argv=None) -> int:
     from hloserve.server.serve import default_artifact_path
-    from hloserve.exporter.artifact import read_manifest
-    from hloserve.server.engine import build_engine
-    from hloserve.server.sampling import SamplingParams
+    from hloserve.runtime.artifact import read_manifest
+    from hloserve.server.core.engine import build_engine
+    from hloserve.server.core.sampling import SamplingParams
     from hloserve.server.services import ServeConfig
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

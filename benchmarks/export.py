@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import re
-import resource
 import subprocess
 import sys
 import tempfile
@@ -161,7 +160,7 @@ def child(name: str) -> dict:
 
     from hloserve.exporter import sources  # noqa: F401
     from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.progress import Reporter
+    from hloserve.runtime.progress import Reporter
 
     rss_imports = _rss_now()
     t0 = time.perf_counter()

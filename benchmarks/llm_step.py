@@ -28,8 +28,8 @@ import time
 import numpy as np
 import torch
 
-from hloserve.exporter.models.llama import (LlamaConfig, LlamaWeights, StepExportOptions, build_step_inputs,
-                                            llm_metadata)
+from hloserve.exporter.models.llama import LlamaConfig, LlamaWeights, StepExportOptions, llm_spec
+from hloserve.runtime.artifact.llm import pack_step
 
 SMOLLM2_CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
@@ -59,7 +59,7 @@ def load_model(kind: str):
 
 
 def _quiet():
-    from hloserve.exporter.progress import QUIET
+    from hloserve.runtime.progress import QUIET
     return QUIET
 
 
@@ -80,7 +80,7 @@ def export(weights: LlamaWeights, out: str, *, scan: bool, functions=("prefill",
     entries = [e for e in step_entries(weights, opts) if e.name in functions]
     t0 = time.perf_counter()
     export_artifact(out, entries, source="benchmark", model={"task": "causal-lm",
-                                                             "llm": llm_metadata(weights.cfg, opts, torch.float32)})
+                                                             "llm": llm_spec(weights.cfg, opts, torch.float32).to_json()})
     return time.perf_counter() - t0
 
 
@@ -105,7 +105,7 @@ class OurDecode:
         num_blocks = batch * blocks_per_seq + 1
         self.cache = jnp.zeros((cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, BLOCK, cfg.head_dim), jnp.float32)
         tables = [list(range(1 + s * blocks_per_seq, 1 + (s + 1) * blocks_per_seq)) for s in range(batch)]
-        self.inputs = build_step_inputs([([5 + s], DECODE_CONTEXT, tables[s]) for s in range(batch)], BLOCK)
+        self.inputs = pack_step([([5 + s], DECODE_CONTEXT, tables[s]) for s in range(batch)], BLOCK)
 
     def __call__(self):
         out = self.fn(**self.inputs, kv_cache=self.cache)
@@ -164,7 +164,7 @@ def compare_layouts(weights: LlamaWeights, out: str) -> None:
     }
     print("\nattention layouts (every one exact for any step), median of 3 after one warm call:")
     for name, chunks in cases.items():
-        inputs = build_step_inputs(chunks, BLOCK)
+        inputs = pack_step(chunks, BLOCK)
         row = []
         for att in layouts:
             state = {"cache": jnp.zeros((cfg.num_layers, 2, cfg.num_kv_heads, 64 * 32 + 1, BLOCK, cfg.head_dim),
@@ -226,7 +226,7 @@ def _run(args, cfg: LlamaConfig, weights: LlamaWeights, hf, tmp: str) -> int:
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, cfg.vocab_size, (PREFILL_LEN,), generator=g).tolist()
     blocks = PREFILL_LEN // BLOCK
-    inputs = build_step_inputs([(prompt, 0, list(range(1, blocks + 1)))], BLOCK)
+    inputs = pack_step([(prompt, 0, list(range(1, blocks + 1)))], BLOCK)
     state = {"cache": jnp.zeros((cfg.num_layers, 2, cfg.num_kv_heads, blocks + 1, BLOCK, cfg.head_dim), jnp.float32)}
 
     def ours_prefill():

@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from hloserve.server.model_runner import kv_cache_dtype, kv_cache_shape
+from hloserve.runtime.artifact.llm import LLMSpec, pack_step
 
 # variant -> load_source options
 VARIANTS = {"f32": {}, "bf16w": {"weight_dtype": "bfloat16"}, "int8": {"quantize": "int8"},
@@ -108,7 +108,7 @@ def perplexity(path: str, window: int, max_tokens: int | None) -> dict:
     t = time.perf_counter()
     for start in range(0, len(ids) - window + 1, window):
         w = ids[start:start + window]
-        cache = jnp.zeros(kv_cache_shape(llm, nb + 1), kv_cache_dtype(llm))
+        cache = jnp.zeros(LLMSpec.from_json(llm).kv_cache.concrete_shape(nb + 1), LLMSpec.from_json(llm).kv_cache.numpy_dtype)
         logits = np.asarray(decode(**window_inputs(w), kv_cache=cache)["logits"], np.float64)   # [W, V]
         logp = logits - logits.max(-1, keepdims=True)
         logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
@@ -129,13 +129,12 @@ class _Decoder:
         m = load(path, buckets={"num_tokens": [1], "num_seqs": [1], "max_blocks": [self.nb]})
         llm = m.manifest.model["llm"]
         self.decode = m.functions["decode"]
-        self.cache = jnp.zeros(kv_cache_shape(llm, self.nb + 1), kv_cache_dtype(llm))
+        self.cache = jnp.zeros(LLMSpec.from_json(llm).kv_cache.concrete_shape(self.nb + 1), LLMSpec.from_json(llm).kv_cache.numpy_dtype)
         self.pos, self.tok = context, 1
 
     def step(self) -> float:
-        from hloserve.exporter.models.llama import build_step_inputs
 
-        inputs = build_step_inputs([([self.tok], self.pos, list(range(1, self.nb + 1)))], BLOCK, pad_blocks=self.nb)
+        inputs = pack_step([([self.tok], self.pos, list(range(1, self.nb + 1)))], BLOCK, pad_blocks=self.nb)
         t = time.perf_counter()
         out = self.decode(**inputs, kv_cache=self.cache)
         out["logits"].block_until_ready()

@@ -1,4 +1,4 @@
-"""dtype names shared by the manifest, torch and jax.
+"""torch dtypes <-> manifest dtype names (the format's own table is hloserve.runtime.artifact.dtypes).
 
 The artifact stores dtypes as short strings ("f32", "bf16", "i32", ...). jax
 runs without x64, so torch's 64-bit types narrow at the boundary: int64 ->
@@ -6,34 +6,9 @@ int32 and float64 -> float32 (documented in docs/artifact-format.md).
 """
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
-# manifest name -> numpy dtype
-NUMPY = {
-    "f32": np.dtype(np.float32),
-    "f16": np.dtype(np.float16),
-    "bf16": np.dtype(ml_dtypes.bfloat16),
-    "f64": np.dtype(np.float64),
-    "i64": np.dtype(np.int64),
-    "i32": np.dtype(np.int32),
-    "i16": np.dtype(np.int16),
-    "i8": np.dtype(np.int8),
-    "u8": np.dtype(np.uint8),
-    "u32": np.dtype(np.uint32),
-    "bool": np.dtype(np.bool_),
-    "i4": np.dtype(ml_dtypes.int4),
-    "u4": np.dtype(ml_dtypes.uint4),
-    "c64": np.dtype(np.complex64),
-}
-NAME_OF_NUMPY = {v: k for k, v in NUMPY.items()}
-
-# safetensors header dtype strings
-SAFETENSORS = {
-    "f32": "F32", "f16": "F16", "bf16": "BF16", "f64": "F64", "i64": "I64", "i32": "I32",
-    "i16": "I16", "i8": "I8", "u8": "U8", "u32": "U32", "bool": "BOOL",
-}
-NAME_OF_SAFETENSORS = {v: k for k, v in SAFETENSORS.items()}
+from hloserve.runtime.artifact.dtypes import NUMPY, name_of_numpy  # noqa: F401  (re-exported)
 
 # What the artifact uses for a torch dtype (64-bit narrows; see module doc).
 _NARROW = {"f64": "f32", "i64": "i32", "c128": "c64"}
@@ -62,7 +37,3 @@ def artifact_name_of_torch(dtype) -> str:
 def jax_of_torch(dtype) -> np.dtype:
     """torch.dtype -> numpy/jax dtype as traced (64-bit narrowed)."""
     return NUMPY[artifact_name_of_torch(dtype)]
-
-
-def name_of_numpy(dtype) -> str:
-    return NAME_OF_NUMPY[np.dtype(dtype)]

@@ -1,17 +1,15 @@
-"""Exceptions that say what happened, where, and what to do.
+"""The exporter's errors: they say what happened, where, and what to do.
 
-Every error raised to a user derives from HloserveError; the CLI prints its
-message as one line and exits non-zero (tracebacks only with --debug).
+The base class HloserveError (and ArtifactError, ShapeConstraintError) belong to the artifact format
+(hloserve.runtime.artifact.errors) and are re-exported here for the exporter's modules.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from hloserve.runtime.artifact.errors import ArtifactError, HloserveError, ShapeConstraintError  # noqa: F401
+
 ADDING_OPS_DOC = "docs/adding-ops.md"
-
-
-class HloserveError(Exception):
-    """Base class: the message is complete and user-facing."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,14 +52,6 @@ class LoweringError(HloserveError):
 
 class ShapeSpecError(HloserveError):
     """A --dynamic spec or dynamic_shapes entry cannot be used."""
-
-
-class ShapeConstraintError(HloserveError, ValueError):
-    """Call-time shapes break the symbolic constraints recorded at export."""
-
-
-class ArtifactError(HloserveError):
-    """An artifact directory is missing, corrupted, or of an unknown version."""
 
 
 class SourceError(HloserveError):

@@ -19,12 +19,15 @@ import torch
 from jax import export as jax_export
 from jax._src.lib.mlir.dialects import hlo
 
-from . import artifact, dtypes, weights as weights_io
+from hloserve.runtime import artifact
+from hloserve.runtime.artifact import weights as weights_io
+
+from . import dtypes
 from .capture import capture
 from .errors import HloserveError
 from .interpreter import Interpreter
 from .lowerings import default_registry
-from .progress import QUIET, Reporter
+from hloserve.runtime.progress import QUIET, Reporter
 from .shapes import SymbolTable
 
 DEFAULT_PLATFORMS = ("cpu",)

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import zipfile
 
+from hloserve.runtime.paths import cache_dir
+
 from .errors import SourceError
 
 
@@ -35,10 +37,6 @@ PRESETS = {
                "SmolLM2-135M-Instruct (Llama architecture), GGUF Q4_1 with tokenizer and chat template"),
     )
 }
-
-
-def cache_dir() -> str:
-    return os.environ.get("HLOSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "hloserve"))
 
 
 def resolve(name: str, *, quiet: bool = False) -> str:

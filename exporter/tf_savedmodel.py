@@ -40,7 +40,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import artifact, weights as weights_io
+from hloserve.runtime import artifact
+from hloserve.runtime.artifact import weights as weights_io
 from .errors import HloserveError
 
 SERVING_DEFAULT = "serving_default"

@@ -5,11 +5,22 @@
     model.warmup(sizes={"seq": [128]})
     out = model.functions["forward"](input_ids=ids, attention_mask=mask)
 
-Layout: client.py (platform, devices, compile cache), executable.py (compile per
-bucketed shape, recompile accounting), buckets.py (padding policy), sharding.py
-(mesh + partition rules), model.py (load).
+Layout: artifact/ (the format: manifest, weights, LLM step contract; no jax), client.py (platform,
+devices, compile cache), executable.py (compile per bucketed shape, recompile accounting), buckets.py
+(padding policy), sharding.py (mesh + partition rules), model.py (load), progress.py, paths.py.
+The names below load lazily, so `import hloserve.runtime.artifact` does not import jax.
 """
-from .executable import Function, FunctionStats, RecompileError
-from .model import LoadedModel, load
+from __future__ import annotations
 
-__all__ = ["Function", "FunctionStats", "LoadedModel", "RecompileError", "load"]
+import importlib
+from typing import Any
+
+_LAZY = {"Function": "executable", "FunctionStats": "executable", "RecompileError": "executable",
+         "LoadedModel": "model", "load": "model"}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,9 +14,9 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from hloserve.exporter import artifact
-from hloserve.exporter.errors import HloserveError
-from hloserve.exporter.progress import QUIET, Reporter
+from hloserve.runtime import artifact
+from hloserve.runtime.artifact.errors import HloserveError
+from hloserve.runtime.progress import QUIET, Reporter
 
 from .model import load
 

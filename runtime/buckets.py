@@ -16,8 +16,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from hloserve.exporter import artifact
-from hloserve.exporter.errors import HloserveError, ShapeConstraintError
+from hloserve.runtime import artifact
+from hloserve.runtime.artifact.errors import HloserveError, ShapeConstraintError
 
 # Above this, an unbounded dim gets no more default buckets (sizes up to the next power of two still bucket).
 _DEFAULT_CAP = 1 << 16

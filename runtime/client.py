@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import jax
 
-from hloserve.exporter.errors import HloserveError
+from hloserve.runtime.artifact.errors import HloserveError
 
 # jax platform names for what users type; "gpu" means whichever GPU plugin is installed.
 _ALIASES = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "cpu": "cpu", "tpu": "tpu"}

@@ -28,8 +28,8 @@ import jax
 import numpy as np
 from jax import export as jax_export
 
-from hloserve.exporter import artifact
-from hloserve.exporter.errors import HloserveError, ShapeConstraintError
+from hloserve.runtime import artifact
+from hloserve.runtime.artifact.errors import HloserveError, ShapeConstraintError
 
 from . import buckets as buckets_mod
 from .client import compile_events

@@ -19,8 +19,9 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 from jax import export as jax_export
 
-from hloserve.exporter import artifact, weights as weights_io
-from hloserve.exporter.errors import ArtifactError
+from hloserve.runtime import artifact
+from hloserve.runtime.artifact import weights as weights_io
+from hloserve.runtime.artifact.errors import ArtifactError
 
 from . import buckets as buckets_mod
 from . import sharding as sharding_mod

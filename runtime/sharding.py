@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from hloserve.exporter.errors import HloserveError
+from hloserve.runtime.artifact.errors import HloserveError
 
 Rules = Sequence[tuple[str, Any]]
 

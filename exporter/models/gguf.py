@@ -73,7 +73,7 @@ from .tokenizer import GGUFVocab, gguf_tokenizer_json
 if TYPE_CHECKING:
     import torch
 
-    from ..progress import Reporter
+    from hloserve.runtime.progress import Reporter
 
 # llama.cpp architecture -> (HF model_type, HF architecture class, q/k rows permuted for NORM RoPE)
 ARCHITECTURES: Mapping[str, tuple[str, str, bool]] = {
@@ -223,7 +223,7 @@ class GGUFCheckpoint:
 
     def state_dict(self, reporter: "Reporter | None" = None) -> LazyStateDict:
         """Lazily dequantized weights; progress lines go to `reporter` (default: stderr; progress.QUIET: none)."""
-        from ..progress import Reporter
+        from hloserve.runtime.progress import Reporter
         return LazyStateDict(self.tensors, Reporter() if reporter is None else reporter)
 
     def materialize(self, reporter: "Reporter | None" = None, dtype: "torch.dtype | None" = None
@@ -231,7 +231,7 @@ class GGUFCheckpoint:
         """All weights dequantized (float32, or cast to `dtype`), with a progress bar."""
         import torch
 
-        from ..progress import Reporter
+        from hloserve.runtime.progress import Reporter
         reporter = Reporter() if reporter is None else reporter
         counts = collections.Counter(t.ggml_type for t in self.tensors.values())
         kinds = ", ".join(f"{n} {k}" for k, n in counts.most_common())

@@ -46,17 +46,15 @@ import dataclasses
 import math
 from typing import Any, Callable, Iterable, Mapping
 
-import numpy as np
 import torch
 import torch.nn.functional as F
+
+from hloserve.runtime.artifact.llm import KV_BITS, NUM_BLOCKS, STEP_INPUTS, STEP_OUTPUTS, KVCacheSpec, LLMSpec  # noqa: F401
 
 # Finite "minus infinity" for masked attention scores (f32): fully masked rows
 # (padding) softmax to uniform instead of NaN.
 _MASKED = -1e30
 
-STEP_INPUTS = ("tokens", "positions", "seq_ids", "slot_mapping", "block_tables", "context_lens", "last_token",
-               "kv_cache")
-STEP_OUTPUTS = ("logits", "kv_cache")
 ATTENTION = ("gather", "flat", "paged")
 # What each layout costs per layer (T tokens, S sequences, C = max_blocks * block_size), and
 # measured on SmolLM2-135M, CPU: one 512-token prompt: flat 2.2 s, paged 10.0 s, gather 13.1 s;
@@ -251,7 +249,6 @@ BITS_STORAGE = "int16 holding the bits of bf16/f16 values (viewed back before ea
 # A 16-bit KV cache under f32 activations is int16 for the same reason: each step's K/V are
 # scattered and the contexts gathered as bits, then widened to f32 inside the gather (half
 # the bytes read; attention itself stays f32: XLA:CPU widens batched bf16 dots anyway).
-KV_BITS = "int16 holding the bits of the K/V values (zeros are zeros)"
 
 
 class LlamaWeights(torch.nn.Module):
@@ -665,58 +662,17 @@ def step_entries(weights: LlamaWeights, opts: StepExportOptions = StepExportOpti
     ]
 
 
-def llm_metadata(cfg: LlamaConfig, opts: StepExportOptions, dtype: torch.dtype) -> dict:
+def llm_spec(cfg: LlamaConfig, opts: StepExportOptions, dtype: torch.dtype) -> LLMSpec:
     """The manifest's model["llm"]: what a server needs to drive the step functions."""
     from .. import dtypes
-    return {
-        "num_layers": cfg.num_layers, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-        "block_size": opts.block_size, "max_context": opts.max_blocks * opts.block_size,
-        "max_blocks": opts.max_blocks, "max_tokens": opts.max_tokens, "max_seqs": opts.max_seqs,
-        "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
-        "sliding_window": cfg.sliding_window, "null_block": 0, "layers": "scan" if opts.scan else "unrolled",
-        "kv_cache": {"input": "kv_cache", "output": "kv_cache",
-                     "dtype": dtypes.artifact_name_of_torch(torch.int16 if opts.kv_dtype is not None else dtype),
-                     **({"holds": dtypes.artifact_name_of_torch(opts.kv_dtype), "stored": KV_BITS}
-                        if opts.kv_dtype is not None else {}),
-                     "shape": [cfg.num_layers, 2, cfg.num_kv_heads, "num_blocks", opts.block_size, cfg.head_dim],
-                     "donated": True},
-        "step": {"inputs": list(STEP_INPUTS), "outputs": list(STEP_OUTPUTS),
-                 "functions": {name: f"{att}: {ATTENTION_COST[att]}" for name, att in opts.functions},
-                 "context_lens": "tokens in the sequence's context including this step's",
-                 "slot_mapping": "block*block_size+offset; padding tokens write into the null block 0"},
-    }
-
-
-# -- a reference driver of the contract (numpy, no torch) -----------------------
-def build_step_inputs(chunks: list[tuple[list[int], int, list[int]]], block_size: int, *,
-                      pad_tokens: int | None = None, pad_seqs: int | None = None,
-                      pad_blocks: int | None = None) -> dict[str, np.ndarray]:
-    """Step inputs for sequences each adding a chunk of tokens.
-
-    chunks: per sequence (new tokens, position of the first new token, block table covering
-    position + len(tokens)). Padding (to bucket sizes) uses the null block 0 and token 0.
-    """
-    tokens, positions, seq_ids, slots, last = [], [], [], [], []
-    for s, (toks, start, table) in enumerate(chunks):
-        for i, tok in enumerate(toks):
-            p = start + i
-            tokens.append(tok), positions.append(p), seq_ids.append(s)
-            slots.append(table[p // block_size] * block_size + p % block_size)
-        last.append(len(tokens) - 1)
-    T, S = len(tokens), len(chunks)
-    Tp, Sp = max(pad_tokens or T, T), max(pad_seqs or S, S)
-    B = max(max(pad_blocks or 1, len(t)) for _, _, t in chunks)
-    tables = np.zeros((Sp, B), np.int32)
-    for s, (_, _, table) in enumerate(chunks):
-        tables[s, :len(table)] = table
-    ctx = np.zeros(Sp, np.int32)
-    ctx[:S] = [start + len(toks) for toks, start, _ in chunks]
-
-    def pad(xs, n, fill):
-        return np.asarray(list(xs) + [fill] * (n - len(xs)), np.int32)
-
-    return dict(tokens=pad(tokens, Tp, 0), positions=pad(positions, Tp, 0),
-                seq_ids=pad(seq_ids, Tp, Sp - 1 if Sp > S else 0),
-                slot_mapping=pad(slots, Tp, 0), block_tables=tables, context_lens=ctx,
-                last_token=pad(last, Sp, 0))
+    stored = torch.int16 if opts.kv_dtype is not None else dtype
+    kv = KVCacheSpec(dtype=dtypes.artifact_name_of_torch(stored),
+                     holds=dtypes.artifact_name_of_torch(opts.kv_dtype) if opts.kv_dtype is not None else None,
+                     shape=(cfg.num_layers, 2, cfg.num_kv_heads, NUM_BLOCKS, opts.block_size, cfg.head_dim))
+    return LLMSpec(block_size=opts.block_size, max_blocks=opts.max_blocks, max_seqs=opts.max_seqs,
+                   max_tokens=opts.max_tokens, vocab_size=cfg.vocab_size, bos_token_id=cfg.bos_token_id,
+                   eos_token_ids=tuple(cfg.eos_token_ids), kv_cache=kv,
+                   functions={name: f"{att}: {ATTENTION_COST[att]}" for name, att in opts.functions},
+                   model={"num_layers": cfg.num_layers, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+                          "head_dim": cfg.head_dim, "hidden_size": cfg.hidden_size,
+                          "sliding_window": cfg.sliding_window, "layers": "scan" if opts.scan else "unrolled"})

@@ -22,7 +22,7 @@ engineer) -- what this module relies on:
     ckpt.special_tokens  .bos_token_id, .eos_token_id, .pad_token_id, .add_bos_token (ids may be None)
 
 Manifest `model` metadata (both sources): task "causal-lm", architecture,
-config (LlamaConfig.to_json()), llm (llama.llm_metadata: layers, heads,
+config (LlamaConfig.to_json()), llm (llama.llm_spec, the typed contract: layers, heads,
 kv_heads, head_dim, vocab, block_size, max_context, eos/bos ids, cache layout),
 tokenizer (file name in the artifact), chat_template, add_bos_token.
 """
@@ -37,7 +37,7 @@ import torch
 
 from ..errors import SourceError
 from ..sources import Source
-from .llama import LlamaConfig, LlamaWeights, StepExportOptions, llm_metadata, step_entries
+from .llama import LlamaConfig, LlamaWeights, StepExportOptions, llm_spec, step_entries
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                     "chat_template.jinja")
@@ -60,7 +60,7 @@ def source_from_weights(weights: LlamaWeights, description: str, *, opts: StepEx
     dtype = weights.dtype
     model = {
         "task": "causal-lm", "architecture": architecture or f"{cfg.model_type}ForCausalLM",
-        "config": cfg.to_json(), "llm": llm_metadata(cfg, opts, dtype),
+        "config": cfg.to_json(), "llm": llm_spec(cfg, opts, dtype).to_json(),
         "tokenizer": tokenizer_file, "chat_template": chat_template,
     }
     if add_bos_token is not None:

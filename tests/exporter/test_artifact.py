@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.export import Dim
 
-from hloserve.exporter import artifact
+from hloserve.runtime import artifact
 from hloserve.exporter.errors import ArtifactError, ShapeConstraintError, UnsupportedOpError
 from hloserve.exporter.export import EntryPoint, export_artifact
 from hloserve.exporter.registry import DuplicateLoweringError, Registry, lower
-from hloserve.runtime.loader import load
+from hloserve.runtime import load
 
 from . import factories
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch.export import Dim
 
-from hloserve.exporter.cli import main
-from hloserve.runtime.loader import load
+from hloserve.server.cli import main
+from hloserve.runtime import load
 
 
 class TinyDecoder(torch.nn.Module):

@@ -14,7 +14,7 @@ HERE = os.path.dirname(__file__)
 
 def hloserve(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "hloserve.exporter.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "hloserve.server.cli", *args], capture_output=True, text=True,
                           env=env, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"hloserve {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

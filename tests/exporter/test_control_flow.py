@@ -7,14 +7,13 @@ import os
 import re
 
 import numpy as np
-import pytest
 import torch
 from torch._higher_order_ops.scan import scan
 from torch._higher_order_ops.while_loop import while_loop
 from torch.export import Dim
 
 from hloserve.exporter.export import EntryPoint, export_artifact
-from hloserve.runtime.loader import load
+from hloserve.runtime import load
 
 ATOL = 1e-5  # f32; the bodies are a few ops deep
 

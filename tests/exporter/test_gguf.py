@@ -85,7 +85,7 @@ def test_hf_names(ckpt):
 def test_dequantize_is_gguf_package_bit_exact(ckpt, reader):
     """Every tensor equals gguf.quants.dequantize of the file's data (rows reordered for q/k only)."""
     import gguf
-    from hloserve.exporter.progress import QUIET
+    from hloserve.runtime.progress import QUIET
     weights = ckpt.materialize(reporter=QUIET)
     by_gguf = {t.gguf_name: name for name, t in ckpt.tensors.items()}
     permuted = 0
@@ -281,7 +281,7 @@ def test_synthetic_gguf_round_trip(tmp_path, arch):
     import transformers
 
     from hloserve.exporter.models.gguf import load_gguf
-    from hloserve.exporter.progress import QUIET
+    from hloserve.runtime.progress import QUIET
     torch.manual_seed(0)
     common = dict(vocab_size=258, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)

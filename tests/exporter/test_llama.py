@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from hloserve.exporter.models.llama import (STEP_INPUTS, LlamaConfig, LlamaStep, LlamaWeights, build_step_inputs)
-from hloserve.server.model_runner import kv_cache_dtype, kv_cache_shape
+from hloserve.exporter.models.llama import LlamaConfig, LlamaStep, LlamaWeights
+from hloserve.runtime.artifact.llm import STEP_INPUTS, LLMSpec, pack_step
 
 from ..reference import hf_with_mixed_linears
 
@@ -73,7 +73,7 @@ class Paged:
         llm = model.manifest.model["llm"]
         self.fns = model.functions
         self.block = llm["block_size"]
-        self.cache = jnp.zeros(kv_cache_shape(llm, num_blocks), kv_cache_dtype(llm))
+        self.cache = jnp.zeros(LLMSpec.from_json(llm).kv_cache.concrete_shape(num_blocks), LLMSpec.from_json(llm).kv_cache.numpy_dtype)
         self.free = list(range(num_blocks - 1, 0, -1))
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
@@ -88,7 +88,7 @@ class Paged:
                 table.append(self.free.pop())
             planned.append((list(toks), start, list(table)))
             self.lens[sid] = start + len(toks)
-        out = self.fns[fn](**build_step_inputs(planned, self.block), kv_cache=self.cache)
+        out = self.fns[fn](**pack_step(planned, self.block), kv_cache=self.cache)
         self.cache = out["kv_cache"]
         return np.asarray(out["logits"])
 
@@ -219,7 +219,7 @@ def test_eager_step_variants_match_transformers(arch, extra, length):
         table = [5, 3, 9, 1, 7, 11, 2][: -(-length // BLOCK)]
         chunks = [(prompt, 0)] if split == 1 else [(prompt[:split], 0), (prompt[split:], split)]
         for toks, start in chunks:
-            inp = build_step_inputs([(toks, start, table)], BLOCK, pad_tokens=len(toks) + 3, pad_seqs=2)
+            inp = pack_step([(toks, start, table)], BLOCK, pad_tokens=len(toks) + 3, pad_seqs=2)
             with torch.no_grad():
                 logits, cache = step(*[torch.from_numpy(inp[k]) for k in STEP_INPUTS[:-1]], cache)
             np.testing.assert_allclose(logits[0].numpy(), want[start + len(toks) - 1], atol=ATOL, rtol=0,
@@ -241,7 +241,7 @@ def test_config_parsing_errors_name_the_fix():
 @pytest.mark.slow
 def test_cli_export_bfloat16(tmp_path):
     """`hloserve export HF_DIR -o OUT --dtype bfloat16`: bf16 weights and cache, f32 logits near f32 HF."""
-    from hloserve.exporter.cli import main
+    from hloserve.server.cli import main
     from hloserve.runtime import load
     hf = _hf_model("qwen2", seed=5)
     hf.save_pretrained(str(tmp_path / "hf"))
@@ -256,9 +256,9 @@ def test_cli_export_bfloat16(tmp_path):
     model = load(str(tmp_path / "art"))
     import jax.numpy as jnp
     llm = manifest["model"]["llm"]
-    cache = jnp.zeros(kv_cache_shape(llm, 8), jnp.bfloat16)
+    cache = jnp.zeros(LLMSpec.from_json(llm).kv_cache.concrete_shape(8), jnp.bfloat16)
     (prompt,) = _prompts([20], seed=6)
-    out = model.functions["prefill"](**build_step_inputs([(prompt, 0, [1, 2])], BLOCK), kv_cache=cache)
+    out = model.functions["prefill"](**pack_step([(prompt, 0, [1, 2])], BLOCK), kv_cache=cache)
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0, -1].numpy()
     got = np.asarray(out["logits"])[0]
@@ -274,7 +274,7 @@ def test_cli_export_bf16_weights(tmp_path, arch):
     and KV cache. Logits match transformers computing its Linears the same way (inputs and weights
     rounded to bf16, f32 sums) within 1e-3 of the logit scale, and plain f32 transformers within
     2%; a two-chunk prompt and greedy decode agree with the first."""
-    from hloserve.exporter.cli import main
+    from hloserve.server.cli import main
     from hloserve.runtime import load
     hf = _hf_model(arch, seed=5)
     hf.save_pretrained(str(tmp_path / "hf"))
@@ -323,7 +323,7 @@ def test_cli_export_bf16_kv_cache(tmp_path, capsys):
     Through the runtime, a chunked prompt and decodes match our torch step eager on the same
     weights and kv_dtype within 1e-4 of the logit scale, and transformers with the same
     roundings (K rounded before RoPE there) within 1e-2; greedy decoding agrees with the eager step."""
-    from hloserve.exporter.cli import main
+    from hloserve.server.cli import main
     from hloserve.exporter.models.llama_source import from_hf_directory
     from hloserve.runtime import load
     hf = _hf_model("llama", seed=7)
@@ -344,11 +344,11 @@ def test_cli_export_bf16_kv_cache(tmp_path, capsys):
     with torch.no_grad():
         want = hf_with_mixed_linears(hf, kv_dtype=torch.bfloat16)(torch.tensor([prompt])).logits[0].numpy()
     scale = np.abs(want).max()
-    paged, cache = Paged(model), torch.zeros(kv_cache_shape(model.manifest.model["llm"], NUM_BLOCKS), dtype=torch.int16)
+    paged, cache = Paged(model), torch.zeros(LLMSpec.from_json(model.manifest.model["llm"]).kv_cache.concrete_shape(NUM_BLOCKS), dtype=torch.int16)
 
     def eager_step(chunk):
         nonlocal cache
-        inp = build_step_inputs([chunk], BLOCK)
+        inp = pack_step([chunk], BLOCK)
         with torch.no_grad():
             logits, cache = step(*[torch.from_numpy(inp[k]) for k in STEP_INPUTS[:-1]], cache)
         return logits[0].numpy()
@@ -368,7 +368,7 @@ def test_cli_export_bf16_kv_cache(tmp_path, capsys):
 
 def test_weight_dtype_errors_name_the_fix(tmp_path, capsys):
     """--weight-dtype is for LLM step exports, not with --quantize, and must be a float dtype."""
-    from hloserve.exporter.cli import main
+    from hloserve.server.cli import main
     art = str(tmp_path / "art")
     assert main(["export", "smollm2-135m-instruct", "-o", art, "--weight-dtype", "bfloat16", "--quantize", "int8"]) == 1
     assert "--weight-dtype and --quantize both choose how weights are stored" in capsys.readouterr().err

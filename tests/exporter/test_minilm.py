@@ -12,7 +12,7 @@ ATOL = 1e-4  # f32, per the exporter issue
 def test_minilm_matches_eager(minilm_dir, minilm_artifact, batch, seq):
     import transformers
 
-    from hloserve.runtime.loader import load
+    from hloserve.runtime import load
     ref = transformers.AutoModel.from_pretrained(minilm_dir).eval()
     model = load(minilm_artifact)
     g = torch.Generator().manual_seed(batch * 1000 + seq)

@@ -12,9 +12,10 @@ import torch
 from jax import export as jax_export
 from torch.export import Dim
 
-from hloserve.exporter import artifact, weights as weights_io
+from hloserve.runtime import artifact
+from hloserve.runtime.artifact import weights as weights_io
 from hloserve.exporter.export import EntryPoint, export_artifact
-from hloserve.runtime.loader import load
+from hloserve.runtime import load
 
 ATOL = 1e-5  # f32
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from hloserve.server.model_runner import kv_cache_shape
+from hloserve.runtime.artifact.llm import LLMSpec, pack_step
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ LOGITS_ATOL = 1e-3
 @pytest.fixture(scope="module")
 def smollm2_artifact(tmp_path_factory) -> str:
     """`hloserve export smollm2-135m-instruct -o OUT`, once per module."""
-    from hloserve.exporter.cli import main
+    from hloserve.server.cli import main
     out = str(tmp_path_factory.mktemp("smollm2") / "art")
     assert main(["export", "smollm2-135m-instruct", "-o", out, "-q"]) == 0
     return out
@@ -83,8 +83,7 @@ def _prompts(art: str) -> list[list[int]]:
 
 def _runtime_greedy(art: str, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], np.ndarray]:
     """Greedy decoding of all prompts at once through the artifact; returns (continuations, prefill logits)."""
-    from hloserve.exporter.models.llama import build_step_inputs
-    from hloserve.runtime.loader import load
+    from hloserve.runtime import load
 
     rt = load(art)
     llm = rt.manifest.model["llm"]
@@ -95,9 +94,9 @@ def _runtime_greedy(art: str, prompts: list[list[int]], new_tokens: int) -> tupl
     tables = [[1 + s + S * i for i in range(n)] for s, n in enumerate(need)]
     num_blocks = 1 + S * max(need)
     width = max(need)
-    cache = np.zeros(kv_cache_shape(llm, num_blocks), np.float32)
+    cache = np.zeros(LLMSpec.from_json(llm).kv_cache.concrete_shape(num_blocks), np.float32)
 
-    step = build_step_inputs([(p, 0, t) for p, t in zip(prompts, tables)], bs, pad_blocks=width)
+    step = pack_step([(p, 0, t) for p, t in zip(prompts, tables)], bs, pad_blocks=width)
     out = rt.functions["prefill"](**step, kv_cache=cache)
     prefill_logits = np.asarray(out["logits"])
     cache = out["kv_cache"]
@@ -108,7 +107,7 @@ def _runtime_greedy(art: str, prompts: list[list[int]], new_tokens: int) -> tupl
             seqs[s].append(int(nxt[s]))
         if i == new_tokens - 1:
             break
-        step = build_step_inputs([(sq[-1:], len(sq) - 1, t) for sq, t in zip(seqs, tables)], bs, pad_blocks=width)
+        step = pack_step([(sq[-1:], len(sq) - 1, t) for sq, t in zip(seqs, tables)], bs, pad_blocks=width)
         out = rt.functions["decode"](**step, kv_cache=cache)
         cache = out["kv_cache"]
     return [sq[len(p):] for sq, p in zip(seqs, prompts)], prefill_logits

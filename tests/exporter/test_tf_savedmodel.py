@@ -104,7 +104,7 @@ def saved_model_cli(*args: str) -> str:
 
 # -- version choice (no TensorFlow needed) --------------------------------------------------------
 def test_call_module_version_choice(tiny_artifact):
-    from hloserve.exporter import artifact
+    from hloserve.runtime import artifact
     manifest = artifact.read_manifest(tiny_artifact)
     plan = plan_function(tiny_artifact, manifest, "encode")
     assert plan.module_version == 10 and plan.platforms == ("cpu",) and not plan.uses_shardy
@@ -171,8 +171,8 @@ def test_minilm_saved_model_cli_show_and_run(tmp_path, minilm_savedmodel, minilm
 @pytest.mark.slow
 def test_minilm_rest_bodies_decode_and_run(tf, minilm_artifact, minilm_savedmodel, minilm_runtime):
     """deploy/tf_serving/requests/*.json: both forms give the same arrays and the same outputs."""
-    from hloserve.exporter import artifact
-    from hloserve.server.tf_serving_protocol import decode_predict_request, encode_predict_response
+    from hloserve.runtime import artifact
+    from hloserve.server.http.tf_serving_protocol import decode_predict_request, encode_predict_response
     manifest = artifact.read_manifest(minilm_artifact)
     loaded = tf.saved_model.load(minilm_savedmodel.path)
     responses = {}
@@ -270,7 +270,7 @@ def test_cli_export_with_savedmodel_derived_input_dims(tf, tmp_path):
     """`hloserve export factories:two_dims --savedmodel`: inputs (B, S), (B, 2S), (B, S+1) all None-shaped."""
     art, sm = str(tmp_path / "art"), str(tmp_path / "sm")
     env = dict(TF_ENV, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "tests", "exporter"), REPO]))
-    proc = subprocess.run([sys.executable, "-m", "hloserve.exporter.cli", "export", "factories:two_dims", "-o", art,
+    proc = subprocess.run([sys.executable, "-m", "hloserve.server.cli", "export", "factories:two_dims", "-o", art,
                            "--savedmodel", sm], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "signature serving_default -> forward(x: float32[None, None, 16], pairs: float32[None, None, 16]" \
@@ -285,7 +285,7 @@ def test_cli_export_with_savedmodel_derived_input_dims(tf, tmp_path):
              "shifted": rng.standard_normal((b, s + 1, 16)).astype(np.float32)}
         want = {k: np.asarray(v) for k, v in rt.functions["forward"](**x).items()}
         assert_same(call_signature(tf, loaded.signatures["serving_default"], x), want, f"two_dims at {b}x{s}")
-    bad = subprocess.run([sys.executable, "-m", "hloserve.exporter.cli", "tf", art, "-o", sm,
+    bad = subprocess.run([sys.executable, "-m", "hloserve.server.cli", "tf", art, "-o", sm,
                           "--xla-call-module-version", "42"], capture_output=True, text=True, env=env, timeout=300)
     errors = [line for line in bad.stderr.splitlines() if line.startswith("hloserve: error:")]
     assert bad.returncode == 1 and len(errors) == 1 and "--xla-call-module-version 10" in errors[0], bad.stderr

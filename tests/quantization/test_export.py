@@ -117,7 +117,8 @@ def hf_llama(tmp_path_factory):
 def test_llama_step_quantized_matches_eager(spec, hf_llama, tmp_path):
     """The stacked, scanned Llama step with quantized stacked weights: runtime == torch eager of the
     same quantized step (prefill and decode, a ragged batch), and the scan survives (one while)."""
-    from hloserve.exporter.models.llama import LlamaStep, build_step_inputs
+    from hloserve.exporter.models.llama import LlamaStep
+    from hloserve.runtime.artifact.llm import pack_step
     from hloserve.exporter.sources import load_source
 
     hf, path = hf_llama
@@ -140,13 +141,13 @@ def test_llama_step_quantized_matches_eager(spec, hf_llama, tmp_path):
         t = [free.pop() for _ in range(-(-len(p) // 16))]
         tables.append(t)
         chunks.append((p, 0, t))
-    eager = {n: torch.from_numpy(v) for n, v in build_step_inputs(chunks, 16).items()}
+    eager = {n: torch.from_numpy(v) for n, v in pack_step(chunks, 16).items()}
     with torch.no_grad():
         want, kv = src.entries[0].module(**eager, kv_cache=kv)
         for i, nxt in ((0, 7), (1, 9)):
             if (len(prompts[i]) + 1) > 16 * len(tables[i]):
                 tables[i].append(free.pop())
-        dec = {n: torch.from_numpy(v) for n, v in build_step_inputs(
+        dec = {n: torch.from_numpy(v) for n, v in pack_step(
             [([7], len(prompts[0]), tables[0]), ([9], len(prompts[1]), tables[1])], 16).items()}
         want_decode, _ = src.entries[1].module(**dec, kv_cache=kv)
     np.testing.assert_allclose(got, want.numpy(), atol=ATOL, rtol=0)
@@ -169,7 +170,7 @@ def test_llama_step_quantized_matches_eager(spec, hf_llama, tmp_path):
 
 
 def test_cli_quantize(hf_llama, tmp_path):
-    from hloserve.exporter.cli import main
+    from hloserve.server.cli import main
 
     _, path = hf_llama
     out = str(tmp_path / "art")

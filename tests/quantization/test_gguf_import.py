@@ -16,7 +16,7 @@ from hloserve.exporter.lowerings import quantized as lowering
 from hloserve.exporter.models.gguf import GGUFTensor, load_gguf
 from hloserve.quantization import convert, modules, primitives
 from hloserve.quantization.schemes import QuantConfig
-from hloserve.server.model_runner import kv_cache_shape
+from hloserve.runtime.artifact.llm import LLMSpec, pack_step
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,6 @@ def test_native_export_matches_the_dequantized_model(tmp_path):
     same weights bit for bit, so logits agree to float32 summation-order noise (atol 2e-3 on
     logits of magnitude ~20)."""
     from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.models.llama import build_step_inputs
     from hloserve.exporter.models.llama_source import from_gguf
     from hloserve.exporter import presets
     from hloserve.exporter.sources import load_source
@@ -140,9 +139,9 @@ def test_native_export_matches_the_dequantized_model(tmp_path):
     assert manifest.weights["model.layers.down_proj"].quant["symmetric"] is False
     assert manifest.weights["model.embed_tokens"].dtype == "i8"
     prompt = [1, 504, 3458, 282, 260, 1345, 28, 253, 2114, 1953, 30]
-    inputs = build_step_inputs([(prompt, 0, [1])], 16)
+    inputs = pack_step([(prompt, 0, [1])], 16)
     model = load(str(tmp_path), buckets={"num_tokens": [16], "num_seqs": [1], "max_blocks": [1]})
-    cache = np.zeros(kv_cache_shape(manifest.model["llm"], 2), np.float32)   # [30, 2, 3, 2, 16, 64]
+    cache = np.zeros(LLMSpec.from_json(manifest.model["llm"]).kv_cache.concrete_shape(2), np.float32)   # [30, 2, 3, 2, 16, 64]
     got = np.asarray(model.functions["decode"](**inputs, kv_cache=cache)["logits"])
     ref = from_gguf(presets.resolve("smollm2-135m-instruct", quiet=True)).entries[1].module
     with torch.no_grad():

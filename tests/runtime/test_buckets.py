@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hloserve.exporter.artifact import SymbolSpec
+from hloserve.runtime.artifact import SymbolSpec
 from hloserve.runtime.buckets import BucketError, Buckets, pad_to, powers_of_two, slice_to
 
 SYMBOLS = {"batch": SymbolSpec("batch", 1, 64), "seq": SymbolSpec("seq", 3, 10), "n": SymbolSpec("n", 1, None)}

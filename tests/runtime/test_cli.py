@@ -13,7 +13,7 @@ from tests.runtime.conftest import REPO
 
 CLI = """
 import sys, json
-from hloserve.exporter.cli import main
+from hloserve.server.cli import main
 rc = main({argv!r})
 print(json.dumps({{"rc": rc, "torch": "torch" in sys.modules}}))
 """
@@ -70,7 +70,7 @@ def test_bench_shape_from_dims(mlp_artifact, tmp_path):
     ("seq=4", "the shape of input 'x' (f32[batch,64]) needs batch"),
 ])
 def test_bench_errors_are_one_line(mlp_artifact, shape, message, capsys):
-    from hloserve.exporter.cli import main
+    from hloserve.server.cli import main
     assert main(["bench", mlp_artifact, "--shape", shape, "--no-cache", "-q"]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hloserve: error: ") and message in lines[0], lines

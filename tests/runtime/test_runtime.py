@@ -247,14 +247,6 @@ print(base, peak, int(state.unsafe_buffer_pointer() == ptr), fn.stats.calls)
     assert peak < 1.5 * 2**30                 # the whole process, jax runtime included
 
 
-def test_old_loader_api_still_works(mlp_artifact, eager_mlp):
-    import jax
-    from hloserve.runtime.loader import load
-    model = load(mlp_artifact, device=jax.devices()[0], cache_dir=None)
-    x = _x(3)
-    np.testing.assert_allclose(np.asarray(model.functions["forward"](x=x)["y"]), _eager(eager_mlp, x), atol=ATOL)
-
-
 def test_weight_check_is_remembered_until_the_file_changes(mlp_artifact, tmp_path):
     art = _copy(mlp_artifact, tmp_path)
     cache = str(tmp_path / "cache")

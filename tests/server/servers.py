@@ -19,7 +19,7 @@ def running_server(artifact: str | None, *args: str, ready_timeout: float = 600.
     port = free_port()
     log_dir = log_dir or (os.path.dirname(os.path.normpath(artifact)) if artifact else tempfile.gettempdir())
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "hloserve.exporter.cli", "serve", *([artifact] if artifact else []), "--port", str(port),
+    cmd = [sys.executable, "-m", "hloserve.server.cli", "serve", *([artifact] if artifact else []), "--port", str(port),
            *args]
     with server_process(cmd, f"{base}/ready", os.path.join(log_dir, f"server-{port}.log"), timeout=ready_timeout,
                         env=env) as proc:

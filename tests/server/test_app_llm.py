@@ -32,8 +32,8 @@ def client(base):
 def test_completion_matches_transformers_greedy(server, tiny_chat_llm):
     hf, art = tiny_chat_llm
     base, _ = server
-    from hloserve.server.tokenizer import Tokenizer
-    from hloserve.exporter import artifact
+    from hloserve.server.text.tokenizer import Tokenizer
+    from hloserve.runtime import artifact
     tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
     prompt = "The capital of France is"
     ids = tok.encode(prompt)
@@ -106,7 +106,7 @@ def test_health_ready_metrics(server):
     assert httpx.get(f"{base}/ready").status_code == 200
     text = httpx.get(f"{base}/metrics").text
     for name in ("vllm:time_to_first_token_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "hloserve:recompiles_after_warmup_total"):
+                 "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "hloserve:compiles_after_warmup_total"):
         assert name in text, name
 
 

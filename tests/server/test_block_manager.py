@@ -5,7 +5,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from hloserve.server.block_manager import BlockManager, BlockManagerError, KVBlocks, hash_block
+from hloserve.server.core.block_manager import BlockManager, BlockManagerError, KVBlocks, hash_block
 
 
 def test_allocation_order_and_null_block():

@@ -8,11 +8,12 @@ import time
 
 import pytest
 
-from hloserve.server.block_manager import BlockManager
-from hloserve.server.engine import Engine, EngineError, prometheus_text
-from hloserve.server.model_runner import MockRunner
-from hloserve.server.sampling import SamplingParams
-from hloserve.server.scheduler import Scheduler, SchedulerConfig
+from hloserve.server.core.block_manager import BlockManager
+from hloserve.server.core.engine import Engine, EngineError
+from hloserve.server.core.metrics import prometheus_text
+from hloserve.server.core.model_runner import MockRunner
+from hloserve.server.core.sampling import SamplingParams
+from hloserve.server.core.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 100
 GREEDY = dict(temperature=0.0)
@@ -21,7 +22,8 @@ GREEDY = dict(temperature=0.0)
 def make_engine(num_blocks=64, block_size=4, step_delay=0.0, fail_on=None, **cfg):
     bm = BlockManager(num_blocks, block_size)
     sched = Scheduler(SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 32, "max_model_len": 128,
-                                         "admission_watermark": 0.0, **cfg}), bm, seed_rng=random.Random(0))
+                                         "admission_watermark": 0.0,
+                                         "enable_prefix_caching": True, **cfg}), bm, seed_rng=random.Random(0))
 
     def hook(plan):
         if step_delay:

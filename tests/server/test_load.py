@@ -131,7 +131,7 @@ def test_load_with_disconnects_frees_every_block_and_never_recompiles(load_serve
     assert metric(text, "hloserve:kv_cache_used_blocks") == 0
     assert metric(text, "hloserve:kv_cache_free_blocks") == metric(text, "hloserve:kv_cache_total_blocks") == 31
     assert metric(text, "vllm:kv_cache_usage_perc") == 0
-    assert metric(text, "hloserve:recompiles_after_warmup_total") == 0
+    assert metric(text, "hloserve:compiles_after_warmup_total") == 0
     aborted = re.search(r'vllm:request_success_total{[^}]*finished_reason="abort"} (\S+)', text)
     assert aborted and float(aborted.group(1)) == NUM_REQUESTS // DISCONNECT_EVERY   # disconnects reached the engine
     assert metric(text, "vllm:prefix_cache_hits_total") > 0
@@ -142,8 +142,8 @@ def test_load_with_disconnects_frees_every_block_and_never_recompiles(load_serve
 
     # the references themselves are transformers' greedy tokens on the same weights (a few, short ones)
     hf, art = tiny_chat_llm
-    from hloserve.exporter import artifact
-    from hloserve.server.tokenizer import Tokenizer
+    from hloserve.runtime import artifact
+    from hloserve.server.text.tokenizer import Tokenizer
     tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
     for p, n in [pn for pn in ref if pn[1] <= 12][:3]:
         assert ref[p, n] == tok.decode(hf_greedy(hf, tok.encode(p), n)), p

@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from hloserve.server.block_manager import BlockManager
-from hloserve.server.engine import Engine
-from hloserve.server.model_runner import (ModelRunner, RunnerConfig, build_step_arrays, warmup_shapes)
-from hloserve.server.sampling import SamplingParams
-from hloserve.server.scheduler import Scheduler, SchedulerConfig, SchedulerPlan, ScheduledSeq
+from hloserve.server.core.block_manager import BlockManager
+from hloserve.server.core.engine import Engine
+from hloserve.server.core.model_runner import ModelRunner, RunnerConfig, build_step, warmup_shapes
+from hloserve.server.core.sampling import SamplingParams
+from hloserve.server.core.outputs import ScheduledSeq, SchedulerPlan
+from hloserve.server.core.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 256
 BLOCK = 8
@@ -54,7 +55,8 @@ def tiny_llm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runner(tiny_llm):
     _, art = tiny_llm
-    cfg = RunnerConfig(token_buckets=(16, 32), seq_buckets=(4,), block_buckets=(16,), num_blocks=14)
+    cfg = RunnerConfig(token_buckets=(16, 32), seq_buckets=(4,), block_buckets=(16,), num_blocks=14,
+                       kv_cache_bytes=0)
     r = ModelRunner.from_artifact(art, cfg, platform="cpu", strict=True)
     assert r.warmup() == len(r.warmup_shapes()) == 3      # decode (4,4) + prefill (16,4), (32,4)
     return r
@@ -70,11 +72,11 @@ def hf_greedy(hf, prompt, n):
 
 
 def test_step_arrays_padding():
-    cfg = RunnerConfig(token_buckets=(16,), seq_buckets=(4,), block_buckets=(8,))
-    g = SamplingParams(temperature=0)
-    seqs = (ScheduledSeq("a", (5,), (9,), (3 * BLOCK + 1,), (2, 3), 10, True, g, 0, 0),
-            ScheduledSeq("b", (7, 8, 9), (0, 1, 2), (40, 41, 42), (5,), 3, True, g, 0, 0))
-    a = build_step_arrays(SchedulerPlan(seqs, 4, ()), cfg)
+    cfg = RunnerConfig(token_buckets=(16,), seq_buckets=(4,), block_buckets=(8,), num_blocks=None, kv_cache_bytes=0)
+    g = dict(needs_logits=True, sampling=SamplingParams(temperature=0), seed=0, sample_index=0)
+    seqs = (ScheduledSeq(request_id="a", token_ids=(5,), start=9, block_table=(2, 3), **g),
+            ScheduledSeq(request_id="b", token_ids=(7, 8, 9), start=0, block_table=(5,), **g))
+    a = build_step(SchedulerPlan.of(seqs), cfg, BLOCK)
     assert a.function == "prefill" and a.num_seqs == 2
     x = a.inputs
     assert x["tokens"].tolist() == [5, 7, 8, 9] + [0] * 12
@@ -82,9 +84,10 @@ def test_step_arrays_padding():
     assert x["slot_mapping"].tolist() == [25, 40, 41, 42] + [0] * 12    # ... writing into the null block
     assert x["block_tables"].tolist() == [[2, 3] + [0] * 6, [5] + [0] * 7, [0] * 8, [0] * 8]
     assert x["context_lens"].tolist() == [10, 3, 0, 0] and x["last_token"].tolist() == [0, 3, 0, 0]
-    d = build_step_arrays(SchedulerPlan(seqs[:1], 1, ()), cfg)
+    d = build_step(SchedulerPlan.of(seqs[:1]), cfg, BLOCK)
     assert d.function == "decode" and d.inputs["tokens"].shape == (4,)  # decode: T = S bucket
-    assert sorted(warmup_shapes(RunnerConfig((16, 64), (1, 2, 4, 32), (8,)))) == sorted([
+    assert sorted(warmup_shapes(RunnerConfig(token_buckets=(16, 64), seq_buckets=(1, 2, 4, 32), block_buckets=(8,),
+                                             num_blocks=None, kv_cache_bytes=0))) == sorted([
         ("decode", 1, 1, 8), ("decode", 2, 2, 8), ("decode", 4, 4, 8), ("decode", 32, 32, 8),
         ("prefill", 16, 1, 8), ("prefill", 64, 1, 8), ("prefill", 16, 2, 8), ("prefill", 64, 2, 8),
         ("prefill", 16, 4, 8), ("prefill", 64, 4, 8),                 # 5..32 seqs padded to 32 rows, with
@@ -100,7 +103,7 @@ def test_greedy_tokens_match_transformers_with_chunking_prefix_hits_and_preempti
     prompts += [shared + [5, 6], shared + [7]]                 # two full shared blocks -> prefix hits
     # 13 usable blocks (104 slots) for 5 requests needing 77 prompt + 50 generated tokens: preemption
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
-                                      admission_watermark=0.0), BlockManager(runner.num_blocks, runner.block_size))
+                                      admission_watermark=0.0, enable_prefix_caching=True), BlockManager(runner.num_blocks, runner.block_size))
     greedy = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     got = {}
     for i, p in enumerate(prompts):
@@ -122,7 +125,8 @@ def test_greedy_tokens_match_transformers_with_chunking_prefix_hits_and_preempti
 @pytest.mark.slow
 def test_engine_thread_on_the_real_artifact(tiny_llm, runner):
     hf, _ = tiny_llm
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128),
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                                      admission_watermark=0.01, enable_prefix_caching=True),
                       BlockManager(runner.num_blocks, runner.block_size), eos_token_ids=[2])
     prompts = [[9, 8, 7, 6, 5], list(range(40, 61))]
     with Engine(sched, runner, vocab_size=VOCAB) as eng:
@@ -140,14 +144,18 @@ def test_engine_thread_on_the_real_artifact(tiny_llm, runner):
 
 @pytest.mark.slow
 def test_build_engine_wires_an_artifact(tiny_llm):
-    from hloserve.server.engine import EngineConfig, build_engine
+    from hloserve.runtime.artifact import HloserveError, LLMSpec, read_manifest
+    from hloserve.server.config import ServeConfig
+    from hloserve.server.core.engine import build_engine
     hf, art = tiny_llm
-    with pytest.raises(ValueError, match="exceeds the artifact's max_context 128"):
-        build_engine(art, EngineConfig(max_model_len=256))
-    with pytest.raises(ValueError, match="exceed the artifact's max_seqs=8"):
-        build_engine(art, EngineConfig(max_num_seqs=16, max_num_batched_tokens=64))
-    eng, tok = build_engine(art, EngineConfig(max_num_seqs=1, max_num_batched_tokens=32, block_buckets=1,
-                                              num_blocks=32, platform="cpu"))
+    with pytest.raises(HloserveError, match="exceeds the artifact's max_context 128"):
+        build_engine(art, ServeConfig(max_model_len=256))
+    sched, runner, notes = ServeConfig(max_num_seqs=16, max_num_batched_tokens=128).resolve(
+        LLMSpec.of(read_manifest(art), art))                    # clamped to the artifact once, and said so
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (8, 64) and len(notes) == 2
+    assert runner.seq_buckets[-1] == 8 and runner.token_buckets[-1] == 64
+    eng, tok = build_engine(art, ServeConfig(max_num_seqs=1, max_num_batched_tokens=32, block_buckets=1,
+                                             min_token_bucket=16, prefill_growth=2, num_blocks=32, platform="cpu"))
     assert tok is None                                         # save_pretrained of a bare model ships no tokenizer
     assert eng.scheduler.config.max_model_len == 128 and eng.scheduler.eos_token_ids == {2}
     assert eng.warmup() == 3                                   # decode (1,1) + prefill (16,1), (32,1), width 16

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hloserve.server.sampling import SamplingParams, filtered_probs, sample, sample_row
+from hloserve.server.core.sampling import SamplingParams, filtered_probs, sample, sample_row
 
 
 def _logits(seed=0, vocab=50):

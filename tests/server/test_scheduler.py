@@ -9,10 +9,12 @@ import random
 
 import pytest
 
-from hloserve.server.block_manager import BlockManager
-from hloserve.server.model_runner import MockRunner
-from hloserve.server.sampling import SamplingParams
-from hloserve.server.scheduler import RunnerOutput, Scheduler, SchedulerConfig
+from hloserve.server.core.block_manager import BlockManager
+from hloserve.server.core.model_runner import MockRunner
+from hloserve.server.core.sampling import SamplingParams
+from hloserve.runtime.artifact.llm import slots
+from hloserve.server.core.outputs import RunnerOutput
+from hloserve.server.core.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 64
 GREEDY = dict(temperature=0.0)
@@ -27,7 +29,9 @@ class CharDecoder:
 
 def make(num_blocks=32, block_size=4, max_num_seqs=4, max_tokens=8, max_model_len=64, watermark=0.0, **kw):
     bm = BlockManager(num_blocks, block_size)
-    sched = Scheduler(SchedulerConfig(max_num_seqs, max_tokens, max_model_len, watermark), bm,
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
+                                      max_model_len=max_model_len, admission_watermark=watermark,
+                                      enable_prefix_caching=True), bm,
                       seed_rng=random.Random(0), **kw)
     return sched, MockRunner(VOCAB, num_blocks, block_size)
 
@@ -93,8 +97,8 @@ def test_positions_and_slot_mapping_follow_the_block_table():
     plan = sched.schedule()
     (s,) = plan.seqs
     assert s.block_table == (1, 2, 3)
-    assert s.positions == tuple(range(10)) and s.context_len == 10
-    assert s.slot_mapping == (4, 5, 6, 7, 8, 9, 10, 11, 12, 13)   # block 1 starts at slot 4
+    assert s.start == 0 and len(s.token_ids) == 10 and s.context_len == 10
+    assert slots(s.start, len(s.token_ids), s.block_table, 4) == list(range(4, 14))   # block 1 starts at slot 4
 
 
 def test_max_num_seqs_and_fifo_admission():
@@ -171,7 +175,7 @@ def test_prefix_cache_hit_skips_computed_blocks():
     sched.add_request("b", prompt, SamplingParams(max_tokens=2, **GREEDY))
     plan = sched.schedule()
     (s,) = plan.seqs
-    assert s.positions == (8,) and s.token_ids == (38,)       # only the last token is computed
+    assert s.start == 8 and s.token_ids == (38,)       # only the last token is computed
     assert sched.stats.prefix_cache_hits == 8 and sched.stats.prefix_cache_queries == 18
     outs = run(sched, runner)
     assert runner.contexts["b"][:9] == prompt                 # the revived blocks hold a's tokens
@@ -218,7 +222,8 @@ def test_context_length_and_pool_size_validation():
 
 def test_config_validation():
     with pytest.raises(ValueError, match="raise the token budget"):
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4, max_model_len=64, admission_watermark=0,
+                        enable_prefix_caching=True)
 
 
 def test_seeded_sampling_is_reproducible_across_batches_and_preemption():

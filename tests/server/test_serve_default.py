@@ -38,10 +38,11 @@ def test_default_model_answers_the_capital_of_france(default_server):
     import torch
     import transformers
 
-    from hloserve.exporter import artifact, presets
+    from hloserve.exporter import presets
+    from hloserve.runtime import artifact
     from hloserve.exporter.models.gguf import load_gguf
     from hloserve.server.serve import default_artifact
-    from hloserve.server.tokenizer import Tokenizer
+    from hloserve.server.text.tokenizer import Tokenizer
 
     ckpt = load_gguf(presets.resolve("smollm2-135m-instruct", quiet=True))
     cfg = transformers.LlamaConfig(**{k: v for k, v in ckpt.config.items() if k not in ("architectures", "model_type")})

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from hloserve.exporter import artifact
-from hloserve.server.tf_serving_protocol import (PredictRequest, PredictRequestError, decode_predict_request,
+from hloserve.runtime import artifact
+from hloserve.server.http.tf_serving_protocol import (PredictRequest, PredictRequestError, decode_predict_request,
                                                  encode_predict_response, resolve_signature)
 
 REQUESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),

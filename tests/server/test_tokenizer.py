@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hloserve.server.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from hloserve.server.text.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def smollm_files(tmp_path_factory):
     with open(d / "tokenizer.json", "w") as f:
         f.write(ckpt.tokenizer_json)
     model = {"tokenizer": "tokenizer.json", "chat_template": ckpt.chat_template, "add_bos_token": False,
-             "llm": {"eos_token_ids": [ckpt.special_tokens.eos_token_id], "bos_token_id": ckpt.special_tokens.bos_token_id}}
+             "eos_token_ids": [ckpt.special_tokens.eos_token_id], "bos_token_id": ckpt.special_tokens.bos_token_id}
     return str(d), model
 
 

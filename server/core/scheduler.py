@@ -39,16 +39,17 @@ import collections
 import dataclasses
 import enum
 import random
-from typing import Mapping, Sequence
+from typing import Sequence
 
 from .block_manager import BlockManager
+from .outputs import FinishReason, RequestOutput, RunnerOutput, ScheduledSeq, SchedulerPlan
 from .sampling import SamplingParams, TokenLogprobs
-from .tokenizer import Decoder, IncrementalDetokenizer
+from ..text.tokenizer import Decoder, IncrementalDetokenizer
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    """Limits of one step.
+    """Limits of one step (built by ServeConfig.resolve, which holds the defaults).
 
     Attributes:
       max_num_seqs: requests running at once (rows of a step; <= the runner's largest S bucket).
@@ -58,10 +59,11 @@ class SchedulerConfig:
       admission_watermark: fraction of blocks kept free when admitting a new request,
         so running decodes can grow without preempting at once.
     """
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-    admission_watermark: float = 0.01
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    admission_watermark: float
+    enable_prefix_caching: bool        # read by build_engine for the BlockManager
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -107,65 +109,6 @@ class Request:
     def num_tokens_left(self) -> int:
         """Tokens to compute before the next one can be sampled."""
         return len(self.token_ids) - self.num_computed_tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledSeq:
-    """One request's share of a step; one row of the runner's block tables."""
-    request_id: str
-    token_ids: tuple[int, ...]      # tokens to run this step: a prefill chunk, or one token for a decode
-    positions: tuple[int, ...]      # their positions in the sequence: num_computed_tokens, +1, ...
-    slot_mapping: tuple[int, ...]   # cache slot each token's K/V is written to: block * block_size + offset
-    block_table: tuple[int, ...]    # the request's blocks, unpadded (the runner pads with the null block 0)
-    context_len: int                # tokens attended to after this step (= positions[-1] + 1)
-    needs_logits: bool              # the chunk reaches the end of the known tokens: sample the next one
-    sampling: SamplingParams        # how to sample (read only when needs_logits)
-    seed: int                       # the request's explicit RNG seed
-    sample_index: int               # index of the token to sample among the outputs; (seed, index) picks the draw
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerPlan:
-    """What one step runs; the runner turns it into padded arrays."""
-    seqs: tuple[ScheduledSeq, ...]  # rows of the step: decodes first, then prefill chunks
-    num_tokens: int                 # total tokens (sum of len(token_ids)), the T the runner pads to a bucket
-    preempted: tuple[str, ...]      # requests preempted while planning this step (blocks already freed)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
-
-@dataclasses.dataclass(frozen=True)
-class RunnerOutput:
-    """What the runner returns for a plan."""
-    sampled: Mapping[str, int]                   # request id -> sampled token, for seqs with needs_logits
-    logprobs: Mapping[str, TokenLogprobs] = dataclasses.field(default_factory=dict)  # for requests that asked
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestOutput:
-    """One streamed update for one request.
-
-    Attributes:
-      new_token_ids: tokens generated since the last update (usually one).
-      new_text: text since the last update (may be "" while a character or a
-        possible stop string is incomplete).
-      finished / finish_reason: "stop" (EOS, stop token or stop string), "length"
-        (max_tokens or the context), "abort" (client left), "error" (the engine failed).
-      logprobs: one entry per new token, when the request asked for logprobs.
-      num_prompt_tokens / num_output_tokens / num_cached_tokens: usage so far.
-    """
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    logprobs: tuple[TokenLogprobs, ...] | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    error: str | None = None
 
 
 @dataclasses.dataclass
@@ -234,7 +177,7 @@ class Scheduler:
             return None
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
-        return self._finish(req, "abort", (), None)
+        return self._finish(req, FinishReason.ABORT, (), None)
 
     # -- queries ------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -278,7 +221,7 @@ class Scheduler:
         if not preempted:
             budget = self._admit(budget, prefills)
         seqs = tuple(decodes + prefills)
-        return SchedulerPlan(seqs, sum(len(s.token_ids) for s in seqs), tuple(preempted))
+        return SchedulerPlan(seqs=seqs, num_tokens=sum(len(s.token_ids) for s in seqs), preempted=tuple(preempted))
 
     def _grow(self, req: Request, want: int, *, partial_ok: bool) -> tuple[int, list[str], int]:
         """Get blocks for `want` more tokens of a running request, shrinking or preempting as needed.
@@ -343,13 +286,11 @@ class Scheduler:
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         """The plan row running tokens [num_computed, num_computed + n) of `req` (blocks already allocated)."""
-        start, bs = req.num_computed_tokens, self.blocks.block_size
+        start = req.num_computed_tokens
         table = self.blocks.blocks_of(req.request_id).block_ids
-        positions = tuple(range(start, start + n))
-        slots = tuple(table[p // bs] * bs + p % bs for p in positions)
-        needs_logits = start + n == len(req.token_ids)
-        return ScheduledSeq(req.request_id, tuple(req.token_ids[start:start + n]), positions, slots, table, start + n,
-                            needs_logits, req.params, req.seed, req.num_output_tokens)
+        return ScheduledSeq(request_id=req.request_id, token_ids=tuple(req.token_ids[start:start + n]), start=start,
+                            block_table=table, needs_logits=start + n == len(req.token_ids), sampling=req.params,
+                            seed=req.seed, sample_index=req.num_output_tokens)
 
     # -- after the step -------------------------------------------------------------
     def update(self, plan: SchedulerPlan, output: RunnerOutput) -> list[RequestOutput]:
@@ -357,7 +298,7 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         for seq in plan.seqs:
             req = self._requests.get(seq.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING or req.num_computed_tokens != seq.positions[0]:
+            if req is None or req.status is not RequestStatus.RUNNING or req.num_computed_tokens != seq.start:
                 continue  # aborted or preempted since the plan was made
             req.num_computed_tokens += len(seq.token_ids)
             self.blocks.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
@@ -376,11 +317,11 @@ class Scheduler:
         if req.detok is not None and token not in req.eos_token_ids:
             req.text += req.detok.step(token)
         if params.stop and self._cut_at_stop(req):
-            reason = "stop"                   # text already cut before the stop string
+            reason = FinishReason.STOP                   # text already cut before the stop string
         elif token in req.eos_token_ids:
-            reason = "stop"
+            reason = FinishReason.STOP
         elif req.num_output_tokens >= params.max_tokens or len(req.token_ids) >= self.config.max_model_len:
-            reason = "length"
+            reason = FinishReason.LENGTH
         lps = (lp,) if lp is not None else (() if params.logprobs is not None else None)
         if reason is not None:
             if req.detok is not None and not (params.stop and len(req.text) < len(req.detok.text)):
@@ -389,8 +330,9 @@ class Scheduler:
         hold = max((len(s) for s in params.stop), default=1) - 1  # a stop string may be starting
         upto = max(req.num_text_sent, len(req.text) - hold)
         text, req.num_text_sent = req.text[req.num_text_sent:upto], upto
-        return RequestOutput(req.request_id, (token,), text, False, None, lps, req.num_prompt_tokens,
-                             req.num_output_tokens, req.num_cached_tokens)
+        return RequestOutput(request_id=req.request_id, new_token_ids=(token,), new_text=text, logprobs=lps,
+                             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                             num_cached_tokens=req.num_cached_tokens)
 
     def _cut_at_stop(self, req: Request) -> bool:
         """Truncate `req.text` before the first stop string; True if one was found."""
@@ -402,16 +344,18 @@ class Scheduler:
         req.text = req.text[:min(hits)]
         return True
 
-    def _finish(self, req: Request, reason: str, tokens: tuple[int, ...], lps, error: str | None = None) -> RequestOutput:
+    def _finish(self, req: Request, reason: FinishReason, tokens: tuple[int, ...], lps, error: str | None = None) -> RequestOutput:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         self.blocks.free(req.request_id)
         req.status = RequestStatus.FINISHED
         del self._requests[req.request_id]
-        text = req.text[req.num_text_sent:] if reason != "abort" else ""
+        text = req.text[req.num_text_sent:] if reason is not FinishReason.ABORT else ""
         req.num_text_sent = len(req.text)
-        return RequestOutput(req.request_id, tokens, text, True, reason, lps, req.num_prompt_tokens,
-                             req.num_output_tokens, req.num_cached_tokens, error)
+        return RequestOutput(request_id=req.request_id, new_token_ids=tokens, new_text=text, finish_reason=reason,
+                             logprobs=lps, num_prompt_tokens=req.num_prompt_tokens,
+                             num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,
+                             error=error)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every request with finish_reason "error" (the runner failed); frees all blocks."""
@@ -419,5 +363,5 @@ class Scheduler:
         for req in list(self.running) + list(self.waiting):
             if req.status is RequestStatus.WAITING:
                 self.waiting.remove(req)
-            outs.append(self._finish(req, "error", (), None, error))
+            outs.append(self._finish(req, FinishReason.ERROR, (), None, error))
         return outs

@@ -1,12 +1,12 @@
 """The mechanism half of a step: plan -> padded arrays -> one artifact call -> logits -> tokens.
 
-ModelRunner drives an LLM artifact's step functions (docs/architecture.md,
-"LLM step contract"; exporter/models/llama.py):
+ModelRunner drives an LLM artifact's step functions through the typed contract
+(hloserve.runtime.artifact.llm: LLMSpec, and `pack_step`, the one packer of step inputs):
 
     tokens, positions, seq_ids, slot_mapping   int32[T]
     block_tables                               int32[S, B]  (padded with the null block 0)
     context_lens, last_token                   int32[S]
-    kv_cache                                   [L, 2, kv_heads, N, block_size, head_dim]  (donated)
+    kv_cache                                   LLMSpec.kv_cache.shape, e.g. [L, 2, kv_heads, N, block_size, head_dim]  (donated)
     -> logits f32[S, vocab], kv_cache
 
 T, S and B are padded up to buckets chosen once (RunnerConfig) and compiled
@@ -29,25 +29,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from .block_manager import NULL_BLOCK
+from hloserve.runtime.artifact.llm import NULL_BLOCK, LLMSpec, StepBatch, pack_step, slots
+
+from .outputs import RunnerOutput, SchedulerPlan
 from .sampling import sample
-from .scheduler import RunnerOutput, SchedulerPlan
 
-
-def kv_cache_shape(llm: Mapping[str, Any], num_blocks: int) -> tuple[int, ...]:
-    """The KV cache's shape for `num_blocks` blocks, from the manifest's model["llm"]["kv_cache"]["shape"]
-    (ints, and the string "num_blocks" where the block count goes)."""
-    return tuple(int(num_blocks) if d == "num_blocks" else int(d) for d in llm["kv_cache"]["shape"])
-
-
-def kv_cache_dtype(llm: Mapping[str, Any]) -> np.dtype:
-    """The KV cache's storage dtype (int16 for a 16-bit cache kept as bits: "holds" names the values')."""
-    from hloserve.exporter import artifact
-    return np.dtype(artifact.numpy_dtype(llm["kv_cache"]["dtype"]))
+if TYPE_CHECKING:
+    from hloserve.runtime.model import LoadedModel
 
 
 def _pow2_upto(lo: int, hi: int, growth: int = 2) -> tuple[int, ...]:
@@ -67,9 +59,9 @@ def _bucket(buckets: Sequence[int], n: int, what: str) -> int:
                      f"the runner's buckets (max_num_batched_tokens / max_num_seqs / max_model_len)")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunnerConfig:
-    """Shapes the runner compiles and the cache it allocates.
+    """Shapes the runner compiles and the cache it allocates (built by ServeConfig.resolve).
 
     Attributes:
       token_buckets: padded T of prefill steps (the largest >= the scheduler's max_num_batched_tokens).
@@ -82,14 +74,13 @@ class RunnerConfig:
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
     block_buckets: tuple[int, ...]
-    num_blocks: int | None = None
-    kv_cache_bytes: int = 256 << 20
+    num_blocks: int | None
+    kv_cache_bytes: int
 
     @classmethod
     def for_limits(cls, *, max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int,
-                   num_blocks: int | None = None, kv_cache_bytes: int = 256 << 20,
-                   min_tokens: int = 16, block_buckets: int = 2, prefill_growth: int = 2,
-                   block_growth: int = 4) -> "RunnerConfig":
+                   num_blocks: int | None, kv_cache_bytes: int, min_tokens: int, block_buckets: int,
+                   prefill_growth: int, block_growth: int) -> "RunnerConfig":
         """Buckets up to the scheduler's limits.
 
         S (decode and prefill): powers of two: a padding sequence costs prefill's flat
@@ -101,52 +92,29 @@ class RunnerConfig:
         while len(widths) < block_buckets and widths[-1] // block_growth >= 1:
             widths.append(widths[-1] // block_growth)
         seqs = _pow2_upto(1, max_num_seqs)
-        return cls(_pow2_upto(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens, prefill_growth),
-                   seqs, tuple(sorted(set(widths))), num_blocks, kv_cache_bytes)
+        return cls(token_buckets=_pow2_upto(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens,
+                                            prefill_growth),
+                   seq_buckets=seqs, block_buckets=tuple(sorted(set(widths))), num_blocks=num_blocks,
+                   kv_cache_bytes=kv_cache_bytes)
 
 
-@dataclasses.dataclass(frozen=True)
-class StepArrays:
-    """The padded inputs of one step (host numpy, int32) and what to read back."""
-    function: str                 # "decode" or "prefill"
-    inputs: dict[str, np.ndarray]  # step inputs except kv_cache
-    num_seqs: int                 # real rows (the rest are padding)
-
-
-def build_step_arrays(plan: SchedulerPlan, cfg: RunnerConfig, *, decode_fn: str = "decode",
-                      prefill_fn: str = "prefill") -> StepArrays:
-    """Flatten a plan into padded step inputs (shapes from cfg's buckets)."""
+def build_step(plan: SchedulerPlan, cfg: RunnerConfig, block_size: int, *, decode_fn: str = "decode",
+               prefill_fn: str = "prefill") -> StepBatch:
+    """A plan as one call: the function (decode when every row runs one token) and its inputs padded
+    to cfg's buckets by the contract's packer (which also computes each token's cache slot)."""
     seqs = plan.seqs
     S, T = len(seqs), plan.num_tokens
     is_decode = T == S   # one token per sequence
     Sp = _bucket(cfg.seq_buckets, S, "num_seqs")
     Tp = Sp if is_decode else _bucket(cfg.token_buckets, T, "num_tokens")
     Bp = _bucket(cfg.block_buckets, max(len(s.block_table) for s in seqs), "max_blocks")
-    tokens = np.zeros(Tp, np.int32)
-    positions = np.zeros(Tp, np.int32)
-    seq_ids = np.full(Tp, Sp - 1 if Sp > S else 0, np.int32)   # padding tokens -> a padding row
-    slots = np.full(Tp, NULL_BLOCK, np.int32)                  # ... and write into the null block
-    tables = np.full((Sp, Bp), NULL_BLOCK, np.int32)
-    ctx = np.zeros(Sp, np.int32)
-    last = np.zeros(Sp, np.int32)
-    t = 0
-    for i, s in enumerate(seqs):
-        n = len(s.token_ids)
-        tokens[t:t + n] = s.token_ids
-        positions[t:t + n] = s.positions
-        seq_ids[t:t + n] = i
-        slots[t:t + n] = s.slot_mapping
-        tables[i, :len(s.block_table)] = s.block_table
-        ctx[i] = s.context_len
-        t += n
-        last[i] = t - 1
-    return StepArrays(decode_fn if is_decode else prefill_fn,
-                      dict(tokens=tokens, positions=positions, seq_ids=seq_ids, slot_mapping=slots,
-                           block_tables=tables, context_lens=ctx, last_token=last), S)
+    inputs = pack_step([(s.token_ids, s.start, s.block_table) for s in seqs], block_size,
+                       pad_tokens=Tp, pad_seqs=Sp, pad_blocks=Bp)
+    return StepBatch(function=decode_fn if is_decode else prefill_fn, inputs=inputs, num_seqs=S)
 
 
 def warmup_shapes(cfg: RunnerConfig, decode_fn: str = "decode", prefill_fn: str = "prefill") -> list[tuple[str, int, int, int]]:
-    """Every (function, T, S, B) that build_step_arrays can produce under cfg.
+    """Every (function, T, S, B) that build_step can produce under cfg.
 
     Decode steps: T = S = each seq bucket. Prefill steps have T > S: a seq bucket
     whose smallest member is m pairs with every token bucket holding m + 1 tokens or more.
@@ -184,17 +152,14 @@ class ModelRunner:
     buckets matching cfg) or from an already loaded `LoadedModel`.
     """
 
-    def __init__(self, model: Any, cfg: RunnerConfig):
-        llm = model.manifest.model.get("llm")
-        if not isinstance(llm, Mapping):
-            raise ValueError(f"artifact {model.path} has no model['llm'] metadata: it is not an LLM step artifact "
-                             f"(export an LLM with `hloserve export`, or serve it with the predict API)")
+    def __init__(self, model: "LoadedModel", cfg: RunnerConfig):
+        llm = LLMSpec.of(model.manifest, model.path)
         self.model = model
         self.cfg = cfg
         self.llm = llm
-        self.block_size = int(llm["block_size"])
-        self.vocab_size = int(llm["vocab_size"])
-        self.max_blocks = int(llm["max_blocks"])
+        self.block_size = llm.block_size
+        self.vocab_size = llm.vocab_size
+        self.max_blocks = llm.max_blocks
         fns = model.functions
         self.decode_fn = "decode" if "decode" in fns else "prefill"
         self.prefill_fn = "prefill" if "prefill" in fns else "decode"
@@ -204,18 +169,16 @@ class ModelRunner:
         if max(cfg.block_buckets) > self.max_blocks:
             raise ValueError(f"block bucket {max(cfg.block_buckets)} exceeds the artifact's max_blocks "
                              f"{self.max_blocks}; lower max_model_len")
-        dtype = kv_cache_dtype(llm)
-        per_block = int(np.prod(kv_cache_shape(llm, 1))) * dtype.itemsize
-        n = cfg.num_blocks or max(2, cfg.kv_cache_bytes // per_block)
+        kv = llm.kv_cache
+        n = cfg.num_blocks or max(2, cfg.kv_cache_bytes // kv.bytes_per_block)
         sym = model.manifest.symbols.get("num_blocks")
         if sym is not None and sym.max is not None:
             n = min(n, sym.max)
         self.num_blocks = int(n)
         import jax.numpy as jnp   # the runner is the one server module that touches the device
-        self._kv_name = llm["kv_cache"].get("input", "kv_cache")
-        self._kv_out = llm["kv_cache"].get("output", "kv_cache")
-        self.kv_cache = jnp.zeros(kv_cache_shape(llm, self.num_blocks), dtype)   # [L, 2, kvh, N, bs, hd]
-        self.kv_cache_bytes = per_block * self.num_blocks
+        self._kv_name, self._kv_out = kv.input, kv.output
+        self.kv_cache = jnp.zeros(kv.concrete_shape(self.num_blocks), kv.numpy_dtype)   # e.g. [L, 2, kvh, N, bs, hd]
+        self.kv_cache_bytes = kv.bytes_per_block * self.num_blocks
         self.steps = 0
         self.step_seconds = 0.0
 
@@ -231,7 +194,7 @@ class ModelRunner:
         return cls(model, cfg)
 
     def warmup_shapes(self) -> list[tuple[str, int, int, int]]:
-        """(function, T, S, B) for every padded shape `build_step_arrays` can produce."""
+        """(function, T, S, B) for every padded shape `build_step` can produce."""
         return warmup_shapes(self.cfg, self.decode_fn, self.prefill_fn)
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> int:
@@ -267,10 +230,10 @@ class ModelRunner:
         decodes = tuple(s for s in plan.seqs if len(s.token_ids) == 1)
         chunks = tuple(s for s in plan.seqs if len(s.token_ids) > 1)
         parts = [plan] if not decodes or not chunks else [
-            SchedulerPlan(rows, sum(len(s.token_ids) for s in rows), ()) for rows in (decodes, chunks)]
+            SchedulerPlan.of(rows) for rows in (decodes, chunks)]
         sampled, logprobs = {}, {}
         for part in parts:   # the parts write disjoint cache slots, so their order does not matter
-            step = build_step_arrays(part, self.cfg, decode_fn=self.decode_fn, prefill_fn=self.prefill_fn)
+            step = build_step(part, self.cfg, self.block_size, decode_fn=self.decode_fn, prefill_fn=self.prefill_fn)
             out = self.model.functions[step.function](**step.inputs, **{self._kv_name: self.kv_cache})
             self.kv_cache = out[self._kv_out]
             logits = np.asarray(out["logits"])[:step.num_seqs]          # [S, vocab]
@@ -321,7 +284,7 @@ class MockRunner:
         bs = self.block_size
         logits = np.zeros((len(plan.seqs), self.vocab_size), np.float32)
         for i, s in enumerate(plan.seqs):
-            for slot, tok in zip(s.slot_mapping, s.token_ids):
+            for slot, tok in zip(slots(s.start, len(s.token_ids), s.block_table, bs), s.token_ids):
                 if slot // bs == NULL_BLOCK:
                     raise AssertionError(f"{s.request_id}: a real token was written into the null block")
                 self.cache[slot] = tok

@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from hloserve.exporter import artifact
+from hloserve.runtime import artifact
 
 SERVING_DEFAULT = "serving_default"
 

@@ -18,6 +18,8 @@ import json
 import os
 from typing import Any, Mapping, Protocol, Sequence
 
+from hloserve.runtime.artifact.llm import LLMSpec
+
 _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 5  # prompt tokens kept as left context for the first decode
 
@@ -136,21 +138,26 @@ class Tokenizer:
         return cls(tokenizers.Tokenizer.from_file(tokenizer_json), config)
 
     @classmethod
-    def from_artifact(cls, artifact_dir: str, model: Mapping[str, Any]) -> "Tokenizer":
-        """Build from the artifact's tokenizer file and its manifest `model` metadata.
+    def from_artifact(cls, artifact_dir: str, model: Mapping[str, Any], llm: LLMSpec | None = None) -> "Tokenizer":
+        """Build from the artifact's tokenizer file, its manifest `model` metadata and its LLMSpec.
 
         Reads (exporter/models/llama_source.py writes them): model["tokenizer"] (file name in the
-        artifact, default "tokenizer.json"), model["chat_template"], model["add_bos_token"], and
-        the EOS ids from model["llm"]["eos_token_ids"] (or model["eos_token_ids"]).
+        artifact, default "tokenizer.json"), model["chat_template"], model["add_bos_token"]; the BOS and
+        EOS ids from the LLM contract (`llm`, an LLMSpec), else from model["bos_token_id"] /
+        model["eos_token_ids"].
         """
         fname = model.get("tokenizer") or "tokenizer.json"
         if not isinstance(fname, str):
             raise ValueError(f"artifact {artifact_dir}: model['tokenizer'] must be a file name, got {fname!r}")
         tok = cls.from_file(os.path.join(artifact_dir, fname))
-        llm = model.get("llm") if isinstance(model.get("llm"), Mapping) else {}
-        eos = llm.get("eos_token_ids", model.get("eos_token_ids", ()))
-        eos = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
-        bos_id = llm.get("bos_token_id", model.get("bos_token_id"))
+        if llm is None and model.get("llm") is not None:
+            llm = LLMSpec.from_json(model["llm"], f"{artifact_dir}: model.llm")
+        if llm is not None:
+            eos, bos_id = tuple(llm.eos_token_ids), llm.bos_token_id
+        else:
+            eos = model.get("eos_token_ids", ())
+            eos = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
+            bos_id = model.get("bos_token_id")
         config = TokenizerConfig(
             chat_template=model.get("chat_template"),
             bos_token=tok._tok.id_to_token(int(bos_id)) if bos_id is not None else None,

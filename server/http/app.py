@@ -13,17 +13,17 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body, now
-from .services import LLMService, PredictService
+from ..core.outputs import FinishReason
+from ..services import LLMService, PredictService
 
 RETRY_AFTER = "1"
 
@@ -117,38 +117,13 @@ def create_app(service: LLMService | PredictService, *, api_key: str | None = No
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(_metrics_text(service), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(service.metrics_text(), media_type="text/plain; version=0.0.4")
 
     if isinstance(service, LLMService):
         _add_openai_routes(app, service)
     else:
         _add_predict_routes(app, service)
     return app
-
-
-def _metrics_text(service) -> str:
-    if isinstance(service, LLMService):
-        from .engine import prometheus_text
-        text = prometheus_text(service.engine.metrics(), model_name=service.model_name)
-        stats = service.runner.stats()
-        lbl = f'model_name="{service.model_name}"'
-        text += (f"# HELP hloserve:compiles_total XLA compiles since start (warm-up included).\n"
-                 f"# TYPE hloserve:compiles_total counter\nhloserve:compiles_total{{{lbl}}} {stats['compiles_total']}\n"
-                 f"# HELP hloserve:recompiles_after_warmup_total Compiles after warm-up (should stay 0).\n"
-                 f"# TYPE hloserve:recompiles_after_warmup_total counter\n"
-                 f"hloserve:recompiles_after_warmup_total{{{lbl}}} {stats['compiles_after_warmup_total']}\n"
-                 f"# HELP hloserve:requests_in_flight Requests admitted and not yet answered (max_pending bounds it).\n"
-                 f"# TYPE hloserve:requests_in_flight gauge\nhloserve:requests_in_flight{{{lbl}}} "
-                 f"{service.admission.in_flight}\n")
-        return text
-    lbl = f'model_name="{service.model_name}"'
-    stats = service.model.stats()
-    compiles = sum(s.compiles for s in stats.values())
-    return (f"# TYPE hloserve:predict_batches_total counter\nhloserve:predict_batches_total{{{lbl}}} {service.batcher.batches}\n"
-            f"# TYPE hloserve:predict_requests_total counter\nhloserve:predict_requests_total{{{lbl}}} "
-            f"{service.batcher.batched_requests}\n"
-            f"# TYPE hloserve:compiles_total counter\nhloserve:compiles_total{{{lbl}}} {compiles}\n"
-            f"# TYPE hloserve:requests_in_flight gauge\nhloserve:requests_in_flight{{{lbl}}} {service.admission.in_flight}\n")
 
 
 def _admit(service) -> None:
@@ -163,7 +138,7 @@ def _admit(service) -> None:
 
 # -- OpenAI ------------------------------------------------------------------------
 def _add_openai_routes(app: FastAPI, svc: LLMService) -> None:
-    from .sampling import SamplingParams
+    from ..core.sampling import SamplingParams
 
     def model_card() -> dict:
         return {"id": svc.model_name, "object": "model", "created": svc.created, "owned_by": "hloserve",
@@ -251,7 +226,7 @@ def _add_openai_routes(app: FastAPI, svc: LLMService) -> None:
             text, toks, lps, last = await _collect(request, stream)
         finally:
             svc.admission.leave()
-        if last is not None and last.finish_reason == "error":
+        if last is not None and last.finish_reason is FinishReason.ERROR:
             raise ApiError(500, f"generation failed: {last.error}", type_="internal_error")
         usage = _usage(last)
         reason = last.finish_reason if last else "abort"
@@ -336,7 +311,7 @@ async def _sse(svc, stream, rid, created, req, *, chat: bool, include_usage: boo
                          "finish_reason": None})
         async for out in stream:
             last = out
-            if out.finish_reason == "error":
+            if out.finish_reason is FinishReason.ERROR:
                 yield f"data: {json.dumps(error_body(f'generation failed: {out.error}', type_='internal_error'))}\n\n"
                 break
             lps = list(out.logprobs or ())
@@ -384,7 +359,7 @@ class _SSEResponse(StreamingResponse):
 def _add_predict_routes(app: FastAPI, svc: PredictService) -> None:
     import numpy as np
 
-    from hloserve.exporter.errors import HloserveError
+    from hloserve.runtime.artifact.errors import HloserveError
 
     from .tf_serving_protocol import PredictRequestError, decode_predict_request, encode_predict_response
 

@@ -1,0 +1,111 @@
+"""`hloserve export` and `hloserve tf`: the exporter's subcommands (torch is imported only when they run)."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from hloserve.runtime.progress import Reporter
+
+from .errors import HloserveError, SourceError
+
+def _need_export_stack() -> None:
+    """`hloserve export` needs torch; serving does not (it is the `export` extra)."""
+    import importlib.util
+    missing = [m for m in ("torch", "transformers", "gguf") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise HloserveError(f"exporting needs {', '.join(missing)}, which this install lacks; "
+                            f"install them with: pip install 'hloserve[export]'")
+
+
+def _export(args: argparse.Namespace) -> int:
+    _need_export_stack()
+    from .export import export_artifact
+    from .sources import apply_dynamic, load_source
+
+    reporter = Reporter(enabled=not args.quiet)
+    reporter.stage(f"loading {args.source}")
+    source = load_source(args.source, dtype=args.dtype, quantize=args.quantize,
+                         quantize_skip=args.quantize_skip.split(",") if args.quantize_skip else (),
+                         weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype)
+    entries = source.entries
+    if args.function:
+        known = {e.name for e in entries}
+        unknown = [f for f in args.function if f not in known]
+        if unknown:
+            raise SourceError(f"--function {', '.join(unknown)}: {args.source} provides {sorted(known)}")
+        entries = [e for e in entries if e.name in args.function]
+    apply_dynamic(entries, args.dynamic, args.pad.split(",") if args.pad else ())
+    model = dict(source.model, dtype=args.dtype)
+    manifest = export_artifact(args.output, entries, source=args.source, model=model,
+                               platforms=args.platforms.split(","), reporter=reporter, files=source.files,
+                               weight_quant=source.weight_quant)
+    for fn in manifest.functions.values():
+        ins = ", ".join(f"{t.name}: {t.describe()}" for t in fn.inputs)
+        reporter.stage(f"  {fn.name}({ins})")
+    if args.savedmodel:
+        _write_savedmodel(args.output, args.savedmodel, reporter=reporter)
+    return 0
+
+
+def _write_savedmodel(artifact_dir: str, out: str, *, reporter, **options) -> None:
+    from .tf_savedmodel import to_savedmodel
+    reporter.stage(f"writing TensorFlow SavedModel to {out} (XlaCallModule)")
+    info = to_savedmodel(artifact_dir, out, **options)
+    reporter.stage(f"  XlaCallModule version {info.call_module_version}, platforms "
+                   f"{','.join(info.platforms)}{'' if info.platform_check else ' (check disabled)'}, {info.variables} variables "
+                   f"({info.variable_bytes / 2**20:.1f} MiB), TensorFlow {info.tensorflow}")
+    for key, sig in info.signatures.items():
+        ins = ", ".join(f"{n}: {d}{list(s)}" for n, d, s in sig.inputs)
+        reporter.stage(f"  signature {key} -> {sig.function}({ins})")
+
+
+def _tf(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # TensorFlow's C++ start-up chatter
+    platforms = None
+    if args.platforms is not None:
+        platforms = [] if args.platforms == "none" else args.platforms.split(",")
+    _write_savedmodel(args.artifact, args.output, reporter=Reporter(enabled=not args.quiet),
+                      functions=args.function, serving_default=args.serving_default,
+                      call_module_version=args.xla_call_module_version, platforms=platforms,
+                      stablehlo_version=args.stablehlo_version)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
+    if name == "export":
+        e = sub.add_parser(name, help="export a checkpoint to an artifact directory")
+        e.add_argument("source", help="HF model dir, .pt2, .gguf, module:factory, or a preset name")
+        e.add_argument("-o", "--output", required=True, help="artifact directory to write")
+        e.add_argument("--dynamic", help="dynamic dims, e.g. 'input_ids:0=batch[1,64],1=seq[1,512];attention_mask:0=batch,1=seq'")
+        e.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+        e.add_argument("--weight-dtype", metavar="D",
+                       help="LLMs: store the weight matrices in D (bfloat16 or float16) under --dtype activations and "
+                            "KV cache; matmuls round activations to D and sum in float32 (docs/performance.md)")
+        e.add_argument("--kv-cache-dtype", metavar="D",
+                       help="LLMs: store K and V in D (bfloat16 or float16) under float32 activations: half the "
+                            "cache memory and gather traffic; attention still computes in float32")
+        e.add_argument("--function", action="append", help="entry point(s) to export (default: all the source provides)")
+        e.add_argument("--pad", help="symbolic dims the runtime may pad to buckets, comma-separated ('none' for none)")
+        e.add_argument("--platforms", default="cpu", help="comma-separated lowering platforms (cpu,cuda,tpu)")
+        e.add_argument("--quantize", metavar="SPEC",
+                       help="weight-only quantization: int8 (per channel), int8:GROUP, int4[:GROUP[:asym|sym]] "
+                            "(default group 32), or gguf (keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks); "
+                            "see docs/quantization.md")
+        e.add_argument("--quantize-skip", metavar="PATTERNS",
+                       help="comma-separated fnmatch patterns of modules left in float, e.g. '*embed*,lm_head'")
+        e.add_argument("--savedmodel", metavar="DIR", help="also write a TensorFlow SavedModel (see `hloserve tf`)")
+        e.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+        e.set_defaults(fn=_export)
+    elif name == "tf":
+        t = sub.add_parser(name, help="convert an artifact to a TensorFlow SavedModel (XlaCallModule) for TF Serving")
+        t.add_argument("artifact")
+        t.add_argument("-o", "--output", required=True, help="SavedModel directory to write (e.g. models/NAME/1)")
+        t.add_argument("--function", action="append", help="function(s) to export (default: all, one signature each)")
+        t.add_argument("--serving-default", help="function behind serving_default (default: the first)")
+        t.add_argument("--xla-call-module-version", type=int,
+                       help="XlaCallModule version (default: the module's, lowered to what this TensorFlow accepts)")
+        t.add_argument("--platforms", help="XlaCallModule platforms (default: the artifact's lowering platforms; "
+                                           "'none' disables the platform check)")
+        t.add_argument("--stablehlo-version", help="re-serialize the StableHLO for an older consumer, e.g. 1.0.0")
+        t.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+        t.set_defaults(fn=_tf)

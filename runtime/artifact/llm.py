@@ -1,0 +1,224 @@
+"""The LLM step contract: manifest.model["llm"], typed and versioned, and the one step packer.
+
+An LLM step artifact exports functions (`prefill`, `decode`) that all take the same inputs
+
+    tokens, positions, seq_ids, slot_mapping   int32[T]      T tokens of S sequences, flattened
+    block_tables                               int32[S, B]   each sequence's KV blocks, padded with block 0
+    context_lens, last_token                   int32[S]      tokens attended to after this step; row of its last token
+    kv_cache                                   KVCacheSpec.shape, donated
+    -> logits f32[S, vocab], kv_cache
+
+Padding tokens write into the null block 0 and belong to a padding row whose context is empty; padding
+rows are never sampled. `pack_step` is the only code that builds these arrays: the server's runner and
+the tests both call it, so the model is tested with the same encoding it is served with.
+
+Versions of the contract (a reader must understand every field of the versions it accepts):
+  1  2025-11  prefill/decode step functions over a paged cache; kv_cache.shape lists ints and the string
+              "num_blocks"; kv_cache.holds names the values' dtype when 16-bit K/V are stored as int16
+              bits. Manifests written before the field existed have no "version" and are version 1.
+  (next: add a dated line here and raise LLM_VERSIONS' upper bound in the same change)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from . import dtypes
+from .errors import ArtifactError
+
+LLM_VERSIONS = range(1, 2)          # the contract versions this reader accepts
+LLM_VERSION = LLM_VERSIONS.stop - 1  # the version writers produce
+STEP_INPUTS = ("tokens", "positions", "seq_ids", "slot_mapping", "block_tables", "context_lens", "last_token",
+               "kv_cache")
+STEP_OUTPUTS = ("logits", "kv_cache")
+NULL_BLOCK = 0                       # block 0 is never allocated: padding writes land there
+NUM_BLOCKS = "num_blocks"            # the symbolic block dim in KVCacheSpec.shape
+KV_BITS = "int16 holding the bits of the K/V values (zeros are zeros)"
+DOC = "docs/artifact-format.md, 'LLM step contract'"
+
+
+def _field(raw: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in raw:
+        raise ArtifactError(f"{where} has no {key!r}; the artifact was written by an incompatible exporter, "
+                            f"re-export it ({DOC})")
+    return raw[key]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVCacheSpec:
+    """The paged KV cache: an explicit input and output of every step function.
+
+    Attributes:
+      input, output: the cache's input and output names ("kv_cache"); the input is donated.
+      dtype: storage dtype as a manifest name ("f32", or "i16" when 16-bit values are kept as bits).
+      holds: the values' dtype when stored as bits ("bf16"), else None.
+      shape: ints and "num_blocks", e.g. [L, 2, kv_heads, "num_blocks", block_size, head_dim].
+    """
+    input: str = "kv_cache"
+    output: str = "kv_cache"
+    dtype: str
+    holds: str | None = None
+    shape: tuple[int | str, ...]
+
+    def concrete_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return tuple(int(num_blocks) if d == NUM_BLOCKS else int(d) for d in self.shape)
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype(dtypes.NUMPY[self.dtype])
+
+    @property
+    def bytes_per_block(self) -> int:
+        return int(np.prod(self.concrete_shape(1))) * self.numpy_dtype.itemsize
+
+    def to_json(self) -> dict:
+        return {"input": self.input, "output": self.output, "dtype": self.dtype,
+                **({"holds": self.holds, "stored": KV_BITS} if self.holds else {}),
+                "shape": list(self.shape), "donated": True}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any], where: str) -> "KVCacheSpec":
+        shape = tuple(_field(raw, "shape", where))
+        dtype = _field(raw, "dtype", where)
+        if dtype not in dtypes.NUMPY or shape.count(NUM_BLOCKS) != 1 or not all(
+                isinstance(d, int) or d == NUM_BLOCKS for d in shape):
+            raise ArtifactError(f"{where}: dtype {dtype!r} / shape {list(shape)} is not a KV cache this reader "
+                                f"understands (one {NUM_BLOCKS!r} dim, the rest ints); re-export it ({DOC})")
+        return cls(input=raw.get("input", "kv_cache"), output=raw.get("output", "kv_cache"), dtype=dtype,
+                   holds=raw.get("holds"), shape=shape)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LLMSpec:
+    """What a server needs to drive an LLM artifact's step functions (manifest.model["llm"]).
+
+    Attributes:
+      version: contract version (module docstring); readers accept LLM_VERSIONS.
+      block_size: tokens per KV block.
+      max_blocks: the widest block table the functions accept (B's upper bound).
+      max_context: max_blocks * block_size, the longest sequence.
+      max_seqs, max_tokens: upper bounds of S and T the functions were exported for.
+      vocab_size: logits' last dim.
+      bos_token_id, eos_token_ids: the tokenizer's special ids as the checkpoint declares them.
+      kv_cache: the cache's names, storage and shape.
+      functions: step function name -> the attention layout it uses (informational).
+      model: architecture facts for `inspect` (layers, heads, head_dim, hidden_size, sliding_window, ...).
+    """
+    version: int = LLM_VERSION
+    block_size: int
+    max_blocks: int
+    max_seqs: int
+    max_tokens: int
+    vocab_size: int
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    kv_cache: KVCacheSpec
+    functions: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    model: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def max_context(self) -> int:
+        return self.max_blocks * self.block_size
+
+    def to_json(self) -> dict:
+        return {"version": self.version, **dict(self.model), "vocab_size": self.vocab_size,
+                "block_size": self.block_size, "max_context": self.max_context, "max_blocks": self.max_blocks,
+                "max_tokens": self.max_tokens, "max_seqs": self.max_seqs, "bos_token_id": self.bos_token_id,
+                "eos_token_ids": list(self.eos_token_ids), "null_block": NULL_BLOCK, "kv_cache": self.kv_cache.to_json(),
+                "step": {"inputs": list(STEP_INPUTS), "outputs": list(STEP_OUTPUTS), "functions": dict(self.functions),
+                         "context_lens": "tokens in the sequence's context including this step's",
+                         "slot_mapping": "block*block_size+offset; padding tokens write into the null block 0"}}
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str = "model.llm") -> "LLMSpec":
+        """Validate and type a stored model["llm"]; every problem is an ArtifactError naming the field."""
+        if not isinstance(raw, Mapping):
+            raise ArtifactError(f"{where} is not an LLM step contract; serve the artifact with the predict API "
+                                f"or export an LLM with `hloserve export`")
+        version = raw.get("version", 1)
+        if version not in LLM_VERSIONS:
+            raise ArtifactError(
+                f"{where}: LLM step contract version {version} is outside the supported range "
+                f"[{LLM_VERSIONS.start}..{LLM_VERSIONS.stop - 1}]; upgrade hloserve or re-export ({DOC})")
+        ints = {k: _field(raw, k, where) for k in ("block_size", "max_blocks", "max_seqs", "max_tokens", "vocab_size")}
+        for k, v in ints.items():
+            if not isinstance(v, int) or v < 1:
+                raise ArtifactError(f"{where}.{k} = {v!r} must be a positive integer; re-export it ({DOC})")
+        known = {"version", "vocab_size", "block_size", "max_context", "max_blocks", "max_tokens", "max_seqs",
+                 "bos_token_id", "eos_token_ids", "null_block", "kv_cache", "step"}
+        step = raw.get("step") or {}
+        return cls(version=version, **ints, bos_token_id=raw.get("bos_token_id"),
+                   eos_token_ids=tuple(int(t) for t in raw.get("eos_token_ids") or ()),
+                   kv_cache=KVCacheSpec.from_json(_field(raw, "kv_cache", where), f"{where}.kv_cache"),
+                   functions=dict(step.get("functions") or {}),
+                   model={k: v for k, v in raw.items() if k not in known})
+
+    @classmethod
+    def of(cls, manifest: Any, path: str) -> "LLMSpec":
+        """The typed contract of a manifest, or an ArtifactError saying the artifact is not an LLM."""
+        raw = manifest.model.get("llm")
+        if raw is None:
+            raise ArtifactError(f"{path} is not an LLM step artifact (its manifest has no model.llm): serve it with "
+                                f"the predict API, or export an LLM with `hloserve export`")
+        return cls.from_json(raw, f"{path}: model.llm")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepRow:
+    """One sequence's share of a step: `token_ids` at positions start, start+1, ... with its block table."""
+    token_ids: Sequence[int]
+    start: int
+    block_table: Sequence[int]
+
+    @property
+    def context_len(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+def slots(start: int, n: int, block_table: Sequence[int], block_size: int) -> list[int]:
+    """Cache slots (block * block_size + offset) of positions start .. start+n-1."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+
+
+def pack_step(rows: Sequence[StepRow | tuple[Sequence[int], int, Sequence[int]]], block_size: int, *,
+              pad_tokens: int | None = None, pad_seqs: int | None = None,
+              pad_blocks: int | None = None) -> dict[str, np.ndarray]:
+    """The step inputs (all but kv_cache) for `rows`, padded to at least the given T, S and B.
+
+    rows: StepRow or (token_ids, start, block_table). Padding tokens are token 0 at position 0 in the
+    last padding row (row 0 when there is none), writing into the null block.
+    """
+    rows = [r if isinstance(r, StepRow) else StepRow(token_ids=r[0], start=r[1], block_table=r[2]) for r in rows]
+    T, S = sum(len(r.token_ids) for r in rows), len(rows)
+    Tp, Sp = max(pad_tokens or T, T), max(pad_seqs or S, S)
+    Bp = max([pad_blocks or 1] + [len(r.block_table) for r in rows])
+    tokens = np.zeros(Tp, np.int32)
+    positions = np.zeros(Tp, np.int32)
+    seq_ids = np.full(Tp, Sp - 1 if Sp > S else 0, np.int32)   # padding tokens -> a padding row
+    slot_mapping = np.full(Tp, NULL_BLOCK, np.int32)            # ... writing into the null block
+    block_tables = np.full((Sp, Bp), NULL_BLOCK, np.int32)
+    context_lens = np.zeros(Sp, np.int32)
+    last_token = np.zeros(Sp, np.int32)
+    t = 0
+    for i, r in enumerate(rows):
+        n = len(r.token_ids)
+        tokens[t:t + n] = r.token_ids
+        positions[t:t + n] = np.arange(r.start, r.start + n)
+        seq_ids[t:t + n] = i
+        slot_mapping[t:t + n] = slots(r.start, n, r.block_table, block_size)
+        block_tables[i, :len(r.block_table)] = r.block_table
+        context_lens[i] = r.context_len
+        t += n
+        last_token[i] = t - 1
+    return dict(tokens=tokens, positions=positions, seq_ids=seq_ids, slot_mapping=slot_mapping,
+                block_tables=block_tables, context_lens=context_lens, last_token=last_token)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepBatch:
+    """One call of a step function: which function, its padded inputs (host int32), how many rows are real."""
+    function: str
+    inputs: dict[str, np.ndarray]
+    num_seqs: int

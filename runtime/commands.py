@@ -1,0 +1,113 @@
+"""`hloserve inspect`, `run` and `bench`: the runtime's subcommands (never import torch)."""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+from .artifact.errors import HloserveError
+
+def _inspect(args: argparse.Namespace) -> int:
+    from hloserve.runtime import artifact
+    m = artifact.read_manifest(args.artifact)
+    artifact.verify_files(args.artifact, m)
+    total = sum(1 for _ in m.weights)
+    nbytes = os.path.getsize(os.path.join(args.artifact, artifact.WEIGHTS))
+    if args.json:
+        print(json.dumps(m.to_json(), indent=2))
+        return 0
+    print(f"artifact {args.artifact} (format {m.format_version}, "
+          + ", ".join(f"{k} {v}" for k, v in m.producer.items()) + ")")
+    print(f"source: {m.source}")
+    schemes = collections.Counter(w.quant["scheme"] for w in m.weights.values() if w.quant)
+    stored = "".join(f", {n} stored as {k}" for k, n in sorted(schemes.items()))
+    print(f"weights: {total} tensors, {nbytes / 2**20:.1f} MiB{stored}")
+    if m.model.get("llm") is not None:
+        llm = artifact.LLMSpec.of(m, args.artifact)
+        kv = llm.kv_cache
+        held = f" holding {kv.holds} bits" if kv.holds else ""
+        print(f"llm: step contract v{llm.version}, block {llm.block_size}, context {llm.max_context}, "
+              f"{llm.max_seqs} seqs / {llm.max_tokens} tokens a step")
+        print(f"kv cache: {kv.dtype}{held} {list(kv.shape)}")
+    for name, s in m.symbols.items():
+        print(f"dim {name}: [{s.min}, {'inf' if s.max is None else s.max}]")
+    for fn in m.functions.values():
+        print(f"function {fn.name} (StableHLO {fn.stablehlo_version}, platforms {','.join(fn.platforms)}):")
+        for t in fn.inputs:
+            extra = " (donated)" if t.name in fn.donated else ""
+            print(f"  in  {t.name}: {t.describe()}{extra}")
+        for t in fn.outputs:
+            print(f"  out {t.name}: {t.describe()}")
+        if fn.paddable:
+            print(f"  paddable: {', '.join(fn.paddable)}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from hloserve.runtime import load
+
+    model = load(args.artifact, platform=args.platform, cache_dir=_cache_dir(args))
+    name = args.function or next(iter(model.functions))
+    if name not in model.functions:
+        raise HloserveError(f"--function {name!r}: the artifact has {sorted(model.functions)}")
+    try:
+        with np.load(args.inputs) as f:
+            inputs = {k: f[k] for k in f.files}
+    except (OSError, ValueError) as e:
+        raise HloserveError(f"--inputs {args.inputs}: cannot read as .npz ({e})") from e
+    outs = model.functions[name](**inputs)
+    np.savez(args.outputs, **{k: np.asarray(v) for k, v in outs.items()})
+    for k, v in outs.items():
+        print(f"{k}: {v.dtype}{list(v.shape)}", file=sys.stderr)
+    return 0
+
+
+def _cache_dir(args: argparse.Namespace) -> str | None:
+    from hloserve.runtime.client import DEFAULT_CACHE
+    return None if args.no_cache else (args.cache_dir or DEFAULT_CACHE)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from hloserve.runtime.bench import run_bench
+    from hloserve.runtime.progress import Reporter
+    run_bench(args.artifact, args.shape, function=args.function, iters=args.iters, warmup_iters=args.warmup_iters,
+              platform=args.platform, cache_dir=_cache_dir(args), reporter=Reporter(enabled=not args.quiet))
+    return 0
+
+
+def _runtime_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--platform", help="cpu, cuda or tpu (default: jax's default backend)")
+    p.add_argument("--cache-dir", help="persistent compilation cache (default ~/.cache/hloserve/xla)")
+    p.add_argument("--no-cache", action="store_true", help="disable the persistent compilation cache")
+
+
+def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
+    if name == "inspect":
+        i = sub.add_parser(name, help="show an artifact's functions, shapes and weights")
+        i.add_argument("artifact")
+        i.add_argument("--json", action="store_true", help="print the manifest as JSON")
+        i.set_defaults(fn=_inspect)
+    elif name == "run":
+        r = sub.add_parser(name, help="run an artifact function on inputs from an .npz file")
+        r.add_argument("artifact")
+        r.add_argument("--inputs", required=True)
+        r.add_argument("--outputs", required=True)
+        r.add_argument("--function")
+        _runtime_options(r)
+        r.set_defaults(fn=_run)
+    elif name == "bench":
+        b = sub.add_parser(name, help="compile time, latency p50/p99 and throughput of an artifact function")
+        b.add_argument("artifact")
+        b.add_argument("--shape", action="append", default=[],
+                       help="an input's shape, INPUT:2x16, or a dim's size, DIM=16 (repeatable); inputs not "
+                            "given take their shape from the dims")
+        b.add_argument("--function", help="function to run (default: the first)")
+        b.add_argument("--iters", type=int, default=100, help="timed calls (default 100)")
+        b.add_argument("--warmup-iters", type=int, default=3, help="untimed calls after compiling (default 3)")
+        _runtime_options(b)
+        b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+        b.set_defaults(fn=_bench)

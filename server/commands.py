@@ -1,0 +1,41 @@
+"""`hloserve serve`: the server's subcommand."""
+from __future__ import annotations
+
+import argparse
+import os
+
+def _serve(args: argparse.Namespace) -> int:
+    from .config import ServeConfig
+    from .serve import serve
+
+    given = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+             "max_model_len": args.max_model_len, "num_blocks": args.num_blocks, "max_pending": args.max_pending,
+             "max_batch_size": args.max_batch_size, "model_name": args.model_name, "platform": args.platform,
+             "api_key": args.api_key or os.environ.get("HLOSERVE_API_KEY"),
+             "kv_cache_bytes": None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
+             "batch_timeout_s": None if args.batch_timeout_ms is None else args.batch_timeout_ms / 1000}
+    config = ServeConfig(**{k: v for k, v in given.items() if v is not None})   # the rest: ServeConfig's defaults
+    serve(args.artifact, host=args.host, port=args.port, config=config, log_level=args.log_level)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
+    from .config import ServeConfig
+    d = ServeConfig()   # the defaults shown in --help are ServeConfig's, not copies
+    sv = sub.add_parser(name, help="serve an artifact over HTTP (OpenAI API for LLMs, TF Serving predict otherwise)")
+    sv.add_argument("artifact", nargs="?", help="artifact directory (default: export and serve SmolLM2-135M-Instruct)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set HLOSERVE_API_KEY)")
+    sv.add_argument("--model-name", help="model name clients use (default: the artifact directory's name)")
+    sv.add_argument("--max-num-seqs", type=int, help="LLM: sequences per step (default %d)" % d.max_num_seqs)
+    sv.add_argument("--max-num-batched-tokens", type=int, help="LLM: tokens per step, prompts chunked to fit (default %d)" % d.max_num_batched_tokens)
+    sv.add_argument("--max-model-len", type=int, help="LLM: context per request (default: the artifact's, at most 2048)")
+    sv.add_argument("--kv-cache-mib", type=int, help="LLM: device memory for the paged KV cache (default %d MiB)" % (d.kv_cache_bytes >> 20))
+    sv.add_argument("--num-blocks", type=int, help="LLM: KV blocks (overrides --kv-cache-mib)")
+    sv.add_argument("--max-pending", type=int, help="requests in flight before answering 429 (default %d)" % d.max_pending)
+    sv.add_argument("--max-batch-size", type=int, help="predict: rows batched per call (default %d)" % d.max_batch_size)
+    sv.add_argument("--batch-timeout-ms", type=float, help="predict: wait for a batch to fill (default %g ms)" % (d.batch_timeout_s * 1000))
+    sv.add_argument("--platform", help="PJRT platform (cpu, cuda, tpu); default: jax's")
+    sv.add_argument("--log-level", default="warning", help="uvicorn log level")
+    sv.set_defaults(fn=_serve)

@@ -1,0 +1,85 @@
+"""Every serving knob and its only default, resolved against the artifact once.
+
+`ServeConfig` is parsed at the edge (the CLI, or a caller building a server in process). The engine's
+lower configs (`SchedulerConfig`, `RunnerConfig`) have no defaults of their own: `ServeConfig.resolve`
+builds both from one artifact's `LLMSpec`, clamping to what the artifact was exported for and saying
+so, so `hloserve serve`, tests and benchmarks run with the same numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from hloserve.runtime.artifact.errors import HloserveError
+from hloserve.runtime.artifact.llm import LLMSpec
+
+from .core.model_runner import RunnerConfig
+from .core.scheduler import SchedulerConfig
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """Server options.
+
+    Attributes:
+      max_num_seqs / max_num_batched_tokens: the LLM scheduler's per-step limits (clamped to the
+        artifact's max_seqs / max_tokens).
+      max_model_len: context per request (<= the artifact's max_context); None: the artifact's,
+        at most DEFAULT_MAX_MODEL_LEN (a longer context means wider block tables to compile).
+      kv_cache_bytes: device memory for the paged KV cache; num_blocks overrides it.
+      min_token_bucket / prefill_growth: the smallest prefill T bucket and the ratio between T buckets.
+      block_buckets / block_growth: how many block-table widths to compile and their ratio; the
+        defaults compile 100 shapes for 16 sequences, 256 tokens a step and a 2048-token context:
+        widths 8..128 blocks x2 apart, since every step pays attention for its width.
+      enable_prefix_caching / admission_watermark: scheduler policy (fraction of blocks kept free
+        when admitting, so running decodes can grow without preempting at once).
+      max_pending: requests admitted at once (queued + running); more answer 429 with Retry-After.
+      max_batch_size / batch_timeout_s: predict batching (TF Serving's batching_parameters).
+      model_name: the name clients use (default: the artifact directory's name).
+      api_key: when set, /v1/* requires `Authorization: Bearer KEY`.
+      platform: "cpu", "gpu", "tpu" or None for jax's default.
+      strict: refuse to compile a shape outside the warmed buckets while serving.
+    """
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_model_len: int | None = None
+    kv_cache_bytes: int = 1 << 30
+    num_blocks: int | None = None
+    min_token_bucket: int = 32
+    prefill_growth: int = 4
+    block_buckets: int = 5
+    block_growth: int = 2
+    enable_prefix_caching: bool = True
+    admission_watermark: float = 0.01
+    max_pending: int = 256
+    max_batch_size: int = 32
+    batch_timeout_s: float = 0.005
+    model_name: str | None = None
+    api_key: str | None = None
+    platform: str | None = None
+    strict: bool = True
+
+    def resolve(self, llm: LLMSpec) -> tuple[SchedulerConfig, RunnerConfig, list[str]]:
+        """The scheduler's and runner's configs for an artifact, and a note per clamped limit."""
+        notes = []
+
+        def clamp(name: str, want: int, limit: int, what: str) -> int:
+            if want > limit:
+                notes.append(f"{name} {want} -> {limit} ({what})")
+            return min(want, limit)
+
+        tokens = clamp("max_num_batched_tokens", self.max_num_batched_tokens, llm.max_tokens, "the artifact's max_tokens")
+        seqs = clamp("max_num_seqs", self.max_num_seqs, min(llm.max_seqs, tokens), "the artifact's max_seqs")
+        if self.max_model_len is not None and self.max_model_len > llm.max_context:
+            raise HloserveError(f"max_model_len={self.max_model_len} exceeds the artifact's max_context "
+                                f"{llm.max_context}; re-export with a longer context or lower --max-model-len")
+        max_len = self.max_model_len or min(llm.max_context, DEFAULT_MAX_MODEL_LEN)
+        sched = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=max_len,
+                                admission_watermark=self.admission_watermark,
+                                enable_prefix_caching=self.enable_prefix_caching)
+        runner = RunnerConfig.for_limits(
+            max_num_seqs=seqs, max_num_batched_tokens=tokens, max_blocks=-(-max_len // llm.block_size),
+            num_blocks=self.num_blocks, kv_cache_bytes=self.kv_cache_bytes, min_tokens=self.min_token_bucket,
+            block_buckets=self.block_buckets, prefill_growth=self.prefill_growth, block_growth=self.block_growth)
+        return sched, runner, notes

@@ -1,0 +1,283 @@
+"""The engine: one loop thread owns the device and runs schedule -> execute -> update.
+
+    HTTP handlers (any thread / event loop)          loop thread (owns the runner)
+    ---------------------------------------          -----------------------------
+    stream = engine.add_request(ids, params)  --->   inbox: ("add", request)
+    async for out in stream: ...              <---   outputs dispatched per request
+    engine.abort(request_id) / cancelled task --->   inbox: ("abort", id), handled before the next step
+
+Handlers never touch the scheduler or the runner; they enqueue messages and
+read per-request streams. `add_request` validates on the caller's thread (the
+checks read only immutable configuration) so a bad request fails at once,
+with a message fit for a 400 answer.
+
+Metrics are kept by the loop thread and read through `metrics()`, a frozen
+snapshot, with vLLM's metric names in `prometheus_text()`.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+import traceback
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+
+from .block_manager import BlockManager
+from .metrics import Histogram, MetricsSnapshot
+from .outputs import FinishReason, RequestOutput, RunnerOutput, SchedulerPlan
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .stream import RequestStream
+
+if TYPE_CHECKING:
+    from ..config import ServeConfig
+    from ..text.tokenizer import Tokenizer
+
+log = logging.getLogger("hloserve.server.engine")
+
+
+class Runner(Protocol):
+    """Executes a plan on the device: one model call plus sampling."""
+
+    def execute(self, plan: SchedulerPlan) -> RunnerOutput: ...
+
+
+class EngineError(RuntimeError):
+    """The engine failed a request (the runner raised, or the engine stopped)."""
+
+
+@dataclasses.dataclass
+class _Live:
+    """Loop-thread bookkeeping of one request."""
+    stream: RequestStream
+    arrival: float
+    last_token_time: float | None = None
+
+
+# -- the engine --------------------------------------------------------------------
+class Engine:
+    """Scheduler + runner + the loop thread.
+
+    `step()` can be driven by hand (tests, benchmarks) when the loop thread is
+    not started; `start()` runs it in a thread until `stop()`.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: Runner, *, vocab_size: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.vocab_size = vocab_size
+        self._clock = clock
+        self._cv = threading.Condition()
+        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
+        self._live: dict[str, _Live] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._ids = itertools.count()
+        self._steps = 0
+        self._finished: collections.Counter[str] = collections.Counter()
+        self._ttft, self._itl, self._e2e = Histogram(), Histogram(), Histogram()
+        self._snapshot_lock = threading.Lock()
+        self._snapshot = self._take_snapshot()
+
+    # -- the step: exactly three calls ---------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        out = self.runner.execute(plan)
+        return self.scheduler.update(plan, out)
+
+    # -- API for handlers (any thread) -----------------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                    request_id: str | None = None) -> RequestStream:
+        """Validate and enqueue a request; returns its stream of outputs.
+
+        Raises ValueError (say 400) for a request that can never run, and
+        EngineError if the engine is stopped.
+        """
+        ids = [int(t) for t in prompt_token_ids]
+        if self.vocab_size is not None:
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        self.scheduler.check_request(ids, params)
+        if self._stopping:
+            raise EngineError("the engine is stopped; it accepts no new requests")
+        request_id = request_id or f"req-{next(self._ids)}"
+        stream = RequestStream(request_id, self.abort)
+        with self._cv:
+            self._inbox.append(("add", (request_id, ids, params, stream, self._clock())))
+            self._cv.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (client disconnect); its blocks are freed before the next step."""
+        with self._cv:
+            self._inbox.append(("abort", request_id))
+            self._cv.notify()
+
+    def warmup(self, progress: Callable[[str], None] | None = None) -> int:
+        """Compile every shape the runner can be asked for (before /ready); returns compiles done."""
+        warm = getattr(self.runner, "warmup", None)
+        n = warm(progress) if callable(warm) else 0
+        with self._snapshot_lock:
+            self._snapshot = self._take_snapshot()
+        return n
+
+    def metrics(self) -> MetricsSnapshot:
+        with self._snapshot_lock:
+            return self._snapshot
+
+    # -- the loop thread ------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        if self._thread is not None:
+            raise EngineError("the engine loop is already running")
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="hloserve-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop; unfinished requests end with finish_reason "abort"."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and not self.scheduler.has_unfinished() and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    break
+            self.run_once()
+        self._shutdown()
+
+    def run_once(self) -> None:
+        """Handle the inbox, then run one step if there is work (the loop body; drive it by hand
+        only when the loop thread is not started)."""
+        with self._cv:
+            messages = list(self._inbox)
+            self._inbox.clear()
+        for kind, payload in messages:
+            self._handle(kind, payload)
+        if self.scheduler.has_unfinished():
+            try:
+                outputs = self.step()
+                self._steps += 1
+            except Exception as e:  # noqa: BLE001 (the loop must survive a failing step)
+                log.error("engine step failed; failing all in-flight requests:\n%s", traceback.format_exc())
+                outputs = self.scheduler.fail_all(f"engine step failed: {type(e).__name__}: {e}")
+            self._dispatch(outputs)
+            if not self.scheduler.num_running and self.scheduler.num_waiting:
+                time.sleep(0.001)  # nothing could be admitted; don't spin (cannot persist: a lone request fits)
+        with self._snapshot_lock:
+            self._snapshot = self._take_snapshot()
+
+    def _handle(self, kind: str, payload) -> None:
+        if kind == "add":
+            request_id, ids, params, stream, arrival = payload
+            try:
+                self.scheduler.add_request(request_id, ids, params)
+            except ValueError as e:
+                stream._put(RequestOutput.ended_before_start(request_id, prompt_len=len(ids), reason=FinishReason.ERROR,
+                                                            error=str(e)))
+                return
+            self._live[request_id] = _Live(stream, arrival)
+        elif kind == "abort":
+            out = self.scheduler.abort(payload)
+            if out is not None:
+                self._dispatch([out])
+
+    def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
+        now = self._clock()
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            if out.new_token_ids:
+                if live.last_token_time is None:
+                    self._ttft.observe(now - live.arrival)
+                else:
+                    self._itl.observe(now - live.last_token_time)
+                live.last_token_time = now
+            if out.finished:
+                del self._live[out.request_id]
+                self._finished[out.finish_reason.value] += 1
+                if out.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
+                    self._e2e.observe(now - live.arrival)
+            live.stream._put(out)
+
+    def _shutdown(self) -> None:
+        for kind, payload in self._inbox:
+            if kind == "add":
+                request_id, ids, _, stream, _ = payload
+                stream._put(RequestOutput.ended_before_start(request_id, prompt_len=len(ids), reason=FinishReason.ABORT,
+                                                            error="engine stopped"))
+        self._inbox.clear()
+        for rid in list(self._live):
+            out = self.scheduler.abort(rid)
+            if out is not None:
+                self._dispatch([out])
+        with self._snapshot_lock:
+            self._snapshot = self._take_snapshot()
+
+    def _take_snapshot(self) -> MetricsSnapshot:
+        s, b = self.scheduler.stats, self.scheduler.blocks
+        runner_stats = getattr(self.runner, "stats", None)
+        return MetricsSnapshot(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting, kv_usage=b.usage,
+            kv_free_blocks=b.num_free_blocks, kv_total_blocks=b.total_blocks,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
+            finished=dict(self._finished), steps=self._steps, ttft=self._ttft.copy(), itl=self._itl.copy(),
+            e2e=self._e2e.copy(), runner=dict(runner_stats()) if callable(runner_stats) else {})
+
+
+# -- wiring an artifact into an engine ------------------------------------------------------
+def build_engine(artifact_path: str, config: "ServeConfig | None" = None) -> tuple["Engine", "Tokenizer | None"]:
+    """Load an LLM artifact and wire runner, block manager, tokenizer and scheduler.
+
+    The limits come from `config.resolve` (server/config.py: the only defaults), clamped to the
+    artifact's once. Returns (engine, tokenizer); the tokenizer is None when the artifact ships none.
+    The engine is not started and not warmed up: call `engine.warmup()` (every bucket compiles;
+    /ready waits for it), then `engine.start()`.
+    """
+    import os
+
+    from hloserve.runtime.artifact import LLMSpec, read_manifest
+
+    from ..config import ServeConfig
+    from ..text.tokenizer import Tokenizer
+    from .model_runner import ModelRunner
+
+    config = config or ServeConfig()
+    manifest = read_manifest(artifact_path)
+    llm = LLMSpec.of(manifest, artifact_path)
+    sched_cfg, runner_cfg, notes = config.resolve(llm)
+    for note in notes:
+        log.info("%s", note)
+    runner = ModelRunner.from_artifact(artifact_path, runner_cfg, platform=config.platform, strict=config.strict)
+    tok_file = manifest.model.get("tokenizer")
+    tokenizer = (Tokenizer.from_artifact(artifact_path, manifest.model, llm)
+                 if tok_file and os.path.exists(os.path.join(artifact_path, tok_file)) else None)
+    eos = tokenizer.eos_token_ids if tokenizer else llm.eos_token_ids
+    sched = Scheduler(sched_cfg, BlockManager(runner.num_blocks, llm.block_size,
+                                              enable_prefix_caching=sched_cfg.enable_prefix_caching),
+                      decoder=tokenizer, eos_token_ids=eos)
+    return Engine(sched, runner, vocab_size=llm.vocab_size), tokenizer

@@ -1,0 +1,95 @@
+"""The records that pass between the engine's parts: plan (scheduler -> runner), runner output
+(runner -> scheduler) and request outputs (scheduler -> streams). Plain frozen data, built by keyword."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Mapping
+
+from .sampling import SamplingParams, TokenLogprobs
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended; the value is what the OpenAI API and the metrics report."""
+    STOP = "stop"        # EOS, a stop token or a stop string
+    LENGTH = "length"    # max_tokens or the model's context
+    ABORT = "abort"      # the client left, or the engine stopped
+    ERROR = "error"      # the engine failed
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScheduledSeq:
+    """One request's share of a step; one row of the runner's block tables."""
+    request_id: str
+    token_ids: tuple[int, ...]      # tokens to run this step: a prefill chunk, or one token for a decode
+    start: int                      # position of token_ids[0] in the sequence (= num_computed_tokens)
+    block_table: tuple[int, ...]    # the request's blocks, unpadded (the runner pads with the null block 0)
+    needs_logits: bool              # the chunk reaches the end of the known tokens: sample the next one
+    sampling: SamplingParams        # how to sample (read only when needs_logits)
+    seed: int                       # the request's explicit RNG seed
+    sample_index: int               # index of the token to sample among the outputs; (seed, index) picks the draw
+
+    @property
+    def context_len(self) -> int:
+        """Tokens attended to after this step."""
+        return self.start + len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerPlan:
+    """What one step runs; the runner turns it into padded arrays (and computes the cache slots)."""
+    seqs: tuple[ScheduledSeq, ...]  # rows of the step: decodes first, then prefill chunks
+    num_tokens: int                 # total tokens (sum of len(token_ids)), the T the runner pads to a bucket
+    preempted: tuple[str, ...] = ()  # requests preempted while planning this step (blocks already freed)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @classmethod
+    def of(cls, seqs: tuple[ScheduledSeq, ...]) -> "SchedulerPlan":
+        return cls(seqs=seqs, num_tokens=sum(len(s.token_ids) for s in seqs))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerOutput:
+    """What the runner returns for a plan."""
+    sampled: Mapping[str, int]                   # request id -> sampled token, for seqs with needs_logits
+    logprobs: Mapping[str, TokenLogprobs] = dataclasses.field(default_factory=dict)  # for requests that asked
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RequestOutput:
+    """One streamed update for one request.
+
+    Attributes:
+      new_token_ids: tokens generated since the last update (usually one).
+      new_text: text since the last update (may be "" while a character or a
+        possible stop string is incomplete).
+      finish_reason: None while the request runs, then why it ended.
+      logprobs: one entry per new token, when the request asked for logprobs.
+      num_prompt_tokens / num_output_tokens / num_cached_tokens: usage so far.
+      error: what failed, with finish_reason ERROR (or ABORT when the engine stopped).
+    """
+    request_id: str
+    new_token_ids: tuple[int, ...] = ()
+    new_text: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def ended_before_start(cls, request_id: str, *, prompt_len: int, reason: FinishReason,
+                           error: str) -> "RequestOutput":
+        """A request that never ran (refused at admission, or the engine stopped first)."""
+        return cls(request_id=request_id, num_prompt_tokens=prompt_len, finish_reason=reason, error=error)
