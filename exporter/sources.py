@@ -9,40 +9,22 @@ SOURCE may be:
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 import os
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from . import presets
+from .entry import Source  # noqa: F401  (re-exported: sources return it)
 from .errors import SourceError
 from .export import EntryPoint
 from .shapes import parse_dynamic_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOW_DTYPES = ("bfloat16", "float16")
-
-
-@dataclasses.dataclass
-class Source:
-    """What a checkpoint exports to.
-
-    Attributes:
-      entries: entry points, each with default dynamic dims (overridable by --dynamic).
-      model: manifest "model" metadata (task, tokenizer files, config).
-      files: extra files copied into the artifact (tokenizer.json, ...), name -> source path.
-      weight_quant: (artifact weight name, tensor) -> the manifest's WeightSpec.quant or None
-        (set by quantization.convert.quantize_source).
-    """
-    description: str
-    entries: list[EntryPoint]
-    model: dict = dataclasses.field(default_factory=dict)
-    files: dict[str, str] = dataclasses.field(default_factory=dict)
-    weight_quant: Callable[[str, torch.Tensor], Any] | None = None
 
 
 def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = None,
@@ -64,8 +46,9 @@ def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = Non
     if quantize and "weight_dtype" in llm:
         raise SourceError("--weight-dtype and --quantize both choose how weights are stored; use one of them")
     if quantize:
-        from hloserve.quantization.convert import quantize_source
         from hloserve.quantization.schemes import QuantConfig
+
+        from .quantize import quantize_source
         config = QuantConfig.parse(quantize, tuple(quantize_skip))
         src = _load_source(spec, dtype, config, llm)
         return quantize_source(src, config)
@@ -116,7 +99,7 @@ def _load_path(path: str, tdtype, quant=None, llm: dict | None = None) -> Source
     if path.endswith(".gguf"):
         from .models import llama_source  # the LLM export path (imported only when needed)
         if quant is not None and quant.native:  # keep the file's Q8_0/Q4_0/Q4_1 blocks
-            from hloserve.quantization.convert import gguf_weights_builder
+            from .models.gguf_quant import gguf_weights_builder
             build, record = gguf_weights_builder(quant, tdtype)
             src = llama_source.from_gguf(path, tdtype, build_weights=build, kv_dtype=llm.get("kv_dtype"))
             src.weight_quant = record

@@ -26,7 +26,7 @@ import dataclasses
 import fnmatch
 from typing import Any, Mapping
 
-from hloserve.exporter.errors import HloserveError
+from hloserve.runtime.artifact.errors import HloserveError
 
 
 class QuantizationError(HloserveError):

@@ -296,7 +296,7 @@ class LlamaWeights(torch.nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else param((V, h), True)
         self.register_buffer("rope_inv_freq", rope_inv_freq(cfg))
 
-    # The step reads weights only through these (quantization.convert.QuantizedLlamaWeights
+    # The step reads weights only through these (models/llama_quant.QuantizedLlamaWeights
     # implements the same four over quantized storage).
     @property
     def dtype(self) -> torch.dtype:

@@ -36,7 +36,7 @@ from typing import Callable, Mapping
 import torch
 
 from ..errors import SourceError
-from ..sources import Source
+from ..entry import Source
 from .llama import LlamaConfig, LlamaWeights, StepExportOptions, llm_spec, step_entries
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -145,7 +145,7 @@ def from_gguf(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExpor
     """A llama.cpp GGUF file (llama / qwen2 architectures) -> Source, weights dequantized to `tdtype`.
 
     build_weights(cfg, ckpt) -> weights replaces the dequantization (e.g.
-    quantization.convert.llama_from_gguf keeps the file's quantized blocks).
+    models/gguf_quant.llama_from_gguf keeps the file's quantized blocks).
     """
     from .gguf import load_gguf
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from hloserve.exporter.export import EntryPoint, export_artifact
-from hloserve.quantization.convert import QuantizedLlamaWeights, quantize_module
+from hloserve.exporter.models.llama_quant import QuantizedLlamaWeights
+from hloserve.quantization.convert import quantize_module
 from hloserve.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from hloserve.quantization.schemes import QuantConfig, QuantizationError
 from hloserve.runtime import load

@@ -14,6 +14,7 @@ import torch
 
 from hloserve.exporter.lowerings import quantized as lowering
 from hloserve.exporter.models.gguf import GGUFTensor, load_gguf
+from hloserve.exporter.models import gguf_quant
 from hloserve.quantization import convert, modules, primitives
 from hloserve.quantization.schemes import QuantConfig
 from hloserve.runtime.artifact.llm import LLMSpec, pack_step
@@ -30,8 +31,8 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 
 def _check_bit_exact(t: GGUFTensor) -> None:
-    stored = convert.gguf_blocks(t)
-    scheme = convert.GGUF_SCHEMES[t.ggml_type]
+    stored = gguf_quant.gguf_blocks(t)
+    scheme = gguf_quant.GGUF_SCHEMES[t.ggml_type]
     ref = t.dequantize()                                              # gguf.quants.dequantize
     qa = primitives.QuantizedArray(stored["qweight"], stored["scale"], stored.get("min"), scheme, t.shape)
     assert stored["qweight"].dtype == (np.int8 if scheme.bits == 8 else np.uint8)
@@ -79,16 +80,16 @@ def test_through_artifact_bit_exact(ckpt, tmp_path):
     class Rows(torch.nn.Module):
         def __init__(self, tensors):
             super().__init__()
-            self.q = modules.QuantizedEmbedding(*tensors["q"][1], convert.GGUF_SCHEMES["Q4_1"], tensors["q"][0],
+            self.q = modules.QuantizedEmbedding(*tensors["q"][1], gguf_quant.GGUF_SCHEMES["Q4_1"], tensors["q"][0],
                                                 torch.float32)
-            self.e = modules.QuantizedEmbedding(*tensors["e"][1], convert.GGUF_SCHEMES["Q8_0"], tensors["e"][0],
+            self.e = modules.QuantizedEmbedding(*tensors["e"][1], gguf_quant.GGUF_SCHEMES["Q8_0"], tensors["e"][0],
                                                 torch.float32)
 
         def forward(self, i, j):
             return self.q(i), self.e(j)
 
     tq, te = ckpt.tensors["model.layers.3.self_attn.q_proj.weight"], ckpt.tensors["model.embed_tokens.weight"]
-    blocks = {k: ({r: torch.from_numpy(a) for r, a in convert.gguf_blocks(t).items()}, t.shape)
+    blocks = {k: ({r: torch.from_numpy(a) for r, a in gguf_quant.gguf_blocks(t).items()}, t.shape)
               for k, t in (("q", tq), ("e", te))}
     i = torch.tensor([0, 5, 575, 100], dtype=torch.int32)
     j = torch.tensor([0, 1, 49151, 1234, 7], dtype=torch.int32)
@@ -104,8 +105,8 @@ def test_llama_from_gguf_keeps_the_files_blocks(ckpt):
 
     cfg = LlamaConfig.from_hf(dict(ckpt.config))
     record = convert.QuantRecord()
-    w = convert.llama_from_gguf(cfg, ckpt, QuantConfig.parse("gguf"), record)
-    assert w.schemes["qkv_proj"] == convert.GGUF_SCHEMES["Q4_1"] and w.schemes["embed_tokens"] == convert.GGUF_SCHEMES["Q8_0"]
+    w = gguf_quant.llama_from_gguf(cfg, ckpt, QuantConfig.parse("gguf"), record)
+    assert w.schemes["qkv_proj"] == gguf_quant.GGUF_SCHEMES["Q4_1"] and w.schemes["embed_tokens"] == gguf_quant.GGUF_SCHEMES["Q8_0"]
     assert w.lm_head is None                                           # tied: the head reads embed_tokens
     L, rows = cfg.num_layers, cfg.q_size + 2 * cfg.kv_size
     assert tuple(w.layers["qkv_proj"].shape) == (L, rows, cfg.hidden_size // 2)

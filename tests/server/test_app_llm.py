@@ -105,9 +105,25 @@ def test_health_ready_metrics(server):
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
     assert httpx.get(f"{base}/ready").status_code == 200
     text = httpx.get(f"{base}/metrics").text
+    families = parse_metrics(text)
     for name in ("vllm:time_to_first_token_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "hloserve:compiles_after_warmup_total"):
-        assert name in text, name
+                 "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "hloserve:compiles_after_warmup",
+                 "hloserve:requests_in_flight"):
+        assert name in families, name
+    assert families["hloserve:compiles_after_warmup"].type == "counter"
+    assert families["vllm:time_to_first_token_seconds"].type == "histogram"
+    assert all(s.labels["model_name"] for f in families.values() for s in f.samples)
+
+
+def parse_metrics(text: str) -> dict:
+    """/metrics through prometheus_client's own parser: it raises on a malformed exposition
+    (a family typed twice, a sample without its family, a bad label)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    families = {}
+    for fam in text_string_to_metric_families(text):
+        assert fam.name not in families, f"family {fam.name} exposed twice"
+        families[fam.name] = fam
+    return families
 
 
 def test_serving_process_never_imports_torch(server):

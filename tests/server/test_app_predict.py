@@ -87,9 +87,12 @@ def test_concurrent_requests_are_batched(server, runtime_model):
 
 
 def _metric(base, name) -> float:
-    for line in httpx.get(f"{base}/metrics").text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
+    """One sample's value, read through prometheus_client's parser (a malformed /metrics fails here)."""
+    from .test_app_llm import parse_metrics
+    for fam in parse_metrics(httpx.get(f"{base}/metrics").text).values():
+        for sample in fam.samples:
+            if sample.name == name:
+                return sample.value
     raise AssertionError(f"{name} missing from /metrics")
 
 

@@ -173,3 +173,18 @@ def test_prometheus_text_uses_vllm_names():
     assert 'vllm:prefix_cache_hits_total{model_name="m"} 4' in text   # the second request hit one full block
     assert 'vllm:request_success_total{model_name="m",finished_reason="length"} 2' in text
     assert 'vllm:e2e_request_latency_seconds_bucket{model_name="m",le="+Inf"} 2' in text
+
+
+def test_exposition_parses_and_refuses_a_family_twice():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hloserve.server.core.metrics import Exposition, engine_families
+    with make_engine() as eng:
+        list(eng.add_request([1, 2, 3], SamplingParams(max_tokens=2, **GREEDY)))
+    exp = Exposition("m")
+    engine_families(exp, eng.metrics())
+    families = {f.name: f for f in text_string_to_metric_families(exp.text())}
+    assert families["vllm:request_success"].samples[0].labels == {"model_name": "m", "finished_reason": "length"}
+    assert families["vllm:e2e_request_latency_seconds"].type == "histogram"
+    with pytest.raises(ValueError, match="exposed twice"):
+        exp.gauge("vllm:num_requests_running", "again", 0)

@@ -1,0 +1,101 @@
+"""Quantized storage for the Llama step's stacked weights (the model-specific half of --quantize).
+
+    qw = quantize_llama(weights, config)                # stacked LlamaWeights -> QuantizedLlamaWeights
+
+Stacked weights stay stacked ([L, out, in] int8 or [L, out, in/2] packed int4, scales [L, out, G]):
+the layer scan slices one layer of each per iteration and dequantizes only that layer.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from hloserve.quantization.convert import QuantRecord, quantize_tensor, store
+from hloserve.quantization.schemes import MIN_SUFFIX, SCALE_SUFFIX, QuantConfig, WeightScheme
+
+from .llama import MATRICES
+
+
+class QuantizedLlamaWeights(torch.nn.Module):
+    """LlamaWeights with quantized storage; the same interface LlamaStep calls.
+
+    Stacked matmul weights `layers.NAME` become `layers.NAME` (int8 / packed uint8),
+    `layers.NAME_scale` and `layers.NAME_min` (asymmetric), all with the leading [L] dim;
+    `embed_tokens` (and an untied `lm_head`) likewise unless skipped. Norms, biases and
+    rope_inv_freq stay float. `schemes` maps each quantized name to its WeightScheme.
+    """
+
+    def __init__(self, cfg, dtype: torch.dtype, layers: Mapping[str, torch.Tensor],
+                 globals_: Mapping[str, torch.Tensor], schemes: Mapping[str, WeightScheme],
+                 rope_inv_freq: torch.Tensor):
+        super().__init__()
+        self.cfg = cfg
+        self._dtype = dtype
+        self.schemes = dict(schemes)
+        self.layers = torch.nn.ParameterDict({n: torch.nn.Parameter(t, requires_grad=False) for n, t in layers.items()})
+        self.layer_names = tuple(layers)
+        for n, t in globals_.items():
+            setattr(self, n, torch.nn.Parameter(t, requires_grad=False) if t is not None else None)
+        if "lm_head" not in globals_:
+            self.lm_head = None
+        self.register_buffer("rope_inv_freq", rope_inv_freq)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if "embed_tokens" not in self.schemes:
+            return F.embedding(tokens, self.embed_tokens)
+        s = self.schemes["embed_tokens"]
+        return torch.ops.hloserve.quantized_embedding(
+            self.embed_tokens, self.embed_tokens_scale, getattr(self, "embed_tokens_min", None), tokens,
+            s.bits, s.group or 0, self._dtype)
+
+    def linear(self, x: torch.Tensor, lw: Mapping[str, torch.Tensor], name: str, bias: torch.Tensor | None):
+        if name not in self.schemes:
+            return F.linear(x, lw[name], bias)
+        s = self.schemes[name]
+        return torch.ops.hloserve.quantized_linear(x, lw[name], lw[name + SCALE_SUFFIX], lw.get(name + MIN_SUFFIX),
+                                                   bias, s.bits, s.group or 0)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        name = "embed_tokens" if self.lm_head is None else "lm_head"
+        if name not in self.schemes:
+            return F.linear(h, getattr(self, name))
+        s = self.schemes[name]
+        return torch.ops.hloserve.quantized_linear(h, getattr(self, name), getattr(self, name + SCALE_SUFFIX),
+                                                   getattr(self, name + MIN_SUFFIX, None), None, s.bits, s.group or 0)
+
+
+def quantize_llama(weights, config: QuantConfig, record: QuantRecord | None = None) -> QuantizedLlamaWeights:
+    """Requantize a float LlamaWeights (stacked) with config.scheme.
+
+    Skip patterns match "embed_tokens", "lm_head" and "layers.NAME" (e.g. "layers.down_proj").
+    """
+    record = record if record is not None else QuantRecord()
+    layers: dict[str, torch.Tensor] = {}
+    schemes: dict[str, WeightScheme] = {}
+    for n in weights.layer_names:
+        t = weights.layers[n].detach()
+        if n in MATRICES and not config.skipped(f"layers.{n}"):
+            q, scheme = quantize_tensor(t, config.scheme, f"layers.{n}")
+            record.add(q, scheme, tuple(t.shape))
+            store(layers, n, q)
+            schemes[n] = scheme
+        else:
+            layers[n] = t
+    globals_: dict[str, torch.Tensor] = {"norm": weights.norm.detach()}
+    for n in ("embed_tokens", "lm_head"):
+        t = getattr(weights, n)
+        if t is None:
+            continue
+        if config.skipped(n):
+            globals_[n] = t.detach()
+            continue
+        q, scheme = quantize_tensor(t, config.scheme, n)
+        record.add(q, scheme, tuple(t.shape))
+        store(globals_, n, q)
+        schemes[n] = scheme
+    return QuantizedLlamaWeights(weights.cfg, weights.dtype, layers, globals_, schemes, weights.rope_inv_freq)

@@ -1,0 +1,41 @@
+"""`--quantize` applied to a Source: the Llama step's stacked weights, or the generic module swap."""
+from __future__ import annotations
+
+
+import torch
+from hloserve.quantization.convert import QuantRecord, quantize_module
+from hloserve.quantization.schemes import QuantConfig, QuantizationError
+
+from .models.llama import LlamaStep
+from .models.llama_quant import QuantizedLlamaWeights, quantize_llama
+
+
+def quantize_source(source, config: QuantConfig):
+    """Quantize a Source's modules in place (LlamaStep entries share one QuantizedLlamaWeights).
+
+    Returns the source, with source.weight_quant set to the record and
+    source.model["quantization"] describing the config.
+    """
+    record = QuantRecord()
+    done: dict[int, torch.nn.Module] = {}
+    for e in source.entries:
+        if e.module is None:
+            raise QuantizationError(f"entry {e.name!r} is a pre-captured program (.pt2); --quantize needs the "
+                                    f"model's modules: export from a HF directory, GGUF or module:factory")
+        if isinstance(e.module, LlamaStep):
+            w = e.module.model
+            if id(w) not in done:
+                done[id(w)] = w if isinstance(w, QuantizedLlamaWeights) else quantize_llama(w, config, record)
+            e.module.model = done[id(w)]
+        elif id(e.module) not in done:
+            quantize_module(e.module, config, record)
+            done[id(e.module)] = e.module
+    if not len(record) and not any(isinstance(m, QuantizedLlamaWeights) for m in done.values()):
+        raise QuantizationError(f"--quantize {config.spec}: no Linear or Embedding weight was quantized "
+                                f"(skip patterns {list(config.skip)} matched all, or the model has none)")
+    prev = getattr(source, "weight_quant", None)
+    if isinstance(prev, QuantRecord):
+        record.update(prev)
+    source.weight_quant = record
+    source.model["quantization"] = config.to_json()
+    return source

@@ -1,0 +1,126 @@
+"""The package graph is one-directional: every import of every module (function-level and
+TYPE_CHECKING ones included) is checked against the table in docs/architecture.md ("Who owns what").
+
+    runtime.artifact  <-  runtime  <-  server
+           ^    ^-------- quantization <- exporter
+           '------------------------------'
+    server.cli: the composition root, the one module that knows every package.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = {"exporter": "hloserve.exporter", "runtime": "hloserve.runtime", "server": "hloserve.server",
+            "quantization": "hloserve.quantization"}
+HEAVY = {"torch", "transformers", "tensorflow", "gguf"}
+WEB = {"fastapi", "starlette", "uvicorn"}
+
+# importer prefix (most specific first) -> (hloserve modules it may import, third-party tops it may not)
+RULES = [
+    ("hloserve.server.cli", ("hloserve",), set()),
+    ("hloserve.runtime.artifact", ("hloserve.runtime.artifact",), HEAVY | WEB | {"jax", "jaxlib"}),
+    ("hloserve.runtime", ("hloserve.runtime",), HEAVY | WEB),
+    ("hloserve.quantization", ("hloserve.quantization", "hloserve.runtime.artifact"), WEB | {"jax", "jaxlib"}),
+    ("hloserve.exporter", ("hloserve.exporter", "hloserve.quantization", "hloserve.runtime.artifact",
+                           "hloserve.runtime.progress", "hloserve.runtime.paths"), WEB),
+    ("hloserve.server.core", ("hloserve.server.core", "hloserve.server.config", "hloserve.server.text",
+                              "hloserve.runtime"), HEAVY | WEB),
+    ("hloserve.server.text", ("hloserve.server.text", "hloserve.runtime.artifact"), HEAVY | WEB | {"jax"}),
+    ("hloserve.server.http", ("hloserve.server", "hloserve.runtime"), HEAVY),
+    ("hloserve.server.serve", ("hloserve.server", "hloserve.runtime"), HEAVY),
+    ("hloserve.server", ("hloserve.server", "hloserve.runtime"), HEAVY | WEB),
+]
+# quantization's torch is confined to the modules that define the torch side
+TORCH_FREE = ("hloserve.quantization.schemes", "hloserve.quantization.primitives")
+
+
+def modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for folder, pkg in PACKAGES.items():
+        for f in sorted((REPO / folder).rglob("*.py")):
+            parts = f.relative_to(REPO / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            out[".".join((pkg, *parts))] = f
+    return out
+
+
+MODULES = modules()
+
+
+def imports(name: str, path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, absolute module) for every import statement in the file, anywhere in it."""
+    is_pkg = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")[:len(name.split(".")) - node.level + (1 if is_pkg else 0)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module
+            for a in node.names:   # `from pkg import submodule` is an edge to the submodule
+                sub = f"{mod}.{a.name}"
+                out.append((node.lineno, sub if sub in MODULES else mod))
+    return out
+
+
+def rule(importer: str):
+    return next(r for r in RULES if importer == r[0] or importer.startswith(r[0] + "."))
+
+
+def violations() -> list[str]:
+    bad = []
+    for name, path in MODULES.items():
+        prefix, allowed, forbidden = rule(name)
+        for line, mod in imports(name, path):
+            top = mod.split(".")[0]
+            where = f"{os.path.relpath(path, REPO)}:{line} ({name} imports {mod})"
+            if top == "hloserve":
+                if not any(mod == a or mod.startswith(a + ".") for a in allowed):
+                    bad.append(f"{where}: {prefix} may import only {', '.join(allowed)}")
+            elif top in forbidden or (name in TORCH_FREE and top == "torch"):
+                bad.append(f"{where}: {prefix} may not import {top}")
+    return bad
+
+
+def test_every_module_is_covered_by_a_rule():
+    assert len(MODULES) > 60
+    for name in MODULES:
+        assert rule(name)
+
+
+def test_package_graph_is_one_directional():
+    bad = violations()
+    assert not bad, "forbidden imports (docs/architecture.md, 'Who owns what'):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("importer, target", [
+    ("hloserve.runtime.model", "hloserve.exporter.export"),
+    ("hloserve.quantization.convert", "hloserve.exporter.models.llama"),
+    ("hloserve.server.services", "hloserve.exporter.presets"),
+    ("hloserve.runtime.artifact.manifest", "hloserve.runtime.client"),
+])
+def test_the_checker_sees_a_forbidden_edge(importer, target, monkeypatch, tmp_path):
+    """A function-level import of a forbidden module is reported (the rule cannot be dodged)."""
+    fake = tmp_path / "m.py"
+    fake.write_text(MODULES[importer].read_text() + f"\n\ndef _sneaky():\n    import {target}\n")
+    monkeypatch.setitem(MODULES, importer, fake)
+    assert any(f"imports {target}" in v for v in violations())
+
+
+def test_runtime_artifact_imports_neither_jax_nor_torch():
+    """The format package loads with the standard library, numpy and ml_dtypes alone."""
+    import subprocess
+    import sys
+    code = ("import sys, hloserve.runtime.artifact, hloserve.server.config; "
+            "print(sorted(m for m in ('jax', 'torch', 'fastapi') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.stdout.strip() == "[]"
