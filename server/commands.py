@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
+
 def _serve(args: argparse.Namespace) -> int:
     from .config import ServeConfig
     from .serve import serve

@@ -15,7 +15,6 @@ import time
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
-
 from hloserve.runtime.artifact import LLMSpec, read_manifest
 from hloserve.runtime.artifact.errors import HloserveError
 

@@ -26,6 +26,7 @@ import traceback
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from .block_manager import BlockManager
+from .detokenizer import Detokenizer
 from .metrics import Histogram, MetricsSnapshot
 from .outputs import FinishReason, RequestOutput, RunnerOutput, SchedulerPlan
 from .sampling import SamplingParams
@@ -34,7 +35,7 @@ from .stream import RequestStream
 
 if TYPE_CHECKING:
     from ..config import ServeConfig
-    from ..text.tokenizer import Tokenizer
+    from ..text.tokenizer import Decoder, Tokenizer
 
 log = logging.getLogger("hloserve.server.engine")
 
@@ -66,9 +67,10 @@ class Engine:
     """
 
     def __init__(self, scheduler: Scheduler, runner: Runner, *, vocab_size: int | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 decoder: "Decoder | None" = None, clock: Callable[[], float] = time.monotonic):
         self.scheduler = scheduler
         self.runner = runner
+        self.detokenizer = Detokenizer(decoder)
         self.vocab_size = vocab_size
         self._clock = clock
         self._cv = threading.Condition()
@@ -103,6 +105,7 @@ class Engine:
             if bad:
                 raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         self.scheduler.check_request(ids, params)
+        self.detokenizer.check(params)
         if self._stopping:
             raise EngineError("the engine is stopped; it accepts no new requests")
         request_id = request_id or f"req-{next(self._ids)}"
@@ -198,6 +201,7 @@ class Engine:
                 stream._put(RequestOutput.ended_before_start(request_id, prompt_len=len(ids), reason=FinishReason.ERROR,
                                                             error=str(e)))
                 return
+            self.detokenizer.add(request_id, ids, params, self.scheduler.stop_token_ids(params))
             self._live[request_id] = _Live(stream, arrival)
         elif kind == "abort":
             out = self.scheduler.abort(payload)
@@ -207,6 +211,9 @@ class Engine:
     def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
         now = self._clock()
         for out in outputs:
+            out, stopped = self.detokenizer.process(out)
+            if stopped:   # a stop string ended it: free its blocks before the next step
+                self.scheduler.finish(out.request_id, FinishReason.STOP)
             live = self._live.get(out.request_id)
             if live is None:
                 continue
@@ -279,5 +286,5 @@ def build_engine(artifact_path: str, config: "ServeConfig | None" = None) -> tup
     eos = tokenizer.eos_token_ids if tokenizer else llm.eos_token_ids
     sched = Scheduler(sched_cfg, BlockManager(runner.num_blocks, llm.block_size,
                                               enable_prefix_caching=sched_cfg.enable_prefix_caching),
-                      decoder=tokenizer, eos_token_ids=eos)
-    return Engine(sched, runner, vocab_size=llm.vocab_size), tokenizer
+                      eos_token_ids=eos)
+    return Engine(sched, runner, vocab_size=llm.vocab_size, decoder=tokenizer), tokenizer

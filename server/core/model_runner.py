@@ -32,7 +32,6 @@ import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
-
 from hloserve.runtime.artifact.llm import NULL_BLOCK, LLMSpec, StepBatch, pack_step, slots
 
 from .outputs import RunnerOutput, SchedulerPlan
@@ -175,7 +174,7 @@ class ModelRunner:
         if sym is not None and sym.max is not None:
             n = min(n, sym.max)
         self.num_blocks = int(n)
-        import jax.numpy as jnp   # the runner is the one server module that touches the device
+        import jax.numpy as jnp  # the runner is the one server module that touches the device
         self._kv_name, self._kv_out = kv.input, kv.output
         self.kv_cache = jnp.zeros(kv.concrete_shape(self.num_blocks), kv.numpy_dtype)   # e.g. [L, 2, kvh, N, bs, hd]
         self.kv_cache_bytes = kv.bytes_per_block * self.num_blocks

@@ -28,10 +28,11 @@ a prefill chunk is any larger run.
 
 A chunk that reaches the end of a request's known tokens needs logits: the
 runner samples its next token. `update()` appends sampled tokens, hashes
-newly full blocks for the prefix cache, checks stop conditions (max_tokens,
-EOS / stop token ids, stop strings on the detokenized text, the model's
-context length), frees finished requests' blocks and emits one
-`RequestOutput` per request that produced a token.
+newly full blocks for the prefix cache, checks the token-level stop rules
+(max_tokens, EOS / stop token ids, the model's context length), frees
+finished requests' blocks and emits one `RequestOutput` (token ids, no text)
+per request that produced a token. Text and stop strings are the
+detokenizer's (server/text/detokenizer.py), as in vLLM.
 """
 from __future__ import annotations
 
@@ -44,7 +45,6 @@ from typing import Sequence
 from .block_manager import BlockManager
 from .outputs import FinishReason, RequestOutput, RunnerOutput, ScheduledSeq, SchedulerPlan
 from .sampling import SamplingParams, TokenLogprobs
-from ..text.tokenizer import Decoder, IncrementalDetokenizer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,13 +93,10 @@ class Request:
     seed: int                            # explicit RNG seed for every draw of this request
     arrival: int                         # admission priority: smaller = older
     eos_token_ids: frozenset[int]
-    detok: IncrementalDetokenizer | None
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0         # tokens whose K/V is in the cache
     num_cached_tokens: int = 0           # of the prompt, tokens served by the prefix cache (last admission)
     num_preemptions: int = 0
-    text: str = ""                       # generated text (stop strings cut off)
-    num_text_sent: int = 0               # chars of `text` already emitted
 
     @property
     def num_output_tokens(self) -> int:
@@ -124,11 +121,10 @@ class SchedulerStats:
 class Scheduler:
     """Continuous batching over a BlockManager; see the module docstring for the algorithm."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *, decoder: Decoder | None = None,
-                 eos_token_ids: Sequence[int] = (), seed_rng: random.Random | None = None):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *, eos_token_ids: Sequence[int] = (),
+                 seed_rng: random.Random | None = None):
         self.config = config
         self.blocks = block_manager
-        self.decoder = decoder
         self.eos_token_ids = frozenset(eos_token_ids)
         self._seed_rng = seed_rng or random.Random()   # owned, OS-seeded: seeds for requests without one
         self.waiting: collections.deque[Request] = collections.deque()
@@ -149,9 +145,6 @@ class Scheduler:
         if n + params.max_tokens > limit:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds the "
                              f"model's context of {limit} tokens; lower max_tokens to at most {limit - n}")
-        if params.stop and self.decoder is None:
-            raise ValueError("stop strings need a tokenizer to detokenize the output, and this engine has none; "
-                             "use stop_token_ids instead")
         need = self.blocks.num_blocks_needed(n + params.max_tokens - 1)   # the last token is never computed
         if need > self.blocks.total_blocks:
             raise ValueError(f"prompt + max_tokens needs {need} KV blocks but the cache has {self.blocks.total_blocks}; "
@@ -162,9 +155,8 @@ class Scheduler:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
-        detok = IncrementalDetokenizer(self.decoder, prompt_token_ids) if self.decoder is not None else None
         req = Request(request_id, list(prompt_token_ids), len(prompt_token_ids), params, seed, self._arrivals,
-                      frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids), detok)
+                      self.stop_token_ids(params))
         self._arrivals += 1
         self._requests[request_id] = req
         self.waiting.append(req)
@@ -172,12 +164,20 @@ class Scheduler:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Remove a request now and free its blocks; None if it is unknown or already finished."""
+        return self.finish(request_id, FinishReason.ABORT)
+
+    def finish(self, request_id: str, reason: FinishReason) -> RequestOutput | None:
+        """End a request now (aborted, or stopped by a stop string found in its text) and free its blocks."""
         req = self._requests.get(request_id)
         if req is None:
             return None
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
-        return self._finish(req, FinishReason.ABORT, (), None)
+        return self._finish(req, reason, (), None)
+
+    def stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The token ids that end a request: its stop_token_ids, and EOS unless ignore_eos."""
+        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
 
     # -- queries ------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -312,37 +312,20 @@ class Scheduler:
         return outputs
 
     def _after_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+        """Token-level stop rules (vLLM's check_stop): EOS / stop token ids, max_tokens, the context.
+        Stop strings are text, matched after detokenization (server/text/detokenizer.py)."""
         params = req.params
         reason = None
-        if req.detok is not None and token not in req.eos_token_ids:
-            req.text += req.detok.step(token)
-        if params.stop and self._cut_at_stop(req):
-            reason = FinishReason.STOP                   # text already cut before the stop string
-        elif token in req.eos_token_ids:
+        if token in req.eos_token_ids:
             reason = FinishReason.STOP
         elif req.num_output_tokens >= params.max_tokens or len(req.token_ids) >= self.config.max_model_len:
             reason = FinishReason.LENGTH
         lps = (lp,) if lp is not None else (() if params.logprobs is not None else None)
         if reason is not None:
-            if req.detok is not None and not (params.stop and len(req.text) < len(req.detok.text)):
-                req.text += req.detok.flush()   # a held-back incomplete character, if any
             return self._finish(req, reason, (token,), lps)
-        hold = max((len(s) for s in params.stop), default=1) - 1  # a stop string may be starting
-        upto = max(req.num_text_sent, len(req.text) - hold)
-        text, req.num_text_sent = req.text[req.num_text_sent:upto], upto
-        return RequestOutput(request_id=req.request_id, new_token_ids=(token,), new_text=text, logprobs=lps,
+        return RequestOutput(request_id=req.request_id, new_token_ids=(token,), logprobs=lps,
                              num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
                              num_cached_tokens=req.num_cached_tokens)
-
-    def _cut_at_stop(self, req: Request) -> bool:
-        """Truncate `req.text` before the first stop string; True if one was found."""
-        longest = max(len(s) for s in req.params.stop)
-        start = max(0, req.num_text_sent - longest)
-        hits = [j for j in (req.text.find(s, start) for s in req.params.stop) if j >= 0]
-        if not hits:
-            return False
-        req.text = req.text[:min(hits)]
-        return True
 
     def _finish(self, req: Request, reason: FinishReason, tokens: tuple[int, ...], lps, error: str | None = None) -> RequestOutput:
         if req.status is RequestStatus.RUNNING:
@@ -350,9 +333,7 @@ class Scheduler:
         self.blocks.free(req.request_id)
         req.status = RequestStatus.FINISHED
         del self._requests[req.request_id]
-        text = req.text[req.num_text_sent:] if reason is not FinishReason.ABORT else ""
-        req.num_text_sent = len(req.text)
-        return RequestOutput(request_id=req.request_id, new_token_ids=tokens, new_text=text, finish_reason=reason,
+        return RequestOutput(request_id=req.request_id, new_token_ids=tokens, finish_reason=reason,
                              logprobs=lps, num_prompt_tokens=req.num_prompt_tokens,
                              num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,
                              error=error)

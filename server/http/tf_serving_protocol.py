@@ -33,7 +33,6 @@ import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-
 from hloserve.runtime import artifact
 
 SERVING_DEFAULT = "serving_default"

@@ -384,13 +384,13 @@ def test_paged_attention_exports_as_nested_loop(tmp_path):
     """The "paged" layout (a loop over blocks inside the layer loop) through export and the runtime:
     two sequences, one chunked, match HF; the StableHLO has the nested while."""
     from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.models.llama import StepExportOptions, llm_metadata, step_entries
+    from hloserve.exporter.models.llama import StepExportOptions, llm_spec, step_entries
     from hloserve.runtime import load
     hf = _hf_model("llama", seed=7)
     w = _our_weights(hf)
     opts = StepExportOptions(max_context=512, functions=(("paged", "paged"),))
     export_artifact(str(tmp_path / "art"), step_entries(w, opts), source="test",
-                    model={"task": "causal-lm", "llm": llm_metadata(w.cfg, opts, torch.float32)})
+                    model={"task": "causal-lm", "llm": llm_spec(w.cfg, opts, torch.float32).to_json()})
     assert open(tmp_path / "art" / "functions" / "paged.mlir").read().count("stablehlo.while") == 2
     paged = Paged(load(str(tmp_path / "art")))
     a, b = _prompts([40, 9], seed=8)

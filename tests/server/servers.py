@@ -6,7 +6,7 @@ import os
 import sys
 import tempfile
 
-from hloserve.server.launch import free_port, server_process
+from tests.support.launch import free_port, server_process
 
 
 @contextlib.contextmanager

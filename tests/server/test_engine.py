@@ -19,7 +19,7 @@ VOCAB = 100
 GREEDY = dict(temperature=0.0)
 
 
-def make_engine(num_blocks=64, block_size=4, step_delay=0.0, fail_on=None, **cfg):
+def make_engine(num_blocks=64, block_size=4, step_delay=0.0, fail_on=None, decoder=None, **cfg):
     bm = BlockManager(num_blocks, block_size)
     sched = Scheduler(SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 32, "max_model_len": 128,
                                          "admission_watermark": 0.0,
@@ -32,7 +32,7 @@ def make_engine(num_blocks=64, block_size=4, step_delay=0.0, fail_on=None, **cfg
             raise RuntimeError("device lost")
 
     runner = MockRunner(VOCAB, num_blocks, block_size, on_execute=hook)
-    return Engine(sched, runner, vocab_size=VOCAB)
+    return Engine(sched, runner, vocab_size=VOCAB, decoder=decoder)
 
 
 def wait_until(cond, timeout=10.0):
@@ -188,3 +188,34 @@ def test_exposition_parses_and_refuses_a_family_twice():
     assert families["vllm:e2e_request_latency_seconds"].type == "histogram"
     with pytest.raises(ValueError, match="exposed twice"):
         exp.gauge("vllm:num_requests_running", "again", 0)
+
+
+class CharDecoder:
+    """Token i is the letter chr(97 + i % 26)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_stop_string_cuts_text_holds_back_partial_matches_and_frees_blocks():
+    eng = make_engine(decoder=CharDecoder())
+    a = eng.add_request([0, 1, 2], SamplingParams(max_tokens=10, stop=["ef"], **GREEDY))   # "abc" -> d e f
+    b = eng.add_request([0], SamplingParams(max_tokens=4, stop=["zz"], **GREEDY))          # never matches
+    for _ in range(10):
+        eng.run_once()
+    outs_a, outs_b = list(a.drain()), list(b.drain())
+    assert tokens(outs_a) == [3, 4, 5]                        # the scheduler stopped it at "f", not max_tokens
+    assert [o.new_text for o in outs_a] == ["", "d", ""]      # one char held back while it may start "ef"
+    assert outs_a[-1].finish_reason == "stop"
+    assert "".join(o.new_text for o in outs_b) == "bcde" and outs_b[-1].finish_reason == "length"
+    assert not eng.scheduler.has_unfinished()
+    assert eng.scheduler.blocks.num_free_blocks == eng.scheduler.blocks.total_blocks
+
+
+def test_stop_strings_need_a_decoder():
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        make_engine().add_request([1], SamplingParams(stop=["x"]))
+
+
+def tokens(outs):
+    return [t for o in outs for t in o.new_token_ids]

@@ -20,13 +20,6 @@ VOCAB = 64
 GREEDY = dict(temperature=0.0)
 
 
-class CharDecoder:
-    """Token i is the letter chr(97 + i % 26)."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(97 + i % 26) for i in ids)
-
-
 def make(num_blocks=32, block_size=4, max_num_seqs=4, max_tokens=8, max_model_len=64, watermark=0.0, **kw):
     bm = BlockManager(num_blocks, block_size)
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
@@ -191,18 +184,6 @@ def test_eos_and_stop_token_ids():
     assert tokens(outs["a"]) == [7, 8, 9] and outs["a"][-1].finish_reason == "stop"
     assert len(tokens(outs["b"])) == 10 and outs["b"][-1].finish_reason == "length"
     assert tokens(outs["c"]) == [2, 3] and outs["c"][-1].finish_reason == "stop"
-
-
-def test_stop_string_cuts_text_and_holds_back_partial_matches():
-    sched, runner = make(decoder=CharDecoder())
-    sched.add_request("a", [0, 1, 2], SamplingParams(max_tokens=10, stop=["ef"], **GREEDY))   # "abc" -> d e f
-    outs = run(sched, runner)["a"]
-    assert tokens(outs) == [3, 4, 5]
-    assert [o.new_text for o in outs] == ["", "d", ""]        # "e" is held back: it may start "ef"
-    assert outs[-1].finish_reason == "stop"
-    sched.add_request("b", [0], SamplingParams(max_tokens=4, stop=["zz"], **GREEDY))   # never matches
-    outs = run(sched, runner)["b"]
-    assert "".join(o.new_text for o in outs) == "bcde" and outs[-1].finish_reason == "length"
 
 
 def test_context_length_and_pool_size_validation():

@@ -1,0 +1,76 @@
+"""Token outputs -> text outputs: incremental detokenization and stop strings (vLLM keeps both in its
+front-end detokenizer, apart from the scheduler's token-level stops).
+
+Per request it keeps the text generated so far and how much of it was sent. A stop string found in
+the text ends the request there (the text is cut before it, finish_reason "stop"), and the engine
+tells the scheduler to free the request's blocks; until a match is ruled out, text that could be the
+start of a stop string is held back. The text of EOS / stop tokens is never emitted.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from ..text.tokenizer import Decoder, IncrementalDetokenizer
+from .outputs import FinishReason, RequestOutput
+from .sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class _Text:
+    detok: IncrementalDetokenizer
+    stop: tuple[str, ...]
+    stop_token_ids: frozenset[int]
+    text: str = ""      # generated text, cut before a stop string
+    sent: int = 0       # chars of `text` already emitted
+
+
+class Detokenizer:
+    """Fills `new_text` of the engine's outputs; `process` reports requests a stop string ended."""
+
+    def __init__(self, decoder: Decoder | None):
+        self.decoder = decoder
+        self._texts: dict[str, _Text] = {}
+
+    def check(self, params: SamplingParams) -> None:
+        """Raise ValueError (a 400) for a request this detokenizer cannot serve."""
+        if params.stop and self.decoder is None:
+            raise ValueError("stop strings need a tokenizer to detokenize the output, and this engine has none; "
+                             "use stop_token_ids instead")
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+            stop_token_ids: frozenset[int]) -> None:
+        if self.decoder is not None:
+            self._texts[request_id] = _Text(IncrementalDetokenizer(self.decoder, prompt_token_ids), tuple(params.stop),
+                                            stop_token_ids)
+
+    def process(self, out: RequestOutput) -> tuple[RequestOutput, bool]:
+        """(out with its text, whether a stop string ended it here: the scheduler must finish it)."""
+        st = self._texts.get(out.request_id)
+        if st is None:
+            return out, False
+        for token in out.new_token_ids:
+            if token not in st.stop_token_ids:
+                st.text += st.detok.step(token)
+        hit = bool(st.stop) and self._cut_at_stop(st)
+        reason = FinishReason.STOP if hit else out.finish_reason
+        if reason is None:
+            hold = max((len(s) for s in st.stop), default=1) - 1   # a stop string may be starting
+            upto = max(st.sent, len(st.text) - hold)
+            text, st.sent = st.text[st.sent:upto], upto
+            return dataclasses.replace(out, new_text=text), False
+        if not hit:
+            st.text += st.detok.flush()                           # a held-back incomplete character, if any
+        del self._texts[out.request_id]
+        text = st.text[st.sent:] if reason is not FinishReason.ABORT else ""
+        return dataclasses.replace(out, new_text=text, finish_reason=reason), hit and out.finish_reason is None
+
+    @staticmethod
+    def _cut_at_stop(st: _Text) -> bool:
+        """Truncate the text before the first stop string; True if one was found."""
+        start = max(0, st.sent - max(len(s) for s in st.stop))
+        hits = [j for j in (st.text.find(s, start) for s in st.stop) if j >= 0]
+        if not hits:
+            return False
+        st.text = st.text[:min(hits)]
+        return True

@@ -1,0 +1,23 @@
+"""Errors the routes raise (answered in the API's own format by app.py) and admission to the device."""
+from __future__ import annotations
+
+RETRY_AFTER = "1"
+
+
+class ApiError(Exception):
+    """An HTTP error answer: status, message and the OpenAI error fields (TF Serving uses the message)."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: dict | None = None):
+        self.status, self.message, self.type_, self.param, self.headers = status, message, type_, param, headers
+
+
+def admit(service) -> None:
+    """Count a request in (503 while warming up, 429 past max_pending); the caller releases it."""
+    if not service.readiness.ready:
+        raise ApiError(503, "the model is warming up; retry shortly" if not service.readiness.error
+                       else f"the model failed to load: {service.readiness.error}", type_="service_unavailable",
+                       headers={"Retry-After": RETRY_AFTER})
+    if not service.admission.try_enter():
+        raise ApiError(429, f"server overloaded: {service.admission.limit} requests in flight; retry later",
+                       type_="rate_limit_error", headers={"Retry-After": RETRY_AFTER})
