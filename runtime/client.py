@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 
@@ -26,12 +26,33 @@ from hloserve.runtime.artifact.errors import HloserveError
 _ALIASES = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "cpu": "cpu", "tpu": "tpu"}
 _EXTRAS = {"gpu": "hloserve[cuda]", "tpu": "hloserve[tpu]"}
 
+# XLA:CPU's dot library: which library fusion its dots (and what fuses into them) compile to.
+# "ynn" (YNNPACK, XLA:CPU's library-fusion path) ran the bf16 dots of an LLM step ~2x faster than
+# XLA's own emitter on this project's CPUs (docs/performance.md, "Where the time goes"); "xla" keeps
+# XLA's emitter. $HLOSERVE_CPU_DOTS overrides the default, e.g. to compare them.
+CPU_DOT_LIBRARIES = {
+    "xla": {},
+    "ynn": {"xla_cpu_experimental_xnn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
+    "onednn": {"xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
+}
+DEFAULT_CPU_DOTS = "ynn"
+
 # Sentinel: the default persistent cache directory (see default_cache_dir()).
 DEFAULT_CACHE = "default"
 
 
 class PlatformError(HloserveError):
     """The requested platform or devices are not available."""
+
+
+def compiler_options(platform: str) -> dict[str, str]:
+    """The XLA options executables on `platform` are compiled with (CPU: the dot library)."""
+    if platform != "cpu":
+        return {}
+    choice = os.environ.get("HLOSERVE_CPU_DOTS", DEFAULT_CPU_DOTS)
+    if choice not in CPU_DOT_LIBRARIES:
+        raise PlatformError(f"HLOSERVE_CPU_DOTS={choice!r} is not one of {sorted(CPU_DOT_LIBRARIES)}")
+    return dict(CPU_DOT_LIBRARIES[choice])
 
 
 def default_cache_dir() -> str:
@@ -50,10 +71,13 @@ class Client:
       platform: jax platform name ("cpu", "gpu", "tpu").
       devices: the devices used, in order (one device without a mesh).
       cache_dir: persistent compilation cache directory, or None when disabled.
+      compiler_options: XLA options every executable of this client is compiled with
+        (`compiler_options(platform)`); they change the code, never the artifact.
     """
     platform: str
     devices: tuple[Any, ...]
     cache_dir: str | None
+    compiler_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         kinds = sorted({getattr(d, "device_kind", self.platform) for d in self.devices})
@@ -97,7 +121,7 @@ def connect(platform: str | None = None, devices: Sequence[Any] | None = None,
     if cache_dir is not None:
         resolved = os.path.abspath(os.path.expanduser(default_cache_dir() if cache_dir == DEFAULT_CACHE else cache_dir))
     configure_compile_cache(resolved)
-    return Client(chosen[0].platform, chosen, resolved)
+    return Client(chosen[0].platform, chosen, resolved, compiler_options(chosen[0].platform))
 
 
 _CACHE_LOCK = threading.Lock()

@@ -116,7 +116,8 @@ class Function:
                  exported: jax_export.Exported, weights: Sequence[jax.Array], weight_shardings: Sequence[Any],
                  input_sharding: Any, buckets: buckets_mod.Buckets, *, strict: bool = False,
                  exec_cache: ExecutableCache | None = None, devices: Sequence[Any] = (),
-                 cache_identity: Mapping[str, Any] | None = None):
+                 cache_identity: Mapping[str, Any] | None = None,
+                 compiler_options: Mapping[str, str] | None = None):
         self.spec = spec
         self.symbols = symbols
         self.exported = exported
@@ -139,7 +140,9 @@ class Function:
         self._exec_cache = exec_cache
         self._exec_cache_keys: dict[Env, str] = {}   # executables read from the executable cache
         self._devices = list(devices)
-        self._cache_identity = dict(cache_identity or {}, donated=list(donate))
+        self._compiler_options = dict(compiler_options or {})
+        self._cache_identity = dict(cache_identity or {}, donated=list(donate),
+                                    compiler_options=sorted(self._compiler_options.items()))
 
     # -- compile ----------------------------------------------------------
     @property
@@ -216,7 +219,7 @@ class Function:
                 return exe, "read from the executable cache"
         events = compile_events()
         hits0 = events.cache_hits
-        exe = self._jit.lower(*avals).compile()
+        exe = self._jit.lower(*avals).compile(compiler_options=self._compiler_options or None)
         if events.cache_hits > hits0:
             # NOTE: an XLA:CPU executable deserialized from jax's cache re-serializes without its
             # kernels ("Function wrapped_iota not found" in the next process): only fresh compiles

@@ -147,7 +147,8 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
         fns[n] = Function(spec, manifest.symbols, exported[n], [on_device[w] for w in spec.weights],
                           [shardings[w] for w in spec.weights], in_sharding, bks, strict=strict,
                           exec_cache=cache, devices=exec_devices,
-                          cache_identity=_identity(spec, shardings, in_sharding, exec_devices))
+                          cache_identity=_identity(spec, shardings, in_sharding, exec_devices),
+                          compiler_options=client.compiler_options)
     return LoadedModel(path, manifest, client, jmesh, on_device, fns)
 
 
