@@ -244,7 +244,7 @@ def _run(args, cfg: LlamaConfig, weights: LlamaWeights, hf, tmp: str) -> int:
           f"HF eager {PREFILL_LEN / theirs:.0f} tok/s ({theirs * 1e3:.0f} ms), ratio HF/ours {theirs / ours:.2f}")
     compile_s = {n: f.stats.compile_seconds for n, f in model.functions.items()}
     print("compile seconds so far (all shapes): " + ", ".join(f"{n} {s:.1f}" for n, s in compile_s.items()))
-    del model
+    model = None   # frees the artifact's weights before the next export
 
     if args.layouts:
         compare_layouts(weights, os.path.join(tmp, "layouts"))

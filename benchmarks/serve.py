@@ -610,7 +610,7 @@ def main() -> int:
                 starts["hloserve, warm caches" if cache else "hloserve, default cache"] = secs
                 levels += bench_server("hloserve", base, workloads, {"ignore_eos": True})
                 metrics = httpx.get(base + "/metrics").text
-                rec = [ln for ln in metrics.splitlines() if ln.startswith("hloserve:recompiles_after_warmup_total")]
+                rec = [ln for ln in metrics.splitlines() if ln.startswith("hloserve:compiles_after_warmup_total")]
                 print(f"  {rec[0] if rec else 'no recompile metric'}", flush=True)
         finally:
             if cache:

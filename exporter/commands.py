@@ -8,6 +8,7 @@ from hloserve.runtime.progress import Reporter
 
 from .errors import HloserveError, SourceError
 
+
 def _need_export_stack() -> None:
     """`hloserve export` needs torch; serving does not (it is the `export` extra)."""
     import importlib.util

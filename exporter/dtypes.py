@@ -7,7 +7,6 @@ int32 and float64 -> float32 (documented in docs/artifact-format.md).
 from __future__ import annotations
 
 import numpy as np
-
 from hloserve.runtime.artifact.dtypes import NUMPY, name_of_numpy  # noqa: F401  (re-exported)
 
 # What the artifact uses for a torch dtype (64-bit narrows; see module doc).

@@ -16,18 +16,17 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 import torch
-from jax import export as jax_export
-from jax._src.lib.mlir.dialects import hlo
-
 from hloserve.runtime import artifact
 from hloserve.runtime.artifact import weights as weights_io
+from hloserve.runtime.progress import QUIET, Reporter
+from jax import export as jax_export
 
 from . import dtypes
+from ._private import stablehlo_dialect
 from .capture import capture
 from .errors import HloserveError
 from .interpreter import Interpreter
 from .lowerings import default_registry
-from hloserve.runtime.progress import QUIET, Reporter
 from .shapes import SymbolTable
 
 DEFAULT_PLATFORMS = ("cpu",)
@@ -64,7 +63,8 @@ class _Lowered:
 
 def stablehlo_target_version() -> str:
     """The StableHLO version jax.export serializes portable artifacts for."""
-    return str(hlo.get_version_from_compatibility_requirement(hlo.StablehloCompatibilityRequirement.WEEK_4))
+    return str(stablehlo_dialect.get_version_from_compatibility_requirement(
+        stablehlo_dialect.StablehloCompatibilityRequirement.WEEK_4))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,6 @@
 """`--quantize` applied to a Source: the Llama step's stacked weights, or the generic module swap."""
 from __future__ import annotations
 
-
 import torch
 from hloserve.quantization.convert import QuantRecord, quantize_module
 from hloserve.quantization.schemes import QuantConfig, QuantizationError

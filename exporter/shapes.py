@@ -15,8 +15,8 @@ from typing import Any, Sequence
 
 import sympy
 from jax import export as jax_export
-from jax._src import core as jax_core
 
+from . import _private as jax_core
 from .errors import ShapeSpecError
 
 # Bounds at or above this are "unbounded" (torch uses int_oo / huge sentinels).

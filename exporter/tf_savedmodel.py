@@ -39,9 +39,9 @@ import shutil
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-
 from hloserve.runtime import artifact
 from hloserve.runtime.artifact import weights as weights_io
+
 from .errors import HloserveError
 
 SERVING_DEFAULT = "serving_default"
@@ -169,7 +169,7 @@ def plan_function(path: str, manifest: artifact.Manifest, name: str, *,
 
 def _reserialize(module: bytes, target: str, name: str) -> bytes:
     """The same StableHLO as a portable artifact for an older consumer (target like "1.0.0")."""
-    from jax._src.lib.mlir.dialects import hlo
+    from ._private import stablehlo_dialect as hlo
 
     lo, hi = str(hlo.get_minimum_version()), str(hlo.get_current_version())
     try:

@@ -13,7 +13,6 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-
 from hloserve.runtime import artifact
 from hloserve.runtime.artifact.errors import HloserveError
 from hloserve.runtime.progress import QUIET, Reporter

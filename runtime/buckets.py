@@ -15,7 +15,6 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-
 from hloserve.runtime import artifact
 from hloserve.runtime.artifact.errors import HloserveError, ShapeConstraintError
 

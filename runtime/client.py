@@ -19,8 +19,9 @@ import threading
 from typing import Any, Mapping, Sequence
 
 import jax
-
 from hloserve.runtime.artifact.errors import HloserveError
+
+from ._private import reset_compilation_cache
 
 # jax platform names for what users type; "gpu" means whichever GPU plugin is installed.
 _ALIASES = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "cpu": "cpu", "tpu": "tpu"}
@@ -133,14 +134,13 @@ def configure_compile_cache(cache_dir: str | None) -> None:
     Thresholds are lowered so that every executable is written, however small or
     quick to compile: a server's first request must not pay for any compile.
     """
-    from jax._src import compilation_cache as cc  # reset_cache is the only way to switch dirs in-process
     with _CACHE_LOCK:
         current = jax.config.jax_compilation_cache_dir
         enabled = jax.config.jax_enable_compilation_cache
         if cache_dir is None:
             if enabled and current:
                 jax.config.update("jax_enable_compilation_cache", False)
-                cc.reset_cache()
+                reset_compilation_cache()
             return
         os.makedirs(cache_dir, exist_ok=True)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -148,7 +148,7 @@ def configure_compile_cache(cache_dir: str | None) -> None:
         if current != cache_dir or not enabled:
             jax.config.update("jax_enable_compilation_cache", True)
             jax.config.update("jax_compilation_cache_dir", cache_dir)
-            cc.reset_cache()
+            reset_compilation_cache()
 
 
 @dataclasses.dataclass

@@ -9,6 +9,7 @@ import sys
 
 from .artifact.errors import HloserveError
 
+
 def _inspect(args: argparse.Namespace) -> int:
     from hloserve.runtime import artifact
     m = artifact.read_manifest(args.artifact)
@@ -47,7 +48,6 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     import numpy as np
-
     from hloserve.runtime import load
 
     model = load(args.artifact, platform=args.platform, cache_dir=_cache_dir(args))

@@ -17,11 +17,10 @@ import os
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-from jax import export as jax_export
-
 from hloserve.runtime import artifact
 from hloserve.runtime.artifact import weights as weights_io
 from hloserve.runtime.artifact.errors import ArtifactError
+from jax import export as jax_export
 
 from . import buckets as buckets_mod
 from . import sharding as sharding_mod

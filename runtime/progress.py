@@ -27,8 +27,15 @@ class Reporter:
         if not self.enabled:
             yield lambda amount: None
             return
-        from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn, TransferSpeedColumn)
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TransferSpeedColumn,
+        )
         columns = [TextColumn(f"[{self.prefix}] {description}"), BarColumn()]
         columns += [DownloadColumn(), TransferSpeedColumn()] if unit == "B" else [MofNCompleteColumn()]
         columns.append(TimeElapsedColumn())

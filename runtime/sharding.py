@@ -22,9 +22,8 @@ import re
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
-
 from hloserve.runtime.artifact.errors import HloserveError
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 Rules = Sequence[tuple[str, Any]]
 

@@ -7,8 +7,8 @@ memory (`empty`) lowers to zeros: deterministic and just as cheap in XLA.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 import torch
+from jax import lax
 
 from ..registry import lower
 

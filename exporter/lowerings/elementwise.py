@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import torch
+from jax import lax
 
 from ..registry import lower, row
 from ._util import binary, unary

@@ -11,9 +11,9 @@ clamping touches only the indices.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 import torch
+from jax import lax
 
 from ..registry import lower
 from ._util import canon_dim, from_bits, to_bits

@@ -6,8 +6,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import torch
+from jax import lax
 
 from .. import custom_ops as _custom_ops  # noqa: F401 - defines torch.ops.hloserve.mixed_linear
 from ..registry import lower

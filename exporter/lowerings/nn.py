@@ -7,8 +7,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 import torch
+from jax import lax
 
 from ..registry import lower
 

@@ -30,10 +30,9 @@ With f32 scales an asymmetric value may differ from NumPy's by one ulp.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
-
-from hloserve.quantization import modules as _qmodules  # noqa: F401 - defines the torch.ops.hloserve ops
 import torch
+from hloserve.quantization import modules as _qmodules  # noqa: F401 - defines the torch.ops.hloserve ops
+from jax import lax
 
 from ..registry import lower
 

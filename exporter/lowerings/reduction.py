@@ -5,8 +5,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import torch
+from jax import lax
 
 from ..registry import lower
 from ._util import canon_dim, canon_dims

@@ -7,9 +7,9 @@ here.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 import torch
+from jax import lax
 
 from ..registry import lower
 from ._util import canon_dim

@@ -7,8 +7,8 @@ import operator
 
 import jax.numpy as jnp
 import torch
-from jax._src import core as jax_core
 
+from .. import _private as jax_core
 from ..registry import lower, row
 from ._util import canon_dim
 

@@ -72,7 +72,6 @@ from .tokenizer import GGUFVocab, gguf_tokenizer_json
 
 if TYPE_CHECKING:
     import torch
-
     from hloserve.runtime.progress import Reporter
 
 # llama.cpp architecture -> (HF model_type, HF architecture class, q/k rows permuted for NORM RoPE)
@@ -230,7 +229,6 @@ class GGUFCheckpoint:
                     ) -> dict[str, "torch.Tensor"]:
         """All weights dequantized (float32, or cast to `dtype`), with a progress bar."""
         import torch
-
         from hloserve.runtime.progress import Reporter
         reporter = Reporter() if reporter is None else reporter
         counts = collections.Counter(t.ggml_type for t in self.tensors.values())

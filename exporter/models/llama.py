@@ -48,7 +48,6 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
-
 from hloserve.runtime.artifact.llm import KV_BITS, NUM_BLOCKS, STEP_INPUTS, STEP_OUTPUTS, KVCacheSpec, LLMSpec  # noqa: F401
 
 # Finite "minus infinity" for masked attention scores (f32): fully masked rows
@@ -391,7 +390,8 @@ def _paged_attention(qg: torch.Tensor, cache: torch.Tensor, layer: torch.Tensor,
     blocks [B, T] (block j of each token's sequence); pos, ctx_len [T]. Peak memory is O(T * block_size) per layer, whatever
     the number of sequences or the context length. Returns [T, KV, G, D] in qg's dtype.
     """
-    from torch._higher_order_ops.scan import scan
+    from .._private import torch_scan
+    scan = torch_scan()
 
     T, KV, G, D = qg.shape
     BS = cache.shape[4]
@@ -557,7 +557,8 @@ class LlamaStep(torch.nn.Module):
 
         stacked = [w.layers[n] for n in names]
         if self.scan:
-            from torch._higher_order_ops.scan import scan
+            from .._private import torch_scan
+            scan = torch_scan()
 
             def body(carry, xs):
                 h, cache = carry

@@ -35,8 +35,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..errors import SourceError
 from ..entry import Source
+from ..errors import SourceError
 from .llama import LlamaConfig, LlamaWeights, StepExportOptions, llm_spec, step_entries
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",

@@ -20,6 +20,13 @@ def _svc(request: Request) -> PredictService:
     return request.app.state.service
 
 
+def _checked(request: Request, name: str, version: str | None) -> PredictService:
+    """The service, if it is the servable the path names (404 in TF Serving's words otherwise)."""
+    svc = _svc(request)
+    check(svc, name, version)
+    return svc
+
+
 def check(svc: PredictService, name: str, version: str | None) -> None:
     if name != svc.model_name:
         raise ApiError(404, f"Servable not found for request: Latest({name}); this server serves '{svc.model_name}'")
@@ -29,8 +36,7 @@ def check(svc: PredictService, name: str, version: str | None) -> None:
 
 
 async def predict(name: str, version: str | None, request: Request):
-    svc = _svc(request)
-    check(svc, name, version)
+    svc = _checked(request, name, version)
     raw = await request.body()
     try:
         body = json.loads(raw)
@@ -69,9 +75,7 @@ def status(svc: PredictService) -> dict:
 @router.get("/v1/models/{name}")
 @router.get("/v1/models/{name}/versions/{version}")
 async def model_status(name: str, request: Request, version: str | None = None):
-    svc = _svc(request)
-    check(svc, name, version)
-    return status(svc)
+    return status(_checked(request, name, version))
 
 
 def metadata(svc: PredictService) -> dict:
@@ -82,9 +86,7 @@ def metadata(svc: PredictService) -> dict:
 @router.get("/v1/models/{name}/metadata")
 @router.get("/v1/models/{name}/versions/{version}/metadata")
 async def model_metadata(name: str, request: Request, version: str | None = None):
-    svc = _svc(request)
-    check(svc, name, version)
-    return metadata(svc)
+    return metadata(_checked(request, name, version))
 
 
 _TF_DTYPES = {"f32": "DT_FLOAT", "f16": "DT_HALF", "bf16": "DT_BFLOAT16", "i32": "DT_INT32", "i16": "DT_INT16",
