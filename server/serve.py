@@ -9,13 +9,15 @@ form XLA:CPU serves fastest at the f32 model's perplexity (docs/performance.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
 import sys
 import threading
 
-from .services import LLMService, ServeConfig, build_service
+from .config import ServeConfig
+from .services import LLMService, build_service
 
 DEFAULT_PRESET = "smollm2-135m-instruct"
 # How the default model is exported, and the cache directory's suffix naming it (a cache
@@ -52,10 +54,12 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
 
     logging.basicConfig(level=logging.INFO, format="[hloserve] %(message)s")
     config = config or ServeConfig()
+    if artifact_path is None and not config.served_model_names:   # the default model keeps its preset's name
+        config = dataclasses.replace(config, served_model_names=(DEFAULT_PRESET,))
     path = artifact_path or default_artifact()
     print(f"[hloserve] loading {path}", file=sys.stderr, flush=True)
     service = build_service(path, config)
-    app = create_app(service, api_key=config.api_key)
+    app = create_app(service, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 
     def warm():
         print(f"[hloserve] warming up {service.model_name} (compiling every bucket; /ready says 503 until done)",

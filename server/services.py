@@ -89,12 +89,17 @@ class LLMService:
     engine: "Engine"
     tokenizer: "Tokenizer"
     runner: "ModelRunner"
-    model_name: str
+    model_names: tuple[str, ...]        # served names; the first is reported
     max_model_len: int
     readiness: Readiness
     admission: Admission
+    generation_defaults: dict = dataclasses.field(default_factory=dict)   # sampling the checkpoint recommends
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     kind: str = "llm"
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
 
     def warmup(self, report: Callable[[str], None] | None = None) -> None:
         """Compile every serving shape, then start the engine loop and report ready.
@@ -265,11 +270,11 @@ def build_service(artifact_path: str, config: ServeConfig) -> LLMService | Predi
     from hloserve import runtime
 
     manifest = read_manifest(artifact_path)
-    name = config.model_name or os.path.basename(os.path.normpath(artifact_path))
+    names = config.served_model_names or (os.path.basename(os.path.normpath(artifact_path)),)
     readiness, admission = Readiness(), Admission(config.max_pending)
     if manifest.model.get("llm") is None:
         model = runtime.load(artifact_path, platform=config.platform, strict=False)
-        return PredictService(model, name, PredictBatcher(model, config.max_batch_size, config.batch_timeout_s),
+        return PredictService(model, names[0], PredictBatcher(model, config.max_batch_size, config.batch_timeout_s),
                               readiness, admission)
     LLMSpec.of(manifest, artifact_path)   # a malformed contract fails here, before anything loads
 
@@ -283,4 +288,5 @@ def build_service(artifact_path: str, config: ServeConfig) -> LLMService | Predi
         raise HloserveError(f"artifact {artifact_path} ships no tokenizer; re-export it from a checkpoint with "
                             f"tokenizer.json to serve text")
     max_len = engine.scheduler.config.max_model_len
-    return LLMService(engine, tokenizer, engine.runner, name, max_len, readiness, admission)
+    return LLMService(engine, tokenizer, engine.runner, names, max_len, readiness, admission,
+                      generation_defaults=dict(manifest.model.get("generation_defaults") or {}))

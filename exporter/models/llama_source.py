@@ -53,7 +53,8 @@ def default_options(cfg: LlamaConfig, **overrides) -> StepExportOptions:
 def source_from_weights(weights: LlamaWeights, description: str, *, opts: StepExportOptions | None = None,
                         architecture: str = "", tokenizer_file: str | None = None,
                         chat_template: str | None = None, add_bos_token: bool | None = None,
-                        files: Mapping[str, str] | None = None) -> Source:
+                        files: Mapping[str, str] | None = None,
+                        generation_defaults: Mapping[str, float] | None = None) -> Source:
     """A Source exporting `weights` as the prefill/decode step functions."""
     cfg = weights.cfg
     opts = opts or default_options(cfg)
@@ -65,6 +66,8 @@ def source_from_weights(weights: LlamaWeights, description: str, *, opts: StepEx
     }
     if add_bos_token is not None:
         model["add_bos_token"] = add_bos_token
+    if generation_defaults:
+        model["generation_defaults"] = dict(generation_defaults)
     if getattr(weights, "weight_dtype", dtype) != dtype:
         from .. import dtypes
         model["weight_dtype"] = dtypes.artifact_name_of_torch(weights.weight_dtype)
@@ -135,7 +138,24 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *,
         weights, f"Hugging Face {archs[0] if archs else cfg.model_type} from {path} (paged-cache step)",
         opts=opts or default_options(cfg, kv_dtype=kv_dtype), architecture=archs[0] if archs else "",
         tokenizer_file="tokenizer.json" if "tokenizer.json" in files else None,
-        chat_template=_chat_template(path), add_bos_token=add_bos, files=files)
+        chat_template=_chat_template(path), add_bos_token=add_bos, files=files,
+        generation_defaults=_generation_defaults(path))
+
+
+# sampling fields of generation_config.json a server applies when a request leaves them out (vLLM does the same)
+_GENERATION_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def _generation_defaults(path: str) -> dict[str, float]:
+    """The checkpoint's recommended sampling (generation_config.json), only when it samples (do_sample)."""
+    try:
+        with open(os.path.join(path, "generation_config.json")) as f:
+            gen = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
+    if not gen.get("do_sample", False):
+        return {}
+    return {k: gen[k] for k in _GENERATION_FIELDS if isinstance(gen.get(k), (int, float))}
 
 
 # -- GGUF ---------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def sample_plan(plan: SchedulerPlan, logits: np.ndarray) -> RunnerOutput:
         return RunnerOutput({})
     seqs = [plan.seqs[i] for i in rows]
     tokens, lps = sample(np.asarray(logits)[rows], [s.sampling for s in seqs], [s.seed for s in seqs],
-                         [s.sample_index for s in seqs])
+                         [s.sample_index for s in seqs], [s.context for s in seqs])
     return RunnerOutput({s.request_id: t for s, t in zip(seqs, tokens)},
                         {s.request_id: lp for s, lp in zip(seqs, lps) if lp is not None})
 

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from typing import Mapping
 
-from .sampling import SamplingParams, TokenLogprobs
+from .sampling import RowContext, SamplingParams, TokenLogprobs
 
 
 class FinishReason(str, enum.Enum):
@@ -31,6 +31,7 @@ class ScheduledSeq:
     sampling: SamplingParams        # how to sample (read only when needs_logits)
     seed: int                       # the request's explicit RNG seed
     sample_index: int               # index of the token to sample among the outputs; (seed, index) picks the draw
+    context: RowContext = RowContext()  # what penalties and min_tokens read (empty unless the request uses them)
 
     @property
     def context_len(self) -> int:

@@ -6,8 +6,10 @@ depend only on its seed and its logits, never on which other requests share
 the batch, and a preempted-and-recomputed request draws the same tokens again.
 There is no global RNG.
 
-Order of operations per row (as in vLLM / HF): temperature 0 -> argmax;
-otherwise logits / temperature -> top-k -> top-p (nucleus) -> draw.
+Order of operations per row (as in vLLM): logit_bias -> suppress stop tokens before min_tokens ->
+repetition / presence / frequency penalties -> temperature 0: argmax; otherwise logits / temperature ->
+top-k -> top-p (nucleus) -> min-p -> draw. The processing steps touch only the few ids they name
+(bias entries, the request's distinct tokens), never a Python loop over the vocabulary.
 Logprobs are the model's log-softmax of the raw logits (before temperature,
 top-k and top-p), as OpenAI and vLLM report them.
 """
@@ -39,6 +41,13 @@ class SamplingParams:
       logprobs: None for no logprobs; k in [0, 20] returns the sampled token's
         logprob and the k most likely alternatives.
       n: completions per prompt; only 1 is supported.
+      min_p: drop tokens whose probability is below min_p times the most likely one's (0: off).
+      presence_penalty / frequency_penalty: OpenAI's, subtracted per generated token (once /
+        per occurrence) from the logits of tokens already generated; in [-2, 2].
+      repetition_penalty: vLLM's / HF's multiplicative penalty on tokens of the prompt and the
+        output (> 1 discourages repeats; 1: off).
+      logit_bias: (token id, bias in [-100, 100]) pairs added to the logits.
+      min_tokens: EOS and stop token ids cannot be sampled before this many output tokens.
     """
     temperature: float = 1.0
     top_p: float = 1.0
@@ -50,6 +59,12 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     n: int = 1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -76,6 +91,30 @@ class SamplingParams:
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs={self.logprobs!r}: must be an integer in [0, {MAX_LOGPROBS}] or null")
         _check(_is_int(self.n) and self.n == 1, f"n={self.n!r}: only n=1 is supported; send separate requests for more completions")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p={self.min_p!r}: must be in [0, 1] (0 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_is_number(v) and -2 <= v <= 2, f"{name}={v!r}: must be in [-2, 2]")
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+               f"repetition_penalty={self.repetition_penalty!r}: must be in (0, 10] (1 disables it)")
+        bias = tuple((int(t), float(b)) for t, b in (self.logit_bias.items() if isinstance(self.logit_bias, dict)
+                                                     else self.logit_bias))
+        object.__setattr__(self, "logit_bias", bias)
+        _check(all(t >= 0 and -100 <= b <= 100 for t, b in bias),
+               "logit_bias: keys must be token ids >= 0 and values in [-100, 100]")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens={self.min_tokens!r}: must be an integer in [0, max_tokens]")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether logits are changed before sampling (bias, penalties)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
+            or self.repetition_penalty != 1
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling looks at the request's earlier tokens (penalties)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
@@ -128,7 +167,7 @@ def filtered_probs(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarr
 
 
 def _candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """(candidate token ids, unnormalized f32 weights) after temperature, top-k and top-p.
+    """(candidate token ids, unnormalized f32 weights) after temperature, top-k, top-p and min-p.
 
     logits: f32[vocab] of one row.
     Top-p keeps the smallest set of most likely tokens whose mass reaches top_p
@@ -155,13 +194,53 @@ def _candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray,
         sel = np.flatnonzero(e >= cutoff)
         ids = sel if ids is None else ids[sel]
         e = e[sel]
+    if params.min_p > 0:                                      # e is relative to the most likely token
+        sel = np.flatnonzero(e >= np.float32(params.min_p))
+        ids = sel if ids is None else ids[sel]
+        e = e[sel]
     if ids is None:
         ids = np.arange(e.shape[0])
     return ids, e
 
 
-def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, index: int) -> tuple[int, TokenLogprobs | None]:
+@dataclasses.dataclass(frozen=True)
+class RowContext:
+    """What a row's logits processing reads besides its params: the request's tokens so far
+    (only when penalties need them) and the token ids it may not sample yet (min_tokens)."""
+    prompt: tuple[int, ...] = ()
+    output: tuple[int, ...] = ()
+    suppress: tuple[int, ...] = ()
+
+
+def process_logits(logits: np.ndarray, params: SamplingParams, ctx: RowContext) -> np.ndarray:
+    """Bias, min_tokens suppression and penalties applied to one row (a copy; raw logits stay for logprobs)."""
+    out = np.array(logits, dtype=np.float32, copy=True)
+    vocab = out.shape[-1]
+    if params.logit_bias:
+        ids = np.fromiter((t for t, _ in params.logit_bias), np.int64)
+        keep = ids < vocab
+        np.add.at(out, ids[keep], np.fromiter((b for _, b in params.logit_bias), np.float32)[keep])
+    if ctx.suppress:
+        ids = np.asarray(ctx.suppress, np.int64)
+        out[ids[ids < vocab]] = -np.inf
+    if params.repetition_penalty != 1:
+        seen = np.unique(np.asarray(ctx.prompt + ctx.output, np.int64))
+        seen = seen[seen < vocab]
+        v = out[seen]
+        out[seen] = np.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and ctx.output:
+        ids, counts = np.unique(np.asarray(ctx.output, np.int64), return_counts=True)
+        keep = ids < vocab
+        out[ids[keep]] -= params.frequency_penalty * counts[keep] + params.presence_penalty
+    return out
+
+
+def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, index: int,
+               ctx: RowContext = RowContext()) -> tuple[int, TokenLogprobs | None]:
     """Sample one token from one row of logits (f32[vocab]); returns (token, logprobs or None)."""
+    raw = logits
+    if params.processes_logits or ctx.suppress:
+        logits = process_logits(logits, params, ctx)
     if params.greedy:
         token = int(np.argmax(logits))
     else:
@@ -170,7 +249,7 @@ def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, index: int
         u = rng_for(seed, index).random() * cdf[-1]
         k = min(int(np.searchsorted(cdf, u, side="right")), len(ids) - 1)  # inverse CDF
         token = int(ids[k])
-    return token, (token_logprobs(logits, token, params.logprobs) if params.logprobs is not None else None)
+    return token, (token_logprobs(raw, token, params.logprobs) if params.logprobs is not None else None)
 
 
 def token_logprobs(logits: np.ndarray, token: int, k: int) -> TokenLogprobs:
@@ -184,11 +263,15 @@ def token_logprobs(logits: np.ndarray, token: int, k: int) -> TokenLogprobs:
 
 
 def sample(logits: np.ndarray, params: Sequence[SamplingParams], seeds: Sequence[int],
-           indexes: Sequence[int]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Sample one token per row. logits: f32[S, vocab] (rows beyond len(params) are padding and ignored)."""
+           indexes: Sequence[int], contexts: Sequence[RowContext] | None = None
+           ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Sample one token per row. logits: f32[S, vocab] (rows beyond len(params) are padding and ignored).
+    Plain greedy rows take one batched argmax; the others go row by row."""
     logits = np.asarray(logits)
+    contexts = contexts or [RowContext()] * len(params)
     tokens, lps = [], []
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None]
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None and not p.processes_logits
+                   and not contexts[i].suppress]
     argmax = np.argmax(logits[greedy_rows], axis=-1) if greedy_rows else ()
     fast = dict(zip(greedy_rows, argmax))
     for i, p in enumerate(params):
@@ -196,7 +279,7 @@ def sample(logits: np.ndarray, params: Sequence[SamplingParams], seeds: Sequence
             tokens.append(int(fast[i]))
             lps.append(None)
         else:
-            t, lp = sample_row(logits[i], p, seeds[i], indexes[i])
+            t, lp = sample_row(logits[i], p, seeds[i], indexes[i], contexts[i])
             tokens.append(t)
             lps.append(lp)
     return tokens, lps

@@ -44,7 +44,7 @@ from typing import Sequence
 
 from .block_manager import BlockManager
 from .outputs import FinishReason, RequestOutput, RunnerOutput, ScheduledSeq, SchedulerPlan
-from .sampling import SamplingParams, TokenLogprobs
+from .sampling import RowContext, SamplingParams, TokenLogprobs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -288,9 +288,21 @@ class Scheduler:
         """The plan row running tokens [num_computed, num_computed + n) of `req` (blocks already allocated)."""
         start = req.num_computed_tokens
         table = self.blocks.blocks_of(req.request_id).block_ids
+        needs_logits = start + n == len(req.token_ids)
         return ScheduledSeq(request_id=req.request_id, token_ids=tuple(req.token_ids[start:start + n]), start=start,
-                            block_table=table, needs_logits=start + n == len(req.token_ids), sampling=req.params,
-                            seed=req.seed, sample_index=req.num_output_tokens)
+                            block_table=table, needs_logits=needs_logits, sampling=req.params,
+                            seed=req.seed, sample_index=req.num_output_tokens,
+                            context=self._row_context(req) if needs_logits else RowContext())
+
+    def _row_context(self, req: Request) -> RowContext:
+        """The tokens penalties read and the ids min_tokens forbids, only for requests that use them."""
+        p = req.params
+        suppress = tuple(sorted(req.eos_token_ids)) if req.num_output_tokens < p.min_tokens else ()
+        if not p.needs_history and not suppress:
+            return RowContext()
+        n = req.num_prompt_tokens
+        return RowContext(prompt=tuple(req.token_ids[:n]) if p.repetition_penalty != 1 else (),
+                          output=tuple(req.token_ids[n:]) if p.needs_history else (), suppress=suppress)
 
     # -- after the step -------------------------------------------------------------
     def update(self, plan: SchedulerPlan, output: RunnerOutput) -> list[RequestOutput]:
@@ -316,7 +328,7 @@ class Scheduler:
         Stop strings are text, matched after detokenization (server/text/detokenizer.py)."""
         params = req.params
         reason = None
-        if token in req.eos_token_ids:
+        if token in req.eos_token_ids and req.num_output_tokens >= params.min_tokens:
             reason = FinishReason.STOP
         elif req.num_output_tokens >= params.max_tokens or len(req.token_ids) >= self.config.max_model_len:
             reason = FinishReason.LENGTH

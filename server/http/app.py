@@ -54,8 +54,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"invalid value for '{field}': {msg}" if field else msg), (loc[-1] if loc else None)
 
 
-def create_app(service: LLMService | PredictService, *, api_key: str | None = None) -> FastAPI:
-    """The HTTP app for one service; `api_key` guards /v1/* when given."""
+def create_app(service: LLMService | PredictService, *, api_key: str | None = None,
+               max_body_bytes: int = 16 << 20) -> FastAPI:
+    """The HTTP app for one service; `api_key` guards /v1/* when given; bodies over `max_body_bytes`
+    answer 413 before they are read whole."""
     app = FastAPI(title="hloserve", docs_url=None, redoc_url=None)
     app.state.service = service
 
@@ -79,17 +81,8 @@ def create_app(service: LLMService | PredictService, *, api_key: str | None = No
     async def _internal(request: Request, exc: Exception):
         return _error_response(request, 500, f"internal error: {type(exc).__name__}: {exc}", type_="internal_error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        key = request.app.state.api_key
-        if key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given, f"Bearer {key}"):
-                return _error_response(request, 401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                                       type_="authentication_error")
-        return await call_next(request)
-
-    app.state.api_key = api_key
+    # pure ASGI middleware (no BaseHTTPMiddleware: behind it a handler never sees the client leave)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
     # -- operations ------------------------------------------------------------------
     @app.get("/health")
@@ -114,3 +107,45 @@ def create_app(service: LLMService | PredictService, *, api_key: str | None = No
     else:
         app.include_router(tf_serving.router)
     return app
+
+
+class _Guard:
+    """ASGI middleware: the API key on /v1/* (compared as bytes, so any header answers 401, never 500)
+    and the request body bound (413 from Content-Length, or once a chunked body passes the bound)."""
+
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        if self.key is not None and scope["path"].startswith("/v1/") and \
+                not secrets.compare_digest(headers.get(b"authorization", b""), self.key):
+            return await self._reject(scope, receive, send, 401,
+                                      "missing or wrong API key: send 'Authorization: Bearer KEY'", "authentication_error")
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body:
+            return await self._reject(scope, receive, send, 413, self._too_large(), "invalid_request_error")
+        seen = 0
+
+        async def bounded_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise ApiError(413, self._too_large())
+            return message
+
+        return await self.app(scope, bounded_receive, send)
+
+    def _too_large(self) -> str:
+        return (f"request body is larger than {self.max_body} bytes; send a shorter prompt "
+                f"(the server's limit is --max-body-mib)")
+
+    async def _reject(self, scope, receive, send, status: int, message: str, type_: str) -> None:
+        response = _error_response(Request(scope, receive), status, message, type_=type_)
+        await response(scope, receive, send)

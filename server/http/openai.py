@@ -8,49 +8,55 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..core.outputs import FinishReason
+from ..config import MAX_PROMPT_CHARS_PER_TOKEN
 from ..core.sampling import SamplingParams
 from ..services import LLMService
 from .errors import ApiError, admit
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body, now
 
 router = APIRouter()
+log = logging.getLogger("hloserve.server")
 
 
 def _svc(request: Request) -> LLMService:
     return request.app.state.service
 
 
-def model_card(svc: LLMService) -> dict:
-    return {"id": svc.model_name, "object": "model", "created": svc.created, "owned_by": "hloserve",
-            "max_model_len": svc.max_model_len}
+def model_card(svc: LLMService, name: str) -> dict:
+    return {"id": name, "object": "model", "created": svc.created, "owned_by": "hloserve",
+            "root": svc.model_names[0], "max_model_len": svc.max_model_len}
 
 
 @router.get("/v1/models")
 async def models(request: Request):
-    return {"object": "list", "data": [model_card(_svc(request))]}
+    svc = _svc(request)
+    return {"object": "list", "data": [model_card(svc, n) for n in svc.model_names]}
 
 
 @router.get("/v1/models/{name}")
 async def model(name: str, request: Request):
     svc = _svc(request)
     check_model(svc, name)
-    return model_card(svc)
+    return model_card(svc, name)
 
 
 def check_model(svc: LLMService, name: str) -> None:
-    if name != svc.model_name:
-        raise ApiError(404, f"model '{name}' does not exist; this server serves '{svc.model_name}'",
+    if name not in svc.model_names:
+        served = ", ".join(f"'{n}'" for n in svc.model_names)
+        raise ApiError(404, f"model '{name}' does not exist; this server serves {served}",
                        type_="not_found_error", param="model")
 
 
 def sampling(svc: LLMService, req, prompt_len: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The request's SamplingParams: the model's generation defaults where the request is silent."""
     room = svc.max_model_len - prompt_len
     if room <= 0:
         raise ApiError(400, f"the prompt has {prompt_len} tokens, but the model's context is {svc.max_model_len} "
@@ -61,63 +67,104 @@ def sampling(svc: LLMService, req, prompt_len: int, max_tokens: int | None, logp
         raise ApiError(400, f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the model's "
                             f"context of {svc.max_model_len} tokens; lower max_tokens to at most {room}",
                        param="max_tokens")
-    top_k = None if req.top_k in (None, -1, 0) else req.top_k
+    defaults = svc.generation_defaults
+    top_k = req.top_k if req.top_k is not None else defaults.get("top_k")
     try:
-        return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=top_k, max_tokens=max_tokens,
-                              stop=tuple(req.stop or ()), seed=req.seed, logprobs=logprobs, ignore_eos=req.ignore_eos)
+        return SamplingParams(
+            temperature=req.temperature if req.temperature is not None else defaults.get("temperature", 1.0),
+            top_p=req.top_p if req.top_p is not None else defaults.get("top_p", 1.0),
+            top_k=None if top_k in (None, -1, 0) else top_k, max_tokens=max_tokens, stop=tuple(req.stop or ()),
+            stop_token_ids=tuple(req.stop_token_ids or ()), seed=req.seed, logprobs=logprobs,
+            ignore_eos=req.ignore_eos, min_p=req.min_p, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty if req.repetition_penalty != 1.0
+            else defaults.get("repetition_penalty", 1.0),
+            logit_bias=req.bias_pairs(), min_tokens=min(req.min_tokens, max_tokens))
     except ValueError as e:
         raise ApiError(400, str(e)) from None
 
 
-def start(svc: LLMService, ids: list[int], params: SamplingParams):
-    """Admit (429/503 past the limits) and enqueue; the admission is released if enqueueing fails."""
+def checked_text(svc: LLMService, text: str, param: str) -> str:
+    """Refuse text that could never fit the context, and text that is not UTF-8, before tokenizing it."""
+    limit = svc.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+    if len(text) > limit:
+        raise ApiError(400, f"the {param} has {len(text)} characters; a context of {svc.max_model_len} tokens holds "
+                            f"far fewer (limit {limit}); shorten it", param=param)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"the {param} is not valid Unicode text ({e.reason} at character {e.start}); "
+                            f"send UTF-8 text", param=param) from None
+    return text
+
+
+def warn_ignored(req) -> dict[str, str]:
+    """Response headers naming the request fields hloserve does not know (ignored, as vLLM does)."""
+    ignored = req.ignored_fields()
+    if not ignored:
+        return {}
+    log.warning("request fields ignored (unknown to hloserve): %s", ", ".join(ignored))
+    return {"x-hloserve-warning": f"ignored unknown fields: {', '.join(ignored)}"[:1000]}
+
+
+async def run_admitted(svc: LLMService, request: Request, req, *, chat: bool, tokenize):
+    """Admit first (429/503 before any work), tokenize on a worker thread (the event loop keeps serving
+    /health and every stream), enqueue, answer; the admission is released when the answer ends."""
     admit(svc)
     try:
-        return svc.engine.add_request(ids, params, request_id=f"cmpl-{uuid.uuid4().hex}")
+        ids, max_tokens, logprobs = await asyncio.to_thread(tokenize)
+        if req.truncate_prompt_tokens is not None:
+            ids = ids[-req.truncate_prompt_tokens:]
+        params = sampling(svc, req, len(ids), max_tokens, logprobs)
+        stream = svc.engine.add_request(ids, params, request_id=f"cmpl-{uuid.uuid4().hex}")
     except ValueError as e:
         svc.admission.leave()
         raise ApiError(400, str(e)) from None
     except BaseException:
         svc.admission.leave()
         raise
+    return await _respond(svc, request, stream, req, chat=chat)
 
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
     svc = _svc(request)
     check_model(svc, req.model)
-    if isinstance(req.prompt, str):
-        ids = svc.tokenizer.encode(req.prompt)
-    else:
-        ids = [int(t) for t in req.prompt]
-    params = sampling(svc, req, len(ids), req.max_tokens, req.logprobs)
-    stream = start(svc, ids, params)
-    return await _respond(svc, request, stream, req, chat=False)
+
+    def tokenize():
+        ids = svc.tokenizer.encode(checked_text(svc, req.prompt, "prompt")) if isinstance(req.prompt, str) \
+            else [int(t) for t in req.prompt]
+        return ids, req.max_tokens, req.logprobs
+
+    return await run_admitted(svc, request, req, chat=False, tokenize=tokenize)
 
 
 @router.post("/v1/chat/completions")
 async def chat(req: ChatCompletionRequest, request: Request):
     svc = _svc(request)
     check_model(svc, req.model)
-    try:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids = svc.tokenizer.encode_chat(messages)
-    except ValueError as e:
-        raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
-    k = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling(svc, req, len(ids), req.max_completion_tokens or req.max_tokens, k)
-    stream = start(svc, ids, params)
-    return await _respond(svc, request, stream, req, chat=True)
+
+    def tokenize():
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            checked_text(svc, "".join(m["content"] for m in messages), "messages")
+            ids = svc.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:
+            raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        return ids, req.max_completion_tokens or req.max_tokens, (req.top_logprobs or 0) if req.logprobs else None
+
+    return await run_admitted(svc, request, req, chat=True, tokenize=tokenize)
 
 
 async def _respond(svc: LLMService, request: Request, stream, req, *, chat: bool):
     rid = stream.request_id if not chat else "chat" + stream.request_id
     created = now()
+    headers = warn_ignored(req)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         gen = _sse(svc, stream, rid, created, req, chat=chat, include_usage=include_usage)
         return _SSEResponse(gen, on_close=lambda: (stream.abort(), svc.admission.leave()),
-                            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                            media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
     try:
         text, toks, lps, last = await _collect(request, stream)
     finally:
@@ -129,12 +176,14 @@ async def _respond(svc: LLMService, request: Request, stream, req, *, chat: bool
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
                   "logprobs": _chat_logprobs(svc, lps) if req.logprobs else None}
-        return {"id": rid, "object": "chat.completion", "created": created, "model": svc.model_name,
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
                 "choices": [choice], "usage": usage}
-    choice = {"index": 0, "text": text, "finish_reason": reason,
-              "logprobs": _completion_logprobs(svc, lps) if req.logprobs is not None else None}
-    return {"id": rid, "object": "text_completion", "created": created, "model": svc.model_name,
-            "choices": [choice], "usage": usage}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": reason,
+                  "logprobs": _completion_logprobs(svc, lps) if req.logprobs is not None else None}
+        body = {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                "choices": [choice], "usage": usage}
+    return JSONResponse(body, headers=headers)
 
 
 async def _collect(request: Request, stream):
@@ -194,7 +243,7 @@ async def _sse(svc, stream, rid, created, req, *, chat: bool, include_usage: boo
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choice: dict, usage: dict | None = None) -> str:
-        body = {"id": rid, "object": obj, "created": created, "model": svc.model_name,
+        body = {"id": rid, "object": obj, "created": created, "model": req.model,
                 "choices": [choice] if choice else []}
         if include_usage:
             body["usage"] = usage

@@ -1,16 +1,20 @@
 """Wire models of the OpenAI-compatible API (pydantic), and OpenAI's error format.
 
-Unknown fields are rejected (`extra="forbid"`): a typo such as `max_token`
-answers 400 naming the field instead of being silently ignored. Fields OpenAI
-defines but hloserve does not implement are accepted only at their neutral
-value (e.g. presence_penalty=0), so a client that sends defaults still works.
+Every field of OpenAI's completions and chat-completions requests is accepted, and so are vLLM's
+sampling extensions. Fields that change results are implemented (sampling, penalties, logit_bias,
+min_p, min_tokens, ...); the few that hloserve cannot honour yet (n > 1, best_of > 1, echo, several
+prompts in one request, structured output, tool calls) answer 400 saying so, and every other
+field is accepted at any value that does not change the result (OpenAI's bookkeeping fields:
+store, metadata, user, service_tier, ...). A field nobody knows is ignored, as vLLM does, and named
+in the response's `x-hloserve-warning` header and the log, so a typo is visible but a newer client
+still works.
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
@@ -19,37 +23,67 @@ def error_body(message: str, *, type_: str = "invalid_request_error", param: str
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Open(BaseModel):
+    """Unknown fields are kept aside (`ignored_fields`) instead of failing the request."""
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        names = [prefix + k for k in (self.model_extra or {})]
+        for name, value in self:
+            items = value if isinstance(value, list) else [value]
+            for i, v in enumerate(items):
+                if isinstance(v, _Open):
+                    names += v.ignored_fields(f"{prefix}{name}{f'[{i}]' if isinstance(value, list) else ''}.")
+        return names
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Open):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
-class _Sampling(_Strict):
-    """Fields shared by completions and chat completions."""
+class ResponseFormat(_Open):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise ValueError(f"response_format {self.type!r} (structured output) is not supported by hloserve yet; "
+                             f"send {{'type': 'text'}} or omit it")
+        return self
+
+
+class _Sampling(_Open):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extensions)."""
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)          # vLLM extension; -1 or None: off
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: Union[str, list[str], None] = None
     seed: int | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    # OpenAI bookkeeping: accepted, no effect on the result
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    ignore_eos: bool = False                                  # vLLM extension (benchmarks)
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _neutral(cls, v: float, info) -> float:
-        if v != 0.0:
-            raise ValueError(f"{info.field_name} is not supported by hloserve; send 0 or omit it")
-        return v
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    # vLLM's sampling extensions
+    top_k: int | None = Field(default=None, ge=-1)          # -1, 0 or None: off
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
 
     @field_validator("stop")
     @classmethod
@@ -61,18 +95,49 @@ class _Sampling(_Strict):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
 
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v):
+        if v != 1:
+            raise ValueError("n > 1 is not supported by hloserve yet; send n separate requests")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for k, b in (v or {}).items():
+            if not k.lstrip("-").isdigit() or int(k) < 0:
+                raise ValueError(f"logit_bias key {k!r} is not a token id")
+            if not -100 <= b <= 100:
+                raise ValueError(f"logit_bias[{k}] = {b}: must be in [-100, 100]")
+        return v
+
+    @field_validator("include_stop_str_in_output", "spaces_between_special_tokens")
+    @classmethod
+    def _default_only(cls, v, info):
+        default = cls.model_fields[info.field_name].default
+        if v != default:
+            raise ValueError(f"{info.field_name}={v} is not supported by hloserve yet; omit it")
+        return v
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
+
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v):
         if isinstance(v, list) and v and isinstance(v[0], (str, list)):
             if len(v) != 1:
-                raise ValueError("hloserve takes one prompt per request (send several requests for a batch)")
+                raise ValueError("several prompts in one request are not supported by hloserve yet; "
+                                 "send one request per prompt")
             v = v[0]
         if isinstance(v, str) and not v:
             raise ValueError("prompt is empty")
@@ -84,14 +149,42 @@ class CompletionRequest(_Sampling):
     @classmethod
     def _no_echo(cls, v):
         if v:
-            raise ValueError("echo is not supported by hloserve")
+            raise ValueError("echo is not supported by hloserve yet")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, v):
+        if v not in (None, 1):
+            raise ValueError("best_of > 1 is not supported by hloserve yet")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix (insertion) is not supported by hloserve")
         return v
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+class ToolCallFunction(_Open):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCall(_Open):
+    id: str | None = None
+    type: str = "function"
+    function: ToolCallFunction | None = None
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "user", "assistant", "developer", "tool", "function"]
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None      # an assistant turn that called tools (replayed history)
+    tool_call_id: str | None = None               # a tool's answer to one of those calls
+    refusal: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -109,6 +202,22 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+    add_generation_prompt: bool = True              # vLLM's chat-template extensions
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _no_tool_calls(self):
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tool calling is not supported by hloserve yet; omit tools (or send tool_choice 'none')")
+        if self.modalities not in (None, ["text"]):
+            raise ValueError(f"modalities {self.modalities}: hloserve answers text only")
+        return self
 
 
 def now() -> int:

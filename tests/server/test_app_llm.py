@@ -79,11 +79,14 @@ def test_models_and_auth(server):
 
 @pytest.mark.parametrize("body,fragment", [
     ("{not json", "malformed JSON"),
-    ({"model": "tiny-chat", "prompt": "hi", "max_token": 5}, "unknown field 'max_token'"),
     ({"model": "tiny-chat", "prompt": "hi", "temperature": "hot"}, "invalid value for 'temperature'"),
     ({"model": "tiny-chat", "prompt": "hi", "temperature": 3}, "invalid value for 'temperature'"),
     ({"model": "tiny-chat", "prompt": "hi", "top_p": 0}, "invalid value for 'top_p'"),
-    ({"model": "tiny-chat", "prompt": "hi", "n": 2}, "invalid value for 'n'"),
+    ({"model": "tiny-chat", "prompt": "hi", "n": 2}, "n > 1 is not supported by hloserve yet"),
+    ({"model": "tiny-chat", "prompt": "hi", "echo": True}, "echo is not supported"),
+    ({"model": "tiny-chat", "prompt": ["a", "b"]}, "several prompts in one request are not supported"),
+    ({"model": "tiny-chat", "prompt": "hi", "logit_bias": {"x": 1}}, "is not a token id"),
+    ({"model": "tiny-chat", "prompt": "hi", "presence_penalty": 3}, "invalid value for 'presence_penalty'"),
     ({"model": "tiny-chat", "prompt": "hi", "max_tokens": 1000}, "lower max_tokens to at most"),
     ({"model": "tiny-chat", "prompt": "word " * 200}, "the model's context is 128 tokens"),
     ({"model": "other", "prompt": "hi"}, "model 'other' does not exist"),
@@ -130,3 +133,75 @@ def test_serving_process_never_imports_torch(server):
     _, proc = server
     maps = open(f"/proc/{proc.pid}/maps").read()
     assert "libtorch" not in maps
+
+
+def test_every_openai_field_at_a_neutral_value_is_accepted(server):
+    """What SDKs and tools send along: OpenAI's bookkeeping fields, neutral penalties and formats, a
+    replayed tool conversation, vLLM's extensions at their defaults (what `vllm bench serve` sends)."""
+    c = client(base := server[0])
+    msgs = [{"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "4"}]
+    r = c.chat.completions.create(model="tiny-chat", messages=msgs[:1], max_tokens=3, temperature=0,
+                                  logit_bias={}, store=False, metadata={"k": "v"}, presence_penalty=0,
+                                  frequency_penalty=0, response_format={"type": "text"}, parallel_tool_calls=False,
+                                  user="u", extra_body={"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0,
+                                                        "skip_special_tokens": True})
+    assert r.choices[0].message.content is not None
+    r = c.completions.create(model="tiny-chat", prompt="hi", max_tokens=3, best_of=1, suffix=None, temperature=0,
+                             extra_body={"repetition_penalty": 1.0, "ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+    headers = {"Authorization": "Bearer sk-test"}
+    body = {"model": "tiny-chat", "messages": msgs, "max_tokens": 2}
+    assert httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=30).status_code == 200
+
+
+def test_unknown_fields_are_ignored_with_a_warning(server):
+    base, _ = server
+    r = httpx.post(f"{base}/v1/completions", headers={"Authorization": "Bearer sk-test"}, timeout=30,
+                   json={"model": "tiny-chat", "prompt": "hi", "max_tokens": 2, "max_token": 5, "newer_field": {}})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-hloserve-warning"] == "ignored unknown fields: max_token, newer_field"
+
+
+def test_logit_bias_and_penalties_change_the_greedy_tokens(server, tiny_chat_llm):
+    """logit_bias +100 on one token makes greedy decoding emit only it; repetition_penalty gives
+    transformers' greedy generation with the same penalty (over prompt and output)."""
+    hf, art = tiny_chat_llm
+    from hloserve.runtime import artifact
+    from hloserve.server.text.tokenizer import Tokenizer
+    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    c = client(server[0])
+    forced = tok.encode(" blue")[0]
+    kw = dict(model="tiny-chat", prompt=[5, 6, 7], max_tokens=6, temperature=0, logprobs=0,
+              extra_body={"ignore_eos": True})
+    r = c.completions.create(logit_bias={str(forced): 100}, **kw)
+    assert r.choices[0].logprobs.tokens == [tok.decode([forced], skip_special_tokens=False)] * 6
+    import torch
+    rep = c.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "repetition_penalty": 1.5}})
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([[5, 6, 7]]), do_sample=False, max_new_tokens=6, repetition_penalty=1.5,
+                           eos_token_id=None, pad_token_id=0)[0, 3:].tolist()
+    assert rep.choices[0].logprobs.tokens == [tok.decode([t], skip_special_tokens=False) for t in want]
+
+
+def test_hostile_inputs_get_4xx_and_the_server_keeps_serving(server):
+    base, _ = server
+    auth = {"Authorization": "Bearer sk-test", "Content-Type": "application/json"}
+    # a lone UTF-16 surrogate is valid JSON but not text
+    r = httpx.post(f"{base}/v1/completions", headers=auth, timeout=30,
+                   content='{"model": "tiny-chat", "prompt": "a \\ud800 b", "max_tokens": 2}')
+    assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"], r.text
+    # a non-ASCII Authorization header is a wrong key, not a crash
+    r = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer clé".encode()})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    # a body over the limit is refused from its Content-Length, before it is read
+    big = json.dumps({"model": "tiny-chat", "prompt": "x" * (17 << 20)})
+    r = httpx.post(f"{base}/v1/completions", headers=auth, content=big, timeout=30)
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+    # text that cannot fit the context is refused before tokenizing
+    r = httpx.post(f"{base}/v1/completions", headers=auth, timeout=30,
+                   json={"model": "tiny-chat", "prompt": "word " * 20000})
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
+    assert httpx.get(f"{base}/health").status_code == 200

@@ -121,3 +121,46 @@ def test_normalization():
     p = SamplingParams(stop="END", top_k=0)
     assert p.stop == ("END",) and p.top_k is None
     assert SamplingParams(stop=None).stop == ()
+
+
+def test_repetition_penalty_and_min_p_match_transformers():
+    """repetition_penalty as transformers' RepetitionPenaltyLogitsProcessor (over prompt and output),
+    min_p as its MinPLogitsWarper, presence/frequency penalties as OpenAI defines them."""
+    import torch
+    import transformers
+
+    from hloserve.server.core.sampling import RowContext, _candidates, process_logits
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal(64).astype(np.float32) * 3
+    prompt, output = (3, 5, 5, 9), (9, 12, 12, 12)
+    p = SamplingParams(repetition_penalty=1.7)
+    got = process_logits(logits, p, RowContext(prompt=prompt, output=output))
+    want = transformers.RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]),
+                                                              torch.tensor(logits)[None])[0].numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    got = process_logits(logits, p, RowContext(output=output))
+    want = logits.copy()
+    for t in set(output):
+        want[t] -= 0.5 + 0.25 * output.count(t)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+    p = SamplingParams(temperature=1.0, min_p=0.2)
+    ids, _ = _candidates(logits, p)
+    warped = transformers.MinPLogitsWarper(0.2)(None, torch.tensor(logits)[None])[0].numpy()
+    assert ids.tolist() == np.flatnonzero(np.isfinite(warped)).tolist()
+
+
+def test_logit_bias_and_min_tokens_suppression():
+    from hloserve.server.core.sampling import RowContext, process_logits, sample
+    logits = np.zeros((1, 10), np.float32)
+    logits[0, 2] = 5.0                                     # token 2 (say EOS) is the greedy choice
+    p = SamplingParams(temperature=0, logit_bias={7: 3.0})
+    assert process_logits(logits[0], p, RowContext())[7] == 3.0
+    tokens, _ = sample(logits, [p], [0], [0], [RowContext(suppress=(2,))])
+    assert tokens == [7]                                   # EOS suppressed before min_tokens; the bias wins
+    tokens, _ = sample(logits, [p], [0], [0])
+    assert tokens == [2]
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)

@@ -305,3 +305,15 @@ def test_random_workloads_keep_every_invariant(reqs, num_blocks, block_size):
     event(f"preempted: {sched.stats.num_preemptions > 0}")
     event(f"prefix hits: {sched.stats.prefix_cache_hits > 0}")
     event(f"aborted: {'abort' in finished.values()}")
+
+
+def test_min_tokens_keeps_eos_out_until_reached():
+    """EOS (here token 4, what the mock runner produces after [1, 2, 3]) is suppressed in sampling and
+    does not stop the request before min_tokens outputs."""
+    sched, runner = make(eos_token_ids=[4])
+    sched.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8, **GREEDY))
+    sched.add_request("b", [1, 2, 3], SamplingParams(max_tokens=8, min_tokens=3, **GREEDY))
+    outs = run(sched, runner)
+    assert tokens(outs["a"]) == [4] and outs["a"][-1].finish_reason == "stop"
+    got = tokens(outs["b"])
+    assert len(got) >= 3 and 4 not in got[:3]

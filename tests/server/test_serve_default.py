@@ -21,7 +21,7 @@ ANSWER_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory):
-    with running_server(None, "--model-name", "smollm2", "--max-num-seqs", "4", ready_timeout=1200,
+    with running_server(None, "--max-num-seqs", "4", ready_timeout=1200,
                         log_dir=str(tmp_path_factory.mktemp("serve-default"))) as (base, _):
         yield base
 
@@ -29,7 +29,8 @@ def default_server(tmp_path_factory):
 def test_default_model_answers_the_capital_of_france(default_server):
     import openai
     client = openai.OpenAI(base_url=f"{default_server}/v1", api_key="unused", max_retries=0, timeout=120)
-    r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=ANSWER_TOKENS, temperature=0)
+    r = client.chat.completions.create(model="smollm2-135m-instruct", messages=QUESTION, max_tokens=ANSWER_TOKENS,
+                                       temperature=0)
     answer = r.choices[0].message.content
     assert "Paris" in answer, answer
 
@@ -59,3 +60,28 @@ def test_default_model_answers_the_capital_of_france(default_server):
     want = hf_greedy(hf, tok.encode_chat(QUESTION), r.usage.completion_tokens)
     assert r.usage.prompt_tokens == len(tok.encode_chat(QUESTION))
     assert answer == tok.decode(want, skip_special_tokens=True), (answer, tok.decode(want))
+
+
+def readme_python_examples() -> list[str]:
+    """The ```python blocks of the README."""
+    import os
+    import re
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")) as f:
+        return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+
+
+def test_readme_openai_example_runs_verbatim(default_server, capsys):
+    """The README's Python example against `hloserve serve` (the default model, its preset name),
+    changed only in the port."""
+    (example,) = [b for b in readme_python_examples() if "OpenAI(" in b]
+    assert "http://127.0.0.1:8000/v1" in example
+    code = example.replace("http://127.0.0.1:8000/v1", f"{default_server}/v1")
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed.strip(), "the example printed no answer"
+
+
+def test_default_model_is_listed_under_its_preset_name(default_server):
+    import httpx
+    names = [m["id"] for m in httpx.get(f"{default_server}/v1/models").json()["data"]]
+    assert names == ["smollm2-135m-instruct"]
