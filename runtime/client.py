@@ -28,16 +28,18 @@ from .paths import cache_dir
 _ALIASES = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "cpu": "cpu", "tpu": "tpu"}
 _EXTRAS = {"gpu": "hloserve[cuda]", "tpu": "hloserve[tpu]"}
 
-# XLA:CPU's dot library: which library fusion its dots (and what fuses into them) compile to.
-# "ynn" (YNNPACK, XLA:CPU's library-fusion path) ran the bf16 dots of an LLM step ~2x faster than
-# XLA's own emitter on this project's CPUs (docs/performance.md, "Where the time goes"); "xla" keeps
-# XLA's emitter. $HLOSERVE_CPU_DOTS overrides the default, e.g. to compare them.
+# XLA:CPU's dot library: which library fusion its dots compile to. "xla" is XLA's own emitter;
+# "ynn" (the YNNPACK fusion the flag named xnn selects in this XLA) and "onednn" are XLA:CPU's
+# experimental library fusions. On an AMD EPYC (2026-11-23) "ynn" ran an isolated bf16 dot ~2x
+# faster, but whole LLM steps and MiniLM within this machine's noise of "xla", and "onednn" slower
+# prefill steps (docs/performance.md, "CPU dot libraries"); so the default stays "xla".
+# $HLOSERVE_CPU_DOTS picks another, e.g. to measure them on a new CPU.
 CPU_DOT_LIBRARIES = {
     "xla": {},
     "ynn": {"xla_cpu_experimental_xnn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
     "onednn": {"xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
 }
-DEFAULT_CPU_DOTS = "ynn"
+DEFAULT_CPU_DOTS = "xla"
 
 # Sentinel: the default persistent cache directory (see default_cache_dir()).
 DEFAULT_CACHE = "default"
