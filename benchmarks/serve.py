@@ -758,74 +758,68 @@ Targets of the serving issue:
 
 
 NOTES_TEXT = """
-### Serving defaults and warm-up
+### Serving defaults and start-up
 
-`hloserve serve` defaults (server/services.py `ServeConfig`): 16 sequences and 256 tokens a step,
-context 2048 (the artifact allows 8192; `--max-model-len` raises it), 1 GiB of KV cache (2912 blocks
-of 16 tokens for SmolLM2 with its bf16 cache, 46k tokens). Buckets: decode S 1, 2, 4, 8, 16; prefill T 32, 128, 256 and
-S 1, 2, 4, 8, 16; block-table widths 8, 16, 32, 64, 128 blocks: 100 executables, each compiled and
-run once before /ready. Measured on this machine (2026-11-22, load ~1): warm-up 74 s with an empty
-XLA cache, 29 s on later starts (persistent compilation cache). The first `hloserve serve` with no
-artifact also exports the preset into `~/.cache/hloserve/artifacts` (about 10 s).
+`hloserve serve` defaults (server/config.py `ServeConfig`, the only home of serving defaults): 16
+sequences and 256 tokens a step, context 2048 (the artifact allows 8192; `--max-model-len` raises
+it), 1 GiB of KV cache (2912 blocks of 16 tokens for SmolLM2 with its bf16 cache, 46k tokens).
+Buckets: decode S 1, 2, 4, 8, 16; prefill T 32, 128, 256 and S 1, 2, 4, 8, 16; block-table widths
+8, 16, 32, 64, 128 blocks: 100 executables.
+
+Start-up (2026-11-23, AMD EPYC, in process: `build_engine` + `warmup()` on the default artifact):
+79.3 s with empty compile caches, **2.1 s** warm (0.03x). The warm start used to be 32 s: every
+executable read from the executable cache was still run once on zeros, and those runs were 31 of
+the 32 s (the largest prefill bucket, T=256 x S=16 x B=128, alone takes 3.8 s a call). Measured on
+the same artifact: an executable read from the cache runs at its steady speed from the first call
+(prefill T=256, S=16, B=32: 949 ms first call, 943 ms after; decode S=16: 69 then 40 ms), while a
+freshly compiled one pays ~0.4 s more on its first call. So warm-up now runs only freshly compiled
+executables. The first `hloserve serve` with no artifact also exports the preset into
+`~/.cache/hloserve/artifacts` (about 60 s with bf16 weights).
 
 ### Where the time goes
 
 Load on this shared machine swings within minutes, and step times are bimodal on it (the same
-decode call measures ~36 or ~64 ms from one process to the next), so every number here moves run
-to run; ratios come from systems measured in the same run. llama.cpp runs with 1 thread and passive
-OpenMP waits, its fastest setting here (a bare generate loop: 134 tok/s with 1 thread, 89 with 2 at
-load 1); transformers gets passive waits too.
+decode call measures ~41 or ~80 ms from one process to the next), so every number here moves run
+to run; ratios come from systems measured in the same run. vLLM runs with 1 compute thread bound to
+core 0 (its fastest here: c=16 250 tok/s against 118 with 2 threads, c=1 TPOT 17.6 against 41.5 ms;
+with 2 threads its compute shares both cores with its API server and the client).
 
-The serving path is not the bottleneck: in process (`benchmarks/engine_level.py`, the c=16 level
-driven by hand) the step calls take 98-99% of the level's wall time. Per call shape at c=16 (one
-run, mean ms, current defaults): decode S=16, B=32: 96 calls, 43 ms; prefill T=256: S=1, B=16 99 ms;
-S=1, B=32 115 ms; S=2, B=32 165 ms; S=4, B=32 257 ms. Decode is ~45% of the level, prefill ~55%.
+Step profile (jax profiler, default artifact, quiet machine, 2026-11-23): decode S=1, B=32 takes
+16-21 ms a call: the layer loop ~16 ms, of which ~6.7 ms are the four per-layer copies of each
+layer's weight slice out of the stacked int16 matrices (`bitcast-convert` fusions: XLA:CPU
+materializes a dynamic slice before a dot), ~8 ms the dots themselves; the LM head (49152 x 576)
+2.8 ms. Decode S=16, B=32: 41-45 ms; prefill T=256, S=1, B=16: 110-114 ms; prefill T=256, S=16,
+B=32: 940 ms (flat attention scores every token against all 16 contexts).
 
-Repeat c=16 runs right after the full run (hloserve and llama-cpp-python only, same build,
-2026-11-22): 3.70x (184.1 vs 49.7 tok/s) and 3.74x (188.0 vs 50.3). The build before the bf16 KV
-cache measured 2.96x (173.2 vs 58.6) in its full run, and 3.39x (186.2 vs 54.9) in a c=16-only run:
-with this machine's noise the target is met by a margin of 5-25%, not more.
+CPU dot libraries (`HLOSERVE_CPU_DOTS`, runtime/client.py; compiler options per client, part of
+the executable-cache key, never in the artifact). XLA:CPU here offers library fusions for dots:
+YNNPACK (`xla_cpu_experimental_xnn_fusion_type=LIBRARY_FUSION_TYPE_DOT`, whose fusions this XLA
+names `__ynn_fusion`) and oneDNN. An isolated bf16 product (256 x 576 @ 576 x 1536, f32 output):
+XLA's emitter 1.29 ms, oneDNN 0.82 ms, YNN 0.66 ms. Whole steps on the default artifact, separate
+processes, alternated: XLA decode S=16 41.0 / prefill T=256 109 ms; YNN 43.0 / 114 ms; oneDNN
+41.8 / 198 ms (logits identical to every printed digit). MiniLM f32 against torch eager: YNN 1.74x
+/ 1.62x (batch 1 / 32), XLA 1.62x / 1.58x: within the noise. The default stays XLA's emitter.
 
-What moved c=16 from 96 to ~180 output tok/s this session, each measured in process:
+Tried and dropped this session: the step with unrolled layers on the same stacked weights (decode
+S=1 79 ms, S=16 94 ms, prefill 209 ms: static slices still copy, and the 30 scatters into the 1 GiB
+cache are no longer in place); per-layer weight parameters instead of a stack (a jax micro
+benchmark: no faster than the int16 stack at T=256, and a one-row product widened to f32 again).
 
-* bf16 weight matrices (`--weight-dtype bfloat16`, the default artifact). This CPU (AMD EPYC,
-  avx512_bf16) runs XLA:CPU's bf16 dots at ~1.7x the f32 rate (a 512x576 @ 576x1536 product: 837
-  vs 491 GFLOPS) and reads half the weight bytes. Getting there took three fixes, each found in the
-  optimized HLO: (1) a bf16 stack sliced inside the layer loop made XLA widen the whole stack to
-  f32 before the loop on every call, and a bitcast of a bf16 parameter to integers is a full copy,
-  so the stacked matrices are stored as int16 bits and each layer's slice is viewed as bf16;
-  (2) a transposed bf16 operand (torch's linear is `x @ W.T`) is widened too, so
-  `hloserve::mixed_linear` contracts the weight's dim 1 in place; (3) a one-row product is
-  rewritten into an f32 vector product on a widened weight (13x slower for the LM head), so one
-  row is padded to two. Also 16-bit dots no longer ask for HIGHEST precision (which widened them).
-  Step times (quiet mode): decode S=16, B=32 55 -> 31 ms; prefill T=128, S=4, B=32 153 -> 109 ms;
-  the c=16 level in process 113 -> 161 tok/s. Perplexity on tests/data's 13,515 tokens: 13.509
-  against f32's 13.514.
-* Buckets: prefill S in powers of two (S=2 ran padded to 4) and block-table widths 2x apart (a
-  205-token prompt pays attention for 16 blocks, not 32): each padded sequence or block costs the
-  flat prefill attention a whole T x context product (prefill T=128, S=2: B=16 86 ms, B=32 109 ms).
-* A bf16 KV cache (`--kv-cache-dtype bfloat16`), stored as int16 bits for the same reason as the
-  weights and widened to f32 inside the gather: decode's K/V gathers read half the bytes (K and V
-  gathers at S=16, B=32: 7.3 + 4.3 -> ~3.5 + <2 ms; the decode step 29.6 -> 27.7 ms at best), and
-  the same memory holds twice the blocks. Attention itself stays f32. Perplexity 13.512.
-* 256 tokens a step instead of 128: with cheaper matmuls each step's fixed costs (the weights read
-  twice, decode and prefill calls) weigh more; fewer, fuller prefill chunks. c=16 in process, two
-  interleaved runs each: 195 / 173 tok/s against 154 / 155. 512 tokens: 170 (flat attention over 4
-  sequences of 512-token chunks grows faster than the saving).
+Earlier sessions (kept for the record): bf16 weight matrices stored as int16 bits with
+`hloserve::mixed_linear` contracting the weight's dim 1 in place (XLA:CPU widened a bf16 stack
+sliced in a loop, and a transposed bf16 operand, to f32), one-row products padded to two, a bf16 KV
+cache widened inside the gather, prefill S buckets in powers of two and block widths 2x apart, 256
+tokens a step. Attention's products in bf16 were widened back to f32 by XLA:CPU (no gain); serving
+the GGUF's own Q4_1 blocks was faster at c=1 and slower at c=16.
 
-Tried and dropped: attention's two products in bf16 too (over the f32 cache, and over the bf16
-cache with an einsum-shaped op): XLA:CPU widened the batched bf16 dots back to f32 (a transposed or
-non-canonical 16-bit operand), decode 30 -> 52 ms and 40 vs 40 ms; no gain.
-Serving the GGUF's own Q4_1/Q8_0 blocks (`--quantize gguf`), measured in the f32 era: faster at c=1
-(TPOT 13 vs 19 ms) but slower at c=16 (71 vs 96 tok/s), dequantization being extra work once the
-matmuls are compute-bound.
-
-What is left, in order of size: decode reads every sequence's context padded to the batch's
-widest bucket (the K/V gathers and attention dots are ~12 of a ~28 ms step at B=32); prefill's flat attention
-scores every token against all S contexts of the step; XLA:CPU copies each layer's weight slice
-out of the stack before its dot (~6 ms a step). A step mixing decodes and prefill chunks runs as
-two calls (decode rows through `decode`, chunks through `prefill`), since the flat prefill
-attention costs T x S x context.
+What is left, in order of size: a mixed step runs as two calls (decode rows through `decode`,
+chunks through `prefill`), since the flat prefill attention costs T x S x context, so each mixed
+step reads the weights twice and pays both calls' fixed costs; decode reads every sequence's context
+padded to the batch's widest bucket; the per-layer weight-slice copies (~6.7 ms of a decode step);
+long prompts pay the flat attention's padded context (the long-prompt TPOT is 1.6x vLLM's). Each
+needs a different step contract (one call over ragged rows, attention reading only the blocks in
+use) or a CPU kernel behind a jax FFI custom call, with the StableHLO formulation kept as the
+portable reference.
 """
 
 

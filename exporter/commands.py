@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from hloserve.runtime.progress import Reporter
 
@@ -18,8 +19,37 @@ def _need_export_stack() -> None:
                             f"install them with: pip install 'hloserve[export]'")
 
 
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")   # jax.export lowering platforms
+
+
+def _check_export_options(args: argparse.Namespace) -> None:
+    """Options that are wrong whatever the model: refused before anything heavy runs."""
+    bad = [p for p in args.platforms.split(",") if p not in PLATFORMS]
+    if bad:
+        raise HloserveError(f"--platforms {','.join(bad)}: lowering platforms are {', '.join(PLATFORMS)} "
+                            f"(e.g. --platforms cpu,cuda)")
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise HloserveError(f"-o {args.output} is a file; give a directory to write the artifact into")
+    if os.path.isdir(args.output) and os.listdir(args.output) and \
+            not os.path.exists(os.path.join(args.output, "manifest.json")):
+        raise HloserveError(f"-o {args.output} is a non-empty directory that is not an artifact; choose a new "
+                            f"directory (an existing artifact is overwritten)")
+
+
 def _export(args: argparse.Namespace) -> int:
+    _check_export_options(args)
     _need_export_stack()
+    created = not os.path.exists(args.output)
+    try:
+        return _export_checked(args)
+    except BaseException:
+        if created and os.path.isdir(args.output):   # nothing half-written is left behind
+            import shutil
+            shutil.rmtree(args.output, ignore_errors=True)
+        raise
+
+
+def _export_checked(args: argparse.Namespace) -> int:
     from .export import export_artifact
     from .sources import apply_dynamic, load_source
 
@@ -43,6 +73,12 @@ def _export(args: argparse.Namespace) -> int:
     for fn in manifest.functions.values():
         ins = ", ".join(f"{t.name}: {t.describe()}" for t in fn.inputs)
         reporter.stage(f"  {fn.name}({ins})")
+    if manifest.model.get("llm") is not None:
+        reporter.stage("wrote an LLM step artifact: `hloserve serve` answers it with the OpenAI API")
+    else:
+        reporter.stage("wrote a predict artifact: `hloserve serve` answers it with TF Serving's REST API")
+        if manifest.model.get("llm_note"):
+            print(f"hloserve: note: {manifest.model['llm_note']}", file=sys.stderr)
     if args.savedmodel:
         _write_savedmodel(args.output, args.savedmodel, reporter=reporter)
     return 0
@@ -75,7 +111,9 @@ def _tf(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     if name == "export":
         e = sub.add_parser(name, help="export a checkpoint to an artifact directory")
-        e.add_argument("source", help="HF model dir, .pt2, .gguf, module:factory, or a preset name")
+        from .presets import PRESETS
+        e.add_argument("source", help="HF model dir, .pt2, .gguf, module:factory, or a preset name: "
+                                      + ", ".join(f"{n} ({p.description})" for n, p in PRESETS.items()))
         e.add_argument("-o", "--output", required=True, help="artifact directory to write")
         e.add_argument("--dynamic", help="dynamic dims, e.g. 'input_ids:0=batch[1,64],1=seq[1,512];attention_mask:0=batch,1=seq'")
         e.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")

@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import re
+import sys
 from typing import Any, Sequence
 
 import torch
@@ -122,6 +123,8 @@ def _load_pt2(path: str, tdtype) -> Source:
 
 def _load_factory(spec: str, tdtype) -> Source:
     mod_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:   # the console script leaves the current dir out
+        sys.path.insert(0, os.getcwd())
     try:
         factory = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
@@ -281,6 +284,10 @@ def hf_directory(path: str, tdtype, llm: dict | None = None) -> Source:
         raise SourceError(f"{path} has no *.safetensors weights; convert the checkpoint to safetensors first")
     model = cls.from_pretrained(path, dtype=tdtype, attn_implementation="sdpa")
     entry, meta = hf_entry(model, config)
+    if meta["task"] == "causal-lm":
+        meta["llm_note"] = (f"{archs[0]} ({config.model_type}) exports as a plain forward, not an LLM step with a "
+                            f"paged KV cache: hloserve's LLM step covers the Llama family (llama, mistral, qwen2); "
+                            f"other decoders need the generic attention-interface path, not built yet")
     files = {f: os.path.join(path, f) for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                                                "vocab.txt") if os.path.exists(os.path.join(path, f))}
     pooling = os.path.join(path, "1_Pooling", "config.json")

@@ -14,6 +14,8 @@ def _inspect(args: argparse.Namespace) -> int:
     from hloserve.runtime import artifact
     m = artifact.read_manifest(args.artifact)
     artifact.verify_files(args.artifact, m)
+    reader = artifact.weights.Reader(os.path.join(args.artifact, artifact.WEIGHTS))   # header, sizes, truncation
+    artifact.verify_weights(args.artifact, m, reader, hashes=args.verify)
     total = sum(1 for _ in m.weights)
     nbytes = os.path.getsize(os.path.join(args.artifact, artifact.WEIGHTS))
     if args.json:
@@ -60,7 +62,10 @@ def _run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         raise HloserveError(f"--inputs {args.inputs}: cannot read as .npz ({e})") from e
     outs = model.functions[name](**inputs)
-    np.savez(args.outputs, **{k: np.asarray(v) for k, v in outs.items()})
+    arrays = {k: np.asarray(v) for k, v in outs.items()}
+    # .npz holds numpy's own dtypes: 16-bit floats numpy lacks (bf16) are written widened to f32
+    np.savez(args.outputs, **{k: a.astype(np.float32) if a.dtype.kind == "V" or a.dtype.name == "bfloat16" else a
+                              for k, a in arrays.items()})
     for k, v in outs.items():
         print(f"{k}: {v.dtype}{list(v.shape)}", file=sys.stderr)
     return 0
@@ -90,6 +95,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         i = sub.add_parser(name, help="show an artifact's functions, shapes and weights")
         i.add_argument("artifact")
         i.add_argument("--json", action="store_true", help="print the manifest as JSON")
+        i.add_argument("--verify", action="store_true",
+                       help="also hash every weight against the manifest (sizes and dtypes are always checked)")
         i.set_defaults(fn=_inspect)
     elif name == "run":
         r = sub.add_parser(name, help="run an artifact function on inputs from an .npz file")

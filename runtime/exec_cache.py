@@ -10,8 +10,8 @@ executable directly. A miss falls through to jax (and its cache), and the
 result is written here.
 
 Entries live in CACHE_DIR/executables/<key>.bin and are written atomically.
-Like jax's cache they are trusted: loading one runs its code; do not share the
-directory with users you do not trust.
+Loading an entry runs its code, so a directory another user owns or that group/others may write is
+refused (every lookup a miss, with one warning naming it); the directory is created 0700.
 """
 from __future__ import annotations
 
@@ -33,6 +33,24 @@ class ExecutableCache:
 
     def __init__(self, cache_dir: str):
         self.dir = os.path.join(cache_dir, "executables")
+        self.refused = self._untrusted(cache_dir)
+        if self.refused:
+            LOG.warning("executable cache %s not used: %s (loading an entry runs its code); fix the permissions "
+                        "(chmod go-w, or own it) or point HLOSERVE_CACHE elsewhere", self.dir, self.refused)
+
+    @staticmethod
+    def _untrusted(cache_dir: str) -> str | None:
+        """Why the directory (or the cache root above it) may hold entries written by someone else, or None."""
+        for d in (cache_dir, os.path.join(cache_dir, "executables")):
+            try:
+                st = os.stat(d)
+            except OSError:
+                continue
+            if hasattr(os, "getuid") and st.st_uid != os.getuid():
+                return f"{d} belongs to another user (uid {st.st_uid})"
+            if st.st_mode & 0o022:
+                return f"{d} is writable by group or others (mode {st.st_mode & 0o777:o})"
+        return None
 
     @staticmethod
     def key(parts: Mapping[str, Any]) -> str:
@@ -46,7 +64,7 @@ class ExecutableCache:
     def get(self, key: str, devices: Sequence[Any]) -> Any | None:
         """The executable for `key` loaded onto `devices` (in compile order), or None."""
         path = self._path(key)
-        if not os.path.exists(path):
+        if self.refused or not os.path.exists(path):
             return None
         from jax.experimental import serialize_executable
         try:
@@ -66,9 +84,11 @@ class ExecutableCache:
 
     def put(self, key: str, compiled: Any) -> None:
         from jax.experimental import serialize_executable
+        if self.refused:
+            return
         try:
             blob, in_tree, out_tree = serialize_executable.serialize(compiled)
-            os.makedirs(self.dir, exist_ok=True)
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
             tmp = f"{self._path(key)}.{os.getpid()}.partial"
             with open(tmp, "wb") as f:
                 pickle.dump((blob, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)

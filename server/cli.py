@@ -42,8 +42,11 @@ def build_parser(chosen: str | None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv                      # accepted before or after the subcommand
+    argv = [a for a in argv if a != "--debug"]
     chosen = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(chosen if chosen in COMMANDS else None).parse_args(argv)
+    args.debug = debug
     try:
         return args.fn(args)
     except KeyboardInterrupt:

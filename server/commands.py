@@ -15,6 +15,8 @@ def _serve(args: argparse.Namespace) -> int:
              "api_key": args.api_key or os.environ.get("HLOSERVE_API_KEY"),
              "kv_cache_bytes": None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
              "max_body_bytes": None if args.max_body_mib is None else int(args.max_body_mib * 2**20),
+             "shutdown_grace_s": args.shutdown_grace, "verify_weights": args.verify_weights,
+             "max_output_tokens": args.max_output_tokens,
              "batch_timeout_s": None if args.batch_timeout_ms is None else args.batch_timeout_ms / 1000}
     config = ServeConfig(**{k: v for k, v in given.items() if v is not None})   # the rest: ServeConfig's defaults
     serve(args.artifact, host=args.host, port=args.port, config=config, log_level=args.log_level)
@@ -42,6 +44,12 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     sv.add_argument("--batch-timeout-ms", type=float, help="predict: wait for a batch to fill (default %g ms)" % (d.batch_timeout_s * 1000))
     sv.add_argument("--max-body-mib", type=float, help="request bodies larger than this answer 413 (default %g MiB)"
                     % (d.max_body_bytes / 2**20))
+    sv.add_argument("--shutdown-grace", type=float, metavar="S", help="on SIGTERM/SIGINT, seconds running requests "
+                    "may still finish before they are ended (default %g)" % d.shutdown_grace_s)
+    sv.add_argument("--max-output-tokens", type=int, metavar="N",
+                    help="LLM: most tokens one request may generate (default: the rest of the context)")
+    sv.add_argument("--verify-weights", choices=("stamp", "full"),
+                    help="'full' re-hashes every weight on start; 'stamp' (default) only when the file changed")
     sv.add_argument("--platform", help="PJRT platform (cpu, cuda, tpu); default: jax's")
     sv.add_argument("--log-level", default="warning", help="uvicorn log level")
     sv.set_defaults(fn=_serve)

@@ -43,8 +43,13 @@ class ServeConfig:
         directory's name; `hloserve serve` with no artifact: the preset's name).
       api_key: when set, /v1/* requires `Authorization: Bearer KEY`.
       max_body_bytes: request bodies above it answer 413 before they are read whole.
+      max_output_tokens: the operator's cap on tokens generated per request (None: the context); a
+        request without max_tokens gets at most this many, one asking for more answers 400.
+      shutdown_grace_s: on SIGTERM/SIGINT, how long running requests may still finish.
       platform: "cpu", "gpu", "tpu" or None for jax's default.
       strict: refuse to compile a shape outside the warmed buckets while serving.
+      verify_weights: "stamp" re-hashes the weights only when the file changed since its last full
+        check (runtime.load's default); "full" re-hashes them on every start.
     """
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
@@ -63,8 +68,20 @@ class ServeConfig:
     served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
     max_body_bytes: int = 16 << 20
+    max_output_tokens: int | None = None
+    shutdown_grace_s: float = 10.0
     platform: str | None = None
     strict: bool = True
+    verify_weights: str = "stamp"
+
+    def __post_init__(self):
+        if self.verify_weights not in ("stamp", "full"):
+            raise HloserveError(f"verify_weights={self.verify_weights!r}: use 'stamp' or 'full'")
+
+    @property
+    def load_verify(self) -> bool | str:
+        """runtime.load's `verify` for this config."""
+        return "full" if self.verify_weights == "full" else True
 
     def resolve(self, llm: LLMSpec) -> tuple[SchedulerConfig, RunnerConfig, list[str]]:
         """The scheduler's and runner's configs for an artifact, and a note per clamped limit."""

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 from .config import ServeConfig
 from .services import LLMService, build_service
@@ -53,6 +54,8 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
     from .http.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="[hloserve] %(message)s")
+    for noisy in ("jax", "absl"):   # jax's backend probing (libtpu) and cache chatter: warnings only
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     config = config or ServeConfig()
     if artifact_path is None and not config.served_model_names:   # the default model keeps its preset's name
         config = dataclasses.replace(config, served_model_names=(DEFAULT_PRESET,))
@@ -62,7 +65,9 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
     app = create_app(service, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 
     def warm():
-        print(f"[hloserve] warming up {service.model_name} (compiling every bucket; /ready says 503 until done)",
+        what = ("compiling every bucket" if isinstance(service, LLMService) else
+                "compiling the buckets of its paddable dims; other sizes compile on first use")
+        print(f"[hloserve] warming up {service.model_name} ({what}; /ready says 503 until done)",
               file=sys.stderr, flush=True)
         if isinstance(service, LLMService):
             service.warmup(lambda msg: print(f"[hloserve] {msg}", file=sys.stderr, flush=True))
@@ -71,9 +76,58 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
         state = "ready" if service.readiness.ready else service.readiness.error
         print(f"[hloserve] {service.model_name}: {state}", file=sys.stderr, flush=True)
 
-    threading.Thread(target=warm, name="hloserve-warmup", daemon=True).start()
-    print(f"[hloserve] serving {service.model_name} on http://{host}:{port}", file=sys.stderr, flush=True)
+    warming = threading.Thread(target=warm, name="hloserve-warmup", daemon=True)
+    warming.start()
+    api = "the OpenAI API (/v1/completions, /v1/chat/completions)" if isinstance(service, LLMService) else \
+        f"TensorFlow Serving's REST API (/v1/models/{service.model_name}:predict)"
+    print(f"[hloserve] serving {service.model_name} on http://{host}:{port} with {api}", file=sys.stderr, flush=True)
+    server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                            timeout_graceful_shutdown=config.shutdown_grace_s + 5),
+                             service, config.shutdown_grace_s)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        server.run()
     finally:
+        if warming.is_alive():   # XLA is compiling in that thread: exiting under it aborts the process
+            print("[hloserve] interrupted during warm-up; exiting", file=sys.stderr, flush=True)
+            os._exit(130)
         service.close()
+
+
+class _DrainingServer:
+    """uvicorn with a graceful drain. The first SIGTERM/SIGINT makes /ready answer 503 and new requests
+    503 + Retry-After while the listener stays open (a load balancer sees the replica leave), lets
+    running requests finish for `grace_s` seconds, then ends what is left cleanly (an error event and
+    [DONE] for streams, a JSON 503 otherwise) and only then lets uvicorn close the connections and
+    exit. A second signal exits at once."""
+
+    def __init__(self, config, service, grace_s: float):
+        import uvicorn
+        self.server = uvicorn.Server(config)
+        self.service = service
+        self.grace_s = grace_s
+        self._handle_exit = self.server.handle_exit
+        self.server.handle_exit = self.handle_exit
+
+    def run(self) -> None:
+        self.server.run()
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.service.readiness.draining or not self.service.readiness.ready:
+            self._handle_exit(sig, frame)         # a second signal, or nothing to drain yet: exit now
+            return
+        self.service.readiness.draining = True
+        print(f"[hloserve] shutting down: draining {self.service.admission.in_flight} request(s) for at most "
+              f"{self.grace_s:g} s", file=sys.stderr, flush=True)
+        threading.Thread(target=self._drain, args=(sig, frame), name="hloserve-drain", daemon=True).start()
+
+    def _drain(self, sig, frame) -> None:
+        end = time.monotonic() + self.grace_s
+        while self.service.admission.in_flight and time.monotonic() < end:
+            time.sleep(0.05)
+        if self.service.admission.in_flight and isinstance(self.service, LLMService):
+            from .http.errors import SHUTTING_DOWN
+            self.service.end_all(SHUTTING_DOWN)
+            end = time.monotonic() + 2.0          # the endings reach their clients
+            while self.service.admission.in_flight and time.monotonic() < end:
+                time.sleep(0.05)
+        self._handle_exit(sig, frame)

@@ -39,13 +39,14 @@ class Readiness:
         self._event = threading.Event()
         self.error: str | None = None
         self.progress = "starting"
+        self.draining = False      # shutting down: /ready says 503 and new requests are refused
 
     def set(self) -> None:
         self._event.set()
 
     @property
     def ready(self) -> bool:
-        return self._event.is_set() and self.error is None
+        return self._event.is_set() and self.error is None and not self.draining
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._event.wait(timeout)
@@ -94,6 +95,7 @@ class LLMService:
     readiness: Readiness
     admission: Admission
     generation_defaults: dict = dataclasses.field(default_factory=dict)   # sampling the checkpoint recommends
+    max_output_tokens: int | None = None   # the operator's cap per request (ServeConfig)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     kind: str = "llm"
 
@@ -121,6 +123,10 @@ class LLMService:
 
     def close(self) -> None:
         self.engine.stop()
+
+    def end_all(self, reason: str) -> None:
+        """End every running and waiting request now, with an error saying why (graceful shutdown's deadline)."""
+        self.engine.end_all(reason)
 
     def metrics_text(self) -> str:
         exp = Exposition(self.model_name)
@@ -273,7 +279,7 @@ def build_service(artifact_path: str, config: ServeConfig) -> LLMService | Predi
     names = config.served_model_names or (os.path.basename(os.path.normpath(artifact_path)),)
     readiness, admission = Readiness(), Admission(config.max_pending)
     if manifest.model.get("llm") is None:
-        model = runtime.load(artifact_path, platform=config.platform, strict=False)
+        model = runtime.load(artifact_path, platform=config.platform, strict=False, verify=config.load_verify)
         return PredictService(model, names[0], PredictBatcher(model, config.max_batch_size, config.batch_timeout_s),
                               readiness, admission)
     LLMSpec.of(manifest, artifact_path)   # a malformed contract fails here, before anything loads
@@ -289,4 +295,5 @@ def build_service(artifact_path: str, config: ServeConfig) -> LLMService | Predi
                             f"tokenizer.json to serve text")
     max_len = engine.scheduler.config.max_model_len
     return LLMService(engine, tokenizer, engine.runner, names, max_len, readiness, admission,
-                      generation_defaults=dict(manifest.model.get("generation_defaults") or {}))
+                      generation_defaults=dict(manifest.model.get("generation_defaults") or {}),
+                      max_output_tokens=config.max_output_tokens)

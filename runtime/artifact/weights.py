@@ -73,18 +73,25 @@ class Reader:
     def __init__(self, path: str):
         if not os.path.exists(path):
             raise ArtifactError(f"weights file {path} is missing; re-export the artifact")
+        size = os.path.getsize(path)
         try:
             with open(path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
+                if n > size - 8:   # checked before reading: a corrupted length must not allocate n bytes
+                    raise ValueError(f"its header length {n} is beyond the file's {size} bytes")
                 header = json.loads(f.read(n))
-        except (struct.error, ValueError) as e:
-            raise ArtifactError(f"weights file {path} is not valid safetensors ({e}); re-export the artifact") from e
+            if not isinstance(header, dict):
+                raise ValueError("its header is not a JSON object")
+            offsets = [v["data_offsets"] for k, v in header.items() if k != "__metadata__"]
+            if any(not (isinstance(b, int) and isinstance(e, int) and 0 <= b <= e) for b, e in offsets):
+                raise ValueError("a tensor's data_offsets are not two increasing non-negative integers")
+        except (struct.error, ValueError, KeyError, TypeError) as e:
+            raise ArtifactError(f"weights file {path} is not valid safetensors ({e}); re-export the artifact") from None
         self.path = path
         self.metadata = header.pop("__metadata__", {})
         self.header = header
         self._data_start = 8 + n
-        size = os.path.getsize(path)
-        need = max((v["data_offsets"][1] for v in header.values()), default=0) + self._data_start
+        need = max((e for _, e in offsets), default=0) + self._data_start
         if size < need:
             raise ArtifactError(f"weights file {path} is truncated ({size} bytes, header needs {need}); re-export the artifact")
         self._mm = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)

@@ -115,6 +115,12 @@ class Engine:
             self._cv.notify()
         return stream
 
+    def end_all(self, reason: str) -> None:
+        """End every request with finish_reason "error" and `reason` before the next step (shutdown)."""
+        with self._cv:
+            self._inbox.append(("end_all", reason))
+            self._cv.notify()
+
     def abort(self, request_id: str) -> None:
         """Abort a request (client disconnect); its blocks are freed before the next step."""
         with self._cv:
@@ -207,6 +213,8 @@ class Engine:
             out = self.scheduler.abort(payload)
             if out is not None:
                 self._dispatch([out])
+        elif kind == "end_all":
+            self._dispatch(self.scheduler.fail_all(payload))
 
     def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
         now = self._clock()
@@ -279,7 +287,8 @@ def build_engine(artifact_path: str, config: "ServeConfig | None" = None) -> tup
     sched_cfg, runner_cfg, notes = config.resolve(llm)
     for note in notes:
         log.info("%s", note)
-    runner = ModelRunner.from_artifact(artifact_path, runner_cfg, platform=config.platform, strict=config.strict)
+    runner = ModelRunner.from_artifact(artifact_path, runner_cfg, platform=config.platform, strict=config.strict,
+                                       verify=config.load_verify)
     tok_file = manifest.model.get("tokenizer")
     tokenizer = (Tokenizer.from_artifact(artifact_path, manifest.model, llm)
                  if tok_file and os.path.exists(os.path.join(artifact_path, tok_file)) else None)

@@ -183,7 +183,7 @@ class ModelRunner:
 
     @classmethod
     def from_artifact(cls, path: str, cfg: RunnerConfig, *, platform: str | None = None, strict: bool = True,
-                      verify: bool = True) -> "ModelRunner":
+                      verify: bool | str = True) -> "ModelRunner":
         from hloserve import runtime
         tokens = sorted(set(cfg.token_buckets) | set(cfg.seq_buckets))   # decode steps use T = S
         model = runtime.load(path, platform=platform, strict=strict, verify=verify,

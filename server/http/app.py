@@ -94,7 +94,7 @@ def create_app(service: LLMService | PredictService, *, api_key: str | None = No
         r = service.readiness
         if r.ready:
             return {"status": "ready", "model": service.model_name}
-        status = "failed" if r.error else "warming up"
+        status = "shutting down" if r.draining else "failed" if r.error else "warming up"
         return JSONResponse({"status": status, "detail": r.error or r.progress}, status_code=503,
                             headers={"Retry-After": RETRY_AFTER})
 

@@ -14,6 +14,9 @@ class ApiError(Exception):
 
 def admit(service) -> None:
     """Count a request in (503 while warming up, 429 past max_pending); the caller releases it."""
+    if service.readiness.draining:
+        raise ApiError(503, "the server is shutting down; retry on another replica", type_="service_unavailable",
+                       headers={"Retry-After": RETRY_AFTER})
     if not service.readiness.ready:
         raise ApiError(503, "the model is warming up; retry shortly" if not service.readiness.error
                        else f"the model failed to load: {service.readiness.error}", type_="service_unavailable",
@@ -21,3 +24,6 @@ def admit(service) -> None:
     if not service.admission.try_enter():
         raise ApiError(429, f"server overloaded: {service.admission.limit} requests in flight; retry later",
                        type_="rate_limit_error", headers={"Retry-After": RETRY_AFTER})
+
+
+SHUTTING_DOWN = "the server shut down before the request finished"

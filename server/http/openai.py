@@ -19,7 +19,7 @@ from ..core.outputs import FinishReason
 from ..config import MAX_PROMPT_CHARS_PER_TOKEN
 from ..core.sampling import SamplingParams
 from ..services import LLMService
-from .errors import ApiError, admit
+from .errors import SHUTTING_DOWN, ApiError, admit
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body, now
 
 router = APIRouter()
@@ -61,8 +61,12 @@ def sampling(svc: LLMService, req, prompt_len: int, max_tokens: int | None, logp
     if room <= 0:
         raise ApiError(400, f"the prompt has {prompt_len} tokens, but the model's context is {svc.max_model_len} "
                             f"tokens; shorten the prompt", param="messages" if hasattr(req, "messages") else "prompt")
+    cap = svc.max_output_tokens
     if max_tokens is None:
-        max_tokens = room if hasattr(req, "messages") else min(16, room)
+        max_tokens = min(room if hasattr(req, "messages") else min(16, room), cap or room)
+    if cap is not None and max_tokens > cap:
+        raise ApiError(400, f"max_tokens={max_tokens} exceeds this server's limit of {cap} tokens per request; "
+                            f"lower max_tokens", param="max_tokens")
     if max_tokens > room:
         raise ApiError(400, f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the model's "
                             f"context of {svc.max_model_len} tokens; lower max_tokens to at most {room}",
@@ -170,6 +174,8 @@ async def _respond(svc: LLMService, request: Request, stream, req, *, chat: bool
     finally:
         svc.admission.leave()
     if last is not None and last.finish_reason is FinishReason.ERROR:
+        if last.error == SHUTTING_DOWN:
+            raise ApiError(503, SHUTTING_DOWN, type_="service_unavailable", headers={"Retry-After": "1"})
         raise ApiError(500, f"generation failed: {last.error}", type_="internal_error")
     usage = _usage(last)
     reason = last.finish_reason if last else "abort"

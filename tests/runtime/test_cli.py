@@ -74,3 +74,32 @@ def test_bench_errors_are_one_line(mlp_artifact, shape, message, capsys):
     assert main(["bench", mlp_artifact, "--shape", shape, "--no-cache", "-q"]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hloserve: error: ") and message in lines[0], lines
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("header-length", "header length .* is beyond the file's"),
+    ("truncate", "is truncated"),
+    ("flip", "does not match its sha256"),
+])
+def test_inspect_names_a_corrupted_weights_file(mlp_artifact, tmp_path, damage, match):
+    """One line naming the file and the fix, exit 1: a bad header length (no huge allocation), a
+    truncated file (always checked), flipped bits (with --verify)."""
+    import re
+    import shutil
+    art = str(tmp_path / "art")
+    shutil.copytree(mlp_artifact, art)
+    weights = os.path.join(art, "weights.safetensors")
+    with open(weights, "r+b") as f:
+        if damage == "header-length":
+            f.write((1 << 62).to_bytes(8, "little"))
+        elif damage == "truncate":
+            f.truncate(os.path.getsize(weights) - 100)
+        else:
+            f.seek(-10, os.SEEK_END)
+            b = f.read(1)
+            f.seek(-10, os.SEEK_END)
+            f.write(bytes([b[0] ^ 0xFF]))
+    r, _, err = _cli(["inspect", art, *(["--verify"] if damage == "flip" else [])])
+    assert r["rc"] == 1
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("hloserve: error:")]
+    assert re.search(match, line) and "weights.safetensors" in line and "re-export" in line, line

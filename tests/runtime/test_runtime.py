@@ -262,3 +262,21 @@ def test_weight_check_is_remembered_until_the_file_changes(mlp_artifact, tmp_pat
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))   # any write moves the mtime
     with pytest.raises(ArtifactError, match="does not match its sha256"):
         runtime.load(art, cache_dir=cache)
+
+
+def test_executable_cache_refuses_a_directory_others_can_write(mlp_artifact, tmp_path, caplog):
+    """Loading an entry runs its code: a world-writable cache is not read (nor written), and says so."""
+    import logging
+
+    from hloserve.runtime.exec_cache import ExecutableCache
+    cache = tmp_path / "cache"
+    runtime.load(mlp_artifact, cache_dir=str(cache)).functions["forward"](x=_x(2))   # fills it
+    assert os.listdir(cache / "executables")
+    os.chmod(cache / "executables", 0o777)
+    with caplog.at_level(logging.WARNING, logger="hloserve.runtime"):
+        assert ExecutableCache(str(cache)).refused
+    assert any("writable by group or others" in r.getMessage() for r in caplog.records)
+    m = runtime.load(mlp_artifact, cache_dir=str(cache))
+    m.functions["forward"](x=_x(2))
+    assert m.functions["forward"].stats.compiles == 1 and not m.functions["forward"].from_executable_cache(
+        dict(m.functions["forward"].compiled_shapes[0]))

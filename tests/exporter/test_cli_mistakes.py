@@ -1,0 +1,55 @@
+"""The CLI as a newcomer meets it: a mistake is one line, a non-zero exit, within a second, and
+nothing left behind."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _hloserve(*argv: str, cwd: str = REPO) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "hloserve.server.cli", *argv], capture_output=True, text=True,
+                       cwd=cwd, timeout=120)
+    return p.returncode, p.stderr, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["export", "all-minilm-l6-v2", "-o", "{out}", "--platforms", "gpu"], "--platforms gpu: lowering platforms are"),
+    (["export", "all-minilm-l6-v2", "-o", "{file}"], "is a file; give a directory"),
+    (["export", "all-minilm-l6-v2", "-o", "{busy}"], "non-empty directory that is not an artifact"),
+])
+def test_bad_export_options_fail_fast_with_one_line(tmp_path, argv, fragment):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("x")
+    paths = {"out": str(tmp_path / "out"), "file": str(tmp_path / "file"), "busy": str(tmp_path / "busy")}
+    rc, err, secs = _hloserve(*[a.format(**paths) for a in argv])
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 1 and len(lines) == 1 and fragment in lines[0], err
+    assert secs < 2                       # validated before any heavy import (~0.1 s here)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_failed_export_leaves_no_directory(tmp_path):
+    rc, err, _ = _hloserve("export", "pkg_not_there:make", "-o", str(tmp_path / "out"))
+    assert rc == 1 and "cannot import pkg_not_there:make" in err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_debug_is_accepted_after_the_subcommand(tmp_path):
+    rc, err, _ = _hloserve("inspect", str(tmp_path / "nope"), "--debug")
+    assert rc != 0 and "ArtifactError" in err          # --debug shows the traceback
+
+
+def test_module_factory_imports_from_the_current_directory(tmp_path):
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\n\ndef make():\n    return torch.nn.Linear(4, 2), (torch.zeros(1, 4),)\n")
+    rc, err, _ = _hloserve("export", "mymodels:make", "-o", str(tmp_path / "art"), "-q", cwd=str(tmp_path))
+    assert rc == 0, err
+    assert os.path.exists(tmp_path / "art" / "manifest.json")

@@ -1,0 +1,65 @@
+"""Graceful shutdown of a real server: SIGTERM while streams run."""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from .servers import running_server
+
+pytestmark = pytest.mark.slow
+
+
+def _stream(base: str, results: list, i: int) -> None:
+    """One streaming completion; records (saw [DONE], last finish_reason or error, tokens)."""
+    done, reason, chunks = False, None, 0
+    try:
+        with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
+                          json={"model": "m", "prompt": [5 + i, 6, 7], "max_tokens": 200, "temperature": 0,
+                                "stream": True, "ignore_eos": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    done = True
+                    continue
+                body = json.loads(data)
+                if "error" in body:
+                    reason = "error: " + body["error"]["message"]
+                elif body["choices"] and body["choices"][0]["finish_reason"]:
+                    reason = body["choices"][0]["finish_reason"]
+                chunks += 1
+    except httpx.HTTPError as e:
+        reason = f"transport error: {type(e).__name__}"
+    results[i] = (done, reason, chunks)
+
+
+def test_sigterm_drains_running_streams_and_exits_within_the_grace(tiny_chat_llm, tmp_path):
+    """20 long streams, SIGTERM: /ready turns 503 at once, every stream ends cleanly (its finish
+    reason, or an error event saying the server shut down, then [DONE]) and the process exits
+    within the grace plus a margin."""
+    _, art = tiny_chat_llm
+    with running_server(art, "--model-name", "m", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                        "--shutdown-grace", "2", log_dir=str(tmp_path)) as (base, proc):
+        results: list = [None] * 20
+        threads = [threading.Thread(target=_stream, args=(base, results, i)) for i in range(20)]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)                                   # the streams are running (or queued)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert httpx.get(f"{base}/ready", timeout=5).status_code == 503
+        for t in threads:
+            t.join(30)
+        proc.wait(30)
+        exited = time.monotonic() - t0
+    assert exited < 2 + 5, exited
+    for i, (done, reason, _) in enumerate(results):
+        assert done and reason is not None, (i, results[i])
+        assert reason == "length" or "shut down" in reason, (i, reason)
