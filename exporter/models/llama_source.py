@@ -1,4 +1,4 @@
-"""Llama-family checkpoints -> the paged-cache step entry points (exporter.sources.Source).
+"""Llama-family checkpoints -> the paged-cache step entry points (exporter.entry.Source).
 
     from_hf_directory(path, tdtype) -> Source   config.json + *.safetensors (HF names)
     from_gguf(path, tdtype) -> Source           a llama.cpp GGUF file, dequantized
@@ -7,8 +7,7 @@ Both build a `LlamaWeights` (stacked per-layer tensors, see llama.py) and export
 two functions of one artifact sharing every weight: `prefill` and `decode`
 (the step contract in llama.py and docs/architecture.md).
 
-Interface with the GGUF loader (exporter/models/gguf.py, owned by the GGUF
-engineer) -- what this module relies on:
+What this module relies on from the GGUF reader (exporter/models/gguf.py):
 
     ckpt = hloserve.exporter.models.gguf.load_gguf(path)
     ckpt.config          dict in transformers config.json form (model_type "llama" | "qwen2",
@@ -24,7 +23,8 @@ engineer) -- what this module relies on:
 Manifest `model` metadata (both sources): task "causal-lm", architecture,
 config (LlamaConfig.to_json()), llm (llama.llm_spec, the typed contract: layers, heads,
 kv_heads, head_dim, vocab, block_size, max_context, eos/bos ids, cache layout),
-tokenizer (file name in the artifact), chat_template, add_bos_token.
+tokenizer (file name in the artifact), chat_template, add_bos_token, and generation_defaults
+(from an HF directory's generation_config.json, when it samples).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from ..config import MAX_PROMPT_CHARS_PER_TOKEN
 from ..core.sampling import SamplingParams
 from ..services import LLMService
 from .errors import SHUTTING_DOWN, ApiError, admit
-from .protocol import ChatCompletionRequest, CompletionRequest, error_body, now
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body, now
 
 router = APIRouter()
 log = logging.getLogger("hloserve.server")
@@ -304,3 +304,38 @@ class _SSEResponse(StreamingResponse):
                 await self.body_iterator.aclose()
             finally:
                 self._on_close()
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, request: Request):
+    """vLLM's /tokenize: a prompt's (or a chat's, through the template) token ids."""
+    svc = _svc(request)
+    if req.model is not None:
+        check_model(svc, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError(400, "send exactly one of 'prompt' and 'messages'")
+
+    def run() -> list[int]:
+        if req.prompt is not None:
+            return svc.tokenizer.encode(checked_text(svc, req.prompt, "prompt"),
+                                        add_special_tokens=req.add_special_tokens)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        return svc.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+    try:
+        ids = await asyncio.to_thread(run)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    return {"tokens": ids, "count": len(ids), "max_model_len": svc.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, request: Request):
+    """vLLM's /detokenize: token ids back to text (special tokens kept)."""
+    svc = _svc(request)
+    if req.model is not None:
+        check_model(svc, req.model)
+    vocab = svc.engine.vocab_size
+    bad = [t for t in req.tokens if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+    return {"prompt": svc.tokenizer.decode(req.tokens, skip_special_tokens=False)}

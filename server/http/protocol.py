@@ -23,7 +23,7 @@ def error_body(message: str, *, type_: str = "invalid_request_error", param: str
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-class _Open(BaseModel):
+class OpenModel(BaseModel):
     """Unknown fields are kept aside (`ignored_fields`) instead of failing the request."""
     model_config = ConfigDict(extra="allow")
 
@@ -32,17 +32,17 @@ class _Open(BaseModel):
         for name, value in self:
             items = value if isinstance(value, list) else [value]
             for i, v in enumerate(items):
-                if isinstance(v, _Open):
+                if isinstance(v, OpenModel):
                     names += v.ignored_fields(f"{prefix}{name}{f'[{i}]' if isinstance(value, list) else ''}.")
         return names
 
 
-class StreamOptions(_Open):
+class StreamOptions(OpenModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class ResponseFormat(_Open):
+class ResponseFormat(OpenModel):
     type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: dict[str, Any] | None = None
 
@@ -54,7 +54,7 @@ class ResponseFormat(_Open):
         return self
 
 
-class _Sampling(_Open):
+class _Sampling(OpenModel):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extensions)."""
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -167,18 +167,18 @@ class CompletionRequest(_Sampling):
         return v
 
 
-class ToolCallFunction(_Open):
+class ToolCallFunction(OpenModel):
     name: str | None = None
     arguments: str | None = None
 
 
-class ToolCall(_Open):
+class ToolCall(OpenModel):
     id: str | None = None
     type: str = "function"
     function: ToolCallFunction | None = None
 
 
-class ChatMessage(_Open):
+class ChatMessage(OpenModel):
     role: Literal["system", "user", "assistant", "developer", "tool", "function"]
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
@@ -218,6 +218,19 @@ class ChatCompletionRequest(_Sampling):
         if self.modalities not in (None, ["text"]):
             raise ValueError(f"modalities {self.modalities}: hloserve answers text only")
         return self
+
+
+class TokenizeRequest(OpenModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenModel):
+    model: str | None = None
+    tokens: list[int]
 
 
 def now() -> int:

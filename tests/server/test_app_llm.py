@@ -205,3 +205,21 @@ def test_hostile_inputs_get_4xx_and_the_server_keeps_serving(server):
                    json={"model": "tiny-chat", "prompt": "word " * 20000})
     assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
     assert httpx.get(f"{base}/health").status_code == 200
+
+
+def test_tokenize_and_detokenize_round_trip(server, tiny_chat_llm):
+    _, art = tiny_chat_llm
+    from hloserve.runtime import artifact
+    from hloserve.server.text.tokenizer import Tokenizer
+    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    base, _ = server
+    auth = {"Authorization": "Bearer sk-test"}
+    r = httpx.post(f"{base}/tokenize", json={"model": "tiny-chat", "prompt": "The capital of France"}, headers=auth)
+    assert r.status_code == 200 and r.json()["tokens"] == tok.encode("The capital of France")
+    assert r.json()["count"] == len(r.json()["tokens"]) and r.json()["max_model_len"] == 128
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(f"{base}/tokenize", json={"messages": msgs}, headers=auth)
+    assert r.json()["tokens"] == tok.encode_chat(msgs)
+    r = httpx.post(f"{base}/detokenize", json={"tokens": tok.encode("Paris is nice")}, headers=auth)
+    assert r.json()["prompt"] == tok.decode(tok.encode("Paris is nice"), skip_special_tokens=False)
+    assert httpx.post(f"{base}/detokenize", json={"tokens": [10**9]}, headers=auth).status_code == 400
