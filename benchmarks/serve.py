@@ -504,6 +504,31 @@ def cpu_description() -> str:
             f"flags {' '.join(flags) or 'n/a'}")
 
 
+@contextlib.contextmanager
+def cold_then_warm(name: str, cmd, ready: str, logs: str, env: dict, cache: str | None, starts: dict):
+    """Start a server once on the empty compile cache `cache` (timed, then stopped), then again on the
+    cache it filled, and yield that second server's base URL; `cache` None: one start on the server's
+    default cache. Start-to-ready seconds go to `starts`; the temporary cache is removed at the end."""
+    key = name.split()[0]
+    try:
+        if cache:
+            print(f"{key}: start with empty compile caches", flush=True)
+            with server(name, cmd(), ready, os.path.join(logs, f"{key.lower()}-cold.log"), env=env) as (_, secs):
+                starts[f"{key}, cold caches"] = secs
+            files = sum(len(f) for _, _, f in os.walk(cache))
+            print(f"  the cold start wrote {files} files to {cache}", flush=True)
+            if not files:
+                print(f"  warning: nothing in the temporary cache: {key}'s compile cache did not follow it, so the "
+                      f"cold/warm start times are not what they say", flush=True)
+        print(f"{key}: start on {'the caches just filled' if cache else 'its default compile cache'}", flush=True)
+        with server(name, cmd(), ready, os.path.join(logs, f"{key.lower()}.log"), env=env) as (base, secs):
+            starts[f"{key}, warm caches" if cache else f"{key}, default cache"] = secs
+            yield base
+    finally:
+        if cache:
+            shutil.rmtree(cache, ignore_errors=True)
+
+
 def write_docs(section: str) -> None:
     path = os.path.join(ROOT, "docs", "performance.md")
     with open(path) as f:
@@ -595,26 +620,11 @@ def main() -> int:
                     *serve_args]
         cache = None if args.no_cold_start else tempfile.mkdtemp(prefix="hloserve-bench-cache-")
         env = {"HLOSERVE_CACHE": cache} if cache else {}
-        try:
-            if cache:
-                print("hloserve: start with empty compile caches (warm-up compiles every bucket)", flush=True)
-                with server("hloserve", cmd(), "/ready", os.path.join(logs, "hloserve-cold.log"), env=env) as (_, secs):
-                    starts["hloserve, cold caches"] = secs
-                files = sum(len(f) for _, _, f in os.walk(cache))
-                print(f"  the cold start wrote {files} files to {cache}", flush=True)
-                if not files:
-                    print("  warning: nothing in the temporary cache: the compile cache did not follow "
-                          "HLOSERVE_CACHE, so the cold/warm start times are not what they say", flush=True)
-            print(f"hloserve: start on {'the caches just filled' if cache else 'the default compile cache'}", flush=True)
-            with server("hloserve", cmd(), "/ready", os.path.join(logs, "hloserve.log"), env=env) as (base, secs):
-                starts["hloserve, warm caches" if cache else "hloserve, default cache"] = secs
-                levels += bench_server("hloserve", base, workloads, {"ignore_eos": True})
-                metrics = httpx.get(base + "/metrics").text
-                rec = [ln for ln in metrics.splitlines() if ln.startswith("hloserve:compiles_after_warmup_total")]
-                print(f"  {rec[0] if rec else 'no recompile metric'}", flush=True)
-        finally:
-            if cache:
-                shutil.rmtree(cache, ignore_errors=True)
+        with cold_then_warm("hloserve", cmd, "/ready", logs, env, cache, starts) as base:
+            levels += bench_server("hloserve", base, workloads, {"ignore_eos": True})
+            metrics = httpx.get(base + "/metrics").text
+            rec = [ln for ln in metrics.splitlines() if ln.startswith("hloserve:compiles_after_warmup_total")]
+            print(f"  {rec[0] if rec else 'no recompile metric'}", flush=True)
 
     if "vllm" not in skip:
         if not os.path.exists(args.vllm):
@@ -636,18 +646,8 @@ def main() -> int:
             if cache:      # its torch.compile caches (vLLM's own and inductor's) in a fresh directory
                 env.update(VLLM_CACHE_ROOT=os.path.join(cache, "vllm"), TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
             print(f"vLLM {versions['vllm']}: `vllm serve`, {threads} compute thread(s) (OMP bind {bind!r})", flush=True)
-            try:
-                if cache:
-                    print("vLLM: start with empty compile caches", flush=True)
-                    with server(VLLM, cmd(), "/v1/models", os.path.join(logs, "vllm-cold.log"), env=env) as (_, secs):
-                        starts["vLLM, cold caches"] = secs
-                print(f"vLLM: start on {'the caches just filled' if cache else 'its default compile cache'}", flush=True)
-                with server(VLLM, cmd(), "/v1/models", os.path.join(logs, "vllm.log"), env=env) as (base, secs):
-                    starts["vLLM, warm caches" if cache else "vLLM, default cache"] = secs
-                    levels += bench_server(VLLM, base, workloads, {"ignore_eos": True})
-            finally:
-                if cache:
-                    shutil.rmtree(cache, ignore_errors=True)
+            with cold_then_warm(VLLM, cmd, "/v1/models", logs, env, cache, starts) as base:
+                levels += bench_server(VLLM, base, workloads, {"ignore_eos": True})
 
     if "llama-cpp-python" not in skip:
         if not os.path.exists(args.llamacpp_python):

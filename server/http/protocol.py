@@ -124,6 +124,14 @@ class _Sampling(OpenModel):
         return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
 
 
+# completion fields accepted only at a value that does not change the result: field -> (neutral?, message)
+_COMPLETION_NEUTRAL_ONLY = {
+    "echo": (lambda v: not v, "echo is not supported by hloserve yet"),
+    "best_of": (lambda v: v in (None, 1), "best_of > 1 is not supported by hloserve yet"),
+    "suffix": (lambda v: not v, "suffix (insertion) is not supported by hloserve"),
+}
+
+
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -145,25 +153,12 @@ class CompletionRequest(_Sampling):
             raise ValueError("prompt is empty")
         return v
 
-    @field_validator("echo")
+    @field_validator("echo", "best_of", "suffix")
     @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported by hloserve yet")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_one(cls, v):
-        if v not in (None, 1):
-            raise ValueError("best_of > 1 is not supported by hloserve yet")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        if v:
-            raise ValueError("suffix (insertion) is not supported by hloserve")
+    def _neutral_only(cls, v, info):
+        neutral, message = _COMPLETION_NEUTRAL_ONLY[info.field_name]
+        if not neutral(v):
+            raise ValueError(message)
         return v
 
 
