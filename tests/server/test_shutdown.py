@@ -63,3 +63,31 @@ def test_sigterm_drains_running_streams_and_exits_within_the_grace(tiny_chat_llm
     for i, (done, reason, _) in enumerate(results):
         assert done and reason is not None, (i, results[i])
         assert reason == "length" or "shut down" in reason, (i, reason)
+
+
+def test_a_non_streaming_client_that_leaves_is_aborted_within_a_second(tiny_chat_llm, tmp_path):
+    """One sequence at a time, four long streams ahead: a non-streaming request waits, its client
+    gives up, and the server aborts it (freeing its slot) within a second, while the streams run on."""
+    _, art = tiny_chat_llm
+    with running_server(art, "--model-name", "m", "--max-num-seqs", "1", "--max-num-batched-tokens", "64",
+                        log_dir=str(tmp_path)) as (base, proc):
+        results: list = [None] * 4
+        threads = [threading.Thread(target=_stream, args=(base, results, i)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{base}/v1/completions", timeout=0.3,
+                       json={"model": "m", "prompt": [9, 9, 9], "max_tokens": 100, "ignore_eos": True})
+        left = time.monotonic()
+        aborted = None
+        while time.monotonic() - left < 1.0:
+            text = httpx.get(f"{base}/metrics", timeout=5).text
+            aborted = [ln for ln in text.splitlines() if 'finished_reason="abort"' in ln]
+            if aborted:
+                break
+            time.sleep(0.05)
+        assert aborted and aborted[0].endswith(" 1"), aborted
+        for t in threads:
+            t.join(60)
+    assert all(r[0] and r[1] == "length" for r in results), results
