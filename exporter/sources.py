@@ -291,10 +291,23 @@ def hf_directory(path: str, tdtype, llm: dict | None = None) -> Source:
     files = {f: os.path.join(path, f) for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                                                "vocab.txt") if os.path.exists(os.path.join(path, f))}
     pooling = os.path.join(path, "1_Pooling", "config.json")
-    if os.path.exists(pooling):
+    if os.path.exists(pooling):   # a sentence-transformers checkpoint: how its embeddings are made
         with open(pooling) as f:
             meta["pooling"] = json.load(f)
+        modules = _read_json(os.path.join(path, "modules.json")) or []
+        meta["pooling"]["normalize"] = any(str(m.get("type", "")).endswith(".Normalize") for m in modules)
+        st_config = _read_json(os.path.join(path, "sentence_bert_config.json")) or {}
+        if isinstance(st_config.get("max_seq_length"), int):
+            meta["pooling"]["max_seq_length"] = st_config["max_seq_length"]
     return Source(f"Hugging Face {meta['architecture']} from {path}", [entry], meta, files)
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def apply_dynamic(entries: list[EntryPoint], spec: str | None, pad: Sequence[str] = ()) -> None:

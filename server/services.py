@@ -20,6 +20,7 @@ from hloserve.runtime.artifact.errors import HloserveError
 
 from .config import ServeConfig
 from .core.metrics import Exposition, engine_families, runner_families
+from .embeddings import Embedder
 
 if TYPE_CHECKING:
     from hloserve.runtime.model import LoadedModel
@@ -239,6 +240,11 @@ class PredictService:
     admission: Admission
     version: int = 1
     kind: str = "predict"
+    embedder: "Embedder | None" = None   # /v1/embeddings, for sentence-transformers encoders
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name,)
 
     def warmup(self) -> None:
         """Compile every bucket when all symbolic dims are paddable (bucketed).
@@ -281,7 +287,7 @@ def build_service(artifact_path: str, config: ServeConfig) -> LLMService | Predi
     if manifest.model.get("llm") is None:
         model = runtime.load(artifact_path, platform=config.platform, strict=False, verify=config.load_verify)
         return PredictService(model, names[0], PredictBatcher(model, config.max_batch_size, config.batch_timeout_s),
-                              readiness, admission)
+                              readiness, admission, embedder=Embedder.from_artifact(artifact_path, manifest))
     LLMSpec.of(manifest, artifact_path)   # a malformed contract fails here, before anything loads
 
     from .core.engine import build_engine

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..services import LLMService, PredictService
-from . import openai, tf_serving
+from . import embeddings, openai, tf_serving
 from .errors import RETRY_AFTER, ApiError
 from .protocol import error_body
 
@@ -106,6 +106,8 @@ def create_app(service: LLMService | PredictService, *, api_key: str | None = No
         app.include_router(openai.router)
     else:
         app.include_router(tf_serving.router)
+        if service.embedder is not None:
+            app.include_router(embeddings.router)
     return app
 
 

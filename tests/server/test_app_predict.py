@@ -115,3 +115,29 @@ def test_bad_predict_requests_answer_400_in_tf_serving_format(server, body, frag
 def test_unknown_model_is_404(server):
     r = httpx.post(f"{server}/v1/models/bert:predict", json={"inputs": {}}, timeout=10)
     assert r.status_code == 404 and "Servable not found" in r.json()["error"]
+
+
+def test_embeddings_equal_sentence_transformers_pooling(server, minilm_dir):
+    """/v1/embeddings through the openai SDK: mean pooling over the mask and L2 normalization, as the
+    checkpoint's sentence-transformers modules say, of transformers' own outputs (cosine >= 0.999)."""
+    import openai
+    import torch
+    import transformers
+    texts = ["The capital of France is Paris.", "A cat sat on the mat, looking at nothing in particular.", "hi"]
+    c = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    r = c.embeddings.create(model="minilm", input=texts)
+    got = np.array([d.embedding for d in r.data])
+    tok = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    model = transformers.AutoModel.from_pretrained(minilm_dir).eval()
+    batch = tok(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        h = model(**batch).last_hidden_state
+    m = batch["attention_mask"][..., None].float()
+    want = ((h * m).sum(1) / m.sum(1)).numpy()
+    want /= np.linalg.norm(want, axis=1, keepdims=True)
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert got.shape == (3, 384) and cos.min() >= 0.999, cos
+    assert np.allclose(np.linalg.norm(got, axis=1), 1, atol=1e-5)
+    assert r.usage.prompt_tokens == int(batch["attention_mask"].sum())
+    one = c.embeddings.create(model="minilm", input=texts[0], encoding_format="base64")
+    assert len(one.data) == 1

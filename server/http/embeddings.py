@@ -1,0 +1,42 @@
+"""OpenAI's /v1/embeddings for encoder artifacts with a sentence-transformers pooling config."""
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+from fastapi import APIRouter, Request
+
+from ..services import PredictService
+from .errors import ApiError, admit
+from .protocol import EmbeddingRequest, now
+
+router = APIRouter()
+
+
+@router.post("/v1/embeddings")
+async def embeddings(req: EmbeddingRequest, request: Request):
+    svc: PredictService = request.app.state.service
+    if req.model not in svc.model_names:
+        raise ApiError(404, f"model '{req.model}' does not exist; this server serves '{svc.model_name}'",
+                       type_="not_found_error", param="model")
+    emb = svc.embedder
+    inputs = [req.input] if isinstance(req.input, str) or (req.input and isinstance(req.input[0], int)) \
+        else list(req.input)
+    admit(svc)
+    try:
+        arrays, tokens = await asyncio.to_thread(emb.encode, inputs)
+        hidden = (await svc.batcher.run(emb.function, arrays))["last_hidden_state"]
+    finally:
+        svc.admission.leave()
+    vectors = emb.pool(hidden, arrays["attention_mask"])
+    if req.dimensions is not None:
+        if req.dimensions > vectors.shape[1]:
+            raise ApiError(400, f"dimensions={req.dimensions} exceeds the model's {vectors.shape[1]}",
+                           param="dimensions")
+        vectors = vectors[:, :req.dimensions]
+    data = [{"object": "embedding", "index": i,
+             "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64"
+             else [float(x) for x in v]} for i, v in enumerate(np.asarray(vectors))]
+    return {"object": "list", "data": data, "model": req.model, "created": now(),
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
