@@ -7,6 +7,7 @@ which streams its outputs back.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import uuid
@@ -115,19 +116,25 @@ async def run_admitted(svc: LLMService, request: Request, req, *, chat: bool, to
     """Admit first (429/503 before any work), tokenize on a worker thread (the event loop keeps serving
     /health and every stream), enqueue, answer; the admission is released when the answer ends."""
     admit(svc)
+    streams: list = []
     try:
         ids, max_tokens, logprobs = await asyncio.to_thread(tokenize)
         if req.truncate_prompt_tokens is not None:
             ids = ids[-req.truncate_prompt_tokens:]
         params = sampling(svc, req, len(ids), max_tokens, logprobs)
-        stream = svc.engine.add_request(ids, params, request_id=f"cmpl-{uuid.uuid4().hex}")
-    except ValueError as e:
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        for i in range(req.n):   # n choices: n requests sharing the prompt (its blocks come from the prefix cache)
+            seed = None if params.seed is None else params.seed + i
+            streams.append(svc.engine.add_request(ids, dataclasses.replace(params, seed=seed),
+                                                  request_id=rid if req.n == 1 else f"{rid}-{i}"))
+    except BaseException as e:
+        for st in streams:
+            st.abort()
         svc.admission.leave()
-        raise ApiError(400, str(e)) from None
-    except BaseException:
-        svc.admission.leave()
+        if isinstance(e, ValueError):
+            raise ApiError(400, str(e)) from None
         raise
-    return await _respond(svc, request, stream, req, chat=chat)
+    return await _respond(svc, request, Choices(rid, streams), req, chat=chat)
 
 
 @router.post("/v1/completions")
@@ -160,66 +167,112 @@ async def chat(req: ChatCompletionRequest, request: Request):
     return await run_admitted(svc, request, req, chat=True, tokenize=tokenize)
 
 
-async def _respond(svc: LLMService, request: Request, stream, req, *, chat: bool):
-    rid = stream.request_id if not chat else "chat" + stream.request_id
+class Choices:
+    """The n request streams of one API request, read as one: (choice index, output) as they come.
+    Leaving it (`async with`), or `abort()`, aborts every request still running."""
+
+    def __init__(self, request_id: str, streams: list):
+        self.request_id = request_id
+        self.streams = streams
+
+    def abort(self) -> None:
+        for st in self.streams:
+            st.abort()
+
+    async def __aenter__(self) -> "Choices":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.abort()
+
+    async def __aiter__(self):
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, st):
+            try:
+                async for out in st:
+                    await queue.put((i, out))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(self.streams)]
+        try:
+            open_ = len(tasks)
+            while open_:
+                i, out = await queue.get()
+                if out is None:
+                    open_ -= 1
+                else:
+                    yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+async def _respond(svc: LLMService, request: Request, choices: Choices, req, *, chat: bool):
+    rid = choices.request_id if not chat else "chat" + choices.request_id
     created = now()
     headers = warn_ignored(req)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        gen = _sse(svc, stream, rid, created, req, chat=chat, include_usage=include_usage)
-        return _SSEResponse(gen, on_close=lambda: (stream.abort(), svc.admission.leave()),
+        gen = _sse(svc, choices, rid, created, req, chat=chat, include_usage=include_usage)
+        return _SSEResponse(gen, on_close=lambda: (choices.abort(), svc.admission.leave()),
                             media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
     try:
-        text, toks, lps, last = await _collect(request, stream)
+        results = await _collect(request, choices)
     finally:
         svc.admission.leave()
-    if last is not None and last.finish_reason is FinishReason.ERROR:
-        if last.error == SHUTTING_DOWN:
-            raise ApiError(503, SHUTTING_DOWN, type_="service_unavailable", headers={"Retry-After": "1"})
-        raise ApiError(500, f"generation failed: {last.error}", type_="internal_error")
-    usage = _usage(last)
-    reason = last.finish_reason if last else "abort"
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                  "logprobs": _chat_logprobs(svc, lps) if req.logprobs else None}
-        body = {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
-                "choices": [choice], "usage": usage}
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": reason,
-                  "logprobs": _completion_logprobs(svc, lps) if req.logprobs is not None else None}
-        body = {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                "choices": [choice], "usage": usage}
+    lasts = [last for _, _, last in results]
+    for last in lasts:
+        if last is not None and last.finish_reason is FinishReason.ERROR:
+            if last.error == SHUTTING_DOWN:
+                raise ApiError(503, SHUTTING_DOWN, type_="service_unavailable", headers={"Retry-After": "1"})
+            raise ApiError(500, f"generation failed: {last.error}", type_="internal_error")
+    out = []
+    for i, (text, lps, last) in enumerate(results):
+        reason = last.finish_reason if last else "abort"
+        if chat:
+            out.append({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                        "logprobs": _chat_logprobs(svc, lps) if req.logprobs else None})
+        else:
+            out.append({"index": i, "text": text, "finish_reason": reason,
+                        "logprobs": _completion_logprobs(svc, lps) if req.logprobs is not None else None})
+    body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": req.model, "choices": out, "usage": _usage(lasts)}
     return JSONResponse(body, headers=headers)
 
 
-async def _collect(request: Request, stream):
-    """Drain a stream for a non-streaming answer; a client disconnect aborts the request."""
+async def _collect(request: Request, choices: Choices) -> list[tuple[str, list, object]]:
+    """Drain the choices for a non-streaming answer: (text, logprobs, last output) per choice; a client
+    disconnect aborts them."""
     async def watch():
         while True:
             await asyncio.sleep(0.25)
             if await request.is_disconnected():
-                stream.abort()
+                choices.abort()
                 return
 
     watcher = asyncio.create_task(watch())
-    text, toks, lps, last = [], [], [], None
+    texts = [[] for _ in choices.streams]
+    lps = [[] for _ in choices.streams]
+    lasts: list = [None] * len(choices.streams)
     try:
-        async with stream:
-            async for out in stream:
-                text.append(out.new_text)
-                toks.extend(out.new_token_ids)
-                lps.extend(out.logprobs or ())
-                last = out
+        async with choices:
+            async for i, out in choices:
+                texts[i].append(out.new_text)
+                lps[i].extend(out.logprobs or ())
+                lasts[i] = out
     finally:
         watcher.cancel()
-    return "".join(text), toks, lps, last
+    return [("".join(t), lp, last) for t, lp, last in zip(texts, lps, lasts)]
 
 
-def _usage(out) -> dict:
-    if out is None:
-        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-            "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+def _usage(lasts: list) -> dict:
+    """The prompt counted once (the choices share it), the completions summed."""
+    seen = [o for o in lasts if o is not None]
+    prompt = seen[0].num_prompt_tokens if seen else 0
+    completion = sum(o.num_output_tokens for o in seen)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _token_str(svc, tid: int) -> str:
@@ -244,8 +297,9 @@ def _chat_logprobs(svc, lps) -> dict:
                              top_logprobs=[entry(t, v) for t, v in lp.top]) for lp in lps]}
 
 
-async def _sse(svc, stream, rid, created, req, *, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+async def _sse(svc, choices: Choices, rid, created, req, *, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format (each chunk names its choice index), ending with
+    `data: [DONE]`."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choice: dict, usage: dict | None = None) -> str:
@@ -255,13 +309,14 @@ async def _sse(svc, stream, rid, created, req, *, chat: bool, include_usage: boo
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    last = None
-    async with stream:   # leaving early (client disconnect -> cancellation) aborts the request
+    lasts: list = [None] * len(choices.streams)
+    async with choices:   # leaving early (client disconnect -> cancellation) aborts the requests
         if chat:
-            yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None})
-        async for out in stream:
-            last = out
+            for i in range(len(choices.streams)):
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+        async for i, out in choices:
+            lasts[i] = out
             if out.finish_reason is FinishReason.ERROR:
                 yield f"data: {json.dumps(error_body(f'generation failed: {out.error}', type_='internal_error'))}\n\n"
                 break
@@ -270,15 +325,15 @@ async def _sse(svc, stream, rid, created, req, *, chat: bool, include_usage: boo
             if not out.new_text and not reason and not lps:
                 continue
             if chat:
-                choice = {"index": 0, "delta": {"content": out.new_text} if out.new_text else {},
+                choice = {"index": i, "delta": {"content": out.new_text} if out.new_text else {},
                           "logprobs": _chat_logprobs(svc, lps) if (req.logprobs and lps) else None,
                           "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": out.new_text, "finish_reason": reason,
+                choice = {"index": i, "text": out.new_text, "finish_reason": reason,
                           "logprobs": _completion_logprobs(svc, lps) if req.logprobs is not None and lps else None}
             yield chunk(choice)
         if include_usage:
-            yield chunk({}, _usage(last))
+            yield chunk({}, _usage(lasts))
         yield "data: [DONE]\n\n"
 
 

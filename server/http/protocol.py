@@ -97,9 +97,9 @@ class _Sampling(OpenModel):
 
     @field_validator("n")
     @classmethod
-    def _one(cls, v):
-        if v != 1:
-            raise ValueError("n > 1 is not supported by hloserve yet; send n separate requests")
+    def _few(cls, v):
+        if v > 16:
+            raise ValueError("n must be at most 16")
         return v
 
     @field_validator("logit_bias")
@@ -127,7 +127,8 @@ class _Sampling(OpenModel):
 # completion fields accepted only at a value that does not change the result: field -> (neutral?, message)
 _COMPLETION_NEUTRAL_ONLY = {
     "echo": (lambda v: not v, "echo is not supported by hloserve yet"),
-    "best_of": (lambda v: v in (None, 1), "best_of > 1 is not supported by hloserve yet"),
+    "best_of": (lambda v: v in (None, 1), "best_of > 1 (choosing among extra completions) is not supported by "
+                                          "hloserve yet; use n"),
     "suffix": (lambda v: not v, "suffix (insertion) is not supported by hloserve"),
 }
 

@@ -82,7 +82,8 @@ def test_models_and_auth(server):
     ({"model": "tiny-chat", "prompt": "hi", "temperature": "hot"}, "invalid value for 'temperature'"),
     ({"model": "tiny-chat", "prompt": "hi", "temperature": 3}, "invalid value for 'temperature'"),
     ({"model": "tiny-chat", "prompt": "hi", "top_p": 0}, "invalid value for 'top_p'"),
-    ({"model": "tiny-chat", "prompt": "hi", "n": 2}, "n > 1 is not supported by hloserve yet"),
+    ({"model": "tiny-chat", "prompt": "hi", "n": 17}, "n must be at most 16"),
+    ({"model": "tiny-chat", "prompt": "hi", "best_of": 3}, "best_of > 1"),
     ({"model": "tiny-chat", "prompt": "hi", "echo": True}, "echo is not supported"),
     ({"model": "tiny-chat", "prompt": ["a", "b"]}, "several prompts in one request are not supported"),
     ({"model": "tiny-chat", "prompt": "hi", "logit_bias": {"x": 1}}, "is not a token id"),
@@ -223,3 +224,24 @@ def test_tokenize_and_detokenize_round_trip(server, tiny_chat_llm):
     r = httpx.post(f"{base}/detokenize", json={"tokens": tok.encode("Paris is nice")}, headers=auth)
     assert r.json()["prompt"] == tok.decode(tok.encode("Paris is nice"), skip_special_tokens=False)
     assert httpx.post(f"{base}/detokenize", json={"tokens": [10**9]}, headers=auth).status_code == 400
+
+
+def test_n_choices_streamed_and_not(server):
+    """n=3 seeded samples: three choices, each the completion a single request with seed+i gives;
+    streamed chunks carry their choice index and add up to the same texts; usage counts the prompt once."""
+    c = client(server[0])
+    kw = dict(model="tiny-chat", prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=11,
+              extra_body={"ignore_eos": True})
+    r = c.completions.create(n=3, **kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    singles = [c.completions.create(**{**kw, "seed": 11 + i}).choices[0].text for i in range(3)]
+    assert [ch.text for ch in r.choices] == singles
+    assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == c.completions.create(**kw).usage.prompt_tokens
+    texts = ["", "", ""]
+    for chunk in c.completions.create(n=3, stream=True, **kw):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+    assert texts == singles
+    chat = c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}], n=2,
+                                     max_tokens=4, temperature=0)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
