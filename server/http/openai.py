@@ -14,6 +14,8 @@ import uuid
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..core.outputs import FinishReason
@@ -137,8 +139,19 @@ async def run_admitted(svc: LLMService, request: Request, req, *, chat: bool, to
     return await _respond(svc, request, Choices(rid, streams), req, chat=chat)
 
 
+async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The request body validated as `model` on a worker thread: a large JSON body (16 MiB at most)
+    takes a while to parse, and the event loop keeps serving /health and every stream meanwhile."""
+    body = await request.body()
+    try:
+        return await asyncio.to_thread(model.model_validate_json, body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+
+
 @router.post("/v1/completions")
-async def completions(req: CompletionRequest, request: Request):
+async def completions(request: Request):
+    req = await parse_body(request, CompletionRequest)
     svc = _svc(request)
     check_model(svc, req.model)
 
@@ -151,7 +164,8 @@ async def completions(req: CompletionRequest, request: Request):
 
 
 @router.post("/v1/chat/completions")
-async def chat(req: ChatCompletionRequest, request: Request):
+async def chat(request: Request):
+    req = await parse_body(request, ChatCompletionRequest)
     svc = _svc(request)
     check_model(svc, req.model)
 

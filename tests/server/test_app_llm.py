@@ -193,6 +193,9 @@ def test_hostile_inputs_get_4xx_and_the_server_keeps_serving(server):
     # a lone UTF-16 surrogate is valid JSON but not text
     r = httpx.post(f"{base}/v1/completions", headers=auth, timeout=30,
                    content='{"model": "tiny-chat", "prompt": "a \\ud800 b", "max_tokens": 2}')
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and ("not valid Unicode" in message or "hex escape" in message), r.text
+    r = httpx.post(f"{base}/tokenize", headers=auth, timeout=30, content='{"prompt": "a \\ud800 b"}')
     assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"], r.text
     # a non-ASCII Authorization header is a wrong key, not a crash
     r = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer clé".encode()})

@@ -91,3 +91,39 @@ def test_a_non_streaming_client_that_leaves_is_aborted_within_a_second(tiny_chat
         for t in threads:
             t.join(60)
     assert all(r[0] and r[1] == "length" for r in results), results
+
+
+def test_large_requests_never_stall_health_and_the_output_cap_holds(tiny_chat_llm, tmp_path):
+    """A 50 MB body and a 100,000-message chat are refused (413 / 400) while /health keeps answering
+    within 100 ms; --max-output-tokens caps what a request may ask and what it gets by default."""
+    _, art = tiny_chat_llm
+    with running_server(art, "--model-name", "m", "--max-output-tokens", "8", log_dir=str(tmp_path)) as (base, _):
+        worst = []
+        stop = threading.Event()
+
+        def probe():
+            while not stop.is_set():
+                t0 = time.monotonic()
+                httpx.get(f"{base}/health", timeout=5)
+                worst.append(time.monotonic() - t0)
+                time.sleep(0.02)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        try:
+            big = b'{"model": "m", "prompt": "' + b"x" * (50 << 20) + b'"}'
+            r = httpx.post(f"{base}/v1/completions", content=big, timeout=60,
+                           headers={"Content-Type": "application/json"})
+            assert r.status_code == 413
+            msgs = [{"role": "user", "content": "hi"}] * 100_000
+            r = httpx.post(f"{base}/v1/chat/completions", json={"model": "m", "messages": msgs}, timeout=60)
+            assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+        finally:
+            stop.set()
+            prober.join()
+        assert max(worst) < 0.1, max(worst)
+        r = httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 9}, timeout=30)
+        assert r.status_code == 400 and "limit of 8 tokens" in r.json()["error"]["message"]
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=30,
+                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
