@@ -121,8 +121,12 @@ class _DrainingServer:
         threading.Thread(target=self._drain, args=(sig, frame), name="hloserve-drain", daemon=True).start()
 
     def _drain(self, sig, frame) -> None:
-        end = time.monotonic() + self.grace_s
-        while self.service.admission.in_flight and time.monotonic() < end:
+        start = time.monotonic()
+        end = start + self.grace_s
+        # at least a second (or the grace) with /ready answering 503, so load balancers and probes see the
+        # replica leave even when nothing is running
+        settle = start + min(1.0, self.grace_s)
+        while (self.service.admission.in_flight or time.monotonic() < settle) and time.monotonic() < end:
             time.sleep(0.05)
         if self.service.admission.in_flight and isinstance(self.service, LLMService):
             from .http.errors import SHUTTING_DOWN

@@ -232,7 +232,7 @@ def verify_weights(path: str, manifest: Manifest, reader, *, hashes: bool = True
             raise ArtifactError(f"artifact {path}: weight {name!r} is {dtypes.name_of_numpy(arr.dtype)}{list(arr.shape)}, "
                                 f"manifest says {w.dtype}{list(w.shape)}; re-export it")
         if hashes and reader.sha256(name) != w.sha256:
-            raise ArtifactError(f"artifact {path}: weight {name!r} in {WEIGHTS} does not match its sha256 (corrupted); "
+            raise ArtifactError(f"artifact {path}: {WEIGHTS}: weight {name!r} does not match its sha256 (corrupted); "
                                 f"re-export it")
 
 
