@@ -153,36 +153,37 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
         raise RequestValidationError(e.errors()) from None
 
 
-@router.post("/v1/completions")
-async def completions(request: Request):
-    req = await parse_body(request, CompletionRequest)
+def _completion_ids(svc: LLMService, req: CompletionRequest):
+    ids = svc.tokenizer.encode(checked_text(svc, req.prompt, "prompt")) if isinstance(req.prompt, str) \
+        else [int(t) for t in req.prompt]
+    return ids, req.max_tokens, req.logprobs
+
+
+def _chat_ids(svc: LLMService, req: ChatCompletionRequest):
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        checked_text(svc, "".join(m["content"] for m in messages), "messages")
+        ids = svc.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+    except ValueError as e:
+        raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+    return ids, req.max_completion_tokens or req.max_tokens, (req.top_logprobs or 0) if req.logprobs else None
+
+
+async def _generate(request: Request, model: type[BaseModel], prompt_ids, *, chat: bool):
+    req = await parse_body(request, model)
     svc = _svc(request)
     check_model(svc, req.model)
+    return await run_admitted(svc, request, req, chat=chat, tokenize=lambda: prompt_ids(svc, req))
 
-    def tokenize():
-        ids = svc.tokenizer.encode(checked_text(svc, req.prompt, "prompt")) if isinstance(req.prompt, str) \
-            else [int(t) for t in req.prompt]
-        return ids, req.max_tokens, req.logprobs
 
-    return await run_admitted(svc, request, req, chat=False, tokenize=tokenize)
+@router.post("/v1/completions")
+async def completions(request: Request):
+    return await _generate(request, CompletionRequest, _completion_ids, chat=False)
 
 
 @router.post("/v1/chat/completions")
 async def chat(request: Request):
-    req = await parse_body(request, ChatCompletionRequest)
-    svc = _svc(request)
-    check_model(svc, req.model)
-
-    def tokenize():
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            checked_text(svc, "".join(m["content"] for m in messages), "messages")
-            ids = svc.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
-        except ValueError as e:
-            raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        return ids, req.max_completion_tokens or req.max_tokens, (req.top_logprobs or 0) if req.logprobs else None
-
-    return await run_admitted(svc, request, req, chat=True, tokenize=tokenize)
+    return await _generate(request, ChatCompletionRequest, _chat_ids, chat=True)
 
 
 class Choices:
