@@ -1,4 +1,5 @@
-"""Load on the real server (127.0.0.1 only, bounded): concurrency, disconnects mid-stream, overload.
+"""Load on the real server (127.0.0.1 only, bounded): concurrency, disconnects (mid-stream, and
+non-streaming clients that give up), overload.
 
 The model is the tiny random-init Llama of conftest.py (real SmolLM2 tokenizer). The KV cache
 is kept small (31 blocks of 16 tokens for up to 8 running sequences of up to ~220 tokens), so
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny-chat"
 NUM_REQUESTS = 200
 CONCURRENCY = 32
-DISCONNECT_EVERY = 5          # every 5th request (20%) closes its connection after a few chunks
+DISCONNECT_EVERY = 5          # every 5th request (20%) leaves: alternately a stream closed after a few
+                              # chunks and a non-streaming client that times out
 CHUNKS_BEFORE_DISCONNECT = 3
 REQUEST_TIMEOUT = 60.0        # seconds, per request
 LOAD_TIMEOUT = 150.0          # seconds, the whole load phase
@@ -76,6 +78,17 @@ async def stream_completion(client: httpx.AsyncClient, prompt: str, max_tokens: 
     return "".join(text), reason, chunks
 
 
+async def give_up_waiting(client: httpx.AsyncClient) -> tuple[str, str | None, int]:
+    """A non-streaming completion whose client gives up after 0.2 s (200 tokens take far longer under
+    this load): the server must notice and abort it."""
+    body = {"model": MODEL, "prompt": "Leave", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    try:
+        r = await client.post("/v1/completions", json=body, timeout=0.2)
+    except httpx.TimeoutException:
+        return "", None, 0
+    raise AssertionError(f"the request finished before its client left: {r.status_code}")
+
+
 @pytest.fixture(scope="module")
 def load_server(tiny_chat_llm):
     _, art = tiny_chat_llm
@@ -101,15 +114,18 @@ def test_load_with_disconnects_frees_every_block_and_never_recompiles(load_serve
             rng = random.Random(1)
             plan = [(rng.choice(prompts), i % DISCONNECT_EVERY == 0) for i in range(NUM_REQUESTS)]
 
-            async def one(pn, leave):
+            async def one(i, pn, leave):
                 async with sem:
+                    if leave and i % (2 * DISCONNECT_EVERY):
+                        return pn, leave, await give_up_waiting(client)
                     if leave:   # long enough that it cannot finish before the server sees the disconnect
                         return pn, leave, await stream_completion(client, pn[0], 64,
                                                                   disconnect_after=CHUNKS_BEFORE_DISCONNECT)
                     return pn, leave, await stream_completion(client, *pn)
 
             t0 = time.monotonic()
-            results = await asyncio.wait_for(asyncio.gather(*(one(pn, leave) for pn, leave in plan)), LOAD_TIMEOUT)
+            results = await asyncio.wait_for(asyncio.gather(*(one(i, pn, leave) for i, (pn, leave) in enumerate(plan))),
+                                             LOAD_TIMEOUT)
             return ref, results, time.monotonic() - t0
 
     ref, results, seconds = asyncio.run(run())

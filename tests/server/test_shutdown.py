@@ -129,3 +129,34 @@ def test_large_requests_never_stall_health_and_the_output_cap_holds(tiny_chat_ll
         r = httpx.post(f"{base}/v1/chat/completions", timeout=30,
                        json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+
+
+def test_sigint_during_warm_up_exits_with_one_line(tiny_chat_llm, tmp_path):
+    """Ctrl-C while XLA compiles the buckets (empty compile cache): exit code 130 and one line, not an
+    abort from a compile thread torn down under it."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.launch import free_port
+    _, art = tiny_chat_llm
+    port = free_port()
+    env = dict(os.environ, HLOSERVE_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-m", "hloserve.server.cli", "serve", art, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 503   # still warming up
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (proc.returncode, out[-2000:])
+    assert "interrupted during warm-up" in out and "terminate called" not in out, out[-2000:]
