@@ -121,15 +121,20 @@ async def run_admitted(svc: LLMService, request: Request, req, *, chat: bool, to
     admit(svc)
     streams: list = []
     try:
-        ids, max_tokens, logprobs = await asyncio.to_thread(tokenize)
+        prompts, max_tokens, logprobs = await asyncio.to_thread(tokenize)
         if req.truncate_prompt_tokens is not None:
-            ids = ids[-req.truncate_prompt_tokens:]
-        params = sampling(svc, req, len(ids), max_tokens, logprobs)
+            prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        for i in range(req.n):   # n choices: n requests sharing the prompt (its blocks come from the prefix cache)
-            seed = None if params.seed is None else params.seed + i
-            streams.append(svc.engine.add_request(ids, dataclasses.replace(params, seed=seed),
-                                                  request_id=rid if req.n == 1 else f"{rid}-{i}"))
+        prompt_tokens = 0
+        # choice p*n + i: prompt p's i-th sample; the n requests of one prompt share its cached blocks
+        for p, ids in enumerate(prompts):
+            params = sampling(svc, req, len(ids), max_tokens, logprobs)
+            prompt_tokens += len(ids)
+            for i in range(req.n):
+                seed = None if params.seed is None else params.seed + i
+                k = p * req.n + i
+                streams.append(svc.engine.add_request(ids, dataclasses.replace(params, seed=seed),
+                                                      request_id=rid if len(prompts) * req.n == 1 else f"{rid}-{k}"))
     except BaseException as e:
         for st in streams:
             st.abort()
@@ -137,7 +142,7 @@ async def run_admitted(svc: LLMService, request: Request, req, *, chat: bool, to
         if isinstance(e, ValueError):
             raise ApiError(400, str(e)) from None
         raise
-    return await _respond(svc, request, Choices(rid, streams), req, chat=chat)
+    return await _respond(svc, request, Choices(rid, streams, prompt_tokens), req, chat=chat)
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -154,9 +159,9 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
 
 
 def _completion_ids(svc: LLMService, req: CompletionRequest):
-    ids = svc.tokenizer.encode(checked_text(svc, req.prompt, "prompt")) if isinstance(req.prompt, str) \
-        else [int(t) for t in req.prompt]
-    return ids, req.max_tokens, req.logprobs
+    prompts = [svc.tokenizer.encode(checked_text(svc, p, "prompt")) if isinstance(p, str) else [int(t) for t in p]
+               for p in req.prompts()]
+    return prompts, req.max_tokens, req.logprobs
 
 
 def _chat_ids(svc: LLMService, req: ChatCompletionRequest):
@@ -166,7 +171,7 @@ def _chat_ids(svc: LLMService, req: ChatCompletionRequest):
         ids = svc.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
     except ValueError as e:
         raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
-    return ids, req.max_completion_tokens or req.max_tokens, (req.top_logprobs or 0) if req.logprobs else None
+    return [ids], req.max_completion_tokens or req.max_tokens, (req.top_logprobs or 0) if req.logprobs else None
 
 
 async def _generate(request: Request, model: type[BaseModel], prompt_ids, *, chat: bool):
@@ -190,9 +195,10 @@ class Choices:
     """The n request streams of one API request, read as one: (choice index, output) as they come.
     Leaving it (`async with`), or `abort()`, aborts every request still running."""
 
-    def __init__(self, request_id: str, streams: list):
+    def __init__(self, request_id: str, streams: list, prompt_tokens: int):
         self.request_id = request_id
         self.streams = streams
+        self.prompt_tokens = prompt_tokens     # all prompts of the request, each counted once
 
     def abort(self) -> None:
         for st in self.streams:
@@ -257,7 +263,7 @@ async def _respond(svc: LLMService, request: Request, choices: Choices, req, *, 
             out.append({"index": i, "text": text, "finish_reason": reason,
                         "logprobs": _completion_logprobs(svc, lps) if req.logprobs is not None else None})
     body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": req.model, "choices": out, "usage": _usage(lasts)}
+            "model": req.model, "choices": out, "usage": _usage(lasts, choices.prompt_tokens)}
     return JSONResponse(body, headers=headers)
 
 
@@ -286,11 +292,9 @@ async def _collect(request: Request, choices: Choices) -> list[tuple[str, list, 
     return [("".join(t), lp, last) for t, lp, last in zip(texts, lps, lasts)]
 
 
-def _usage(lasts: list) -> dict:
-    """The prompt counted once (the choices share it), the completions summed."""
-    seen = [o for o in lasts if o is not None]
-    prompt = seen[0].num_prompt_tokens if seen else 0
-    completion = sum(o.num_output_tokens for o in seen)
+def _usage(lasts: list, prompt: int) -> dict:
+    """Each prompt counted once (its n choices share it), the completions summed."""
+    completion = sum(o.num_output_tokens for o in lasts if o is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -352,7 +356,7 @@ async def _sse(svc, choices: Choices, rid, created, req, *, chat: bool, include_
                           "logprobs": _completion_logprobs(svc, lps) if req.logprobs is not None and lps else None}
             yield chunk(choice)
         if include_usage:
-            yield chunk({}, _usage(lasts))
+            yield chunk({}, _usage(lasts, choices.prompt_tokens))
         yield "data: [DONE]\n\n"
 
 

@@ -2,8 +2,8 @@
 
 Every field of OpenAI's completions and chat-completions requests is accepted, and so are vLLM's
 sampling extensions. Fields that change results are implemented (sampling, penalties, logit_bias,
-min_p, min_tokens, ...); the few that hloserve cannot honour yet (n > 1, best_of > 1, echo, several
-prompts in one request, structured output, tool calls) answer 400 saying so, and every other
+min_p, min_tokens, n, several prompts, ...); the few that hloserve cannot honour yet (best_of > n,
+echo, suffix, structured output, tool calls) answer 400 saying so, and every other
 field is accepted at any value that does not change the result (OpenAI's bookkeeping fields:
 store, metadata, user, service_tier, ...). A field nobody knows is ignored, as vLLM does, and named
 in the response's `x-hloserve-warning` header and the log, so a typo is visible but a newer client
@@ -124,6 +124,8 @@ class _Sampling(OpenModel):
         return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
 
 
+MAX_PROMPTS = 64   # prompts in one completions request (each answered by its own choice(s))
+
 # completion fields accepted only at a value that does not change the result: field -> (neutral?, message)
 _COMPLETION_NEUTRAL_ONLY = {
     "echo": (lambda v: not v, "echo is not supported by hloserve yet"),
@@ -142,17 +144,18 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("several prompts in one request are not supported by hloserve yet; "
-                                 "send one request per prompt")
-            v = v[0]
-        if isinstance(v, str) and not v:
-            raise ValueError("prompt is empty")
-        if isinstance(v, list) and not v:
+    def _prompts_given(cls, v):
+        prompts = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request")
+        if any(not p for p in prompts):
             raise ValueError("prompt is empty")
         return v
+
+    def prompts(self) -> list:
+        """The request's prompts (one, or several in a batch), each text or token ids."""
+        v = self.prompt
+        return list(v) if isinstance(v, list) and isinstance(v[0], (str, list)) else [v]
 
     @field_validator("echo", "best_of", "suffix")
     @classmethod

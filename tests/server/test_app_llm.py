@@ -85,7 +85,7 @@ def test_models_and_auth(server):
     ({"model": "tiny-chat", "prompt": "hi", "n": 17}, "n must be at most 16"),
     ({"model": "tiny-chat", "prompt": "hi", "best_of": 3}, "best_of > 1"),
     ({"model": "tiny-chat", "prompt": "hi", "echo": True}, "echo is not supported"),
-    ({"model": "tiny-chat", "prompt": ["a", "b"]}, "several prompts in one request are not supported"),
+    ({"model": "tiny-chat", "prompt": ["a", ""]}, "prompt is empty"),
     ({"model": "tiny-chat", "prompt": "hi", "logit_bias": {"x": 1}}, "is not a token id"),
     ({"model": "tiny-chat", "prompt": "hi", "presence_penalty": 3}, "invalid value for 'presence_penalty'"),
     ({"model": "tiny-chat", "prompt": "hi", "max_tokens": 1000}, "lower max_tokens to at most"),
@@ -248,3 +248,18 @@ def test_n_choices_streamed_and_not(server):
     chat = c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}], n=2,
                                      max_tokens=4, temperature=0)
     assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+
+
+def test_several_prompts_in_one_request(server):
+    """A batch of prompts (text and token ids): choice p*n + i answers prompt p, each the completion
+    the prompt gets alone; usage counts every prompt once."""
+    c = client(server[0])
+    kw = dict(model="tiny-chat", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    prompts = ["The capital of France is", "Once upon a time"]
+    r = c.completions.create(prompt=prompts, n=2, **kw)
+    alone = [c.completions.create(prompt=p, **kw) for p in prompts]
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in r.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) and r.usage.completion_tokens == 20
+    ids = c.completions.create(prompt=[[5, 6, 7], [8, 9]], **kw)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
