@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
-from hloserve.runtime.artifact.llm import KV_BITS, NUM_BLOCKS, STEP_INPUTS, STEP_OUTPUTS, KVCacheSpec, LLMSpec  # noqa: F401
+from hloserve.runtime.artifact.llm import NUM_BLOCKS, STEP_INPUTS, STEP_OUTPUTS, KVCacheSpec, LLMSpec
 
 # Finite "minus infinity" for masked attention scores (f32): fully masked rows
 # (padding) softmax to uniform instead of NaN.
@@ -427,7 +427,7 @@ class LlamaStep(torch.nn.Module):
     attention: "gather" (decode layout) or "flat" (prefill layout).
     scan: decoder layers as one scanned body (True) or unrolled (False).
     kv_dtype: a 16-bit float K and V are stored in under wider activations (None: the model
-      dtype); the cache is then int16 holding their bits (KV_BITS).
+      dtype); the cache is then int16 holding their bits (runtime.artifact.llm.KV_BITS).
     """
 
     def __init__(self, model: LlamaWeights, *, attention: str = "gather", scan: bool = True,

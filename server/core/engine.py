@@ -100,10 +100,7 @@ class Engine:
         EngineError if the engine is stopped.
         """
         ids = [int(t) for t in prompt_token_ids]
-        if self.vocab_size is not None:
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        self.check_token_ids(ids)
         self.scheduler.check_request(ids, params)
         self.detokenizer.check(params)
         if self._stopping:
@@ -114,6 +111,13 @@ class Engine:
             self._inbox.append(("add", (request_id, ids, params, stream, self._clock())))
             self._cv.notify()
         return stream
+
+    def check_token_ids(self, ids: Sequence[int]) -> None:
+        """Raise ValueError naming the token ids outside the model's vocabulary."""
+        if self.vocab_size is not None:
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
     def end_all(self, reason: str) -> None:
         """End every request with finish_reason "error" and `reason` before the next step (shutdown)."""

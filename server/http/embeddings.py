@@ -8,7 +8,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 
 from ..services import PredictService
-from .errors import ApiError, admit
+from .errors import ApiError, admit, check_model
 from .protocol import EmbeddingRequest, now
 
 router = APIRouter()
@@ -17,9 +17,7 @@ router = APIRouter()
 @router.post("/v1/embeddings")
 async def embeddings(req: EmbeddingRequest, request: Request):
     svc: PredictService = request.app.state.service
-    if req.model not in svc.model_names:
-        raise ApiError(404, f"model '{req.model}' does not exist; this server serves '{svc.model_name}'",
-                       type_="not_found_error", param="model")
+    check_model(svc, req.model)
     emb = svc.embedder
     inputs = [req.input] if isinstance(req.input, str) or (req.input and isinstance(req.input[0], int)) \
         else list(req.input)

@@ -12,6 +12,14 @@ class ApiError(Exception):
         self.status, self.message, self.type_, self.param, self.headers = status, message, type_, param, headers
 
 
+def check_model(service, name: str) -> None:
+    """404 in OpenAI's words unless `name` is one of the names the service is served under."""
+    if name not in service.model_names:
+        served = ", ".join(f"'{n}'" for n in service.model_names)
+        raise ApiError(404, f"model '{name}' does not exist; this server serves {served}",
+                       type_="not_found_error", param="model")
+
+
 def admit(service) -> None:
     """Count a request in (503 while warming up, 429 past max_pending); the caller releases it."""
     if service.readiness.draining:

@@ -22,7 +22,7 @@ from ..core.outputs import FinishReason
 from ..config import MAX_PROMPT_CHARS_PER_TOKEN
 from ..core.sampling import SamplingParams
 from ..services import LLMService
-from .errors import SHUTTING_DOWN, ApiError, admit
+from .errors import SHUTTING_DOWN, ApiError, admit, check_model
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body, now
 
 router = APIRouter()
@@ -52,13 +52,6 @@ async def model(name: str, request: Request):
     return model_card(svc, name)
 
 
-def check_model(svc: LLMService, name: str) -> None:
-    if name not in svc.model_names:
-        served = ", ".join(f"'{n}'" for n in svc.model_names)
-        raise ApiError(404, f"model '{name}' does not exist; this server serves {served}",
-                       type_="not_found_error", param="model")
-
-
 def sampling(svc: LLMService, req, prompt_len: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """The request's SamplingParams: the model's generation defaults where the request is silent."""
     room = svc.max_model_len - prompt_len
@@ -85,7 +78,7 @@ def sampling(svc: LLMService, req, prompt_len: int, max_tokens: int | None, logp
             stop_token_ids=tuple(req.stop_token_ids or ()), seed=req.seed, logprobs=logprobs,
             ignore_eos=req.ignore_eos, min_p=req.min_p, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty if req.repetition_penalty != 1.0
+            repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None
             else defaults.get("repetition_penalty", 1.0),
             logit_bias=req.bias_pairs(), min_tokens=min(req.min_tokens, max_tokens))
     except ValueError as e:
@@ -412,8 +405,8 @@ async def detokenize(req: DetokenizeRequest, request: Request):
     svc = _svc(request)
     if req.model is not None:
         check_model(svc, req.model)
-    vocab = svc.engine.vocab_size
-    bad = [t for t in req.tokens if t < 0 or (vocab is not None and t >= vocab)]
-    if bad:
-        raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+    try:
+        svc.engine.check_token_ids(req.tokens)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="tokens") from None
     return {"prompt": svc.tokenizer.decode(req.tokens, skip_special_tokens=False)}

@@ -76,7 +76,7 @@ class _Sampling(OpenModel):
     # vLLM's sampling extensions
     top_k: int | None = Field(default=None, ge=-1)          # -1, 0 or None: off
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
