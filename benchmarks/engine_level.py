@@ -43,7 +43,6 @@ class TimedFunction:
 
 def main(argv=None) -> int:
     from hloserve.server.serve import default_artifact_path
-    from hloserve.runtime.artifact import read_manifest
     from hloserve.server.core.engine import build_engine
     from hloserve.server.core.sampling import SamplingParams
     from hloserve.server.services import ServeConfig
@@ -64,9 +63,8 @@ def main(argv=None) -> int:
               f"model there) or pass --artifact", file=sys.stderr)
         return 2
 
-    llm = read_manifest(args.artifact).model["llm"]
     fields = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.serve)}
-    engine, _ = build_engine(args.artifact, dataclasses.replace(ServeConfig(), **fields).engine_config(llm))
+    engine, _ = build_engine(args.artifact, dataclasses.replace(ServeConfig(), **fields))
     t0 = time.perf_counter()
     engine.warmup(lambda line: print(f"  {line}", end="\r", flush=True))
     print(f"\nwarm-up {time.perf_counter() - t0:.1f} s", flush=True)

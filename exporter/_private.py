@@ -18,3 +18,63 @@ def torch_scan():
     """torch's `scan` higher-order op (lowered to a StableHLO while loop); imported on use."""
     from torch._higher_order_ops.scan import scan
     return scan
+
+
+def composite(decomposition, name: str, version: int):
+    """`jax.lax.composite`, also under symbolic shapes: jax's own lowering passes the operands
+    but not the dimension variables its decomposition function takes first (jax 0.10: "has 7
+    operand(s), but decomposition has 8"); this one passes them as the leading operands."""
+    import functools as _functools
+
+    from jax import tree_util
+    from jax._src import api_util
+    from jax._src.lax import lax as _lax
+
+    prim = _composite_primitive()
+
+    def call(*args, **kwargs):
+        flat_args, in_tree = tree_util.tree_flatten(args)
+        in_avals = tuple(_jax_core.typeof(x) for x in flat_args)
+        debug = api_util.debug_info("composite", decomposition, args, kwargs)
+        jaxpr, consts, out_tree = _lax._trace_composite_to_jaxpr(
+            _functools.partial(decomposition, **kwargs), in_tree, in_avals, name, debug)
+        attributes = tuple((k, *tree_util.tree_flatten(v)) for k, v in kwargs.items())
+        attributes = tuple((k, tuple(leaves), tree) for k, leaves, tree in attributes)
+        out = prim.bind(*consts, *flat_args, name=name, attributes=attributes, version=version, jaxpr=jaxpr)
+        return tree_util.tree_unflatten(out_tree, out)
+
+    return call
+
+
+@__import__("functools").cache
+def _composite_primitive():
+    """The primitive behind `composite` (registered with jax on first use)."""
+    from jax._src import util
+    from jax._src.interpreters import mlir
+    from jax._src.lax import lax as _lax
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import hlo
+
+    prim = _jax_core.Primitive("hloserve_composite")
+    prim.multiple_results = True
+    prim.def_impl(_lax._composite_impl)
+    prim.def_abstract_eval(_lax._composite_abstract_eval)
+
+    def lowering(ctx, *args, name, attributes, version, jaxpr):
+        const_args_and_avals = _jax_core.jaxpr_const_args(jaxpr.jaxpr)
+        const_args, const_avals = util.unzip2(const_args_and_avals)
+        const_values = tuple(mlir.ir_constants(c, const_lowering=ctx.const_lowering, aval=aval)
+                             for c, aval in const_args_and_avals)
+        func_op, _, _ = mlir.lower_called_computation(
+            name, jaxpr, ctx.module_context, len(const_args), (*const_avals, *ctx.avals_in), ctx.avals_out,
+            ctx.tokens_in)
+        attrs = {k: mlir.ir_attribute(tree.unflatten(leaves)) for k, leaves, tree in attributes
+                 if tree.unflatten(leaves) is not None}
+        flat_args, _ = mlir.ir_tree_registry.flatten(const_values + args)
+        return hlo.CompositeOp(
+            func_op.type.results, [*ctx.dim_var_values, *flat_args], name=ir.StringAttr.get(name),
+            decomposition=ir.FlatSymbolRefAttr.get(func_op.name.value),
+            composite_attributes=ir.DictAttr.get(attrs), version=mlir.i32_attr(version)).results
+
+    mlir.register_lowering(prim, lowering)
+    return prim

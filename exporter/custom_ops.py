@@ -28,3 +28,36 @@ def mixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 @mixed_linear.register_fake
 def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# hloserve::paged_attention: attention over each token's own paged context, the
+# `hloserve.paged_attention` composite of runtime/artifact/kernels.py (lowered in
+# exporter/lowerings/attention.py). The eager form below is the torch reference.
+@torch.library.custom_op("hloserve::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: torch.Tensor, block_tables: torch.Tensor,
+                    seq_ids: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
+                    window: int, holds: int) -> torch.Tensor:
+    T, KV, G, D = q.shape
+    L, _, _, N, BS, _ = kv_cache.shape
+    B = block_tables.shape[1]
+    cache = kv_cache
+    if holds:
+        cache = cache.view(torch.bfloat16 if holds == 1 else torch.float16)
+    cache = cache.float()
+    blocks = block_tables[seq_ids].long()                                  # [T, B]
+    k = cache[layer.long(), 0][:, blocks].reshape(KV, T, B * BS, D)       # [KV, T, C, D]
+    v = cache[layer.long(), 1][:, blocks].reshape(KV, T, B * BS, D)       # [KV, T, C, D]
+    c = torch.arange(B * BS)
+    pos = positions.long()[:, None]
+    seen = (c[None, :] <= pos) & (c[None, :] < context_lens[seq_ids].long()[:, None])   # [T, C]
+    if window:
+        seen = seen & (c[None, :] > pos - window)
+    scores = torch.einsum("tkgd,ktcd->ktgc", q.float(), k) * D ** -0.5    # [KV, T, G, C]
+    scores = torch.where(seen[None, :, None, :], scores, -1e30)
+    out = torch.einsum("ktgc,ktcd->tkgd", torch.softmax(scores, dim=-1), v)   # [T, KV, G, D]
+    return out.to(q.dtype)
+
+
+@paged_attention.register_fake
+def _(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds):
+    return torch.empty_like(q)

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -23,6 +24,7 @@ from hloserve.runtime.artifact.errors import ArtifactError
 from jax import export as jax_export
 
 from . import buckets as buckets_mod
+from . import kernels
 from . import sharding as sharding_mod
 from .client import DEFAULT_CACHE, Client, PlatformError, connect
 from .exec_cache import ExecutableCache
@@ -126,6 +128,12 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
     exported = {n: _read_exported(path, n) for n in names}
     for n, exp in exported.items():
         _check_platform(n, exp, client, path)
+    # composites this runtime has a kernel for run it (CPU: runtime/kernels/); the rest, and
+    # every composite on other platforms, run the decomposition the artifact carries
+    library = kernels.cpu_library(_stderr) if client.platform == "cpu" else None
+    specialized = {}
+    for n in names:
+        exported[n], specialized[n] = kernels.specialize(exported[n], library)
     used = list(dict.fromkeys(w for n in names for w in manifest.functions[n].weights))
     for w in used:
         if w not in reader:
@@ -146,9 +154,14 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
         fns[n] = Function(spec, manifest.symbols, exported[n], [on_device[w] for w in spec.weights],
                           [shardings[w] for w in spec.weights], in_sharding, bks, strict=strict,
                           exec_cache=cache, devices=exec_devices,
-                          cache_identity=_identity(spec, shardings, in_sharding, exec_devices),
+                          cache_identity={**_identity(spec, shardings, in_sharding, exec_devices),
+                                          "kernels": library.digest if specialized[n] else None},
                           compiler_options=client.compiler_options)
     return LoadedModel(path, manifest, client, jmesh, on_device, fns)
+
+
+def _stderr(message: str) -> None:
+    print(f"[hloserve] {message}", file=sys.stderr, flush=True)
 
 
 def _verify_weights(path: str, manifest: artifact.Manifest, reader: weights_io.Reader, cache_dir: str | None,

@@ -4,9 +4,10 @@ from __future__ import annotations
 import functools
 
 from ..registry import Registry
-from . import control_flow, creation, elementwise, indexing, linalg, nn, quantized, reduction, shape, symbolic
+from . import (attention, control_flow, creation, elementwise, indexing, linalg, nn, quantized, reduction, shape,
+               symbolic)
 
-FAMILIES = (elementwise, reduction, shape, creation, indexing, linalg, nn, control_flow, symbolic, quantized)
+FAMILIES = (elementwise, reduction, shape, creation, indexing, linalg, nn, control_flow, symbolic, quantized, attention)
 
 
 @functools.cache

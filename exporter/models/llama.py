@@ -32,8 +32,11 @@ scores use a finite minimum, so padded rows give finite garbage, never NaN.
 
 Three attention layouts share that contract (all exact for any mix of
 sequences; they differ in cost, see ATTENTION_COST):
-  * "gather" (entry point `decode`): every token gathers its own sequence's
-    context, [T, B*block_size]; best when T ~ S (one token per sequence).
+  * "gather" (entry point `decode`): every token attends over its own sequence's
+    context, [T, B*block_size]; best when T ~ S (one token per sequence). It is the
+    `hloserve.paged_attention` composite (runtime/artifact/kernels.py): its portable
+    decomposition gathers each token's padded context; the CPU runtime runs a kernel
+    that reads only the blocks in use, in place.
   * "flat" (entry point `prefill`): every token scores against all S contexts
     at once, [T, S*B*block_size], masked to its own; best when S is small and
     T large (prompts, chunked prefill).
@@ -49,6 +52,9 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 import torch.nn.functional as F
 from hloserve.runtime.artifact.llm import NUM_BLOCKS, STEP_INPUTS, STEP_OUTPUTS, KVCacheSpec, LLMSpec
+
+# what a 16-bit cache holds, as the hloserve.paged_attention composite's `holds` says it
+_HOLDS = {torch.bfloat16: 1, torch.float16: 2}
 
 # Finite "minus infinity" for masked attention scores (f32): fully masked rows
 # (padding) softmax to uniform instead of NaN.
@@ -460,11 +466,7 @@ class LlamaStep(torch.nn.Module):
         ctx_pos = torch.arange(C, device=tokens.device)                   # [C]
         pos = positions.to(torch.int64)
         if self.attention == "gather":
-            blocks = block_tables[seq_ids]                                # [T, B]
-            seen = (ctx_pos[None, :] <= pos[:, None]) & \
-                (ctx_pos[None, :] < context_lens[seq_ids].to(torch.int64)[:, None])   # [T, C]
-            if cfg.sliding_window:
-                seen = seen & (ctx_pos[None, :] > pos[:, None] - cfg.sliding_window)
+            blocks = seen = None        # hloserve::paged_attention reads the step inputs itself
         elif self.attention == "paged":
             blocks = block_tables[seq_ids].transpose(0, 1)                # [B, T]: scanned over B
             seen = context_lens[seq_ids].to(torch.int64)                  # [T]: masks are built per block
@@ -512,7 +514,12 @@ class LlamaStep(torch.nn.Module):
             flat = flat.index_put((idx_l, idx_kv, idx_h, idx_slot), values)
             cache = flat.reshape(L, 2, KV, N, BS, D)                      # [L, 2, KV, N, BS, D]
             qg = q.reshape(T, KV, cfg.group, D)                           # [T, KV, G, D]
-            if self.attention == "paged":
+            if self.attention == "gather":
+                from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.paged_attention
+                out = torch.ops.hloserve.paged_attention(
+                    qg.float(), cache, l, block_tables, seq_ids, positions, context_lens,
+                    cfg.sliding_window or 0, _HOLDS.get(kvd or dtype, 0)).to(dtype)   # [T, KV, G, D]
+            elif self.attention == "paged":
                 # `seen` is each token's context length here; the loop masks block by block
                 out = _paged_attention(qg, cache, l, blocks, pos, seen, cfg.sliding_window)   # [T, KV, G, D]
             else:
@@ -531,21 +538,13 @@ class LlamaStep(torch.nn.Module):
                 if kvd is not None:   # widened inside the gather: half the bytes read, same dots
                     k_ctx, v_ctx = k_ctx.view(kvd).to(dtype), v_ctx.view(kvd).to(dtype)
                 qk = qg.transpose(0, 1)                                   # [KV, T, G, D]
-                if self.attention == "gather":
-                    # scores as K @ q^T: the big operand K is the dot's row-major left side
-                    scores = torch.matmul(k_ctx, qk.transpose(-1, -2))    # [KV, T, C, G]
-                    scores = scores.float() * (D ** -0.5)
-                    scores = torch.where(seen[None, :, :, None], scores, _MASKED)
-                    probs = torch.softmax(scores, dim=-2).to(dtype)       # over C
-                    out = torch.matmul(probs.transpose(-1, -2), v_ctx)    # [KV, T, G, D]
-                else:
-                    k_ctx = k_ctx.reshape(KV, R * C, D)                   # [KV, S*C, D]
-                    v_ctx = v_ctx.reshape(KV, R * C, D)                   # [KV, S*C, D]
-                    scores = torch.einsum("ktgd,kcd->ktgc", qk, k_ctx)   # [KV, T, G, S*C]
-                    scores = scores.float() * (D ** -0.5)
-                    scores = torch.where(seen[None, :, None, :], scores, _MASKED)
-                    probs = torch.softmax(scores, dim=-1).to(dtype)
-                    out = torch.einsum("ktgc,kcd->ktgd", probs, v_ctx)   # [KV, T, G, D]
+                k_ctx = k_ctx.reshape(KV, R * C, D)                       # [KV, S*C, D]
+                v_ctx = v_ctx.reshape(KV, R * C, D)                       # [KV, S*C, D]
+                scores = torch.einsum("ktgd,kcd->ktgc", qk, k_ctx)       # [KV, T, G, S*C]
+                scores = scores.float() * (D ** -0.5)
+                scores = torch.where(seen[None, :, None, :], scores, _MASKED)
+                probs = torch.softmax(scores, dim=-1).to(dtype)
+                out = torch.einsum("ktgc,kcd->ktgd", probs, v_ctx)       # [KV, T, G, D]
                 out = out.transpose(0, 1)                                 # [T, KV, G, D]
             out = out.reshape(T, cfg.q_size)                              # [T, H*D]
             h = h + w.linear(out, lw, "o_proj", lw.get("o_bias"))

@@ -1,0 +1,49 @@
+"""Composites: named pieces of an artifact's StableHLO that a runtime may run with its own kernel.
+
+An exported function may contain `stablehlo.composite` ops. Each carries a name, a version, its
+attributes and a decomposition: a private function computing the same thing in plain StableHLO.
+Every platform can run the decomposition (XLA inlines it); a runtime that has a kernel for the
+composite's name and version may call that instead (hloserve's CPU runtime does, see
+runtime/kernels/). So the artifact stays portable: nothing platform-specific is in it.
+
+The contracts below are what a kernel must compute; the decomposition is the reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Composite:
+    """One composite's contract.
+
+    name / version: as in the stablehlo.composite op; a kernel serves one (name, version).
+    operands / attributes / result: the contract, in words (shapes with named dims).
+    """
+    name: str
+    version: int
+    operands: tuple[str, ...]
+    attributes: tuple[str, ...]
+    result: str
+
+
+# Attention of each token over its own sequence's paged context (the LLM step's decode layout).
+PAGED_ATTENTION = Composite(
+    name="hloserve.paged_attention",
+    version=1,
+    operands=(
+        "q f32[T, KV, G, D]: rotated queries, G query heads per KV head",
+        "kv_cache [L, 2, KV, N, BS, D]: f32, or 16-bit float (bits in s16 when `holds` says so)",
+        "layer s32[]: the layer whose K (index 0) and V (index 1) are read",
+        "block_tables s32[S, B]", "seq_ids s32[T]", "positions s32[T]", "context_lens s32[S]",
+    ),
+    attributes=(
+        "window i64: attend to positions > position - window (0: no window)",
+        "holds i64: what the cache elements are: 0 its own dtype (f32), 1 bfloat16, 2 float16",
+    ),
+    result="f32[T, KV, G, D]: softmax(q k^T / sqrt(D)) v over the positions c of the token's sequence "
+           "(block_tables row seq_ids[t]) with c <= positions[t] and c < context_lens[seq]; a token that "
+           "sees no position (padding) gets unspecified finite values",
+)
+
+COMPOSITES = {c.name: c for c in (PAGED_ATTENTION,)}

@@ -1,0 +1,168 @@
+"""hloserve's CPU kernels for the composites an artifact may contain (runtime/artifact/kernels.py).
+
+    library = kernels.cpu_library(report)      # built once per machine into <cache>/kernels/, or None
+    exported, n = kernels.specialize(exported, library)
+
+`cpu_library` compiles cpu_kernels.cc with the system C++ compiler for this CPU (-march=native)
+against jaxlib's XLA FFI headers, keyed by the source, compiler, flags, jaxlib and CPU, and
+registers its targets with XLA for the CPU platform. `specialize` replaces each composite it has
+a kernel for by an FFI custom call to it, in this process's copy of the function only: the
+artifact keeps the portable decomposition, and GPU/TPU runtimes (or CPU without a compiler, or
+with HLOSERVE_CPU_KERNELS=0) run that.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from typing import Any, Callable
+
+from hloserve.runtime.artifact.kernels import COMPOSITES, PAGED_ATTENTION
+
+from .._private import rewrite_composites
+from ..paths import cache_dir
+
+LOG = logging.getLogger("hloserve.runtime")
+SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernels.cc")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+# composite (name, version) -> FFI target in cpu_kernels.cc
+TARGETS = {(PAGED_ATTENTION.name, PAGED_ATTENTION.version): "hloserve_paged_attention"}
+CONTRACTS = {(c.name, c.version): c for c in COMPOSITES.values()}
+ENV = "HLOSERVE_CPU_KERNELS"     # "0" turns the kernels off (the portable decompositions run)
+
+
+@dataclasses.dataclass(frozen=True)
+class Library:
+    """A built kernel library: its file and the digest that identifies the code (cache keys)."""
+    path: str
+    digest: str
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") not in ("0", "false", "no", "off")
+
+
+def cpu_library(report: Callable[[str], None] | None = None) -> Library | None:
+    """The CPU kernels, built on first use on this machine and registered with XLA; None when
+    they are turned off or cannot be built (then the composites run their decompositions)."""
+    if not enabled():
+        return None
+    import jax
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if compiler is None:
+        LOG.warning("no C++ compiler (g++/clang++, or $CXX): the CPU kernels are off, "
+                    "attention runs its portable formulation")
+        return None
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(b"\0".join([source, _compiler_version(compiler).encode(), " ".join(FLAGS).encode(),
+                                     jax.__version__.encode(), _cpu_identity().encode()])).hexdigest()
+    path = os.path.join(cache_dir(), "kernels", key[:24], "libhloserve_cpu.so")
+    if not os.path.exists(path):
+        if report:
+            report("building hloserve's CPU kernels for this machine (once; about 10 s)")
+        err = _build(compiler, path)
+        if err:
+            LOG.warning("the CPU kernels could not be built (%s); attention runs its portable formulation", err)
+            return None
+    _register(path)
+    return Library(path, key)
+
+
+def specialize(exported: Any, library: Library | None) -> tuple[Any, int]:
+    """`exported` with its composites resolved: each one `library` has a kernel for becomes an
+    FFI call to it, every other one a call of its decomposition. Returns (function, number of
+    kernels called).
+
+    The decompositions are called, not left as composites, because jax 0.10's shape refinement
+    does not enter a composite's decomposition: a composite over symbolic dims fails to compile
+    ("operand ... has type tensor<6x...>, but decomposition has type tensor<?x...>").
+    """
+    kernels_used = 0
+
+    def replace(op, api) -> bool:
+        nonlocal kernels_used
+        ir, hlo = api.ir, api.hlo
+        attrs = op.attributes
+        key = (ir.StringAttr(attrs["name"]).value, ir.IntegerAttr(attrs["version"]).value)
+        target = TARGETS.get(key) if library is not None else None
+        result_types = [r.type for r in op.results]
+        with ir.InsertionPoint(op):
+            if target is None:
+                new = api.func.CallOp(result_types, ir.FlatSymbolRefAttr(attrs["decomposition"]), list(op.operands))
+            else:
+                # leading operands beyond the contract's are the decomposition's dimension variables
+                operands = list(op.operands)[-len(CONTRACTS[key].operands):]
+                shape = None
+                if not all(ir.RankedTensorType(t).has_static_shape for t in result_types):
+                    # the result has the first operand's (symbolic) shape: passed for shape refinement
+                    q = operands[0]
+                    i32 = ir.IntegerType.get_signless(32)
+                    dims = [hlo.reshape(ir.RankedTensorType.get([1], i32), hlo.get_dimension_size(q, d))
+                            for d in range(ir.RankedTensorType(q.type).rank)]
+                    shape = [hlo.concatenate(dims, 0)]
+                config = {a.name: a.attr for a in ir.DictAttr(attrs["composite_attributes"])}
+                new = api.mlir.custom_call(target, result_types=result_types, operands=operands,
+                                           backend_config=config, api_version=4, result_shapes=shape)
+                kernels_used += 1
+        for old, res in zip(op.results, new.results):
+            old.replace_all_uses_with(res)
+        op.erase()
+        return True
+
+    body, n = rewrite_composites(exported.mlir_module_serialized, replace)
+    return (dataclasses.replace(exported, mlir_module_serialized=body) if n else exported), kernels_used
+
+
+def _build(compiler: str, path: str) -> str | None:
+    """Compile the library into `path` (atomically); returns an error line or None."""
+    import jax
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        os.unlink(tmp)
+        return f"{os.path.basename(compiler)}: {e}"
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        errors = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.splitlines() or ["?"]
+        return f"{os.path.basename(compiler)} exited {proc.returncode}: {errors[0][:300]}"
+    os.replace(tmp, path)
+    return None
+
+
+@functools.cache
+def _register(path: str) -> None:
+    """Load the library and register its targets with XLA (once per process and file)."""
+    import jax
+    lib = ctypes.CDLL(path)
+    for target in TARGETS.values():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return compiler
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        import platform
+        return platform.processor()

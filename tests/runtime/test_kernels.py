@@ -1,0 +1,115 @@
+"""The CPU kernels (runtime/kernels/) against the portable decompositions they replace.
+
+Tolerances: outputs are softmax-weighted averages of O(1) values (standard normal K/V), summed
+in f32 in a different order (and with a polynomial exp of relative error < 2e-7), so both sides
+agree to a few f32 ulps of O(1): 1e-5 absolute leaves room for sums over up to a few hundred
+positions without hiding a wrong position or mask (which moves outputs by O(0.1)).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax import export
+
+from hloserve.exporter import _private, custom_ops
+from hloserve.exporter.lowerings.attention import paged_attention_reference
+from hloserve.runtime import kernels
+from hloserve.runtime.artifact.kernels import PAGED_ATTENTION
+
+BS = 8
+
+
+def _case(rng, G, D, holds, L=3, KV=2, S=4, B=6):
+    N = S * B + 1
+    lens = np.array([1, 9, B * BS, 20], np.int32)[:S]               # one block, a partial one, full, two
+    tables = np.zeros((S, B), np.int32)
+    for s in range(S):
+        used = -(-lens[s] // BS)
+        tables[s, :used] = 1 + rng.permutation(N - 1)[:used]        # blocks anywhere in the cache
+    cache = rng.standard_normal((L, 2, KV, N, BS, D)).astype(np.float32)
+    if holds:
+        cache = np.asarray(jnp.asarray(cache).astype(jnp.bfloat16 if holds == 1 else jnp.float16).view(jnp.int16))
+    # decode tokens, a prefill chunk of sequence 2, and one padding token (context 0)
+    seq = np.array([0, 1, 3, 2, 2, 2, 0], np.int32)
+    pos = np.array([0, 8, 19, 40, 41, 47, 0], np.int32)
+    ctx = lens.copy()
+    pad = 6
+    T = len(seq)
+    q = rng.standard_normal((T, KV, G, D)).astype(np.float32)
+    return [q, cache, np.int32(1), tables, seq, pos, ctx], pad
+
+
+def _exported(args, window, holds):
+    def f(*a):
+        return _private.composite(paged_attention_reference, PAGED_ATTENTION.name, PAGED_ATTENTION.version)(
+            *a, window=window, holds=holds)
+    (t,) = export.symbolic_shape("T")
+    shapes = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in args]
+    for i in (0, 4, 5):
+        shapes[i] = jax.ShapeDtypeStruct((t, *np.shape(args[i])[1:]), np.asarray(args[i]).dtype)
+    return export.export(jax.jit(f), platforms=("cpu",))(*shapes)
+
+
+@pytest.fixture(scope="module")
+def library():
+    lib = kernels.cpu_library()
+    if lib is None:
+        pytest.skip("no C++ compiler here: the CPU kernels are off (the portable path is tested elsewhere)")
+    return lib
+
+
+@pytest.mark.parametrize("G,D", [(3, 64), (4, 128), (5, 32)])     # specialized, specialized, generic
+@pytest.mark.parametrize("holds", [0, 1, 2])
+@pytest.mark.parametrize("window", [0, 5])
+def test_paged_attention_kernel_matches_decomposition_and_torch(library, G, D, holds, window):
+    args, pad = _case(np.random.default_rng(G * 10 + holds), G, D, holds)
+    exp = _exported(args, window, holds)
+    portable_fn, n_portable = kernels.specialize(exp, None)
+    kernel_fn, n_kernel = kernels.specialize(exp, library)
+    assert (n_portable, n_kernel) == (0, 1)
+    assert "custom_call @hloserve_paged_attention" in kernel_fn.mlir_module()
+    assert "stablehlo.composite" in exp.mlir_module() and "stablehlo.composite" not in kernel_fn.mlir_module()
+    portable = np.asarray(jax.jit(portable_fn.call)(*args))
+    kernel = np.asarray(jax.jit(kernel_fn.call)(*args))
+    ref = custom_ops.paged_attention(*[torch.from_numpy(np.array(a)) for a in args], window, holds).numpy()
+    real = np.arange(len(args[4])) != pad                             # padding rows are unspecified
+    np.testing.assert_allclose(portable[real], ref[real], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(kernel[real], ref[real], atol=1e-5, rtol=0)
+    assert np.isfinite(kernel).all() and np.isfinite(portable).all()
+
+
+def test_kernel_sees_only_its_sequence(library):
+    """Changing a block another sequence owns changes nothing; changing one of its own does."""
+    args, pad = _case(np.random.default_rng(1), 3, 64, 0)
+    fn = jax.jit(kernels.specialize(_exported(args, 0, 0), library)[0].call)
+    base = np.asarray(fn(*args))
+    cache = args[1].copy()
+    cache[1, :, :, args[3][1, 0]] += 1.0                              # sequence 1's first block, layer 1
+    moved = np.asarray(fn(args[0], cache, *args[2:]))
+    rows_of_1 = args[4] == 1
+    assert np.abs(moved[rows_of_1] - base[rows_of_1]).max() > 1e-2
+    np.testing.assert_array_equal(moved[~rows_of_1 & (np.arange(len(args[4])) != pad)],
+                                  base[~rows_of_1 & (np.arange(len(args[4])) != pad)])
+
+
+def test_no_compiler_means_portable_path(tmp_path):
+    """A machine without a working C++ compiler runs the decompositions, with one warning."""
+    code = ("from hloserve.runtime import kernels; import logging; logging.basicConfig(); "
+            "print('LIB', kernels.cpu_library())")
+    env = {**os.environ, "HLOSERVE_CACHE": str(tmp_path), "CXX": "/bin/false"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "LIB None" in out.stdout
+    assert "could not be built" in out.stderr and "portable formulation" in out.stderr
+    assert not list(tmp_path.rglob("*.so"))
+    env["HLOSERVE_CPU_KERNELS"] = "0"
+    env.pop("CXX")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "LIB None" in out.stdout and out.stderr == ""
