@@ -8,8 +8,6 @@
 //   hloserve_paged_attention: attention of each token over its own sequence's paged context,
 //     read block by block straight from the KV cache (16-bit float bits or f32), only the blocks
 //     in use; XLA gathers every sequence's padded context, widened to f32, before its dots.
-//   hloserve_stacked_linear: x @ w[layer].T for 16-bit float weights stacked over layers, read
-//     in place and widened in registers; XLA copies (and widens) each layer's slice first.
 //
 // Work is split over XLA's intra-op thread pool; the calling thread takes a share and never
 // waits on a task that has not started.
@@ -37,19 +35,6 @@ inline float bf16_to_f32(uint16_t b) {
 }
 
 inline float f16_to_f32(uint16_t h) { return static_cast<float>(*reinterpret_cast<const _Float16*>(&h)); }
-
-// f32 -> nearest bf16 (ties to even), as f32 (what mixed_linear's activations are rounded to)
-inline float round_bf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7f800000u) != 0x7f800000u) u += 0x7fffu + ((u >> 16) & 1u);
-  u &= 0xffff0000u;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline float round_f16(float x) { return static_cast<float>(static_cast<_Float16>(x)); }
 
 // Runs fn(i) for i in [0, n) over the pool's threads and the calling thread.
 template <typename F>
@@ -262,69 +247,6 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   return ffi::Error::Success();
 }
 
-// ---- stacked linear -----------------------------------------------------------------------
-// x f32[M, K]; w s16[L, N, K] (bf16 or f16 bits, `holds` 1 or 2); layer s32[] -> y f32[M, N]
-// y = round(x) @ w[layer].T, x rounded to the weights' 16-bit type, products summed in f32.
-template <Kind K>
-void linear_rows(const float* xr, int64_t M, int64_t Kd, const uint16_t* w, int64_t n0, int64_t n1, int64_t N,
-                 float* y) {
-  constexpr int64_t R = 4;  // weight rows widened together, each used for every x row
-  alignas(64) float wf[R * 4096];
-  const bool fits = Kd <= 4096;
-  for (int64_t n = n0; n < n1; n += R) {
-    const int64_t r = std::min(R, n1 - n);
-    if (fits) {
-      for (int64_t j = 0; j < r; ++j)
-#pragma omp simd
-        for (int64_t k = 0; k < Kd; ++k) wf[j * Kd + k] = load<K>(w, (n + j) * Kd + k);
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xm = xr + m * Kd;
-        for (int64_t j = 0; j < r; ++j) {
-          const float* wj = wf + j * Kd;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t k = 0; k < Kd; ++k) acc += xm[k] * wj[k];
-          y[m * N + n + j] = acc;
-        }
-      }
-    } else {
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j < r; ++j) {
-          float acc = 0.f;
-          for (int64_t k = 0; k < Kd; ++k) acc += xr[m * Kd + k] * load<K>(w, (n + j) * Kd + k);
-          y[m * N + n + j] = acc;
-        }
-    }
-  }
-}
-
-ffi::Error StackedLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
-                         int64_t holds, ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != xd[1])
-    return ffi::Error::InvalidArgument("hloserve_stacked_linear: x must be [M,K] and w [L,N,K]");
-  if (holds != 1 && holds != 2)
-    return ffi::Error::InvalidArgument("hloserve_stacked_linear: holds must be 1 (bf16) or 2 (f16)");
-  const int64_t M = xd[0], Kd = xd[1], L = wd[0], N = wd[1];
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("hloserve_stacked_linear: layer out of range");
-  const uint16_t* wl = static_cast<const uint16_t*>(w.untyped_data()) + l * N * Kd;
-  std::vector<float> xr(M * Kd);
-  const float* xp = x.typed_data();
-  for (int64_t i = 0; i < M * Kd; ++i) xr[i] = holds == 1 ? round_bf16(xp[i]) : round_f16(xp[i]);
-  float* yp = y->typed_data();
-  constexpr int64_t kTile = 64;  // weight rows per task
-  const int64_t tiles = (N + kTile - 1) / kTile;
-  const float* xrp = xr.data();
-  parallel_for(pool, tiles, 1, [&](int64_t tile) {
-    int64_t n0 = tile * kTile, n1 = std::min(N, n0 + kTile);
-    if (holds == 1) linear_rows<Kind::kBF16>(xrp, M, Kd, wl, n0, n1, N, yp);
-    else linear_rows<Kind::kF16>(xrp, M, Kd, wl, n0, n1, N, yp);
-  });
-  return ffi::Error::Success();
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_paged_attention, PagedAttention,
@@ -338,14 +260,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_paged_attention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("window")
-                                  .Attr<int64_t>("holds")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_stacked_linear, StackedLinear,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("holds")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -36,6 +36,7 @@ from .stream import RequestStream
 if TYPE_CHECKING:
     from ..config import ServeConfig
     from ..text.tokenizer import Decoder, Tokenizer
+    from ..text.structured import Grammars
 
 log = logging.getLogger("hloserve.server.engine")
 
@@ -67,9 +68,11 @@ class Engine:
     """
 
     def __init__(self, scheduler: Scheduler, runner: Runner, *, vocab_size: int | None = None,
-                 decoder: "Decoder | None" = None, clock: Callable[[], float] = time.monotonic):
+                 decoder: "Decoder | None" = None, grammars: "Grammars | None" = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.scheduler = scheduler
         self.runner = runner
+        self.grammars = grammars
         self.detokenizer = Detokenizer(decoder)
         self.vocab_size = vocab_size
         self._clock = clock
@@ -103,12 +106,17 @@ class Engine:
         self.check_token_ids(ids)
         self.scheduler.check_request(ids, params)
         self.detokenizer.check(params)
+        matcher = None
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ValueError("structured output needs the model's tokenizer, and this artifact ships none")
+            matcher = self.grammars.matcher(params.structured)   # ValueError for a bad grammar
         if self._stopping:
             raise EngineError("the engine is stopped; it accepts no new requests")
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(request_id, self.abort)
         with self._cv:
-            self._inbox.append(("add", (request_id, ids, params, stream, self._clock())))
+            self._inbox.append(("add", (request_id, ids, params, stream, self._clock(), matcher)))
             self._cv.notify()
         return stream
 
@@ -135,6 +143,8 @@ class Engine:
         """Compile every shape the runner can be asked for (before /ready); returns compiles done."""
         warm = getattr(self.runner, "warmup", None)
         n = warm(progress) if callable(warm) else 0
+        if self.grammars is not None:
+            self.grammars.prepare()     # the grammar tokenizer (~0.5 s), not on the first structured request
         with self._snapshot_lock:
             self._snapshot = self._take_snapshot()
         return n
@@ -204,9 +214,9 @@ class Engine:
 
     def _handle(self, kind: str, payload) -> None:
         if kind == "add":
-            request_id, ids, params, stream, arrival = payload
+            request_id, ids, params, stream, arrival, matcher = payload
             try:
-                self.scheduler.add_request(request_id, ids, params)
+                self.scheduler.add_request(request_id, ids, params, matcher)
             except ValueError as e:
                 stream._put(RequestOutput.ended_before_start(request_id, prompt_len=len(ids), reason=FinishReason.ERROR,
                                                             error=str(e)))
@@ -300,4 +310,9 @@ def build_engine(artifact_path: str, config: "ServeConfig | None" = None) -> tup
     sched = Scheduler(sched_cfg, BlockManager(runner.num_blocks, llm.block_size,
                                               enable_prefix_caching=sched_cfg.enable_prefix_caching),
                       eos_token_ids=eos)
-    return Engine(sched, runner, vocab_size=llm.vocab_size, decoder=tokenizer), tokenizer
+    grammars = None
+    if tokenizer is not None:
+        from ..text.structured import Grammars
+        with open(os.path.join(artifact_path, tok_file), encoding="utf-8") as f:
+            grammars = Grammars(f.read(), llm.vocab_size, eos)
+    return Engine(sched, runner, vocab_size=llm.vocab_size, decoder=tokenizer, grammars=grammars), tokenizer

@@ -21,6 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..text.structured import StructuredOutput
+
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 _NUCLEUS_PROBE = 64  # top-p first tries the 64 most likely tokens before a full sort
 
@@ -48,6 +50,7 @@ class SamplingParams:
         output (> 1 discourages repeats; 1: off).
       logit_bias: (token id, bias in [-100, 100]) pairs added to the logits.
       min_tokens: EOS and stop token ids cannot be sampled before this many output tokens.
+      structured: the grammar the output must match (server/text/structured.py), or None.
     """
     temperature: float = 1.0
     top_p: float = 1.0
@@ -65,6 +68,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -210,6 +214,12 @@ class RowContext:
     prompt: tuple[int, ...] = ()
     output: tuple[int, ...] = ()
     suppress: tuple[int, ...] = ()
+    allowed: np.ndarray | None = dataclasses.field(default=None, compare=False)   # bool[vocab]: the grammar's mask
+
+    @property
+    def masks(self) -> bool:
+        """Whether this row's logits are masked (min_tokens, structured output)."""
+        return bool(self.suppress) or self.allowed is not None
 
 
 def process_logits(logits: np.ndarray, params: SamplingParams, ctx: RowContext) -> np.ndarray:
@@ -223,6 +233,10 @@ def process_logits(logits: np.ndarray, params: SamplingParams, ctx: RowContext) 
     if ctx.suppress:
         ids = np.asarray(ctx.suppress, np.int64)
         out[ids[ids < vocab]] = -np.inf
+    if ctx.allowed is not None:
+        n = min(vocab, ctx.allowed.shape[0])
+        out[:n][~ctx.allowed[:n]] = -np.inf
+        out[n:] = -np.inf
     if params.repetition_penalty != 1:
         seen = np.unique(np.asarray(ctx.prompt + ctx.output, np.int64))
         seen = seen[seen < vocab]
@@ -239,7 +253,7 @@ def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, index: int
                ctx: RowContext = RowContext()) -> tuple[int, TokenLogprobs | None]:
     """Sample one token from one row of logits (f32[vocab]); returns (token, logprobs or None)."""
     raw = logits
-    if params.processes_logits or ctx.suppress:
+    if params.processes_logits or ctx.masks:
         logits = process_logits(logits, params, ctx)
     if params.greedy:
         token = int(np.argmax(logits))
@@ -271,7 +285,7 @@ def sample(logits: np.ndarray, params: Sequence[SamplingParams], seeds: Sequence
     contexts = contexts or [RowContext()] * len(params)
     tokens, lps = [], []
     greedy_rows = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None and not p.processes_logits
-                   and not contexts[i].suppress]
+                   and not contexts[i].masks]
     argmax = np.argmax(logits[greedy_rows], axis=-1) if greedy_rows else ()
     fast = dict(zip(greedy_rows, argmax))
     for i, p in enumerate(params):

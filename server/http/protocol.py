@@ -2,8 +2,8 @@
 
 Every field of OpenAI's completions and chat-completions requests is accepted, and so are vLLM's
 sampling extensions. Fields that change results are implemented (sampling, penalties, logit_bias,
-min_p, min_tokens, n, several prompts, ...); the few that hloserve cannot honour yet (best_of > n,
-echo, suffix, structured output, tool calls) answer 400 saying so, and every other
+min_p, min_tokens, n, several prompts, structured output, ...); the few that hloserve cannot honour
+yet (best_of > n, echo, suffix, tool calls) answer 400 saying so, and every other
 field is accepted at any value that does not change the result (OpenAI's bookkeeping fields:
 store, metadata, user, service_tier, ...). A field nobody knows is ignored, as vLLM does, and named
 in the response's `x-hloserve-warning` header and the log, so a typo is visible but a newer client
@@ -11,10 +11,13 @@ still works.
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..text.structured import StructuredOutput
 
 
 def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
@@ -42,16 +45,31 @@ class StreamOptions(OpenModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(OpenModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenModel):
     type: Literal["text", "json_object", "json_schema"] = "text"
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _text_only(self):
-        if self.type != "text":
-            raise ValueError(f"response_format {self.type!r} (structured output) is not supported by hloserve yet; "
-                             f"send {{'type': 'text'}} or omit it")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format json_schema needs json_schema.schema (a JSON schema object)")
         return self
+
+
+class StructuredOutputsParams(OpenModel):
+    """vLLM's `structured_outputs` field: exactly one of these."""
+    json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(OpenModel):
@@ -84,6 +102,40 @@ class _Sampling(OpenModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        """The grammar the output must match, from whichever field gave one (ValueError for two)."""
+        found: list[tuple[str, StructuredOutput]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutput("json")))
+        elif rf is not None and rf.type == "json_schema":
+            found.append(("response_format", StructuredOutput("json_schema", json.dumps(rf.json_schema.schema_))))
+        so = self.structured_outputs
+        forms = [("guided_json", self.guided_json, "json_schema"), ("guided_regex", self.guided_regex, "regex"),
+                 ("guided_choice", self.guided_choice, "choice"), ("guided_grammar", self.guided_grammar, "grammar")]
+        if so is not None:
+            forms += [("structured_outputs.json", so.json_, "json_schema"), ("structured_outputs.regex", so.regex, "regex"),
+                      ("structured_outputs.choice", so.choice, "choice"),
+                      ("structured_outputs.grammar", so.grammar, "grammar")]
+            if so.json_object:
+                found.append(("structured_outputs.json_object", StructuredOutput("json")))
+        for name, value, kind in forms:
+            if value is None:
+                continue
+            if kind == "json_schema" or kind == "choice":
+                value = value if isinstance(value, str) else json.dumps(value)
+            found.append((name, StructuredOutput(kind, value)))
+        if len(found) > 1:
+            raise ValueError(f"{' and '.join(n for n, _ in found)} both constrain the output; send one")
+        return found[0][1] if found else None
 
     @field_validator("stop")
     @classmethod
@@ -201,7 +253,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
