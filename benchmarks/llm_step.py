@@ -1,6 +1,7 @@
 """LLM step benchmark: hloserve's paged-cache step vs transformers eager, and scan vs unrolled layers.
 
     python benchmarks/llm_step.py [--model smollm2|random] [--steps N] [--skip-unrolled]
+    python benchmarks/llm_step.py --generic      # the generic transformers step vs the hand-written one
 
 Model: SmolLM2-135M-Instruct from the `smollm2-135m-instruct` preset GGUF, dequantized to
 f32 (both sides run the same weights); `--model random` (or no GGUF loader) uses a
@@ -100,10 +101,14 @@ class OurDecode:
 
     def __init__(self, model, cfg: LlamaConfig, batch: int, fn: str = "decode"):
         import jax.numpy as jnp
+
+        from hloserve.runtime.artifact.llm import LLMSpec
         self.fn = model.functions[fn]
         blocks_per_seq = -(-(DECODE_CONTEXT + 1) // BLOCK)
         num_blocks = batch * blocks_per_seq + 1
-        self.cache = jnp.zeros((cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, BLOCK, cfg.head_dim), jnp.float32)
+        kv = LLMSpec.from_json(model.manifest.model["llm"]).kv_cache if model.manifest.model.get("llm") else None
+        self.cache = jnp.zeros((cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, BLOCK, cfg.head_dim),
+                               kv.numpy_dtype if kv is not None else jnp.float32)
         tables = [list(range(1 + s * blocks_per_seq, 1 + (s + 1) * blocks_per_seq)) for s in range(batch)]
         self.inputs = pack_step([([5 + s], DECODE_CONTEXT, tables[s]) for s in range(batch)], BLOCK)
 
@@ -178,12 +183,66 @@ def compare_layouts(weights: LlamaWeights, out: str) -> None:
         print(f"  {name}: " + ", ".join(row))
 
 
+def compare_generic(args, cfg: LlamaConfig, hf, tmp: str) -> int:
+    """The same HF directory exported both ways (--llm-step llama / generic), timed in one process."""
+    import jax.numpy as jnp
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.sources import load_source
+    from hloserve.runtime import load
+    from hloserve.runtime.artifact.llm import LLMSpec
+
+    hf_dir = os.path.join(tmp, "hf")
+    hf.save_pretrained(hf_dir)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, cfg.vocab_size, (PREFILL_LEN,), generator=g).tolist()
+    blocks = PREFILL_LEN // BLOCK
+    batches = [int(x) for x in args.batches.split(",")]
+    print(f"\ngeneric step (transformers' code, attention interface) vs hand-written Llama step; decode at "
+          f"context {DECODE_CONTEXT}, prefill of one {PREFILL_LEN}-token prompt; median of {args.steps}:")
+    print(f"  {'weights/KV':>10}  {'step':>11}  {'export s':>8}  " + "  ".join(f"{'decode b=' + str(b):>12}" for b in batches)
+          + f"  {'prefill ms':>10}")
+    rows = {}
+    for label, kw in (("f32", {}), ("bf16", dict(weight_dtype="bfloat16", kv_cache_dtype="bfloat16"))):
+        for step in ("llama", "generic"):
+            out = os.path.join(tmp, f"{step}-{label}")
+            t0 = time.perf_counter()
+            src = load_source(hf_dir, llm_step=step, **kw)
+            entries = src.entries
+            export_artifact(out, entries, source="benchmark", model=src.model, files=src.files,
+                            weight_quant=getattr(src, "weight_quant", None))
+            export_s = time.perf_counter() - t0
+            model = load(out, cache_dir=None, buckets={"num_tokens": sorted({*batches, PREFILL_LEN}),
+                                                       "num_seqs": sorted({1, *batches}), "max_blocks": [8, 32]})
+            decode = [timed(OurDecode(model, cfg, b), args.steps) for b in batches]
+            kv = LLMSpec.from_json(model.manifest.model["llm"]).kv_cache
+            inputs = pack_step([(prompt, 0, list(range(1, blocks + 1)))], BLOCK)
+            state = {"cache": jnp.zeros(kv.concrete_shape(blocks + 1), kv.numpy_dtype)}
+
+            def prefill():
+                o = model.functions["prefill"](**inputs, kv_cache=state["cache"])
+                state["cache"] = o["kv_cache"]
+                return np.asarray(o["logits"])
+            pre = timed(prefill, max(3, args.steps // 3))
+            rows[label, step] = (decode, pre)
+            print(f"  {label:>10}  {step:>11}  {export_s:>8.1f}  " + "  ".join(f"{d * 1e3:>12.2f}" for d in decode)
+                  + f"  {pre * 1e3:>10.1f}", flush=True)
+            model = None
+            shutil.rmtree(out, ignore_errors=True)
+        (dl, pl), (dg, pg) = rows[label, "llama"], rows[label, "generic"]
+        print(f"  {label:>10}  {'generic/llama':>11}  {'':>8}  " + "  ".join(f"{g_ / l_:>12.2f}" for g_, l_ in zip(dg, dl))
+              + f"  {pg / pl:>10.2f}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "random"])
     ap.add_argument("--steps", type=int, default=10, help="timed repetitions per measurement (median)")
     ap.add_argument("--skip-unrolled", action="store_true", help="skip the scan vs unrolled comparison")
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--generic", action="store_true",
+                    help="only compare the generic transformers step (models/hf_causal.py) with the hand-written "
+                         "Llama step, f32 and bf16 weights + KV cache")
     ap.add_argument("--layouts", action="store_true",
                     help="also time the flat / gather / paged attention layouts on a prompt and a mixed step")
     args = ap.parse_args(argv)
@@ -202,6 +261,8 @@ def main(argv=None) -> int:
 
     tmp = tempfile.mkdtemp(prefix="hloserve-llm-bench-")
     try:
+        if args.generic:
+            return compare_generic(args, cfg, hf, tmp)
         return _run(args, cfg, weights, hf, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)   # artifacts of ~0.5 GiB each

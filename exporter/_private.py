@@ -78,3 +78,20 @@ def _composite_primitive():
 
     mlir.register_lowering(prim, lowering)
     return prim
+
+
+def drop_derived_ranges(ep) -> int:
+    """A program read back by torch.export.load has derived-dim expressions (`2*s77`) among its
+    shape environment's ranges, which torch's run_decompositions then fails on ("expected
+    sympy.Symbol", torch 2.13); the same program decomposes before saving. Their ranges follow from
+    their roots', so drop them. Returns how many were dropped."""
+    import sympy
+    from torch._export.utils import _get_shape_env_from_gm
+
+    env = _get_shape_env_from_gm(ep.graph_module)
+    if env is None:
+        return 0
+    derived = [k for k in env.var_to_range if not isinstance(k, sympy.Symbol)]
+    for k in derived:
+        del env.var_to_range[k]
+    return len(derived)

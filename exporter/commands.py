@@ -57,7 +57,8 @@ def _export_checked(args: argparse.Namespace) -> int:
     reporter.stage(f"loading {args.source}")
     source = load_source(args.source, dtype=args.dtype, quantize=args.quantize,
                          quantize_skip=args.quantize_skip.split(",") if args.quantize_skip else (),
-                         weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype)
+                         weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
+                         llm_step=args.llm_step)
     entries = source.entries
     if args.function:
         known = {e.name for e in entries}
@@ -123,6 +124,11 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         e.add_argument("--kv-cache-dtype", metavar="D",
                        help="LLMs: store K and V in D (bfloat16 or float16) under float32 activations: half the "
                             "cache memory and gather traffic; attention still computes in float32")
+        e.add_argument("--llm-step", choices=("auto", "generic", "llama"), default="auto",
+                       help="how a HF causal LM becomes the paged-cache step: 'generic' (the model's own code "
+                            "through transformers' attention interface, any architecture), 'llama' (hloserve's "
+                            "hand-written Llama-family step: scanned layers, --weight-dtype), 'auto' (llama for "
+                            "llama/mistral/qwen2, generic for the rest)")
         e.add_argument("--function", action="append", help="entry point(s) to export (default: all the source provides)")
         e.add_argument("--pad", help="symbolic dims the runtime may pad to buckets, comma-separated ('none' for none)")
         e.add_argument("--platforms", default="cpu", help="comma-separated lowering platforms (cpu,cuda,tpu)")

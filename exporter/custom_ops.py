@@ -36,7 +36,7 @@ def _(x, weight, bias):
 @torch.library.custom_op("hloserve::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: torch.Tensor, block_tables: torch.Tensor,
                     seq_ids: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
-                    window: int, holds: int) -> torch.Tensor:
+                    window: int, holds: int, scale: float, softcap: float) -> torch.Tensor:
     T, KV, G, D = q.shape
     L, _, _, N, BS, _ = kv_cache.shape
     B = block_tables.shape[1]
@@ -52,12 +52,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: torch.Tensor
     seen = (c[None, :] <= pos) & (c[None, :] < context_lens[seq_ids].long()[:, None])   # [T, C]
     if window:
         seen = seen & (c[None, :] > pos - window)
-    scores = torch.einsum("tkgd,ktcd->ktgc", q.float(), k) * D ** -0.5    # [KV, T, G, C]
+    scores = torch.einsum("tkgd,ktcd->ktgc", q.float(), k) * scale        # [KV, T, G, C]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = torch.where(seen[None, :, None, :], scores, -1e30)
     out = torch.einsum("ktgc,ktcd->tkgd", torch.softmax(scores, dim=-1), v)   # [T, KV, G, D]
     return out.to(q.dtype)
 
 
 @paged_attention.register_fake
-def _(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds):
+def _(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds, scale, softcap):
     return torch.empty_like(q)

@@ -39,6 +39,10 @@ class Symbol:
         return out
 
 
+# set on a Dim hloserve named itself (a .pt2's dims: x_0), so a name the user gives wins
+AUTO_NAME = "_hloserve_auto_name"
+
+
 def _bound(value: Any) -> int | None:
     try:
         v = int(value)
@@ -97,7 +101,10 @@ class SymbolTable:
                 if not name or not str(name).isidentifier():
                     continue
                 (sym,) = expr.free_symbols
-                torch_names[str(sym)] = str(name)
+                if getattr(root if root is not None else dim, AUTO_NAME, False):
+                    torch_names.setdefault(str(sym), str(name))   # a name hloserve made up yields to the user's
+                else:
+                    torch_names[str(sym)] = str(name)
         symbols: dict[str, Symbol] = {}
         for sym, rng in ep.range_constraints.items():
             if not isinstance(sym, sympy.Symbol):

@@ -22,7 +22,7 @@ from . import presets
 from .entry import Source  # noqa: F401  (re-exported: sources return it)
 from .errors import SourceError
 from .export import EntryPoint
-from .shapes import parse_dynamic_spec
+from .shapes import AUTO_NAME, parse_dynamic_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOW_DTYPES = ("bfloat16", "float16")
@@ -30,11 +30,13 @@ LOW_DTYPES = ("bfloat16", "float16")
 
 def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = None,
                 quantize_skip: Sequence[str] = (), weight_dtype: str | None = None,
-                kv_cache_dtype: str | None = None) -> Source:
+                kv_cache_dtype: str | None = None, llm_step: str = "auto") -> Source:
     """Load SOURCE; with `quantize` (--quantize, see quantization.schemes.QuantConfig.parse) its
     Linear/Embedding weights are swapped for quantized ones (a GGUF with `gguf` keeps its blocks).
     `weight_dtype` / `kv_cache_dtype` (--weight-dtype, --kv-cache-dtype) store an LLM's weight
-    matrices / K and V in a 16-bit float under float32 activations (models/llama.py)."""
+    matrices / K and V in a 16-bit float under float32 activations (models/llama.py). `llm_step`
+    (--llm-step) picks how a Hugging Face causal LM becomes the step: "generic" (models/hf_causal.py),
+    "llama" (models/llama.py) or "auto"."""
     llm = {}
     for flag, value, key in (("--weight-dtype", weight_dtype, "weight_dtype"),
                              ("--kv-cache-dtype", kv_cache_dtype, "kv_dtype")):
@@ -44,6 +46,10 @@ def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = Non
             raise SourceError(f"{flag} {value!r} is not supported with --dtype {dtype}; use bfloat16 or float16 "
                               f"under --dtype float32 (or --dtype alone for one dtype throughout)")
         llm[key] = DTYPES[value]
+    if llm_step not in ("auto", "generic", "llama"):
+        raise SourceError(f"--llm-step {llm_step!r}: use auto, generic or llama")
+    if llm_step != "auto":
+        llm["step"] = llm_step
     if quantize and "weight_dtype" in llm:
         raise SourceError("--weight-dtype and --quantize both choose how weights are stored; use one of them")
     if quantize:
@@ -79,10 +85,10 @@ def _load_source(spec: str, dtype: str, quant, llm: dict) -> Source:
 
 
 def _llm_only(spec: str, llm: dict) -> None:
-    """--weight-dtype / --kv-cache-dtype are options of the LLM step export only."""
+    """--weight-dtype / --kv-cache-dtype / --llm-step are options of the LLM step export only."""
     if llm:
-        raise SourceError(f"--weight-dtype and --kv-cache-dtype apply to LLMs exported as step functions (a GGUF, "
-                          f"or a Hugging Face Llama/Mistral/Qwen2 directory); {spec} is not one: use --dtype instead")
+        raise SourceError(f"--weight-dtype, --kv-cache-dtype and --llm-step apply to LLMs exported as step functions "
+                          f"(a GGUF, or a Hugging Face causal-LM directory); {spec} is not one: use --dtype instead")
 
 
 def _load_path(path: str, tdtype, quant=None, llm: dict | None = None) -> Source:
@@ -99,6 +105,9 @@ def _load_path(path: str, tdtype, quant=None, llm: dict | None = None) -> Source
         return _load_pt2(path, tdtype)
     if path.endswith(".gguf"):
         from .models import llama_source  # the LLM export path (imported only when needed)
+        if llm.pop("step", "llama") != "llama":
+            raise SourceError(f"--llm-step generic runs a Hugging Face directory's own model code; {path} is a GGUF, "
+                              f"which exports through the Llama step (save it as a HF directory for the generic one)")
         if quant is not None and quant.native:  # keep the file's Q8_0/Q4_0/Q4_1 blocks
             from .models.gguf_quant import gguf_weights_builder
             build, record = gguf_weights_builder(quant, tdtype)
@@ -117,8 +126,29 @@ def _load_pt2(path: str, tdtype) -> Source:
         raise SourceError(f"{path} is not a readable torch.export .pt2 file: {type(e).__name__}: {e}") from e
     if tdtype != torch.float32:
         raise SourceError(f"{path}: --dtype applies before capture; re-save the .pt2 in {tdtype}")
-    return Source(f"torch.export program {os.path.basename(path)}", [EntryPoint("forward", program=decompose(ep))],
-                  {"task": "generic"})
+    from ._private import drop_derived_ranges
+    drop_derived_ranges(ep)
+    # A .pt2 keeps no Dim names (torch names its symbols s0, s77, ...): each root dim is named after
+    # the first input and axis it appears in (x_0); `--dynamic x:0=batch` names it otherwise.
+    user = [n for n, spec in zip([n for n in ep.graph.nodes if n.op == "placeholder"], ep.graph_signature.input_specs)
+            if spec.kind.name == "USER_INPUT"]
+    names = [n.name for n in user]
+    dims: dict[str, torch.export.Dim] = {}
+    dynamic = []
+    for node in user:
+        val = node.meta.get("val")
+        spec = {}
+        for d, size in enumerate(getattr(val, "shape", ())):
+            expr = getattr(getattr(size, "node", None), "expr", None)
+            if expr is not None and len(expr.free_symbols) == 1 and expr == next(iter(expr.free_symbols)):
+                sym = str(expr)
+                if sym not in dims:
+                    dims[sym] = torch.export.Dim(f"{node.name}_{d}")
+                    setattr(dims[sym], AUTO_NAME, True)     # --dynamic names win over these
+                spec[d] = dims[sym]
+        dynamic.append(spec or None)
+    entry = EntryPoint("forward", program=decompose(ep), input_names=names, dynamic_shapes=tuple(dynamic))
+    return Source(f"torch.export program {os.path.basename(path)}", [entry], {"task": "generic"})
 
 
 def _load_factory(spec: str, tdtype) -> Source:
@@ -274,20 +304,30 @@ def hf_directory(path: str, tdtype, llm: dict | None = None) -> Source:
         if hasattr(transformers, name):
             cls = getattr(transformers, name)
             break
-    if config.model_type in ("llama", "mistral", "qwen2") and any(a.endswith("ForCausalLM") for a in archs):
+    llm = dict(llm or {})
+    step = llm.pop("step", "auto")
+    causal = _is_causal_lm(cls, config)
+    if step == "llama" or (step == "auto" and causal and config.model_type in ("llama", "mistral", "qwen2")):
+        from .models import llama_source   # the hand-written Llama step (scanned layers, 16-bit weights)
+        return llama_source.from_hf_directory(path, tdtype, **llm)
+    why_not = None
+    if causal or step == "generic":
+        from .models import hf_causal      # any causal LM through transformers' attention interface
         try:
-            from .models import llama_source
-            return llama_source.from_hf_directory(path, tdtype, **(llm or {}))
-        except ImportError:
-            pass  # LLM export path not available; export as a plain HF model
+            hf_causal.check_supported(cls, config)
+        except SourceError as e:
+            if step == "generic":
+                raise
+            why_not = str(e)
+        else:
+            return hf_causal.from_hf_directory(path, tdtype, **llm)
     if not any(f.endswith(".safetensors") for f in os.listdir(path)):
         raise SourceError(f"{path} has no *.safetensors weights; convert the checkpoint to safetensors first")
     model = cls.from_pretrained(path, dtype=tdtype, attn_implementation="sdpa")
     entry, meta = hf_entry(model, config)
-    if meta["task"] == "causal-lm":
-        meta["llm_note"] = (f"{archs[0]} ({config.model_type}) exports as a plain forward, not an LLM step with a "
-                            f"paged KV cache: hloserve's LLM step covers the Llama family (llama, mistral, qwen2); "
-                            f"other decoders need the generic attention-interface path, not built yet")
+    if why_not:
+        meta["llm_note"] = (f"exported as a plain forward (TF Serving predict API), not an LLM step with a paged "
+                            f"KV cache: {why_not}")
     files = {f: os.path.join(path, f) for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                                                "vocab.txt") if os.path.exists(os.path.join(path, f))}
     pooling = os.path.join(path, "1_Pooling", "config.json")
@@ -300,6 +340,14 @@ def hf_directory(path: str, tdtype, llm: dict | None = None) -> Source:
         if isinstance(st_config.get("max_seq_length"), int):
             meta["pooling"]["max_seq_length"] = st_config["max_seq_length"]
     return Source(f"Hugging Face {meta['architecture']} from {path}", [entry], meta, files)
+
+
+def _is_causal_lm(cls, config) -> bool:
+    """Whether transformers lists `cls` as a causal LM (its auto mapping), e.g. GPT2LMHeadModel."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, ())
+    names = (names,) if isinstance(names, str) else tuple(names)
+    return getattr(cls, "__name__", "") in names or getattr(cls, "__name__", "").endswith("ForCausalLM")
 
 
 def _read_json(path: str):

@@ -7,6 +7,7 @@ runtime, runtime/kernels/) runs that instead.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import torch
 from hloserve.runtime.artifact.kernels import PAGED_ATTENTION
 from jax import lax
@@ -21,7 +22,7 @@ _HOLDS = {1: jnp.bfloat16, 2: jnp.float16}
 
 
 def paged_attention_reference(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, *,
-                              window: int, holds: int):
+                              window: int, holds: int, scale: float, softcap: float):
     """The portable formulation: every token gathers its sequence's whole (padded) context.
 
     Whole blocks are gathered as rows of a 2-D view, one row per (layer, K|V, kv head, block),
@@ -44,7 +45,9 @@ def paged_attention_reference(q, kv_cache, layer, block_tables, seq_ids, positio
     k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     qk = q.transpose(1, 0, 2, 3)                                          # [KV, T, G, D]
     # scores as K @ q^T: the big operand K is the dot's row-major left side
-    scores = jnp.matmul(k, qk.swapaxes(-1, -2), precision=lax.Precision.HIGHEST) * (D ** -0.5)   # [KV, T, C, G]
+    scores = jnp.matmul(k, qk.swapaxes(-1, -2), precision=lax.Precision.HIGHEST) * scale   # [KV, T, C, G]
+    if softcap:
+        scores = softcap * jnp.tanh(scores / softcap)
     c = jnp.arange(C, dtype=jnp.int32)
     pos = positions[:, None]
     seen = (c[None, :] <= pos) & (c[None, :] < context_lens[seq_ids][:, None])   # [T, C]
@@ -65,10 +68,12 @@ def jax_softmax(x, axis):
 # hloserve::paged_attention(Tensor q, Tensor kv_cache, Tensor layer, Tensor block_tables, Tensor seq_ids,
 #                           Tensor positions, Tensor context_lens, int window, int holds) -> Tensor
 @lower(torch.ops.hloserve.paged_attention)
-def _paged_attention(ctx, q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds):
+def _paged_attention(ctx, q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds,
+                     scale, softcap):
     i32 = jnp.int32
     composite = _private.composite(paged_attention_reference, PAGED_ATTENTION.name, PAGED_ATTENTION.version)
     out = composite(q.astype(jnp.float32), kv_cache, jnp.asarray(layer, i32).reshape(()), block_tables.astype(i32),
                     seq_ids.astype(i32), positions.astype(i32), context_lens.astype(i32),
-                    window=int(window or 0), holds=int(holds))
+                    window=int(window or 0), holds=int(holds), scale=np.float32(scale),
+                    softcap=np.float32(softcap or 0))
     return out.astype(q.dtype)

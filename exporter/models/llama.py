@@ -518,7 +518,7 @@ class LlamaStep(torch.nn.Module):
                 from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.paged_attention
                 out = torch.ops.hloserve.paged_attention(
                     qg.float(), cache, l, block_tables, seq_ids, positions, context_lens,
-                    cfg.sliding_window or 0, _HOLDS.get(kvd or dtype, 0)).to(dtype)   # [T, KV, G, D]
+                    cfg.sliding_window or 0, _HOLDS.get(kvd or dtype, 0), D ** -0.5, 0.0).to(dtype)   # [T, KV, G, D]
             elif self.attention == "paged":
                 # `seen` is each token's context length here; the loop masks block by block
                 out = _paged_attention(qg, cache, l, blocks, pos, seen, cfg.sliding_window)   # [T, KV, G, D]

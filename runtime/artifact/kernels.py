@@ -40,8 +40,10 @@ PAGED_ATTENTION = Composite(
     attributes=(
         "window i64: attend to positions > position - window (0: no window)",
         "holds i64: what the cache elements are: 0 its own dtype (f32), 1 bfloat16, 2 float16",
+        "scale f32: the scores' factor (1/sqrt(D) for most models)",
+        "softcap f32: scores become softcap * tanh(scores / softcap) (0: no capping)",
     ),
-    result="f32[T, KV, G, D]: softmax(q k^T / sqrt(D)) v over the positions c of the token's sequence "
+    result="f32[T, KV, G, D]: softmax(softcap(scale q k^T)) v over the positions c of the token's sequence "
            "(block_tables row seq_ids[t]) with c <= positions[t] and c < context_lens[seq]; a token that "
            "sees no position (padding) gets unspecified finite values",
 )

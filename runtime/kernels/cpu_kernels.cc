@@ -83,7 +83,8 @@ inline float load(const void* base, int64_t i) {
 // q f32[T, KV, G, D]; cache [L, 2, KV, N, BS, D]; layer s32[]; block_tables s32[S, B];
 // seq_ids, positions s32[T]; context_lens s32[S] -> out f32[T, KV, G, D].
 // Token t sees positions c of its sequence with c <= positions[t], c < context_len and, with a
-// window w > 0, c > positions[t] - w. A token that sees nothing (padding) gets zeros.
+// window w > 0, c > positions[t] - w; scores are scale * q.k, then softcap * tanh(s / softcap)
+// when softcap > 0. A token that sees nothing (padding) gets zeros.
 
 // e^x for x <= 0 (softmax arguments), vectorizable: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2;
 // relative error < 2e-7 (degree-6 Taylor polynomial of e^r); x below -87 gives 0.
@@ -102,7 +103,7 @@ inline float exp_nonpositive(float x) {
 // registers; a K or V row is widened once and used by every query head of its group.
 template <Kind K, int G, int D>
 void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbase, const int32_t* table,
-                  int64_t begin, int64_t end, int64_t BS, float scale, float* scores, float* out) {
+                  int64_t begin, int64_t end, int64_t BS, float scale, float softcap, float* scores, float* out) {
   const int64_t n = end - begin;
   float qs[G][D];
   for (int g = 0; g < G; ++g)
@@ -119,6 +120,8 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
       scores[g * n + (c - begin)] = acc;
     }
   }
+  if (softcap > 0.f)
+    for (int64_t i = 0; i < G * n; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
   float inv[G];
   for (int g = 0; g < G; ++g) {
     float* s = scores + g * n;
@@ -151,7 +154,7 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
 // Any G and D: one query head at a time.
 template <Kind K>
 void attend_any(const float* q, const void* cache, int64_t kbase, int64_t vbase, const int32_t* table,
-                int64_t begin, int64_t end, int64_t BS, int64_t D, int64_t G, float scale, float* scores,
+                int64_t begin, int64_t end, int64_t BS, int64_t D, int64_t G, float scale, float softcap, float* scores,
                 float* out) {
   const int64_t n = end - begin;
   for (int64_t g = 0; g < G; ++g) {
@@ -161,7 +164,7 @@ void attend_any(const float* q, const void* cache, int64_t kbase, int64_t vbase,
       const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * D;
       float acc = 0.f;
       for (int64_t d = 0; d < D; ++d) acc += qg[d] * load<K>(cache, off + d);
-      scores[c - begin] = acc * scale;
+      scores[c - begin] = softcap > 0.f ? softcap * std::tanh(acc * scale / softcap) : acc * scale;
     }
     float m = scores[0];
     for (int64_t i = 1; i < n; ++i) m = std::max(m, scores[i]);
@@ -178,23 +181,23 @@ void attend_any(const float* q, const void* cache, int64_t kbase, int64_t vbase,
 
 template <Kind K>
 void attend(const float* q, const void* cache, int64_t kbase, int64_t vbase, const int32_t* table, int64_t begin,
-            int64_t end, int64_t BS, int64_t D, int64_t G, float scale, float* scores, float* out) {
+            int64_t end, int64_t BS, int64_t D, int64_t G, float scale, float softcap, float* scores, float* out) {
 #define HLOSERVE_ATTEND(g, d)                                                                      \
   if (G == g && D == d)                                                                            \
-    return attend_fixed<K, g, d>(q, cache, kbase, vbase, table, begin, end, BS, scale, scores, out);
+    return attend_fixed<K, g, d>(q, cache, kbase, vbase, table, begin, end, BS, scale, softcap, scores, out);
   HLOSERVE_ATTEND(1, 64) HLOSERVE_ATTEND(2, 64) HLOSERVE_ATTEND(3, 64) HLOSERVE_ATTEND(4, 64)
   HLOSERVE_ATTEND(5, 64) HLOSERVE_ATTEND(6, 64) HLOSERVE_ATTEND(7, 64) HLOSERVE_ATTEND(8, 64)
   HLOSERVE_ATTEND(1, 128) HLOSERVE_ATTEND(2, 128) HLOSERVE_ATTEND(3, 128) HLOSERVE_ATTEND(4, 128)
   HLOSERVE_ATTEND(5, 128) HLOSERVE_ATTEND(6, 128) HLOSERVE_ATTEND(7, 128) HLOSERVE_ATTEND(8, 128)
 #undef HLOSERVE_ATTEND
-  attend_any<K>(q, cache, kbase, vbase, table, begin, end, BS, D, G, scale, scores, out);
+  attend_any<K>(q, cache, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores, out);
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
                           ffi::Buffer<ffi::S32> seq_ids, ffi::Buffer<ffi::S32> positions,
-                          ffi::Buffer<ffi::S32> context_lens, int64_t window, int64_t holds,
-                          ffi::ResultBuffer<ffi::F32> out) {
+                          ffi::Buffer<ffi::S32> context_lens, int64_t window, int64_t holds, float scale,
+                          float softcap, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions();
   auto cd = cache.dimensions();
   auto bd = block_tables.dimensions();
@@ -218,7 +221,6 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   const int32_t* seqs = seq_ids.typed_data();
   const int32_t* pos = positions.typed_data();
   const int32_t* lens = context_lens.typed_data();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int64_t head_stride = N * BS * D;  // one (layer, K|V, kv head) plane
 
   parallel_for(pool, T * KV, 1, [&, kind](int64_t i) {
@@ -239,9 +241,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     const int32_t* table = tables + s * B;
     const float* qi = qp + i * G * D;
     switch (kind) {
-      case Kind::kF32: attend<Kind::kF32>(qi, cdata, kbase, vbase, table, begin, end, BS, D, G, scale, scores.data(), o); break;
-      case Kind::kBF16: attend<Kind::kBF16>(qi, cdata, kbase, vbase, table, begin, end, BS, D, G, scale, scores.data(), o); break;
-      case Kind::kF16: attend<Kind::kF16>(qi, cdata, kbase, vbase, table, begin, end, BS, D, G, scale, scores.data(), o); break;
+      case Kind::kF32: attend<Kind::kF32>(qi, cdata, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores.data(), o); break;
+      case Kind::kBF16: attend<Kind::kBF16>(qi, cdata, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores.data(), o); break;
+      case Kind::kF16: attend<Kind::kF16>(qi, cdata, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores.data(), o); break;
     }
   });
   return ffi::Error::Success();
@@ -261,4 +263,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_paged_attention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("window")
                                   .Attr<int64_t>("holds")
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -71,6 +71,24 @@ def test_export_pt2_source(tmp_path):
                                atol=1e-5)
 
 
+def test_pt2_dims_are_named_and_derived_dims_export(tmp_path):
+    """A .pt2 keeps no Dim names: its dims are named after their first input and axis (x_0), and
+    --dynamic renames them; a derived dim (2*batch) survives torch.export.save/load (torch 2.13's
+    run_decompositions fails on it after loading unless hloserve drops the derived ranges)."""
+    from .factories import two_dims
+    module, args, dyn = two_dims()
+    ep = torch.export.export(module, args, dynamic_shapes=dyn)
+    path = str(tmp_path / "m.pt2")
+    torch.export.save(ep, path)
+    out = str(tmp_path / "art")
+    hloserve("export", path, "-o", out, "-q")
+    info = hloserve("inspect", out).stdout
+    assert "in  pairs: f32[x_0,2*x_1,16]" in info and "in  shifted: f32[x_0,x_1 + 1,16]" in info, info
+    hloserve("export", path, "-o", out, "-q", "--dynamic", "x:0=batch,1=seq")
+    info = hloserve("inspect", out).stdout
+    assert "in  pairs: f32[batch,2*seq,16]" in info, info
+
+
 def test_export_bfloat16_factory(tmp_path):
     out = str(tmp_path / "art")
     hloserve("export", "factories:mlp", "-o", out, "--dtype", "bfloat16", "-q")

@@ -46,10 +46,13 @@ def _case(rng, G, D, holds, L=3, KV=2, S=4, B=6):
     return [q, cache, np.int32(1), tables, seq, pos, ctx], pad
 
 
-def _exported(args, window, holds):
+def _exported(args, window, holds, scale=None, softcap=0.0):
+    D = np.shape(args[0])[-1]
+
     def f(*a):
         return _private.composite(paged_attention_reference, PAGED_ATTENTION.name, PAGED_ATTENTION.version)(
-            *a, window=window, holds=holds)
+            *a, window=window, holds=holds, scale=np.float32(D ** -0.5 if scale is None else scale),
+            softcap=np.float32(softcap))
     (t,) = export.symbolic_shape("T")
     shapes = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in args]
     for i in (0, 4, 5):
@@ -67,10 +70,10 @@ def library():
 
 @pytest.mark.parametrize("G,D", [(3, 64), (4, 128), (5, 32)])     # specialized, specialized, generic
 @pytest.mark.parametrize("holds", [0, 1, 2])
-@pytest.mark.parametrize("window", [0, 5])
-def test_paged_attention_kernel_matches_decomposition_and_torch(library, G, D, holds, window):
+@pytest.mark.parametrize("window,scale,softcap", [(0, None, 0.0), (5, None, 0.0), (0, 0.3, 2.0)])
+def test_paged_attention_kernel_matches_decomposition_and_torch(library, G, D, holds, window, scale, softcap):
     args, pad = _case(np.random.default_rng(G * 10 + holds), G, D, holds)
-    exp = _exported(args, window, holds)
+    exp = _exported(args, window, holds, scale, softcap)
     portable_fn, n_portable = kernels.specialize(exp, None)
     kernel_fn, n_kernel = kernels.specialize(exp, library)
     assert (n_portable, n_kernel) == (0, 1)
@@ -78,7 +81,8 @@ def test_paged_attention_kernel_matches_decomposition_and_torch(library, G, D, h
     assert "stablehlo.composite" in exp.mlir_module() and "stablehlo.composite" not in kernel_fn.mlir_module()
     portable = np.asarray(jax.jit(portable_fn.call)(*args))
     kernel = np.asarray(jax.jit(kernel_fn.call)(*args))
-    ref = custom_ops.paged_attention(*[torch.from_numpy(np.array(a)) for a in args], window, holds).numpy()
+    ref = custom_ops.paged_attention(*[torch.from_numpy(np.array(a)) for a in args], window, holds,
+                                     D ** -0.5 if scale is None else scale, softcap).numpy()
     real = np.arange(len(args[4])) != pad                             # padding rows are unspecified
     np.testing.assert_allclose(portable[real], ref[real], atol=1e-5, rtol=0)
     np.testing.assert_allclose(kernel[real], ref[real], atol=1e-5, rtol=0)

@@ -1,0 +1,354 @@
+"""Any Hugging Face decoder-only causal LM as the paged-cache LLM step, through transformers'
+attention interface (the way vLLM's Transformers backend serves models it has no code for).
+
+    source = from_hf_directory(path, tdtype)        # -> Source with `prefill` and `decode`
+
+The model's own code runs under torch.export; only its attention is ours. `hloserve_paged` is
+registered in transformers' `AttentionInterface` and set as the config's attention
+implementation, so every attention layer calls `paged_attention_forward` with its rotated q/k/v
+(after q/k norms, partial rotary, ... whatever the model does) and its own `scaling`,
+`sliding_window` and `softcap`. transformers builds no mask for an attention name it has no mask
+function for. The whole step runs as one row [1, T] with `position_ids`; the paging inputs reach
+the attention function as a keyword argument (`hloserve_step`) that transformers passes through
+the model's `**kwargs` unchanged. Each layer writes this step's K/V into the explicit cache (one
+tensor, docs/architecture.md "LLM step contract") and reads its sequence's context:
+
+  * `decode`: the `hloserve.paged_attention` composite (runtime/artifact/kernels.py): a CPU kernel
+    reading only the blocks in use, or its portable decomposition;
+  * `prefill`: the flat layout (every token scores all of the step's contexts, masked to its own).
+
+Logits are computed for each sequence's last token only (`logits_to_keep=last_token`), so final
+logit soft-capping, logit scales and tied heads are the model's own code too.
+
+The gate is transformers' own (`_supports_attention_backend`, what vLLM requires): a model that
+does not route attention through the interface, an encoder-decoder, or a model with recurrent
+(state-space, linear-attention) layers is refused at export with one line saying why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+import torch
+
+from hloserve.runtime.artifact.llm import NUM_BLOCKS, STEP_INPUTS, STEP_OUTPUTS, KVCacheSpec, LLMSpec
+
+from ..entry import Source
+from ..errors import SourceError
+from .llama import ATTENTION_COST, StepExportOptions
+
+ATTN_NAME = "hloserve_paged"
+STEP_KWARG = "hloserve_step"
+_MASKED = -1e30
+_HOLDS = {torch.bfloat16: 1, torch.float16: 2}
+# layer kinds (config.layer_types) whose attention is full or windowed softmax attention
+_ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheGeometry:
+    """What the paged cache looks like for a model: [layers, 2, kv_heads, N, block, head_dim]."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def geometry(config) -> CacheGeometry:
+    """The cache geometry from a transformers config (the text model's)."""
+    c = _text_config(config)
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return CacheGeometry(int(c.num_hidden_layers), int(kv), int(head_dim))
+
+
+def activation_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the model computes in: its embedding's output (weights may be stored narrower or
+    quantized: a quantized embedding says its output dtype)."""
+    emb = model.get_input_embeddings()
+    dtype = getattr(emb, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else emb.weight.dtype
+
+
+def check_supported(cls, config) -> None:
+    """Raise SourceError (one line: why, and what would be needed) unless the generic path can serve it."""
+    name = getattr(cls, "__name__", str(cls))
+    if getattr(config, "is_encoder_decoder", False):
+        raise SourceError(f"{name} is an encoder-decoder model; hloserve's LLM step serves decoder-only causal LMs "
+                          f"(an encoder-decoder needs a second, cross-attention cache)")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", ""), ())
+    causal = (causal,) if isinstance(causal, str) else tuple(causal)
+    if not (name.endswith("ForCausalLM") or name in causal):
+        raise SourceError(f"{name} is not a causal LM class (transformers' causal-LM mapping); export the model's "
+                          f"causal-LM head class instead")
+    if not getattr(cls, "_supports_attention_backend", False):
+        raise SourceError(f"{name} does not route its attention through transformers' attention interface "
+                          f"(_supports_attention_backend is False), so its attention cannot be replaced by a "
+                          f"paged one; it needs a hand-written step in exporter/models/")
+    c = _text_config(config)
+    kinds = set(getattr(c, "layer_types", None) or ())
+    other = sorted(kinds - set(_ATTENTION_LAYERS))
+    if other:
+        raise SourceError(f"{name} has {', '.join(other)} layers (recurrent state, not a KV cache); the paged step "
+                          f"serves attention layers only and would need a per-sequence state cache for these")
+    g = geometry(config)
+    if g.num_kv_heads <= 0 or c.num_attention_heads % g.num_kv_heads:
+        raise SourceError(f"{name}: {c.num_attention_heads} query heads are not a multiple of {g.num_kv_heads} "
+                          f"KV heads")
+
+
+def register_attention() -> None:
+    """Register `hloserve_paged` with transformers (idempotent; a process-wide table of transformers')."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+
+
+def paged_attention_forward(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
+                            sliding_window=None, softcap=None, **kwargs):
+    """transformers' attention-interface signature: query [1, H, T, D], key/value [1, KV, T, D]
+    -> ([1, T, H, D], None). Writes this step's K/V into the cache and attends over it."""
+    step = kwargs.get(STEP_KWARG)
+    if step is None:
+        raise RuntimeError(f"{ATTN_NAME} attention called without the step's paging inputs ({STEP_KWARG}=...)")
+    return step.attend(module, query, key, value, scaling, sliding_window, softcap), None
+
+
+class _Step:
+    """The paging inputs of one step and the cache as it is updated, layer by layer (tracing state)."""
+
+    def __init__(self, layout: str, inputs: Mapping[str, torch.Tensor], kv_dtype: torch.dtype | None,
+                 dtype: torch.dtype):
+        self.layout = layout
+        self.x = inputs
+        self.cache = inputs["kv_cache"]
+        self.kv_dtype = kv_dtype
+        self.dtype = dtype
+
+    def attend(self, module, query, key, value, scaling, window, softcap) -> torch.Tensor:
+        layer = module.layer_idx
+        _, H, T, D = query.shape
+        KV = key.shape[1]
+        q = query[0].transpose(0, 1)                                      # [T, H, D]
+        k = key[0].transpose(0, 1)                                        # [T, KV, D]
+        v = value[0].transpose(0, 1)                                      # [T, KV, D]
+        x = self.x
+        L, _, _, N, BS, _ = self.cache.shape
+        scale = float(scaling) if scaling is not None else D ** -0.5
+        window = int(window or 0)
+        softcap = float(softcap or 0.0)
+
+        # write this step's K and V (one scatter into the layer's rows of the flat cache)
+        flat = self.cache.reshape(L, 2, KV, N * BS, D)                   # [L, 2, KV, N*BS, D]
+        slots = x["slot_mapping"].to(torch.int64)
+        ar = torch.arange(2 * KV, device=q.device)
+        idx_l = torch.full((2, KV, T), layer, dtype=torch.int64, device=q.device)   # [2, KV, T]
+        idx_kv = (ar // KV).reshape(2, KV, 1).expand(2, KV, T)            # [2, KV, T]
+        idx_h = (ar % KV).reshape(2, KV, 1).expand(2, KV, T)              # [2, KV, T]
+        values = torch.stack([k, v]).transpose(1, 2).to(self.dtype)       # [2, KV, T, D]
+        if self.kv_dtype is not None:
+            values = values.to(self.kv_dtype).view(torch.int16)           # the cache holds bits
+        elif values.dtype != self.cache.dtype:
+            values = values.to(self.cache.dtype)
+        flat = flat.index_put((idx_l, idx_kv, idx_h, slots[None, None, :].expand(2, KV, T)), values)
+        self.cache = flat.reshape(L, 2, KV, N, BS, D)                     # [L, 2, KV, N, BS, D]
+
+        qg = q.reshape(T, KV, H // KV, D)                                 # [T, KV, G, D]
+        holds = _HOLDS.get(self.kv_dtype or self.cache.dtype, 0)
+        if self.layout == "gather":
+            from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.paged_attention
+            out = torch.ops.hloserve.paged_attention(
+                qg.float(), self.cache, torch.tensor(layer, dtype=torch.int32), x["block_tables"], x["seq_ids"],
+                x["positions"], x["context_lens"], window, holds, scale, softcap)   # [T, KV, G, D]
+        else:
+            out = _flat_attention(qg.float(), self.cache, layer, x, window, holds, scale, softcap)
+        return out.to(query.dtype).reshape(1, T, H, D)                   # [1, T, H, D]
+
+
+def _flat_attention(qg, cache, layer: int, x, window: int, holds: int, scale: float, softcap: float):
+    """Every token scores the contexts of all S sequences of the step, masked to its own (prefill)."""
+    T, KV, G, D = qg.shape
+    L, _, _, N, BS, _ = cache.shape
+    tables = x["block_tables"].to(torch.int64)                            # [S, B]
+    S, B = tables.shape
+    C = B * BS
+    kv = cache[layer]                                                     # [2, KV, N, BS, D]
+    k = kv[0][:, tables].reshape(KV, S * C, D)                            # [KV, S*C, D]
+    v = kv[1][:, tables].reshape(KV, S * C, D)                            # [KV, S*C, D]
+    if holds:
+        kind = torch.bfloat16 if holds == 1 else torch.float16
+        k, v = k.view(kind) if k.dtype == torch.int16 else k, v.view(kind) if v.dtype == torch.int16 else v
+    k, v = k.float(), v.float()
+    c = torch.arange(C, device=qg.device)
+    pos = x["positions"].to(torch.int64)[:, None]                         # [T, 1]
+    own = x["seq_ids"].to(torch.int64)[:, None] == torch.arange(S, device=qg.device)[None, :]   # [T, S]
+    causal = c[None, :] <= pos                                            # [T, C]
+    if window:
+        causal = causal & (c[None, :] > pos - window)
+    filled = c[None, :] < x["context_lens"].to(torch.int64)[:, None]      # [S, C]
+    seen = (own[:, :, None] & causal[:, None, :] & filled[None, :, :]).reshape(T, S * C)   # [T, S*C]
+    scores = torch.einsum("tkgd,kcd->ktgc", qg, k) * scale                # [KV, T, G, S*C]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = torch.where(seen[None, :, None, :], scores, _MASKED)
+    out = torch.einsum("ktgc,kcd->tkgd", torch.softmax(scores, dim=-1), v)   # [T, KV, G, D]
+    return out
+
+
+class MixedLinear(torch.nn.Module):
+    """An nn.Linear whose weight is stored in a 16-bit float under wider activations
+    (`--weight-dtype`): hloserve::mixed_linear rounds x to the weight's dtype and sums in f32."""
+
+    def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = torch.nn.Parameter(linear.weight.detach().to(dtype), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x):
+        from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.mixed_linear
+        return torch.ops.hloserve.mixed_linear(x, self.weight, self.bias)
+
+
+def mixed_linears(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Swap every nn.Linear whose weight no other module shares (a tied head keeps the embedding's
+    dtype) for a MixedLinear; returns how many were swapped."""
+    owners: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and owners.get(id(child.weight), 0) == 1:
+                setattr(parent, name, MixedLinear(child, dtype))
+                swapped += 1
+    return swapped
+
+
+class HFStep(torch.nn.Module):
+    """One paged-cache step of a transformers causal LM (the LLM step contract)."""
+
+    def __init__(self, model: torch.nn.Module, *, layout: str, kv_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.model = model
+        self.layout = layout
+        self.kv_dtype = kv_dtype
+
+    def forward(self, tokens, positions, seq_ids, slot_mapping, block_tables, context_lens, last_token, kv_cache):
+        inputs = dict(positions=positions, seq_ids=seq_ids, slot_mapping=slot_mapping, block_tables=block_tables,
+                      context_lens=context_lens, kv_cache=kv_cache)
+        dtype = activation_dtype(self.model)
+        step = _Step(self.layout, inputs, self.kv_dtype, dtype)
+        out = self.model(input_ids=tokens[None].to(torch.int64), position_ids=positions[None].to(torch.int64),
+                         use_cache=False, logits_to_keep=last_token.to(torch.int64), **{STEP_KWARG: step})
+        logits = out.logits[0].float()                                  # [S, V]
+        return logits, step.cache
+
+
+def step_entries(model: torch.nn.Module, opts: StepExportOptions) -> list:
+    """`prefill` (flat) and `decode` (gather) over the same model, as llama.step_entries."""
+    from ..export import EntryPoint
+
+    g = geometry(model.config)
+    Dim = torch.export.Dim
+    T = Dim("num_tokens", min=1, max=opts.max_tokens)
+    S = Dim("num_seqs", min=1, max=opts.max_seqs)
+    N = Dim("num_blocks", min=2, max=opts.max_num_blocks)
+    B = Dim("max_blocks", min=1, max=opts.max_blocks)
+    bs = opts.block_size
+    dtype = activation_dtype(model)
+    ex = dict(
+        tokens=torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32),
+        positions=torch.tensor([0, 1, 2, 0, 1], dtype=torch.int32),
+        seq_ids=torch.tensor([0, 0, 0, 1, 1], dtype=torch.int32),
+        slot_mapping=torch.tensor([bs, bs + 1, bs + 2, 2 * bs, 2 * bs + 1], dtype=torch.int32),
+        block_tables=torch.tensor([[1, 0, 0], [2, 0, 0]], dtype=torch.int32),
+        context_lens=torch.tensor([3, 2], dtype=torch.int32),
+        last_token=torch.tensor([2, 4], dtype=torch.int32),
+        kv_cache=torch.zeros(g.num_layers, 2, g.num_kv_heads, 7, bs, g.head_dim,
+                             dtype=torch.int16 if opts.kv_dtype is not None else dtype),
+    )
+    dyn = ({0: T}, {0: T}, {0: T}, {0: T}, {0: S, 1: B}, {0: S}, {0: S}, {3: N})
+    args = tuple(ex[n] for n in STEP_INPUTS)
+    return [EntryPoint(name, HFStep(model, layout=att, kv_dtype=opts.kv_dtype), args, dyn,
+                       input_names=STEP_INPUTS, output_names=STEP_OUTPUTS, donated=("kv_cache",),
+                       paddable=("num_tokens", "num_seqs", "max_blocks"))
+            for name, att in opts.functions]
+
+
+def llm_spec(model: torch.nn.Module, opts: StepExportOptions, eos_ids, bos_id) -> LLMSpec:
+    from .. import dtypes
+    g = geometry(model.config)
+    c = _text_config(model.config)
+    dtype = activation_dtype(model)
+    stored = torch.int16 if opts.kv_dtype is not None else dtype
+    kv = KVCacheSpec(dtype=dtypes.artifact_name_of_torch(stored),
+                     holds=dtypes.artifact_name_of_torch(opts.kv_dtype) if opts.kv_dtype is not None else None,
+                     shape=(g.num_layers, 2, g.num_kv_heads, NUM_BLOCKS, opts.block_size, g.head_dim))
+    return LLMSpec(block_size=opts.block_size, max_blocks=opts.max_blocks, max_seqs=opts.max_seqs,
+                   max_tokens=opts.max_tokens, vocab_size=int(c.vocab_size), bos_token_id=bos_id,
+                   eos_token_ids=tuple(eos_ids), kv_cache=kv,
+                   functions={name: f"{att}: {ATTENTION_COST[att]}" for name, att in opts.functions},
+                   model={"num_layers": g.num_layers, "num_heads": int(c.num_attention_heads),
+                          "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim, "hidden_size": int(c.hidden_size),
+                          "sliding_window": getattr(c, "sliding_window", None), "layers": "unrolled",
+                          "attention": "transformers attention interface (hloserve_paged)"})
+
+
+def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExportOptions | None = None,
+                      kv_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> Source:
+    """Any supported HF causal-LM directory -> Source with the prefill/decode step functions."""
+    import transformers
+
+    from .llama_source import _TOKENIZER_FILES, _chat_template, _generation_defaults
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001
+        raise SourceError(f"{path}/config.json cannot be read by transformers: {e}") from e
+    archs = config.architectures or []
+    cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), None)
+    if cls is None:
+        raise SourceError(f"{path}: transformers {transformers.__version__} has no class for {archs or config.model_type}")
+    check_supported(cls, config)
+    register_attention()
+    model = cls.from_pretrained(path, dtype=tdtype, attn_implementation=ATTN_NAME).eval()
+    if weight_dtype is not None and weight_dtype != tdtype:
+        mixed_linears(model, weight_dtype)
+    c = _text_config(model.config)
+    g = geometry(model.config)
+    max_pos = int(getattr(c, "max_position_embeddings", 4096) or 4096)
+    opts = opts or StepExportOptions(max_context=min(max_pos, 32768), kv_dtype=kv_dtype, scan=False)
+    eos = getattr(model.generation_config, "eos_token_id", None) or getattr(c, "eos_token_id", None)
+    eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
+    bos = getattr(c, "bos_token_id", None)
+    files = {f: os.path.join(path, f) for f in _TOKENIZER_FILES if os.path.exists(os.path.join(path, f))}
+    add_bos = None
+    if os.path.exists(os.path.join(path, "tokenizer_config.json")):
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            add_bos = json.load(f).get("add_bos_token")
+    meta: dict[str, Any] = {
+        "task": "causal-lm", "architecture": cls.__name__,
+        "config": {"model_type": c.model_type, "num_hidden_layers": g.num_layers, "num_key_value_heads": g.num_kv_heads,
+                   "head_dim": g.head_dim, "vocab_size": int(c.vocab_size)},
+        "llm": llm_spec(model, opts, eos_ids, None if bos is None else int(bos)).to_json(),
+        "tokenizer": "tokenizer.json" if "tokenizer.json" in files else None,
+        "chat_template": _chat_template(path),
+    }
+    if add_bos is not None:
+        meta["add_bos_token"] = add_bos
+    if weight_dtype is not None and weight_dtype != tdtype:
+        from .. import dtypes
+        meta["weight_dtype"] = dtypes.artifact_name_of_torch(weight_dtype)
+    gen = _generation_defaults(path)
+    if gen:
+        meta["generation_defaults"] = gen
+    return Source(f"Hugging Face {cls.__name__} from {path} (paged-cache step through transformers' attention "
+                  f"interface)", step_entries(model, opts), meta, files)
