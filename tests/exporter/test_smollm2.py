@@ -120,7 +120,36 @@ def test_smollm2_greedy_matches_transformers(smollm2_artifact, hf_model):
     assert manifest["model"]["preset"] == "smollm2-135m-instruct"
     prompts = _prompts(smollm2_artifact)
     got, prefill_logits = _runtime_greedy(smollm2_artifact, prompts, NEW_TOKENS)
+    _assert_matches_transformers(hf_model, prompts, got, prefill_logits)
 
+
+def test_smollm2_hf_directory_through_the_generic_step(tmp_path_factory, smollm2_artifact, hf_model):
+    """The same weights saved as a Hugging Face directory and exported with `--llm-step generic` (the
+    model's transformers code with hloserve's paged attention): the same greedy continuations."""
+    import shutil
+
+    from hloserve.server.cli import main
+    root = tmp_path_factory.mktemp("smollm2-hf")
+    hf_dir, out = root / "hf", str(root / "art")
+    hf_model.hf_quantizer = None                      # plain f32 tensors now (dequantized from the GGUF)
+    if hasattr(hf_model.config, "quantization_config"):
+        delattr(hf_model.config, "quantization_config")
+    hf_model.save_pretrained(str(hf_dir))
+    with open(os.path.join(smollm2_artifact, "manifest.json")) as f:
+        model = json.load(f)["model"]
+    shutil.copy(os.path.join(smollm2_artifact, "tokenizer.json"), hf_dir / "tokenizer.json")
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": model["chat_template"],
+                                                               "add_bos_token": model.get("add_bos_token", False)}))
+    assert main(["export", str(hf_dir), "--llm-step", "generic", "-o", out, "-q"]) == 0
+    with open(os.path.join(out, "manifest.json")) as f:
+        assert "attention interface" in json.load(f)["model"]["llm"]["attention"]
+    prompts = _prompts(out)
+    assert prompts == _prompts(smollm2_artifact)
+    got, prefill_logits = _runtime_greedy(out, prompts, NEW_TOKENS)
+    _assert_matches_transformers(hf_model, prompts, got, prefill_logits)
+
+
+def _assert_matches_transformers(hf_model, prompts, got, prefill_logits):
     eos = hf_model.config.eos_token_id
     for i, (prompt, cont) in enumerate(zip(prompts, got)):
         ids = torch.tensor([prompt])
