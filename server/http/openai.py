@@ -22,6 +22,7 @@ from ..core.outputs import FinishReason
 from ..config import MAX_PROMPT_CHARS_PER_TOKEN
 from ..core.sampling import SamplingParams
 from ..services import LLMService
+from . import tools
 from .errors import SHUTTING_DOWN, ApiError, admit, check_model
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body, now
 
@@ -119,15 +120,18 @@ async def run_admitted(svc: LLMService, request: Request, req, *, chat: bool, to
             prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompt_tokens = 0
-        # choice p*n + i: prompt p's i-th sample; the n requests of one prompt share its cached blocks
+        # choice p*m + i: prompt p's i-th sample (m = n, or best_of candidates of which the n most likely
+        # are answered); the requests of one prompt share its cached blocks
+        m = req.candidates() if not chat else req.n
+        best_of = m > req.n
         for p, ids in enumerate(prompts):
-            params = sampling(svc, req, len(ids), max_tokens, logprobs)
+            params = sampling(svc, req, len(ids), max_tokens, 0 if best_of and logprobs is None else logprobs)
             prompt_tokens += len(ids)
-            for i in range(req.n):
+            for i in range(m):
                 seed = None if params.seed is None else params.seed + i
-                k = p * req.n + i
+                k = p * m + i
                 streams.append(svc.engine.add_request(ids, dataclasses.replace(params, seed=seed),
-                                                      request_id=rid if len(prompts) * req.n == 1 else f"{rid}-{k}"))
+                                                      request_id=rid if len(prompts) * m == 1 else f"{rid}-{k}"))
     except BaseException as e:
         for st in streams:
             st.abort()
@@ -135,7 +139,11 @@ async def run_admitted(svc: LLMService, request: Request, req, *, chat: bool, to
         if isinstance(e, ValueError):
             raise ApiError(400, str(e)) from None
         raise
-    return await _respond(svc, request, Choices(rid, streams, prompt_tokens), req, chat=chat)
+    echo = None
+    if getattr(req, "echo", False):   # the prompt as sent (decoded when it was token ids or truncated)
+        echo = [p if isinstance(p, str) and req.truncate_prompt_tokens is None else svc.tokenizer.decode(ids)
+                for p, ids in zip(req.prompts(), prompts)]
+    return await _respond(svc, request, Choices(rid, streams, prompt_tokens, echo=echo), req, chat=chat)
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -159,9 +167,12 @@ def _completion_ids(svc: LLMService, req: CompletionRequest):
 
 def _chat_ids(svc: LLMService, req: ChatCompletionRequest):
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         checked_text(svc, "".join(m["content"] for m in messages), "messages")
-        ids = svc.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+        extra = dict(req.chat_template_kwargs or {})
+        if req.uses_tools():
+            extra["tools"] = req.tools
+        ids = svc.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, **extra)
     except ValueError as e:
         raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
     return [ids], req.max_completion_tokens or req.max_tokens, (req.top_logprobs or 0) if req.logprobs else None
@@ -188,10 +199,14 @@ class Choices:
     """The n request streams of one API request, read as one: (choice index, output) as they come.
     Leaving it (`async with`), or `abort()`, aborts every request still running."""
 
-    def __init__(self, request_id: str, streams: list, prompt_tokens: int):
+    def __init__(self, request_id: str, streams: list, prompt_tokens: int, echo: list[str] | None = None):
         self.request_id = request_id
         self.streams = streams
         self.prompt_tokens = prompt_tokens     # all prompts of the request, each counted once
+        self.echo = echo                       # per prompt, its text (completions' echo)
+
+    def prompt_of(self, choice: int) -> int:
+        return choice * len(self.echo) // len(self.streams) if self.echo else 0
 
     def abort(self) -> None:
         for st in self.streams:
@@ -246,11 +261,21 @@ async def _respond(svc: LLMService, request: Request, choices: Choices, req, *, 
             if last.error == SHUTTING_DOWN:
                 raise ApiError(503, SHUTTING_DOWN, type_="service_unavailable", headers={"Retry-After": "1"})
             raise ApiError(500, f"generation failed: {last.error}", type_="internal_error")
+    if not chat and req.candidates() > req.n:
+        results = _best(results, req.candidates(), req.n, keep_logprobs=req.logprobs is not None)
     out = []
     for i, (text, lps, last) in enumerate(results):
         reason = last.finish_reason if last else "abort"
+        if choices.echo:
+            text = choices.echo[i * len(choices.echo) // len(results)] + text
         if chat:
-            out.append({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+            message: dict = {"role": "assistant", "content": text}
+            if req.uses_tools():
+                message["content"], calls = tools.parse(text, req.tools, req.tool_choice)
+                if calls:
+                    message["tool_calls"] = [c.to_json() for c in calls]
+                    reason = "tool_calls" if reason == FinishReason.STOP else reason
+            out.append({"index": i, "message": message, "finish_reason": reason,
                         "logprobs": _chat_logprobs(svc, lps) if req.logprobs else None})
         else:
             out.append({"index": i, "text": text, "finish_reason": reason,
@@ -258,6 +283,16 @@ async def _respond(svc: LLMService, request: Request, choices: Choices, req, *, 
     body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": req.model, "choices": out, "usage": _usage(lasts, choices.prompt_tokens)}
     return JSONResponse(body, headers=headers)
+
+
+def _best(results: list, m: int, n: int, *, keep_logprobs: bool) -> list:
+    """best_of: of each prompt's m candidates, the n with the highest log-probability (the sum over
+    their tokens), most likely first."""
+    out = []
+    for p in range(0, len(results), m):
+        group = sorted(results[p:p + m], key=lambda r: -sum(lp.logprob for lp in r[1]))[:n]
+        out += [(text, lps if keep_logprobs else [], last) for text, lps, last in group]
+    return out
 
 
 async def _collect(request: Request, choices: Choices) -> list[tuple[str, list, object]]:
@@ -326,10 +361,16 @@ async def _sse(svc, choices: Choices, rid, created, req, *, chat: bool, include_
         return f"data: {json.dumps(body)}\n\n"
 
     lasts: list = [None] * len(choices.streams)
+    held = [[] for _ in choices.streams]      # with tools: the text, parsed when the choice ends
+    with_tools = chat and req.uses_tools()
     async with choices:   # leaving early (client disconnect -> cancellation) aborts the requests
         if chat:
             for i in range(len(choices.streams)):
                 yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+        elif choices.echo:
+            for i in range(len(choices.streams)):
+                yield chunk({"index": i, "text": choices.echo[choices.prompt_of(i)], "logprobs": None,
                              "finish_reason": None})
         async for i, out in choices:
             lasts[i] = out
@@ -340,7 +381,19 @@ async def _sse(svc, choices: Choices, rid, created, req, *, chat: bool, include_
             reason = out.finish_reason if out.finished else None
             if not out.new_text and not reason and not lps:
                 continue
-            if chat:
+            if with_tools:
+                held[i].append(out.new_text)
+                if not reason:
+                    continue
+                content, calls = tools.parse("".join(held[i]), req.tools, req.tool_choice)
+                delta: dict = {}
+                if content:
+                    delta["content"] = content
+                if calls:
+                    delta["tool_calls"] = [c.to_json(index=k) for k, c in enumerate(calls)]
+                    reason = "tool_calls" if reason == FinishReason.STOP else reason
+                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+            elif chat:
                 choice = {"index": i, "delta": {"content": out.new_text} if out.new_text else {},
                           "logprobs": _chat_logprobs(svc, lps) if (req.logprobs and lps) else None,
                           "finish_reason": reason}
@@ -390,7 +443,7 @@ async def tokenize(req: TokenizeRequest, request: Request):
         if req.prompt is not None:
             return svc.tokenizer.encode(checked_text(svc, req.prompt, "prompt"),
                                         add_special_tokens=req.add_special_tokens)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         return svc.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
     try:
         ids = await asyncio.to_thread(run)

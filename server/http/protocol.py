@@ -2,8 +2,8 @@
 
 Every field of OpenAI's completions and chat-completions requests is accepted, and so are vLLM's
 sampling extensions. Fields that change results are implemented (sampling, penalties, logit_bias,
-min_p, min_tokens, n, several prompts, structured output, ...); the few that hloserve cannot honour
-yet (best_of > n, echo, suffix, tool calls) answer 400 saying so, and every other
+min_p, min_tokens, n, several prompts, structured output, tool calls, ...); the few that hloserve
+cannot honour yet (best_of > n, echo, suffix) answer 400 saying so, and every other
 field is accepted at any value that does not change the result (OpenAI's bookkeeping fields:
 store, metadata, user, service_tier, ...). A field nobody knows is ignored, as vLLM does, and named
 in the response's `x-hloserve-warning` header and the log, so a typo is visible but a newer client
@@ -110,9 +110,18 @@ class _Sampling(OpenModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    def uses_tools(self) -> bool:
+        """Whether the answer may carry tool calls (chat with tools, tool_choice not 'none')."""
+        return bool(getattr(self, "tools", None)) and getattr(self, "tool_choice", None) != "none"
+
     def structured(self) -> StructuredOutput | None:
         """The grammar the output must match, from whichever field gave one (ValueError for two)."""
         found: list[tuple[str, StructuredOutput]] = []
+        if self.uses_tools():
+            from .tools import constraint
+            forced = constraint(self.tools, self.tool_choice, getattr(self, "parallel_tool_calls", None))
+            if forced is not None:
+                found.append(("tool_choice", forced))
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
             found.append(("response_format", StructuredOutput("json")))
@@ -180,9 +189,6 @@ MAX_PROMPTS = 64   # prompts in one completions request (each answered by its ow
 
 # completion fields accepted only at a value that does not change the result: field -> (neutral?, message)
 _COMPLETION_NEUTRAL_ONLY = {
-    "echo": (lambda v: not v, "echo is not supported by hloserve yet"),
-    "best_of": (lambda v: v in (None, 1), "best_of > 1 (choosing among extra completions) is not supported by "
-                                          "hloserve yet; use n"),
     "suffix": (lambda v: not v, "suffix (insertion) is not supported by hloserve"),
 }
 
@@ -209,7 +215,24 @@ class CompletionRequest(_Sampling):
         v = self.prompt
         return list(v) if isinstance(v, list) and isinstance(v[0], (str, list)) else [v]
 
-    @field_validator("echo", "best_of", "suffix")
+    def candidates(self) -> int:
+        """Completions generated per prompt: best_of when it asks for more than n."""
+        return max(self.n, self.best_of or 1)
+
+    @model_validator(mode="after")
+    def _echo_and_best_of(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.best_of is not None and self.best_of > 16:
+            raise ValueError("best_of must be at most 16")
+        if self.best_of and self.best_of > self.n and self.stream:
+            raise ValueError("best_of > n cannot be streamed (the best are known only at the end); set stream false")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs needs the prompt's log-probabilities, which hloserve does not "
+                             "compute; drop logprobs or echo")
+        return self
+
+    @field_validator("suffix")
     @classmethod
     def _neutral_only(cls, v, info):
         neutral, message = _COMPLETION_NEUTRAL_ONLY[info.field_name]
@@ -247,6 +270,26 @@ class ChatMessage(OpenModel):
             return "".join(parts)
         return self.content or ""
 
+    def for_template(self) -> dict:
+        """The message as chat templates read it: role and content text, plus a replayed tool
+        conversation's fields (tool call arguments as objects, the Hugging Face convention)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                fn = c.function or ToolCallFunction()
+                try:
+                    args = json.loads(fn.arguments) if fn.arguments else {}
+                except ValueError:
+                    args = fn.arguments
+                calls.append({"id": c.id, "type": c.type, "function": {"name": fn.name, "arguments": args}})
+            out["tool_calls"] = calls
+        return out
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -262,9 +305,10 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _no_tool_calls(self):
-        if self.tools and self.tool_choice != "none":
-            raise ValueError("tool calling is not supported by hloserve yet; omit tools (or send tool_choice 'none')")
+    def _tools_and_modalities(self):
+        from .tools import check_tools
+        if self.tools or self.tool_choice not in (None, "none", "auto"):
+            check_tools(self.tools or [], self.tool_choice)
         if self.modalities not in (None, ["text"]):
             raise ValueError(f"modalities {self.modalities}: hloserve answers text only")
         return self

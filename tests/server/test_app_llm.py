@@ -83,8 +83,9 @@ def test_models_and_auth(server):
     ({"model": "tiny-chat", "prompt": "hi", "temperature": 3}, "invalid value for 'temperature'"),
     ({"model": "tiny-chat", "prompt": "hi", "top_p": 0}, "invalid value for 'top_p'"),
     ({"model": "tiny-chat", "prompt": "hi", "n": 17}, "n must be at most 16"),
-    ({"model": "tiny-chat", "prompt": "hi", "best_of": 3}, "best_of > 1"),
-    ({"model": "tiny-chat", "prompt": "hi", "echo": True}, "echo is not supported"),
+    ({"model": "tiny-chat", "prompt": "hi", "best_of": 2, "n": 3}, "must be at least n"),
+    ({"model": "tiny-chat", "prompt": "hi", "best_of": 3, "stream": True}, "cannot be streamed"),
+    ({"model": "tiny-chat", "prompt": "hi", "echo": True, "logprobs": 1}, "echo with logprobs"),
     ({"model": "tiny-chat", "prompt": ["a", ""]}, "prompt is empty"),
     ({"model": "tiny-chat", "prompt": "hi", "logit_bias": {"x": 1}}, "is not a token id"),
     ({"model": "tiny-chat", "prompt": "hi", "presence_penalty": 3}, "invalid value for 'presence_penalty'"),
@@ -263,3 +264,23 @@ def test_several_prompts_in_one_request(server):
     assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) and r.usage.completion_tokens == 20
     ids = c.completions.create(prompt=[[5, 6, 7], [8, 9]], **kw)
     assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+
+
+def test_best_of_answers_the_most_likely_candidates_and_echo_prepends_the_prompt(server):
+    """best_of=4, n=2 seeded: the two answers are the two of the four single requests (seed+i) with
+    the highest summed log-probability, most likely first; echo puts the prompt before the text."""
+    c = client(server[0])
+    kw = dict(model="tiny-chat", prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=5,
+              extra_body={"ignore_eos": True})
+    r = c.completions.create(n=2, best_of=4, **kw)
+    singles = [c.completions.create(**{**kw, "seed": 5 + i}, logprobs=0).choices[0] for i in range(4)]
+    ranked = sorted(singles, key=lambda ch: -sum(ch.logprobs.token_logprobs))
+    assert [ch.text for ch in r.choices] == [ch.text for ch in ranked[:2]]
+    assert r.usage.completion_tokens == 24                          # every candidate is generated
+    e = c.completions.create(model="tiny-chat", prompt="Once upon a time", max_tokens=4, temperature=0, echo=True)
+    plain = c.completions.create(model="tiny-chat", prompt="Once upon a time", max_tokens=4, temperature=0)
+    assert e.choices[0].text == "Once upon a time" + plain.choices[0].text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="tiny-chat", prompt="Once upon a time", max_tokens=4, temperature=0, echo=True, stream=True)
+        if ch.choices)
+    assert streamed == e.choices[0].text
