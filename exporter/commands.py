@@ -28,6 +28,14 @@ def _check_export_options(args: argparse.Namespace) -> None:
     if bad:
         raise HloserveError(f"--platforms {','.join(bad)}: lowering platforms are {', '.join(PLATFORMS)} "
                             f"(e.g. --platforms cpu,cuda)")
+    if args.dynamic:
+        from .dynamic_spec import parse_dynamic_spec
+        parse_dynamic_spec(args.dynamic, None)      # the syntax now; input names once the model is loaded
+    if args.pad:
+        bad = [p for p in args.pad.split(",") if not p.isidentifier()]
+        if bad and args.pad != "none":
+            raise HloserveError(f"--pad {args.pad!r}: give dim names separated by commas (e.g. --pad batch,seq), "
+                                f"or 'none'")
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise HloserveError(f"-o {args.output} is a file; give a directory to write the artifact into")
     if os.path.isdir(args.output) and os.listdir(args.output) and \

@@ -22,7 +22,8 @@ from . import presets
 from .entry import Source  # noqa: F401  (re-exported: sources return it)
 from .errors import SourceError
 from .export import EntryPoint
-from .shapes import AUTO_NAME, parse_dynamic_spec
+from .dynamic_spec import parse_dynamic_spec
+from .shapes import AUTO_NAME
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOW_DTYPES = ("bfloat16", "float16")

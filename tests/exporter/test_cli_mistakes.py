@@ -23,6 +23,10 @@ def _hloserve(*argv: str, cwd: str = REPO) -> tuple[int, str, float]:
     (["export", "all-minilm-l6-v2", "-o", "{out}", "--platforms", "gpu"], "--platforms gpu: lowering platforms are"),
     (["export", "all-minilm-l6-v2", "-o", "{file}"], "is a file; give a directory"),
     (["export", "all-minilm-l6-v2", "-o", "{busy}"], "non-empty directory that is not an artifact"),
+    (["export", "all-minilm-l6-v2", "-o", "{out}", "--dynamic", "input_ids:0=batch[1,"], "is not DIM=NAME[min,max]"),
+    (["export", "all-minilm-l6-v2", "-o", "{out}", "--dynamic", "input_ids0=batch"], "needs INPUT:DIM=NAME"),
+    (["export", "all-minilm-l6-v2", "-o", "{out}", "--dynamic", "input_ids:0=batch[9,2]"], "is empty (min > max)"),
+    (["export", "all-minilm-l6-v2", "-o", "{out}", "--pad", "batch;seq"], "give dim names separated by commas"),
 ])
 def test_bad_export_options_fail_fast_with_one_line(tmp_path, argv, fragment):
     (tmp_path / "file").write_text("x")
