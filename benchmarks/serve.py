@@ -778,48 +778,45 @@ executables. The first `hloserve serve` with no artifact also exports the preset
 
 ### Where the time goes
 
-Load on this shared machine swings within minutes, and step times are bimodal on it (the same
-decode call measures ~41 or ~80 ms from one process to the next), so every number here moves run
-to run; ratios come from systems measured in the same run. vLLM runs with 1 compute thread bound to
-core 0 (its fastest here: c=16 250 tok/s against 118 with 2 threads, c=1 TPOT 17.6 against 41.5 ms;
-with 2 threads its compute shares both cores with its API server and the client).
+Load on this shared machine swings within minutes, so every number here moves run to run; ratios
+come from systems measured in the same run. vLLM runs with 1 compute thread bound to core 0 (its
+fastest here: c=16 250 tok/s against 118 with 2 threads, c=1 TPOT 17.6 against 41.5 ms; with 2
+threads its compute shares both cores with its API server and the client).
 
-Step profile (jax profiler, default artifact, quiet machine, 2026-11-23): decode S=1, B=32 takes
-16-21 ms a call: the layer loop ~16 ms, of which ~6.7 ms are the four per-layer copies of each
-layer's weight slice out of the stacked int16 matrices (`bitcast-convert` fusions: XLA:CPU
-materializes a dynamic slice before a dot), ~8 ms the dots themselves; the LM head (49152 x 576)
-2.8 ms. Decode S=16, B=32: 41-45 ms; prefill T=256, S=1, B=16: 110-114 ms; prefill T=256, S=16,
-B=32: 940 ms (flat attention scores every token against all 16 contexts).
+Engine-level step profile (`benchmarks/engine_level.py`, no HTTP, default artifact, c=16 main
+workload, 2026-11-23, AMD EPYC): the decode step at 16 sequences and 32-block tables took 47.6 ms
+a call with the portable attention (XLA gathers each sequence's whole padded context, widened to
+f32, before two batched dots) and **33.0 ms** with the CPU paged-attention kernel
+(`runtime/kernels/cpu_kernels.cc`: reads only the blocks in use, bf16 straight from the cache,
+K and V rows widened once for all query heads of their group; 20.8 -> 7.6 ms for 30 layers of
+attention alone in isolation). Engine throughput 229 -> 284 tok/s; over HTTP (this table's run
+before it) 224 -> 264 tok/s. The kernel is the artifact's `hloserve.paged_attention` composite,
+substituted at load on CPU; the artifact keeps the portable decomposition (docs/artifact-format.md).
 
-CPU dot libraries (`HLOSERVE_CPU_DOTS`, runtime/client.py; compiler options per client, part of
-the executable-cache key, never in the artifact). XLA:CPU here offers library fusions for dots:
-YNNPACK (`xla_cpu_experimental_xnn_fusion_type=LIBRARY_FUSION_TYPE_DOT`, whose fusions this XLA
-names `__ynn_fusion`) and oneDNN. An isolated bf16 product (256 x 576 @ 576 x 1536, f32 output):
-XLA's emitter 1.29 ms, oneDNN 0.82 ms, YNN 0.66 ms. Whole steps on the default artifact, separate
-processes, alternated: XLA decode S=16 41.0 / prefill T=256 109 ms; YNN 43.0 / 114 ms; oneDNN
-41.8 / 198 ms (logits identical to every printed digit). MiniLM f32 against torch eager: YNN 1.74x
-/ 1.62x (batch 1 / 32), XLA 1.62x / 1.58x: within the noise. The default stays XLA's emitter.
+The generic transformers step (`--llm-step generic`, docs/models.md) on the same SmolLM2 weights
+(`benchmarks/llm_step.py --generic`, one process, 2026-11-23): with bf16 weights and KV cache its
+decode is faster than the hand-written scanned step at one sequence (14.6 against 18.0 ms) and
+equal at 16 (25.5 against 25.9 ms); its 512-token prefill is 9% slower (248 against 227 ms). Its
+layers are unrolled (each layer's own weights, no slice out of a stack), so a step compiles in ~3 s
+instead of ~0.4 s: served (`benchmarks/serve.py --artifact`, hloserve only, same day) it gave
+c=1 TPOT p50 16.2 ms against 19.9 and c=16 281.5 against 263.7 tok/s, but warm-up on empty caches
+takes 319 s instead of 77. The default stays the scanned step until the generic one compiles
+faster.
 
-Tried and dropped this session: the step with unrolled layers on the same stacked weights (decode
-S=1 79 ms, S=16 94 ms, prefill 209 ms: static slices still copy, and the 30 scatters into the 1 GiB
-cache are no longer in place); per-layer weight parameters instead of a stack (a jax micro
-benchmark: no faster than the int16 stack at T=256, and a one-row product widened to f32 again).
-
-Earlier sessions (kept for the record): bf16 weight matrices stored as int16 bits with
-`hloserve::mixed_linear` contracting the weight's dim 1 in place (XLA:CPU widened a bf16 stack
-sliced in a loop, and a transposed bf16 operand, to f32), one-row products padded to two, a bf16 KV
-cache widened inside the gather, prefill S buckets in powers of two and block widths 2x apart, 256
-tokens a step. Attention's products in bf16 were widened back to f32 by XLA:CPU (no gain); serving
-the GGUF's own Q4_1 blocks was faster at c=1 and slower at c=16.
+Tried and dropped this session: a stacked-weight linear kernel (AVX512-BF16 `vdpbf16ps`, 4x6
+register tiles, weights read in place from the layer stack): slower than XLA's dot at 16 rows (5.3
+against 2.3 ms for 30 960x576 products) and equal at one row; compiling warm-up shapes on both
+cores at once (XLA already uses them: 62.6 s on one thread, 66.6 s on two).
+Earlier sessions: unrolled layers over the stacked weights (static slices still copy); YNN and
+oneDNN dot fusions (within noise end to end); bf16 weight matrices stored as int16 bits with
+`hloserve::mixed_linear` contracting the weight's dim 1 in place; a bf16 KV cache widened inside the
+gather; prefill S buckets in powers of two and block widths 2x apart; 256 tokens a step.
 
 What is left, in order of size: a mixed step runs as two calls (decode rows through `decode`,
-chunks through `prefill`), since the flat prefill attention costs T x S x context, so each mixed
-step reads the weights twice and pays both calls' fixed costs; decode reads every sequence's context
-padded to the batch's widest bucket; the per-layer weight-slice copies (~6.7 ms of a decode step);
-long prompts pay the flat attention's padded context (the long-prompt TPOT is 1.6x vLLM's). Each
-needs a different step contract (one call over ragged rows, attention reading only the blocks in
-use) or a CPU kernel behind a jax FFI custom call, with the StableHLO formulation kept as the
-portable reference.
+chunks through `prefill`), so each mixed step reads the weights twice; prefill attention is the
+flat layout (T x S x context, padded); the scanned step's per-layer weight-slice copies (the
+generic step avoids them at the price of compile time); the HTTP and sampling host work shares
+the two cores with XLA (engine-level 284 tok/s against 264 over HTTP).
 """
 
 
