@@ -33,11 +33,11 @@ from typing import Any, Mapping
 
 import torch
 
-from hloserve.runtime.artifact.llm import NUM_BLOCKS, STEP_INPUTS, STEP_OUTPUTS, KVCacheSpec, LLMSpec
+from hloserve.runtime.artifact.llm import LLMSpec
 
 from ..entry import Source
 from ..errors import SourceError
-from .llama import ATTENTION_COST, StepExportOptions
+from .llama import StepExportOptions, contract_entries, contract_spec
 
 ATTN_NAME = "hloserve_paged"
 STEP_KWARG = "hloserve_step"
@@ -254,52 +254,21 @@ class HFStep(torch.nn.Module):
 
 def step_entries(model: torch.nn.Module, opts: StepExportOptions) -> list:
     """`prefill` (flat) and `decode` (gather) over the same model, as llama.step_entries."""
-    from ..export import EntryPoint
-
     g = geometry(model.config)
-    Dim = torch.export.Dim
-    T = Dim("num_tokens", min=1, max=opts.max_tokens)
-    S = Dim("num_seqs", min=1, max=opts.max_seqs)
-    N = Dim("num_blocks", min=2, max=opts.max_num_blocks)
-    B = Dim("max_blocks", min=1, max=opts.max_blocks)
-    bs = opts.block_size
-    dtype = activation_dtype(model)
-    ex = dict(
-        tokens=torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32),
-        positions=torch.tensor([0, 1, 2, 0, 1], dtype=torch.int32),
-        seq_ids=torch.tensor([0, 0, 0, 1, 1], dtype=torch.int32),
-        slot_mapping=torch.tensor([bs, bs + 1, bs + 2, 2 * bs, 2 * bs + 1], dtype=torch.int32),
-        block_tables=torch.tensor([[1, 0, 0], [2, 0, 0]], dtype=torch.int32),
-        context_lens=torch.tensor([3, 2], dtype=torch.int32),
-        last_token=torch.tensor([2, 4], dtype=torch.int32),
-        kv_cache=torch.zeros(g.num_layers, 2, g.num_kv_heads, 7, bs, g.head_dim,
-                             dtype=torch.int16 if opts.kv_dtype is not None else dtype),
-    )
-    dyn = ({0: T}, {0: T}, {0: T}, {0: T}, {0: S, 1: B}, {0: S}, {0: S}, {3: N})
-    args = tuple(ex[n] for n in STEP_INPUTS)
-    return [EntryPoint(name, HFStep(model, layout=att, kv_dtype=opts.kv_dtype), args, dyn,
-                       input_names=STEP_INPUTS, output_names=STEP_OUTPUTS, donated=("kv_cache",),
-                       paddable=("num_tokens", "num_seqs", "max_blocks"))
-            for name, att in opts.functions]
+    return contract_entries(lambda att: HFStep(model, layout=att, kv_dtype=opts.kv_dtype), opts, g.num_layers,
+                            g.num_kv_heads, g.head_dim, activation_dtype(model))
 
 
 def llm_spec(model: torch.nn.Module, opts: StepExportOptions, eos_ids, bos_id) -> LLMSpec:
-    from .. import dtypes
     g = geometry(model.config)
     c = _text_config(model.config)
-    dtype = activation_dtype(model)
-    stored = torch.int16 if opts.kv_dtype is not None else dtype
-    kv = KVCacheSpec(dtype=dtypes.artifact_name_of_torch(stored),
-                     holds=dtypes.artifact_name_of_torch(opts.kv_dtype) if opts.kv_dtype is not None else None,
-                     shape=(g.num_layers, 2, g.num_kv_heads, NUM_BLOCKS, opts.block_size, g.head_dim))
-    return LLMSpec(block_size=opts.block_size, max_blocks=opts.max_blocks, max_seqs=opts.max_seqs,
-                   max_tokens=opts.max_tokens, vocab_size=int(c.vocab_size), bos_token_id=bos_id,
-                   eos_token_ids=tuple(eos_ids), kv_cache=kv,
-                   functions={name: f"{att}: {ATTENTION_COST[att]}" for name, att in opts.functions},
-                   model={"num_layers": g.num_layers, "num_heads": int(c.num_attention_heads),
-                          "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim, "hidden_size": int(c.hidden_size),
-                          "sliding_window": getattr(c, "sliding_window", None), "layers": "unrolled",
-                          "attention": "transformers attention interface (hloserve_paged)"})
+    return contract_spec(opts, activation_dtype(model), num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
+                         head_dim=g.head_dim, vocab_size=int(c.vocab_size), bos_token_id=bos_id, eos_token_ids=eos_ids,
+                         model={"num_layers": g.num_layers, "num_heads": int(c.num_attention_heads),
+                                "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
+                                "hidden_size": int(c.hidden_size),
+                                "sliding_window": getattr(c, "sliding_window", None), "layers": "unrolled",
+                                "attention": "transformers attention interface (hloserve_paged)"})
 
 
 def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExportOptions | None = None,

@@ -630,15 +630,22 @@ def step_entries(weights: LlamaWeights, opts: StepExportOptions = StepExportOpti
 
     All take and return the same step contract; they share every weight and dim.
     """
+    cfg = weights.cfg
+    return contract_entries(lambda att: LlamaStep(weights, attention=att, scan=opts.scan, kv_dtype=opts.kv_dtype),
+                            opts, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, weights.dtype)
+
+
+def contract_entries(make_step: Callable[[str], torch.nn.Module], opts: StepExportOptions, num_layers: int,
+                     num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> list:
+    """One EntryPoint per `opts.functions` (name, attention layout) over the LLM step contract's
+    inputs and dims; `make_step(layout)` builds the module (models/llama.py, models/hf_causal.py)."""
     from ..export import EntryPoint
 
-    cfg = weights.cfg
     Dim = torch.export.Dim
     T = Dim("num_tokens", min=1, max=opts.max_tokens)
     S = Dim("num_seqs", min=1, max=opts.max_seqs)
     N = Dim("num_blocks", min=2, max=opts.max_num_blocks)
     B = Dim("max_blocks", min=1, max=opts.max_blocks)
-    dtype = weights.dtype
     # example: 2 sequences, 5 tokens, 3 blocks of table, 7 blocks of cache (sizes distinct and >= 2)
     bs = opts.block_size
     ex = dict(
@@ -649,30 +656,38 @@ def step_entries(weights: LlamaWeights, opts: StepExportOptions = StepExportOpti
         block_tables=torch.tensor([[1, 0, 0], [2, 0, 0]], dtype=torch.int32),
         context_lens=torch.tensor([3, 2], dtype=torch.int32),
         last_token=torch.tensor([2, 4], dtype=torch.int32),
-        kv_cache=torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, 7, bs, cfg.head_dim,
+        kv_cache=torch.zeros(num_layers, 2, num_kv_heads, 7, bs, head_dim,
                              dtype=torch.int16 if opts.kv_dtype is not None else dtype),
     )
     dyn = ({0: T}, {0: T}, {0: T}, {0: T}, {0: S, 1: B}, {0: S}, {0: S}, {3: N})
     args = tuple(ex[n] for n in STEP_INPUTS)
-    return [
-        EntryPoint(name, LlamaStep(weights, attention=att, scan=opts.scan, kv_dtype=opts.kv_dtype), args, dyn,
-                   input_names=STEP_INPUTS, output_names=STEP_OUTPUTS, donated=("kv_cache",),
-                   paddable=("num_tokens", "num_seqs", "max_blocks"))
-        for name, att in opts.functions
-    ]
+    return [EntryPoint(name, make_step(att), args, dyn, input_names=STEP_INPUTS, output_names=STEP_OUTPUTS,
+                       donated=("kv_cache",), paddable=("num_tokens", "num_seqs", "max_blocks"))
+            for name, att in opts.functions]
 
 
-def llm_spec(cfg: LlamaConfig, opts: StepExportOptions, dtype: torch.dtype) -> LLMSpec:
-    """The manifest's model["llm"]: what a server needs to drive the step functions."""
+def contract_spec(opts: StepExportOptions, dtype: torch.dtype, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                  vocab_size: int, bos_token_id: int | None, eos_token_ids, model: Mapping[str, Any]) -> LLMSpec:
+    """The manifest's model["llm"] of a step built with `opts` (the cache holds int16 bits of
+    opts.kv_dtype when set, else `dtype`); `model` adds the architecture facts."""
     from .. import dtypes
     stored = torch.int16 if opts.kv_dtype is not None else dtype
     kv = KVCacheSpec(dtype=dtypes.artifact_name_of_torch(stored),
                      holds=dtypes.artifact_name_of_torch(opts.kv_dtype) if opts.kv_dtype is not None else None,
-                     shape=(cfg.num_layers, 2, cfg.num_kv_heads, NUM_BLOCKS, opts.block_size, cfg.head_dim))
+                     shape=(num_layers, 2, num_kv_heads, NUM_BLOCKS, opts.block_size, head_dim))
     return LLMSpec(block_size=opts.block_size, max_blocks=opts.max_blocks, max_seqs=opts.max_seqs,
-                   max_tokens=opts.max_tokens, vocab_size=cfg.vocab_size, bos_token_id=cfg.bos_token_id,
-                   eos_token_ids=tuple(cfg.eos_token_ids), kv_cache=kv,
+                   max_tokens=opts.max_tokens, vocab_size=vocab_size, bos_token_id=bos_token_id,
+                   eos_token_ids=tuple(eos_token_ids), kv_cache=kv,
                    functions={name: f"{att}: {ATTENTION_COST[att]}" for name, att in opts.functions},
-                   model={"num_layers": cfg.num_layers, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
-                          "head_dim": cfg.head_dim, "hidden_size": cfg.hidden_size,
-                          "sliding_window": cfg.sliding_window, "layers": "scan" if opts.scan else "unrolled"})
+                   model=dict(model))
+
+
+def llm_spec(cfg: LlamaConfig, opts: StepExportOptions, dtype: torch.dtype) -> LLMSpec:
+    """The manifest's model["llm"]: what a server needs to drive the step functions."""
+    return contract_spec(opts, dtype, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, bos_token_id=cfg.bos_token_id,
+                         eos_token_ids=cfg.eos_token_ids,
+                         model={"num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
+                                "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+                                "hidden_size": cfg.hidden_size, "sliding_window": cfg.sliding_window,
+                                "layers": "scan" if opts.scan else "unrolled"})
