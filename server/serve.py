@@ -74,17 +74,21 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
             service.warmup(lambda msg: print(f"[hloserve] {msg}", file=sys.stderr, flush=True))
         else:
             service.warmup()
-        state = "ready" if service.readiness.ready else service.readiness.error
-        print(f"[hloserve] {service.model_name}: {state}", file=sys.stderr, flush=True)
+        if service.readiness.ready:
+            print(f"[hloserve] {service.model_name}: ready", file=sys.stderr, flush=True)
+        else:   # nothing can be served: say why once and leave (a supervisor restarts or reports it)
+            failed.append(service.readiness.error)
+            server.server.should_exit = True
 
+    failed: list[str] = []
+    server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                            timeout_graceful_shutdown=config.shutdown_grace_s + 5),
+                             service, config.shutdown_grace_s)
     warming = threading.Thread(target=warm, name="hloserve-warmup", daemon=True)
     warming.start()
     api = "the OpenAI API (/v1/completions, /v1/chat/completions)" if isinstance(service, LLMService) else \
         f"TensorFlow Serving's REST API (/v1/models/{service.model_name}:predict)"
     print(f"[hloserve] serving {service.model_name} on http://{host}:{port} with {api}", file=sys.stderr, flush=True)
-    server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                            timeout_graceful_shutdown=config.shutdown_grace_s + 5),
-                             service, config.shutdown_grace_s)
     try:
         server.run()
     finally:
@@ -92,6 +96,9 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
             print("[hloserve] interrupted during warm-up; exiting", file=sys.stderr, flush=True)
             os._exit(130)
         service.close()
+    if failed:
+        from hloserve.runtime.artifact.errors import HloserveError
+        raise HloserveError(f"{service.model_name}: {failed[0]}")
 
 
 class _DrainingServer:

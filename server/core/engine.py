@@ -143,8 +143,10 @@ class Engine:
         """Compile every shape the runner can be asked for (before /ready); returns compiles done."""
         warm = getattr(self.runner, "warmup", None)
         n = warm(progress) if callable(warm) else 0
-        if self.grammars is not None:
-            self.grammars.prepare()     # the grammar tokenizer (~0.5 s), not on the first structured request
+        if self.grammars is not None:   # the grammar tokenizer (~0.5 s), not on the first structured request
+            problem = self.grammars.prepare()
+            if problem:
+                log.warning("%s; other requests are served", problem)
         with self._snapshot_lock:
             self._snapshot = self._take_snapshot()
         return n

@@ -72,21 +72,33 @@ class Grammars:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]):
         self._json = tokenizer_json
         self._vocab = vocab_size
-        self._eos = list(eos_token_ids)
+        self._eos = [e for e in eos_token_ids if 0 <= e < vocab_size]   # ids past the vocabulary never come
         self._tok = None
+        self._error: str | None = None
         self._lock = threading.Lock()
 
     def _tokenizer(self):
         with self._lock:
+            if self._error is not None:
+                raise ValueError(f"structured output is unavailable for this model: {self._error}")
             if self._tok is None:
                 import llguidance
-                self._tok = llguidance.LLTokenizer(self._json, n_vocab=self._vocab,
-                                                   eos_token=self._eos[0] if self._eos else None)
+                try:
+                    self._tok = llguidance.LLTokenizer(self._json, n_vocab=self._vocab,
+                                                       eos_token=self._eos[0] if self._eos else None)
+                except Exception as e:  # noqa: BLE001 - llguidance's own errors; the model still serves
+                    self._error = f"its tokenizer cannot drive a grammar ({type(e).__name__}: {e})"
+                    raise ValueError(f"structured output is unavailable for this model: {self._error}") from None
             return self._tok
 
-    def prepare(self) -> None:
-        """Build the grammar tokenizer now (server start) rather than on the first request."""
-        self._tokenizer()
+    def prepare(self) -> str | None:
+        """Build the grammar tokenizer now (server start) rather than on the first request; returns
+        why structured output is unavailable, or None."""
+        try:
+            self._tokenizer()
+        except ValueError as e:
+            return str(e)
+        return None
 
     def grammar(self, spec: StructuredOutput) -> str:
         """The llguidance grammar of `spec`; ValueError naming the problem."""

@@ -44,10 +44,11 @@ ARCHS = {
 }
 
 
-def _hf(arch: str):
+def _hf(arch: str, vocab_size: int = VOCAB):
+    """A small random-init model of `arch` (f32)."""
     import transformers
     cls_name, cfg_name, extra = ARCHS[arch]
-    kw = dict(COMMON) if arch != "gpt2" else dict(vocab_size=VOCAB)
+    kw = dict(COMMON, vocab_size=vocab_size) if arch != "gpt2" else dict(vocab_size=vocab_size)
     kw.update({k: v for k, v in extra.items() if v is not None})
     for k, v in extra.items():
         if v is None:
@@ -120,3 +121,37 @@ def test_what_the_generic_path_cannot_serve_is_named():
         check_supported(transformers.MambaForCausalLM, mamba)
     with pytest.raises(SourceError, match="not a causal LM"):
         check_supported(transformers.BertModel, transformers.BertConfig())
+
+
+@pytest.mark.parametrize("arch,options,atol", [
+    # int8 per-channel weights: compared with transformers running the same quantized modules
+    # eagerly (hloserve's torch reference ops), so only f32 summation order differs
+    ("qwen3", {"quantize": "int8"}, 1e-4),
+    ("gemma2", {"quantize": "int4"}, 1e-4),
+    # bf16 matrices and K/V under f32 activations: logits O(0.5) through two layers of bf16-rounded
+    # products (2^-8 relative each) against the f32 model: 2e-2 bounds what that rounding can move
+    ("llama", {"weight_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}, 2e-2),
+])
+def test_quantized_and_16_bit_weights_on_the_generic_step(tmp_path, arch, options, atol):
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.sources import load_source
+    from hloserve.quantization.convert import QuantRecord, quantize_module
+    from hloserve.quantization.schemes import QuantConfig
+    from hloserve.runtime import load
+
+    hf = _hf(arch)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    src = load_source(str(tmp_path / "hf"), llm_step="generic", **options)
+    export_artifact(str(tmp_path / "art"), src.entries, source=arch, model=src.model,
+                    weight_quant=getattr(src, "weight_quant", None))
+    model = load(str(tmp_path / "art"), buckets={"num_tokens": [64], "num_seqs": [8], "max_blocks": [8]})
+    ref = _hf(arch)
+    if "quantize" in options:
+        quantize_module(ref, QuantConfig.parse(options["quantize"], ()), QuantRecord())
+    prompts = _prompts([1, 17, 40])
+    for fn in ("prefill", "decode"):
+        got = Paged(model).step(fn, dict(enumerate(prompts)))
+        for i, p in enumerate(prompts):
+            with torch.no_grad():
+                want = ref(torch.tensor([p])).logits[0, -1].numpy()
+            np.testing.assert_allclose(got[i], want, atol=atol, rtol=0, err_msg=f"{arch} {options} {fn} {len(p)}")

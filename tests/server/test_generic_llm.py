@@ -1,7 +1,8 @@
-"""A model the hand-written Llama step does not cover (Gemma 2: soft-capped attention and logits,
-query_pre_attn_scalar, sliding windows), exported through the generic transformers path and
-served on loopback: greedy outputs equal transformers', under chunked prefill, prefix-cache hits
-and preemption (a small cache), with the real `openai` client.
+"""Models exported through the generic transformers step and served on loopback with the real
+`openai` client: every architecture of tests/exporter/test_hf_causal.py answers 32 greedy tokens
+for a few prompts equal to transformers' (f32); and Gemma 2 (soft-capped attention and logits,
+query_pre_attn_scalar, sliding windows) under chunked prefill, prefix-cache hits and preemption
+(a small cache).
 
 The model is random-init with SmolLM2's real tokenizer and chat template, so text in and out is
 real; references are transformers' greedy tokens on the same weights.
@@ -86,3 +87,43 @@ def test_generic_model_serves_greedy_equal_to_transformers_under_pressure(gemma)
         chat = client.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "Hi"}],
                                               max_tokens=8, temperature=0)
         assert chat.choices[0].message.content is not None
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from hloserve.exporter import presets
+    from hloserve.exporter.models.gguf import load_gguf
+    return load_gguf(presets.resolve("smollm2-135m-instruct", quiet=True))
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gpt2", "gpt_neox", "granite", "mistral", "olmo2", "phi3", "qwen2",
+                                  "qwen3", "llama"])
+def test_every_verified_architecture_serves_greedy_equal_to_transformers(arch, smollm2_tokenizer, tmp_path):
+    import openai
+    import torch
+
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.sources import load_source
+    from hloserve.runtime import artifact
+    from hloserve.server.text.tokenizer import Tokenizer
+
+    from ..exporter.test_hf_causal import _hf
+
+    ckpt = smollm2_tokenizer
+    torch.manual_seed(0)
+    hf = _hf(arch, vocab_size=ckpt.config["vocab_size"]).eval()
+    hf.save_pretrained(str(tmp_path / "hf"))
+    (tmp_path / "hf" / "tokenizer.json").write_text(ckpt.tokenizer_json)
+    src = load_source(str(tmp_path / "hf"), llm_step="generic")
+    art = str(tmp_path / "art")
+    export_artifact(art, src.entries, source=arch, model=src.model, files=src.files)
+    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    prompts = ["The capital of France is", "Once upon a time, a robot", "1, 2, 3, 4,"]
+    with running_server(art, "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "64",
+                        "--served-model-name", arch) as (base, _):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        for p in prompts:
+            want = tok.decode(hf_greedy(hf, tok.encode(p), NEW))
+            r = client.completions.create(model=arch, prompt=p, max_tokens=NEW, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.choices[0].text == want, f"{arch}: {p!r}"
