@@ -15,7 +15,9 @@ tensor, docs/architecture.md "LLM step contract") and reads its sequence's conte
 
   * `decode`: the `hloserve.paged_attention` composite (runtime/artifact/kernels.py): a CPU kernel
     reading only the blocks in use, or its portable decomposition;
-  * `prefill`: the flat layout (every token scores all of the step's contexts, masked to its own).
+  * `prefill`: the flat layout (every token scores all of the step's contexts, masked to its own);
+  * a `paged` layout (StepExportOptions.functions), the online-softmax loop over blocks of
+    models/llama.py: bounded memory for long contexts (f32 cache).
 
 Logits are computed for each sequence's last token only (`logits_to_keep=last_token`), so final
 logit soft-capping, logit scales and tied heads are the model's own code too.
@@ -166,6 +168,14 @@ class _Step:
             out = torch.ops.hloserve.paged_attention(
                 qg.float(), self.cache, torch.tensor(layer, dtype=torch.int32), x["block_tables"], x["seq_ids"],
                 x["positions"], x["context_lens"], window, holds, scale, softcap)   # [T, KV, G, D]
+        elif self.layout == "paged":
+            if holds:
+                raise ValueError("the paged layout reads an f32 cache; export it without --kv-cache-dtype")
+            from .llama import paged_attention
+            blocks = x["block_tables"][x["seq_ids"]].transpose(0, 1)      # [B, T]: scanned over B
+            out = paged_attention(qg.float(), self.cache, torch.tensor(layer), blocks, x["positions"].to(torch.int64),
+                                  x["context_lens"][x["seq_ids"]].to(torch.int64), window or None, scale=scale,
+                                  softcap=softcap)
         else:
             out = _flat_attention(qg.float(), self.cache, layer, x, window, holds, scale, softcap)
         return out.to(query.dtype).reshape(1, T, H, D)                   # [1, T, H, D]

@@ -388,19 +388,22 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _paged_attention(qg: torch.Tensor, cache: torch.Tensor, layer: torch.Tensor, blocks: torch.Tensor,
-                     pos: torch.Tensor, ctx_len: torch.Tensor, window: int | None) -> torch.Tensor:
+def paged_attention(qg: torch.Tensor, cache: torch.Tensor, layer: torch.Tensor, blocks: torch.Tensor,
+                    pos: torch.Tensor, ctx_len: torch.Tensor, window: int | None, *, scale: float | None = None,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Attention over each token's own paged context, one block at a time with an online softmax.
 
     qg [T, KV, G, D] (rotated queries); cache [L, 2, KV, N, BS, D] read at layer `layer` (0-dim);
     blocks [B, T] (block j of each token's sequence); pos, ctx_len [T]. Peak memory is O(T * block_size) per layer, whatever
-    the number of sequences or the context length. Returns [T, KV, G, D] in qg's dtype.
+    the number of sequences or the context length. Scores are `scale` (default 1/sqrt(D)) times
+    q.k, soft-capped (softcap * tanh(s / softcap)) when softcap > 0. Returns [T, KV, G, D] in qg's dtype.
     """
     from .._private import torch_scan
     scan = torch_scan()
 
     T, KV, G, D = qg.shape
     BS = cache.shape[4]
+    qk_scale = D ** -0.5 if scale is None else float(scale)
     m0 = torch.full((T, KV, G), _MASKED, dtype=torch.float32, device=qg.device)   # running max
     s0 = torch.zeros((T, KV, G), dtype=torch.float32, device=qg.device)          # running sum
     acc0 = torch.zeros((T, KV, G, D), dtype=torch.float32, device=qg.device)     # running numerator
@@ -410,7 +413,9 @@ def _paged_attention(qg: torch.Tensor, cache: torch.Tensor, layer: torch.Tensor,
         m, ssum, acc = carry
         bids, j = xs                                                      # [T], 0-dim
         kv = cache[layer.expand_as(bids), :, :, bids]                     # [T, 2, KV, BS, D]
-        scores = torch.einsum("tkgd,tkbd->tkgb", qg, kv[:, 0]).float() * (D ** -0.5)   # [T, KV, G, BS]
+        scores = torch.einsum("tkgd,tkbd->tkgb", qg, kv[:, 0]).float() * qk_scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)                # [T, KV, G, BS]
         cpos = j * BS + torch.arange(BS, device=qg.device)                # [BS]
         seen = (cpos[None, :] <= pos[:, None]) & (cpos[None, :] < ctx_len[:, None])   # [T, BS]
         if window:
@@ -521,7 +526,7 @@ class LlamaStep(torch.nn.Module):
                     cfg.sliding_window or 0, _HOLDS.get(kvd or dtype, 0), D ** -0.5, 0.0).to(dtype)   # [T, KV, G, D]
             elif self.attention == "paged":
                 # `seen` is each token's context length here; the loop masks block by block
-                out = _paged_attention(qg, cache, l, blocks, pos, seen, cfg.sliding_window)   # [T, KV, G, D]
+                out = paged_attention(qg, cache, l, blocks, pos, seen, cfg.sliding_window)   # [T, KV, G, D]
             else:
                 # Whole blocks gathered as rows of a 2-D view, one row per (layer, K|V, kv head,
                 # block), K and V by separate gathers: each lands in the layout its dot reads

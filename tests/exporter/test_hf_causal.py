@@ -155,3 +155,25 @@ def test_quantized_and_16_bit_weights_on_the_generic_step(tmp_path, arch, option
             with torch.no_grad():
                 want = ref(torch.tensor([p])).logits[0, -1].numpy()
             np.testing.assert_allclose(got[i], want, atol=atol, rtol=0, err_msg=f"{arch} {options} {fn} {len(p)}")
+
+
+def test_paged_layout_is_reachable_on_the_generic_step(tmp_path):
+    """The online-softmax block loop (bounded memory for long contexts) as a function of a generic
+    artifact: Gemma 2's soft-capping and sliding window carried through it."""
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.models import hf_causal
+    from hloserve.exporter.models.llama import StepExportOptions
+    from hloserve.runtime import load
+
+    hf = _hf("gemma2")
+    hf.save_pretrained(str(tmp_path / "hf"))
+    src = hf_causal.from_hf_directory(str(tmp_path / "hf"), opts=StepExportOptions(
+        max_context=512, scan=False, functions=(("paged", "paged"),)))
+    export_artifact(str(tmp_path / "art"), src.entries, source="gemma2", model=src.model)
+    model = load(str(tmp_path / "art"), buckets={"num_tokens": [64], "num_seqs": [8], "max_blocks": [8]})
+    prompts = _prompts([1, 17, 40])
+    got = Paged(model).step("paged", dict(enumerate(prompts)))
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            want = hf(torch.tensor([p])).logits[0, -1].numpy()
+        np.testing.assert_allclose(got[i], want, atol=1e-4, rtol=0, err_msg=f"paged, prompt length {len(p)}")
