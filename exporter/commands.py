@@ -132,11 +132,12 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         e.add_argument("--kv-cache-dtype", metavar="D",
                        help="LLMs: store K and V in D (bfloat16 or float16) under float32 activations: half the "
                             "cache memory and gather traffic; attention still computes in float32")
-        e.add_argument("--llm-step", choices=("auto", "generic", "llama"), default="auto",
+        e.add_argument("--llm-step", choices=("auto", "generic", "llama", "none"), default="auto",
                        help="how a HF causal LM becomes the paged-cache step: 'generic' (the model's own code "
                             "through transformers' attention interface, any architecture), 'llama' (hloserve's "
                             "hand-written Llama-family step: scanned layers, --weight-dtype), 'auto' (llama for "
-                            "llama/mistral/qwen2, generic for the rest)")
+                            "llama/mistral/qwen2, generic for the rest), 'none' (the plain forward, served with "
+                            "TF Serving's predict API)")
         e.add_argument("--function", action="append", help="entry point(s) to export (default: all the source provides)")
         e.add_argument("--pad", help="symbolic dims the runtime may pad to buckets, comma-separated ('none' for none)")
         e.add_argument("--platforms", default="cpu", help="comma-separated lowering platforms (cpu,cuda,tpu)")

@@ -26,6 +26,8 @@ from .dynamic_spec import parse_dynamic_spec
 from .shapes import AUTO_NAME
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --llm-step: how a causal LM is exported ("none": its plain forward, served with the predict API)
+LLM_STEPS = ("auto", "generic", "llama", "none")
 LOW_DTYPES = ("bfloat16", "float16")
 
 
@@ -37,7 +39,7 @@ def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = Non
     `weight_dtype` / `kv_cache_dtype` (--weight-dtype, --kv-cache-dtype) store an LLM's weight
     matrices / K and V in a 16-bit float under float32 activations (models/llama.py). `llm_step`
     (--llm-step) picks how a Hugging Face causal LM becomes the step: "generic" (models/hf_causal.py),
-    "llama" (models/llama.py) or "auto"."""
+    "llama" (models/llama.py), "auto", or "none" (its plain forward, for the predict API)."""
     llm = {}
     for flag, value, key in (("--weight-dtype", weight_dtype, "weight_dtype"),
                              ("--kv-cache-dtype", kv_cache_dtype, "kv_dtype")):
@@ -47,8 +49,8 @@ def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = Non
             raise SourceError(f"{flag} {value!r} is not supported with --dtype {dtype}; use bfloat16 or float16 "
                               f"under --dtype float32 (or --dtype alone for one dtype throughout)")
         llm[key] = DTYPES[value]
-    if llm_step not in ("auto", "generic", "llama"):
-        raise SourceError(f"--llm-step {llm_step!r}: use auto, generic or llama")
+    if llm_step not in LLM_STEPS:
+        raise SourceError(f"--llm-step {llm_step!r}: use {', '.join(LLM_STEPS)}")
     if llm_step != "auto":
         llm["step"] = llm_step
     if quantize and "weight_dtype" in llm:
@@ -87,7 +89,7 @@ def _load_source(spec: str, dtype: str, quant, llm: dict) -> Source:
 
 def _llm_only(spec: str, llm: dict) -> None:
     """--weight-dtype / --kv-cache-dtype / --llm-step are options of the LLM step export only."""
-    if llm:
+    if llm and llm != {"step": "none"}:
         raise SourceError(f"--weight-dtype, --kv-cache-dtype and --llm-step apply to LLMs exported as step functions "
                           f"(a GGUF, or a Hugging Face causal-LM directory); {spec} is not one: use --dtype instead")
 
@@ -106,9 +108,10 @@ def _load_path(path: str, tdtype, quant=None, llm: dict | None = None) -> Source
         return _load_pt2(path, tdtype)
     if path.endswith(".gguf"):
         from .models import llama_source  # the LLM export path (imported only when needed)
-        if llm.pop("step", "llama") != "llama":
-            raise SourceError(f"--llm-step generic runs a Hugging Face directory's own model code; {path} is a GGUF, "
-                              f"which exports through the Llama step (save it as a HF directory for the generic one)")
+        step = llm.pop("step", "llama")
+        if step != "llama":
+            raise SourceError(f"--llm-step {step}: {path} is a GGUF, which exports through the Llama step (save it as "
+                              f"a Hugging Face directory for the generic one)")
         if quant is not None and quant.native:  # keep the file's Q8_0/Q4_0/Q4_1 blocks
             from .models.gguf_quant import gguf_weights_builder
             build, record = gguf_weights_builder(quant, tdtype)
@@ -307,7 +310,7 @@ def hf_directory(path: str, tdtype, llm: dict | None = None) -> Source:
             break
     llm = dict(llm or {})
     step = llm.pop("step", "auto")
-    causal = _is_causal_lm(cls, config)
+    causal = _is_causal_lm(cls, config) and step != "none"
     if step == "llama" or (step == "auto" and causal and config.model_type in ("llama", "mistral", "qwen2")):
         from .models import llama_source   # the hand-written Llama step (scanned layers, 16-bit weights)
         return llama_source.from_hf_directory(path, tdtype, **llm)

@@ -254,7 +254,7 @@ def _export(row: Row, out: str) -> Exported:
     if row.from_directory:
         src_dir = os.path.join(out, "hf")
         model.save_pretrained(src_dir)
-        src = load_source(src_dir)
+        src = load_source(src_dir, llm_step="none")     # the plain forward (a causal LM is otherwise a step)
         entries, meta = src.entries, src.model
         # the reference is what transformers loads from the same directory, not the object we saved
         model = getattr(transformers, meta["architecture"]).from_pretrained(src_dir).eval()
