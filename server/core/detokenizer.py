@@ -2,7 +2,8 @@
 front-end detokenizer, apart from the scheduler's token-level stops).
 
 Per request it keeps the text generated so far and how much of it was sent. A stop string found in
-the text ends the request there (the text is cut before it, finish_reason "stop"), and the engine
+the text ends the request there (the text is cut before it, or after it with
+include_stop_str_in_output, finish_reason "stop"), and the engine
 tells the scheduler to free the request's blocks; until a match is ruled out, text that could be the
 start of a stop string is held back. The text of EOS / stop tokens is never emitted.
 """
@@ -21,7 +22,8 @@ class _Text:
     detok: IncrementalDetokenizer
     stop: tuple[str, ...]
     stop_token_ids: frozenset[int]
-    text: str = ""      # generated text, cut before a stop string
+    include_stop: bool = False   # keep the stop string that ended the text
+    text: str = ""      # generated text, cut before a stop string (after it with include_stop)
     sent: int = 0       # chars of `text` already emitted
 
 
@@ -41,8 +43,9 @@ class Detokenizer:
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
             stop_token_ids: frozenset[int]) -> None:
         if self.decoder is not None:
-            self._texts[request_id] = _Text(IncrementalDetokenizer(self.decoder, prompt_token_ids), tuple(params.stop),
-                                            stop_token_ids)
+            self._texts[request_id] = _Text(
+                IncrementalDetokenizer(self.decoder, prompt_token_ids, skip_special_tokens=params.skip_special_tokens),
+                tuple(params.stop), stop_token_ids, params.include_stop_str_in_output)
 
     def process(self, out: RequestOutput) -> tuple[RequestOutput, bool]:
         """(out with its text, whether a stop string ended it here: the scheduler must finish it)."""
@@ -69,8 +72,9 @@ class Detokenizer:
     def _cut_at_stop(st: _Text) -> bool:
         """Truncate the text before the first stop string; True if one was found."""
         start = max(0, st.sent - max(len(s) for s in st.stop))
-        hits = [j for j in (st.text.find(s, start) for s in st.stop) if j >= 0]
+        hits = [(j, j + len(s)) for j, s in ((st.text.find(s, start), s) for s in st.stop) if j >= 0]
         if not hits:
             return False
-        st.text = st.text[:min(hits)]
+        begin, end = min(hits)
+        st.text = st.text[:end if st.include_stop else begin]
         return True

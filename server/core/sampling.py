@@ -51,6 +51,8 @@ class SamplingParams:
       logit_bias: (token id, bias in [-100, 100]) pairs added to the logits.
       min_tokens: EOS and stop token ids cannot be sampled before this many output tokens.
       structured: the grammar the output must match (server/text/structured.py), or None.
+      include_stop_str_in_output: the text keeps the stop string that ended it (vLLM's).
+      skip_special_tokens: special tokens' text is left out of the output (vLLM's; default True).
     """
     temperature: float = 1.0
     top_p: float = 1.0
@@ -69,6 +71,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     structured: StructuredOutput | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):

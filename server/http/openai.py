@@ -81,7 +81,8 @@ def sampling(svc: LLMService, req, prompt_len: int, max_tokens: int | None, logp
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None
             else defaults.get("repetition_penalty", 1.0),
-            logit_bias=req.bias_pairs(), min_tokens=min(req.min_tokens, max_tokens), structured=req.structured())
+            logit_bias=req.bias_pairs(), min_tokens=min(req.min_tokens, max_tokens), structured=req.structured(),
+            include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
 

@@ -173,7 +173,7 @@ class _Sampling(OpenModel):
                 raise ValueError(f"logit_bias[{k}] = {b}: must be in [-100, 100]")
         return v
 
-    @field_validator("include_stop_str_in_output", "spaces_between_special_tokens")
+    @field_validator("spaces_between_special_tokens")
     @classmethod
     def _default_only(cls, v, info):
         default = cls.model_fields[info.field_name].default

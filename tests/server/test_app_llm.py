@@ -284,3 +284,23 @@ def test_best_of_answers_the_most_likely_candidates_and_echo_prepends_the_prompt
         model="tiny-chat", prompt="Once upon a time", max_tokens=4, temperature=0, echo=True, stream=True)
         if ch.choices)
     assert streamed == e.choices[0].text
+
+
+def test_include_stop_str_in_output_and_skip_special_tokens(server, tiny_chat_llm):
+    """vLLM's text options: a stop string is cut off, or kept with include_stop_str_in_output; a
+    special token's text appears only with skip_special_tokens false."""
+    c = client(server[0])
+    kw = dict(model="tiny-chat", prompt="Once upon a time", max_tokens=12, temperature=0)
+    full = c.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    assert len(full) >= 8
+    stop = full[4:7]
+    at = full.find(stop)
+    cut = c.completions.create(**kw, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    kept = c.completions.create(**kw, stop=[stop], extra_body={"ignore_eos": True,
+                                                               "include_stop_str_in_output": True}).choices[0]
+    assert cut.text == full[:at] and kept.text == full[:at + len(stop)] and kept.finish_reason == "stop"
+    special = 1                                               # <|im_start|> in SmolLM2's tokenizer
+    forced = dict(model="tiny-chat", prompt="hi", max_tokens=3, temperature=0, logit_bias={str(special): 100})
+    shown = c.completions.create(**forced, extra_body={"skip_special_tokens": False}).choices[0].text
+    hidden = c.completions.create(**forced).choices[0].text
+    assert shown == "<|im_start|>" * 3 and hidden == ""
