@@ -39,7 +39,7 @@ from hloserve.runtime.artifact.llm import LLMSpec
 
 from ..entry import Source
 from ..errors import SourceError
-from .llama import StepExportOptions, contract_entries, contract_spec
+from .llama import StepExportOptions, contract_entries, contract_spec, write_kv
 
 ATTN_NAME = "hloserve_paged"
 STEP_KWARG = "hloserve_step"
@@ -141,25 +141,11 @@ class _Step:
         k = key[0].transpose(0, 1)                                        # [T, KV, D]
         v = value[0].transpose(0, 1)                                      # [T, KV, D]
         x = self.x
-        L, _, _, N, BS, _ = self.cache.shape
         scale = float(scaling) if scaling is not None else D ** -0.5
         window = int(window or 0)
         softcap = float(softcap or 0.0)
-
-        # write this step's K and V (one scatter into the layer's rows of the flat cache)
-        flat = self.cache.reshape(L, 2, KV, N * BS, D)                   # [L, 2, KV, N*BS, D]
-        slots = x["slot_mapping"].to(torch.int64)
-        ar = torch.arange(2 * KV, device=q.device)
-        idx_l = torch.full((2, KV, T), layer, dtype=torch.int64, device=q.device)   # [2, KV, T]
-        idx_kv = (ar // KV).reshape(2, KV, 1).expand(2, KV, T)            # [2, KV, T]
-        idx_h = (ar % KV).reshape(2, KV, 1).expand(2, KV, T)              # [2, KV, T]
-        values = torch.stack([k, v]).transpose(1, 2).to(self.dtype)       # [2, KV, T, D]
-        if self.kv_dtype is not None:
-            values = values.to(self.kv_dtype).view(torch.int16)           # the cache holds bits
-        elif values.dtype != self.cache.dtype:
-            values = values.to(self.cache.dtype)
-        flat = flat.index_put((idx_l, idx_kv, idx_h, slots[None, None, :].expand(2, KV, T)), values)
-        self.cache = flat.reshape(L, 2, KV, N, BS, D)                     # [L, 2, KV, N, BS, D]
+        self.cache = write_kv(self.cache, torch.tensor(layer), k.to(self.dtype), v.to(self.dtype),
+                              x["slot_mapping"].to(torch.int64), self.kv_dtype)
 
         qg = q.reshape(T, KV, H // KV, D)                                 # [T, KV, G, D]
         holds = _HOLDS.get(self.kv_dtype or self.cache.dtype, 0)

@@ -376,6 +376,28 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.hloserve.mixed_linear(x, weight, bias)
 
 
+def write_kv(cache: torch.Tensor, layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+             kv_dtype: torch.dtype | None) -> torch.Tensor:
+    """The cache [L, 2, KV, N, BS, D] with this step's K and V ([T, KV, D] each) of layer `layer`
+    (0-dim) written at `slots` [T] (block * BS + offset), in one scatter. With `kv_dtype` the cache
+    holds int16 bits of that 16-bit float; otherwise values take the cache's dtype."""
+    L, _, KV, N, BS, D = cache.shape
+    T = k.shape[0]
+    flat = cache.reshape(L, 2, KV, N * BS, D)                             # [L, 2, KV, N*BS, D]
+    ar = torch.arange(2 * KV, device=k.device)
+    idx_l = layer.expand(2, KV, T)                                        # [2, KV, T]
+    idx_kv = (ar // KV).reshape(2, KV, 1).expand(2, KV, T)                # [2, KV, T]: K or V
+    idx_h = (ar % KV).reshape(2, KV, 1).expand(2, KV, T)                  # [2, KV, T]: kv head
+    idx_slot = slots[None, None, :].expand(2, KV, T)                      # [2, KV, T]
+    values = torch.stack([k, v]).transpose(1, 2)                          # [2, KV, T, D]
+    if kv_dtype is not None:
+        values = values.to(kv_dtype).view(torch.int16)                    # the cache holds bits
+    elif values.dtype != cache.dtype:
+        values = values.to(cache.dtype)
+    flat = flat.index_put((idx_l, idx_kv, idx_h, idx_slot), values)
+    return flat.reshape(L, 2, KV, N, BS, D)                               # [L, 2, KV, N, BS, D]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: normalize in f32, scale in the input dtype."""
     xf = x.float()
@@ -506,18 +528,7 @@ class LlamaStep(torch.nn.Module):
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
 
-            # write this step's K and V (one scatter), then read the contexts
-            flat = cache.reshape(L, 2, KV, N * BS, D)                     # [L, 2, KV, N*BS, D]
-            ar = torch.arange(2 * KV, device=h.device)
-            idx_l = l.expand(2, KV, T)                                    # [2, KV, T]
-            idx_kv = (ar // KV).reshape(2, KV, 1).expand(2, KV, T)        # [2, KV, T]: K or V
-            idx_h = (ar % KV).reshape(2, KV, 1).expand(2, KV, T)          # [2, KV, T]: kv head
-            idx_slot = slots[None, None, :].expand(2, KV, T)              # [2, KV, T]
-            values = torch.stack([k, v]).transpose(1, 2)                  # [2, KV, T, D]
-            if kvd is not None:
-                values = values.to(kvd).view(torch.int16)                 # the cache holds bits
-            flat = flat.index_put((idx_l, idx_kv, idx_h, idx_slot), values)
-            cache = flat.reshape(L, 2, KV, N, BS, D)                      # [L, 2, KV, N, BS, D]
+            cache = write_kv(cache, l, k, v, slots, kvd)                 # then read the contexts
             qg = q.reshape(T, KV, cfg.group, D)                           # [T, KV, G, D]
             if self.attention == "gather":
                 from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.paged_attention
