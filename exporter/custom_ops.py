@@ -1,6 +1,8 @@
-"""Custom torch ops of the exporter's own models (lowered in exporter/lowerings/linalg.py).
+"""Custom torch ops of the exporter's own models (lowered in exporter/lowerings/).
 
     hloserve::mixed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor   # x [..., in] -> [..., out]
+    hloserve::gather_blocks(Tensor cache, Tensor layer, int kv, Tensor blocks) -> Tensor
+    hloserve::paged_attention(...) -> Tensor                                  # the composite's op
 
 A Linear over 16-bit weights with wider activations: x is rounded to the weight's dtype, the
 products (exact in float32: 8 + 8 or 11 + 11 significant bits) are summed in float32 and the
@@ -63,3 +65,21 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: torch.Tensor
 @paged_attention.register_fake
 def _(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds, scale, softcap):
     return torch.empty_like(q)
+
+
+# hloserve::gather_blocks: the K (kv=0) or V (kv=1) blocks `blocks` [R, B] of layer `layer` (0-dim)
+# from a paged cache [L, 2, KV, N, BS, D], as [KV, R*B*BS, D]: each sequence's padded context, kv
+# heads first (the layout attention's batched dots read). Lowered to ONE gather whose kv-head dim
+# is a slice of every index (exporter/lowerings/attention.py), so a cache split by heads over
+# devices is read where it lies.
+@torch.library.custom_op("hloserve::gather_blocks", mutates_args=())
+def gather_blocks(cache: torch.Tensor, layer: torch.Tensor, kv: int, blocks: torch.Tensor) -> torch.Tensor:
+    L, _, KV, N, BS, D = cache.shape
+    picked = cache[layer.long(), kv][:, blocks.reshape(-1).long()]       # [KV, R*B, BS, D]
+    return picked.reshape(KV, -1, D).clone()                              # [KV, R*B*BS, D]
+
+
+@gather_blocks.register_fake
+def _(cache, layer, kv, blocks):
+    L, _, KV, N, BS, D = cache.shape
+    return cache.new_empty((KV, blocks.numel() * BS, D))

@@ -85,6 +85,17 @@ class Client:
         return f"{self.platform} x{len(self.devices)} ({', '.join(kinds)})"
 
 
+def host_devices(count: int) -> None:
+    """Make the CPU platform show `count` devices (each a share of the host's cores), so a mesh of
+    that many runs on a CPU-only machine; call before jax first touches a backend. Has no effect on
+    other platforms' devices, and none when jax is already configured for more."""
+    if count > jax.config.jax_num_cpu_devices:
+        try:
+            jax.config.update("jax_num_cpu_devices", count)
+        except RuntimeError:   # a backend is already up: the mesh check then says what is missing
+            pass
+
+
 def connect(platform: str | None = None, devices: Sequence[Any] | None = None,
             cache_dir: str | None = DEFAULT_CACHE) -> Client:
     """Pick the platform and devices and configure the persistent compile cache.

@@ -116,7 +116,8 @@ class Function:
                  input_sharding: Any, buckets: buckets_mod.Buckets, *, strict: bool = False,
                  exec_cache: ExecutableCache | None = None, devices: Sequence[Any] = (),
                  cache_identity: Mapping[str, Any] | None = None,
-                 compiler_options: Mapping[str, str] | None = None):
+                 compiler_options: Mapping[str, str] | None = None,
+                 input_shardings: Mapping[str, Any] | None = None):
         self.spec = spec
         self.symbols = symbols
         self.exported = exported
@@ -127,11 +128,15 @@ class Function:
         self._weights = list(weights)
         self._weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=s)
                               for w, s in zip(weights, weight_shardings)]
-        self._input_sharding = input_sharding
+        # per input: its own sharding (a KV cache split over a mesh) or the default (replicated)
+        self._in_shardings = {t.name: (input_shardings or {}).get(t.name, input_sharding) for t in spec.inputs}
         self._dims = sorted(artifact.names_in([d for t in spec.inputs for d in t.shape]))
         self._paddable = set(spec.paddable)
         donate = tuple(len(self._weights) + i for i, t in enumerate(spec.inputs) if t.name in spec.donated)
-        self._jit = jax.jit(exported.call, donate_argnums=donate)
+        out_shardings = None
+        if input_shardings:   # an output that replaces a split input (the donated cache) stays split
+            out_shardings = tuple(self._in_shardings.get(t.name, input_sharding) for t in spec.outputs)
+        self._jit = jax.jit(exported.call, donate_argnums=donate, out_shardings=out_shardings)
         self._executables: dict[Env, Any] = {}
         self._lock = threading.Lock()
         # on-disk executable cache: the key is the identity (artifact function digest, shardings,
@@ -142,6 +147,10 @@ class Function:
         self._compiler_options = dict(compiler_options or {})
         self._cache_identity = dict(cache_identity or {}, donated=list(donate),
                                     compiler_options=sorted(self._compiler_options.items()))
+
+    def input_sharding(self, name: str) -> Any:
+        """The sharding input `name` is placed with (a split KV cache, or replicated)."""
+        return self._in_shardings[name]
 
     # -- compile ----------------------------------------------------------
     @property
@@ -208,7 +217,7 @@ class Function:
         persistent cache, or XLA."""
         avals = list(self._weight_avals)
         avals += [jax.ShapeDtypeStruct(artifact.concrete_shape(t, env), artifact.numpy_dtype(t.dtype),
-                                       sharding=self._input_sharding) for t in self.spec.inputs]
+                                       sharding=self._in_shardings[t.name]) for t in self.spec.inputs]
         key = None
         if self._exec_cache is not None and self._devices:
             key = ExecutableCache.key({**self._cache_identity, "env": sorted(env.items())})
@@ -299,7 +308,7 @@ class Function:
             if run and not self.from_executable_cache(env):
                 args = list(self._weights) + [
                     jax.device_put(np.zeros(artifact.concrete_shape(t, env), artifact.numpy_dtype(t.dtype)),
-                                   self._input_sharding) for t in self.spec.inputs]
+                                   self._in_shardings[t.name]) for t in self.spec.inputs]
                 jax.block_until_ready(exe(*args))
                 del args
             if progress:
@@ -345,7 +354,7 @@ class Function:
             value = coerce(t.name, inputs[t.name], t)
             if padded:
                 value = buckets_mod.pad_to(t.name, value, artifact.concrete_shape(t, padded_env))
-            args.append(jax.device_put(value, self._input_sharding))
+            args.append(jax.device_put(value, self._in_shardings[t.name]))
         outs = self._run(tuple(sorted(padded_env.items())), padded_env, env, args)
         self.stats.calls += 1
         self.stats.padded_calls += int(padded)

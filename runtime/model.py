@@ -93,7 +93,7 @@ def _read_exported(path: str, name: str) -> jax_export.Exported:
 def load(path: str, platform: str | None = None, devices: Sequence[Any] | None = None, mesh: Any = None,
          partition_rules: sharding_mod.Rules | None = None, cache_dir: str | None = DEFAULT_CACHE,
          buckets: Mapping[str, Sequence[int]] | None = None, strict: bool = False, *, verify: bool | str = True,
-         functions: Sequence[str] | None = None) -> LoadedModel:
+         functions: Sequence[str] | None = None, input_rules: sharding_mod.Rules | None = None) -> LoadedModel:
     """Load the artifact at `path` onto devices.
 
     Args:
@@ -110,6 +110,8 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
         cache dir by the weights file's identity (path, size, mtime, inode): a restart on an
         unchanged file skips the re-hash. "full" always re-hashes; False checks nothing.
       functions: load only these functions (default all).
+      input_rules: like partition_rules, for function inputs by name (default: replicated), e.g.
+        [("^kv_cache$", (None, None, "model"))]; an output named like a split input comes back split.
     """
     manifest = artifact.read_manifest(path)
     names = list(functions or manifest.functions)
@@ -130,7 +132,9 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
         _check_platform(n, exp, client, path)
     # composites this runtime has a kernel for run it (CPU: runtime/kernels/); the rest, and
     # every composite on other platforms, run the decomposition the artifact carries
-    library = kernels.cpu_library(_stderr) if client.platform == "cpu" else None
+    # (a kernel is one device's code: XLA cannot partition a custom call, so over a mesh the
+    # decomposition runs and is partitioned with the rest)
+    library = kernels.cpu_library(_stderr) if client.platform == "cpu" and jmesh is None else None
     specialized = {}
     for n in names:
         exported[n], specialized[n] = kernels.specialize(exported[n], library)
@@ -148,6 +152,7 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
     fns = {}
     for n in names:
         spec = manifest.functions[n]
+        split_inputs = sharding_mod.input_shardings(spec.inputs, input_rules, jmesh)
         bks = buckets_mod.Buckets.build(manifest.symbols, spec.paddable,
                                         {k: v for k, v in (buckets or {}).items() if k in spec.paddable
                                          or k not in _paddable_anywhere(manifest)})
@@ -155,8 +160,9 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
                           [shardings[w] for w in spec.weights], in_sharding, bks, strict=strict,
                           exec_cache=cache, devices=exec_devices,
                           cache_identity={**_identity(spec, shardings, in_sharding, exec_devices),
+                                          "split_inputs": {k: repr(v.spec) for k, v in split_inputs.items()},
                                           "kernels": library.digest if specialized[n] else None},
-                          compiler_options=client.compiler_options)
+                          compiler_options=client.compiler_options, input_shardings=split_inputs)
     return LoadedModel(path, manifest, client, jmesh, on_device, fns)
 
 

@@ -105,3 +105,19 @@ def weight_shardings(weights: Mapping[str, Sequence[int]], rules: Rules | None, 
 def input_sharding(mesh: Mesh | None, device: Any) -> Any:
     """User inputs are replicated over the mesh (or live on the one device)."""
     return SingleDeviceSharding(device) if mesh is None else NamedSharding(mesh, PartitionSpec())
+
+
+def input_shardings(inputs: Sequence[Any], rules: Rules | None, mesh: Mesh | None) -> dict[str, Any]:
+    """name -> NamedSharding for the function inputs (artifact TensorSpecs) a rule matches, e.g. a KV
+    cache split by heads; the rest keep input_sharding. Symbolic dims are checked when called."""
+    if not rules:
+        return {}
+    if mesh is None:
+        raise ShardingError("input_rules need a mesh; pass mesh={'model': N} as well")
+    out = {}
+    for t in inputs:
+        static = [d if isinstance(d, int) else 0 for d in t.shape]   # 0 divides by anything
+        spec = spec_for(t.name, static, rules, mesh)
+        if len(spec):
+            out[t.name] = NamedSharding(mesh, spec)
+    return out

@@ -16,9 +16,12 @@ def _serve(args: argparse.Namespace) -> int:
              "kv_cache_bytes": None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
              "max_body_bytes": None if args.max_body_mib is None else int(args.max_body_mib * 2**20),
              "shutdown_grace_s": args.shutdown_grace, "verify_weights": args.verify_weights,
-             "max_output_tokens": args.max_output_tokens,
+             "max_output_tokens": args.max_output_tokens, "tensor_parallel_size": args.tensor_parallel_size,
              "batch_timeout_s": None if args.batch_timeout_ms is None else args.batch_timeout_ms / 1000}
     config = ServeConfig(**{k: v for k, v in given.items() if v is not None})   # the rest: ServeConfig's defaults
+    if config.tensor_parallel_size > 1 and (config.platform or "cpu") == "cpu":
+        from hloserve.runtime.client import host_devices
+        host_devices(config.tensor_parallel_size)   # a CPU host splits into that many devices
     serve(args.artifact, host=args.host, port=args.port, config=config, log_level=args.log_level)
     return 0
 
@@ -51,5 +54,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     sv.add_argument("--verify-weights", choices=("stamp", "full"),
                     help="'full' re-hashes every weight on start; 'stamp' (default) only when the file changed")
     sv.add_argument("--platform", help="PJRT platform (cpu, cuda, tpu); default: jax's")
+    sv.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N",
+                    help="LLM: split the model over N devices by KV heads (default %d; on CPU the host's "
+                         "cores become N devices)" % d.tensor_parallel_size)
     sv.add_argument("--log-level", default="warning", help="uvicorn log level")
     sv.set_defaults(fn=_serve)

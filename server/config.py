@@ -47,6 +47,8 @@ class ServeConfig:
         request without max_tokens gets at most this many, one asking for more answers 400.
       shutdown_grace_s: on SIGTERM/SIGINT, how long running requests may still finish.
       platform: "cpu", "gpu", "tpu" or None for jax's default.
+      tensor_parallel_size: LLM: devices the step is split over (Megatron-style, by KV heads); the
+        KV cache budget (kv_cache_bytes) is per device.
       strict: refuse to compile a shape outside the warmed buckets while serving.
       verify_weights: "stamp" re-hashes the weights only when the file changed since its last full
         check (runtime.load's default); "full" re-hashes them on every start.
@@ -71,12 +73,15 @@ class ServeConfig:
     max_output_tokens: int | None = None
     shutdown_grace_s: float = 10.0
     platform: str | None = None
+    tensor_parallel_size: int = 1
     strict: bool = True
     verify_weights: str = "stamp"
 
     def __post_init__(self):
         if self.verify_weights not in ("stamp", "full"):
             raise HloserveError(f"verify_weights={self.verify_weights!r}: use 'stamp' or 'full'")
+        if self.tensor_parallel_size < 1:
+            raise HloserveError(f"tensor_parallel_size={self.tensor_parallel_size}: use 1 (one device) or more")
 
     @property
     def load_verify(self) -> bool | str:

@@ -21,24 +21,43 @@ _MASKED = -1e30
 _HOLDS = {1: jnp.bfloat16, 2: jnp.float16}
 
 
+def gather_blocks(cache, layer, kv: int, blocks):
+    """cache [L, 2, KV, N, BS, D] -> [KV, R*B*BS, D]: the blocks `blocks` [R, B] of layer `layer`,
+    K (kv=0) or V (kv=1), in one gather. Each index picks (layer, kv, block) and the kv-head dim is
+    a slice of every index, so XLA's SPMD partitioner reads a cache split by heads where it lies
+    (folding the heads into the indexed rows would make it gather the whole cache first)."""
+    L, _, KV, N, BS, D = cache.shape
+    flat = blocks.reshape(-1).astype(jnp.int32)                           # [R*B]
+    lead = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), flat.shape),
+                      jnp.full(flat.shape, kv, jnp.int32), flat], axis=-1)   # [R*B, 3]: (layer, kv, block)
+    dims = lax.GatherDimensionNumbers(offset_dims=(0, 2, 3), collapsed_slice_dims=(0, 1, 3),
+                                      start_index_map=(0, 1, 3))
+    out = lax.gather(cache, lead, dims, slice_sizes=(1, 1, KV, 1, BS, D),
+                     mode=lax.GatherScatterMode.CLIP)                     # [KV, R*B, BS, D]
+    return out.reshape(KV, flat.shape[0] * BS, D)                         # [KV, R*B*BS, D]
+
+
+# hloserve::gather_blocks(Tensor cache, Tensor layer, int kv, Tensor blocks) -> Tensor
+@lower(torch.ops.hloserve.gather_blocks)
+def _gather_blocks(ctx, cache, layer, kv, blocks):
+    return gather_blocks(cache, jnp.asarray(layer).reshape(()), int(kv), blocks)
+
+
 def paged_attention_reference(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, *,
                               window: int, holds: int, scale: float, softcap: float):
     """The portable formulation: every token gathers its sequence's whole (padded) context.
 
-    Whole blocks are gathered as rows of a 2-D view, one row per (layer, K|V, kv head, block),
-    K and V by separate gathers, each landing in the layout its dot reads ([KV, T, C, D], batch
-    dims first), so XLA adds no slice copy or transpose of the gathered context.
+    Whole blocks are gathered (gather_blocks), K and V by separate gathers, each landing in the
+    layout its dot reads ([KV, T, C, D], batch dims first), so XLA adds no slice copy or
+    transpose of the gathered context.
     """
     T, KV, G, D = q.shape
     L, _, _, N, BS, _ = kv_cache.shape
     B = block_tables.shape[1]
     C = B * BS
-    rows = kv_cache.reshape(L * 2 * KV * N, BS * D)                       # [L*2*KV*N, BS*D]
-    blk = block_tables[seq_ids][None]                                     # [1, T, B]
-    heads = jnp.arange(KV, dtype=jnp.int32)
-    k_idx = ((layer * 2 * KV + heads) * N)[:, None, None] + blk           # [KV, T, B]
-    k = rows[k_idx.reshape(-1)].reshape(KV, T, C, D)                      # [KV, T, C, D]
-    v = rows[(k_idx + KV * N).reshape(-1)].reshape(KV, T, C, D)           # [KV, T, C, D]
+    blk = block_tables[seq_ids]                                           # [T, B]
+    k = gather_blocks(kv_cache, layer, 0, blk).reshape(KV, T, C, D)       # [KV, T, C, D]
+    v = gather_blocks(kv_cache, layer, 1, blk).reshape(KV, T, C, D)       # [KV, T, C, D]
     if holds:   # widened inside the gather: half the bytes read
         k = lax.bitcast_convert_type(k, _HOLDS[holds]) if k.dtype != _HOLDS[holds] else k
         v = lax.bitcast_convert_type(v, _HOLDS[holds]) if v.dtype != _HOLDS[holds] else v

@@ -13,7 +13,7 @@ from hloserve.quantization import primitives
 from hloserve.quantization.convert import QuantRecord, quantize_tensor, store
 from hloserve.quantization.schemes import QuantConfig, QuantizationError, WeightScheme
 
-from .llama import MATRICES, _layer_layout, rope_inv_freq
+from .llama import MATRICES, _layer_layout, fused_row_order, rope_inv_freq
 from .llama_quant import QuantizedLlamaWeights
 
 # ggml type -> the scheme its blocks are, exactly
@@ -63,8 +63,9 @@ def llama_from_gguf(cfg, ckpt, config: QuantConfig, record: QuantRecord | None =
         kinds = {tensors[n].ggml_type for n in names}
         return GGUF_SCHEMES.get(kinds.pop()) if len(kinds) == 1 else None
 
-    def dequantized(names: list[str]) -> torch.Tensor:
-        return torch.cat([torch.from_numpy(tensors[n].dequantize()) for n in names], 0)
+    def dequantized(names: list[str], order: torch.Tensor | None) -> torch.Tensor:
+        rows = torch.cat([torch.from_numpy(tensors[n].dequantize()) for n in names], 0)
+        return rows if order is None else rows[order]                    # FUSED_ROWS
 
     layers: dict[str, torch.Tensor] = {}
     schemes: dict[str, WeightScheme] = {}
@@ -76,16 +77,18 @@ def llama_from_gguf(cfg, ckpt, config: QuantConfig, record: QuantRecord | None =
             raise QuantizationError(f"{ckpt.path}: tensor {missing[0]} is missing for {stacked}")
         rows = sum(tensors[n].shape[0] for n in per_layer[0])
         shape = (cfg.num_layers, rows, tensors[flat[0]].shape[-1])
+        order = fused_row_order(cfg, stacked)
         if stacked not in MATRICES or config.skipped(f"layers.{stacked}"):
-            layers[stacked] = torch.stack([dequantized(names) for names in per_layer]).to(dtype)
+            layers[stacked] = torch.stack([dequantized(names, order) for names in per_layer]).to(dtype)
             continue
         scheme = native(flat)
         if scheme is not None:
             blocks = [[gguf_blocks(tensors[n]) for n in names] for names in per_layer]
-            q = {role: torch.from_numpy(np.stack([np.concatenate([b[role] for b in bl], 0) for bl in blocks]))
+            idx = slice(None) if order is None else order.numpy()        # FUSED_ROWS
+            q = {role: torch.from_numpy(np.stack([np.concatenate([b[role] for b in bl], 0)[idx] for bl in blocks]))
                  for role in blocks[0][0]}                               # [L, rows, ...] each
         else:
-            q, scheme = quantize_tensor(torch.stack([dequantized(names) for names in per_layer]), config.scheme,
+            q, scheme = quantize_tensor(torch.stack([dequantized(names, order) for names in per_layer]), config.scheme,
                                          stacked)
         record.add(q, scheme, shape)
         store(layers, stacked, q)

@@ -10,7 +10,10 @@ step returns updated.
 Weights are stored STACKED over layers (`layers.qkv_proj` is [L, q+2kv, hidden])
 so the decoder layers export as ONE scanned body (torch scan -> stablehlo.while);
 `scan=False` unrolls the same body L times over static slices of the same
-tensors, so both forms share one weight layout.
+tensors, so both forms share one weight layout. The fused matrices' rows are
+ordered so that any split of their output rows into N equal parts is a
+Megatron tensor-parallel split (FUSED_ROWS): `qkv_proj` groups each KV head's
+query heads with its K and V rows, `gate_up_proj` interleaves gate and up rows.
 
 The step (docs/architecture.md, "LLM step contract"):
 
@@ -51,7 +54,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
-from hloserve.runtime.artifact.llm import NUM_BLOCKS, STEP_INPUTS, STEP_OUTPUTS, KVCacheSpec, LLMSpec
+from hloserve.runtime.artifact.llm import (NUM_BLOCKS, STEP_INPUTS, STEP_OUTPUTS, KVCacheSpec, LLMSpec,
+                                           TensorParallelSpec)
 
 # what a 16-bit cache holds, as the hloserve.paged_attention composite's `holds` says it
 _HOLDS = {torch.bfloat16: 1, torch.float16: 2}
@@ -245,6 +249,48 @@ def _layer_layout(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
 
 # the stacked layer weights that are matrices (the rest are norms and biases)
 MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# Fused rows (FUSED_ROWS), so that splitting a fused matrix's output rows into N equal parts
+# gives every device whole KV heads (N dividing kv_heads) or whole MLP units (N dividing the
+# intermediate size): the layout tensor parallelism needs, at no cost on one device.
+#   qkv_proj rows: [kv head 0: its G query heads, its K, its V | kv head 1: ... ], i.e. the
+#     output reshapes to [T, KV, G+2, D] (HF's head order h = kv * G + g is kept for q);
+#   gate_up_proj rows: [gate 0, up 0, gate 1, up 1, ...], i.e. the output reshapes to [T, I, 2].
+FUSED_ROWS = {"qkv_proj", "qkv_bias", "gate_up_proj", "gate_up_bias"}
+# How each stacked weight splits under tensor parallelism: the dim its stored tensors divide
+# (column: output rows, dim 1 of [L, out, ...]; row: input columns or their groups, dim 2).
+TENSOR_PARALLEL = {"qkv_proj": 1, "qkv_bias": 1, "gate_up_proj": 1, "gate_up_bias": 1, "o_proj": 2, "down_proj": 2}
+
+
+def fused_row_order(cfg: "LlamaConfig", stacked: str) -> torch.Tensor | None:
+    """The row permutation taking the plain concatenation of `stacked`'s parts (q;k;v or gate;up)
+    to its FUSED_ROWS order, or None for a weight that is not fused."""
+    if stacked not in FUSED_ROWS:
+        return None
+    if stacked.startswith("gate_up"):
+        i = torch.arange(cfg.intermediate_size)
+        return torch.stack([i, i + cfg.intermediate_size], 1).reshape(-1)          # [2I]: g0 u0 g1 u1 ...
+    D, KV, G = cfg.head_dim, cfg.num_kv_heads, cfg.group
+    d = torch.arange(D)
+    q = torch.arange(KV * G)[:, None] * D + d                                     # [H, D]: rows of each q head
+    k = cfg.q_size + torch.arange(KV)[:, None] * D + d                            # [KV, D]
+    v = k + cfg.kv_size                                                           # [KV, D]
+    return torch.cat([q.reshape(KV, G, D), k[:, None], v[:, None]], 1).reshape(-1)   # [KV*(G+2)*D]
+
+
+def tensor_parallel_dims(weights: torch.nn.Module) -> dict[str, int]:
+    """Artifact weight name -> the dim a tensor-parallel split divides, for every stored tensor of
+    a stacked matrix or bias (quantized companions `_scale`/`_min` included; a row-split weight's
+    per-row scale has no dim 2 and stays whole). Weights not listed are replicated."""
+    out = {}
+    for name, t in weights.state_dict().items():
+        if not name.startswith("layers."):
+            continue
+        base = name[len("layers."):]
+        stem = next((m for m in TENSOR_PARALLEL if base == m or base.startswith(m + "_")
+                     and base[len(m):] in ("_scale", "_min")), None)
+        if stem is not None and TENSOR_PARALLEL[stem] < t.dim():
+            out[f"model.{name}"] = TENSOR_PARALLEL[stem]
+    return out
 # Why stacked 16-bit matrices under wider activations are stored as int16 bits: XLA:CPU has no
 # 16-bit float data movement, so a dynamic-slice of a bf16 stack inside the layer loop makes it
 # widen the whole stack to f32 before the loop, and a bitcast of a bf16 parameter to integers
@@ -354,6 +400,9 @@ class LlamaWeights(torch.nn.Module):
                 for i in range(cfg.num_layers):
                     tensors = [fetch(p.format(i=i)) for p in parts]
                     src = torch.cat(tensors, 0) if len(tensors) > 1 else tensors[0]
+                    order = fused_row_order(cfg, stacked)
+                    if order is not None and src.shape[0] == order.numel():
+                        src = src[order]                                  # FUSED_ROWS
                     if tuple(src.shape) != tuple(dst.shape[1:]):
                         raise SourceError(f"{parts[0].format(i=i)}...: shape {tuple(src.shape)} does not match the "
                                           f"config's {tuple(dst.shape[1:])}")
@@ -384,17 +433,17 @@ def write_kv(cache: torch.Tensor, layer: torch.Tensor, k: torch.Tensor, v: torch
     L, _, KV, N, BS, D = cache.shape
     T = k.shape[0]
     flat = cache.reshape(L, 2, KV, N * BS, D)                             # [L, 2, KV, N*BS, D]
-    ar = torch.arange(2 * KV, device=k.device)
-    idx_l = layer.expand(2, KV, T)                                        # [2, KV, T]
-    idx_kv = (ar // KV).reshape(2, KV, 1).expand(2, KV, T)                # [2, KV, T]: K or V
-    idx_h = (ar % KV).reshape(2, KV, 1).expand(2, KV, T)                  # [2, KV, T]: kv head
-    idx_slot = slots[None, None, :].expand(2, KV, T)                      # [2, KV, T]
-    values = torch.stack([k, v]).transpose(1, 2)                          # [2, KV, T, D]
+    idx_l = layer.expand(2, T)                                            # [2, T]
+    idx_kv = torch.arange(2, device=k.device)[:, None].expand(2, T)      # [2, T]: K or V
+    idx_slot = slots[None, :].expand(2, T)                                # [2, T]
+    values = torch.stack([k, v])                                          # [2, T, KV, D]
     if kv_dtype is not None:
         values = values.to(kv_dtype).view(torch.int16)                    # the cache holds bits
     elif values.dtype != cache.dtype:
         values = values.to(cache.dtype)
-    flat = flat.index_put((idx_l, idx_kv, idx_h, idx_slot), values)
+    # the kv-head dim is not indexed (a slice of every write), so a cache split by heads is
+    # written where it lies: XLA's SPMD partitioner splits the scatter instead of gathering the cache
+    flat = torch.ops.aten.index_put(flat, [idx_l, idx_kv, None, idx_slot], values)
     return flat.reshape(L, 2, KV, N, BS, D)                               # [L, 2, KV, N, BS, D]
 
 
@@ -520,16 +569,14 @@ class LlamaStep(torch.nn.Module):
             T = h.shape[0]
             L, _, KV, N, BS, D = cache.shape
             x = rms_norm(h, lw["input_layernorm"], cfg.rms_norm_eps)
-            qkv = w.linear(x, lw, "qkv_proj", lw.get("qkv_bias"))        # [T, q+2kv]
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = q.reshape(T, cfg.num_heads, D)                            # [T, H, D]
-            k = k.reshape(T, KV, D)                                       # [T, KV, D]
-            v = v.reshape(T, KV, D)                                       # [T, KV, D]
-            q = q * cos + rotate_half(q) * sin
+            G = cfg.group
+            qkv = w.linear(x, lw, "qkv_proj", lw.get("qkv_bias"))        # [T, KV*(G+2)*D] (FUSED_ROWS)
+            qkv = qkv.reshape(T, cfg.num_kv_heads, G + 2, cfg.head_dim)  # [T, KV, G+2, D]
+            qg, k, v = qkv[:, :, :G], qkv[:, :, G], qkv[:, :, G + 1]      # [T, KV, G, D], [T, KV, D] x2
+            qg = qg * cos[:, :, None] + rotate_half(qg) * sin[:, :, None]
             k = k * cos + rotate_half(k) * sin
 
             cache = write_kv(cache, l, k, v, slots, kvd)                 # then read the contexts
-            qg = q.reshape(T, KV, cfg.group, D)                           # [T, KV, G, D]
             if self.attention == "gather":
                 from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.paged_attention
                 out = torch.ops.hloserve.paged_attention(
@@ -539,23 +586,16 @@ class LlamaStep(torch.nn.Module):
                 # `seen` is each token's context length here; the loop masks block by block
                 out = paged_attention(qg, cache, l, blocks, pos, seen, cfg.sliding_window)   # [T, KV, G, D]
             else:
-                # Whole blocks gathered as rows of a 2-D view, one row per (layer, K|V, kv head,
-                # block), K and V by separate gathers: each lands in the layout its dot reads
-                # ([KV, R, C, D], batch dims first), so XLA adds no slice copy or transpose of the
-                # gathered context (which cost more than the gather itself; docs/performance.md).
-                R, Bw = blocks.shape
-                C = Bw * BS
-                rows = cache.reshape(L * 2 * KV * N, BS * D)              # [L*2*KV*N, BS*D]
-                heads = torch.arange(KV, device=h.device)
-                blk = blocks.to(torch.int64)[None]                        # [1, R, B]
-                k_idx = ((l * 2 * KV + heads) * N)[:, None, None] + blk   # [KV, R, B]
-                k_ctx = rows.index_select(0, k_idx.reshape(-1)).reshape(KV, R, C, D)           # [KV, R, C, D]
-                v_ctx = rows.index_select(0, (k_idx + KV * N).reshape(-1)).reshape(KV, R, C, D)  # [KV, R, C, D]
+                # Whole blocks gathered, K and V by separate gathers: each lands in the layout
+                # its dot reads ([KV, R*C, D], batch dims first), so XLA adds no slice copy or
+                # transpose of the gathered context (which cost more than the gather itself;
+                # docs/performance.md), and a cache split by heads is read where it lies.
+                from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.gather_blocks
+                k_ctx = torch.ops.hloserve.gather_blocks(cache, l, 0, blocks)   # [KV, S*C, D]
+                v_ctx = torch.ops.hloserve.gather_blocks(cache, l, 1, blocks)   # [KV, S*C, D]
                 if kvd is not None:   # widened inside the gather: half the bytes read, same dots
                     k_ctx, v_ctx = k_ctx.view(kvd).to(dtype), v_ctx.view(kvd).to(dtype)
                 qk = qg.transpose(0, 1)                                   # [KV, T, G, D]
-                k_ctx = k_ctx.reshape(KV, R * C, D)                       # [KV, S*C, D]
-                v_ctx = v_ctx.reshape(KV, R * C, D)                       # [KV, S*C, D]
                 scores = torch.einsum("ktgd,kcd->ktgc", qk, k_ctx)       # [KV, T, G, S*C]
                 scores = scores.float() * (D ** -0.5)
                 scores = torch.where(seen[None, :, None, :], scores, _MASKED)
@@ -566,7 +606,9 @@ class LlamaStep(torch.nn.Module):
             h = h + w.linear(out, lw, "o_proj", lw.get("o_bias"))
 
             x = rms_norm(h, lw["post_attention_layernorm"], cfg.rms_norm_eps)
-            gate, up = w.linear(x, lw, "gate_up_proj", lw.get("gate_up_bias")).chunk(2, dim=-1)   # [T, I] each
+            gu = w.linear(x, lw, "gate_up_proj", lw.get("gate_up_bias"))  # [T, 2I] (FUSED_ROWS)
+            gu = gu.reshape(T, -1, 2)                                     # [T, I, 2]
+            gate, up = gu[..., 0], gu[..., 1]                             # [T, I] each
             h = h + w.linear(F.silu(gate) * up, lw, "down_proj", lw.get("down_bias"))
             return h, cache
 
@@ -683,7 +725,8 @@ def contract_entries(make_step: Callable[[str], torch.nn.Module], opts: StepExpo
 
 
 def contract_spec(opts: StepExportOptions, dtype: torch.dtype, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                  vocab_size: int, bos_token_id: int | None, eos_token_ids, model: Mapping[str, Any]) -> LLMSpec:
+                  vocab_size: int, bos_token_id: int | None, eos_token_ids, model: Mapping[str, Any],
+                  tensor_parallel: TensorParallelSpec | None = None) -> LLMSpec:
     """The manifest's model["llm"] of a step built with `opts` (the cache holds int16 bits of
     opts.kv_dtype when set, else `dtype`); `model` adds the architecture facts."""
     from .. import dtypes
@@ -695,15 +738,19 @@ def contract_spec(opts: StepExportOptions, dtype: torch.dtype, *, num_layers: in
                    max_tokens=opts.max_tokens, vocab_size=vocab_size, bos_token_id=bos_token_id,
                    eos_token_ids=tuple(eos_token_ids), kv_cache=kv,
                    functions={name: f"{att}: {ATTENTION_COST[att]}" for name, att in opts.functions},
-                   model=dict(model))
+                   model=dict(model), tensor_parallel=tensor_parallel)
 
 
-def llm_spec(cfg: LlamaConfig, opts: StepExportOptions, dtype: torch.dtype) -> LLMSpec:
-    """The manifest's model["llm"]: what a server needs to drive the step functions."""
+def llm_spec(cfg: LlamaConfig, opts: StepExportOptions, dtype: torch.dtype,
+             weights: torch.nn.Module | None = None) -> LLMSpec:
+    """The manifest's model["llm"]: what a server needs to drive the step functions (and, given
+    the weights, how they split over devices)."""
+    tp = None if weights is None else TensorParallelSpec(weights=tensor_parallel_dims(weights),
+                                                         kv_heads=cfg.num_kv_heads, kv_cache_dim=2)
     return contract_spec(opts, dtype, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                          head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, bos_token_id=cfg.bos_token_id,
                          eos_token_ids=cfg.eos_token_ids,
                          model={"num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
                                 "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                                 "hidden_size": cfg.hidden_size, "sliding_window": cfg.sliding_window,
-                                "layers": "scan" if opts.scan else "unrolled"})
+                                "layers": "scan" if opts.scan else "unrolled"}, tensor_parallel=tp)

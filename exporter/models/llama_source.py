@@ -61,7 +61,7 @@ def source_from_weights(weights: LlamaWeights, description: str, *, opts: StepEx
     dtype = weights.dtype
     model = {
         "task": "causal-lm", "architecture": architecture or f"{cfg.model_type}ForCausalLM",
-        "config": cfg.to_json(), "llm": llm_spec(cfg, opts, dtype).to_json(),
+        "config": cfg.to_json(), "llm": llm_spec(cfg, opts, dtype, weights).to_json(),
         "tokenizer": tokenizer_file, "chat_template": chat_template,
     }
     if add_bos_token is not None:

@@ -16,6 +16,9 @@ Versions of the contract (a reader must understand every field of the versions i
   1  2025-11  prefill/decode step functions over a paged cache; kv_cache.shape lists ints and the string
               "num_blocks"; kv_cache.holds names the values' dtype when 16-bit K/V are stored as int16
               bits. Manifests written before the field existed have no "version" and are version 1.
+  2  2026-11  adds `tensor_parallel` (TensorParallelSpec): the dim each weight's Megatron split divides
+              and the KV heads a tensor-parallel size must divide. Optional: a step without it (every
+              version 1 artifact) serves on one device only.
   (next: add a dated line here and raise LLM_VERSIONS' upper bound in the same change)
 """
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 from . import dtypes
 from .errors import ArtifactError
 
-LLM_VERSIONS = range(1, 2)          # the contract versions this reader accepts
+LLM_VERSIONS = range(1, 3)          # the contract versions this reader accepts
 LLM_VERSION = LLM_VERSIONS.stop - 1  # the version writers produce
 STEP_INPUTS = ("tokens", "positions", "seq_ids", "slot_mapping", "block_tables", "context_lens", "last_token",
                "kv_cache")
@@ -91,6 +94,44 @@ class KVCacheSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorParallelSpec:
+    """How the step splits over N devices (Megatron-style): what the exporter knows about its weights.
+
+    The size N is the server's choice at load (`--tensor-parallel-size`), recorded nowhere here:
+    the same artifact serves on 1 device or N. Column-split matrices (q/k/v, gate/up) divide their
+    output rows, row-split ones (o, down) their input columns, so each layer needs one all-reduce
+    after each row-split product; the KV cache divides its KV-head dim, and the fused q/k/v rows are
+    grouped by KV head so a split hands every device whole heads.
+
+    Attributes:
+      weights: artifact weight name -> the dim its split divides; weights not named are replicated.
+      kv_heads: the model's KV heads: N must divide them.
+      kv_cache_dim: the KV cache's KV-head dim.
+    """
+    weights: Mapping[str, int]
+    kv_heads: int
+    kv_cache_dim: int
+
+    def check(self, size: int, where: str) -> None:
+        """One line when `size` devices cannot split this step."""
+        if size < 1 or self.kv_heads % size:
+            ok = [n for n in range(1, self.kv_heads + 1) if self.kv_heads % n == 0]
+            raise ArtifactError(f"{where}: a tensor-parallel size of {size} does not divide the model's "
+                                f"{self.kv_heads} KV heads; use one of {ok}")
+
+    def to_json(self) -> dict:
+        return {"weights": dict(self.weights), "kv_heads": self.kv_heads, "kv_cache_dim": self.kv_cache_dim}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any], where: str) -> "TensorParallelSpec":
+        weights = _field(raw, "weights", where)
+        if not isinstance(weights, Mapping) or not all(isinstance(d, int) and d >= 0 for d in weights.values()):
+            raise ArtifactError(f"{where}.weights must map weight names to dims; re-export it ({DOC})")
+        return cls(weights=dict(weights), kv_heads=int(_field(raw, "kv_heads", where)),
+                   kv_cache_dim=int(_field(raw, "kv_cache_dim", where)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LLMSpec:
     """What a server needs to drive an LLM artifact's step functions (manifest.model["llm"]).
 
@@ -105,6 +146,7 @@ class LLMSpec:
       kv_cache: the cache's names, storage and shape.
       functions: step function name -> the attention layout it uses (informational).
       model: architecture facts for `inspect` (layers, heads, head_dim, hidden_size, sliding_window, ...).
+      tensor_parallel: how the step splits over devices (version 2), or None: one device only.
     """
     version: int = LLM_VERSION
     block_size: int
@@ -117,6 +159,7 @@ class LLMSpec:
     kv_cache: KVCacheSpec
     functions: Mapping[str, str] = dataclasses.field(default_factory=dict)
     model: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    tensor_parallel: TensorParallelSpec | None = None
 
     @property
     def max_context(self) -> int:
@@ -129,7 +172,8 @@ class LLMSpec:
                 "eos_token_ids": list(self.eos_token_ids), "null_block": NULL_BLOCK, "kv_cache": self.kv_cache.to_json(),
                 "step": {"inputs": list(STEP_INPUTS), "outputs": list(STEP_OUTPUTS), "functions": dict(self.functions),
                          "context_lens": "tokens in the sequence's context including this step's",
-                         "slot_mapping": "block*block_size+offset; padding tokens write into the null block 0"}}
+                         "slot_mapping": "block*block_size+offset; padding tokens write into the null block 0"},
+                **({"tensor_parallel": self.tensor_parallel.to_json()} if self.tensor_parallel else {})}
 
     @classmethod
     def from_json(cls, raw: Any, where: str = "model.llm") -> "LLMSpec":
@@ -147,12 +191,14 @@ class LLMSpec:
             if not isinstance(v, int) or v < 1:
                 raise ArtifactError(f"{where}.{k} = {v!r} must be a positive integer; re-export it ({DOC})")
         known = {"version", "vocab_size", "block_size", "max_context", "max_blocks", "max_tokens", "max_seqs",
-                 "bos_token_id", "eos_token_ids", "null_block", "kv_cache", "step"}
+                 "bos_token_id", "eos_token_ids", "null_block", "kv_cache", "step", "tensor_parallel"}
         step = raw.get("step") or {}
+        tp = raw.get("tensor_parallel")
         return cls(version=version, **ints, bos_token_id=raw.get("bos_token_id"),
                    eos_token_ids=tuple(int(t) for t in raw.get("eos_token_ids") or ()),
                    kv_cache=KVCacheSpec.from_json(_field(raw, "kv_cache", where), f"{where}.kv_cache"),
                    functions=dict(step.get("functions") or {}),
+                   tensor_parallel=None if tp is None else TensorParallelSpec.from_json(tp, f"{where}.tensor_parallel"),
                    model={k: v for k, v in raw.items() if k not in known})
 
     @classmethod

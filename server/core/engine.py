@@ -85,6 +85,8 @@ class Engine:
         self._steps = 0
         self._finished: collections.Counter[str] = collections.Counter()
         self._ttft, self._itl, self._e2e = Histogram(), Histogram(), Histogram()
+        memory = getattr(runner, "device_memory", None)   # fixed after construction: read once
+        self._device_memory = dict(memory()) if callable(memory) else {}
         self._snapshot_lock = threading.Lock()
         self._snapshot = self._take_snapshot()
 
@@ -277,7 +279,8 @@ class Engine:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
             finished=dict(self._finished), steps=self._steps, ttft=self._ttft.copy(), itl=self._itl.copy(),
-            e2e=self._e2e.copy(), runner=dict(runner_stats()) if callable(runner_stats) else {})
+            e2e=self._e2e.copy(), runner=dict(runner_stats()) if callable(runner_stats) else {},
+            device_memory=self._device_memory)
 
 
 # -- wiring an artifact into an engine ------------------------------------------------------
@@ -304,7 +307,7 @@ def build_engine(artifact_path: str, config: "ServeConfig | None" = None) -> tup
     for note in notes:
         log.info("%s", note)
     runner = ModelRunner.from_artifact(artifact_path, runner_cfg, platform=config.platform, strict=config.strict,
-                                       verify=config.load_verify)
+                                       verify=config.load_verify, tensor_parallel_size=config.tensor_parallel_size)
     tok_file = manifest.model.get("tokenizer")
     tokenizer = (Tokenizer.from_artifact(artifact_path, manifest.model, llm)
                  if tok_file and os.path.exists(os.path.join(artifact_path, tok_file)) else None)

@@ -50,6 +50,8 @@ class MetricsSnapshot:
       ttft / itl / e2e: histograms of time to first token, inter-token latency and
         request latency, in seconds.
       runner: counters the runner reports (e.g. compiles), if it has `stats()`.
+      device_memory: (device, "weights" | "kv_cache") -> bytes held there, if the runner has
+        `device_memory()` (a tensor-parallel step holds 1/N of each split array per device).
     """
     num_running: int
     num_waiting: int
@@ -67,6 +69,7 @@ class MetricsSnapshot:
     itl: Histogram
     e2e: Histogram
     runner: dict[str, float]
+    device_memory: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
 
 
 # What the runner's stats() keys mean (a key without an entry is exported with a generic help line).
@@ -98,6 +101,12 @@ class Exposition:
     def gauge(self, name: str, help_: str, value: float) -> None:
         self._family(name, "gauge", help_)
         self._lines.append(f"{name}{{{self._label}}} {value}")
+
+    def gauges(self, name: str, help_: str, samples: Mapping[tuple[tuple[str, str], ...], float]) -> None:
+        """A gauge family with one sample per extra label set ((("device", "0"),): v)."""
+        self._family(name, "gauge", help_)
+        for extra, v in samples.items():
+            self._lines.append(f"{name}{{{self._labels(dict(extra))}}} {v}")
 
     def counter(self, name: str, help_: str, value: float | Mapping[tuple[tuple[str, str], ...], float]) -> None:
         """A counter; `value` is a number, or samples keyed by their extra labels ((("reason", "stop"),): n)."""
@@ -138,6 +147,9 @@ def engine_families(exp: Exposition, m: MetricsSnapshot) -> None:
     exp.histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", m.itl)
     exp.histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", m.e2e)
     runner_families(exp, m.runner)
+    if m.device_memory:
+        exp.gauges("hloserve:device_memory_bytes", "Bytes of weights and KV cache held on each device.",
+                   {(("device", d), ("kind", k)): v for (d, k), v in sorted(m.device_memory.items())})
 
 
 def runner_families(exp: Exposition, stats: Mapping[str, float]) -> None:

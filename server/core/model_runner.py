@@ -132,6 +132,23 @@ def warmup_shapes(cfg: RunnerConfig, decode_fn: str = "decode", prefill_fn: str 
     return list(dict.fromkeys(out))
 
 
+def tensor_parallel_rules(llm: LLMSpec, path: str, size: int) -> dict:
+    """runtime.load's mesh, partition_rules and input_rules for `size`-way tensor parallelism."""
+    import re
+
+    from hloserve.runtime.artifact.errors import ArtifactError
+    tp = llm.tensor_parallel
+    if tp is None:
+        raise ArtifactError(f"{path} does not say how its step splits over devices (it was exported before "
+                            f"tensor parallelism, or by the generic step); re-export it with --llm-step llama "
+                            f"to serve with --tensor-parallel-size")
+    tp.check(size, path)
+    axis = "model"
+    rules = [(f"^{re.escape(name)}$", (None,) * dim + (axis,)) for name, dim in tp.weights.items()]
+    kv = [(f"^{re.escape(llm.kv_cache.input)}$", (None,) * tp.kv_cache_dim + (axis,))]
+    return {"mesh": {axis: size}, "partition_rules": rules, "input_rules": kv}
+
+
 def sample_plan(plan: SchedulerPlan, logits: np.ndarray) -> RunnerOutput:
     """Sample the rows of `logits` (f32[>=S, vocab], row i = plan.seqs[i]) that need a token."""
     rows = [i for i, s in enumerate(plan.seqs) if s.needs_logits]
@@ -153,6 +170,8 @@ class ModelRunner:
 
     def __init__(self, model: "LoadedModel", cfg: RunnerConfig):
         llm = LLMSpec.of(model.manifest, model.path)
+        # tensor parallel: the step runs over model.mesh, the cache split by KV heads (from_artifact)
+        self.tensor_parallel_size = 1 if model.mesh is None else int(model.mesh.devices.size)
         self.model = model
         self.cfg = cfg
         self.llm = llm
@@ -169,28 +188,49 @@ class ModelRunner:
             raise ValueError(f"block bucket {max(cfg.block_buckets)} exceeds the artifact's max_blocks "
                              f"{self.max_blocks}; lower max_model_len")
         kv = llm.kv_cache
-        n = cfg.num_blocks or max(2, cfg.kv_cache_bytes // kv.bytes_per_block)
+        # kv_cache_bytes is per device: N devices hold 1/N of each block
+        n = cfg.num_blocks or max(2, cfg.kv_cache_bytes * self.tensor_parallel_size // kv.bytes_per_block)
         sym = model.manifest.symbols.get("num_blocks")
         if sym is not None and sym.max is not None:
             n = min(n, sym.max)
         self.num_blocks = int(n)
-        import jax.numpy as jnp  # the runner is the one server module that touches the device
+        import jax  # the runner is the one server module that touches the device
+        import jax.numpy as jnp
         self._kv_name, self._kv_out = kv.input, kv.output
-        self.kv_cache = jnp.zeros(kv.concrete_shape(self.num_blocks), kv.numpy_dtype)   # e.g. [L, 2, kvh, N, bs, hd]
+        shape = kv.concrete_shape(self.num_blocks)                         # e.g. [L, 2, kvh, N, bs, hd]
+        split = model.functions[self.decode_fn].input_sharding(kv.input)  # each device allocates its part
+        self.kv_cache = jax.jit(lambda: jnp.zeros(shape, kv.numpy_dtype), out_shardings=split)()
         self.kv_cache_bytes = kv.bytes_per_block * self.num_blocks
         self.steps = 0
         self.step_seconds = 0.0
 
     @classmethod
     def from_artifact(cls, path: str, cfg: RunnerConfig, *, platform: str | None = None, strict: bool = True,
-                      verify: bool | str = True) -> "ModelRunner":
+                      verify: bool | str = True, tensor_parallel_size: int = 1) -> "ModelRunner":
+        """Load the artifact with buckets matching cfg, on one device or, with tensor_parallel_size
+        N > 1, on a mesh of N devices: weights split as the artifact's TensorParallelSpec says
+        (XLA's SPMD partitioner adds the collectives), the KV cache split by KV heads."""
         from hloserve import runtime
         tokens = sorted(set(cfg.token_buckets) | set(cfg.seq_buckets))   # decode steps use T = S
+        split = {}
+        if tensor_parallel_size > 1:
+            from hloserve.runtime.artifact import read_manifest
+            split = tensor_parallel_rules(LLMSpec.of(read_manifest(path), path), path, tensor_parallel_size)
         model = runtime.load(path, platform=platform, strict=strict, verify=verify,
                              buckets={"num_tokens": tokens,
                                       "num_seqs": list(cfg.seq_buckets),
-                                      "max_blocks": list(cfg.block_buckets)})
+                                      "max_blocks": list(cfg.block_buckets)}, **split)
         return cls(model, cfg)
+
+    def device_memory(self) -> dict[tuple[str, str], int]:
+        """(device, "weights" | "kv_cache") -> bytes this runner holds on each device."""
+        out: dict[tuple[str, str], int] = {}
+        for kind, arrays in (("weights", self.model.weights.values()), ("kv_cache", [self.kv_cache])):
+            for a in arrays:
+                for shard in a.addressable_shards:
+                    key = (str(shard.device.id), kind)
+                    out[key] = out.get(key, 0) + shard.data.nbytes
+        return out
 
     def warmup_shapes(self) -> list[tuple[str, int, int, int]]:
         """(function, T, S, B) for every padded shape `build_step` can produce."""

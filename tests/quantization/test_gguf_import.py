@@ -15,6 +15,7 @@ import torch
 from hloserve.exporter.lowerings import quantized as lowering
 from hloserve.exporter.models.gguf import GGUFTensor, load_gguf
 from hloserve.exporter.models import gguf_quant
+from hloserve.exporter.models.llama import fused_row_order
 from hloserve.quantization import convert, modules, primitives
 from hloserve.quantization.schemes import QuantConfig
 from hloserve.runtime.artifact.llm import LLMSpec, pack_step
@@ -116,6 +117,7 @@ def test_llama_from_gguf_keeps_the_files_blocks(ckpt):
     i = 17   # one layer's slice of the stacked storage dequantizes to the file's q, k, v rows exactly
     got = modules.dequantize(w.layers["qkv_proj"][i], w.layers["qkv_proj_scale"][i], w.layers["qkv_proj_min"][i], 4, 32)
     want = np.concatenate([ckpt.tensors[f"model.layers.{i}.self_attn.{p}_proj.weight"].dequantize() for p in "qkv"])
+    want = want[fused_row_order(cfg, "qkv_proj").numpy()]             # grouped by KV head (FUSED_ROWS)
     np.testing.assert_array_equal(_bits(got.numpy()), _bits(want))
     entry = record("model.layers.gate_up_proj_min", w.layers["gate_up_proj_min"])
     assert entry == {"scheme": "int4", "group": 32, "symmetric": False, "scale_dtype": "f16", "rounding": "minmax", "role": "min",
