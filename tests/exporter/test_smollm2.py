@@ -160,3 +160,20 @@ def _assert_matches_transformers(hf_model, prompts, got, prefill_logits):
         np.testing.assert_allclose(prefill_logits[i], want_logits, rtol=0, atol=LOGITS_ATOL)
         assert len(want) == NEW_TOKENS and eos not in want, f"prompt {i}: reference ended early; pick a longer prompt"
         assert cont == want, f"prompt {i}: first difference at token {next(j for j, (a, b) in enumerate(zip(cont, want)) if a != b)}"
+
+
+def test_smollm2_split_over_three_devices(smollm2_artifact):
+    """The f32 preset with `--tensor-parallel-size 3` (its 9 query heads over 3 KV heads: 3 is the one
+    split above 1 that gives every device whole KV heads; 2 and 4 are refused): the same greedy
+    tokens as one device through the whole engine, every split weight and the cache divided by 3,
+    no all-gather in the compiled steps."""
+    from tests.support.tensor_parallel import tp_report
+
+    prompts = _prompts(smollm2_artifact)
+    want, _ = _runtime_greedy(smollm2_artifact, prompts, 32)     # one device; equal to transformers above
+    report = tp_report(smollm2_artifact, [3], prompts, 32)[3]
+    assert report["tokens"] == want
+    assert all(frac == [1 / 3] for frac in report["split"].values()), report["split"]
+    assert len(report["split"]) == 4 + 1                          # qkv, o, gate_up, down; the cache
+    for fn, h in report["hlo"].items():
+        assert h["all-reduce"] >= 2 and h["all-gather"] == [], (fn, h)

@@ -1,0 +1,101 @@
+"""Tensor-parallel serving on virtual CPU devices: the same artifact at 1, 2 and 4 devices.
+
+A random-init Llama with 8 query heads over 4 KV heads (weights x3 so greedy has no near-ties
+at float noise; f32). At every size: greedy tokens of several prompts (chunked prefill, mixed
+steps) equal one device's and transformers'; each device holds exactly 1/N of every split
+weight and of the KV cache (read from the device buffers); the compiled steps hold all-reduces
+(two per layer body: after o_proj and down_proj) and no all-gather at all. `hloserve serve
+--tensor-parallel-size 2` serves the chat model over HTTP with the openai client, reports
+per-device memory in /metrics, and a size that does not divide the KV heads is one line.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.server.servers import hf_greedy, running_server
+from tests.support.tensor_parallel import tp_report
+
+pytestmark = pytest.mark.slow
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def gqa_llm(tmp_path_factory):
+    import transformers
+
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.models import llama_source
+    from hloserve.exporter.models.llama import StepExportOptions
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.mul_(3.0)
+    root = tmp_path_factory.mktemp("gqa-llm")
+    hf.save_pretrained(str(root / "hf"))
+    src = llama_source.from_hf_directory(str(root / "hf"), opts=StepExportOptions(
+        block_size=16, max_context=256, max_tokens=64, max_seqs=8))
+    export_artifact(str(root / "art"), src.entries, source="gqa-llama", model=src.model)
+    return hf, str(root / "art")
+
+
+def test_two_and_four_devices_give_one_devices_tokens_with_every_split_weight_divided(gqa_llm):
+    hf, art = gqa_llm
+    prompts = [[5, 6, 7], list(range(10, 90)), [200 - i for i in range(37)], [42] * 20]   # 80 tokens: chunked
+    report = tp_report(art, [1, 2, 4], prompts, NEW)
+    assert report[1]["tokens"] == [hf_greedy(hf, p, NEW) for p in prompts]
+    for n in (2, 4):
+        r = report[n]
+        assert r["tokens"] == report[1]["tokens"], f"tensor-parallel {n}"
+        assert r["devices"] == n and r["compiles_after_warmup"] == 0
+        assert r["split"] and all(frac == [1 / n] for frac in r["split"].values()), r["split"]
+        for fn, h in r["hlo"].items():
+            assert h["all-reduce"] >= 2 and h["all-gather"] == [], (fn, h)
+    one = report[1]["memory"]
+    assert set(one) == {"0/weights", "0/kv_cache"}
+    four = report[4]["memory"]
+    assert four["0/kv_cache"] * 4 == one["0/kv_cache"]     # the same blocks, a quarter of the heads each
+    assert one["0/weights"] / 4 < four["0/weights"] < one["0/weights"]   # norms and embeddings are whole
+
+
+def test_a_size_that_does_not_divide_the_kv_heads_is_one_line(gqa_llm):
+    _, art = gqa_llm
+    proc = subprocess.run([sys.executable, "-m", "hloserve.server.cli", "serve", art, "--tensor-parallel-size", "3",
+                           "--port", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
+    assert len(lines) == 1 and "does not divide the model's 4 KV heads; use one of [1, 2, 4]" in lines[0], proc.stderr
+
+
+def test_serve_with_tensor_parallel_2_over_http(tiny_chat_llm):
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hloserve.runtime import artifact
+    from hloserve.server.text.tokenizer import Tokenizer
+
+    hf, art = tiny_chat_llm          # 4 query heads over 2 KV heads
+    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    prompts = [tok.encode(t) for t in ("Once upon a time", "The capital of France is a city where")]
+    with running_server(art, "--tensor-parallel-size", "2", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+                        "--max-model-len", "128") as (base, _):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        for p in prompts:
+            r = client.completions.create(model=client.models.list().data[0].id, prompt=p, max_tokens=16,
+                                          temperature=0, extra_body={"ignore_eos": True})
+            assert r.choices[0].text == tok.decode(hf_greedy(hf, p, 16))
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+    samples = {(s.labels["device"], s.labels["kind"]): s.value for f in text_string_to_metric_families(text)
+               for s in f.samples if s.name == "hloserve:device_memory_bytes"}
+    assert set(samples) == {("0", "weights"), ("1", "weights"), ("0", "kv_cache"), ("1", "kv_cache")}
+    assert samples[("0", "kv_cache")] == samples[("1", "kv_cache")] > 0
