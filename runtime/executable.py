@@ -33,6 +33,7 @@ from jax import export as jax_export
 from . import buckets as buckets_mod
 from .client import compile_events
 from .exec_cache import ExecutableCache
+from .sharding import place
 
 LOG = logging.getLogger("hloserve.runtime")
 
@@ -307,8 +308,8 @@ class Function:
             new += 1
             if run and not self.from_executable_cache(env):
                 args = list(self._weights) + [
-                    jax.device_put(np.zeros(artifact.concrete_shape(t, env), artifact.numpy_dtype(t.dtype)),
-                                   self._in_shardings[t.name]) for t in self.spec.inputs]
+                    place(np.zeros(artifact.concrete_shape(t, env), artifact.numpy_dtype(t.dtype)),
+                          self._in_shardings[t.name]) for t in self.spec.inputs]
                 jax.block_until_ready(exe(*args))
                 del args
             if progress:
@@ -354,7 +355,7 @@ class Function:
             value = coerce(t.name, inputs[t.name], t)
             if padded:
                 value = buckets_mod.pad_to(t.name, value, artifact.concrete_shape(t, padded_env))
-            args.append(jax.device_put(value, self._in_shardings[t.name]))
+            args.append(place(value, self._in_shardings[t.name]))
         outs = self._run(tuple(sorted(padded_env.items())), padded_env, env, args)
         self.stats.calls += 1
         self.stats.padded_calls += int(padded)

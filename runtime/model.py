@@ -144,10 +144,11 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
             raise ArtifactError(f"artifact {path}: weight {w!r} is missing from {artifact.WEIGHTS}; re-export it")
     shardings = sharding_mod.weight_shardings({w: reader[w].shape for w in used}, partition_rules, jmesh, device)
     # memory-mapped views go to the device once; with a mesh each device receives only its shard
-    on_device = {w: jax.device_put(reader[w], shardings[w]) for w in used}
+    on_device = {w: sharding_mod.place(reader[w], shardings[w]) for w in used}
     in_sharding = sharding_mod.input_sharding(jmesh, device)
 
-    cache = ExecutableCache(client.cache_dir) if client.cache_dir else None
+    # (a multi-host run compiles on every process: executables are not shared through the cache)
+    cache = ExecutableCache(client.cache_dir) if client.cache_dir and jax.process_count() == 1 else None
     exec_devices = list(jmesh.devices.flat) if jmesh is not None else [device]
     fns = {}
     for n in names:

@@ -102,6 +102,15 @@ def weight_shardings(weights: Mapping[str, Sequence[int]], rules: Rules | None, 
     return {n: NamedSharding(mesh, spec_for(n, shape, rules or (), mesh)) for n, shape in weights.items()}
 
 
+def place(value: Any, sharding: Any) -> Any:
+    """jax.device_put of a host array, also when the sharding spans other processes' devices (a
+    multi-host mesh): this process then places only the parts its own devices hold."""
+    import jax
+    if sharding.is_fully_addressable or isinstance(value, jax.Array):
+        return jax.device_put(value, sharding)
+    return jax.make_array_from_callback(np.shape(value), sharding, lambda index: np.asarray(value[index]))
+
+
 def input_sharding(mesh: Mesh | None, device: Any) -> Any:
     """User inputs are replicated over the mesh (or live on the one device)."""
     return SingleDeviceSharding(device) if mesh is None else NamedSharding(mesh, PartitionSpec())

@@ -19,9 +19,17 @@ def _serve(args: argparse.Namespace) -> int:
              "max_output_tokens": args.max_output_tokens, "tensor_parallel_size": args.tensor_parallel_size,
              "batch_timeout_s": None if args.batch_timeout_ms is None else args.batch_timeout_ms / 1000}
     config = ServeConfig(**{k: v for k, v in given.items() if v is not None})   # the rest: ServeConfig's defaults
+    hosts = int(os.environ.get("JAX_NUM_PROCESSES") or 1) if args.distributed else 1
     if config.tensor_parallel_size > 1 and (config.platform or "cpu") == "cpu":
         from hloserve.runtime.client import host_devices
-        host_devices(config.tensor_parallel_size)   # a CPU host splits into that many devices
+        host_devices(max(1, config.tensor_parallel_size // hosts))   # a CPU host splits into that many devices
+    if args.distributed:
+        from hloserve.runtime import distributed
+        process = distributed.initialize()
+        if not process.is_leader:
+            from .serve import follow
+            follow(args.artifact, config, process)
+            return 0
     serve(args.artifact, host=args.host, port=args.port, config=config, log_level=args.log_level)
     return 0
 
@@ -57,5 +65,10 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     sv.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N",
                     help="LLM: split the model over N devices by KV heads (default %d; on CPU the host's "
                          "cores become N devices)" % d.tensor_parallel_size)
+    sv.add_argument("--distributed", action="store_true",
+                    help="LLM: one process of a multi-host run (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+                         "JAX_PROCESS_ID, or a detected TPU slice / SLURM / Kubernetes job): process 0 serves "
+                         "HTTP and schedules, the others run its steps; --tensor-parallel-size counts every "
+                         "host's devices")
     sv.add_argument("--log-level", default="warning", help="uvicorn log level")
     sv.set_defaults(fn=_serve)

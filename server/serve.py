@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -97,9 +98,30 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
             print("[hloserve] interrupted during warm-up; exiting", file=sys.stderr, flush=True)
             os._exit(130)
         service.close()
+    if server.exit_signal:   # stopped by a signal: the conventional status, after a clean close
+        raise SystemExit(128 + server.exit_signal)
     if failed:
         from hloserve.runtime.artifact.errors import HloserveError
         raise HloserveError(f"{service.model_name}: {failed[0]}")
+
+
+def follow(artifact_path: str | None, config: ServeConfig, process) -> None:
+    """A multi-host run's process > 0: load the same step, then run every step the leader sends
+    until the leader stops (runtime/distributed.py). Serves nothing itself."""
+    from hloserve.runtime.artifact import LLMSpec, read_manifest
+
+    from .core.model_runner import ModelRunner
+    path = artifact_path or default_artifact()
+    llm = LLMSpec.of(read_manifest(path), path)
+    _, runner_cfg, _ = config.resolve(llm)
+    print(f"[hloserve] process {process.index}/{process.count}: loading {path}", file=sys.stderr, flush=True)
+    runner = ModelRunner.from_artifact(path, runner_cfg, platform=config.platform, strict=False,
+                                       verify=config.load_verify, tensor_parallel_size=config.tensor_parallel_size)
+    print(f"[hloserve] process {process.index}/{process.count}: running the leader's steps", file=sys.stderr,
+          flush=True)
+    steps = runner.follow()
+    print(f"[hloserve] process {process.index}/{process.count}: the leader stopped after {steps} steps",
+          file=sys.stderr, flush=True)
 
 
 class _DrainingServer:
@@ -116,9 +138,19 @@ class _DrainingServer:
         self.grace_s = grace_s
         self._handle_exit = self.server.handle_exit
         self.server.handle_exit = self.handle_exit
+        self.exit_signal = 0
 
     def run(self) -> None:
+        # Once shut down, uvicorn re-raises the signal that stopped it under the handlers it found
+        # installed; these only note it, so the caller still closes the service (which releases a
+        # multi-host run's followers) and exits with 128 + the signal afterwards.
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._note)
         self.server.run()
+
+    def _note(self, sig, frame) -> None:
+        self.exit_signal = sig
 
     def handle_exit(self, sig, frame) -> None:
         if self.service.readiness.draining or not self.service.readiness.ready:

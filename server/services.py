@@ -124,6 +124,9 @@ class LLMService:
 
     def close(self) -> None:
         self.engine.stop()
+        close = getattr(self.runner, "close", None)   # a multi-host run's followers are released
+        if callable(close):
+            close()
 
     def end_all(self, reason: str) -> None:
         """End every running and waiting request now, with an error saying why (graceful shutdown's deadline)."""

@@ -132,6 +132,14 @@ def warmup_shapes(cfg: RunnerConfig, decode_fn: str = "decode", prefill_fn: str 
     return list(dict.fromkeys(out))
 
 
+def _host(x) -> np.ndarray:
+    """A step output on the host: a replicated array of a multi-host run is read from this
+    process's own copy."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    return np.asarray(x.addressable_data(0))
+
+
 def tensor_parallel_rules(llm: LLMSpec, path: str, size: int) -> dict:
     """runtime.load's mesh, partition_rules and input_rules for `size`-way tensor parallelism."""
     import re
@@ -201,6 +209,15 @@ class ModelRunner:
         split = model.functions[self.decode_fn].input_sharding(kv.input)  # each device allocates its part
         self.kv_cache = jax.jit(lambda: jnp.zeros(shape, kv.numpy_dtype), out_shardings=split)()
         self.kv_cache_bytes = kv.bytes_per_block * self.num_blocks
+        # several hosts (runtime/distributed.py): the leader's calls are replayed by the others
+        self._calls = None
+        if jax.process_count() > 1:
+            from hloserve.runtime.distributed import CallChannel
+            if self.tensor_parallel_size != jax.device_count():
+                raise ValueError(f"a multi-host run needs the step split over every device: "
+                                 f"--tensor-parallel-size {jax.device_count()} (got {self.tensor_parallel_size})")
+            self._calls = CallChannel(fns, state=(kv.input,))
+        self.is_leader = jax.process_index() == 0
         self.steps = 0
         self.step_seconds = 0.0
 
@@ -258,12 +275,10 @@ class ModelRunner:
                     progress(f"warm-up {i}/{len(shapes)}: {fn} T={t} S={s} B={b} read from the executable cache")
                 continue
             z = np.zeros
-            out = self.model.functions[fn](tokens=z(t, np.int32), positions=z(t, np.int32), seq_ids=z(t, np.int32),
-                                           slot_mapping=z(t, np.int32), block_tables=z((s, b), np.int32),
-                                           context_lens=z(s, np.int32), last_token=z(s, np.int32),
-                                           **{self._kv_name: self.kv_cache})
-            self.kv_cache = out[self._kv_out]
-            np.asarray(out["logits"])
+            out = self._call(fn, dict(tokens=z(t, np.int32), positions=z(t, np.int32), seq_ids=z(t, np.int32),
+                                      slot_mapping=z(t, np.int32), block_tables=z((s, b), np.int32),
+                                      context_lens=z(s, np.int32), last_token=z(s, np.int32)))
+            _host(out["logits"])
             if progress is not None:
                 progress(f"warm-up {i}/{len(shapes)}: {fn} T={t} S={s} B={b} in {time.perf_counter() - t0:.1f} s "
                          f"({time.perf_counter() - t_start:.0f} s so far)")
@@ -280,15 +295,40 @@ class ModelRunner:
         sampled, logprobs = {}, {}
         for part in parts:   # the parts write disjoint cache slots, so their order does not matter
             step = build_step(part, self.cfg, self.block_size, decode_fn=self.decode_fn, prefill_fn=self.prefill_fn)
-            out = self.model.functions[step.function](**step.inputs, **{self._kv_name: self.kv_cache})
-            self.kv_cache = out[self._kv_out]
-            logits = np.asarray(out["logits"])[:step.num_seqs]          # [S, vocab]
+            out = self._call(step.function, step.inputs)
+            logits = _host(out["logits"])[:step.num_seqs]               # [S, vocab]
             result = sample_plan(part, logits)
             sampled.update(result.sampled)
             logprobs.update(result.logprobs)
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
         return RunnerOutput(sampled, logprobs)
+
+    def _call(self, fn: str, inputs: dict) -> dict:
+        """One step function call with the cache (donated, replaced); the leader of a multi-host
+        run first sends it to the other processes, which make the same call (follow)."""
+        if self._calls is not None and self.is_leader:
+            self._calls.send(fn, inputs)
+        out = self.model.functions[fn](**inputs, **{self._kv_name: self.kv_cache})
+        self.kv_cache = out[self._kv_out]
+        return out
+
+    def follow(self) -> int:
+        """A multi-host run's other processes: run every step the leader sends until it stops;
+        returns how many ran."""
+        if self._calls is None or self.is_leader:
+            raise ValueError("follow() is for the non-leader processes of a multi-host run")
+        n = 0
+        for fn, inputs in self._calls.receive_all():
+            self._call(fn, inputs)
+            n += 1
+        return n
+
+    def close(self) -> None:
+        """Release the followers of a multi-host run (no-op otherwise)."""
+        if self._calls is not None and self.is_leader:
+            self._calls.stop()
+            self._calls = None
 
     def stats(self) -> dict[str, float]:
         fs = [f.stats for f in self.model.functions.values()]
