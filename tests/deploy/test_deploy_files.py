@@ -25,6 +25,9 @@ EXPECTED_SERVER_ROUTES = {"/health", "/ready", "/metrics", "/v1/completions", "/
                           "/v1/models/{name}:predict"}   # at least these (checked against the app's source below)
 
 
+MULTIHOST = "hloserve-tpu-multihost.yaml"
+
+
 # -- readers ----------------------------------------------------------------------------------------
 def read_dockerfile(path: str) -> list[tuple[str, str]]:
     """(INSTRUCTION, rest) per instruction, continuations joined, comments dropped."""
@@ -127,7 +130,7 @@ def pyproject() -> dict:
 # -- tests --------------------------------------------------------------------------------------------
 def test_every_yaml_file_parses_as_kubernetes_objects():
     docs = k8s_docs()
-    assert set(docs) == {"hloserve-cpu.yaml", "hloserve-tpu.yaml", "tf-serving.yaml", "models-pvc.yaml"}
+    assert set(docs) == {"hloserve-cpu.yaml", "hloserve-tpu.yaml", "tf-serving.yaml", "models-pvc.yaml", MULTIHOST}
     for name, objs in docs.items():
         for d in objs:
             assert {"apiVersion", "kind", "metadata"} <= set(d), name
@@ -135,14 +138,16 @@ def test_every_yaml_file_parses_as_kubernetes_objects():
         assert sorted(d["kind"] for d in docs[app]) == ["Deployment", "HorizontalPodAutoscaler", "Service"], app
     with open(os.path.join(K8S, "kustomization.yaml")) as f:
         kust = yaml.safe_load(f)
-    assert sorted(kust["resources"]) == sorted(docs)
+    assert sorted(kust["resources"]) == sorted(set(docs) - {MULTIHOST})   # it needs the LWS controller
     with open(COMPOSE) as f:
         compose = yaml.safe_load(f)
     assert set(compose["services"]) == {"hloserve", "tf-serving"}
 
 
 def test_services_and_autoscalers_point_at_deployments():
-    for objs in k8s_docs().values():
+    for name, objs in k8s_docs().items():
+        if name == MULTIHOST:
+            continue   # a LeaderWorkerSet: test_multihost_tpu_slice_is_one_leader_worker_set
         deps = {d["metadata"]["name"]: d for d in objs if d["kind"] == "Deployment"}
         for d in objs:
             if d["kind"] == "Service":
@@ -317,3 +322,38 @@ def test_docs_show_the_exact_commands_and_request_bodies():
             body = f.read().strip()
         assert f"deploy/tf_serving/requests/{name}" in doc
         assert body in doc, f"docs/deploy.md must show {name} verbatim"
+
+
+def test_multihost_tpu_slice_is_one_leader_worker_set():
+    """Every pod of a group runs the same `hloserve serve --distributed` (parsed by the real CLI) on a
+    slice whose chips, per-pod TPU requests and tensor-parallel size agree; jax's three variables come
+    from LWS; the Service reaches the leaders only, on a port the leader serves and probes."""
+    from hloserve.server.cli import build_parser
+    lws, svc = k8s_docs()[MULTIHOST]
+    assert lws["kind"] == "LeaderWorkerSet" and svc["kind"] == "Service"
+    group = lws["spec"]["leaderWorkerTemplate"]
+    leader, worker = group["leaderTemplate"]["spec"], group["workerTemplate"]["spec"]
+    args = []
+    for spec in (leader, worker):
+        (c,) = spec["containers"]
+        assert image_name(c["image"]) == "hloserve/server-tpu"
+        argv = [*c["command"][1:], *c["args"]]
+        parsed = build_parser(argv[0]).parse_args(argv)
+        assert parsed.distributed and parsed.artifact == "/models/llm-artifact"
+        args.append((parsed.artifact, parsed.tensor_parallel_size))
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env["JAX_COORDINATOR_ADDRESS"].startswith("$(LWS_LEADER_ADDRESS):")
+        assert env["JAX_NUM_PROCESSES"] == "$(LWS_GROUP_SIZE)" and env["JAX_PROCESS_ID"] == "$(LWS_WORKER_INDEX)"
+        sel = spec["nodeSelector"]
+        chips = math.prod(int(n) for n in sel["cloud.google.com/gke-tpu-topology"].split("x"))
+        per_pod = int(c["resources"]["requests"]["google.com/tpu"])
+        assert per_pod == int(c["resources"]["limits"]["google.com/tpu"]) and per_pod * group["size"] == chips
+        assert parsed.tensor_parallel_size == chips
+    assert args[0] == args[1]                       # leader and workers run the same step
+    port = int(env["JAX_COORDINATOR_ADDRESS"].rsplit(":", 1)[1])
+    ports = {p["name"]: p["containerPort"] for p in leader["containers"][0]["ports"]}
+    assert port in ports.values()
+    assert svc["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= set(ports)
+    probes = [leader["containers"][0][k]["httpGet"]["path"] for k in ("startupProbe", "readinessProbe")]
+    assert all(route_matches(p, server_routes()) for p in probes)
