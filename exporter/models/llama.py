@@ -280,9 +280,16 @@ def fused_row_order(cfg: "LlamaConfig", stacked: str) -> torch.Tensor | None:
 def tensor_parallel_dims(weights: torch.nn.Module) -> dict[str, int]:
     """Artifact weight name -> the dim a tensor-parallel split divides, for every stored tensor of
     a stacked matrix or bias (quantized companions `_scale`/`_min` included; a row-split weight's
-    per-row scale has no dim 2 and stays whole). Weights not listed are replicated."""
+    per-row scale has no dim 2 and stays whole) and of the embedding and LM head (by vocabulary
+    rows). Weights not listed (norms, o/down biases) are replicated."""
     out = {}
     for name, t in weights.state_dict().items():
+        if name.split("_scale")[0].split("_min")[0] in ("embed_tokens", "lm_head"):
+            # the vocabulary splits too: each device keeps 1/N of the table and of the head (the
+            # logits are gathered once; measured as fast as replicated, 2026-11-24, and the table is
+            # a third of a small model's weights)
+            out[f"model.{name}"] = 0
+            continue
         if not name.startswith("layers."):
             continue
         base = name[len("layers."):]

@@ -46,8 +46,8 @@ for n in sizes:
     for fn, f in runner.model.functions.items():
         text = "\n".join(f._executable(dict(env)).as_text() for env in f.compiled_shapes)
         hlo[fn] = {"all-reduce": len(re.findall(r" all-reduce\(", text)),
-                   "all-gather": re.findall(r"= (\S+) all-gather\(", text)}
-    report[n] = {"tokens": tokens, "split": split, "hlo": hlo,
+                   "all-gather": sorted(set(re.findall(r"= (\S+?)\{[^}]*\} all-gather\(", text)))}
+    report[n] = {"tokens": tokens, "split": split, "hlo": hlo, "vocab": runner.vocab_size,
                  "devices": len({d for d, _ in runner.device_memory()}),
                  "memory": {f"{d}/{k}": v for (d, k), v in runner.device_memory().items()},
                  "compiles_after_warmup": runner.stats()["compiles_after_warmup_total"]}
