@@ -308,6 +308,12 @@ def build_engine(artifact_path: str, config: "ServeConfig | None" = None) -> tup
         log.info("%s", note)
     runner = ModelRunner.from_artifact(artifact_path, runner_cfg, platform=config.platform, strict=config.strict,
                                        verify=config.load_verify, tensor_parallel_size=config.tensor_parallel_size)
+    per_device: dict[str, dict[str, int]] = {}
+    for (device, kind), n in runner.device_memory().items():
+        per_device.setdefault(device, {})[kind] = n
+    for device, kinds in sorted(per_device.items()):
+        log.info("device %s holds %.1f MiB of weights and %.1f MiB of KV cache (%d blocks of %d tokens)", device,
+                 kinds.get("weights", 0) / 2**20, kinds.get("kv_cache", 0) / 2**20, runner.num_blocks, llm.block_size)
     tok_file = manifest.model.get("tokenizer")
     tokenizer = (Tokenizer.from_artifact(artifact_path, manifest.model, llm)
                  if tok_file and os.path.exists(os.path.join(artifact_path, tok_file)) else None)
