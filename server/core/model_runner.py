@@ -35,7 +35,7 @@ import numpy as np
 from hloserve.runtime.artifact.llm import NULL_BLOCK, LLMSpec, StepBatch, pack_step, slots
 
 from .outputs import RunnerOutput, SchedulerPlan
-from .sampling import sample
+from .sampling import sample, token_logprobs
 
 if TYPE_CHECKING:
     from hloserve.runtime.model import LoadedModel
@@ -300,9 +300,30 @@ class ModelRunner:
             result = sample_plan(part, logits)
             sampled.update(result.sampled)
             logprobs.update(result.logprobs)
+        scored = {s.request_id: self._score(s) for s in plan.seqs if s.score_prompt}
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
-        return RunnerOutput(sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, scored)
+
+    def _score(self, seq) -> tuple:
+        """Logprobs of each prompt token after the first, its whole prompt being in the cache now.
+
+        Decode-shaped calls over the warmed buckets: row q re-runs prompt token q at position q with
+        its sequence's block table, so its logits are those that predict token q + 1; its K/V write
+        goes to the null block (the cache already holds it, and prefix-cached blocks may be shared).
+        """
+        prompt, k = seq.score_prompt, seq.sampling.prompt_logprobs
+        out = []
+        width = self.cfg.seq_buckets[-1]
+        for lo in range(0, len(prompt) - 1, width):
+            rows = [((prompt[q],), q, seq.block_table) for q in range(lo, min(lo + width, len(prompt) - 1))]
+            step = build_step(SchedulerPlan.of(tuple(
+                dataclasses.replace(seq, token_ids=t, start=q, score_prompt=()) for t, q, _ in rows)),
+                self.cfg, self.block_size, decode_fn=self.decode_fn, prefill_fn=self.prefill_fn)
+            step.inputs["slot_mapping"][:] = NULL_BLOCK * self.block_size    # nothing is written back
+            logits = _host(self._call(step.function, step.inputs)["logits"])
+            out += [token_logprobs(logits[i], prompt[q + 1], k) for i, (_, q, _) in enumerate(rows)]
+        return tuple(out)
 
     def _call(self, fn: str, inputs: dict) -> dict:
         """One step function call with the cache (donated, replaced); the leader of a multi-host

@@ -32,6 +32,7 @@ class ScheduledSeq:
     seed: int                       # the request's explicit RNG seed
     sample_index: int               # index of the token to sample among the outputs; (seed, index) picks the draw
     context: RowContext = RowContext()  # what penalties and min_tokens read (empty unless the request uses them)
+    score_prompt: tuple[int, ...] = ()  # the whole prompt, on the step that completes it, when its logprobs are asked
 
     @property
     def context_len(self) -> int:
@@ -60,6 +61,8 @@ class RunnerOutput:
     """What the runner returns for a plan."""
     sampled: Mapping[str, int]                   # request id -> sampled token, for seqs with needs_logits
     logprobs: Mapping[str, TokenLogprobs] = dataclasses.field(default_factory=dict)  # for requests that asked
+    # request id -> one entry per prompt token after the first (its logprob given the tokens before)
+    prompt_logprobs: Mapping[str, tuple[TokenLogprobs, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,6 +75,8 @@ class RequestOutput:
         possible stop string is incomplete).
       finish_reason: None while the request runs, then why it ended.
       logprobs: one entry per new token, when the request asked for logprobs.
+      prompt_logprobs: with the first token, one entry per prompt token after the first, when the
+        request asked for them (SamplingParams.prompt_logprobs).
       num_prompt_tokens / num_output_tokens / num_cached_tokens: usage so far.
       error: what failed, with finish_reason ERROR (or ABORT when the engine stopped).
     """
@@ -80,6 +85,7 @@ class RequestOutput:
     new_text: str = ""
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     num_prompt_tokens: int
     num_output_tokens: int = 0
     num_cached_tokens: int = 0

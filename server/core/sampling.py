@@ -42,6 +42,8 @@ class SamplingParams:
       seed: makes the draws reproducible; None draws a seed at admission.
       logprobs: None for no logprobs; k in [0, 20] returns the sampled token's
         logprob and the k most likely alternatives.
+      prompt_logprobs: the same for every prompt token after the first (vLLM's; what completions'
+        echo with logprobs returns), computed once the prompt is in the cache.
       n: completions per prompt; only 1 is supported.
       min_p: drop tokens whose probability is below min_p times the most likely one's (0: off).
       presence_penalty / frequency_penalty: OpenAI's, subtracted per generated token (once /
@@ -63,6 +65,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     min_p: float = 0.0
     presence_penalty: float = 0.0
@@ -98,6 +101,9 @@ class SamplingParams:
                f"seed={self.seed!r}: must be an integer (64-bit) or null")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs={self.logprobs!r}: must be an integer in [0, {MAX_LOGPROBS}] or null")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                 and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               f"prompt_logprobs={self.prompt_logprobs!r}: must be an integer in [0, {MAX_LOGPROBS}] or null")
         _check(_is_int(self.n) and self.n == 1, f"n={self.n!r}: only n=1 is supported; send separate requests for more completions")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p={self.min_p!r}: must be in [0, 1] (0 disables it)")
         for name in ("presence_penalty", "frequency_penalty"):

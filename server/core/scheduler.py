@@ -98,6 +98,7 @@ class Request:
     num_cached_tokens: int = 0           # of the prompt, tokens served by the prefix cache (last admission)
     num_preemptions: int = 0
     matcher: Any = None                  # structured output: its grammar position (server/text/structured.Matcher)
+    prompt_scored: bool = False          # its prompt logprobs were computed (once, even if preempted later)
 
     @property
     def num_output_tokens(self) -> int:
@@ -291,10 +292,13 @@ class Scheduler:
         start = req.num_computed_tokens
         table = self.blocks.blocks_of(req.request_id).block_ids
         needs_logits = start + n == len(req.token_ids)
+        score = (needs_logits and req.num_output_tokens == 0 and req.params.prompt_logprobs is not None
+                 and not req.prompt_scored)
         return ScheduledSeq(request_id=req.request_id, token_ids=tuple(req.token_ids[start:start + n]), start=start,
                             block_table=table, needs_logits=needs_logits, sampling=req.params,
                             seed=req.seed, sample_index=req.num_output_tokens,
-                            context=self._row_context(req) if needs_logits else RowContext())
+                            context=self._row_context(req) if needs_logits else RowContext(),
+                            score_prompt=tuple(req.token_ids[:req.num_prompt_tokens]) if score else ())
 
     def _row_context(self, req: Request) -> RowContext:
         """The tokens penalties read and the ids min_tokens forbids, only for requests that use them."""
@@ -324,7 +328,11 @@ class Scheduler:
             lp = output.logprobs.get(seq.request_id)
             req.token_ids.append(token)
             self.stats.generation_tokens += 1
-            outputs.append(self._after_token(req, token, lp))
+            out = self._after_token(req, token, lp)
+            if seq.score_prompt:
+                req.prompt_scored = True
+                out = dataclasses.replace(out, prompt_logprobs=tuple(output.prompt_logprobs.get(seq.request_id, ())))
+            outputs.append(out)
         return outputs
 
     def _after_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:

@@ -77,6 +77,7 @@ def sampling(svc: LLMService, req, prompt_len: int, max_tokens: int | None, logp
             top_p=req.top_p if req.top_p is not None else defaults.get("top_p", 1.0),
             top_k=None if top_k in (None, -1, 0) else top_k, max_tokens=max_tokens, stop=tuple(req.stop or ()),
             stop_token_ids=tuple(req.stop_token_ids or ()), seed=req.seed, logprobs=logprobs,
+            prompt_logprobs=logprobs if getattr(req, "echo", False) and req.logprobs is not None else None,
             ignore_eos=req.ignore_eos, min_p=req.min_p, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None
@@ -144,7 +145,8 @@ async def run_admitted(svc: LLMService, request: Request, req, *, chat: bool, to
     if getattr(req, "echo", False):   # the prompt as sent (decoded when it was token ids or truncated)
         echo = [p if isinstance(p, str) and req.truncate_prompt_tokens is None else svc.tokenizer.decode(ids)
                 for p, ids in zip(req.prompts(), prompts)]
-    return await _respond(svc, request, Choices(rid, streams, prompt_tokens, echo=echo), req, chat=chat)
+    return await _respond(svc, request, Choices(rid, streams, prompt_tokens, echo=echo, echo_ids=prompts), req,
+                          chat=chat)
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -200,11 +202,22 @@ class Choices:
     """The n request streams of one API request, read as one: (choice index, output) as they come.
     Leaving it (`async with`), or `abort()`, aborts every request still running."""
 
-    def __init__(self, request_id: str, streams: list, prompt_tokens: int, echo: list[str] | None = None):
+    def __init__(self, request_id: str, streams: list, prompt_tokens: int, echo: list[str] | None = None,
+                 echo_ids: list | None = None):
         self.request_id = request_id
         self.streams = streams
         self.prompt_tokens = prompt_tokens     # all prompts of the request, each counted once
         self.echo = echo                       # per prompt, its text (completions' echo)
+        self.echo_ids = echo_ids               # per prompt, its token ids
+        self.prompt_logprobs: dict[int, tuple] = {}   # per prompt: its tokens' logprobs, once computed
+
+    def echoed_logprobs(self, svc, choice: int, lps: list) -> dict:
+        """Completions' logprobs of a choice: with echo, its prompt's tokens first (the first one has
+        no logprob, as OpenAI's), then the generated ones."""
+        p = self.prompt_of(choice)
+        if not self.echo or p not in self.prompt_logprobs:
+            return _completion_logprobs(svc, lps)
+        return _completion_logprobs(svc, lps, prompt=(self.echo_ids[p][0], self.prompt_logprobs[p]))
 
     def prompt_of(self, choice: int) -> int:
         return choice * len(self.echo) // len(self.streams) if self.echo else 0
@@ -280,7 +293,7 @@ async def _respond(svc: LLMService, request: Request, choices: Choices, req, *, 
                         "logprobs": _chat_logprobs(svc, lps) if req.logprobs else None})
         else:
             out.append({"index": i, "text": text, "finish_reason": reason,
-                        "logprobs": _completion_logprobs(svc, lps) if req.logprobs is not None else None})
+                        "logprobs": choices.echoed_logprobs(svc, i, lps) if req.logprobs is not None else None})
     body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": req.model, "choices": out, "usage": _usage(lasts, choices.prompt_tokens)}
     return JSONResponse(body, headers=headers)
@@ -315,6 +328,8 @@ async def _collect(request: Request, choices: Choices) -> list[tuple[str, list, 
             async for i, out in choices:
                 texts[i].append(out.new_text)
                 lps[i].extend(out.logprobs or ())
+                if out.prompt_logprobs is not None:
+                    choices.prompt_logprobs[choices.prompt_of(i)] = out.prompt_logprobs
                 lasts[i] = out
     finally:
         watcher.cancel()
@@ -331,14 +346,25 @@ def _token_str(svc, tid: int) -> str:
     return svc.tokenizer.decode([tid], skip_special_tokens=False)
 
 
-def _completion_logprobs(svc, lps) -> dict:
-    tokens = [_token_str(svc, lp.token_id) for lp in lps]
+def _completion_logprobs(svc, lps, *, prompt: tuple | None = None) -> dict:
+    """OpenAI's completions logprobs; `prompt` (its first token id, the logprobs of the others) puts
+    the echoed prompt's tokens first."""
+    head: list = []
+    if prompt is not None:
+        first, rest = prompt
+        head = [None] + list(rest)
+        tokens = [_token_str(svc, first)] + [_token_str(svc, lp.token_id) for lp in rest]
+    else:
+        tokens = []
+    tokens += [_token_str(svc, lp.token_id) for lp in lps]
     offsets, pos = [], 0
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{_token_str(svc, t): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
+    every = head + list(lps)
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in every],
+            "top_logprobs": [None if lp is None else {_token_str(svc, t): v for t, v in lp.top} for lp in every],
+            "text_offset": offsets}
 
 
 def _chat_logprobs(svc, lps) -> dict:
@@ -369,12 +395,20 @@ async def _sse(svc, choices: Choices, rid, created, req, *, chat: bool, include_
             for i in range(len(choices.streams)):
                 yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None})
-        elif choices.echo:
+        elif choices.echo and req.logprobs is None:
             for i in range(len(choices.streams)):
                 yield chunk({"index": i, "text": choices.echo[choices.prompt_of(i)], "logprobs": None,
                              "finish_reason": None})
+        echoed: set[int] = set()   # echo with logprobs: each prompt's chunk waits for its logprobs
         async for i, out in choices:
             lasts[i] = out
+            if choices.echo and req.logprobs is not None and i not in echoed:
+                echoed.add(i)
+                p = choices.prompt_of(i)
+                if out.prompt_logprobs is not None:
+                    choices.prompt_logprobs[p] = out.prompt_logprobs
+                yield chunk({"index": i, "text": choices.echo[p], "finish_reason": None,
+                             "logprobs": choices.echoed_logprobs(svc, i, [])})
             if out.finish_reason is FinishReason.ERROR:
                 yield f"data: {json.dumps(error_body(f'generation failed: {out.error}', type_='internal_error'))}\n\n"
                 break

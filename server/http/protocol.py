@@ -227,9 +227,6 @@ class CompletionRequest(_Sampling):
             raise ValueError("best_of must be at most 16")
         if self.best_of and self.best_of > self.n and self.stream:
             raise ValueError("best_of > n cannot be streamed (the best are known only at the end); set stream false")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs the prompt's log-probabilities, which hloserve does not "
-                             "compute; drop logprobs or echo")
         return self
 
     @field_validator("suffix")

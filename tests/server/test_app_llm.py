@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import numpy as np
 import pytest
 
 from .servers import hf_greedy, running_server
@@ -85,7 +86,6 @@ def test_models_and_auth(server):
     ({"model": "tiny-chat", "prompt": "hi", "n": 17}, "n must be at most 16"),
     ({"model": "tiny-chat", "prompt": "hi", "best_of": 2, "n": 3}, "must be at least n"),
     ({"model": "tiny-chat", "prompt": "hi", "best_of": 3, "stream": True}, "cannot be streamed"),
-    ({"model": "tiny-chat", "prompt": "hi", "echo": True, "logprobs": 1}, "echo with logprobs"),
     ({"model": "tiny-chat", "prompt": ["a", ""]}, "prompt is empty"),
     ({"model": "tiny-chat", "prompt": "hi", "logit_bias": {"x": 1}}, "is not a token id"),
     ({"model": "tiny-chat", "prompt": "hi", "presence_penalty": 3}, "invalid value for 'presence_penalty'"),
@@ -284,6 +284,44 @@ def test_best_of_answers_the_most_likely_candidates_and_echo_prepends_the_prompt
         model="tiny-chat", prompt="Once upon a time", max_tokens=4, temperature=0, echo=True, stream=True)
         if ch.choices)
     assert streamed == e.choices[0].text
+
+
+def test_echo_with_logprobs_scores_the_prompt_like_transformers(server, tiny_chat_llm):
+    """echo + logprobs (how evaluation harnesses score text): every prompt token after the first gets
+    its log-probability given the tokens before it, equal to transformers' log-softmax on the same
+    weights (f32, logits of magnitude ~1: measured differences ~1e-6; bound 1e-4), with the top-2
+    alternatives; the first has none, as OpenAI's. The prompt (24 tokens) is scored in several calls
+    of the 4-row decode bucket; a second request hits the prefix cache and scores the same; the
+    stream sends the same numbers in its first chunk."""
+    import torch
+
+    from hloserve.runtime import artifact
+    from hloserve.server.text.tokenizer import Tokenizer
+    hf, art = tiny_chat_llm
+    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    prompt = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat by the door"
+    ids = tok.encode(prompt)
+    assert len(ids) > 12
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1).numpy()   # [len, vocab]
+    c = client(server[0])
+    kw = dict(model="tiny-chat", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    plain = c.completions.create(**{**kw, "echo": False}).choices[0]
+    for attempt in range(2):                                  # the second one's prompt is cached
+        lp = c.completions.create(**kw).choices[0].logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert len(lp.tokens) == len(ids) + 3 and "".join(lp.tokens[:len(ids)]) == tok.decode(ids)
+        got = np.array(lp.token_logprobs[1:len(ids)])
+        np.testing.assert_allclose(got, want[np.arange(len(ids) - 1), ids[1:]], atol=1e-4, rtol=0)
+        for q in range(1, len(ids)):
+            top2 = np.argsort(-want[q - 1])[:2]
+            assert list(lp.top_logprobs[q]) == [tok.decode([int(t)], skip_special_tokens=False) for t in top2]
+        assert lp.token_logprobs[len(ids):] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-6)
+        assert lp.text_offset[len(ids)] == len(tok.decode(ids))
+    first = next(ch for ch in c.completions.create(**kw, stream=True) if ch.choices)
+    assert first.choices[0].text == prompt
+    streamed = first.choices[0].logprobs.token_logprobs
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:len(ids)], abs=1e-6)
 
 
 def test_include_stop_str_in_output_and_skip_special_tokens(server, tiny_chat_llm):
