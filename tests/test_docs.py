@@ -1,6 +1,7 @@
 """The docs cannot drift from the CLI: every `hloserve ...` command line in the README's and docs'
 shell blocks is parsed by the real parser (options, choices, arity), and every Python block compiles.
-The README's OpenAI example is executed against a real server in tests/server/test_serve_default.py."""
+The README's OpenAI example is executed against a real server in tests/server/test_serve_default.py,
+and its command walkthrough (every line whose inputs exist here) in tests/test_readme_commands.py."""
 from __future__ import annotations
 
 import glob
