@@ -100,6 +100,9 @@ class _Sampling(OpenModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: spaces around special tokens when decoding. Only a slow (Python) tokenizer inserts
+    # them; hloserve decodes with the tokenizer.json (fast) one, as vLLM's fast detokenizer does,
+    # which ignores the flag: both values give the tokenizer's own text
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
@@ -171,14 +174,6 @@ class _Sampling(OpenModel):
                 raise ValueError(f"logit_bias key {k!r} is not a token id")
             if not -100 <= b <= 100:
                 raise ValueError(f"logit_bias[{k}] = {b}: must be in [-100, 100]")
-        return v
-
-    @field_validator("spaces_between_special_tokens")
-    @classmethod
-    def _default_only(cls, v, info):
-        default = cls.model_fields[info.field_name].default
-        if v != default:
-            raise ValueError(f"{info.field_name}={v} is not supported by hloserve yet; omit it")
         return v
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:

@@ -342,3 +342,7 @@ def test_include_stop_str_in_output_and_skip_special_tokens(server, tiny_chat_ll
     shown = c.completions.create(**forced, extra_body={"skip_special_tokens": False}).choices[0].text
     hidden = c.completions.create(**forced).choices[0].text
     assert shown == "<|im_start|>" * 3 and hidden == ""
+    for spaces in (True, False):                              # a fast tokenizer's text either way (vLLM's too)
+        r = c.completions.create(**forced, extra_body={"skip_special_tokens": False,
+                                                       "spaces_between_special_tokens": spaces})
+        assert r.choices[0].text == shown
