@@ -30,26 +30,9 @@ GEN = 10
 
 @pytest.fixture(scope="module")
 def tiny_llm(tmp_path_factory):
-    import transformers
-    from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.models import llama_source
-    from hloserve.exporter.models.llama import StepExportOptions
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.mul_(3.0)
-    root = tmp_path_factory.mktemp("tiny-llm")
-    hf.save_pretrained(str(root / "hf"))
-    src = llama_source.from_hf_directory(str(root / "hf"), opts=StepExportOptions(
-        block_size=BLOCK, max_context=128, max_tokens=64, max_seqs=8))
-    export_artifact(str(root / "art"), src.entries, source="tiny-llama", model=src.model)
-    return hf, str(root / "art")
+    from tests.support.tiny_llama import tiny_llama
+    return tiny_llama(str(tmp_path_factory.mktemp("tiny-llm")), heads=4, kv_heads=2, max_position=256,
+                      block_size=BLOCK, max_context=128)
 
 
 @pytest.fixture(scope="module")

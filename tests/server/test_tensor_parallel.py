@@ -16,7 +16,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from tests.server.servers import hf_greedy, running_server
 from tests.support.tensor_parallel import tp_report
@@ -27,27 +26,9 @@ NEW = 32
 
 @pytest.fixture(scope="module")
 def gqa_llm(tmp_path_factory):
-    import transformers
-
-    from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.models import llama_source
-    from hloserve.exporter.models.llama import StepExportOptions
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
-                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.mul_(3.0)
-    root = tmp_path_factory.mktemp("gqa-llm")
-    hf.save_pretrained(str(root / "hf"))
-    src = llama_source.from_hf_directory(str(root / "hf"), opts=StepExportOptions(
-        block_size=16, max_context=256, max_tokens=64, max_seqs=8))
-    export_artifact(str(root / "art"), src.entries, source="gqa-llama", model=src.model)
-    return hf, str(root / "art")
+    from tests.support.tiny_llama import tiny_llama
+    return tiny_llama(str(tmp_path_factory.mktemp("gqa-llm")), heads=8, kv_heads=4, max_position=512,
+                      block_size=16, max_context=256)
 
 
 def test_two_and_four_devices_give_one_devices_tokens_with_every_split_weight_divided(gqa_llm):
@@ -66,7 +47,7 @@ def test_two_and_four_devices_give_one_devices_tokens_with_every_split_weight_di
     assert set(one) == {"0/weights", "0/kv_cache"}
     four = report[4]["memory"]
     assert four["0/kv_cache"] * 4 == one["0/kv_cache"]     # the same blocks, a quarter of the heads each
-    assert one["0/weights"] / 4 < four["0/weights"] < one["0/weights"]   # norms and embeddings are whole
+    assert one["0/weights"] / 4 < four["0/weights"] < one["0/weights"]   # the norms are whole
 
 
 def only_logits_gathered(shapes: list[str], vocab: int) -> bool:
