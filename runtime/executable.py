@@ -118,12 +118,13 @@ class Function:
                  exec_cache: ExecutableCache | None = None, devices: Sequence[Any] = (),
                  cache_identity: Mapping[str, Any] | None = None,
                  compiler_options: Mapping[str, str] | None = None,
-                 input_shardings: Mapping[str, Any] | None = None):
+                 input_shardings: Mapping[str, Any] | None = None, kernels: int = 0):
         self.spec = spec
         self.symbols = symbols
         self.exported = exported
         self.buckets = buckets
         self.strict = strict
+        self.kernels = kernels   # composites this runtime runs as kernels (runtime/kernels/), not decompositions
         self.stats = FunctionStats()
         self.warmed = False
         self._weights = list(weights)

@@ -163,7 +163,8 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
                           cache_identity={**_identity(spec, shardings, in_sharding, exec_devices),
                                           "split_inputs": {k: repr(v.spec) for k, v in split_inputs.items()},
                                           "kernels": library.digest if specialized[n] else None},
-                          compiler_options=client.compiler_options, input_shardings=split_inputs)
+                          compiler_options=client.compiler_options, input_shardings=split_inputs,
+                          kernels=specialized[n])
     return LoadedModel(path, manifest, client, jmesh, on_device, fns)
 
 

@@ -10,13 +10,14 @@ ModelRunner drives an LLM artifact's step functions through the typed contract
     -> logits f32[S, vocab], kv_cache
 
 T, S and B are padded up to buckets chosen once (RunnerConfig) and compiled
-by `warmup()`, so serving never compiles: a decode-only step (one token per
-sequence) calls `decode` with T = S; prefill chunks call `prefill`. A plan
-that mixes both runs as two calls, the decode rows through `decode` and the
-prefill rows through `prefill`: the flat attention of `prefill` costs
-T * S * context, so 15 decodes riding along one 128-token chunk would cost
-several times the two separate calls (measured on SmolLM2: 3.2 s of CPU
-for T=128, S=16 against 0.5 s + 0.3 s). Padding tokens write into the null block and belong to a padding
+by `warmup()`, so serving never compiles. When the runtime runs `decode`'s
+attention composite as a kernel (the CPU), every step is one call of `decode`,
+prompt chunks and decodes mixed: the kernel reads only each token's own blocks.
+Otherwise a decode-only step (one token per sequence) calls `decode` with T = S,
+prefill chunks call `prefill`, and a plan that mixes both runs as two calls:
+the flat attention of `prefill` costs T * S * context, so 15 decodes riding
+along one 128-token chunk would cost several times the two separate calls
+(measured on SmolLM2: 3.2 s of CPU for T=128, S=16 against 0.5 s + 0.3 s). Padding tokens write into the null block and belong to a padding
 row whose context is empty; padding rows are never sampled. The KV cache
 lives on the device for the runner's lifetime: each call donates it and keeps
 the returned one. N (num_blocks) is fixed at construction from a memory budget.
@@ -189,6 +190,14 @@ class ModelRunner:
         fns = model.functions
         self.decode_fn = "decode" if "decode" in fns else "prefill"
         self.prefill_fn = "prefill" if "prefill" in fns else "decode"
+        # With its attention composite run by a kernel (CPU), `decode` reads only each token's own
+        # blocks, for prompt chunks too: then every step is ONE call of it, mixed or not (measured
+        # T=256: 83-125 ms against the flat layout's 113-255 ms, S = 1..4; docs/performance.md).
+        # Without one, its decomposition gathers every token's padded context, so prompt chunks
+        # take `prefill`'s flat layout and a mixed step is two calls.
+        self.one_call = self.decode_fn == "decode" and fns["decode"].kernels > 0
+        if self.one_call:
+            self.prefill_fn = self.decode_fn
         if self.decode_fn not in fns:
             raise ValueError(f"artifact {model.path} has neither a 'decode' nor a 'prefill' function "
                              f"(it has {sorted(fns)})")
@@ -290,7 +299,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         decodes = tuple(s for s in plan.seqs if len(s.token_ids) == 1)
         chunks = tuple(s for s in plan.seqs if len(s.token_ids) > 1)
-        parts = [plan] if not decodes or not chunks else [
+        parts = [plan] if self.one_call or not decodes or not chunks else [
             SchedulerPlan.of(rows) for rows in (decodes, chunks)]
         sampled, logprobs = {}, {}
         for part in parts:   # the parts write disjoint cache slots, so their order does not matter
