@@ -812,11 +812,12 @@ oneDNN dot fusions (within noise end to end); bf16 weight matrices stored as int
 `hloserve::mixed_linear` contracting the weight's dim 1 in place; a bf16 KV cache widened inside the
 gather; prefill S buckets in powers of two and block widths 2x apart; 256 tokens a step.
 
-What is left, in order of size: a mixed step runs as two calls (decode rows through `decode`,
-chunks through `prefill`), so each mixed step reads the weights twice; prefill attention is the
-flat layout (T x S x context, padded); the scanned step's per-layer weight-slice copies (the
-generic step avoids them at the price of compile time); the HTTP and sampling host work shares
-the two cores with XLA (engine-level 284 tok/s against 264 over HTTP).
+Done this session: every step is one `decode` call where the attention kernel runs (prompt
+chunks read only their own blocks, a mixed step reads the weights once; "One kernel call per
+step" above). What is left, in order of size: single-stream decode (weight bytes per step: the
+GGUF's 4-bit blocks win at one sequence, lose at 16); the scanned step's per-layer weight-slice
+copies (the generic step avoids them at the price of compile time); the HTTP and sampling host
+work sharing the two cores with XLA.
 """
 
 
