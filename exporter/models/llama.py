@@ -282,21 +282,18 @@ def tensor_parallel_dims(weights: torch.nn.Module) -> dict[str, int]:
     a stacked matrix or bias (quantized companions `_scale`/`_min` included; a row-split weight's
     per-row scale has no dim 2 and stays whole) and of the embedding and LM head (by vocabulary
     rows). Weights not listed (norms, o/down biases) are replicated."""
+    from hloserve.quantization.schemes import MIN_SUFFIX, SCALE_SUFFIX
+
+    # the vocabulary splits too: each device keeps 1/N of the table and of the head (the logits are
+    # gathered once; measured as fast as replicated, 2026-11-24, and the table is a third of a
+    # small model's weights)
+    dims = {**{f"layers.{m}": d for m, d in TENSOR_PARALLEL.items()}, "embed_tokens": 0, "lm_head": 0}
     out = {}
     for name, t in weights.state_dict().items():
-        if name.split("_scale")[0].split("_min")[0] in ("embed_tokens", "lm_head"):
-            # the vocabulary splits too: each device keeps 1/N of the table and of the head (the
-            # logits are gathered once; measured as fast as replicated, 2026-11-24, and the table is
-            # a third of a small model's weights)
-            out[f"model.{name}"] = 0
-            continue
-        if not name.startswith("layers."):
-            continue
-        base = name[len("layers."):]
-        stem = next((m for m in TENSOR_PARALLEL if base == m or base.startswith(m + "_")
-                     and base[len(m):] in ("_scale", "_min")), None)
-        if stem is not None and TENSOR_PARALLEL[stem] < t.dim():
-            out[f"model.{name}"] = TENSOR_PARALLEL[stem]
+        stem = next((name[:-len(s)] for s in (SCALE_SUFFIX, MIN_SUFFIX) if name.endswith(s)), name)
+        dim = dims.get(stem)
+        if dim is not None and dim < t.dim():
+            out[f"model.{name}"] = dim
     return out
 # Why stacked 16-bit matrices under wider activations are stored as int16 bits: XLA:CPU has no
 # 16-bit float data movement, so a dynamic-slice of a bf16 stack inside the layer loop makes it

@@ -98,22 +98,20 @@ class Exposition:
     def _labels(self, extra: Mapping[str, str]) -> str:
         return ",".join([self._label] + [f'{k}="{v}"' for k, v in extra.items()])
 
-    def gauge(self, name: str, help_: str, value: float) -> None:
-        self._family(name, "gauge", help_)
-        self._lines.append(f"{name}{{{self._label}}} {value}")
-
-    def gauges(self, name: str, help_: str, samples: Mapping[tuple[tuple[str, str], ...], float]) -> None:
-        """A gauge family with one sample per extra label set ((("device", "0"),): v)."""
-        self._family(name, "gauge", help_)
+    def _samples(self, name: str, value: float | Mapping[tuple[tuple[str, str], ...], float]) -> None:
+        samples = value if isinstance(value, Mapping) else {(): value}
         for extra, v in samples.items():
             self._lines.append(f"{name}{{{self._labels(dict(extra))}}} {v}")
+
+    def gauge(self, name: str, help_: str, value: float | Mapping[tuple[tuple[str, str], ...], float]) -> None:
+        """A gauge; `value` is a number, or samples keyed by their extra labels ((("device", "0"),): v)."""
+        self._family(name, "gauge", help_)
+        self._samples(name, value)
 
     def counter(self, name: str, help_: str, value: float | Mapping[tuple[tuple[str, str], ...], float]) -> None:
         """A counter; `value` is a number, or samples keyed by their extra labels ((("reason", "stop"),): n)."""
         self._family(name, "counter", help_)
-        samples = value if isinstance(value, Mapping) else {(): value}
-        for extra, v in samples.items():
-            self._lines.append(f"{name}{{{self._labels(dict(extra))}}} {v}")
+        self._samples(name, value)
 
     def histogram(self, name: str, help_: str, h: Histogram) -> None:
         self._family(name, "histogram", help_)
@@ -148,7 +146,7 @@ def engine_families(exp: Exposition, m: MetricsSnapshot) -> None:
     exp.histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", m.e2e)
     runner_families(exp, m.runner)
     if m.device_memory:
-        exp.gauges("hloserve:device_memory_bytes", "Bytes of weights and KV cache held on each device.",
+        exp.gauge("hloserve:device_memory_bytes", "Bytes of weights and KV cache held on each device.",
                    {(("device", d), ("kind", k)): v for (d, k), v in sorted(m.device_memory.items())})
 
 

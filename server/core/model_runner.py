@@ -325,13 +325,13 @@ class ModelRunner:
         out = []
         width = self.cfg.seq_buckets[-1]
         for lo in range(0, len(prompt) - 1, width):
-            rows = [((prompt[q],), q, seq.block_table) for q in range(lo, min(lo + width, len(prompt) - 1))]
-            step = build_step(SchedulerPlan.of(tuple(
-                dataclasses.replace(seq, token_ids=t, start=q, score_prompt=()) for t, q, _ in rows)),
-                self.cfg, self.block_size, decode_fn=self.decode_fn, prefill_fn=self.prefill_fn)
+            qs = range(lo, min(lo + width, len(prompt) - 1))              # positions scored by this call
+            rows = tuple(dataclasses.replace(seq, token_ids=(prompt[q],), start=q, score_prompt=()) for q in qs)
+            step = build_step(SchedulerPlan.of(rows), self.cfg, self.block_size, decode_fn=self.decode_fn,
+                              prefill_fn=self.prefill_fn)
             step.inputs["slot_mapping"][:] = NULL_BLOCK * self.block_size    # nothing is written back
             logits = _host(self._call(step.function, step.inputs)["logits"])
-            out += [token_logprobs(logits[i], prompt[q + 1], k) for i, (_, q, _) in enumerate(rows)]
+            out += [token_logprobs(logits[i], prompt[q + 1], k) for i, q in enumerate(qs)]
         return tuple(out)
 
     def _call(self, fn: str, inputs: dict) -> dict:

@@ -98,7 +98,6 @@ class Request:
     num_cached_tokens: int = 0           # of the prompt, tokens served by the prefix cache (last admission)
     num_preemptions: int = 0
     matcher: Any = None                  # structured output: its grammar position (server/text/structured.Matcher)
-    prompt_scored: bool = False          # its prompt logprobs were computed (once, even if preempted later)
 
     @property
     def num_output_tokens(self) -> int:
@@ -292,8 +291,8 @@ class Scheduler:
         start = req.num_computed_tokens
         table = self.blocks.blocks_of(req.request_id).block_ids
         needs_logits = start + n == len(req.token_ids)
-        score = (needs_logits and req.num_output_tokens == 0 and req.params.prompt_logprobs is not None
-                 and not req.prompt_scored)
+        # prompt logprobs come with the first sampled token (a preempted request keeps its outputs)
+        score = needs_logits and req.num_output_tokens == 0 and req.params.prompt_logprobs is not None
         return ScheduledSeq(request_id=req.request_id, token_ids=tuple(req.token_ids[start:start + n]), start=start,
                             block_table=table, needs_logits=needs_logits, sampling=req.params,
                             seed=req.seed, sample_index=req.num_output_tokens,
@@ -330,7 +329,6 @@ class Scheduler:
             self.stats.generation_tokens += 1
             out = self._after_token(req, token, lp)
             if seq.score_prompt:
-                req.prompt_scored = True
                 out = dataclasses.replace(out, prompt_logprobs=tuple(output.prompt_logprobs.get(seq.request_id, ())))
             outputs.append(out)
         return outputs

@@ -250,6 +250,8 @@ class Choices:
                 if out is None:
                     open_ -= 1
                 else:
+                    if out.prompt_logprobs is not None:
+                        self.prompt_logprobs[self.prompt_of(i)] = out.prompt_logprobs
                     yield i, out
         finally:
             for t in tasks:
@@ -328,8 +330,6 @@ async def _collect(request: Request, choices: Choices) -> list[tuple[str, list, 
             async for i, out in choices:
                 texts[i].append(out.new_text)
                 lps[i].extend(out.logprobs or ())
-                if out.prompt_logprobs is not None:
-                    choices.prompt_logprobs[choices.prompt_of(i)] = out.prompt_logprobs
                 lasts[i] = out
     finally:
         watcher.cancel()
@@ -349,21 +349,17 @@ def _token_str(svc, tid: int) -> str:
 def _completion_logprobs(svc, lps, *, prompt: tuple | None = None) -> dict:
     """OpenAI's completions logprobs; `prompt` (its first token id, the logprobs of the others) puts
     the echoed prompt's tokens first."""
-    head: list = []
+    entries = [(lp.token_id, lp) for lp in lps]                          # (token id, its logprobs or None)
     if prompt is not None:
         first, rest = prompt
-        head = [None] + list(rest)
-        tokens = [_token_str(svc, first)] + [_token_str(svc, lp.token_id) for lp in rest]
-    else:
-        tokens = []
-    tokens += [_token_str(svc, lp.token_id) for lp in lps]
+        entries = [(first, None)] + [(lp.token_id, lp) for lp in rest] + entries
+    tokens = [_token_str(svc, t) for t, _ in entries]
     offsets, pos = [], 0
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    every = head + list(lps)
-    return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in every],
-            "top_logprobs": [None if lp is None else {_token_str(svc, t): v for t, v in lp.top} for lp in every],
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for _, lp in entries],
+            "top_logprobs": [None if lp is None else {_token_str(svc, t): v for t, v in lp.top} for _, lp in entries],
             "text_offset": offsets}
 
 
@@ -404,10 +400,7 @@ async def _sse(svc, choices: Choices, rid, created, req, *, chat: bool, include_
             lasts[i] = out
             if choices.echo and req.logprobs is not None and i not in echoed:
                 echoed.add(i)
-                p = choices.prompt_of(i)
-                if out.prompt_logprobs is not None:
-                    choices.prompt_logprobs[p] = out.prompt_logprobs
-                yield chunk({"index": i, "text": choices.echo[p], "finish_reason": None,
+                yield chunk({"index": i, "text": choices.echo[choices.prompt_of(i)], "finish_reason": None,
                              "logprobs": choices.echoed_logprobs(svc, i, [])})
             if out.finish_reason is FinishReason.ERROR:
                 yield f"data: {json.dumps(error_body(f'generation failed: {out.error}', type_='internal_error'))}\n\n"
