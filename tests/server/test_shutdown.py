@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -93,28 +95,37 @@ def test_a_non_streaming_client_that_leaves_is_aborted_within_a_second(tiny_chat
     assert all(r[0] and r[1] == "length" for r in results), results
 
 
+_PROBE = """
+import json, sys, threading, time
+import httpx
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+seconds = []
+with httpx.Client(timeout=5) as client:
+    client.get(sys.argv[1])                      # the connection is set up before timing
+    print("ready", flush=True)
+    while not stop.is_set():
+        t0 = time.monotonic()
+        client.get(sys.argv[1])
+        seconds.append(time.monotonic() - t0)
+        time.sleep(0.02)
+print(json.dumps(seconds))
+"""
+
+
 def test_large_requests_never_stall_health_and_the_output_cap_holds(tiny_chat_llm, tmp_path):
     """A 50 MB body and a 100,000-message chat are refused (413 / 400) while /health keeps answering
     within 100 ms; --max-output-tokens caps what a request may ask and what it gets by default."""
     _, art = tiny_chat_llm
     with running_server(art, "--model-name", "m", "--max-output-tokens", "8", log_dir=str(tmp_path)) as (base, _):
-        worst = []
-        stop = threading.Event()
-
-        def probe():
-            with httpx.Client(timeout=5) as client:
-                client.get(f"{base}/health")             # the connection is set up before timing
-                while not stop.is_set():
-                    t0 = time.monotonic()
-                    client.get(f"{base}/health")
-                    worst.append(time.monotonic() - t0)
-                    time.sleep(0.02)
-
-        big = b'{"model": "m", "prompt": "' + b"x" * (50 << 20) + b'"}'   # built before probing: the
-        many = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}] * 100_000})  # client's GIL
-        prober = threading.Thread(target=probe)
-        prober.start()
+        big = b'{"model": "m", "prompt": "' + b"x" * (50 << 20) + b'"}'
+        many = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}] * 100_000})
+        # The prober is its own process: in a thread here it would time this process's GIL (held while
+        # httpx sends 50 MB), not the server.
+        prober = subprocess.Popen([sys.executable, "-c", _PROBE, f"{base}/health"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
+            assert prober.stdout.readline().strip() == "ready"
             r = httpx.post(f"{base}/v1/completions", content=big, timeout=60,
                            headers={"Content-Type": "application/json"})
             assert r.status_code == 413
@@ -123,8 +134,8 @@ def test_large_requests_never_stall_health_and_the_output_cap_holds(tiny_chat_ll
             assert r.status_code == 400 and "more than 8192 messages" in r.json()["error"]["message"], r.text
             time.sleep(0.3)                                # a few probes after them too
         finally:
-            stop.set()
-            prober.join()
+            out, _ = prober.communicate("stop\n", timeout=30)
+        worst = json.loads(out)
         assert len(worst) >= 5 and max(worst) < 0.1, worst
         r = httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 9}, timeout=30)
         assert r.status_code == 400 and "limit of 8 tokens" in r.json()["error"]["message"]
@@ -137,8 +148,6 @@ def test_sigint_during_warm_up_exits_with_one_line(tiny_chat_llm, tmp_path):
     """Ctrl-C while XLA compiles the buckets (empty compile cache): exit code 130 and one line, not an
     abort from a compile thread torn down under it."""
     import os
-    import subprocess
-    import sys
 
     from tests.support.launch import free_port
     _, art = tiny_chat_llm
