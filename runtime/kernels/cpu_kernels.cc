@@ -193,6 +193,126 @@ void attend(const float* q, const void* cache, int64_t kbase, int64_t vbase, con
   attend_any<K>(q, cache, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores, out);
 }
 
+// Several consecutive tokens of one sequence (a prompt chunk): they share every K and V row, so
+// the tile's rows r = (token, query head) are computed together. Scores are held transposed,
+// s[c][r], with the rows across vector lanes: each K element is broadcast against a vector of
+// query rows (no horizontal sums), and the softmax over positions c is vertical. K and V rows are
+// widened once per tile instead of once per token.
+constexpr int kTileTokens = 16;  // query tokens per work item
+constexpr int kLanes = 16;       // rows per score vector
+constexpr int kPosBlock = 8;     // positions per score register block
+constexpr int kRowBlock = 4;     // rows per output register block
+constexpr int kDimBlock = 32;    // head dims per output register block
+
+struct TileScratch {
+  std::vector<float> k, v, qt, s, inv;
+  std::vector<int32_t> lo, hi;
+};
+
+template <Kind K>
+void attend_tile(const float* q, int64_t q_stride, int64_t ntok, const int64_t* begins, const int64_t* ends,
+                 const void* cache, int64_t kbase, int64_t vbase, const int32_t* table, int64_t BS, int64_t D,
+                 int64_t G, float scale, float softcap, float* out, int64_t out_stride) {
+  thread_local TileScratch w;
+  int64_t lo = INT64_MAX, hi = 0;                                        // over tokens that see something
+  for (int64_t i = 0; i < ntok; ++i)
+    if (ends[i] > begins[i]) lo = std::min(lo, begins[i]), hi = std::max(hi, ends[i]);
+  const int64_t rows = ntok * G;
+  const int64_t RP = (rows + kLanes - 1) / kLanes * kLanes;              // rows padded to whole vectors
+  const int64_t n = hi - lo;
+  const int64_t NP = (n + kPosBlock - 1) / kPosBlock * kPosBlock;       // positions padded to blocks
+  const int64_t DP = (D + kDimBlock - 1) / kDimBlock * kDimBlock;       // V rows padded to dim blocks
+  w.k.assign(NP * D, 0.f);
+  w.v.assign(n * DP, 0.f);
+  w.qt.assign(D * RP, 0.f);
+  w.s.resize(NP * RP);
+  w.inv.assign(RP, 0.f);
+  w.lo.assign(RP, 0);
+  w.hi.assign(RP, 0);                                                    // padded rows see nothing
+  float* kf = w.k.data();
+  float* vf = w.v.data();
+  for (int64_t c = lo; c < hi; ++c) {                                   // widen each row once
+    const int64_t slot = static_cast<int64_t>(table[c / BS]) * BS + c % BS;
+    float* kr = kf + (c - lo) * D;
+    float* vr = vf + (c - lo) * DP;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) kr[d] = load<K>(cache, kbase + slot * D + d);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) vr[d] = load<K>(cache, vbase + slot * D + d);
+  }
+  for (int64_t t = 0; t < ntok; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = t * G + g;
+      for (int64_t d = 0; d < D; ++d) w.qt[d * RP + r] = q[t * q_stride + g * D + d] * scale;
+      w.lo[r] = static_cast<int32_t>(std::max<int64_t>(begins[t] - lo, 0));
+      w.hi[r] = static_cast<int32_t>(std::max<int64_t>(ends[t] - lo, 0));
+    }
+  // s[c][r] = sum_d k[c][d] * qt[d][r]: kPosBlock x kLanes accumulators
+  float* st = w.s.data();
+  for (int64_t r0 = 0; r0 < RP; r0 += kLanes)
+    for (int64_t c0 = 0; c0 < NP; c0 += kPosBlock) {
+      float acc[kPosBlock][kLanes] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const float* qv = w.qt.data() + d * RP + r0;
+        for (int i = 0; i < kPosBlock; ++i) {
+          const float kv = kf[(c0 + i) * D + d];
+#pragma omp simd
+          for (int l = 0; l < kLanes; ++l) acc[i][l] += kv * qv[l];
+        }
+      }
+      for (int i = 0; i < kPosBlock; ++i)
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) st[(c0 + i) * RP + r0 + l] = acc[i][l];
+    }
+  // softcap, mask, softmax over c: vertical, one lane per row
+  const int32_t* rlo = w.lo.data();
+  const int32_t* rhi = w.hi.data();
+  for (int64_t r0 = 0; r0 < RP; r0 += kLanes) {
+    float m[kLanes], sum[kLanes] = {};
+    for (int l = 0; l < kLanes; ++l) m[l] = -INFINITY;
+    for (int64_t c = 0; c < n; ++c) {
+      float* sc = st + c * RP + r0;
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) {
+        float x = softcap > 0.f ? softcap * std::tanh(sc[l] / softcap) : sc[l];
+        const bool seen = c >= rlo[r0 + l] && c < rhi[r0 + l];
+        sc[l] = x;
+        m[l] = seen ? std::max(m[l], x) : m[l];
+      }
+    }
+    for (int64_t c = 0; c < n; ++c) {
+      float* sc = st + c * RP + r0;
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) {
+        const bool seen = c >= rlo[r0 + l] && c < rhi[r0 + l];
+        const float p = seen ? exp_nonpositive(std::min(sc[l] - m[l], 0.f)) : 0.f;
+        sc[l] = p;
+        sum[l] += p;
+      }
+    }
+    for (int l = 0; l < kLanes; ++l) w.inv[r0 + l] = sum[l] > 0.f ? 1.f / sum[l] : 0.f;
+  }
+  // out[r][d] = inv[r] * sum_c p[c][r] * v[c][d]: kRowBlock x kDimBlock accumulators
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
+    for (int64_t d0 = 0; d0 < DP; d0 += kDimBlock) {
+      float acc[kRowBlock][kDimBlock] = {};
+      for (int64_t c = 0; c < n; ++c) {
+        const float* vr = vf + c * DP + d0;
+        const float* pc = st + c * RP + r0;                              // rows past `rows` are 0
+        for (int i = 0; i < kRowBlock; ++i) {
+          const float p = pc[i];
+#pragma omp simd
+          for (int l = 0; l < kDimBlock; ++l) acc[i][l] += p * vr[l];
+        }
+      }
+      for (int i = 0; i < kRowBlock && r0 + i < rows; ++i) {
+        const int64_t r = r0 + i, t = r / G, g = r % G;
+        float* o = out + t * out_stride + g * D;
+        for (int l = 0; l < kDimBlock && d0 + l < D; ++l) o[d0 + l] = acc[i][l] * w.inv[r];
+      }
+    }
+}
+
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
                           ffi::Buffer<ffi::S32> seq_ids, ffi::Buffer<ffi::S32> positions,
@@ -223,23 +343,50 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   const int32_t* lens = context_lens.typed_data();
   const int64_t head_stride = N * BS * D;  // one (layer, K|V, kv head) plane
 
-  parallel_for(pool, T * KV, 1, [&, kind](int64_t i) {
-    const int64_t t = i / KV, h = i % KV;
-    float* o = op + i * G * D;
+  // each token's visible positions [begin, end): empty for padding (no sequence, or context 0)
+  std::vector<int64_t> begins(T), ends(T);
+  for (int64_t t = 0; t < T; ++t) {
     const int64_t s = seqs[t];
-    int64_t end = std::min<int64_t>(static_cast<int64_t>(pos[t]) + 1, s >= 0 && s < S ? lens[s] : 0);
-    end = std::min(end, B * BS);
-    int64_t begin = window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(pos[t]) - window + 1) : 0;
-    if (s < 0 || s >= S || end <= begin) {
-      std::fill(o, o + G * D, 0.f);
-      return;
-    }
-    thread_local std::vector<float> scores;
-    if (static_cast<int64_t>(scores.size()) < G * (end - begin)) scores.resize(G * (end - begin));
+    int64_t e = s >= 0 && s < S ? std::min<int64_t>(static_cast<int64_t>(pos[t]) + 1, lens[s]) : 0;
+    e = std::min(e, B * BS);
+    const int64_t b = window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(pos[t]) - window + 1) : 0;
+    begins[t] = b;
+    ends[t] = std::max(e, b);
+  }
+  // work items: (tile, kv head); a tile is up to kTileTokens consecutive tokens of one sequence
+  std::vector<int64_t> starts;
+  for (int64_t t = 0; t < T; ++t)
+    if (t == 0 || seqs[t] != seqs[t - 1] || t - starts.back() >= kTileTokens) starts.push_back(t);
+  starts.push_back(T);
+  const int64_t tiles = static_cast<int64_t>(starts.size()) - 1;
+  const int64_t q_stride = KV * G * D;
+
+  parallel_for(pool, tiles * KV, 1, [&, kind](int64_t i) {
+    const int64_t tile = i / KV, h = i % KV;
+    const int64_t t0 = starts[tile], ntok = starts[tile + 1] - t0;
+    const int64_t s = seqs[t0];
     const int64_t kbase = ((l * 2 + 0) * KV + h) * head_stride;
     const int64_t vbase = ((l * 2 + 1) * KV + h) * head_stride;
+    const float* qi = qp + (t0 * KV + h) * G * D;
+    float* o = op + (t0 * KV + h) * G * D;
+    bool any = false;
+    for (int64_t t = t0; t < t0 + ntok; ++t) any = any || ends[t] > begins[t];
+    if (!any) {
+      for (int64_t t = 0; t < ntok; ++t) std::fill(o + t * q_stride, o + t * q_stride + G * D, 0.f);
+      return;
+    }
     const int32_t* table = tables + s * B;
-    const float* qi = qp + i * G * D;
+    if (ntok > 1) {
+      switch (kind) {
+        case Kind::kF32: attend_tile<Kind::kF32>(qi, q_stride, ntok, &begins[t0], &ends[t0], cdata, kbase, vbase, table, BS, D, G, scale, softcap, o, q_stride); break;
+        case Kind::kBF16: attend_tile<Kind::kBF16>(qi, q_stride, ntok, &begins[t0], &ends[t0], cdata, kbase, vbase, table, BS, D, G, scale, softcap, o, q_stride); break;
+        case Kind::kF16: attend_tile<Kind::kF16>(qi, q_stride, ntok, &begins[t0], &ends[t0], cdata, kbase, vbase, table, BS, D, G, scale, softcap, o, q_stride); break;
+      }
+      return;
+    }
+    const int64_t begin = begins[t0], end = ends[t0];
+    thread_local std::vector<float> scores;
+    if (static_cast<int64_t>(scores.size()) < G * (end - begin)) scores.resize(G * (end - begin));
     switch (kind) {
       case Kind::kF32: attend<Kind::kF32>(qi, cdata, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores.data(), o); break;
       case Kind::kBF16: attend<Kind::kBF16>(qi, cdata, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores.data(), o); break;

@@ -197,7 +197,10 @@ class ModelRunner:
         # take `prefill`'s flat layout and a mixed step is two calls.
         self.one_call = self.decode_fn == "decode" and fns["decode"].kernels > 0
         if self.one_call:
+            # The kernel reads only the blocks in use, so a wider table costs nothing: one width
+            # (the longest context's) serves every step, 20 executables instead of 100.
             self.prefill_fn = self.decode_fn
+            self.cfg = cfg = dataclasses.replace(cfg, block_buckets=cfg.block_buckets[-1:])
         if self.decode_fn not in fns:
             raise ValueError(f"artifact {model.path} has neither a 'decode' nor a 'prefill' function "
                              f"(it has {sorted(fns)})")

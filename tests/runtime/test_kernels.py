@@ -26,7 +26,7 @@ from hloserve.runtime.artifact.kernels import PAGED_ATTENTION
 BS = 8
 
 
-def _case(rng, G, D, holds, L=3, KV=2, S=4, B=6):
+def _case(rng, G, D, holds, L=3, KV=2, S=4, B=6, chunk=False):
     N = S * B + 1
     lens = np.array([1, 9, B * BS, 20], np.int32)[:S]               # one block, a partial one, full, two
     tables = np.zeros((S, B), np.int32)
@@ -36,11 +36,15 @@ def _case(rng, G, D, holds, L=3, KV=2, S=4, B=6):
     cache = rng.standard_normal((L, 2, KV, N, BS, D)).astype(np.float32)
     if holds:
         cache = np.asarray(jnp.asarray(cache).astype(jnp.bfloat16 if holds == 1 else jnp.float16).view(jnp.int16))
-    # decode tokens, a prefill chunk of sequence 2, and one padding token (context 0)
+    # decode tokens, a prefill chunk of sequence 2, and one padding token (context 0); with
+    # `chunk`, sequence 2's chunk is 37 tokens (positions 11..47: three tiles of the kernel)
     seq = np.array([0, 1, 3, 2, 2, 2, 0], np.int32)
     pos = np.array([0, 8, 19, 40, 41, 47, 0], np.int32)
+    if chunk:
+        seq = np.array([0, 1, 3] + [2] * 37 + [0], np.int32)
+        pos = np.array([0, 8, 19] + list(range(11, 48)) + [0], np.int32)
     ctx = lens.copy()
-    pad = 6
+    pad = len(seq) - 1
     T = len(seq)
     q = rng.standard_normal((T, KV, G, D)).astype(np.float32)
     return [q, cache, np.int32(1), tables, seq, pos, ctx], pad
@@ -71,8 +75,9 @@ def library():
 @pytest.mark.parametrize("G,D", [(3, 64), (4, 128), (5, 32)])     # specialized, specialized, generic
 @pytest.mark.parametrize("holds", [0, 1, 2])
 @pytest.mark.parametrize("window,scale,softcap", [(0, None, 0.0), (5, None, 0.0), (0, 0.3, 2.0)])
-def test_paged_attention_kernel_matches_decomposition_and_torch(library, G, D, holds, window, scale, softcap):
-    args, pad = _case(np.random.default_rng(G * 10 + holds), G, D, holds)
+@pytest.mark.parametrize("chunk", [False, True], ids=["short", "chunk37"])
+def test_paged_attention_kernel_matches_decomposition_and_torch(library, G, D, holds, window, scale, softcap, chunk):
+    args, pad = _case(np.random.default_rng(G * 10 + holds), G, D, holds, chunk=chunk)
     exp = _exported(args, window, holds, scale, softcap)
     portable_fn, n_portable = kernels.specialize(exp, None)
     kernel_fn, n_kernel = kernels.specialize(exp, library)
