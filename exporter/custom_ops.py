@@ -1,6 +1,7 @@
 """Custom torch ops of the exporter's own models (lowered in exporter/lowerings/).
 
     hloserve::mixed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor   # x [..., in] -> [..., out]
+    hloserve::layer_linear(Tensor x, Tensor weights, Tensor layer, int holds) -> Tensor   # the composite's op
     hloserve::gather_blocks(Tensor cache, Tensor layer, int kv, Tensor blocks) -> Tensor
     hloserve::paged_attention(...) -> Tensor                                  # the composite's op
 
@@ -30,6 +31,25 @@ def mixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 @mixed_linear.register_fake
 def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# hloserve::layer_linear: mixed_linear by layer `layer` (0-dim) of a stack of 16-bit matrices
+# [L, out, in] (holds: 1 bf16, 2 f16; int16 storage holds their bits), the `hloserve.layer_linear`
+# composite of runtime/artifact/kernels.py (lowered in exporter/lowerings/linalg.py): a kernel
+# can read the layer where it lies in the stack instead of a sliced copy. x [..., in] -> [..., out].
+_HOLDS = {1: torch.bfloat16, 2: torch.float16}
+
+
+@torch.library.custom_op("hloserve::layer_linear", mutates_args=())
+def layer_linear(x: torch.Tensor, weights: torch.Tensor, layer: torch.Tensor, holds: int) -> torch.Tensor:
+    w = weights[layer.long()]
+    w = w.view(_HOLDS[holds]) if w.dtype == torch.int16 else w
+    return mixed_linear(x, w, None)
+
+
+@layer_linear.register_fake
+def _(x, weights, layer, holds):
+    return x.new_empty((*x.shape[:-1], weights.shape[1]))
 
 
 # hloserve::paged_attention: attention over each token's own paged context, the

@@ -374,14 +374,30 @@ class LlamaWeights(torch.nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embed_tokens).to(self.dtype)      # [T, hidden]
 
+    def in_place(self, name: str) -> bool:
+        """Whether the step reads stacked weight `name` where it lies (hloserve::layer_linear)
+        instead of taking one layer's slice of it: the 16-bit matrices. A slice is a copy, and
+        a runtime with a layer_linear kernel (CPU) reads no copy at all."""
+        return self.bits_dtype is not None and name in MATRICES
+
     def linear(self, x: torch.Tensor, lw: Mapping[str, torch.Tensor], name: str,
-               bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ lw[name].T + bias, lw being one layer's slice of the stacked weights."""
+               bias: torch.Tensor | None, layer: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T + bias, W being layer `layer` of stacked weight `name`: lw[name] (one layer's
+        slice of the stacked weights) or, where `in_place(name)`, the stack itself."""
+        if self.in_place(name):
+            from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.layer_linear
+            y = torch.ops.hloserve.layer_linear(x, self.layers[name], layer, _HOLDS[self.bits_dtype])
+            return y if bias is None else y + bias
         w = lw[name]
         return _linear(x, w.view(self.bits_dtype) if self.bits_dtype else w, bias)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return _linear(h, self.embed_tokens if self.lm_head is None else self.lm_head, None)   # [S, V]
+        table = self.embed_tokens if self.lm_head is None else self.lm_head
+        if table.dtype in _HOLDS:                                         # one matrix read in place
+            from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.layer_linear
+            zero = torch.zeros((), dtype=torch.int32, device=h.device)
+            return torch.ops.hloserve.layer_linear(h, table[None], zero, _HOLDS[table.dtype])   # [S, V]
+        return _linear(h, table, None)                                    # [S, V]
 
     @classmethod
     def from_hf_tensors(cls, cfg: LlamaConfig, get: Callable[[str], torch.Tensor], names: Iterable[str],
@@ -420,6 +436,9 @@ class LlamaWeights(torch.nn.Module):
 
 
 # -- the step ----------------------------------------------------------------
+_HOLDS = {torch.bfloat16: 1, torch.float16: 2}     # hloserve::layer_linear's `holds`
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear, or mixed_linear for 16-bit weights (narrower than x, or not: its lowering keeps
     XLA:CPU's bf16 kernels, which a bf16 F.linear's transposed operand loses)."""
@@ -574,7 +593,7 @@ class LlamaStep(torch.nn.Module):
             L, _, KV, N, BS, D = cache.shape
             x = rms_norm(h, lw["input_layernorm"], cfg.rms_norm_eps)
             G = cfg.group
-            qkv = w.linear(x, lw, "qkv_proj", lw.get("qkv_bias"))        # [T, KV*(G+2)*D] (FUSED_ROWS)
+            qkv = w.linear(x, lw, "qkv_proj", lw.get("qkv_bias"), l)        # [T, KV*(G+2)*D] (FUSED_ROWS)
             qkv = qkv.reshape(T, cfg.num_kv_heads, G + 2, cfg.head_dim)  # [T, KV, G+2, D]
             qg, k, v = qkv[:, :, :G], qkv[:, :, G], qkv[:, :, G + 1]      # [T, KV, G, D], [T, KV, D] x2
             qg = qg * cos[:, :, None] + rotate_half(qg) * sin[:, :, None]
@@ -607,15 +626,16 @@ class LlamaStep(torch.nn.Module):
                 out = torch.einsum("ktgc,kcd->ktgd", probs, v_ctx)       # [KV, T, G, D]
                 out = out.transpose(0, 1)                                 # [T, KV, G, D]
             out = out.reshape(T, cfg.q_size)                              # [T, H*D]
-            h = h + w.linear(out, lw, "o_proj", lw.get("o_bias"))
+            h = h + w.linear(out, lw, "o_proj", lw.get("o_bias"), l)
 
             x = rms_norm(h, lw["post_attention_layernorm"], cfg.rms_norm_eps)
-            gu = w.linear(x, lw, "gate_up_proj", lw.get("gate_up_bias"))  # [T, 2I] (FUSED_ROWS)
+            gu = w.linear(x, lw, "gate_up_proj", lw.get("gate_up_bias"), l)  # [T, 2I] (FUSED_ROWS)
             gu = gu.reshape(T, -1, 2)                                     # [T, I, 2]
             gate, up = gu[..., 0], gu[..., 1]                             # [T, I] each
-            h = h + w.linear(F.silu(gate) * up, lw, "down_proj", lw.get("down_bias"))
+            h = h + w.linear(F.silu(gate) * up, lw, "down_proj", lw.get("down_bias"), l)
             return h, cache
 
+        names = tuple(n for n in names if not w.in_place(n))              # the others: sliced per layer
         stacked = [w.layers[n] for n in names]
         if self.scan:
             from .._private import torch_scan

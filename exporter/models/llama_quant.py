@@ -53,7 +53,11 @@ class QuantizedLlamaWeights(torch.nn.Module):
             self.embed_tokens, self.embed_tokens_scale, getattr(self, "embed_tokens_min", None), tokens,
             s.bits, s.group or 0, self._dtype)
 
-    def linear(self, x: torch.Tensor, lw: Mapping[str, torch.Tensor], name: str, bias: torch.Tensor | None):
+    def in_place(self, name: str) -> bool:
+        return False                                                      # every layer is sliced
+
+    def linear(self, x: torch.Tensor, lw: Mapping[str, torch.Tensor], name: str, bias: torch.Tensor | None,
+               layer: torch.Tensor | None = None):
         if name not in self.schemes:
             return F.linear(x, lw[name], bias)
         s = self.schemes[name]

@@ -48,4 +48,18 @@ PAGED_ATTENTION = Composite(
            "sees no position (padding) gets unspecified finite values",
 )
 
-COMPOSITES = {c.name: c for c in (PAGED_ATTENTION,)}
+# One layer's matrix product, read where the layer lies in a stack of 16-bit weight matrices.
+LAYER_LINEAR = Composite(
+    name="hloserve.layer_linear",
+    version=1,
+    operands=(
+        "x f32[M, K]: activations",
+        "weights [L, N, K]: 16-bit floats, or their bits in s16 (`holds` says which floats)",
+        "layer s32[]: the matrix used",
+    ),
+    attributes=("holds i64: what the weights are: 1 bfloat16, 2 float16",),
+    result="f32[M, N]: x rounded to the weights' dtype (to nearest even) times weights[layer] transposed; "
+           "the products are exact in f32 and summed in f32 (in any order)",
+)
+
+COMPOSITES = {c.name: c for c in (PAGED_ATTENTION, LAYER_LINEAR)}

@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 from typing import Any, Callable
 
-from hloserve.runtime.artifact.kernels import COMPOSITES, PAGED_ATTENTION
+from hloserve.runtime.artifact.kernels import COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION
 
 from .._private import rewrite_composites
 from ..paths import cache_dir
@@ -32,7 +32,14 @@ LOG = logging.getLogger("hloserve.runtime")
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernels.cc")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 # composite (name, version) -> FFI target in cpu_kernels.cc
-TARGETS = {(PAGED_ATTENTION.name, PAGED_ATTENTION.version): "hloserve_paged_attention"}
+TARGETS = {(PAGED_ATTENTION.name, PAGED_ATTENTION.version): "hloserve_paged_attention",
+           (LAYER_LINEAR.name, LAYER_LINEAR.version): "hloserve_layer_linear"}
+# Kernels that beat XLA only up to a number of rows (the first operand's dim 0): above it the
+# decomposition runs. layer_linear reads each weight once; XLA's dot copies and packs the layer,
+# which pays off once enough rows share the packed copy (a prompt chunk).
+MAX_ROWS = {"hloserve_layer_linear": 16}
+# A result's dims, as (operand, dim) pairs, where they are not the first operand's
+RESULT_DIMS = {"hloserve_layer_linear": ((0, 0), (1, 1))}
 CONTRACTS = {(c.name, c.version): c for c in COMPOSITES.values()}
 ENV = "HLOSERVE_CPU_KERNELS"     # "0" turns the kernels off (the portable decompositions run)
 
@@ -93,23 +100,46 @@ def specialize(exported: Any, library: Library | None) -> tuple[Any, int]:
         key = (ir.StringAttr(attrs["name"]).value, ir.IntegerAttr(attrs["version"]).value)
         target = TARGETS.get(key) if library is not None else None
         result_types = [r.type for r in op.results]
+        decomposition = ir.FlatSymbolRefAttr(attrs["decomposition"])
         with ir.InsertionPoint(op):
             if target is None:
-                new = api.func.CallOp(result_types, ir.FlatSymbolRefAttr(attrs["decomposition"]), list(op.operands))
+                new = api.func.CallOp(result_types, decomposition, list(op.operands))
             else:
                 # leading operands beyond the contract's are the decomposition's dimension variables
                 operands = list(op.operands)[-len(CONTRACTS[key].operands):]
-                shape = None
-                if not all(ir.RankedTensorType(t).has_static_shape for t in result_types):
-                    # the result has the first operand's (symbolic) shape: passed for shape refinement
-                    q = operands[0]
-                    i32 = ir.IntegerType.get_signless(32)
-                    dims = [hlo.reshape(ir.RankedTensorType.get([1], i32), hlo.get_dimension_size(q, d))
-                            for d in range(ir.RankedTensorType(q.type).rank)]
-                    shape = [hlo.concatenate(dims, 0)]
                 config = {a.name: a.attr for a in ir.DictAttr(attrs["composite_attributes"])}
-                new = api.mlir.custom_call(target, result_types=result_types, operands=operands,
-                                           backend_config=config, api_version=4, result_shapes=shape)
+
+                def kernel():
+                    shape = None
+                    if not all(ir.RankedTensorType(t).has_static_shape for t in result_types):
+                        # the result's (symbolic) dims, passed for shape refinement
+                        i32 = ir.IntegerType.get_signless(32)
+                        dims = RESULT_DIMS.get(target) or [(0, d) for d in range(ir.RankedTensorType(operands[0].type).rank)]
+                        shape = [hlo.concatenate([hlo.reshape(ir.RankedTensorType.get([1], i32),
+                                                              hlo.get_dimension_size(operands[i], d))
+                                                  for i, d in dims], 0)]
+                    return api.mlir.custom_call(target, result_types=result_types, operands=operands,
+                                                backend_config=config, api_version=4, result_shapes=shape)
+
+                limit = MAX_ROWS.get(target)
+                rows = ir.RankedTensorType(operands[0].type).shape[0]
+                if limit is None or (not ir.ShapedType.is_dynamic_size(rows) and rows <= limit):
+                    new = kernel()
+                elif not ir.ShapedType.is_dynamic_size(rows):
+                    new = api.func.CallOp(result_types, decomposition, list(op.operands))
+                else:
+                    # symbolic rows: both, chosen by a predicate that is constant once the
+                    # function is compiled for a shape (XLA keeps only the branch taken)
+                    i32 = ir.IntegerType.get_signless(32)
+                    scalar = ir.RankedTensorType.get([], i32)
+                    n = hlo.get_dimension_size(operands[0], 0)
+                    bound = hlo.constant(ir.DenseElementsAttr.get_splat(scalar, ir.IntegerAttr.get(i32, limit)))
+                    pred = hlo.compare(n, bound, hlo.ComparisonDirectionAttr.get("LE"))
+                    new = hlo.IfOp(result_types, pred)
+                    with ir.InsertionPoint(new.true_branch.blocks.append()):
+                        hlo.return_(list(kernel().results))
+                    with ir.InsertionPoint(new.false_branch.blocks.append()):
+                        hlo.return_(list(api.func.CallOp(result_types, decomposition, list(op.operands)).results))
                 kernels_used += 1
         for old, res in zip(op.results, new.results):
             old.replace_all_uses_with(res)

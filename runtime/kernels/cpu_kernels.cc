@@ -8,6 +8,9 @@
 //   hloserve_paged_attention: attention of each token over its own sequence's paged context,
 //     read block by block straight from the KV cache (16-bit float bits or f32), only the blocks
 //     in use; XLA gathers every sequence's padded context, widened to f32, before its dots.
+//   hloserve_layer_linear: a few rows times one layer's 16-bit matrix, read where it lies in the
+//     stack of all layers; XLA copies the layer out of the stack and then packs (transposes) it
+//     for its dot kernel, on every call: three passes over the weights where one is needed.
 //
 // Work is split over XLA's intra-op thread pool; the calling thread takes a share and never
 // waits on a task that has not started.
@@ -19,6 +22,10 @@
 #include <memory>
 #include <thread>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -396,6 +403,121 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   return ffi::Error::Success();
 }
 
+
+// ---- layer linear ---------------------------------------------------------------------------
+// x f32[M, K]; weights [L, N, K] 16-bit floats (holds 1: bf16, 2: f16; any 16-bit storage);
+// layer s32[] -> out f32[M, N] = round(x) . weights[layer]^T, products exact, sums in f32.
+
+// f32 -> bf16 bits, round to nearest even (NaN stays NaN)
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline uint16_t f32_to_f16(float f) {
+  _Float16 h = static_cast<_Float16>(f);
+  uint16_t u;
+  std::memcpy(&u, &h, 2);
+  return u;
+}
+
+constexpr int64_t kLinearRows = 64;  // output rows (matrix rows) per task
+
+#if defined(__AVX512BF16__)
+// NR matrix rows x MR x rows: NR * MR accumulators, 32 products per instruction (vdpbf16ps);
+// each matrix row is read from memory once and reused from L1 by every group of x rows.
+template <int NR, int MR>
+inline void bf16_tile(const uint16_t* w, int64_t K, const uint16_t* x, int64_t KP, float* out, int64_t N) {
+  __m512 acc[NR][MR];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh xv[MR];
+    for (int j = 0; j < MR; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x + j * KP + k);
+    for (int i = 0; i < NR; ++i) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i * K + k);
+      for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
+    }
+  }
+  if (k < K) {  // the rest of a row: masked loads, zeros add nothing (x is zero-padded to KP)
+    const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1);
+    __m512bh xv[MR];
+    for (int j = 0; j < MR; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x + j * KP + k);
+    for (int i = 0; i < NR; ++i) {
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + i * K + k);
+      for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j) out[j * N + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int NR>
+inline void bf16_rows(const uint16_t* w, int64_t K, const uint16_t* x, int64_t KP, int64_t M, float* out, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) bf16_tile<NR, 4>(w, K, x + m * KP, KP, out + m * N, N);
+  switch (M - m) {
+    case 3: bf16_tile<NR, 3>(w, K, x + m * KP, KP, out + m * N, N); break;
+    case 2: bf16_tile<NR, 2>(w, K, x + m * KP, KP, out + m * N, N); break;
+    case 1: bf16_tile<NR, 1>(w, K, x + m * KP, KP, out + m * N, N); break;
+  }
+}
+#endif
+
+// Any 16-bit float: widen and multiply-add in f32 (the same products and f32 sums).
+template <Kind K16>
+void widened_rows(const uint16_t* w, int64_t K, const uint16_t* x, int64_t KP, int64_t M, int64_t rows, float* out,
+                  int64_t N) {
+  for (int64_t n = 0; n < rows; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t k = 0; k < K; ++k) acc += load<K16>(x, m * KP + k) * load<K16>(w, n * K + k);
+      out[m * N + n] = acc;
+    }
+}
+
+ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer weights,
+                       ffi::Buffer<ffi::S32> layer, int64_t holds, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions();
+  auto wd = weights.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[2])
+    return ffi::Error::InvalidArgument("hloserve_layer_linear: x must be [M, K] and weights [L, N, K]");
+  if (holds != 1 && holds != 2)
+    return ffi::Error::InvalidArgument("hloserve_layer_linear: holds must be 1 (bf16) or 2 (f16)");
+  const int64_t M = xd[0], K = xd[1], L = wd[0], N = wd[1];
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("hloserve_layer_linear: layer out of range");
+  const uint16_t* w = static_cast<const uint16_t*>(weights.untyped_data()) + l * N * K;
+  const float* xp = x.typed_data();
+  float* op = out->typed_data();
+  // x rounded to the weights' type once, each row zero-padded to a whole number of 32-element vectors
+  const int64_t KP = (K + 31) / 32 * 32;
+  std::vector<uint16_t> xr(M * KP, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xr[m * KP + k] = holds == 1 ? f32_to_bf16(xp[m * K + k]) : f32_to_f16(xp[m * K + k]);
+  const uint16_t* xb = xr.data();
+  const int64_t tasks = (N + kLinearRows - 1) / kLinearRows;
+  parallel_for(pool, tasks, 1, [&](int64_t task) {
+    const int64_t n0 = task * kLinearRows, n1 = std::min(N, n0 + kLinearRows);
+    if (holds == 2) {
+      widened_rows<Kind::kF16>(w + n0 * K, K, xb, KP, M, n1 - n0, op + n0, N);
+      return;
+    }
+#if defined(__AVX512BF16__)
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) bf16_rows<4>(w + n * K, K, xb, KP, M, op + n, N);
+    for (; n < n1; ++n) bf16_rows<1>(w + n * K, K, xb, KP, M, op + n, N);
+#else
+    widened_rows<Kind::kBF16>(w + n0 * K, K, xb, KP, M, n1 - n0, op + n0, N);
+#endif
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_paged_attention, PagedAttention,
@@ -412,4 +534,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_paged_attention, PagedAttention,
                                   .Attr<int64_t>("holds")
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_layer_linear, LayerLinear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("holds")
                                   .Ret<ffi::Buffer<ffi::F32>>());
