@@ -24,10 +24,11 @@ from .services import LLMService, build_service
 DEFAULT_PRESET = "smollm2-135m-instruct"
 # How the default model is exported, and the cache directory's suffix naming it (a cache
 # written with other flags, or by an exporter whose step has changed since, is never mistaken
-# for this one: "s4" = decode attention as the hloserve.paged_attention composite, version 1, and
-# fused rows grouped for tensor parallelism).
+# for this one: "s5" = decode attention as the hloserve.paged_attention composite, version 1,
+# fused rows grouped for tensor parallelism, and the 16-bit matrices read in place through the
+# hloserve.layer_linear composite, version 1).
 DEFAULT_EXPORT_FLAGS = ("--weight-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16")
-DEFAULT_EXPORT_TAG = "bf16-s4"
+DEFAULT_EXPORT_TAG = "bf16-s5"
 log = logging.getLogger("hloserve.server")
 
 

@@ -122,3 +122,64 @@ def test_no_compiler_means_portable_path(tmp_path):
     env.pop("CXX")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "LIB None" in out.stdout and out.stderr == ""
+
+
+def _linear_exported(weights, holds):
+    from hloserve.exporter.lowerings.linalg import layer_linear_reference
+    from hloserve.runtime.artifact.kernels import LAYER_LINEAR
+
+    def f(x, w, layer):
+        return _private.composite(layer_linear_reference, LAYER_LINEAR.name, LAYER_LINEAR.version)(x, w, layer,
+                                                                                                      holds=holds)
+    (m,) = export.symbolic_shape("M")
+    shapes = [jax.ShapeDtypeStruct((m, weights.shape[2]), np.float32),
+              jax.ShapeDtypeStruct(weights.shape, weights.dtype), jax.ShapeDtypeStruct((), np.int32)]
+    return export.export(jax.jit(f), platforms=("cpu",))(*shapes)
+
+
+@pytest.mark.parametrize("holds,storage", [(1, "bits"), (1, "float"), (2, "bits")])
+@pytest.mark.parametrize("K,N", [(64, 70), (72, 33)])               # K a whole vector or not; N % 4 != 0
+def test_layer_linear_kernel_matches_decomposition_and_torch(library, holds, storage, K, N):
+    """Rows 1..16 run the kernel, more rows the decomposition (one exported function, the branch
+    chosen per compiled shape); both agree with torch's mixed_linear on the same layer.
+
+    Tolerance: x is rounded to the weights' 16-bit type on every side (exactly), so each product
+    is exact in f32 and only the summation order differs: |error| <= K * 2^-24 * sum_k |x_k w_k|."""
+    rng = np.random.default_rng(K + N + holds)
+    dtype = jnp.bfloat16 if holds == 1 else jnp.float16
+    values = jnp.asarray(rng.standard_normal((3, N, K)).astype(np.float32)).astype(dtype)
+    weights = np.asarray(values.view(jnp.int16) if storage == "bits" else values)
+    exp = _linear_exported(weights, holds)
+    portable_fn, _ = kernels.specialize(exp, None)
+    kernel_fn, n_kernel = kernels.specialize(exp, library)
+    assert n_kernel == 1 and "custom_call @hloserve_layer_linear" in kernel_fn.mlir_module()
+    w32 = np.asarray(values.astype(jnp.float32))
+    for rows in (1, 3, 5, 16, 17, 40):
+        x = rng.standard_normal((rows, K)).astype(np.float32)
+        layer = np.int32(rows % 3)
+        kernel = np.asarray(jax.jit(kernel_fn.call)(x, weights, layer))
+        portable = np.asarray(jax.jit(portable_fn.call)(x, weights, layer))
+        wt = torch.from_numpy(np.array(weights).view(np.int16)) if storage == "bits" else \
+            torch.from_numpy(np.array(weights).view(np.int16)).view(torch.bfloat16)
+        ref = custom_ops.layer_linear(torch.from_numpy(x), wt, torch.tensor(layer), holds).numpy()
+        xr = np.asarray(jnp.asarray(x).astype(dtype).astype(jnp.float32))
+        bound = K * 2.0 ** -24 * (np.abs(xr) @ np.abs(w32[layer]).T) + 1e-30
+        for got in (kernel, portable):
+            assert got.shape == (rows, N)
+            assert (np.abs(got - ref) <= bound).all(), (rows, np.abs(got - ref).max(), bound.min())
+
+
+def test_layer_linear_kernel_reads_only_its_layer(library):
+    """Changing another layer's matrix changes nothing; changing the used one does."""
+    rng = np.random.default_rng(3)
+    weights = np.asarray(jnp.asarray(rng.standard_normal((3, 8, 64)).astype(np.float32)).astype(jnp.bfloat16)
+                         .view(jnp.int16))
+    fn = jax.jit(kernels.specialize(_linear_exported(weights, 1), library)[0].call)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    base = np.asarray(fn(x, weights, np.int32(1)))
+    other = weights.copy()
+    other[[0, 2]] = 0
+    np.testing.assert_array_equal(np.asarray(fn(x, other, np.int32(1))), base)
+    mine = weights.copy()
+    mine[1] = 0
+    assert np.abs(np.asarray(fn(x, mine, np.int32(1)))).max() == 0
