@@ -140,8 +140,8 @@ def _linear_exported(weights, holds):
 @pytest.mark.parametrize("holds,storage", [(1, "bits"), (1, "float"), (2, "bits")])
 @pytest.mark.parametrize("K,N", [(64, 70), (72, 33)])               # K a whole vector or not; N % 4 != 0
 def test_layer_linear_kernel_matches_decomposition_and_torch(library, holds, storage, K, N):
-    """Rows 1..16 run the kernel, more rows the decomposition (one exported function, the branch
-    chosen per compiled shape); both agree with torch's mixed_linear on the same layer.
+    """Up to kernels.max_rows rows run the kernel, more rows the decomposition (one exported
+    function, the branch chosen per compiled shape); both agree with torch's mixed_linear.
 
     Tolerance: x is rounded to the weights' 16-bit type on every side (exactly), so each product
     is exact in f32 and only the summation order differs: |error| <= K * 2^-24 * sum_k |x_k w_k|."""
@@ -154,7 +154,8 @@ def test_layer_linear_kernel_matches_decomposition_and_torch(library, holds, sto
     kernel_fn, n_kernel = kernels.specialize(exp, library)
     assert n_kernel == 1 and "custom_call @hloserve_layer_linear" in kernel_fn.mlir_module()
     w32 = np.asarray(values.astype(jnp.float32))
-    for rows in (1, 3, 5, 16, 17, 40):
+    limit = kernels.max_rows("hloserve_layer_linear")
+    for rows in (1, 3, 5, limit, limit + 1, 2 * limit + 3):
         x = rng.standard_normal((rows, K)).astype(np.float32)
         layer = np.int32(rows % 3)
         kernel = np.asarray(jax.jit(kernel_fn.call)(x, weights, layer))
