@@ -426,6 +426,23 @@ inline uint16_t f32_to_f16(float f) {
 constexpr int64_t kLinearRows = 64;  // output rows (matrix rows) per task
 
 #if defined(__AVX512BF16__)
+// Lane k of the result: the sum of v[k]'s 16 lanes. A transpose-and-add tree: pairs of vectors,
+// then pairs of pairs (within each 128-bit segment), then the four segments.
+inline __m512 sum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int p = 0; p < 8; ++p)  // per segment: [x0+x2, y0+y2, x1+x3, y1+y3] of x = v[2p], y = v[2p+1]
+    a[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+  for (int p = 0; p < 4; ++p) {  // per segment: [sum x, sum y, sum z, sum w] of v[4p..4p+3] over the segment
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(a[2 * p]), _mm512_castps_pd(a[2 * p + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(a[2 * p]), _mm512_castps_pd(a[2 * p + 1]));
+    b[p] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  // b[p] segment s: partial sums of v[4p..4p+3] over segment s; add the four segments
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
+}
+
 // NR matrix rows x MR x rows: NR * MR accumulators, 32 products per instruction (vdpbf16ps);
 // each matrix row is read from memory once and reused from L1 by every group of x rows.
 template <int NR, int MR>
@@ -451,8 +468,18 @@ inline void bf16_tile(const uint16_t* w, int64_t K, const uint16_t* x, int64_t K
       for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
     }
   }
-  for (int i = 0; i < NR; ++i)
-    for (int j = 0; j < MR; ++j) out[j * N + i] = _mm512_reduce_add_ps(acc[i][j]);
+  if constexpr (NR == 4 && MR == 4) {
+    // the 16 sums at once: lane 4j+i of the result is acc[i][j] summed (45 instructions, not 16
+    // separate horizontal sums of ~8 each)
+    __m512 v[16];
+    for (int j = 0; j < 4; ++j)
+      for (int i = 0; i < 4; ++i) v[4 * j + i] = acc[i][j];
+    const __m512 sums = sum16(v);
+    for (int j = 0; j < 4; ++j) _mm_storeu_ps(out + j * N, _mm512_extractf32x4_ps(sums, j));
+  } else {
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < MR; ++j) out[j * N + i] = _mm512_reduce_add_ps(acc[i][j]);
+  }
 }
 
 template <int NR>
