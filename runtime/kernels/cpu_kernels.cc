@@ -23,7 +23,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -86,6 +86,34 @@ inline float load(const void* base, int64_t i) {
   return f16_to_f32(static_cast<const uint16_t*>(base)[i]);
 }
 
+#if defined(__AVX512F__)
+// Lane k of the result: the sum of v[k]'s 16 lanes. A transpose-and-add tree: pairs of vectors,
+// then pairs of pairs (within each 128-bit segment), then the four segments.
+inline __m512 sum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int p = 0; p < 8; ++p)  // per segment: [x0+x2, y0+y2, x1+x3, y1+y3] of x = v[2p], y = v[2p+1]
+    a[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+  for (int p = 0; p < 4; ++p) {  // per segment: [sum x, sum y, sum z, sum w] of v[4p..4p+3] over the segment
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(a[2 * p]), _mm512_castps_pd(a[2 * p + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(a[2 * p]), _mm512_castps_pd(a[2 * p + 1]));
+    b[p] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  // b[p] segment s: partial sums of v[4p..4p+3] over segment s; add the four segments
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
+}
+
+// 16 consecutive elements of a K or V row, as f32
+template <Kind K>
+inline __m512 load16(const void* base, int64_t i) {
+  if constexpr (K == Kind::kF32) return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
+  if constexpr (K == Kind::kBF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);
+}
+#endif
+
 // ---- paged attention ----------------------------------------------------------------------
 // q f32[T, KV, G, D]; cache [L, 2, KV, N, BS, D]; layer s32[]; block_tables s32[S, B];
 // seq_ids, positions s32[T]; context_lens s32[S] -> out f32[T, KV, G, D].
@@ -115,16 +143,46 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
   float qs[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) qs[g][d] = q[g * D + d] * scale;
-  for (int64_t c = begin; c < end; ++c) {
-    const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * D;
-    float kf[D];
+#if defined(__AVX512F__)
+  if constexpr (D % 16 == 0) {
+    // 16 positions at a time: per position and head one vector of partial products, then the
+    // 16 positions' sums in one transpose-and-add tree (not a horizontal sum each)
+    constexpr int V = D / 16;
+    __m512 part[G][16];
+    for (int64_t c0 = begin; c0 < end; c0 += 16) {
+      const int nb = static_cast<int>(std::min<int64_t>(16, end - c0));
+      for (int p = 0; p < 16; ++p) {
+        if (p >= nb) {
+          for (int g = 0; g < G; ++g) part[g][p] = _mm512_setzero_ps();
+          continue;
+        }
+        const int64_t c = c0 + p;
+        const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * D;
+        __m512 kv[V];
+        for (int v = 0; v < V; ++v) kv[v] = load16<K>(cache, off + 16 * v);
+        for (int g = 0; g < G; ++g) {
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qs[g]), kv[0]);
+          for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qs[g] + 16 * v), kv[v], a);
+          part[g][p] = a;
+        }
+      }
+      const __mmask16 mask = static_cast<__mmask16>((1u << nb) - 1);
+      for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(scores + g * n + (c0 - begin), mask, sum16(part[g]));
+    }
+  } else
+#endif
+  {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * D;
+      float kf[D];
 #pragma omp simd
-    for (int d = 0; d < D; ++d) kf[d] = load<K>(cache, off + d);
-    for (int g = 0; g < G; ++g) {
-      float acc = 0.f;
+      for (int d = 0; d < D; ++d) kf[d] = load<K>(cache, off + d);
+      for (int g = 0; g < G; ++g) {
+        float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-      for (int d = 0; d < D; ++d) acc += qs[g][d] * kf[d];
-      scores[g * n + (c - begin)] = acc;
+        for (int d = 0; d < D; ++d) acc += qs[g][d] * kf[d];
+        scores[g * n + (c - begin)] = acc;
+      }
     }
   }
   if (softcap > 0.f)
@@ -426,23 +484,6 @@ inline uint16_t f32_to_f16(float f) {
 constexpr int64_t kLinearRows = 64;  // output rows (matrix rows) per task
 
 #if defined(__AVX512BF16__)
-// Lane k of the result: the sum of v[k]'s 16 lanes. A transpose-and-add tree: pairs of vectors,
-// then pairs of pairs (within each 128-bit segment), then the four segments.
-inline __m512 sum16(const __m512* v) {
-  __m512 a[8], b[4];
-  for (int p = 0; p < 8; ++p)  // per segment: [x0+x2, y0+y2, x1+x3, y1+y3] of x = v[2p], y = v[2p+1]
-    a[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
-  for (int p = 0; p < 4; ++p) {  // per segment: [sum x, sum y, sum z, sum w] of v[4p..4p+3] over the segment
-    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(a[2 * p]), _mm512_castps_pd(a[2 * p + 1]));
-    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(a[2 * p]), _mm512_castps_pd(a[2 * p + 1]));
-    b[p] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-  }
-  // b[p] segment s: partial sums of v[4p..4p+3] over segment s; add the four segments
-  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
-  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
-}
-
 // NR matrix rows x MR x rows: NR * MR accumulators, 32 products per instruction (vdpbf16ps);
 // each matrix row is read from memory once and reused from L1 by every group of x rows.
 template <int NR, int MR>
