@@ -763,18 +763,17 @@ NOTES_TEXT = """
 `hloserve serve` defaults (server/config.py `ServeConfig`, the only home of serving defaults): 16
 sequences and 256 tokens a step, context 2048 (the artifact allows 8192; `--max-model-len` raises
 it), 1 GiB of KV cache (2912 blocks of 16 tokens for SmolLM2 with its bf16 cache, 46k tokens).
-Buckets: decode S 1, 2, 4, 8, 16; prefill T 32, 128, 256 and S 1, 2, 4, 8, 16; block-table widths
-8, 16, 32, 64, 128 blocks: 100 executables.
+Where the CPU kernels run, every step is one call of `decode` and its block table has one width
+(the kernel reads only the blocks in use, so a wider table costs nothing): decode S 1, 2, 4, 8, 16
+(T = S) and prompt chunks T 32, 128, 256 with S 1, 2, 4, 8, 16: 20 executables (100 before, one
+per block-table width: cold start 45.9 s then, 13.6 s now). Without the kernels (GPU, TPU, a
+mesh) prompt chunks take `prefill` and the five block-table widths stay.
 
-Start-up (2026-11-23, AMD EPYC, in process: `build_engine` + `warmup()` on the default artifact):
-79.3 s with empty compile caches, **2.1 s** warm (0.03x). The warm start used to be 32 s: every
-executable read from the executable cache was still run once on zeros, and those runs were 31 of
-the 32 s (the largest prefill bucket, T=256 x S=16 x B=128, alone takes 3.8 s a call). Measured on
-the same artifact: an executable read from the cache runs at its steady speed from the first call
-(prefill T=256, S=16, B=32: 949 ms first call, 943 ms after; decode S=16: 69 then 40 ms), while a
-freshly compiled one pays ~0.4 s more on its first call. So warm-up now runs only freshly compiled
+An executable read from the executable cache runs at its steady speed from its first call, so a
+warm start only loads (measured 2026-11-23: decode S=16 69 then 40 ms for a fresh compile, the
+same from the first call when read from the cache); warm-up runs only freshly compiled
 executables. The first `hloserve serve` with no artifact also exports the preset into
-`~/.cache/hloserve/artifacts` (about 60 s with bf16 weights).
+`~/.cache/hloserve/artifacts` (about 15 s).
 
 ### Where the time goes
 
@@ -783,41 +782,30 @@ come from systems measured in the same run. vLLM runs with 1 compute thread boun
 fastest here: c=16 250 tok/s against 118 with 2 threads, c=1 TPOT 17.6 against 41.5 ms; with 2
 threads its compute shares both cores with its API server and the client).
 
-Engine-level step profile (`benchmarks/engine_level.py`, no HTTP, default artifact, c=16 main
-workload, 2026-11-23, AMD EPYC): the decode step at 16 sequences and 32-block tables took 47.6 ms
-a call with the portable attention (XLA gathers each sequence's whole padded context, widened to
-f32, before two batched dots) and **33.0 ms** with the CPU paged-attention kernel
-(`runtime/kernels/cpu_kernels.cc`: reads only the blocks in use, bf16 straight from the cache,
-K and V rows widened once for all query heads of their group; 20.8 -> 7.6 ms for 30 layers of
-attention alone in isolation). Engine throughput 229 -> 284 tok/s; over HTTP (this table's run
-before it) 224 -> 264 tok/s. The kernel is the artifact's `hloserve.paged_attention` composite,
-substituted at load on CPU; the artifact keeps the portable decomposition (docs/artifact-format.md).
+`perf` on the one-sequence decode step of the previous default artifact (2026-11-24, AMD EPYC):
+27% of the time in YNNPACK's `transpose_x32` (XLA's bf16 dot packs its weight operand on every
+call), about 30% in one XLA fusion (the dynamic slice copying each layer's matrices out of the
+stacked weights), 7.5% in the dot itself. The step now reads each layer's 16-bit matrices where
+they lie in the stack (the `hloserve.layer_linear` composite and its CPU kernel, AVX512-BF16,
+"Layer matrices read in place" above): one pass over the weights instead of three. Decode S=1
+17.1 -> 6.2 ms, S=16 34.5 -> 24.8 ms (`benchmarks/step_shapes.py`, same run); then the kernels'
+horizontal sums done 16 at a time (a transpose-and-add tree) for 20.9 ms at S=16. At 16
+sequences the step is now 55% the linear kernel and 23% the attention kernel.
 
-The generic transformers step (`--llm-step generic`, docs/models.md) on the same SmolLM2 weights
-(`benchmarks/llm_step.py --generic`, one process, 2026-11-23): with bf16 weights and KV cache its
-decode is faster than the hand-written scanned step at one sequence (14.6 against 18.0 ms) and
-equal at 16 (25.5 against 25.9 ms); its 512-token prefill is 9% slower (248 against 227 ms). Its
-layers are unrolled (each layer's own weights, no slice out of a stack), so a step compiles in ~3 s
-instead of ~0.4 s: served (`benchmarks/serve.py --artifact`, hloserve only, same day) it gave
-c=1 TPOT p50 16.2 ms against 19.9 and c=16 281.5 against 263.7 tok/s, but warm-up on empty caches
-takes 319 s instead of 77. The default stays the scanned step until the generic one compiles
-faster.
+Engine level (`benchmarks/engine_level.py --requests 48 --concurrency 16 --output-len 128
+--min-input 136 --max-input 382`, no HTTP, 2026-11-24): 430 tok/s; 13.9 of 14.3 s inside step
+calls: 7.5 s in 338 decode steps of 16 sequences (22.2 ms each), 6.0 s in 56 steps carrying
+prompt chunks of up to 256 tokens (~112 ms each; XLA's dot, compute-bound, ~600 GFLOP/s).
 
-Tried and dropped this session: a stacked-weight linear kernel (AVX512-BF16 `vdpbf16ps`, 4x6
-register tiles, weights read in place from the layer stack): slower than XLA's dot at 16 rows (5.3
-against 2.3 ms for 30 960x576 products) and equal at one row; compiling warm-up shapes on both
-cores at once (XLA already uses them: 62.6 s on one thread, 66.6 s on two).
-Earlier sessions: unrolled layers over the stacked weights (static slices still copy); YNN and
-oneDNN dot fusions (within noise end to end); bf16 weight matrices stored as int16 bits with
-`hloserve::mixed_linear` contracting the weight's dim 1 in place; a bf16 KV cache widened inside the
-gather; prefill S buckets in powers of two and block widths 2x apart; 256 tokens a step.
+Tried and dropped this session: the layer_linear kernel for prompt chunks too (slower than XLA's
+dot from 256 rows: 120-135 against 106-120 ms a step; even at 128; faster up to 64, the limit
+now); the GGUF's own 4-bit blocks as the weights (re-measured: decode S=1 38.5 ms, slower than
+bf16 at every batch size; the 11.1 ms of an earlier note did not reproduce); 512-bit vectors for
+the kernels' compiler-vectorized loops (`-mprefer-vector-width=512`: within noise).
 
-Done this session: every step is one `decode` call where the attention kernel runs (prompt
-chunks read only their own blocks, a mixed step reads the weights once; "One kernel call per
-step" above). What is left, in order of size: single-stream decode (weight bytes per step: the
-GGUF's 4-bit blocks win at one sequence, lose at 16); the scanned step's per-layer weight-slice
-copies (the generic step avoids them at the price of compile time); the HTTP and sampling host
-work sharing the two cores with XLA.
+What is left, in order of size: the prompt-chunk steps (a third of a c=16 run, bound by XLA:CPU's
+bf16 dot); the HTTP and sampling host work sharing the two cores with the step; Intel CPUs with
+AMX, where XLA's and vLLM's dots differ from AMD's (no such machine this session).
 """
 
 
