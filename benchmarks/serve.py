@@ -794,8 +794,8 @@ sequences the step is now 55% the linear kernel and 23% the attention kernel.
 
 Engine level (`benchmarks/engine_level.py --requests 48 --concurrency 16 --output-len 128
 --min-input 136 --max-input 382`, no HTTP, 2026-11-24): 430 tok/s; 13.9 of 14.3 s inside step
-calls: 7.5 s in 338 decode steps of 16 sequences (22.2 ms each), 6.0 s in 56 steps carrying
-prompt chunks of up to 256 tokens (~112 ms each; XLA's dot, compute-bound, ~600 GFLOP/s).
+calls: 7.5 s in 338 decode steps of 16 sequences (22.2 ms each) and, carrying
+prompt chunks, 6.2 s in 57 steps of up to 256 tokens (~112 ms each; XLA's dot, compute-bound, ~600 GFLOP/s).
 
 Tried and dropped this session: the layer_linear kernel for prompt chunks too (slower than XLA's
 dot from 256 rows: 120-135 against 106-120 ms a step; even at 128; faster up to 64, the limit
