@@ -32,9 +32,10 @@ class ServeConfig:
         at most DEFAULT_MAX_MODEL_LEN (a longer context means wider block tables to compile).
       kv_cache_bytes: device memory for the paged KV cache; num_blocks overrides it.
       min_token_bucket / prefill_growth: the smallest prefill T bucket and the ratio between T buckets.
-      block_buckets / block_growth: how many block-table widths to compile and their ratio; the
-        defaults compile 100 shapes for 16 sequences, 256 tokens a step and a 2048-token context:
-        widths 8..128 blocks x2 apart, since every step pays attention for its width.
+      block_buckets / block_growth: how many block-table widths to compile and their ratio
+        (widths 8..128 blocks x2 apart for a 2048-token context) where attention pays for the
+        table's width; where the CPU attention kernel runs it reads only the blocks in use and
+        the runner compiles the widest alone (20 shapes for the defaults instead of 100).
       enable_prefix_caching / admission_watermark: scheduler policy (fraction of blocks kept free
         when admitting, so running decodes can grow without preempting at once).
       max_pending: requests admitted at once (queued + running); more answer 429 with Retry-After.
