@@ -45,6 +45,19 @@ def runner(tiny_llm):
     return r
 
 
+def test_kernel_runner_compiles_one_table_width(tiny_llm):
+    """Where decode's attention runs as the CPU kernel (it reads only the blocks in use), every
+    step is one decode call and only the widest block table is compiled."""
+    _, art = tiny_llm
+    cfg = RunnerConfig(token_buckets=(16, 32), seq_buckets=(4,), block_buckets=(8, 16), num_blocks=14,
+                       kv_cache_bytes=0)
+    r = ModelRunner.from_artifact(art, cfg, platform="cpu", strict=True)
+    if not r.one_call:
+        pytest.skip("the CPU kernels are off here (no C++ compiler): every width is compiled")
+    assert r.cfg.block_buckets == (16,)
+    assert sorted(r.warmup_shapes()) == [("decode", 4, 4, 16), ("decode", 16, 4, 16), ("decode", 32, 4, 16)]
+
+
 def hf_greedy(hf, prompt, n):
     ids = list(prompt)
     with torch.no_grad():
