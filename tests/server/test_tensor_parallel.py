@@ -50,6 +50,24 @@ def test_two_and_four_devices_give_one_devices_tokens_with_every_split_weight_di
     assert one["0/weights"] / 4 < four["0/weights"] < one["0/weights"]   # the norms are whole
 
 
+def test_bf16_weights_read_in_place_split_the_same_way(tmp_path_factory):
+    """With 16-bit weights the step's products are hloserve.layer_linear over whole stacks (one
+    device on CPU: the kernel; a mesh: the decomposition, partitioned): two devices give one
+    device's tokens, hold half of every split weight, and gather nothing but the logits."""
+    import torch
+
+    from tests.support.tiny_llama import tiny_llama
+    _, art = tiny_llama(str(tmp_path_factory.mktemp("gqa-bf16")), heads=8, kv_heads=4, max_position=512,
+                        block_size=16, max_context=256, weight_dtype=torch.bfloat16)
+    prompts = [[5, 6, 7], list(range(10, 90)), [42] * 20]
+    report = tp_report(art, [1, 2], prompts, NEW)
+    two = report[2]
+    assert two["tokens"] == report[1]["tokens"]
+    assert two["split"] and all(frac == [1 / 2] for frac in two["split"].values()), two["split"]
+    for fn, h in two["hlo"].items():
+        assert h["all-reduce"] >= 2 and only_logits_gathered(h["all-gather"], two["vocab"]), (fn, h)
+
+
 def only_logits_gathered(shapes: list[str], vocab: int) -> bool:
     """Every all-gather in a compiled step is of logits f32[S, vocab] (never of a weight or the cache)."""
     return all(re.fullmatch(rf"f32\[\d+,{vocab}\]", s) for s in shapes)

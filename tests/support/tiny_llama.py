@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 
 
-def tiny_llama(root: str, *, heads: int, kv_heads: int, max_position: int, block_size: int, max_context: int):
-    """(transformers model, artifact path) under `root` (hf/ and art/)."""
+def tiny_llama(root: str, *, heads: int, kv_heads: int, max_position: int, block_size: int, max_context: int,
+               weight_dtype=None):
+    """(transformers model, artifact path) under `root` (hf/ and art/); `weight_dtype` (torch.bfloat16)
+    stores the matrices narrower, as `--weight-dtype` does."""
     import torch
     import transformers
 
@@ -29,7 +31,7 @@ def tiny_llama(root: str, *, heads: int, kv_heads: int, max_position: int, block
                 p.mul_(3.0)
     hf.save_pretrained(os.path.join(root, "hf"))
     src = llama_source.from_hf_directory(os.path.join(root, "hf"), opts=StepExportOptions(
-        block_size=block_size, max_context=max_context, max_tokens=64, max_seqs=8))
+        block_size=block_size, max_context=max_context, max_tokens=64, max_seqs=8), weight_dtype=weight_dtype)
     art = os.path.join(root, "art")
     export_artifact(art, src.entries, source="tiny-llama", model=src.model)
     return hf, art
