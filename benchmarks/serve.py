@@ -789,13 +789,17 @@ stacked weights), 7.5% in the dot itself. The step now reads each layer's 16-bit
 they lie in the stack (the `hloserve.layer_linear` composite and its CPU kernel, AVX512-BF16,
 "Layer matrices read in place" above): one pass over the weights instead of three. Decode S=1
 17.1 -> 6.2 ms, S=16 34.5 -> 24.8 ms (`benchmarks/step_shapes.py`, same run); then the kernels'
-horizontal sums done 16 at a time (a transpose-and-add tree) for 20.9 ms at S=16. At 16
-sequences the step is now 55% the linear kernel and 23% the attention kernel.
+horizontal sums done 16 at a time (a transpose-and-add tree): 20.9 ms at S=16, where the step was
+55% the linear kernel and 23% the attention kernel. In isolation the linear kernel at 16 rows ran
+at 307 G products/s on a matrix in cache but 158 from DRAM, pulling only 19.7 GB/s where one row
+pulls 61.5 GB/s: the tile is compute-bound and the hardware prefetcher falls behind. Prefetching
+the next tile's rows: 237 G products/s from DRAM, decode S=16 17.0-18.5 ms.
 
 Engine level (`benchmarks/engine_level.py --requests 48 --concurrency 16 --output-len 128
---min-input 136 --max-input 382`, no HTTP, 2026-11-24): 430 tok/s; 13.9 of 14.3 s inside step
-calls: 7.5 s in 338 decode steps of 16 sequences (22.2 ms each) and, carrying
-prompt chunks, 6.2 s in 57 steps of up to 256 tokens (~112 ms each; XLA's dot, compute-bound, ~600 GFLOP/s).
+--min-input 136 --max-input 382`, no HTTP, 2026-11-24, after the prefetch): 463 tok/s; 12.8 of
+13.3 s inside step calls: 6.3 s in 338 decode steps of 16 sequences (18.7 ms each) and, carrying
+prompt chunks, 6.5 s in 57 steps of up to 256 tokens (~115 ms each; XLA's dot, compute-bound,
+~600 GFLOP/s).
 
 Tried and dropped this session: the layer_linear kernel for prompt chunks too (slower than XLA's
 dot from 256 rows: 120-135 against 106-120 ms a step; even at 128; faster up to 64, the limit
@@ -803,8 +807,8 @@ now); the GGUF's own 4-bit blocks as the weights (re-measured: decode S=1 38.5 m
 bf16 at every batch size; the 11.1 ms of an earlier note did not reproduce); 512-bit vectors for
 the kernels' compiler-vectorized loops (`-mprefer-vector-width=512`: within noise).
 
-What is left, in order of size: the prompt-chunk steps (a third of a c=16 run, bound by XLA:CPU's
-bf16 dot); the HTTP and sampling host work sharing the two cores with the step; Intel CPUs with
+What is left, in order of size: the prompt-chunk steps (half of a c=16 run's step time, bound by
+XLA:CPU's bf16 dot); the HTTP and sampling host work sharing the two cores with the step; Intel CPUs with
 AMX, where XLA's and vLLM's dots differ from AMD's (no such machine this session).
 """
 
