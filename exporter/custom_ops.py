@@ -64,7 +64,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: torch.Tensor
     B = block_tables.shape[1]
     cache = kv_cache
     if holds:
-        cache = cache.view(torch.bfloat16 if holds == 1 else torch.float16)
+        cache = cache.view(_HOLDS[holds])
     cache = cache.float()
     blocks = block_tables[seq_ids].long()                                  # [T, B]
     k = cache[layer.long(), 0][:, blocks].reshape(KV, T, B * BS, D)       # [KV, T, C, D]

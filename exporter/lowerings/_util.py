@@ -51,6 +51,10 @@ def to_bits(x):
     return lax.bitcast_convert_type(x, jnp.dtype(bits)) if bits else x
 
 
+# The `holds` attribute of hloserve's composites: which 16-bit float an array (or its bits) holds
+HOLDS = {1: jnp.bfloat16, 2: jnp.float16}
+
+
 def from_bits(x, dtype):
     """Inverse of to_bits for an array that was `dtype` before."""
     return lax.bitcast_convert_type(x, dtype) if str(jnp.dtype(dtype)) in _BITS else x

@@ -15,10 +15,10 @@ from jax import lax
 from .. import _private
 from .. import custom_ops as _custom_ops  # noqa: F401 - defines torch.ops.hloserve.paged_attention
 from ..registry import lower
+from ._util import HOLDS
 
 # Finite "minus infinity" for masked scores: a token that sees nothing gets finite values.
 _MASKED = -1e30
-_HOLDS = {1: jnp.bfloat16, 2: jnp.float16}
 
 
 def gather_blocks(cache, layer, kv: int, blocks):
@@ -59,8 +59,8 @@ def paged_attention_reference(q, kv_cache, layer, block_tables, seq_ids, positio
     k = gather_blocks(kv_cache, layer, 0, blk).reshape(KV, T, C, D)       # [KV, T, C, D]
     v = gather_blocks(kv_cache, layer, 1, blk).reshape(KV, T, C, D)       # [KV, T, C, D]
     if holds:   # widened inside the gather: half the bytes read
-        k = lax.bitcast_convert_type(k, _HOLDS[holds]) if k.dtype != _HOLDS[holds] else k
-        v = lax.bitcast_convert_type(v, _HOLDS[holds]) if v.dtype != _HOLDS[holds] else v
+        k = lax.bitcast_convert_type(k, HOLDS[holds]) if k.dtype != HOLDS[holds] else k
+        v = lax.bitcast_convert_type(v, HOLDS[holds]) if v.dtype != HOLDS[holds] else v
     k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     qk = q.transpose(1, 0, 2, 3)                                          # [KV, T, G, D]
     # scores as K @ q^T: the big operand K is the dot's row-major left side

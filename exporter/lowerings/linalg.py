@@ -14,7 +14,7 @@ from hloserve.runtime.artifact.kernels import LAYER_LINEAR
 from .. import _private
 from .. import custom_ops as _custom_ops  # noqa: F401 - defines torch.ops.hloserve.mixed_linear
 from ..registry import lower
-from ._util import from_bits, to_bits
+from ._util import HOLDS, from_bits, to_bits
 
 aten = torch.ops.aten
 _HIGHEST = lax.Precision.HIGHEST
@@ -83,19 +83,16 @@ def _mixed_linear(ctx, x, weight, bias=None):
     return y if bias is None else y + bias.astype(x.dtype)
 
 
-_HOLDS = {1: jnp.bfloat16, 2: jnp.float16}
-
-
 def layer_linear_reference(x, weights, layer, *, holds):
     """The `hloserve.layer_linear` composite's decomposition: x f32[M, K], weights [L, N, K]
     (16-bit floats or their bits), layer s32[] -> f32[M, N]. The layer is sliced as bits: XLA:CPU
     would widen a 16-bit float stack to f32 before slicing it (_util.to_bits)."""
-    dtype = _HOLDS[int(holds)]
+    dtype = HOLDS[int(holds)]
     if weights.shape[0] == 1:                                             # one matrix (an LM head)
         w = weights.reshape(weights.shape[1:])
     else:
         w = lax.dynamic_index_in_dim(to_bits(weights), layer, 0, keepdims=False)
-    return mixed_dot(x, from_bits(w, dtype).astype(dtype))
+    return mixed_dot(x, from_bits(w, dtype))
 
 
 # hloserve::layer_linear(Tensor x, Tensor weights, Tensor layer, int holds) -> Tensor

@@ -57,7 +57,8 @@ import torch.nn.functional as F
 from hloserve.runtime.artifact.llm import (NUM_BLOCKS, STEP_INPUTS, STEP_OUTPUTS, KVCacheSpec, LLMSpec,
                                            TensorParallelSpec)
 
-# what a 16-bit cache holds, as the hloserve.paged_attention composite's `holds` says it
+# what a 16-bit cache or weight stack holds, as the hloserve.paged_attention and
+# hloserve.layer_linear composites' `holds` says it
 _HOLDS = {torch.bfloat16: 1, torch.float16: 2}
 
 # Finite "minus infinity" for masked attention scores (f32): fully masked rows
@@ -436,9 +437,6 @@ class LlamaWeights(torch.nn.Module):
 
 
 # -- the step ----------------------------------------------------------------
-_HOLDS = {torch.bfloat16: 1, torch.float16: 2}     # hloserve::layer_linear's `holds`
-
-
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear, or mixed_linear for 16-bit weights (narrower than x, or not: its lowering keeps
     XLA:CPU's bf16 kernels, which a bf16 F.linear's transposed operand loses)."""

@@ -106,9 +106,13 @@ def specialize(exported: Any, library: Library | None) -> tuple[Any, int]:
         target = TARGETS.get(key) if library is not None else None
         result_types = [r.type for r in op.results]
         decomposition = ir.FlatSymbolRefAttr(attrs["decomposition"])
+
+        def decomposed():
+            return api.func.CallOp(result_types, decomposition, list(op.operands))
+
         with ir.InsertionPoint(op):
             if target is None:
-                new = api.func.CallOp(result_types, decomposition, list(op.operands))
+                new = decomposed()
             else:
                 # leading operands beyond the contract's are the decomposition's dimension variables
                 operands = list(op.operands)[-len(CONTRACTS[key].operands):]
@@ -128,10 +132,12 @@ def specialize(exported: Any, library: Library | None) -> tuple[Any, int]:
 
                 limit = max_rows(target)
                 rows = ir.RankedTensorType(operands[0].type).shape[0]
-                if limit is None or (not ir.ShapedType.is_dynamic_size(rows) and rows <= limit):
+                static = not ir.ShapedType.is_dynamic_size(rows)
+                if limit is not None and static and rows > limit:
+                    new = decomposed()
+                elif limit is None or static:
                     new = kernel()
-                elif not ir.ShapedType.is_dynamic_size(rows):
-                    new = api.func.CallOp(result_types, decomposition, list(op.operands))
+                    kernels_used += 1
                 else:
                     # symbolic rows: both, chosen by a predicate that is constant once the
                     # function is compiled for a shape (XLA keeps only the branch taken)
@@ -144,8 +150,8 @@ def specialize(exported: Any, library: Library | None) -> tuple[Any, int]:
                     with ir.InsertionPoint(new.true_branch.blocks.append()):
                         hlo.return_(list(kernel().results))
                     with ir.InsertionPoint(new.false_branch.blocks.append()):
-                        hlo.return_(list(api.func.CallOp(result_types, decomposition, list(op.operands)).results))
-                kernels_used += 1
+                        hlo.return_(list(decomposed().results))
+                    kernels_used += 1
         for old, res in zip(op.results, new.results):
             old.replace_all_uses_with(res)
         op.erase()

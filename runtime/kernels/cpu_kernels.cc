@@ -21,6 +21,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -78,6 +79,16 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t grain, F fn) {
 
 enum class Kind { kF32, kBF16, kF16 };
 
+
+// Calls fn(std::integral_constant<Kind, K>{}) for the runtime `kind`.
+template <typename F>
+void with_kind(Kind kind, F fn) {
+  switch (kind) {
+    case Kind::kF32: return fn(std::integral_constant<Kind, Kind::kF32>{});
+    case Kind::kBF16: return fn(std::integral_constant<Kind, Kind::kBF16>{});
+    case Kind::kF16: return fn(std::integral_constant<Kind, Kind::kF16>{});
+  }
+}
 
 template <Kind K>
 inline float load(const void* base, int64_t i) {
@@ -274,10 +285,11 @@ struct TileScratch {
   std::vector<int32_t> lo, hi;
 };
 
+// q and out: the tile's first token's heads, `stride` apart from one token to the next.
 template <Kind K>
-void attend_tile(const float* q, int64_t q_stride, int64_t ntok, const int64_t* begins, const int64_t* ends,
+void attend_tile(const float* q, float* out, int64_t stride, int64_t ntok, const int64_t* begins, const int64_t* ends,
                  const void* cache, int64_t kbase, int64_t vbase, const int32_t* table, int64_t BS, int64_t D,
-                 int64_t G, float scale, float softcap, float* out, int64_t out_stride) {
+                 int64_t G, float scale, float softcap) {
   thread_local TileScratch w;
   int64_t lo = INT64_MAX, hi = 0;                                        // over tokens that see something
   for (int64_t i = 0; i < ntok; ++i)
@@ -308,7 +320,7 @@ void attend_tile(const float* q, int64_t q_stride, int64_t ntok, const int64_t* 
   for (int64_t t = 0; t < ntok; ++t)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = t * G + g;
-      for (int64_t d = 0; d < D; ++d) w.qt[d * RP + r] = q[t * q_stride + g * D + d] * scale;
+      for (int64_t d = 0; d < D; ++d) w.qt[d * RP + r] = q[t * stride + g * D + d] * scale;
       w.lo[r] = static_cast<int32_t>(std::max<int64_t>(begins[t] - lo, 0));
       w.hi[r] = static_cast<int32_t>(std::max<int64_t>(ends[t] - lo, 0));
     }
@@ -372,7 +384,7 @@ void attend_tile(const float* q, int64_t q_stride, int64_t ntok, const int64_t* 
       }
       for (int i = 0; i < kRowBlock && r0 + i < rows; ++i) {
         const int64_t r = r0 + i, t = r / G, g = r % G;
-        float* o = out + t * out_stride + g * D;
+        float* o = out + t * stride + g * D;
         for (int l = 0; l < kDimBlock && d0 + l < D; ++l) o[d0 + l] = acc[i][l] * w.inv[r];
       }
     }
@@ -424,7 +436,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     if (t == 0 || seqs[t] != seqs[t - 1] || t - starts.back() >= kTileTokens) starts.push_back(t);
   starts.push_back(T);
   const int64_t tiles = static_cast<int64_t>(starts.size()) - 1;
-  const int64_t q_stride = KV * G * D;
+  const int64_t token_stride = KV * G * D;  // q and out, from one token to the next
 
   parallel_for(pool, tiles * KV, 1, [&, kind](int64_t i) {
     const int64_t tile = i / KV, h = i % KV;
@@ -437,30 +449,25 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     bool any = false;
     for (int64_t t = t0; t < t0 + ntok; ++t) any = any || ends[t] > begins[t];
     if (!any) {
-      for (int64_t t = 0; t < ntok; ++t) std::fill(o + t * q_stride, o + t * q_stride + G * D, 0.f);
+      for (int64_t t = 0; t < ntok; ++t) std::fill(o + t * token_stride, o + t * token_stride + G * D, 0.f);
       return;
     }
     const int32_t* table = tables + s * B;
-    if (ntok > 1) {
-      switch (kind) {
-        case Kind::kF32: attend_tile<Kind::kF32>(qi, q_stride, ntok, &begins[t0], &ends[t0], cdata, kbase, vbase, table, BS, D, G, scale, softcap, o, q_stride); break;
-        case Kind::kBF16: attend_tile<Kind::kBF16>(qi, q_stride, ntok, &begins[t0], &ends[t0], cdata, kbase, vbase, table, BS, D, G, scale, softcap, o, q_stride); break;
-        case Kind::kF16: attend_tile<Kind::kF16>(qi, q_stride, ntok, &begins[t0], &ends[t0], cdata, kbase, vbase, table, BS, D, G, scale, softcap, o, q_stride); break;
+    with_kind(kind, [&](auto k) {
+      constexpr Kind K = decltype(k)::value;
+      if (ntok > 1) {
+        attend_tile<K>(qi, o, token_stride, ntok, &begins[t0], &ends[t0], cdata, kbase, vbase, table, BS, D, G, scale,
+                       softcap);
+        return;
       }
-      return;
-    }
-    const int64_t begin = begins[t0], end = ends[t0];
-    thread_local std::vector<float> scores;
-    if (static_cast<int64_t>(scores.size()) < G * (end - begin)) scores.resize(G * (end - begin));
-    switch (kind) {
-      case Kind::kF32: attend<Kind::kF32>(qi, cdata, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores.data(), o); break;
-      case Kind::kBF16: attend<Kind::kBF16>(qi, cdata, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores.data(), o); break;
-      case Kind::kF16: attend<Kind::kF16>(qi, cdata, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores.data(), o); break;
-    }
+      const int64_t begin = begins[t0], end = ends[t0];
+      thread_local std::vector<float> scores;
+      if (static_cast<int64_t>(scores.size()) < G * (end - begin)) scores.resize(G * (end - begin));
+      attend<K>(qi, cdata, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores.data(), o);
+    });
   });
   return ffi::Error::Success();
 }
-
 
 // ---- layer linear ---------------------------------------------------------------------------
 // x f32[M, K]; weights [L, N, K] 16-bit floats (holds 1: bf16, 2: f16; any 16-bit storage);

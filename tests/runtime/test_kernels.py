@@ -160,8 +160,8 @@ def test_layer_linear_kernel_matches_decomposition_and_torch(library, holds, sto
         layer = np.int32(rows % 3)
         kernel = np.asarray(jax.jit(kernel_fn.call)(x, weights, layer))
         portable = np.asarray(jax.jit(portable_fn.call)(x, weights, layer))
-        wt = torch.from_numpy(np.array(weights).view(np.int16)) if storage == "bits" else \
-            torch.from_numpy(np.array(weights).view(np.int16)).view(torch.bfloat16)
+        wt = torch.from_numpy(np.array(weights).view(np.int16))
+        wt = wt if storage == "bits" else wt.view(torch.bfloat16)
         ref = custom_ops.layer_linear(torch.from_numpy(x), wt, torch.tensor(layer), holds).numpy()
         xr = np.asarray(jnp.asarray(x).astype(dtype).astype(jnp.float32))
         bound = K * 2.0 ** -24 * (np.abs(xr) @ np.abs(w32[layer]).T) + 1e-30
