@@ -106,6 +106,8 @@ class Engine:
         """
         ids = [int(t) for t in prompt_token_ids]
         self.check_token_ids(ids)
+        self.check_token_ids([t for t, _ in params.logit_bias], what="logit_bias keys")
+        self.check_token_ids(params.stop_token_ids, what="stop_token_ids")
         self.scheduler.check_request(ids, params)
         self.detokenizer.check(params)
         matcher = None
@@ -122,12 +124,12 @@ class Engine:
             self._cv.notify()
         return stream
 
-    def check_token_ids(self, ids: Sequence[int]) -> None:
+    def check_token_ids(self, ids: Sequence[int], what: str = "token ids") -> None:
         """Raise ValueError naming the token ids outside the model's vocabulary."""
         if self.vocab_size is not None:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+                raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
     def end_all(self, reason: str) -> None:
         """End every request with finish_reason "error" and `reason` before the next step (shutdown)."""

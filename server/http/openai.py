@@ -103,19 +103,29 @@ def checked_text(svc: LLMService, text: str, param: str) -> str:
 
 
 def warn_ignored(req) -> dict[str, str]:
-    """Response headers naming the request fields hloserve does not know (ignored, as vLLM does)."""
+    """Response headers naming the request fields hloserve does not know (ignored, as vLLM does).
+
+    A field name is client bytes: it goes into the header escaped to printable ASCII (JSON's escapes,
+    quoted where it needs them), so no name can break the header's encoding or inject a line."""
     ignored = req.ignored_fields()
     if not ignored:
         return {}
-    log.warning("request fields ignored (unknown to hloserve): %s", ", ".join(ignored))
-    return {"x-hloserve-warning": f"ignored unknown fields: {', '.join(ignored)}"[:1000]}
+    names = ", ".join(n if n.isascii() and n.isprintable() and "," not in n and '"' not in n else json.dumps(n)
+                      for n in ignored)
+    log.warning("request fields ignored (unknown to hloserve): %s", names)
+    return {"x-hloserve-warning": f"ignored unknown fields: {names}"[:1000]}
 
 
 async def run_admitted(svc: LLMService, request: Request, req, *, chat: bool, tokenize):
     """Admit first (429/503 before any work), tokenize on a worker thread (the event loop keeps serving
-    /health and every stream), enqueue, answer; the admission is released when the answer ends."""
+    /health and every stream), enqueue, answer.
+
+    The admission is released exactly once, on every exit: here when the answer is complete or anything
+    fails, or by the streaming response when its stream ends (once it has been handed over)."""
+    headers = warn_ignored(req)     # before admission: nothing below may fail building the answer's head
     admit(svc)
     streams: list = []
+    handed_over = False
     try:
         prompts, max_tokens, logprobs = await asyncio.to_thread(tokenize)
         if req.truncate_prompt_tokens is not None:
@@ -134,19 +144,23 @@ async def run_admitted(svc: LLMService, request: Request, req, *, chat: bool, to
                 k = p * m + i
                 streams.append(svc.engine.add_request(ids, dataclasses.replace(params, seed=seed),
                                                       request_id=rid if len(prompts) * m == 1 else f"{rid}-{k}"))
-    except BaseException as e:
-        for st in streams:
-            st.abort()
-        svc.admission.leave()
-        if isinstance(e, ValueError):
-            raise ApiError(400, str(e)) from None
-        raise
-    echo = None
-    if getattr(req, "echo", False):   # the prompt as sent (decoded when it was token ids or truncated)
-        echo = [p if isinstance(p, str) and req.truncate_prompt_tokens is None else svc.tokenizer.decode(ids)
-                for p, ids in zip(req.prompts(), prompts)]
-    return await _respond(svc, request, Choices(rid, streams, prompt_tokens, echo=echo, echo_ids=prompts), req,
-                          chat=chat)
+        echo = None
+        if getattr(req, "echo", False):   # the prompt as sent (decoded when it was token ids or truncated)
+            echo = [p if isinstance(p, str) and req.truncate_prompt_tokens is None else svc.tokenizer.decode(ids)
+                    for p, ids in zip(req.prompts(), prompts)]
+        choices = Choices(rid, streams, prompt_tokens, echo=echo, echo_ids=prompts)
+        if req.stream:
+            response = _stream(svc, choices, req, chat=chat, headers=headers)
+            handed_over = True
+            return response
+        return await _answer(svc, request, choices, req, chat=chat, headers=headers)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    finally:
+        if not handed_over:
+            for st in streams:
+                st.abort()
+            svc.admission.leave()
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -175,7 +189,7 @@ def _chat_ids(svc: LLMService, req: ChatCompletionRequest):
         extra = dict(req.chat_template_kwargs or {})
         if req.uses_tools():
             extra["tools"] = req.tools
-        ids = svc.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, **extra)
+        ids = svc.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, variables=extra)
     except ValueError as e:
         raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
     return [ids], req.max_completion_tokens or req.max_tokens, (req.top_logprobs or 0) if req.logprobs else None
@@ -258,19 +272,20 @@ class Choices:
                 t.cancel()
 
 
-async def _respond(svc: LLMService, request: Request, choices: Choices, req, *, chat: bool):
+def _stream(svc: LLMService, choices: Choices, req, *, chat: bool, headers: dict) -> "_SSEResponse":
+    """The streaming answer; it owns the admission from here and releases it when the stream ends."""
+    rid = choices.request_id if not chat else "chat" + choices.request_id
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    gen = _sse(svc, choices, rid, now(), req, chat=chat, include_usage=include_usage)
+    return _SSEResponse(gen, on_close=lambda: (choices.abort(), svc.admission.leave()),
+                        media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+
+
+async def _answer(svc: LLMService, request: Request, choices: Choices, req, *, chat: bool, headers: dict):
+    """The whole answer at once, once every choice has finished."""
     rid = choices.request_id if not chat else "chat" + choices.request_id
     created = now()
-    headers = warn_ignored(req)
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        gen = _sse(svc, choices, rid, created, req, chat=chat, include_usage=include_usage)
-        return _SSEResponse(gen, on_close=lambda: (choices.abort(), svc.admission.leave()),
-                            media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
-    try:
-        results = await _collect(request, choices)
-    finally:
-        svc.admission.leave()
+    results = await _collect(request, choices)
     lasts = [last for _, _, last in results]
     for last in lasts:
         if last is not None and last.finish_reason is FinishReason.ERROR:
@@ -459,8 +474,10 @@ class _SSEResponse(StreamingResponse):
 
 
 @router.post("/tokenize")
-async def tokenize(req: TokenizeRequest, request: Request):
-    """vLLM's /tokenize: a prompt's (or a chat's, through the template) token ids."""
+async def tokenize(request: Request):
+    """vLLM's /tokenize: a prompt's (or a chat's, through the template) token ids. Parsed and tokenized
+    off the event loop under the completion routes' limits (text that cannot fit the context is refused)."""
+    req = await parse_body(request, TokenizeRequest)
     svc = _svc(request)
     if req.model is not None:
         check_model(svc, req.model)
@@ -472,6 +489,7 @@ async def tokenize(req: TokenizeRequest, request: Request):
             return svc.tokenizer.encode(checked_text(svc, req.prompt, "prompt"),
                                         add_special_tokens=req.add_special_tokens)
         messages = [m.for_template() for m in req.messages]
+        checked_text(svc, "".join(m["content"] for m in messages), "messages")
         return svc.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
     try:
         ids = await asyncio.to_thread(run)
@@ -481,13 +499,19 @@ async def tokenize(req: TokenizeRequest, request: Request):
 
 
 @router.post("/detokenize")
-async def detokenize(req: DetokenizeRequest, request: Request):
-    """vLLM's /detokenize: token ids back to text (special tokens kept)."""
+async def detokenize(request: Request):
+    """vLLM's /detokenize: token ids back to text (special tokens kept); at most a context's worth of
+    ids times MAX_PROMPT_CHARS_PER_TOKEN, decoded off the event loop."""
+    req = await parse_body(request, DetokenizeRequest)
     svc = _svc(request)
     if req.model is not None:
         check_model(svc, req.model)
+    limit = svc.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+    if len(req.tokens) > limit:
+        raise ApiError(400, f"{len(req.tokens)} token ids; at most {limit} are decoded in one request",
+                       param="tokens")
     try:
         svc.engine.check_token_ids(req.tokens)
     except ValueError as e:
         raise ApiError(400, str(e), param="tokens") from None
-    return {"prompt": svc.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+    return {"prompt": await asyncio.to_thread(svc.tokenizer.decode, req.tokens, skip_special_tokens=False)}

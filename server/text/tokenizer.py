@@ -184,7 +184,7 @@ class Tokenizer:
         return self._tok.id_to_token(int(token_id))
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                    **kwargs: Any) -> str:
+                    variables: Mapping[str, Any] | None = None) -> str:
         """Render OpenAI-style messages with the model's chat template."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template in its artifact metadata; "
@@ -192,15 +192,19 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or "role" not in m:
                 raise ChatTemplateError(f"messages[{i}] must be an object with a 'role' (and 'content')")
+        # the caller's template variables (a request's chat_template_kwargs, its tools) may set
+        # add_generation_prompt; the messages and special tokens are always the ones given here
+        context = {"add_generation_prompt": add_generation_prompt, **(variables or {}), "messages": [dict(m) for m in messages],
+                   "bos_token": self.config.bos_token or "", "eos_token": self.config.eos_token or ""}
         try:
-            return self._template.render(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.config.bos_token or "", eos_token=self.config.eos_token or "",
-                                         **kwargs)
+            return self._template.render(**context)
         except ChatTemplateError:
             raise
         except Exception as e:  # noqa: BLE001 (a template error is a bad request, not a crash)
             raise ChatTemplateError(f"chat template failed to render the messages: {type(e).__name__}: {e}") from e
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                    variables: Mapping[str, Any] | None = None) -> list[int]:
         """Chat prompt ids: the template already writes BOS, so no special tokens are added."""
-        return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, variables=variables),
+                           add_special_tokens=False)

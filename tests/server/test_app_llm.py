@@ -167,6 +167,61 @@ def test_unknown_fields_are_ignored_with_a_warning(server):
     assert r.headers["x-hloserve-warning"] == "ignored unknown fields: max_token, newer_field"
 
 
+def test_field_names_no_header_can_carry_are_escaped_and_release_admission(server):
+    """An unknown field whose name is not Latin-1 (or holds CR LF) once broke the streamed answer's
+    warning header after admission: 500, and the slot was never released, so ~max-pending of them
+    disabled the server. 1,000 of them (more than 15 times --max-pending), then a normal request."""
+    base, _ = server
+    auth = {"Authorization": "Bearer sk-test"}
+    with httpx.Client(base_url=base, headers=auth, timeout=30) as h:
+        for i in range(1000):
+            name = ["\u20ac", "a\r\nx-injected: 1", "\x00\x7f", "\U0001f600"][i % 4]
+            r = h.post("/v1/completions", json={"model": "tiny-chat", "prompt": "Hi", "max_tokens": 1,
+                                                "stream": bool(i % 2), name: 1})
+            assert r.status_code == 200, (name, r.text)
+            warning = r.headers["x-hloserve-warning"]
+            assert warning.isascii() and warning.isprintable() and "x-injected" not in r.headers, warning
+            assert json.loads(warning.removeprefix("ignored unknown fields: ")) == name
+        r = h.post("/v1/completions", json={"model": "tiny-chat", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+def test_chat_template_kwargs_may_set_the_generation_prompt(server, tiny_chat_llm):
+    """chat_template_kwargs={"add_generation_prompt": false} renders without the assistant header
+    (it answered 500 once: the key was passed twice); the prompt is shorter by that header."""
+    base, _ = server
+    msgs = [{"role": "user", "content": "Hi"}]
+    with httpx.Client(base_url=base, headers={"Authorization": "Bearer sk-test"}, timeout=30) as h:
+        lengths = []
+        for kwargs in ({}, {"add_generation_prompt": False}):
+            r = h.post("/v1/chat/completions", json={"model": "tiny-chat", "messages": msgs, "max_tokens": 1,
+                                                     "chat_template_kwargs": kwargs})
+            assert r.status_code == 200, r.text
+            t = h.post("/tokenize", json={"messages": msgs, "add_generation_prompt": not kwargs}).json()
+            assert r.json()["usage"]["prompt_tokens"] == t["count"]
+            lengths.append(t["count"])
+        assert lengths[1] < lengths[0]
+
+
+def test_out_of_vocabulary_ids_in_sampling_fields_are_refused(server):
+    base, _ = server
+    with httpx.Client(base_url=base, headers={"Authorization": "Bearer sk-test"}, timeout=30) as h:
+        for extra, field in (({"logit_bias": {"99999999": 5}}, "logit_bias"),
+                             ({"stop_token_ids": [99999999]}, "stop_token_ids")):
+            r = h.post("/v1/completions", json={"model": "tiny-chat", "prompt": "Hi", "max_tokens": 1, **extra})
+            assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+        # /tokenize: a lone surrogate in a chat message, and text no context could hold
+        r = h.post("/tokenize", headers={"Content-Type": "application/json"},
+                   content='{"messages": [{"role": "user", "content": "a \\ud800 b"}]}')
+        message = r.json()["error"]["message"]   # refused by the JSON parser or by the text check
+        assert r.status_code == 400 and ("not valid Unicode" in message or "hex escape" in message), r.text
+        r = h.post("/tokenize", json={"prompt": "x" * (128 * 64 + 1)})
+        assert r.status_code == 400 and "shorten it" in r.json()["error"]["message"], r.text
+        r = h.post("/detokenize", json={"tokens": [1] * (128 * 64 + 1)})
+        assert r.status_code == 400 and "at most" in r.json()["error"]["message"], r.text
+        assert h.post("/detokenize", json={"tokens": [1, 2]}).status_code == 200
+
+
 def test_logit_bias_and_penalties_change_the_greedy_tokens(server, tiny_chat_llm):
     """logit_bias +100 on one token makes greedy decoding emit only it; repetition_penalty gives
     transformers' greedy generation with the same penalty (over prompt and output)."""
@@ -197,7 +252,8 @@ def test_hostile_inputs_get_4xx_and_the_server_keeps_serving(server):
     message = r.json()["error"]["message"]
     assert r.status_code == 400 and ("not valid Unicode" in message or "hex escape" in message), r.text
     r = httpx.post(f"{base}/tokenize", headers=auth, timeout=30, content='{"prompt": "a \\ud800 b"}')
-    assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"], r.text
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and ("not valid Unicode" in message or "hex escape" in message), r.text
     # a non-ASCII Authorization header is a wrong key, not a crash
     r = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer clé".encode()})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
