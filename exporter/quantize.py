@@ -5,6 +5,7 @@ import torch
 from hloserve.quantization.convert import QuantRecord, quantize_module
 from hloserve.quantization.schemes import QuantConfig, QuantizationError
 
+from .models.hf_causal import HFStep, quantize_layers
 from .models.llama import LlamaStep
 from .models.llama_quant import QuantizedLlamaWeights, quantize_llama
 
@@ -26,6 +27,10 @@ def quantize_source(source, config: QuantConfig):
             if id(w) not in done:
                 done[id(w)] = w if isinstance(w, QuantizedLlamaWeights) else quantize_llama(w, config, record)
             e.module.model = done[id(w)]
+        elif isinstance(e.module, HFStep):
+            if id(e.module.model) not in done:
+                quantize_layers(e.module.model, e.module.opts, config, record)
+                done[id(e.module.model)] = e.module.model
         elif id(e.module) not in done:
             quantize_module(e.module, config, record)
             done[id(e.module)] = e.module

@@ -31,6 +31,36 @@ LLM_STEPS = ("auto", "generic", "llama", "none")
 LOW_DTYPES = ("bfloat16", "float16")
 
 
+def auto_dtypes(spec: str, dtype: str, weight_dtype: str | None,
+                kv_cache_dtype: str | None) -> tuple[str, str | None, str | None]:
+    """--dtype auto (the default), resolved the way `vllm serve --dtype auto` follows a checkpoint: a
+    Hugging Face causal-LM directory stored in a 16-bit float exports as the serving artifact, its
+    weight matrices and KV cache in that float under float32 activations (what the default model
+    serves with); everything else in float32. Returns (dtype, weight_dtype, kv_cache_dtype)."""
+    if dtype != "auto":
+        return dtype, weight_dtype, kv_cache_dtype
+    stored = _checkpoint_dtype(spec)
+    if stored in LOW_DTYPES and weight_dtype is None and kv_cache_dtype is None:
+        return "float32", stored, stored
+    return "float32", weight_dtype, kv_cache_dtype
+
+
+def _checkpoint_dtype(spec: str) -> str | None:
+    """The `dtype` (`torch_dtype`) a causal-LM directory's config.json says its weights are stored in."""
+    path = os.path.join(spec, "config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    archs = config.get("architectures") or []
+    if not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return None
+    return config.get("dtype") or config.get("torch_dtype")
+
+
 def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = None,
                 quantize_skip: Sequence[str] = (), weight_dtype: str | None = None,
                 kv_cache_dtype: str | None = None, llm_step: str = "auto") -> Source:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any, Mapping
 
@@ -39,7 +40,10 @@ from hloserve.runtime.artifact.llm import LLMSpec
 
 from ..entry import Source
 from ..errors import SourceError
+from . import hf_layers
 from .llama import StepExportOptions, contract_entries, contract_spec, write_kv
+
+log = logging.getLogger("hloserve.export")
 
 ATTN_NAME = "hloserve_paged"
 STEP_KWARG = "hloserve_step"
@@ -126,15 +130,20 @@ class _Step:
     """The paging inputs of one step and the cache as it is updated, layer by layer (tracing state)."""
 
     def __init__(self, layout: str, inputs: Mapping[str, torch.Tensor], kv_dtype: torch.dtype | None,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, *, cache: torch.Tensor | None = None, layer: torch.Tensor | None = None):
         self.layout = layout
         self.x = inputs
-        self.cache = inputs["kv_cache"]
+        self.cache = inputs["kv_cache"] if cache is None else cache
         self.kv_dtype = kv_dtype
         self.dtype = dtype
+        self.layer = layer          # 0-dim int32 (a scanned layer's index); None: the module's layer_idx
+
+    def at(self, layer: torch.Tensor, cache: torch.Tensor) -> "_Step":
+        """The step as layer `layer` sees it, over `cache` (hf_layers.ScannedLayers)."""
+        return _Step(self.layout, self.x, self.kv_dtype, self.dtype, cache=cache, layer=layer)
 
     def attend(self, module, query, key, value, scaling, window, softcap) -> torch.Tensor:
-        layer = module.layer_idx
+        layer = self.layer if self.layer is not None else torch.tensor(module.layer_idx, dtype=torch.int32)
         _, H, T, D = query.shape
         KV = key.shape[1]
         q = query[0].transpose(0, 1)                                      # [T, H, D]
@@ -144,7 +153,7 @@ class _Step:
         scale = float(scaling) if scaling is not None else D ** -0.5
         window = int(window or 0)
         softcap = float(softcap or 0.0)
-        self.cache = write_kv(self.cache, torch.tensor(layer), k.to(self.dtype), v.to(self.dtype),
+        self.cache = write_kv(self.cache, layer.to(torch.int64), k.to(self.dtype), v.to(self.dtype),
                               x["slot_mapping"].to(torch.int64), self.kv_dtype)
 
         qg = q.reshape(T, KV, H // KV, D)                                 # [T, KV, G, D]
@@ -152,14 +161,14 @@ class _Step:
         if self.layout == "gather":
             from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.paged_attention
             out = torch.ops.hloserve.paged_attention(
-                qg.float(), self.cache, torch.tensor(layer, dtype=torch.int32), x["block_tables"], x["seq_ids"],
+                qg.float(), self.cache, layer, x["block_tables"], x["seq_ids"],
                 x["positions"], x["context_lens"], window, holds, scale, softcap)   # [T, KV, G, D]
         elif self.layout == "paged":
             if holds:
                 raise ValueError("the paged layout reads an f32 cache; export it without --kv-cache-dtype")
             from .llama import paged_attention
             blocks = x["block_tables"][x["seq_ids"]].transpose(0, 1)      # [B, T]: scanned over B
-            out = paged_attention(qg.float(), self.cache, torch.tensor(layer), blocks, x["positions"].to(torch.int64),
+            out = paged_attention(qg.float(), self.cache, layer, blocks, x["positions"].to(torch.int64),
                                   x["context_lens"][x["seq_ids"]].to(torch.int64), window or None, scale=scale,
                                   softcap=softcap)
         else:
@@ -167,16 +176,16 @@ class _Step:
         return out.to(query.dtype).reshape(1, T, H, D)                   # [1, T, H, D]
 
 
-def _flat_attention(qg, cache, layer: int, x, window: int, holds: int, scale: float, softcap: float):
+def _flat_attention(qg, cache, layer: torch.Tensor, x, window: int, holds: int, scale: float, softcap: float):
     """Every token scores the contexts of all S sequences of the step, masked to its own (prefill)."""
+    from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.gather_blocks
     T, KV, G, D = qg.shape
-    L, _, _, N, BS, _ = cache.shape
-    tables = x["block_tables"].to(torch.int64)                            # [S, B]
+    BS = cache.shape[4]
+    tables = x["block_tables"]                                            # [S, B]
     S, B = tables.shape
     C = B * BS
-    kv = cache[layer]                                                     # [2, KV, N, BS, D]
-    k = kv[0][:, tables].reshape(KV, S * C, D)                            # [KV, S*C, D]
-    v = kv[1][:, tables].reshape(KV, S * C, D)                            # [KV, S*C, D]
+    k = torch.ops.hloserve.gather_blocks(cache, layer, 0, tables)         # [KV, S*C, D]
+    v = torch.ops.hloserve.gather_blocks(cache, layer, 1, tables)         # [KV, S*C, D]
     if holds:
         kind = torch.bfloat16 if holds == 1 else torch.float16
         k, v = k.view(kind) if k.dtype == torch.int16 else k, v.view(kind) if v.dtype == torch.int16 else v
@@ -197,45 +206,15 @@ def _flat_attention(qg, cache, layer: int, x, window: int, holds: int, scale: fl
     return out
 
 
-class MixedLinear(torch.nn.Module):
-    """An nn.Linear whose weight is stored in a 16-bit float under wider activations
-    (`--weight-dtype`): hloserve::mixed_linear rounds x to the weight's dtype and sums in f32."""
-
-    def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = torch.nn.Parameter(linear.weight.detach().to(dtype), requires_grad=False)
-        self.bias = linear.bias
-
-    def forward(self, x):
-        from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.mixed_linear
-        return torch.ops.hloserve.mixed_linear(x, self.weight, self.bias)
-
-
-def mixed_linears(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Swap every nn.Linear whose weight no other module shares (a tied head keeps the embedding's
-    dtype) for a MixedLinear; returns how many were swapped."""
-    owners: dict[int, int] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and owners.get(id(child.weight), 0) == 1:
-                setattr(parent, name, MixedLinear(child, dtype))
-                swapped += 1
-    return swapped
-
-
 class HFStep(torch.nn.Module):
     """One paged-cache step of a transformers causal LM (the LLM step contract)."""
 
-    def __init__(self, model: torch.nn.Module, *, layout: str, kv_dtype: torch.dtype | None = None):
+    def __init__(self, model: torch.nn.Module, *, layout: str, opts: StepExportOptions):
         super().__init__()
         self.model = model
         self.layout = layout
-        self.kv_dtype = kv_dtype
+        self.opts = opts
+        self.kv_dtype = opts.kv_dtype
 
     def forward(self, tokens, positions, seq_ids, slot_mapping, block_tables, context_lens, last_token, kv_cache):
         inputs = dict(positions=positions, seq_ids=seq_ids, slot_mapping=slot_mapping, block_tables=block_tables,
@@ -251,11 +230,39 @@ class HFStep(torch.nn.Module):
 def step_entries(model: torch.nn.Module, opts: StepExportOptions) -> list:
     """`prefill` (flat) and `decode` (gather) over the same model, as llama.step_entries."""
     g = geometry(model.config)
-    return contract_entries(lambda att: HFStep(model, layout=att, kv_dtype=opts.kv_dtype), opts, g.num_layers,
+    return contract_entries(lambda att: HFStep(model, layout=att, opts=opts), opts, g.num_layers,
                             g.num_kv_heads, g.head_dim, activation_dtype(model))
 
 
-def llm_spec(model: torch.nn.Module, opts: StepExportOptions, eos_ids, bos_id) -> LLMSpec:
+def scan_layers(model: torch.nn.Module, opts: StepExportOptions) -> str:
+    """Scan the model's decoder layers (hf_layers.ScannedLayers), checked by one eager step on the
+    contract's example; where the model's layer loop cannot be taken over, the layers stay
+    unrolled. Returns how the layers run: "scan", "scan (period P)", or "unrolled: why"."""
+    scanned = hf_layers.scan(model, STEP_KWARG)
+    if scanned is None:
+        return "unrolled: no list of decoder layers found"
+    entry = step_entries(model, opts)[0]
+    try:
+        with torch.no_grad():
+            entry.module(*entry.args)
+    except hf_layers.ScanError as e:
+        hf_layers.unscan(model)
+        log.info("decoder layers exported unrolled: %s", e)
+        return f"unrolled: {e}"
+    tail = f", {len(scanned.tail)} unrolled after it" if len(scanned.tail) else ""
+    return "scan" if scanned.period == 1 else f"scan (a period of {scanned.period} layers{tail})"
+
+
+def quantize_layers(model: torch.nn.Module, opts: StepExportOptions, config, record) -> None:
+    """--quantize on a generic step: the module swap on the real layers, then scanned again."""
+    from hloserve.quantization.convert import quantize_module
+    scanned = hf_layers.unscan(model)
+    quantize_module(model, config, record)
+    if scanned:
+        scan_layers(model, opts)
+
+
+def llm_spec(model: torch.nn.Module, opts: StepExportOptions, eos_ids, bos_id, layers: str = "unrolled") -> LLMSpec:
     g = geometry(model.config)
     c = _text_config(model.config)
     return contract_spec(opts, activation_dtype(model), num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
@@ -263,7 +270,7 @@ def llm_spec(model: torch.nn.Module, opts: StepExportOptions, eos_ids, bos_id) -
                          model={"num_layers": g.num_layers, "num_heads": int(c.num_attention_heads),
                                 "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
                                 "hidden_size": int(c.hidden_size),
-                                "sliding_window": getattr(c, "sliding_window", None), "layers": "unrolled",
+                                "sliding_window": getattr(c, "sliding_window", None), "layers": layers,
                                 "attention": "transformers attention interface (hloserve_paged)"})
 
 
@@ -284,13 +291,15 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
         raise SourceError(f"{path}: transformers {transformers.__version__} has no class for {archs or config.model_type}")
     check_supported(cls, config)
     register_attention()
-    model = cls.from_pretrained(path, dtype=tdtype, attn_implementation=ATTN_NAME).eval()
-    if weight_dtype is not None and weight_dtype != tdtype:
-        mixed_linears(model, weight_dtype)
+    model = cls.from_pretrained(path, dtype=tdtype, attn_implementation=ATTN_NAME).eval().requires_grad_(False)
+    sixteen = weight_dtype if weight_dtype is not None else tdtype if tdtype.itemsize == 2 else None
+    if sixteen is not None:
+        hf_layers.sixteen_bit(model, sixteen)
     c = _text_config(model.config)
     g = geometry(model.config)
     max_pos = int(getattr(c, "max_position_embeddings", 4096) or 4096)
-    opts = opts or StepExportOptions(max_context=min(max_pos, 32768), kv_dtype=kv_dtype, scan=False)
+    opts = opts or StepExportOptions(max_context=min(max_pos, 32768), kv_dtype=kv_dtype)
+    layers = scan_layers(model, opts) if opts.scan else "unrolled"
     eos = getattr(model.generation_config, "eos_token_id", None) or getattr(c, "eos_token_id", None)
     eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
     bos = getattr(c, "bos_token_id", None)
@@ -303,7 +312,7 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
         "task": "causal-lm", "architecture": cls.__name__,
         "config": {"model_type": c.model_type, "num_hidden_layers": g.num_layers, "num_key_value_heads": g.num_kv_heads,
                    "head_dim": g.head_dim, "vocab_size": int(c.vocab_size)},
-        "llm": llm_spec(model, opts, eos_ids, None if bos is None else int(bos)).to_json(),
+        "llm": llm_spec(model, opts, eos_ids, None if bos is None else int(bos), layers).to_json(),
         "tokenizer": "tokenizer.json" if "tokenizer.json" in files else None,
         "chat_template": _chat_template(path),
     }

@@ -1,0 +1,352 @@
+"""The generic step's op vocabulary and layer loop, for any transformers causal LM (models/hf_causal.py).
+
+Two rewrites of a loaded transformers model, both done once before export:
+
+  * `sixteen_bit(model, dtype)`: every 16-bit matrix goes through the `hloserve.layer_linear`
+    composite (runtime/artifact/kernels.py), as on the hand-written Llama step: each nn.Linear
+    becomes a `LayerLinear` over a stack of matrices [L, out, in] (one layer's slice of the
+    stacked decoder weights, or a stack of one); the embedding table is stored in the same
+    16-bit dtype and the LM head, tied or not, reads it through the composite.
+  * `scan_layers(model)`: the decoder layers' ModuleList becomes a `ScannedLayers`: their
+    weights stacked on a leading [L] dim and ONE layer traced as the body of a torch scan
+    (a StableHLO while loop), so XLA compiles one layer, not L. Layers whose modules differ in
+    a static attribute (Gemma's sliding/global attention) are scanned as a repeating period of
+    layers (Gemma 3: five sliding and one global layer per iteration), the last L % period
+    unrolled after it; what differs between layers as data (Gemma 3's local and global rotary
+    tables) is selected per layer inside the body.
+
+How the layer loop is taken over without model-specific code: the model's own forward still
+iterates over `self.layers[:n]` and calls each layer. ScannedLayers hands it one stand-in per
+layer; each stand-in records its call's arguments and returns the hidden states unchanged,
+and the last one runs the scan over all recorded calls. That requires the model to pass each
+layer's output straight to the next layer (checked: anything else is refused at export with
+the layer it happened at, and the step is exported unrolled).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+_HOLDS = {torch.bfloat16: 1, torch.float16: 2}
+
+
+class LayerLinear(torch.nn.Module):
+    """y = x W^T + b with W = weights[layer], weights [L, out, in] 16-bit (stored as the int16 bits
+    of `dtype`); `layer` is a 0-dim int32 buffer the scan replaces per iteration (0 for a stack
+    of one). x is rounded to the weights' dtype and the sums are f32 (the composite's contract);
+    the result has x's dtype."""
+
+    def __init__(self, weights: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.holds = _HOLDS[dtype]
+        self.in_features, self.out_features = weights.shape[-1], weights.shape[-2]
+        self.weight = torch.nn.Parameter(weights, requires_grad=False)     # [L, out, in] int16 bits
+        self.bias = bias
+        self.register_buffer("layer", torch.zeros((), dtype=torch.int32), persistent=False)
+
+    @classmethod
+    def of(cls, linear: torch.nn.Linear, dtype: torch.dtype) -> "LayerLinear":
+        bits = linear.weight.detach().to(dtype).view(torch.int16)[None]   # [1, out, in]
+        bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+        return cls(bits, bias, dtype)
+
+    def forward(self, x):
+        from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.layer_linear
+        y = torch.ops.hloserve.layer_linear(x.float(), self.weight, self.layer, self.holds).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class TableHead(torch.nn.Module):
+    """An LM head tied to a 16-bit embedding table [V, hidden]: the table read in place through the
+    layer_linear composite (a stack of one), logits f32."""
+
+    def __init__(self, embedding: torch.nn.Embedding):
+        super().__init__()
+        self.embedding = embedding          # shared: its weight is the artifact's one table
+        self.out_features = embedding.weight.shape[0]
+
+    @property
+    def weight(self) -> torch.Tensor:       # transformers' tie checks read lm_head.weight
+        return self.embedding.weight
+
+    def forward(self, h):
+        from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.layer_linear
+        zero = torch.zeros((), dtype=torch.int32, device=h.device)
+        table = self.embedding.weight
+        return torch.ops.hloserve.layer_linear(h.float(), table[None], zero, _HOLDS[table.dtype])   # [.., V]
+
+
+def sixteen_bit(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Store `model`'s matrices in `dtype` (bfloat16 or float16) under its wider activations: every
+    nn.Linear becomes a LayerLinear, the input embedding table is narrowed (its lookups widened back
+    to the activations' dtype) and a tied LM head reads that table through the composite. Returns
+    how many linear layers were swapped."""
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is emb.weight
+    act = emb.weight.dtype
+    emb.weight = torch.nn.Parameter(emb.weight.detach().to(dtype), requires_grad=False)
+    emb.register_forward_hook(lambda module, args, out: out.to(act))
+    if tied:
+        _replace(model, head, TableHead(emb))
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(parent, name, LayerLinear.of(child, dtype))
+                swapped += 1
+            elif type(child).__name__ == "Conv1D" and child.weight.dim() == 2:   # GPT-2's linear: W [in, out]
+                linear = torch.nn.Linear(*child.weight.shape, bias=child.bias is not None)
+                linear.weight, linear.bias = torch.nn.Parameter(child.weight.detach().t()), child.bias
+                setattr(parent, name, LayerLinear.of(linear, dtype))
+                swapped += 1
+    return swapped
+
+
+def _replace(model: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module) -> None:
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if child is old:
+                setattr(parent, name, new)
+                return
+
+
+def decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.ModuleList] | None:
+    """(parent, attribute, ModuleList) of the model's decoder layers: the ModuleList with as many
+    entries as the config's layer count (None if there is no such list)."""
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None)
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, torch.nn.ModuleList) and len(child) == n and n > 1:
+                return parent, name, child
+    return None
+
+
+def _static_signature(layer: torch.nn.Module) -> tuple:
+    """What must be equal for two layers to share one traced body: every submodule's type and plain
+    attributes (not its tensors, and not `layer_idx`, which the scan supplies), every tensor's
+    name, shape and dtype."""
+    out = []
+    for path, m in layer.named_modules():
+        attrs = tuple(sorted((k, repr(v)) for k, v in vars(m).items()
+                             if not k.startswith("_") and k not in ("layer_idx", "training")
+                             and not isinstance(v, (torch.Tensor, torch.nn.Module))))
+        out.append((path, type(m).__name__, attrs))
+    out += [(n, tuple(t.shape), t.dtype) for n, t in (*layer.named_parameters(), *layer.named_buffers())]
+    return tuple(out)
+
+
+def period_of(signatures: list) -> int:
+    """The smallest p such that layer i has layer (i mod p)'s signature for every i."""
+    L = len(signatures)
+    for p in range(1, L + 1):
+        if all(signatures[i] == signatures[i % p] for i in range(L)):
+            return p
+    return L
+
+
+@dataclasses.dataclass
+class _Call:
+    hidden: torch.Tensor
+    args: tuple
+    kwargs: dict
+
+
+class _StandIn:
+    """What the model's layer loop sees in place of layer `i`: records the call; the last one runs
+    the scan. Attribute reads go to the real layer (a loop may read `attention_type`)."""
+
+    def __init__(self, owner: "ScannedLayers", i: int):
+        self._owner, self._i = owner, i
+
+    def __getattr__(self, name):
+        return getattr(self._owner.templates[self._i % self._owner.period], name)
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        return self._owner.record(self._i, hidden_states, args, kwargs)
+
+
+class ScannedLayers(torch.nn.Module):
+    """The decoder layers as one scanned body over stacked weights (see the module docstring).
+
+    `stack.{j}` holds the weights of the layers at position j of each period, stacked
+    [L // period, ...] (a LayerLinear's matrices [L // period, out, in]: the composite reads them
+    in place at the scan's iteration); `tail` are the last L % period layers, unrolled.
+
+    The step's attention finds the cache and the layer index in the object passed to every layer
+    as keyword `step_kwarg`: `step.at(layer, cache)` makes the one a layer call uses (created
+    inside the scan body, so the body mutates nothing outside it), and its `.cache` afterwards is
+    the cache that layer wrote.
+    """
+
+    def __init__(self, layers: torch.nn.ModuleList, step_kwarg: str):
+        super().__init__()
+        L = len(layers)
+        self.period = period_of([_static_signature(m) for m in layers])
+        self.num_layers = L
+        self.iterations = L // self.period
+        self.step_kwarg = step_kwarg
+        # the templates are traced with each iteration's weights substituted; they hold no weight of
+        # their own in the artifact (kept out of the module tree)
+        object.__setattr__(self, "templates", list(layers[:self.period]))
+        self.stack = torch.nn.ModuleList()
+        for j in range(self.period):
+            group = [layers[i] for i in range(j, self.iterations * self.period, self.period)]
+            holder = torch.nn.Module()
+            for name in group[0].state_dict():       # parameters and persistent buffers (quantized weights)
+                stacked = torch.stack([_tensor(m, name).detach() for m in group])
+                if isinstance(_owner(group[0], name), LayerLinear) and name.endswith(".weight"):
+                    stacked = stacked[:, 0]                                # [L', out, in]: read in place
+                holder.register_buffer(name.replace(".", "__"), stacked)
+            self.stack.append(holder)
+        self.tail = torch.nn.ModuleList(layers[self.iterations * self.period:])
+        object.__setattr__(self, "original", layers)      # what unscan() puts back
+        self._calls: list[_Call] = []
+
+    # the model's loop: `for layer in self.layers[:n]`, `len(self.layers)`, `self.layers[i]`
+    def __len__(self):
+        return self.num_layers
+
+    def __iter__(self):
+        return iter([_StandIn(self, i) for i in range(self.num_layers)])
+
+    def __getitem__(self, index):
+        return [_StandIn(self, i) for i in range(self.num_layers)][index]
+
+    def record(self, i: int, hidden, args, kwargs):
+        if i == 0:
+            self._calls = []
+        elif i != len(self._calls) or hidden is not self._calls[-1].hidden:
+            self._calls = []
+            raise ScanError(f"decoder layer {i} was not called with layer {i - 1}'s output (the model changes "
+                            f"the hidden states between layers, or calls them out of order)")
+        if not isinstance(hidden, torch.Tensor) or self.step_kwarg not in kwargs:
+            raise ScanError(f"decoder layer {i} is called without the hidden states as its first argument or "
+                            f"without the step's keyword arguments")
+        self._calls.append(_Call(hidden, args, kwargs))
+        if i < self.num_layers - 1:
+            return hidden
+        calls, self._calls = self._calls, []
+        return self._run(calls)
+
+    def _run(self, calls: list[_Call]):
+        from .._private import torch_scan
+        p, n = self.period, self.iterations
+        outer = calls[0].kwargs[self.step_kwarg]
+        positions = []
+        for j in range(p):
+            rebuild, varying = _split_arguments(calls[j:n * p:p], j, self.step_kwarg)
+            holder = self.stack[j]
+            sliced, in_place = {}, {}
+            for stored, t in holder.named_buffers():
+                name = stored.replace("__", ".")
+                (in_place if t.dim() == 3 and isinstance(_owner(self.templates[j], name), LayerLinear)
+                 and name.endswith(".weight") else sliced)[name] = t
+            positions.append((rebuild, varying, sliced, in_place))
+        xs = [t for _, varying, sliced, _ in positions for t in (*varying.values(), *sliced.values())]
+
+        def body(carry, xs):
+            h, cache = carry
+            *xs, it = xs
+            k = 0
+            for j, (rebuild, varying, sliced, in_place) in enumerate(positions):
+                rows = dict(zip(varying, xs[k:k + len(varying)]))
+                k += len(varying)
+                params = dict(zip(sliced, xs[k:k + len(sliced)]))
+                k += len(sliced)
+                params.update(in_place)
+                params.update({name[:-len("weight")] + "layer": it for name in in_place})
+                args, kwargs = rebuild(rows)
+                h, cache = self._layer(self.templates[j], h, args, kwargs, params, it * p + j, outer, cache)
+            return (h, cache), h.new_zeros(())
+
+        steps = torch.arange(n, dtype=torch.int32)
+        (h, cache), _ = torch_scan()(body, (calls[0].hidden, outer.cache), (*xs, steps))
+        for k, layer in enumerate(self.tail):
+            i = n * p + k
+            h, cache = self._layer(layer, h, calls[i].args, calls[i].kwargs, None,
+                                   torch.tensor(i, dtype=torch.int32), outer, cache)
+        outer.cache = cache
+        return h
+
+    def _layer(self, module, h, args, kwargs, params, layer, outer, cache):
+        """One decoder layer on `h`, its attention reading and writing `cache` as layer `layer`."""
+        step = outer.at(layer, cache)
+        kwargs = {**kwargs, self.step_kwarg: step}
+        if params is None:
+            out = module(h, *args, **kwargs)
+        else:
+            out = torch.func.functional_call(module, params, (h, *args), kwargs, strict=False)
+        return out, step.cache
+
+
+def scan(model: torch.nn.Module, step_kwarg: str) -> ScannedLayers | None:
+    """Replace the model's decoder-layer list with a ScannedLayers (None if it has no such list)."""
+    found = decoder_layers(model)
+    if found is None:
+        return None
+    parent, name, layers = found
+    scanned = ScannedLayers(layers, step_kwarg)
+    setattr(parent, name, scanned)
+    return scanned
+
+
+def unscan(model: torch.nn.Module) -> bool:
+    """Put the decoder layers back as they were (a module swap such as --quantize works on them);
+    returns whether there was a ScannedLayers."""
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, ScannedLayers):
+                setattr(parent, name, child.original)
+                return True
+    return False
+
+
+class ScanError(ValueError):
+    """The model's layer loop cannot be taken over by a scan (the step is exported unrolled)."""
+
+
+def _tensor(layer: torch.nn.Module, name: str) -> torch.Tensor:
+    owner, _, attr = name.rpartition(".")
+    return getattr(layer.get_submodule(owner) if owner else layer, attr)
+
+
+def _owner(layer: torch.nn.Module, param: str) -> torch.nn.Module:
+    return layer.get_submodule(param.rsplit(".", 1)[0]) if "." in param else layer
+
+
+def _split_arguments(group: list[_Call], j: int, step_kwarg: str):
+    """Of the calls at one period position, which arguments are the same object in every call
+    (closed over) and which are tensors that differ (stacked [n, ...], one row per iteration).
+    Returns (rebuild(rows) -> (args, kwargs), {key: stacked tensor})."""
+    first = group[0]
+    kwargs = {k: v for k, v in first.kwargs.items() if k != step_kwarg}
+    flat_first, spec = _flatten((first.args, kwargs))
+    columns = [_flatten((c.args, {k: v for k, v in c.kwargs.items() if k != step_kwarg}))[0] for c in group]
+    varying: dict[str, torch.Tensor] = {}
+    for k, leaf in enumerate(flat_first):
+        values = [col[k] for col in columns]
+        if all(v is leaf for v in values):
+            continue
+        if not all(isinstance(v, torch.Tensor) for v in values) or len({(v.shape, v.dtype) for v in values}) != 1:
+            raise ScanError(f"decoder layers at period position {j} are called with different non-tensor "
+                            f"arguments (argument {k}: {type(leaf).__name__})")
+        varying[f"a{k}"] = torch.stack(values)                            # [n, ...]
+
+    def rebuild(rows: dict[str, torch.Tensor]):
+        return _unflatten([rows.get(f"a{k}", leaf) for k, leaf in enumerate(flat_first)], spec)
+
+    return rebuild, varying
+
+
+def _flatten(tree: Any):
+    from torch.utils._pytree import tree_flatten
+    return tree_flatten(tree)
+
+
+def _unflatten(leaves, spec):
+    from torch.utils._pytree import tree_unflatten
+    return tree_unflatten(leaves, spec)
