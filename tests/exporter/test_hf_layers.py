@@ -1,0 +1,93 @@
+"""The generic step's scanned layers and 16-bit linears (exporter/models/hf_layers.py).
+
+A scanned step must compute what the model's own layer loop computes: last-token logits of f32
+models within 1e-4 of transformers (as tests/exporter/test_hf_causal.py, whose two-layer models
+scan too), with more layers than one period so the loop really iterates, and a tail of layers
+after the last whole period. What makes it a scan is read from the exported StableHLO: one
+layer body per period position (plus the tail), not one per layer.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ..reference import hf_with_mixed_linears
+from .test_hf_causal import VOCAB, _prompts
+from .test_llama import Paged
+
+pytestmark = pytest.mark.slow
+
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=512, head_dim=16)
+
+
+def _model(cls_name: str, cfg_name: str, **kw):
+    import transformers
+    torch.manual_seed(0)
+    return getattr(transformers, cls_name)(getattr(transformers, cfg_name)(**{**SMALL, **kw})).eval()
+
+
+def _export(hf, tmp_path, *args):
+    from hloserve.runtime import load
+    from hloserve.server.cli import main
+    hf.save_pretrained(str(tmp_path / "hf"))
+    assert main(["export", str(tmp_path / "hf"), "-o", str(tmp_path / "art"), "--llm-step", "generic", "-q",
+                 *args]) == 0
+    with open(tmp_path / "art" / "manifest.json") as f:
+        manifest = json.load(f)
+    model = load(str(tmp_path / "art"), buckets={"num_tokens": [1, 8, 64], "num_seqs": [1, 8], "max_blocks": [8]})
+    return manifest, model, (tmp_path / "art" / "functions" / "decode.mlir").read_text()
+
+
+def _compare(model, ref, atol):
+    prompts = _prompts([1, 17, 40])
+    for fn in ("prefill", "decode"):
+        got = Paged(model).step(fn, dict(enumerate(prompts)))
+        for i, p in enumerate(prompts):
+            with torch.no_grad():
+                want = ref(torch.tensor([p])).logits[0, -1].numpy()
+            np.testing.assert_allclose(got[i], want, atol=atol, rtol=0, err_msg=f"{fn} prompt length {len(p)}")
+
+
+def test_gemma3_scans_a_period_of_sliding_and_global_layers_with_a_tail(tmp_path):
+    """Seven layers, sliding/global alternating: a period of 2 scanned 3 times, then one layer.
+    Three attention calls in the decode function (two in the body, one after), not seven."""
+    kinds = ["sliding_attention", "full_attention"] * 3 + ["sliding_attention"]
+    hf = _model("Gemma3ForCausalLM", "Gemma3TextConfig", num_hidden_layers=7, sliding_window=8,
+                query_pre_attn_scalar=20, layer_types=kinds)
+    manifest, model, mlir = _export(hf, tmp_path, "--dtype", "float32")
+    assert manifest["model"]["llm"]["layers"] == "scan (a period of 2 layers, 1 unrolled after it)"
+    assert mlir.count('stablehlo.composite "hloserve.paged_attention"') == 3
+    assert "stablehlo.while" in mlir
+    _compare(model, hf, 1e-4)
+
+
+def test_bf16_checkpoint_exports_as_the_serving_step(tmp_path):
+    """A Qwen3 stored in bf16 (config dtype), exported with no dtype flag: 16-bit weight matrices
+    and KV cache under f32 activations, every linear and the tied head through layer_linear (one
+    body: 7 calls per layer, 1 head), three layers scanned. Compared with transformers computing
+    every linear as layer_linear does (weights and inputs rounded to bf16, f32 sums, K/V rounded
+    to bf16): logits O(0.5) through three layers; what is left is K rounded after RoPE here and
+    before it there (2^-8 relative on each score), bounded by 1e-2."""
+    hf = _model("Qwen3ForCausalLM", "Qwen3Config", num_hidden_layers=3, tie_word_embeddings=True)
+    manifest, model, mlir = _export(hf.to(torch.bfloat16), tmp_path)
+    llm = manifest["model"]["llm"]
+    assert llm["kv_cache"]["holds"] == "bf16" and llm["layers"] == "scan"
+    assert mlir.count('stablehlo.composite "hloserve.layer_linear"') == 7 + 1
+    assert mlir.count('stablehlo.composite "hloserve.paged_attention"') == 1
+    ref = hf_with_mixed_linears(hf.float(), kv_dtype=torch.bfloat16)
+    _compare(model, ref, 1e-2)
+
+
+def test_auto_dtype_follows_the_checkpoint(tmp_path):
+    from hloserve.exporter.sources import auto_dtypes
+    hf = _model("Qwen3ForCausalLM", "Qwen3Config", num_hidden_layers=1)
+    hf.to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))
+    hf.float().save_pretrained(str(tmp_path / "f32"))
+    assert auto_dtypes(str(tmp_path / "bf16"), "auto", None, None) == ("float32", "bfloat16", "bfloat16")
+    assert auto_dtypes(str(tmp_path / "f32"), "auto", None, None) == ("float32", None, None)
+    assert auto_dtypes(str(tmp_path / "bf16"), "float32", None, None) == ("float32", None, None)
+    assert auto_dtypes(str(tmp_path / "bf16"), "auto", None, "float16") == ("float32", None, "float16")
