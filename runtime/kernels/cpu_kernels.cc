@@ -22,6 +22,7 @@
 #include <memory>
 #include <thread>
 #include <type_traits>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -429,6 +430,19 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     const int64_t b = window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(pos[t]) - window + 1) : 0;
     begins[t] = b;
     ends[t] = std::max(e, b);
+  }
+  // every block a token will read is in the cache, checked before any is read: a table entry
+  // outside [0, N) (a scheduler bug) is an error, not a read out of bounds. One pass over the
+  // visible blocks' ids: T * (context / BS) int compares, against the BS * D * KV elements each
+  // of those blocks makes the kernel read.
+  for (int64_t t = 0; t < T; ++t) {
+    if (ends[t] <= begins[t]) continue;
+    const int32_t* row = tables + static_cast<int64_t>(seqs[t]) * B;
+    for (int64_t b = begins[t] / BS, last = (ends[t] - 1) / BS; b <= last; ++b)
+      if (row[b] < 0 || row[b] >= N)
+        return ffi::Error::InvalidArgument("hloserve_paged_attention: block table entry " + std::to_string(row[b]) +
+                                           " (sequence " + std::to_string(seqs[t]) + ", block " + std::to_string(b) +
+                                           ") is outside the cache's " + std::to_string(N) + " blocks");
   }
   // work items: (tile, kv head); a tile is up to kTileTokens consecutive tokens of one sequence
   std::vector<int64_t> starts;

@@ -184,3 +184,19 @@ def test_layer_linear_kernel_reads_only_its_layer(library):
     mine = weights.copy()
     mine[1] = 0
     assert np.abs(np.asarray(fn(x, mine, np.int32(1)))).max() == 0
+
+
+def test_block_table_entries_outside_the_cache_are_an_error_not_a_read(library):
+    """A table entry >= the cache's block count (or negative) in a block a token reads answers an
+    error naming it; the same entry in a block no token reads (past its context) is not read."""
+    args, _ = _case(np.random.default_rng(2), 3, 64, 0)
+    fn = jax.jit(kernels.specialize(_exported(args, 0, 0), library)[0].call)
+    N = args[1].shape[3]
+    tables = args[3].copy()
+    tables[0, 1:] = N + 5                        # sequence 0 has one block in use: the rest are never read
+    np.asarray(fn(*args[:3], tables, *args[4:]))
+    for bad in (N, -1, 1 << 30):
+        tables = args[3].copy()
+        tables[1, 1] = bad                       # sequence 1's second block (its context is 9 > BS tokens)
+        with pytest.raises(Exception, match=f"block table entry {bad} .*outside the cache's {N} blocks"):
+            np.asarray(fn(*args[:3], tables, *args[4:]))
