@@ -27,6 +27,8 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -566,6 +568,96 @@ inline void bf16_rows(const uint16_t* w, int64_t K, const uint16_t* x, int64_t K
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX (Intel Sapphire Rapids and later): a tile multiply does 16 x 16 x 32 bf16 products at
+// once, exact, summed in f32 (like vdpbf16ps, denormal inputs and results flushed to zero).
+// Computed transposed, out^T [N, M] = W [N, K] . x^T: a tile of the matrix is 16 of its rows,
+// 32 elements each, read where they lie (stride K); x is packed once per call in the pair-
+// interleaved layout the B operand needs (xp below). Up to 64 rows of x (four 16-row blocks)
+// share each matrix tile; more rows loop over groups of 64, the tile then coming from L2.
+
+// Linux hands out the tile state on request (once per process; false where it refuses)
+bool amx_usable() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-3: sums for x rows 16j..16j+15; 4: the matrix tile; 5-7: x tiles
+inline void amx_configure() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+  _tile_loadconfig(&c);
+}
+
+// x [M, K] (bf16 bits, rows KP apart) -> xp: per 16-row block g and 32-column chunk c, a 16 x 32
+// tile whose row r holds, for each x row i of the block, elements 2r and 2r+1 of the chunk
+// (xp[((g * KC + c) * 16 + r) * 32 + 2 * i + j] = x[16 g + i, 32 c + 2 r + j]); rows past M are 0.
+std::vector<uint16_t> amx_pack(const uint16_t* x, int64_t KP, int64_t M, int64_t KC) {
+  const int64_t blocks = (M + 15) / 16;
+  std::vector<uint16_t> xp(blocks * KC * 512, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < KC; ++c)
+      for (int64_t r = 0; r < 16; ++r)
+        for (int64_t j = 0; j < 2; ++j)
+          xp[(((m / 16) * KC + c) * 16 + r) * 32 + 2 * (m % 16) + j] = x[m * KP + 32 * c + 2 * r + j];
+  return xp;
+}
+
+// out[m, i] for 16 matrix rows (w) and the MB 16-row blocks of x starting at block g0
+template <int MB>
+inline void amx_rows16(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t g0, int64_t M,
+                       float* out, int64_t N) {
+  _tile_zero(0);
+  if constexpr (MB > 1) _tile_zero(1);
+  if constexpr (MB > 2) _tile_zero(2);
+  if constexpr (MB > 3) _tile_zero(3);
+  const uint16_t* xg = xp + g0 * KC * 512;
+  for (int64_t c = 0; c < KC; ++c) {
+    _tile_loadd(4, w + 32 * c, K * 2);
+    _tile_loadd(5, xg + c * 512, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (MB > 1) { _tile_loadd(6, xg + (KC + c) * 512, 64); _tile_dpbf16ps(1, 4, 6); }
+    if constexpr (MB > 2) { _tile_loadd(7, xg + (2 * KC + c) * 512, 64); _tile_dpbf16ps(2, 4, 7); }
+    if constexpr (MB > 3) { _tile_loadd(5, xg + (3 * KC + c) * 512, 64); _tile_dpbf16ps(3, 4, 5); }
+  }
+  alignas(64) float sums[4][16 * 16];   // [x block][matrix row i][x row]
+  _tile_stored(0, sums[0], 64);
+  if constexpr (MB > 1) _tile_stored(1, sums[1], 64);
+  if constexpr (MB > 2) _tile_stored(2, sums[2], 64);
+  if constexpr (MB > 3) _tile_stored(3, sums[3], 64);
+  for (int b = 0; b < MB; ++b)
+    for (int64_t j = 0, m = (g0 + b) * 16; j < 16 && m < M; ++j, ++m)
+      for (int i = 0; i < 16; ++i) out[m * N + i] = sums[b][i * 16 + j];
+}
+
+// matrix rows [n0, n1) (whole tiles of 16) times every row of x
+inline void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0,
+                     int64_t n1, float* out, int64_t N) {
+  amx_configure();
+  const int64_t blocks = (M + 15) / 16;
+  for (int64_t n = n0; n < n1; n += 16)
+    for (int64_t g = 0; g < blocks; g += 4) {
+      const uint16_t* wn = w + n * K;
+      switch (std::min<int64_t>(4, blocks - g)) {
+        case 4: amx_rows16<4>(wn, K, xp, KC, g, M, out + n, N); break;
+        case 3: amx_rows16<3>(wn, K, xp, KC, g, M, out + n, N); break;
+        case 2: amx_rows16<2>(wn, K, xp, KC, g, M, out + n, N); break;
+        default: amx_rows16<1>(wn, K, xp, KC, g, M, out + n, N); break;
+      }
+    }
+  _tile_release();
+}
+#endif
+
 // Any 16-bit float: widen and multiply-add in f32 (the same products and f32 sums).
 template <Kind K16>
 void widened_rows(const uint16_t* w, int64_t K, const uint16_t* x, int64_t KP, int64_t M, int64_t rows, float* out,
@@ -599,6 +691,11 @@ ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) xr[m * KP + k] = holds == 1 ? f32_to_bf16(xp[m * K + k]) : f32_to_f16(xp[m * K + k]);
   const uint16_t* xb = xr.data();
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // AMX for bf16 matrices whose rows are whole 32-element tiles (the tail of 16-row tiles below)
+  const bool amx = holds == 1 && K % 32 == 0 && amx_usable();
+  const std::vector<uint16_t> packed = amx ? amx_pack(xb, KP, M, K / 32) : std::vector<uint16_t>();
+#endif
   const int64_t tasks = (N + kLinearRows - 1) / kLinearRows;
   parallel_for(pool, tasks, 1, [&](int64_t task) {
     const int64_t n0 = task * kLinearRows, n1 = std::min(N, n0 + kLinearRows);
@@ -606,12 +703,19 @@ ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
       widened_rows<Kind::kF16>(w + n0 * K, K, xb, KP, M, n1 - n0, op + n0, N);
       return;
     }
-#if defined(__AVX512BF16__)
     int64_t n = n0;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx) {
+      const int64_t whole = n0 + (n1 - n0) / 16 * 16;
+      if (whole > n0) amx_rows(w, K, packed.data(), K / 32, M, n0, whole, op, N);
+      n = whole;
+    }
+#endif
+#if defined(__AVX512BF16__)
     for (; n + 4 <= n1; n += 4) bf16_rows<4>(w + n * K, K, xb, KP, M, op + n, N);
     for (; n < n1; ++n) bf16_rows<1>(w + n * K, K, xb, KP, M, op + n, N);
 #else
-    widened_rows<Kind::kBF16>(w + n0 * K, K, xb, KP, M, n1 - n0, op + n0, N);
+    widened_rows<Kind::kBF16>(w + n * K, K, xb, KP, M, n1 - n, op + n, N);
 #endif
   });
   return ffi::Error::Success();

@@ -200,3 +200,25 @@ def test_block_table_entries_outside_the_cache_are_an_error_not_a_read(library):
         tables[1, 1] = bad                       # sequence 1's second block (its context is 9 > BS tokens)
         with pytest.raises(Exception, match=f"block table entry {bad} .*outside the cache's {N} blocks"):
             np.asarray(fn(*args[:3], tables, *args[4:]))
+
+
+# the instruction sets a CPU of this kind may lack, each built for the features that select it
+FALLBACKS = {"x86-64-v3": "avx2",            # AVX2 only: the widened products
+             "cooperlake": "avx512_bf16"}    # AVX512-BF16 without AMX: vdpbf16ps tiles
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march", sorted(FALLBACKS))
+def test_fallback_builds_pass_the_kernel_tests(library, march, tmp_path):
+    """The kernels as a CPU without AMX (or without AVX-512) runs them, built here with
+    -march=MARCH, pass the same comparisons against the decompositions and torch."""
+    flags = open("/proc/cpuinfo").read().split()
+    if FALLBACKS[march] not in flags:
+        pytest.skip(f"this CPU cannot run a -march={march} build")
+    env = {**os.environ, "HLOSERVE_CACHE": str(tmp_path), kernels.MARCH_ENV: march}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "layer_linear_kernel_matches or (paged_attention_kernel_matches and 3-64)"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert " passed" in out.stdout and " skipped" not in out.stdout, out.stdout[-500:]
+    assert list(tmp_path.rglob("libhloserve_cpu.so")), "the kernels were not built for this -march"
