@@ -29,7 +29,8 @@ import time
 import numpy as np
 import torch
 
-from hloserve.exporter.models.llama import LlamaConfig, LlamaWeights, StepExportOptions, llm_spec
+from hloserve.exporter.models.llama import LlamaConfig, LlamaWeights, llm_spec
+from hloserve.exporter.models.step import StepExportOptions
 from hloserve.runtime.artifact.llm import pack_step
 
 SMOLLM2_CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576, num_hidden_layers=30,

@@ -41,14 +41,12 @@ from hloserve.runtime.artifact.llm import LLMSpec
 from ..entry import Source
 from ..errors import SourceError
 from . import hf_layers
-from .llama import StepExportOptions, contract_entries, contract_spec, write_kv
+from .step import _MASKED, HOLDS, StepExportOptions, contract_entries, contract_spec, write_kv
 
 log = logging.getLogger("hloserve.export")
 
 ATTN_NAME = "hloserve_paged"
 STEP_KWARG = "hloserve_step"
-_MASKED = -1e30
-_HOLDS = {torch.bfloat16: 1, torch.float16: 2}
 # layer kinds (config.layer_types) whose attention is full or windowed softmax attention
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
 
@@ -157,7 +155,7 @@ class _Step:
                               x["slot_mapping"].to(torch.int64), self.kv_dtype)
 
         qg = q.reshape(T, KV, H // KV, D)                                 # [T, KV, G, D]
-        holds = _HOLDS.get(self.kv_dtype or self.cache.dtype, 0)
+        holds = HOLDS.get(self.kv_dtype or self.cache.dtype, 0)
         if self.layout == "gather":
             from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.paged_attention
             out = torch.ops.hloserve.paged_attention(
@@ -166,7 +164,7 @@ class _Step:
         elif self.layout == "paged":
             if holds:
                 raise ValueError("the paged layout reads an f32 cache; export it without --kv-cache-dtype")
-            from .llama import paged_attention
+            from .step import paged_attention
             blocks = x["block_tables"][x["seq_ids"]].transpose(0, 1)      # [B, T]: scanned over B
             out = paged_attention(qg.float(), self.cache, layer, blocks, x["positions"].to(torch.int64),
                                   x["context_lens"][x["seq_ids"]].to(torch.int64), window or None, scale=scale,

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-_HOLDS = {torch.bfloat16: 1, torch.float16: 2}
+from .step import HOLDS
+
 
 
 class LayerLinear(torch.nn.Module):
@@ -40,7 +41,7 @@ class LayerLinear(torch.nn.Module):
 
     def __init__(self, weights: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
-        self.holds = _HOLDS[dtype]
+        self.holds = HOLDS[dtype]
         self.in_features, self.out_features = weights.shape[-1], weights.shape[-2]
         self.weight = torch.nn.Parameter(weights, requires_grad=False)     # [L, out, in] int16 bits
         self.bias = bias
@@ -75,7 +76,7 @@ class TableHead(torch.nn.Module):
         from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.layer_linear
         zero = torch.zeros((), dtype=torch.int32, device=h.device)
         table = self.embedding.weight
-        return torch.ops.hloserve.layer_linear(h.float(), table[None], zero, _HOLDS[table.dtype])   # [.., V]
+        return torch.ops.hloserve.layer_linear(h.float(), table[None], zero, HOLDS[table.dtype])   # [.., V]
 
 
 def sixteen_bit(model: torch.nn.Module, dtype: torch.dtype) -> int:

@@ -37,7 +37,8 @@ import torch
 
 from ..entry import Source
 from ..errors import SourceError
-from .llama import LlamaConfig, LlamaWeights, StepExportOptions, llm_spec, step_entries
+from .llama import LlamaConfig, LlamaWeights, llm_spec, step_entries
+from .step import StepExportOptions
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                     "chat_template.jinja")

@@ -162,7 +162,7 @@ def test_paged_layout_is_reachable_on_the_generic_step(tmp_path):
     artifact: Gemma 2's soft-capping and sliding window carried through it."""
     from hloserve.exporter.export import export_artifact
     from hloserve.exporter.models import hf_causal
-    from hloserve.exporter.models.llama import StepExportOptions
+    from hloserve.exporter.models.step import StepExportOptions
     from hloserve.runtime import load
 
     hf = _hf("gemma2")

@@ -391,7 +391,8 @@ def test_paged_attention_exports_as_nested_loop(tmp_path):
     """The "paged" layout (a loop over blocks inside the layer loop) through export and the runtime:
     two sequences, one chunked, match HF; the StableHLO has the nested while."""
     from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.models.llama import StepExportOptions, llm_spec, step_entries
+    from hloserve.exporter.models.llama import llm_spec, step_entries
+    from hloserve.exporter.models.step import StepExportOptions
     from hloserve.runtime import load
     hf = _hf_model("llama", seed=7)
     w = _our_weights(hf)

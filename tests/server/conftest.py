@@ -23,7 +23,7 @@ def tiny_chat_llm(tmp_path_factory):
     from hloserve.exporter.export import export_artifact
     from hloserve.exporter.models import llama_source
     from hloserve.exporter.models.gguf import load_gguf
-    from hloserve.exporter.models.llama import StepExportOptions
+    from hloserve.exporter.models.step import StepExportOptions
 
     ckpt = load_gguf(presets.resolve("smollm2-135m-instruct", quiet=True))
     vocab = ckpt.config["vocab_size"]

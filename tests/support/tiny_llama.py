@@ -17,7 +17,7 @@ def tiny_llama(root: str, *, heads: int, kv_heads: int, max_position: int, block
 
     from hloserve.exporter.export import export_artifact
     from hloserve.exporter.models import llama_source
-    from hloserve.exporter.models.llama import StepExportOptions
+    from hloserve.exporter.models.step import StepExportOptions
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -1,0 +1,175 @@
+"""The LLM step contract's plumbing, shared by both step builders (models/llama.py, the hand-written
+Llama-family step, and models/hf_causal.py, any transformers causal LM): the export options, the
+entry points over the contract's inputs and dims, the manifest's LLMSpec, the K/V write and the
+online-softmax "paged" attention layout. The contract itself is documented in models/llama.py's
+module docstring and docs/architecture.md ("LLM step contract").
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import torch
+from hloserve.runtime.artifact.llm import NUM_BLOCKS, STEP_INPUTS, STEP_OUTPUTS, KVCacheSpec, LLMSpec, TensorParallelSpec
+
+# Finite "minus infinity" for masked attention scores (f32): fully masked rows
+# (padding) softmax to uniform instead of NaN.
+_MASKED = -1e30
+
+# what a 16-bit cache or weight stack holds, as the hloserve.paged_attention and
+# hloserve.layer_linear composites' `holds` says it
+HOLDS = {torch.bfloat16: 1, torch.float16: 2}
+
+ATTENTION = ("gather", "flat", "paged")
+# What each layout costs per layer (T tokens, S sequences, C = max_blocks * block_size), and
+# measured on SmolLM2-135M, CPU: one 512-token prompt: flat 2.2 s, paged 10.0 s, gather 13.1 s;
+# 31 decodes at context 1000 + one 256-token chunk (S=32, T=287): flat 40.5 s, paged 9.6 s,
+# gather 9.0 s. Pick flat when S is small, gather/paged when many sequences share a step.
+ATTENTION_COST = {
+    "flat": "scores T x S*C, K/V gathered once per sequence (S*C): best for few sequences, long chunks",
+    "gather": "K/V gathered per token (T*C), scores T x C: best for one token per sequence",
+    "paged": "per-token K/V one block at a time with an online softmax (a loop over max_blocks): "
+             "like gather, but peak memory O(T*block_size) for long contexts",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepExportOptions:
+    """Cache geometry and dim ranges of the exported step functions.
+
+    Attributes:
+      block_size: tokens per KV block (fixed in the artifact).
+      max_context: longest sequence (positions) the artifact serves; max_blocks = max_context / block_size.
+      max_tokens / max_seqs: upper bounds of the T and S dims of one step.
+      max_num_blocks: upper bound of the cache's block count (fixed at load time from memory).
+      scan: decoder layers as one scanned body (default) or unrolled.
+      functions: entry point name -> attention layout ("flat", "gather" or "paged"); every one
+        takes the full step contract and is exact for any mix of sequences (see ATTENTION_COST).
+      kv_dtype: bfloat16/float16 K and V under float32 activations (LlamaStep), None: the model dtype.
+    """
+    block_size: int = 16
+    max_context: int = 4096
+    max_tokens: int = 4096
+    max_seqs: int = 256
+    max_num_blocks: int = 1 << 20
+    scan: bool = True
+    functions: tuple[tuple[str, str], ...] = (("prefill", "flat"), ("decode", "gather"))
+    kv_dtype: torch.dtype | None = None
+
+    @property
+    def max_blocks(self) -> int:
+        return -(-self.max_context // self.block_size)
+
+
+def contract_entries(make_step: Callable[[str], torch.nn.Module], opts: StepExportOptions, num_layers: int,
+                     num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> list:
+    """One EntryPoint per `opts.functions` (name, attention layout) over the LLM step contract's
+    inputs and dims; `make_step(layout)` builds the module (models/llama.py, models/hf_causal.py)."""
+    from ..export import EntryPoint
+
+    Dim = torch.export.Dim
+    T = Dim("num_tokens", min=1, max=opts.max_tokens)
+    S = Dim("num_seqs", min=1, max=opts.max_seqs)
+    N = Dim("num_blocks", min=2, max=opts.max_num_blocks)
+    B = Dim("max_blocks", min=1, max=opts.max_blocks)
+    # example: 2 sequences, 5 tokens, 3 blocks of table, 7 blocks of cache (sizes distinct and >= 2)
+    bs = opts.block_size
+    ex = dict(
+        tokens=torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32),
+        positions=torch.tensor([0, 1, 2, 0, 1], dtype=torch.int32),
+        seq_ids=torch.tensor([0, 0, 0, 1, 1], dtype=torch.int32),
+        slot_mapping=torch.tensor([bs, bs + 1, bs + 2, 2 * bs, 2 * bs + 1], dtype=torch.int32),
+        block_tables=torch.tensor([[1, 0, 0], [2, 0, 0]], dtype=torch.int32),
+        context_lens=torch.tensor([3, 2], dtype=torch.int32),
+        last_token=torch.tensor([2, 4], dtype=torch.int32),
+        kv_cache=torch.zeros(num_layers, 2, num_kv_heads, 7, bs, head_dim,
+                             dtype=torch.int16 if opts.kv_dtype is not None else dtype),
+    )
+    dyn = ({0: T}, {0: T}, {0: T}, {0: T}, {0: S, 1: B}, {0: S}, {0: S}, {3: N})
+    args = tuple(ex[n] for n in STEP_INPUTS)
+    return [EntryPoint(name, make_step(att), args, dyn, input_names=STEP_INPUTS, output_names=STEP_OUTPUTS,
+                       donated=("kv_cache",), paddable=("num_tokens", "num_seqs", "max_blocks"))
+            for name, att in opts.functions]
+
+
+def contract_spec(opts: StepExportOptions, dtype: torch.dtype, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                  vocab_size: int, bos_token_id: int | None, eos_token_ids, model: Mapping[str, Any],
+                  tensor_parallel: TensorParallelSpec | None = None) -> LLMSpec:
+    """The manifest's model["llm"] of a step built with `opts` (the cache holds int16 bits of
+    opts.kv_dtype when set, else `dtype`); `model` adds the architecture facts."""
+    from .. import dtypes
+    stored = torch.int16 if opts.kv_dtype is not None else dtype
+    kv = KVCacheSpec(dtype=dtypes.artifact_name_of_torch(stored),
+                     holds=dtypes.artifact_name_of_torch(opts.kv_dtype) if opts.kv_dtype is not None else None,
+                     shape=(num_layers, 2, num_kv_heads, NUM_BLOCKS, opts.block_size, head_dim))
+    return LLMSpec(block_size=opts.block_size, max_blocks=opts.max_blocks, max_seqs=opts.max_seqs,
+                   max_tokens=opts.max_tokens, vocab_size=vocab_size, bos_token_id=bos_token_id,
+                   eos_token_ids=tuple(eos_token_ids), kv_cache=kv,
+                   functions={name: f"{att}: {ATTENTION_COST[att]}" for name, att in opts.functions},
+                   model=dict(model), tensor_parallel=tensor_parallel)
+
+
+def write_kv(cache: torch.Tensor, layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+             kv_dtype: torch.dtype | None) -> torch.Tensor:
+    """The cache [L, 2, KV, N, BS, D] with this step's K and V ([T, KV, D] each) of layer `layer`
+    (0-dim) written at `slots` [T] (block * BS + offset), in one scatter. With `kv_dtype` the cache
+    holds int16 bits of that 16-bit float; otherwise values take the cache's dtype."""
+    L, _, KV, N, BS, D = cache.shape
+    T = k.shape[0]
+    flat = cache.reshape(L, 2, KV, N * BS, D)                             # [L, 2, KV, N*BS, D]
+    idx_l = layer.expand(2, T)                                            # [2, T]
+    idx_kv = torch.arange(2, device=k.device)[:, None].expand(2, T)      # [2, T]: K or V
+    idx_slot = slots[None, :].expand(2, T)                                # [2, T]
+    values = torch.stack([k, v])                                          # [2, T, KV, D]
+    if kv_dtype is not None:
+        values = values.to(kv_dtype).view(torch.int16)                    # the cache holds bits
+    elif values.dtype != cache.dtype:
+        values = values.to(cache.dtype)
+    # the kv-head dim is not indexed (a slice of every write), so a cache split by heads is
+    # written where it lies: XLA's SPMD partitioner splits the scatter instead of gathering the cache
+    flat = torch.ops.aten.index_put(flat, [idx_l, idx_kv, None, idx_slot], values)
+    return flat.reshape(L, 2, KV, N, BS, D)                               # [L, 2, KV, N, BS, D]
+
+
+def paged_attention(qg: torch.Tensor, cache: torch.Tensor, layer: torch.Tensor, blocks: torch.Tensor,
+                    pos: torch.Tensor, ctx_len: torch.Tensor, window: int | None, *, scale: float | None = None,
+                    softcap: float = 0.0) -> torch.Tensor:
+    """Attention over each token's own paged context, one block at a time with an online softmax.
+
+    qg [T, KV, G, D] (rotated queries); cache [L, 2, KV, N, BS, D] read at layer `layer` (0-dim);
+    blocks [B, T] (block j of each token's sequence); pos, ctx_len [T]. Peak memory is O(T * block_size) per layer, whatever
+    the number of sequences or the context length. Scores are `scale` (default 1/sqrt(D)) times
+    q.k, soft-capped (softcap * tanh(s / softcap)) when softcap > 0. Returns [T, KV, G, D] in qg's dtype.
+    """
+    from .._private import torch_scan
+    scan = torch_scan()
+
+    T, KV, G, D = qg.shape
+    BS = cache.shape[4]
+    qk_scale = D ** -0.5 if scale is None else float(scale)
+    m0 = torch.full((T, KV, G), _MASKED, dtype=torch.float32, device=qg.device)   # running max
+    s0 = torch.zeros((T, KV, G), dtype=torch.float32, device=qg.device)          # running sum
+    acc0 = torch.zeros((T, KV, G, D), dtype=torch.float32, device=qg.device)     # running numerator
+    block_ids = torch.arange(blocks.shape[0], device=qg.device)
+
+    def one_block(carry, xs):
+        m, ssum, acc = carry
+        bids, j = xs                                                      # [T], 0-dim
+        kv = cache[layer.expand_as(bids), :, :, bids]                     # [T, 2, KV, BS, D]
+        scores = torch.einsum("tkgd,tkbd->tkgb", qg, kv[:, 0]).float() * qk_scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)                # [T, KV, G, BS]
+        cpos = j * BS + torch.arange(BS, device=qg.device)                # [BS]
+        seen = (cpos[None, :] <= pos[:, None]) & (cpos[None, :] < ctx_len[:, None])   # [T, BS]
+        if window:
+            seen = seen & (cpos[None, :] > pos[:, None] - window)
+        scores = torch.where(seen[:, None, None, :], scores, _MASKED)
+        m_new = torch.maximum(m, scores.amax(dim=-1))                     # [T, KV, G]
+        p = torch.exp(scores - m_new[..., None])                          # [T, KV, G, BS]
+        scale = torch.exp(m - m_new)                                      # [T, KV, G]
+        ssum = ssum * scale + p.sum(dim=-1)
+        acc = acc * scale[..., None] + torch.einsum("tkgb,tkbd->tkgd", p.to(qg.dtype), kv[:, 1]).float()
+        return (m_new, ssum, acc), m_new.new_zeros(())
+
+    (m, ssum, acc), _ = scan(one_block, (m0, s0, acc0), (blocks, block_ids))
+    return (acc / ssum[..., None]).to(qg.dtype)                           # [T, KV, G, D]
