@@ -573,8 +573,7 @@ inline void bf16_rows(const uint16_t* w, int64_t K, const uint16_t* x, int64_t K
 // once, exact, summed in f32 (like vdpbf16ps, denormal inputs and results flushed to zero).
 // Computed transposed, out^T [N, M] = W [N, K] . x^T: a tile of the matrix is 16 of its rows,
 // 32 elements each, read where they lie (stride K); x is packed once per call in the pair-
-// interleaved layout the B operand needs (xp below). Up to 64 rows of x (four 16-row blocks)
-// share each matrix tile; more rows loop over groups of 64, the tile then coming from L2.
+// interleaved layout the B operand needs (xp below).
 
 // Linux hands out the tile state on request (once per process; false where it refuses)
 bool amx_usable() {
@@ -591,7 +590,6 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tiles 0-3: sums for x rows 16j..16j+15; 4: the matrix tile; 5-7: x tiles
 inline void amx_configure() {
   TileConfig c;
   for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
@@ -612,48 +610,57 @@ std::vector<uint16_t> amx_pack(const uint16_t* x, int64_t KP, int64_t M, int64_t
   return xp;
 }
 
-// out[m, i] for 16 matrix rows (w) and the MB 16-row blocks of x starting at block g0
-template <int MB>
-inline void amx_rows16(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t g0, int64_t M,
-                       float* out, int64_t N) {
+// NA blocks of 16 matrix rows (w, w + 16 K) times MB blocks of 16 x rows (blocks g, g + 1): each
+// tile loaded is used by NA or MB tile multiplies (sums in tiles 0-3, matrix tiles 4-5, x tiles 6-7)
+template <int NA, int MB>
+inline void amx_block(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t g, int64_t M,
+                      float* out, int64_t N) {
   _tile_zero(0);
   if constexpr (MB > 1) _tile_zero(1);
-  if constexpr (MB > 2) _tile_zero(2);
-  if constexpr (MB > 3) _tile_zero(3);
-  const uint16_t* xg = xp + g0 * KC * 512;
+  if constexpr (NA > 1) _tile_zero(2);
+  if constexpr (NA > 1 && MB > 1) _tile_zero(3);
+  const uint16_t* x0 = xp + g * KC * 512;
+  const uint16_t* x1 = x0 + KC * 512;
+  const uint16_t* w1 = w + 16 * K;
   for (int64_t c = 0; c < KC; ++c) {
     _tile_loadd(4, w + 32 * c, K * 2);
-    _tile_loadd(5, xg + c * 512, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if constexpr (MB > 1) { _tile_loadd(6, xg + (KC + c) * 512, 64); _tile_dpbf16ps(1, 4, 6); }
-    if constexpr (MB > 2) { _tile_loadd(7, xg + (2 * KC + c) * 512, 64); _tile_dpbf16ps(2, 4, 7); }
-    if constexpr (MB > 3) { _tile_loadd(5, xg + (3 * KC + c) * 512, 64); _tile_dpbf16ps(3, 4, 5); }
+    _tile_loadd(6, x0 + c * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (MB > 1) { _tile_loadd(7, x1 + c * 512, 64); _tile_dpbf16ps(1, 4, 7); }
+    if constexpr (NA > 1) {
+      _tile_loadd(5, w1 + 32 * c, K * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (MB > 1) _tile_dpbf16ps(3, 5, 7);
+    }
   }
-  alignas(64) float sums[4][16 * 16];   // [x block][matrix row i][x row]
+  alignas(64) float sums[4][16 * 16];   // [tile][matrix row i][x row j]
   _tile_stored(0, sums[0], 64);
   if constexpr (MB > 1) _tile_stored(1, sums[1], 64);
-  if constexpr (MB > 2) _tile_stored(2, sums[2], 64);
-  if constexpr (MB > 3) _tile_stored(3, sums[3], 64);
-  for (int b = 0; b < MB; ++b)
-    for (int64_t j = 0, m = (g0 + b) * 16; j < 16 && m < M; ++j, ++m)
-      for (int i = 0; i < 16; ++i) out[m * N + i] = sums[b][i * 16 + j];
+  if constexpr (NA > 1) _tile_stored(2, sums[2], 64);
+  if constexpr (NA > 1 && MB > 1) _tile_stored(3, sums[3], 64);
+  for (int a = 0; a < NA; ++a)
+    for (int b = 0; b < MB; ++b)
+      for (int64_t j = 0, m = (g + b) * 16; j < 16 && m < M; ++j, ++m)
+        for (int i = 0; i < 16; ++i) out[m * N + 16 * a + i] = sums[2 * a + b][i * 16 + j];
 }
 
-// matrix rows [n0, n1) (whole tiles of 16) times every row of x
+// matrix rows [n0, n1) (whole tiles of 16) times every row of x: pairs of 16-row matrix blocks
+// against pairs of 16-row x blocks, the matrix rows' slab staying in L1/L2 while x is swept
 inline void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0,
                      int64_t n1, float* out, int64_t N) {
   amx_configure();
   const int64_t blocks = (M + 15) / 16;
-  for (int64_t n = n0; n < n1; n += 16)
-    for (int64_t g = 0; g < blocks; g += 4) {
-      const uint16_t* wn = w + n * K;
-      switch (std::min<int64_t>(4, blocks - g)) {
-        case 4: amx_rows16<4>(wn, K, xp, KC, g, M, out + n, N); break;
-        case 3: amx_rows16<3>(wn, K, xp, KC, g, M, out + n, N); break;
-        case 2: amx_rows16<2>(wn, K, xp, KC, g, M, out + n, N); break;
-        default: amx_rows16<1>(wn, K, xp, KC, g, M, out + n, N); break;
-      }
+  for (int64_t n = n0; n < n1; n += 32) {
+    const uint16_t* wn = w + n * K;
+    const bool two = n + 32 <= n1;
+    for (int64_t g = 0; g < blocks; g += 2) {
+      const bool pair = g + 2 <= blocks;
+      if (two && pair) amx_block<2, 2>(wn, K, xp, KC, g, M, out + n, N);
+      else if (two) amx_block<2, 1>(wn, K, xp, KC, g, M, out + n, N);
+      else if (pair) amx_block<1, 2>(wn, K, xp, KC, g, M, out + n, N);
+      else amx_block<1, 1>(wn, K, xp, KC, g, M, out + n, N);
     }
+  }
   _tile_release();
 }
 #endif
