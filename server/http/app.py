@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..services import LLMService, PredictService
-from . import embeddings, openai, tf_serving
+from . import embeddings, openai, schema, tf_serving
 from .errors import RETRY_AFTER, ApiError
 from .protocol import error_body
 
@@ -108,7 +108,13 @@ def create_app(service: LLMService | PredictService, *, api_key: str | None = No
         app.include_router(tf_serving.router)
         if service.embedder is not None:
             app.include_router(embeddings.router)
+    app.openapi = lambda: app.openapi_schema or _published(app)
     return app
+
+
+def _published(app: FastAPI) -> dict:
+    app.openapi_schema = schema.document(app, openai.BODIES)
+    return app.openapi_schema
 
 
 class _Guard:

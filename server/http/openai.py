@@ -27,6 +27,10 @@ from .errors import SHUTTING_DOWN, ApiError, admit, check_model
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body, now
 
 router = APIRouter()
+# the routes that parse their own body (parse_body, off the event loop): their models, for the
+# published OpenAPI document (http/schema.py)
+BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 MAX_CHAT_MESSAGES = 8192   # a chat's messages, counted from the raw body before it is parsed
 log = logging.getLogger("hloserve.server")
 

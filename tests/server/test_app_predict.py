@@ -141,3 +141,14 @@ def test_embeddings_equal_sentence_transformers_pooling(server, minilm_dir):
     assert r.usage.prompt_tokens == int(batch["attention_mask"].sum())
     one = c.embeddings.create(model="minilm", input=texts[0], encoding_format="base64")
     assert len(one.data) == 1
+
+
+def test_published_schema_answers_400_in_tf_serving_format(server):
+    import jsonschema
+    doc = httpx.get(f"{server}/openapi.json", timeout=30).json()
+    assert "422" not in json.dumps(doc)
+    op = doc["paths"]["/v1/models/{name}:predict"]["post"]
+    assert op["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/TFServingError")
+    r = httpx.post(f"{server}/v1/models/minilm:predict", content=b"{", timeout=30)
+    assert r.status_code == 400
+    jsonschema.validate(r.json(), {"$ref": "#/components/schemas/TFServingError", "components": doc["components"]})
