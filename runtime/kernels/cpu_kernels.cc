@@ -242,6 +242,7 @@ void attend_any(const float* q, const void* cache, int64_t kbase, int64_t vbase,
     for (int64_t c = begin; c < end; ++c) {
       const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * D;
       float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
       for (int64_t d = 0; d < D; ++d) acc += qg[d] * load<K>(cache, off + d);
       scores[c - begin] = softcap > 0.f ? softcap * std::tanh(acc * scale / softcap) : acc * scale;
     }
@@ -253,6 +254,7 @@ void attend_any(const float* q, const void* cache, int64_t kbase, int64_t vbase,
     for (int64_t c = begin; c < end; ++c) {
       const int64_t off = vbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * D;
       const float p = scores[c - begin] / sum;
+#pragma omp simd
       for (int64_t d = 0; d < D; ++d) og[d] += p * load<K>(cache, off + d);
     }
   }
@@ -268,6 +270,8 @@ void attend(const float* q, const void* cache, int64_t kbase, int64_t vbase, con
   HLOSERVE_ATTEND(5, 64) HLOSERVE_ATTEND(6, 64) HLOSERVE_ATTEND(7, 64) HLOSERVE_ATTEND(8, 64)
   HLOSERVE_ATTEND(1, 128) HLOSERVE_ATTEND(2, 128) HLOSERVE_ATTEND(3, 128) HLOSERVE_ATTEND(4, 128)
   HLOSERVE_ATTEND(5, 128) HLOSERVE_ATTEND(6, 128) HLOSERVE_ATTEND(7, 128) HLOSERVE_ATTEND(8, 128)
+  HLOSERVE_ATTEND(1, 96) HLOSERVE_ATTEND(2, 96) HLOSERVE_ATTEND(4, 96)              // Phi-3
+  HLOSERVE_ATTEND(1, 256) HLOSERVE_ATTEND(2, 256) HLOSERVE_ATTEND(4, 256) HLOSERVE_ATTEND(8, 256)   // Gemma 2/3
 #undef HLOSERVE_ATTEND
   attend_any<K>(q, cache, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores, out);
 }

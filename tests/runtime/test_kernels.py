@@ -72,7 +72,7 @@ def library():
     return lib
 
 
-@pytest.mark.parametrize("G,D", [(3, 64), (4, 128), (5, 32)])     # specialized, specialized, generic
+@pytest.mark.parametrize("G,D", [(3, 64), (4, 128), (4, 256), (1, 96), (5, 32)])   # specialized x4, generic
 @pytest.mark.parametrize("holds", [0, 1, 2])
 @pytest.mark.parametrize("window,scale,softcap", [(0, None, 0.0), (5, None, 0.0), (0, 0.3, 2.0)])
 @pytest.mark.parametrize("chunk", [False, True], ids=["short", "chunk37"])
