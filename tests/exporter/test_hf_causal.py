@@ -148,13 +148,19 @@ def test_quantized_and_16_bit_weights_on_the_generic_step(tmp_path, arch, option
     ref = _hf(arch)
     if "quantize" in options:
         quantize_module(ref, QuantConfig.parse(options["quantize"], ()), QuantRecord())
+    compare_last_logits(model, ref, atol, f"{arch} {options}")
+
+
+def compare_last_logits(model, ref, atol: float, what: str = "") -> None:
+    """Last-token logits of three prompts (1, 17 and 40 tokens: inside, across and past block
+    edges) through both step functions, against `ref` (a transformers model) within `atol`."""
     prompts = _prompts([1, 17, 40])
     for fn in ("prefill", "decode"):
         got = Paged(model).step(fn, dict(enumerate(prompts)))
         for i, p in enumerate(prompts):
             with torch.no_grad():
                 want = ref(torch.tensor([p])).logits[0, -1].numpy()
-            np.testing.assert_allclose(got[i], want, atol=atol, rtol=0, err_msg=f"{arch} {options} {fn} {len(p)}")
+            np.testing.assert_allclose(got[i], want, atol=atol, rtol=0, err_msg=f"{what} {fn} {len(p)}")
 
 
 def test_paged_layout_is_reachable_on_the_generic_step(tmp_path):

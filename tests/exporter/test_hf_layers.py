@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
 from ..reference import hf_with_mixed_linears
-from .test_hf_causal import VOCAB, _prompts
-from .test_llama import Paged
+from .test_hf_causal import VOCAB, compare_last_logits
 
 pytestmark = pytest.mark.slow
 
@@ -42,16 +40,6 @@ def _export(hf, tmp_path, *args):
     return manifest, model, (tmp_path / "art" / "functions" / "decode.mlir").read_text()
 
 
-def _compare(model, ref, atol):
-    prompts = _prompts([1, 17, 40])
-    for fn in ("prefill", "decode"):
-        got = Paged(model).step(fn, dict(enumerate(prompts)))
-        for i, p in enumerate(prompts):
-            with torch.no_grad():
-                want = ref(torch.tensor([p])).logits[0, -1].numpy()
-            np.testing.assert_allclose(got[i], want, atol=atol, rtol=0, err_msg=f"{fn} prompt length {len(p)}")
-
-
 def test_gemma3_scans_a_period_of_sliding_and_global_layers_with_a_tail(tmp_path):
     """Seven layers, sliding/global alternating: a period of 2 scanned 3 times, then one layer.
     Three attention calls in the decode function (two in the body, one after), not seven."""
@@ -62,7 +50,7 @@ def test_gemma3_scans_a_period_of_sliding_and_global_layers_with_a_tail(tmp_path
     assert manifest["model"]["llm"]["layers"] == "scan (a period of 2 layers, 1 unrolled after it)"
     assert mlir.count('stablehlo.composite "hloserve.paged_attention"') == 3
     assert "stablehlo.while" in mlir
-    _compare(model, hf, 1e-4)
+    compare_last_logits(model, hf, 1e-4)
 
 
 def test_bf16_checkpoint_exports_as_the_serving_step(tmp_path):
@@ -79,7 +67,7 @@ def test_bf16_checkpoint_exports_as_the_serving_step(tmp_path):
     assert mlir.count('stablehlo.composite "hloserve.layer_linear"') == 7 + 1
     assert mlir.count('stablehlo.composite "hloserve.paged_attention"') == 1
     ref = hf_with_mixed_linears(hf.float(), kv_dtype=torch.bfloat16)
-    _compare(model, ref, 1e-2)
+    compare_last_logits(model, ref, 1e-2)
 
 
 def test_auto_dtype_follows_the_checkpoint(tmp_path):
