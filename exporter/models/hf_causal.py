@@ -212,13 +212,12 @@ class HFStep(torch.nn.Module):
         self.model = model
         self.layout = layout
         self.opts = opts
-        self.kv_dtype = opts.kv_dtype
 
     def forward(self, tokens, positions, seq_ids, slot_mapping, block_tables, context_lens, last_token, kv_cache):
         inputs = dict(positions=positions, seq_ids=seq_ids, slot_mapping=slot_mapping, block_tables=block_tables,
                       context_lens=context_lens, kv_cache=kv_cache)
         dtype = activation_dtype(self.model)
-        step = _Step(self.layout, inputs, self.kv_dtype, dtype)
+        step = _Step(self.layout, inputs, self.opts.kv_dtype, dtype)
         out = self.model(input_ids=tokens[None].to(torch.int64), position_ids=positions[None].to(torch.int64),
                          use_cache=False, logits_to_keep=last_token.to(torch.int64), **{STEP_KWARG: step})
         logits = out.logits[0].float()                                  # [S, V]

@@ -7,7 +7,7 @@ Two rewrites of a loaded transformers model, both done once before export:
     becomes a `LayerLinear` over a stack of matrices [L, out, in] (one layer's slice of the
     stacked decoder weights, or a stack of one); the embedding table is stored in the same
     16-bit dtype and the LM head, tied or not, reads it through the composite.
-  * `scan_layers(model)`: the decoder layers' ModuleList becomes a `ScannedLayers`: their
+  * `scan(model, step_kwarg)`: the decoder layers' ModuleList becomes a `ScannedLayers`: their
     weights stacked on a leading [L] dim and ONE layer traced as the body of a torch scan
     (a StableHLO while loop), so XLA compiles one layer, not L. Layers whose modules differ in
     a static attribute (Gemma's sliding/global attention) are scanned as a repeating period of
@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from .step import HOLDS
-
 
 
 class LayerLinear(torch.nn.Module):
@@ -194,15 +193,24 @@ class ScannedLayers(torch.nn.Module):
         # their own in the artifact (kept out of the module tree)
         object.__setattr__(self, "templates", list(layers[:self.period]))
         self.stack = torch.nn.ModuleList()
+        # per period position: the stored name of each of the template's tensors, and which of them
+        # the composite reads in place (the others are sliced per iteration by the scan)
+        self.names: list[dict[str, str]] = []
+        self.in_place: list[frozenset[str]] = []
         for j in range(self.period):
             group = [layers[i] for i in range(j, self.iterations * self.period, self.period)]
             holder = torch.nn.Module()
+            names, in_place = {}, set()
             for name in group[0].state_dict():       # parameters and persistent buffers (quantized weights)
                 stacked = torch.stack([_tensor(m, name).detach() for m in group])
-                if isinstance(_owner(group[0], name), LayerLinear) and name.endswith(".weight"):
-                    stacked = stacked[:, 0]                                # [L', out, in]: read in place
-                holder.register_buffer(name.replace(".", "__"), stacked)
+                if _read_in_place(group[0], name):
+                    stacked = stacked[:, 0]                                # [L', out, in]
+                    in_place.add(name)
+                names[name] = name.replace(".", "__")
+                holder.register_buffer(names[name], stacked)
             self.stack.append(holder)
+            self.names.append(names)
+            self.in_place.append(frozenset(in_place))
         self.tail = torch.nn.ModuleList(layers[self.iterations * self.period:])
         object.__setattr__(self, "original", layers)      # what unscan() puts back
         self._calls: list[_Call] = []
@@ -242,10 +250,8 @@ class ScannedLayers(torch.nn.Module):
             rebuild, varying = _split_arguments(calls[j:n * p:p], j, self.step_kwarg)
             holder = self.stack[j]
             sliced, in_place = {}, {}
-            for stored, t in holder.named_buffers():
-                name = stored.replace("__", ".")
-                (in_place if t.dim() == 3 and isinstance(_owner(self.templates[j], name), LayerLinear)
-                 and name.endswith(".weight") else sliced)[name] = t
+            for name, stored in self.names[j].items():
+                (in_place if name in self.in_place[j] else sliced)[name] = holder.get_buffer(stored)
             positions.append((rebuild, varying, sliced, in_place))
         xs = [t for _, varying, sliced, _ in positions for t in (*varying.values(), *sliced.values())]
 
@@ -315,8 +321,11 @@ def _tensor(layer: torch.nn.Module, name: str) -> torch.Tensor:
     return getattr(layer.get_submodule(owner) if owner else layer, attr)
 
 
-def _owner(layer: torch.nn.Module, param: str) -> torch.nn.Module:
-    return layer.get_submodule(param.rsplit(".", 1)[0]) if "." in param else layer
+def _read_in_place(layer: torch.nn.Module, name: str) -> bool:
+    """Whether tensor `name` of `layer` is a LayerLinear's matrix stack (read by the composite at
+    the scan's iteration, not sliced)."""
+    owner, _, attr = name.rpartition(".")
+    return attr == "weight" and isinstance(layer.get_submodule(owner) if owner else layer, LayerLinear)
 
 
 def _split_arguments(group: list[_Call], j: int, step_kwarg: str):

@@ -47,8 +47,7 @@ def max_rows(target: str) -> int | None:
         return None
     # with AMX the kernel is bandwidth-bound to 64 rows too, and XLA's dot still the faster at 256
     # (prompt chunks: 355 against 418 ms per 256-token chunk of a Qwen3-0.6B shape, 2026-11-25)
-    native = os.environ.get(MARCH_ENV, "native") == "native"
-    return 64 if native and "avx512_bf16" in _cpu_identity().split() else 4
+    return 64 if _march() == "native" and "avx512_bf16" in _cpu_identity().split() else 4
 # A result's dims, as (operand, dim) pairs, where they are not the first operand's
 RESULT_DIMS = {"hloserve_layer_linear": ((0, 0), (1, 1))}
 CONTRACTS = {(c.name, c.version): c for c in COMPOSITES.values()}
@@ -167,9 +166,12 @@ def specialize(exported: Any, library: Library | None) -> tuple[Any, int]:
     return (dataclasses.replace(exported, mlir_module_serialized=body) if n else exported), kernels_used
 
 
+def _march() -> str:
+    return os.environ.get(MARCH_ENV, "native")
+
+
 def _flags() -> tuple[str, ...]:
-    march = os.environ.get(MARCH_ENV, "native")
-    return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
+    return tuple(f"-march={_march()}" if f == "-march=native" else f for f in FLAGS)
 
 
 def _build(compiler: str, path: str) -> str | None:

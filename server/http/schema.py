@@ -9,6 +9,7 @@ the route's API sends (OpenAI's error object, or TF Serving's {"error": message}
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
 from fastapi import FastAPI
@@ -54,5 +55,4 @@ def document(app: FastAPI, bodies: Mapping[str, type[BaseModel]]) -> dict[str, A
 
 
 def _referenced(doc: dict, name: str) -> bool:
-    import json
     return f'"#/components/schemas/{name}"' in json.dumps(doc)
