@@ -64,10 +64,11 @@ def _export_checked(args: argparse.Namespace) -> int:
     reporter = Reporter(enabled=not args.quiet)
     reporter.stage(f"loading {args.source}")
     dtype, weight_dtype, kv_cache_dtype = auto_dtypes(args.source, args.dtype, args.weight_dtype,
-                                                      args.kv_cache_dtype)
+                                                      args.kv_cache_dtype, args.quantize)
     if (weight_dtype, kv_cache_dtype) != (args.weight_dtype, args.kv_cache_dtype):
-        reporter.stage(f"  the checkpoint is stored in {weight_dtype}: its weight matrices and KV cache are exported "
-                       f"in {weight_dtype} under float32 activations (--dtype float32 for float32 throughout)")
+        what = "KV cache is" if args.quantize else "weight matrices and KV cache are"
+        reporter.stage(f"  the checkpoint is stored in {kv_cache_dtype}: its {what} exported in {kv_cache_dtype} "
+                       f"under float32 activations (--dtype float32 for float32 throughout)")
     source = load_source(args.source, dtype=dtype, quantize=args.quantize,
                          quantize_skip=args.quantize_skip.split(",") if args.quantize_skip else (),
                          weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, llm_step=args.llm_step)

@@ -32,16 +32,17 @@ LOW_DTYPES = ("bfloat16", "float16")
 
 
 def auto_dtypes(spec: str, dtype: str, weight_dtype: str | None,
-                kv_cache_dtype: str | None) -> tuple[str, str | None, str | None]:
+                kv_cache_dtype: str | None, quantize: str | None = None) -> tuple[str, str | None, str | None]:
     """--dtype auto (the default), resolved the way `vllm serve --dtype auto` follows a checkpoint: a
     Hugging Face causal-LM directory stored in a 16-bit float exports as the serving artifact, its
-    weight matrices and KV cache in that float under float32 activations (what the default model
-    serves with); everything else in float32. Returns (dtype, weight_dtype, kv_cache_dtype)."""
+    weight matrices (unless --quantize stores them) and KV cache in that float under float32
+    activations (what the default model serves with); everything else in float32. Returns
+    (dtype, weight_dtype, kv_cache_dtype)."""
     if dtype != "auto":
         return dtype, weight_dtype, kv_cache_dtype
     stored = _checkpoint_dtype(spec)
     if stored in LOW_DTYPES and weight_dtype is None and kv_cache_dtype is None:
-        return "float32", stored, stored
+        return "float32", None if quantize else stored, stored
     return "float32", weight_dtype, kv_cache_dtype
 
 

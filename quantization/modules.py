@@ -1,14 +1,18 @@
 """Quantized Linear / Embedding, exported through two custom ops the emitter lowers.
 
     hloserve::quantized_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? min, Tensor? bias,
-                               int bits, int group) -> Tensor                    # x [..., in] -> [..., out]
+                               Tensor layer, int bits, int group) -> Tensor      # x [..., in] -> [..., out]
     hloserve::quantized_embedding(Tensor qweight, Tensor scale, Tensor? min, Tensor indices,
                                   int bits, int group, ScalarType dtype) -> Tensor   # [*idx, hidden]
 
-`group` 0 means one scale per output row. The ops keep the quantized tensors whole through
+`group` 0 means one scale per output row. quantized_linear takes a stack of matrices (qweight
+[L, out, in or in/2], scale [L, out(, G)], min likewise) and uses matrix `layer` (a 0-dim int32):
+a scanned layer loop reads its layer where the stack lies (the `hloserve.quant_linear` composite,
+runtime/artifact/kernels.py), and a single matrix is a stack of one. The ops keep the quantized tensors whole through
 torch.export (a q/dq pattern in ATen would be decomposed and re-fused by chance); the lowering
 in exporter/lowerings/quantized.py decides how XLA sees the dequantization. Their eager
-implementations (dequantize in float32, then F.linear / F.embedding) are the torch reference.
+implementations (dequantize in float32, then F.linear on x rounded to bfloat16 as the
+`hloserve.quant_linear` contract says, or F.embedding) are the torch reference.
 
 The ops are registered with torch's dispatcher when this module is first imported (torch's
 custom-op API has no other form); registering is idempotent per process and changes nothing
@@ -52,13 +56,16 @@ def dequantize(qweight: torch.Tensor, scale: torch.Tensor, min: Optional[torch.T
 
 @torch.library.custom_op("hloserve::quantized_linear", mutates_args=())
 def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor],
-                     bias: Optional[torch.Tensor], bits: int, group: int) -> torch.Tensor:
-    w = dequantize(qweight, scale, min, bits, group)
-    return F.linear(x, w.to(x.dtype), bias)
+                     bias: Optional[torch.Tensor], layer: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    i = int(layer)
+    w = dequantize(qweight[i], scale[i], None if min is None else min[i], bits, group)
+    xr = x.to(torch.bfloat16).to(torch.float32)                         # the composite's contract rounds x
+    y = F.linear(xr, w).to(x.dtype)
+    return y if bias is None else y + bias
 
 
 @quantized_linear.register_fake
-def _(x, qweight, scale, min, bias, bits, group):
+def _(x, qweight, scale, min, bias, layer, bits, group):
     return x.new_empty((*x.shape[:-1], qweight.shape[-2]))
 
 
@@ -83,7 +90,13 @@ def _register(module: torch.nn.Module, name: str, tensors: dict[str, torch.Tenso
 
 
 class QuantizedLinear(torch.nn.Module):
-    """A Linear whose weight is stored quantized: buffers weight, weight_scale, weight_min (asym)."""
+    """A Linear whose weight is stored quantized: buffers weight, weight_scale, weight_min (asym).
+
+    A layer loop that scans stacked layers (exporter/models/hf_layers.py) substitutes stacks
+    [L, ...] of the tensors named in IN_PLACE and sets `layer`: the matrix is then read where it
+    lies in the stack, not sliced out of it."""
+
+    IN_PLACE = ("weight", "weight_scale", "weight_min")
 
     def __init__(self, in_features: int, out_features: int, scheme: WeightScheme, tensors: dict[str, torch.Tensor],
                  bias: torch.Tensor | None, dtype: torch.dtype):
@@ -91,10 +104,14 @@ class QuantizedLinear(torch.nn.Module):
         self.in_features, self.out_features, self.scheme, self.dtype = in_features, out_features, scheme, dtype
         _register(self, "weight", tensors)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        self.register_buffer("layer", torch.zeros((), dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.hloserve.quantized_linear(x, self.weight, self.weight_scale, self.weight_min, self.bias,
-                                                   self.scheme.bits, self.scheme.group or 0)
+        w, s, m = self.weight, self.weight_scale, self.weight_min
+        if w.dim() == 2:                                                 # one matrix: a stack of one
+            w, s, m = w[None], s[None], None if m is None else m[None]
+        return torch.ops.hloserve.quantized_linear(x, w, s, m, self.bias, self.layer, self.scheme.bits,
+                                                   self.scheme.group or 0)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.scheme.describe()}"

@@ -29,11 +29,15 @@ With f32 scales an asymmetric value may differ from NumPy's by one ulp.
 """
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import torch
 from hloserve.quantization import modules as _qmodules  # noqa: F401 - defines the torch.ops.hloserve ops
+from hloserve.runtime.artifact.kernels import QUANT_LINEAR
 from jax import lax
 
+from .. import _private
 from ..registry import lower
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -113,24 +117,44 @@ def _block_rows(out: int, n_in: int) -> int:
     return rows
 
 
-# hloserve::quantized_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? min, Tensor? bias,
-#                            int bits, int group) -> Tensor
-@lower(torch.ops.hloserve.quantized_linear.default)
-def _quantized_linear(ctx, x, qweight, scale, min_, bias, bits, group):
-    out, n_in = qweight.shape[0], x.shape[-1]
-    if bits == 4 and not group:
-        raise ValueError("int4 weights need a group size (schemes.WeightScheme refuses per-channel int4)")
+def quant_linear_reference(x, qweight, scale, min_, layer, *, bits: int, group: int):
+    """The `hloserve.quant_linear` composite's decomposition (its contract: runtime/artifact/kernels.py):
+    x f32[M, K], qweight [L, N, K | K/2], scale [L, N, K/group], min_ like scale or f32[0], layer
+    s32[] -> f32[M, N]. Slices the layer, then dequantizes next to the dot as described above."""
+    # the contract's rounding of x to bf16 (a convert pair would be folded away by XLA's excess-precision
+    # simplification; reduce_precision is kept)
+    xr = lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+    pick = (lambda a: a[0]) if qweight.shape[0] == 1 else (lambda a: lax.dynamic_index_in_dim(a, layer, 0, False))
+    qw, s = pick(qweight), pick(scale)                                   # [N, K | K/2], [N, G]
+    mn = pick(min_) if min_.size else None
+    out, n_in = qw.shape[0], x.shape[-1]
     rows = _block_rows(out, n_in)
     if rows == out:
-        y = _linear_block(x, qweight, scale, min_, bits, group)         # [..., out]
-    else:
-        n = out // rows
+        return _linear_block(xr, qw, s, mn, bits, group)                 # [M, N]
+    n = out // rows
 
-        def blocks(a):
-            return a.reshape(n, rows, *a.shape[1:]) if a is not None else None   # [n, rows, ...]
+    def blocks(a):
+        return a.reshape(n, rows, *a.shape[1:]) if a is not None else None   # [n, rows, ...]
 
-        ys = lax.map(lambda b: _linear_block(x, *b, bits, group), (blocks(qweight), blocks(scale), blocks(min_)))
-        y = jnp.moveaxis(ys, 0, -2).reshape(*x.shape[:-1], out)          # [n, ..., rows] -> [..., out]
+    ys = lax.map(lambda b: _linear_block(xr, *b, bits, group), (blocks(qw), blocks(s), blocks(mn)))
+    return jnp.moveaxis(ys, 0, -2).reshape(x.shape[0], out)              # [n, M, rows] -> [M, N]
+
+
+# hloserve::quantized_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? min, Tensor? bias,
+#                            Tensor layer, int bits, int group) -> Tensor
+@lower(torch.ops.hloserve.quantized_linear.default)
+def _quantized_linear(ctx, x, qweight, scale, min_, bias, layer, bits, group):
+    if bits == 4 and not group:
+        raise ValueError("int4 weights need a group size (schemes.WeightScheme refuses per-channel int4)")
+    *lead, k = x.shape
+    L, out = qweight.shape[:2]
+    g = group or k
+    scale = scale.reshape(L, out, k // g)                                # [L, N, G] (per channel: G = 1)
+    min_ = jnp.zeros((0,), jnp.float32) if min_ is None else min_.reshape(L, out, k // g)
+    composite = _private.composite(quant_linear_reference, QUANT_LINEAR.name, QUANT_LINEAR.version)
+    y = composite(x.reshape(math.prod(lead), k).astype(jnp.float32), qweight, scale, min_,
+                  jnp.asarray(layer, jnp.int32).reshape(()), bits=int(bits), group=int(g))
+    y = y.reshape(*lead, out)                                            # [..., N]
     if bias is not None:
         y = y + bias.astype(y.dtype)
     return y.astype(ctx.out_dtype)

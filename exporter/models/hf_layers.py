@@ -4,7 +4,7 @@ Two rewrites of a loaded transformers model, both done once before export:
 
   * `sixteen_bit(model, dtype)`: every 16-bit matrix goes through the `hloserve.layer_linear`
     composite (runtime/artifact/kernels.py), as on the hand-written Llama step: each nn.Linear
-    becomes a `LayerLinear` over a stack of matrices [L, out, in] (one layer's slice of the
+    becomes a `LayerLinear` reading its matrix where it lies in a stack [L, out, in] (the
     stacked decoder weights, or a stack of one); the embedding table is stored in the same
     16-bit dtype and the LM head, tied or not, reads it through the composite.
   * `scan(model, step_kwarg)`: the decoder layers' ModuleList becomes a `ScannedLayers`: their
@@ -33,28 +33,32 @@ from .step import HOLDS
 
 
 class LayerLinear(torch.nn.Module):
-    """y = x W^T + b with W = weights[layer], weights [L, out, in] 16-bit (stored as the int16 bits
-    of `dtype`); `layer` is a 0-dim int32 buffer the scan replaces per iteration (0 for a stack
-    of one). x is rounded to the weights' dtype and the sums are f32 (the composite's contract);
-    the result has x's dtype."""
+    """y = x W^T + b, W [out, in] 16-bit (stored as the int16 bits of `dtype`), through the
+    layer_linear composite: x is rounded to the weights' dtype and the sums are f32 (its
+    contract); the result has x's dtype. A scanned layer loop (ScannedLayers) substitutes a stack
+    [L, out, in] for the tensors in IN_PLACE and the scan's iteration for `layer`: the matrix is
+    then read where it lies in the stack."""
 
-    def __init__(self, weights: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    IN_PLACE = ("weight",)
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         self.holds = HOLDS[dtype]
-        self.in_features, self.out_features = weights.shape[-1], weights.shape[-2]
-        self.weight = torch.nn.Parameter(weights, requires_grad=False)     # [L, out, in] int16 bits
+        self.in_features, self.out_features = weight.shape[-1], weight.shape[-2]
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)      # [out, in] int16 bits
         self.bias = bias
         self.register_buffer("layer", torch.zeros((), dtype=torch.int32), persistent=False)
 
     @classmethod
     def of(cls, linear: torch.nn.Linear, dtype: torch.dtype) -> "LayerLinear":
-        bits = linear.weight.detach().to(dtype).view(torch.int16)[None]   # [1, out, in]
+        bits = linear.weight.detach().to(dtype).view(torch.int16)          # [out, in]
         bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
         return cls(bits, bias, dtype)
 
     def forward(self, x):
         from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.layer_linear
-        y = torch.ops.hloserve.layer_linear(x.float(), self.weight, self.layer, self.holds).to(x.dtype)
+        w = self.weight if self.weight.dim() == 3 else self.weight[None]  # [L, out, in]
+        y = torch.ops.hloserve.layer_linear(x.float(), w, self.layer, self.holds).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -173,8 +177,8 @@ class ScannedLayers(torch.nn.Module):
     """The decoder layers as one scanned body over stacked weights (see the module docstring).
 
     `stack.{j}` holds the weights of the layers at position j of each period, stacked
-    [L // period, ...] (a LayerLinear's matrices [L // period, out, in]: the composite reads them
-    in place at the scan's iteration); `tail` are the last L % period layers, unrolled.
+    [L // period, ...] (the tensors a linear module reads in place, its IN_PLACE, are passed whole
+    to the composite with the scan's iteration as `layer`; the others are sliced); `tail` are the last L % period layers, unrolled.
 
     The step's attention finds the cache and the layer index in the object passed to every layer
     as keyword `step_kwarg`: `step.at(layer, cache)` makes the one a layer call uses (created
@@ -202,9 +206,8 @@ class ScannedLayers(torch.nn.Module):
             holder = torch.nn.Module()
             names, in_place = {}, set()
             for name in group[0].state_dict():       # parameters and persistent buffers (quantized weights)
-                stacked = torch.stack([_tensor(m, name).detach() for m in group])
+                stacked = torch.stack([_tensor(m, name).detach() for m in group])   # [L', ...]
                 if _read_in_place(group[0], name):
-                    stacked = stacked[:, 0]                                # [L', out, in]
                     in_place.add(name)
                 names[name] = name.replace(".", "__")
                 holder.register_buffer(names[name], stacked)
@@ -265,7 +268,7 @@ class ScannedLayers(torch.nn.Module):
                 params = dict(zip(sliced, xs[k:k + len(sliced)]))
                 k += len(sliced)
                 params.update(in_place)
-                params.update({name[:-len("weight")] + "layer": it for name in in_place})
+                params.update({_sibling(name, "layer"): it for name in in_place})
                 args, kwargs = rebuild(rows)
                 h, cache = self._layer(self.templates[j], h, args, kwargs, params, it * p + j, outer, cache)
             return (h, cache), h.new_zeros(())
@@ -322,10 +325,16 @@ def _tensor(layer: torch.nn.Module, name: str) -> torch.Tensor:
 
 
 def _read_in_place(layer: torch.nn.Module, name: str) -> bool:
-    """Whether tensor `name` of `layer` is a LayerLinear's matrix stack (read by the composite at
-    the scan's iteration, not sliced)."""
+    """Whether tensor `name` of `layer` is one its module reads where it lies in a stack (a linear
+    composite's matrix and scales, the module's IN_PLACE), at the scan's iteration, not sliced."""
     owner, _, attr = name.rpartition(".")
-    return attr == "weight" and isinstance(layer.get_submodule(owner) if owner else layer, LayerLinear)
+    return attr in getattr(layer.get_submodule(owner) if owner else layer, "IN_PLACE", ())
+
+
+def _sibling(name: str, attr: str) -> str:
+    """The name of attribute `attr` of the module owning tensor `name` ("mlp.up.weight" -> "mlp.up.layer")."""
+    owner = name.rpartition(".")[0]
+    return f"{owner}.{attr}" if owner else attr
 
 
 def _split_arguments(group: list[_Call], j: int, step_kwarg: str):

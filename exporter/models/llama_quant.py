@@ -3,7 +3,9 @@
     qw = quantize_llama(weights, config)                # stacked LlamaWeights -> QuantizedLlamaWeights
 
 Stacked weights stay stacked ([L, out, in] int8 or [L, out, in/2] packed int4, scales [L, out, G]):
-the layer scan slices one layer of each per iteration and dequantizes only that layer.
+the layer scan reads one layer of each where the stack lies (the `hloserve.quant_linear`
+composite: a CPU kernel dequantizes it in registers; the portable decomposition slices the layer
+and dequantizes only that one).
 """
 from __future__ import annotations
 
@@ -54,23 +56,29 @@ class QuantizedLlamaWeights(torch.nn.Module):
             s.bits, s.group or 0, self._dtype)
 
     def in_place(self, name: str) -> bool:
-        return False                                                      # every layer is sliced
+        """Whether stacked tensor `name` is read where it lies (a quantized matrix and its scales)
+        rather than sliced per layer."""
+        base = name.removesuffix(SCALE_SUFFIX).removesuffix(MIN_SUFFIX)
+        return base in self.schemes
 
     def linear(self, x: torch.Tensor, lw: Mapping[str, torch.Tensor], name: str, bias: torch.Tensor | None,
                layer: torch.Tensor | None = None):
         if name not in self.schemes:
             return F.linear(x, lw[name], bias)
         s = self.schemes[name]
-        return torch.ops.hloserve.quantized_linear(x, lw[name], lw[name + SCALE_SUFFIX], lw.get(name + MIN_SUFFIX),
-                                                   bias, s.bits, s.group or 0)
+        mn = self.layers[name + MIN_SUFFIX] if name + MIN_SUFFIX in self.layers else None
+        return torch.ops.hloserve.quantized_linear(x, self.layers[name], self.layers[name + SCALE_SUFFIX], mn, bias,
+                                                   layer, s.bits, s.group or 0)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         name = "embed_tokens" if self.lm_head is None else "lm_head"
         if name not in self.schemes:
             return F.linear(h, getattr(self, name))
         s = self.schemes[name]
-        return torch.ops.hloserve.quantized_linear(h, getattr(self, name), getattr(self, name + SCALE_SUFFIX),
-                                                   getattr(self, name + MIN_SUFFIX, None), None, s.bits, s.group or 0)
+        mn = getattr(self, name + MIN_SUFFIX, None)
+        zero = torch.zeros((), dtype=torch.int32, device=h.device)
+        return torch.ops.hloserve.quantized_linear(h, getattr(self, name)[None], getattr(self, name + SCALE_SUFFIX)[None],
+                                                   None if mn is None else mn[None], None, zero, s.bits, s.group or 0)
 
 
 def quantize_llama(weights, config: QuantConfig, record: QuantRecord | None = None) -> QuantizedLlamaWeights:

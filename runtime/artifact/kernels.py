@@ -62,4 +62,24 @@ LAYER_LINEAR = Composite(
            "the products are exact in f32 and summed in f32 (in any order)",
 )
 
-COMPOSITES = {c.name: c for c in (PAGED_ATTENTION, LAYER_LINEAR)}
+# One layer's matrix product with weight-only quantized matrices, dequantized where they are read
+# (quantization/schemes.py defines the stored layout; GGUF Q8_0 / Q4_0 / Q4_1 blocks are stored in
+# it as they are in the file).
+QUANT_LINEAR = Composite(
+    name="hloserve.quant_linear",
+    version=1,
+    operands=(
+        "x f32[M, K]: activations",
+        "qweight [L, N, K] s8 (bits 8), or [L, N, K/2] u8 (bits 4: element 2k in the low nibble, 2k+1 in "
+        "the high one; two's complement when there is no min, unsigned [0, 15] when there is)",
+        "scale [L, N, K/group]: f16 or f32",
+        "min [L, N, K/group] like scale (asymmetric), or f32[0] (symmetric: no min)",
+        "layer s32[]: the matrix used",
+    ),
+    attributes=("bits i64: 8 or 4", "group i64: elements of a row sharing one scale (K: one per row)"),
+    result="f32[M, N]: x rounded to bfloat16 (to nearest even) times W[layer] transposed, where "
+           "W = q * scale + min per group (scale and min widened to f32; q * scale exact in f32 for f16 "
+           "scales); computed in f32 in any association (the products x q are exact in f32)",
+)
+
+COMPOSITES = {c.name: c for c in (PAGED_ATTENTION, LAYER_LINEAR, QUANT_LINEAR)}

@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 from typing import Any, Callable
 
-from hloserve.runtime.artifact.kernels import COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION
+from hloserve.runtime.artifact.kernels import COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, QUANT_LINEAR
 
 from .._private import rewrite_composites
 from ..paths import cache_dir
@@ -36,20 +36,23 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPI
 MARCH_ENV = "HLOSERVE_CPU_KERNEL_MARCH"
 # composite (name, version) -> FFI target in cpu_kernels.cc
 TARGETS = {(PAGED_ATTENTION.name, PAGED_ATTENTION.version): "hloserve_paged_attention",
-           (LAYER_LINEAR.name, LAYER_LINEAR.version): "hloserve_layer_linear"}
+           (LAYER_LINEAR.name, LAYER_LINEAR.version): "hloserve_layer_linear",
+           (QUANT_LINEAR.name, QUANT_LINEAR.version): "hloserve_quant_linear"}
+# What a kernel needs of a composite's attributes (the others run their decomposition)
+ACCEPTS = {"hloserve_quant_linear": lambda attrs: attrs["group"] % 32 == 0}   # whole 32-element vectors
 # Kernels that beat XLA only up to a number of rows (the first operand's dim 0): above it the
 # decomposition runs. layer_linear reads each weight once where XLA's dot copies and packs the
 # layer, which pays off once enough rows share the packed copy. Measured (AMD EPYC, AVX512-BF16,
 # docs/performance.md): the kernel is 2.8x faster at 1 row, 1.3x at 32, even from 128 on; without
 # AVX512-BF16 it widens each product to f32, so only decode-sized row counts stay with it.
 def max_rows(target: str) -> int | None:
-    if target != "hloserve_layer_linear":
+    if target not in ("hloserve_layer_linear", "hloserve_quant_linear"):
         return None
     # with AMX the kernel is bandwidth-bound to 64 rows too, and XLA's dot still the faster at 256
     # (prompt chunks: 355 against 418 ms per 256-token chunk of a Qwen3-0.6B shape, 2026-11-25)
     return 64 if _march() == "native" and "avx512_bf16" in _cpu_identity().split() else 4
 # A result's dims, as (operand, dim) pairs, where they are not the first operand's
-RESULT_DIMS = {"hloserve_layer_linear": ((0, 0), (1, 1))}
+RESULT_DIMS = {"hloserve_layer_linear": ((0, 0), (1, 1)), "hloserve_quant_linear": ((0, 0), (1, 1))}
 CONTRACTS = {(c.name, c.version): c for c in COMPOSITES.values()}
 ENV = "HLOSERVE_CPU_KERNELS"     # "0" turns the kernels off (the portable decompositions run)
 
@@ -109,6 +112,9 @@ def specialize(exported: Any, library: Library | None) -> tuple[Any, int]:
         attrs = op.attributes
         key = (ir.StringAttr(attrs["name"]).value, ir.IntegerAttr(attrs["version"]).value)
         target = TARGETS.get(key) if library is not None else None
+        config = {a.name: a.attr for a in ir.DictAttr(attrs["composite_attributes"])}
+        if target in ACCEPTS and not ACCEPTS[target]({k: _value(ir, v) for k, v in config.items()}):
+            target = None
         result_types = [r.type for r in op.results]
         decomposition = ir.FlatSymbolRefAttr(attrs["decomposition"])
 
@@ -121,7 +127,6 @@ def specialize(exported: Any, library: Library | None) -> tuple[Any, int]:
             else:
                 # leading operands beyond the contract's are the decomposition's dimension variables
                 operands = list(op.operands)[-len(CONTRACTS[key].operands):]
-                config = {a.name: a.attr for a in ir.DictAttr(attrs["composite_attributes"])}
 
                 def kernel():
                     shape = None
@@ -164,6 +169,18 @@ def specialize(exported: Any, library: Library | None) -> tuple[Any, int]:
 
     body, n = rewrite_composites(exported.mlir_module_serialized, replace)
     return (dataclasses.replace(exported, mlir_module_serialized=body) if n else exported), kernels_used
+
+
+def _value(ir, attr):
+    """A composite attribute's Python value (integers and floats; others as they are)."""
+    for kind in (ir.IntegerAttr, ir.FloatAttr):
+        if isinstance(attr, kind):
+            return attr.value
+        try:
+            return kind(attr).value
+        except (ValueError, TypeError):
+            continue
+    return attr
 
 
 def _march() -> str:

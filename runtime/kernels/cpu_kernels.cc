@@ -11,6 +11,8 @@
 //   hloserve_layer_linear: a few rows times one layer's 16-bit matrix, read where it lies in the
 //     stack of all layers; XLA copies the layer out of the stack and then packs (transposes) it
 //     for its dot kernel, on every call: three passes over the weights where one is needed.
+//   hloserve_quant_linear: the same with an int8 / int4 matrix, dequantized in registers; XLA
+//     writes the dequantized f32 layer to memory and reads it back for its dot.
 //
 // Work is split over XLA's intra-op thread pool; the calling thread takes a share and never
 // waits on a task that has not started.
@@ -732,6 +734,208 @@ ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+
+// -- hloserve_quant_linear: weight-only int8 / int4 matrices, dequantized in registers ----------
+//
+// W = q * scale (+ min) per group of `group` elements of a row (quantization/schemes.py). Per
+// matrix row and group, the products x q are exact (q is an integer of at most 8 bits, exact in
+// bf16; x rounded to bf16) and summed in f32, then scaled: sum_g scale_g (sum_k x_k q_k) +
+// min_g (sum_k x_k), the last sum shared by every matrix row. Blocks of kPanelRows matrix rows are
+// dequantized once into a bf16 panel (q, not q * scale: exact) that every group of x rows reads
+// from L1; the weights themselves are read from memory once, at 1 (int8) or 1/2 (int4) byte each.
+constexpr int64_t kPanelRows = 4;
+
+struct QuantMatrix {
+  const void* q;      // layer's qweight [N, K] s8 or [N, K/2] u8
+  const void* scale;  // [N, G] f16 or f32
+  const void* min;    // like scale, or nullptr (symmetric)
+  bool f16;           // scale / min dtype
+  int bits;
+  int64_t N, K, G, group;
+};
+
+inline float scalar_of(const void* base, bool f16, int64_t i) {
+  return f16 ? f16_to_f32(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
+}
+
+// the integer value q of element k of matrix row n (nibble 2j of a byte is its low half)
+inline int int_of(const QuantMatrix& w, int64_t n, int64_t k) {
+  if (w.bits == 8) return static_cast<const int8_t*>(w.q)[n * w.K + k];
+  const uint8_t b = static_cast<const uint8_t*>(w.q)[n * (w.K / 2) + k / 2];
+  const int v = (k % 2) ? (b >> 4) : (b & 0xF);
+  return w.min == nullptr && v > 7 ? v - 16 : v;
+}
+
+// rows [n0, n1) times every row of xr (bf16 bits, f32 copies in xf), widened: the same products
+// and sums in f32, for CPUs without AVX512-BF16
+void quant_widened(const QuantMatrix& w, const float* xf, int64_t M, const float* xsum, int64_t n0, int64_t n1,
+                   float* out) {
+  std::vector<float> row(w.K);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t k = 0; k < w.K; ++k) row[k] = static_cast<float>(int_of(w, n, k));
+    for (int64_t m = 0; m < M; ++m) {
+      float total = 0.f;
+      for (int64_t g = 0; g < w.G; ++g) {
+        float acc = 0.f;
+        const float* xg = xf + m * w.K + g * w.group;
+        const float* rg = row.data() + g * w.group;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t k = 0; k < w.group; ++k) acc += xg[k] * rg[k];
+        total += acc * scalar_of(w.scale, w.f16, n * w.G + g);
+        if (w.min != nullptr) total += scalar_of(w.min, w.f16, n * w.G + g) * xsum[m * w.G + g];
+      }
+      out[m * w.N + n] = total;
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// 32 int8 -> 32 bf16 (exact)
+inline __m512i deq8(const int8_t* q) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // elements 0-15 from lo, 16-31 from hi
+}
+
+// 16 bytes of nibbles -> 32 bf16: word 2j = table[low nibble of byte j], word 2j + 1 = table[high]
+inline __m512i deq4(const uint8_t* p, __m512i table) {
+  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i lo = _mm512_and_si512(d, _mm512_set1_epi32(0xF));
+  const __m512i hi = _mm512_slli_epi32(_mm512_srli_epi32(d, 4), 16);
+  return _mm512_permutexvar_epi16(_mm512_or_si512(lo, hi), table);
+}
+
+// matrix rows [n0, n0 + rows) (rows <= kPanelRows) -> panel [rows, K] of bf16 q values
+void dequant_panel(const QuantMatrix& w, int64_t n0, int64_t rows, uint16_t* panel) {
+  alignas(64) uint16_t values[32] = {};
+  for (int v = 0; v < 16; ++v)
+    values[v] = f32_to_bf16(static_cast<float>(w.min == nullptr && v > 7 ? v - 16 : v));
+  const __m512i table = _mm512_load_si512(values);
+  for (int64_t i = 0; i < rows; ++i) {
+    uint16_t* dst = panel + i * w.K;
+    if (w.bits == 8) {
+      const int8_t* q = static_cast<const int8_t*>(w.q) + (n0 + i) * w.K;
+      for (int64_t k = 0; k < w.K; k += 32) _mm512_storeu_si512(dst + k, deq8(q + k));
+    } else {
+      const uint8_t* q = static_cast<const uint8_t*>(w.q) + (n0 + i) * (w.K / 2);
+      for (int64_t k = 0; k < w.K; k += 32) _mm512_storeu_si512(dst + k, deq4(q + k / 2, table));
+    }
+  }
+}
+
+// NR panel rows x MR x rows: per group, exact partial sums (vdpbf16ps), then scaled into the total
+template <int NR, int MR>
+inline void quant_tile(const uint16_t* panel, const float* sc, const QuantMatrix& w, const uint16_t* x,
+                       float* out) {
+  const int64_t K = w.K, chunks = w.group / 32;
+  __m512 acc[NR][MR];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.G; ++g) {
+    __m512 part[NR][MR];
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < MR; ++j) part[i][j] = _mm512_setzero_ps();
+    for (int64_t c = 0, k = g * w.group; c < chunks; ++c, k += 32) {
+      __m512bh xv[MR];
+      for (int j = 0; j < MR; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x + j * K + k);
+      for (int i = 0; i < NR; ++i) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(panel + i * K + k);
+        for (int j = 0; j < MR; ++j) part[i][j] = _mm512_dpbf16_ps(part[i][j], wv, xv[j]);
+      }
+    }
+    for (int i = 0; i < NR; ++i) {
+      const __m512 s = _mm512_set1_ps(sc[i * w.G + g]);
+      for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_fmadd_ps(part[i][j], s, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j) out[j * w.N + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int NR>
+inline void quant_rows(const uint16_t* panel, const float* sc, const QuantMatrix& w, const uint16_t* x, int64_t M,
+                       float* out) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) quant_tile<NR, 4>(panel, sc, w, x + m * w.K, out + m * w.N);
+  switch (M - m) {
+    case 3: quant_tile<NR, 3>(panel, sc, w, x + m * w.K, out + m * w.N); break;
+    case 2: quant_tile<NR, 2>(panel, sc, w, x + m * w.K, out + m * w.N); break;
+    case 1: quant_tile<NR, 1>(panel, sc, w, x + m * w.K, out + m * w.N); break;
+  }
+}
+#endif
+
+ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qweight, ffi::AnyBuffer scale,
+                       ffi::AnyBuffer min, ffi::Buffer<ffi::S32> layer, int64_t bits, int64_t group,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions();
+  auto qd = qweight.dimensions();
+  auto sd = scale.dimensions();
+  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3)
+    return ffi::Error::InvalidArgument("hloserve_quant_linear: x must be [M, K], qweight [L, N, K | K/2], scale [L, N, G]");
+  const int64_t M = xd[0], K = xd[1], L = qd[0], N = qd[1];
+  if (bits != 8 && bits != 4) return ffi::Error::InvalidArgument("hloserve_quant_linear: bits must be 8 or 4");
+  const ffi::DataType want = bits == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
+  if (qweight.element_type() != want || qd[2] != (bits == 8 ? K : K / 2))
+    return ffi::Error::InvalidArgument("hloserve_quant_linear: qweight must be s8 [L, N, K] (bits 8) or u8 [L, N, K/2] (bits 4)");
+  if (group <= 0 || group % 32 || K % group)
+    return ffi::Error::InvalidArgument("hloserve_quant_linear: group must be a multiple of 32 dividing K");
+  const int64_t G = K / group;
+  const bool f16 = scale.element_type() == ffi::DataType::F16;
+  if ((!f16 && scale.element_type() != ffi::DataType::F32) || sd[0] != L || sd[1] != N || sd[2] != G)
+    return ffi::Error::InvalidArgument("hloserve_quant_linear: scale must be f16 or f32 [L, N, K / group]");
+  const bool asym = min.element_count() != 0;
+  if (asym && (min.element_type() != scale.element_type() || min.element_count() != scale.element_count()))
+    return ffi::Error::InvalidArgument("hloserve_quant_linear: min must have scale's dtype and shape, or no elements");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("hloserve_quant_linear: layer out of range");
+  const int64_t qrow = bits == 8 ? K : K / 2, ssize = f16 ? 2 : 4;
+  QuantMatrix w{static_cast<const char*>(qweight.untyped_data()) + l * N * qrow,
+                static_cast<const char*>(scale.untyped_data()) + l * N * G * ssize,
+                asym ? static_cast<const char*>(min.untyped_data()) + l * N * G * ssize : nullptr,
+                f16, static_cast<int>(bits), N, K, G, group};
+  const float* xp = x.typed_data();
+  float* op = out->typed_data();
+  // x rounded to bf16 once (bits, and their f32 values); per group its sum, for the mins
+  std::vector<uint16_t> xr(M * K);
+  std::vector<float> xf(M * K), xsum(asym ? M * G : 0, 0.f);
+  for (int64_t i = 0; i < M * K; ++i) {
+    xr[i] = f32_to_bf16(xp[i]);
+    xf[i] = bf16_to_f32(xr[i]);
+  }
+  for (int64_t m = 0; asym && m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < group; ++k) acc += xf[m * K + g * group + k];
+      xsum[m * G + g] = acc;
+    }
+  const int64_t tasks = (N + kLinearRows - 1) / kLinearRows;
+  parallel_for(pool, tasks, 1, [&](int64_t task) {
+    const int64_t n0 = task * kLinearRows, n1 = std::min(N, n0 + kLinearRows);
+#if defined(__AVX512BF16__)
+    std::vector<uint16_t> panel(kPanelRows * K);
+    std::vector<float> sc(kPanelRows * G);
+    for (int64_t n = n0; n < n1; n += kPanelRows) {
+      const int64_t rows = std::min(kPanelRows, n1 - n);
+      dequant_panel(w, n, rows, panel.data());
+      for (int64_t i = 0; i < rows * G; ++i) sc[i] = scalar_of(w.scale, f16, n * G + i);
+      int64_t i = 0;
+      for (; i + 2 <= rows; i += 2) quant_rows<2>(panel.data() + i * K, sc.data() + i * G, w, xr.data(), M, op + n + i);
+      if (i < rows) quant_rows<1>(panel.data() + i * K, sc.data() + i * G, w, xr.data(), M, op + n + i);
+      for (int64_t r = 0; asym && r < rows; ++r)
+        for (int64_t m = 0; m < M; ++m) {
+          float extra = 0.f;
+          for (int64_t g = 0; g < G; ++g) extra += scalar_of(w.min, f16, (n + r) * G + g) * xsum[m * G + g];
+          op[m * N + n + r] += extra;
+        }
+    }
+#else
+    quant_widened(w, xf.data(), M, xsum.data(), n0, n1, op);
+#endif
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_paged_attention, PagedAttention,
@@ -757,4 +961,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_layer_linear, LayerLinear,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("holds")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear, QuantLinear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group")
                                   .Ret<ffi::Buffer<ffi::F32>>());

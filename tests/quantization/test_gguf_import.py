@@ -127,8 +127,11 @@ def test_llama_from_gguf_keeps_the_files_blocks(ckpt):
 @pytest.mark.slow
 def test_native_export_matches_the_dequantized_model(tmp_path):
     """SmolLM2 exported with --quantize gguf (decode only) vs torch eager of the f32 dequantized step:
-    same weights bit for bit, so logits agree to float32 summation-order noise (atol 2e-3 on
-    logits of magnitude ~20)."""
+    the same weights bit for bit, but the quantized linears round their input to bf16 (the
+    `hloserve.quant_linear` contract): relative 2^-9 per element at each of the 211 linears, which
+    compounds over 30 layers to a few tenths of a percent of the logits' largest magnitude
+    (measured 0.4%; float32 summation order alone flips some of those roundings, so even the same
+    quantized step run eagerly is no closer). Bound: 1% of the largest logit, same argmax."""
     from hloserve.exporter.export import export_artifact
     from hloserve.exporter.models.llama_source import from_gguf
     from hloserve.exporter import presets
@@ -146,8 +149,10 @@ def test_native_export_matches_the_dequantized_model(tmp_path):
     model = load(str(tmp_path), buckets={"num_tokens": [16], "num_seqs": [1], "max_blocks": [1]})
     cache = np.zeros(LLMSpec.from_json(manifest.model["llm"]).kv_cache.concrete_shape(2), np.float32)   # [30, 2, 3, 2, 16, 64]
     got = np.asarray(model.functions["decode"](**inputs, kv_cache=cache)["logits"])
+    args = {k: torch.from_numpy(v) for k, v in inputs.items()}
     ref = from_gguf(presets.resolve("smollm2-135m-instruct", quiet=True)).entries[1].module
     with torch.no_grad():
-        want, _ = ref(**{k: torch.from_numpy(v) for k, v in inputs.items()}, kv_cache=torch.from_numpy(cache))
-    np.testing.assert_allclose(got, want.numpy(), atol=2e-3, rtol=0)
-    assert int(got.argmax()) == int(want.numpy().argmax())
+        want, _ = ref(**args, kv_cache=torch.from_numpy(cache))
+    want = want.numpy()
+    assert np.abs(got - want).max() < 0.01 * np.abs(want).max()
+    assert int(got.argmax()) == int(want.argmax())

@@ -186,6 +186,97 @@ def test_layer_linear_kernel_reads_only_its_layer(library):
     assert np.abs(np.asarray(fn(x, mine, np.int32(1)))).max() == 0
 
 
+def _quant_exported(q, bits, group):
+    from hloserve.exporter.lowerings.quantized import quant_linear_reference
+    from hloserve.runtime.artifact.kernels import QUANT_LINEAR
+
+    def f(x, qweight, scale, mn, layer):
+        return _private.composite(quant_linear_reference, QUANT_LINEAR.name, QUANT_LINEAR.version)(
+            x, qweight, scale, mn, layer, bits=bits, group=group)
+    (m,) = export.symbolic_shape("M")
+    K = q["scale"].shape[2] * group
+    shapes = [jax.ShapeDtypeStruct((m, K), np.float32)] + [jax.ShapeDtypeStruct(q[r].shape, q[r].dtype)
+                                                          for r in ("qweight", "scale", "min")]
+    return export.export(jax.jit(f), platforms=("cpu",))(*shapes, jax.ShapeDtypeStruct((), np.int32))
+
+
+def _quantized_stack(rng, spec, L, N, K):
+    """A stack of L random matrices [N, K] quantized with `spec` (schemes.QuantConfig): its stored
+    tensors [L, ...] (scale [L, N, G]; min f32[0] when symmetric) and the scheme."""
+    from hloserve.quantization import primitives
+    from hloserve.quantization.schemes import QuantConfig
+    scheme = QuantConfig.parse(spec).scheme
+    qa = primitives.quantize(rng.standard_normal((L, N, K)).astype(np.float32) * 0.1, scheme)
+    group = scheme.group or K
+    q = {"qweight": qa.qweight, "scale": qa.scale.reshape(L, N, K // group),
+         "min": np.zeros((0,), np.float32) if qa.min is None else qa.min.reshape(L, N, K // group)}
+    return q, scheme, group
+
+
+QUANT_SPECS = ["int8", "int8:32", "int4:32:sym", "int4:32", "int4:64"]   # per-channel f32; Q8_0; Q4_0; Q4_1
+
+
+@pytest.mark.parametrize("spec", QUANT_SPECS)
+@pytest.mark.parametrize("K,N", [(64, 70), (128, 33)])              # N % 4 != 0: the tail rows
+def test_quant_linear_kernel_matches_decomposition_and_torch(library, spec, K, N):
+    """The quantized linear kernel, the decomposition and the torch op (dequantize in f32, then a
+    matmul of x rounded to bf16) agree, up to kernels.max_rows rows through the kernel and past it
+    through the decomposition, on the layer asked for.
+
+    Tolerance: every side rounds x to bf16 identically and the weights are the same f32 values;
+    the kernel sums x q exactly per group and then scales (sum_g s_g sum_k x_k q_k + m_g sum_k x_k)
+    where the others sum x (q s + m): the same terms in another association, so
+    |error| <= (K + 4) 2^-24 sum_k |x_k| (|q_k s_g| + |m_g|)."""
+    from hloserve.quantization.modules import quantized_linear
+    rng = np.random.default_rng(K + N + len(spec))
+    q, scheme, group = _quantized_stack(rng, spec, 3, N, K)
+    exp = _quant_exported(q, scheme.bits, group)
+    portable_fn, _ = kernels.specialize(exp, None)
+    kernel_fn, n_kernel = kernels.specialize(exp, library)
+    assert n_kernel == 1 and "custom_call @hloserve_quant_linear" in kernel_fn.mlir_module()
+    from hloserve.quantization import primitives
+    ints = (primitives.unpack_int4(q["qweight"], signed=scheme.symmetric) if scheme.bits == 4
+            else q["qweight"]).astype(np.float32)                                       # [L, N, K]
+    s = np.repeat(q["scale"].astype(np.float32), group, axis=2)                         # [L, N, K]
+    m = np.repeat(q["min"].astype(np.float32), group, axis=2) if q["min"].size else np.zeros_like(s)
+    limit = kernels.max_rows("hloserve_quant_linear")
+    args = [q["qweight"], q["scale"], q["min"]]
+    for rows in (1, 3, 5, limit, limit + 1, 2 * limit + 3):
+        x = rng.standard_normal((rows, K)).astype(np.float32)
+        layer = np.int32(rows % 3)
+        kernel = np.asarray(jax.jit(kernel_fn.call)(x, *args, layer))
+        portable = np.asarray(jax.jit(portable_fn.call)(x, *args, layer))
+        t = [torch.from_numpy(np.ascontiguousarray(a)) for a in args]
+        ref = quantized_linear(torch.from_numpy(x), t[0], t[1].reshape(3, N, -1) if group != K else t[1][..., 0],
+                               t[2] if q["min"].size else None, None, torch.tensor(layer), scheme.bits,
+                               scheme.group or 0).numpy()
+        xr = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+        terms = np.abs(ints[layer] * s[layer]) + np.abs(m[layer])
+        bound = (K + 4) * 2.0 ** -24 * (np.abs(xr) @ terms.T) + 1e-30
+        for got in (kernel, portable):
+            assert got.shape == (rows, N)
+            assert (np.abs(got - ref) <= bound).all(), (rows, np.abs(got - ref).max(), bound.min())
+
+
+def test_quant_linear_kernel_reads_only_its_layer_and_needs_whole_vectors(library):
+    """Changing another layer's weights changes nothing, changing the used one does; groups that
+    are not a multiple of 32 elements run the decomposition."""
+    rng = np.random.default_rng(4)
+    q, scheme, group = _quantized_stack(rng, "int4:32", 3, 8, 64)
+    fn = jax.jit(kernels.specialize(_quant_exported(q, scheme.bits, group), library)[0].call)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    base = np.asarray(fn(x, q["qweight"], q["scale"], q["min"], np.int32(1)))
+    other = {r: a.copy() for r, a in q.items()}
+    for r in other:
+        other[r][[0, 2]] = 0
+    np.testing.assert_array_equal(np.asarray(fn(x, other["qweight"], other["scale"], other["min"], np.int32(1))), base)
+    mine = {r: a.copy() for r, a in q.items()}
+    mine["scale"][1], mine["min"][1] = 0, 0
+    assert np.abs(np.asarray(fn(x, mine["qweight"], mine["scale"], mine["min"], np.int32(1)))).max() == 0
+    q16, scheme16, _ = _quantized_stack(rng, "int4:16", 3, 8, 64)
+    assert kernels.specialize(_quant_exported(q16, 4, 16), library)[1] == 0
+
+
 def test_block_table_entries_outside_the_cache_are_an_error_not_a_read(library):
     """A table entry >= the cache's block count (or negative) in a block a token reads answers an
     error naming it; the same entry in a block no token reads (past its context) is not read."""
@@ -217,7 +308,7 @@ def test_fallback_builds_pass_the_kernel_tests(library, march, tmp_path):
         pytest.skip(f"this CPU cannot run a -march={march} build")
     env = {**os.environ, "HLOSERVE_CACHE": str(tmp_path), kernels.MARCH_ENV: march}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "layer_linear_kernel_matches or (paged_attention_kernel_matches and 3-64)"],
+                          "layer_linear_kernel_matches or quant_linear_kernel_matches or (paged_attention_kernel_matches and 3-64)"],
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:]
     assert " passed" in out.stdout and " skipped" not in out.stdout, out.stdout[-500:]
