@@ -45,6 +45,7 @@ from hloserve.runtime.artifact.llm import LLMSpec, pack_step
 
 # variant -> load_source options
 VARIANTS = {"f32": {}, "bf16w": {"weight_dtype": "bfloat16"}, "int8": {"quantize": "int8"},
+            "int8-channel": {"quantize": "int8:channel"},
             "int4-g32": {"quantize": "int4:32"}, "int4-g32-sym": {"quantize": "int4:32:sym"},
             "int4-g32-sym-minmax": {"quantize": "int4:32:sym:minmax"}, "int4-g128": {"quantize": "int4:128"},
             "gguf": {"quantize": "gguf"}}

@@ -94,7 +94,11 @@ PRESET = "smollm2-135m-instruct"
 HLOSERVE_CLI = "hloserve.server.cli"     # `python -m HLOSERVE_CLI serve ...`
 EOS_IDS = (0, 2)                         # SmolLM2: <|endoftext|>, <|im_end|>
 VLLM = "vLLM"
-SYSTEMS = ("hloserve", "vllm", "transformers", "llama-cpp-python")   # --skip names
+SYSTEMS = ("hloserve", "vllm", "transformers", "llama-cpp-python", "llama-server")   # --skip names
+LLAMA_SERVER = os.path.join(os.path.expanduser("~"), ".cache", "hloserve", "bench", "llama.cpp", "bin", "llama-server")
+# hloserve's --quantize spec -> the llama.cpp type it is compared with (the same bits a weight)
+SAME_BITS = {"int8": "Q8_0", "int8:32": "Q8_0", "gguf": "Q4_1", "int4": "Q4_1", "int4:32": "Q4_1",
+             "int4:32:sym": "Q4_0", "int4:32:sym:minmax": "Q4_0"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +260,27 @@ def shape_artifact(model_dir: str, path: str) -> str:
     return path
 
 
+def quantized_artifact(source: str, spec: str, path: str) -> str:
+    """hloserve's artifact of `source` exported with `--quantize spec` (once)."""
+    if os.path.exists(os.path.join(path, "manifest.json")):
+        return path
+    t = time.time()
+    subprocess.run([sys.executable, "-m", HLOSERVE_CLI, "export", source, "--quantize", spec, "-o", path], check=True)
+    print(f"  exported --quantize {spec} in {time.time() - t:.1f} s", flush=True)
+    return path
+
+
+def llama_gguf(gguf: str, kind: str, bin_dir: str, path: str) -> str:
+    """`path`: the GGUF `gguf` requantized to ggml type `kind` by llama.cpp's llama-quantize (once; BF16
+    from the Q4_1 file is its exact dequantization, the weights hloserve's default artifact serves)."""
+    if not os.path.exists(path):
+        tmp = f"{path}.tmp-{os.getpid()}"
+        subprocess.run([os.path.join(bin_dir, "llama-quantize"), "--allow-requantize", gguf, tmp, kind, "2"],
+                       check=True, capture_output=True)
+        os.replace(tmp, path)
+    return path
+
+
 # -- the model as a Hugging Face directory (vLLM, transformers) ----------------------------------
 def hf_model_dir(gguf: str, path: str) -> str:
     """`path`, a Hugging Face model directory of the GGUF (transformers dequantizes its Q4_1 weights to
@@ -342,6 +367,17 @@ def server(name: str, cmd: list[str], ready_path: str, log_path: str, env: dict 
 async def stream_one(client: httpx.AsyncClient, req: Request, extra: dict) -> Result:
     body = {"model": MODEL, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0, "stream": True,
             **extra}
+    for attempt in range(3):
+        try:
+            return await _stream_once(client, body, req)
+        except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+            # llama-server closes kept-alive connections between requests: send again on a new one
+            if attempt == 2:
+                raise RuntimeError(f"the server closed the connection three times: {e}") from e
+    raise AssertionError("unreachable")
+
+
+async def _stream_once(client: httpx.AsyncClient, body: dict, req: Request) -> Result:
     t0 = time.perf_counter()
     times, reason = [], None
     async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -458,9 +494,19 @@ def ratios(summaries: list[dict]) -> list[str]:
     by = {(s["system"], s["workload"], s["concurrency"]): s for s in summaries}
     lines = []
     for (system, wl, c), ours in by.items():
+        if system.startswith("hloserve "):           # a quantized artifact: against llama.cpp at its bits and bf16
+            spec = system.split(" ", 1)[1]
+            for other in (f"llama-server {SAME_BITS.get(spec, '?')}", "hloserve", "llama-server BF16"):
+                o = by.get((other, wl, c))
+                if o:
+                    lines.append(f"{wl} c={c}: {system} / {other}: output tok/s "
+                                 f"{ours['output_tok_s'] / o['output_tok_s']:.2f}x ({ours['output_tok_s']:.1f} vs "
+                                 f"{o['output_tok_s']:.1f}); TPOT p50 {ours['tpot_p50_ms']:.1f} vs "
+                                 f"{o['tpot_p50_ms']:.1f} ms = {ours['tpot_p50_ms'] / o['tpot_p50_ms']:.2f}x")
+            continue
         if system != "hloserve":
             continue
-        for other in (VLLM, "llama-cpp-python", "transformers"):
+        for other in (VLLM, "llama-cpp-python", "transformers", "llama-server BF16"):
             o = by.get((other, wl, c))
             if o:
                 lines.append(f"{wl} c={c}: hloserve / {other}: output tok/s {ours['output_tok_s'] / o['output_tok_s']:.2f}x "
@@ -631,6 +677,14 @@ def main() -> int:
     p.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python")
     p.add_argument("--llamacpp-threads", type=int, default=1,
                    help="llama.cpp threads (1 was its fastest here: 134 vs 89 tok/s with 2 at load 1; 55 vs 18 at load 8)")
+    p.add_argument("--quantize", default="",
+                   help="also serve hloserve artifacts exported with each of these --quantize specs (comma-separated, "
+                        "e.g. int8,int4:32:sym,gguf; gguf: the SmolLM2 GGUF's own blocks), as systems 'hloserve SPEC'")
+    p.add_argument("--llama-server", default=LLAMA_SERVER,
+                   help="llama.cpp's llama-server binary (`bash benchmarks/llama_server_env.sh` builds it); "
+                        "SmolLM2 only")
+    p.add_argument("--llama-server-types", default="BF16,Q8_0,Q4_0",
+                   help="GGUF types llama-server serves, each made from the preset's Q4_1 file by llama-quantize")
     p.add_argument("--skip", default="", help=f"systems to skip: {','.join(SYSTEMS)}")
     p.add_argument("--write-docs", action="store_true")
     args = p.parse_args()
@@ -695,6 +749,36 @@ def main() -> int:
             metrics = httpx.get(base + "/metrics").text
             rec = [ln for ln in metrics.splitlines() if ln.startswith("hloserve:compiles_after_warmup_total")]
             print(f"  {rec[0] if rec else 'no recompile metric'}", flush=True)
+
+    for spec in [q for q in args.quantize.split(",") if q] if "hloserve" not in skip else []:
+        source = PRESET if args.model == "smollm2" else hf_dir
+        tag = spec.replace(":", "-")
+        art = quantized_artifact(source, spec, os.path.join(cache_dir(), "bench", f"{args.model}-{tag}-art"))
+        name = f"hloserve {spec}"
+        serve_args = args.serve_args.split()
+        if max_len != 2048 and "--max-model-len" not in serve_args:
+            serve_args += ["--max-model-len", str(max_len)]
+        cmd = [sys.executable, "-m", HLOSERVE_CLI, "serve", art, "--port", str(free_port()), "--model-name", MODEL,
+               *serve_args]
+        with server(name, cmd, "/ready", os.path.join(logs, f"hloserve-{tag}.log")) as (base, secs):
+            starts[f"{name}, default cache"] = secs
+            levels += bench_server(name, base, workloads, {"ignore_eos": True})
+
+    if "llama-server" not in skip and args.model == "smollm2":
+        if not os.path.exists(args.llama_server):
+            print(f"llama-server: skipped ({args.llama_server} not found; `bash benchmarks/llama_server_env.sh` "
+                  f"builds it)", flush=True)
+        else:
+            slots = max(conc + ([args.long_concurrency] if args.long_requests > 0 else []))
+            for kind in [t for t in args.llama_server_types.split(",") if t]:
+                path = llama_gguf(gguf, kind, os.path.dirname(args.llama_server),
+                                  os.path.join(cache_dir(), "bench", f"smollm2-{kind}.gguf"))
+                name = f"llama-server {kind}"
+                cmd = [args.llama_server, "-m", path, "-t", str(os.cpu_count()), "-np", str(slots),
+                       "-c", str(max_len * slots), "--host", "127.0.0.1", "--port", str(free_port()), "-a", MODEL]
+                with server(name, cmd, "/health", os.path.join(logs, f"llama-server-{kind}.log")) as (base, secs):
+                    starts[f"{name}, start"] = secs
+                    levels += bench_server(name, base, workloads, {"ignore_eos": True})
 
     if "vllm" not in skip:
         if not os.path.exists(args.vllm):

@@ -11,8 +11,8 @@ a scanned layer loop reads its layer where the stack lies (the `hloserve.quant_l
 runtime/artifact/kernels.py), and a single matrix is a stack of one. The ops keep the quantized tensors whole through
 torch.export (a q/dq pattern in ATen would be decomposed and re-fused by chance); the lowering
 in exporter/lowerings/quantized.py decides how XLA sees the dequantization. Their eager
-implementations (dequantize in float32, then F.linear on x rounded to bfloat16 as the
-`hloserve.quant_linear` contract says, or F.embedding) are the torch reference.
+implementations (dequantize in float32, then F.linear on x quantized to int8 per block of 32 as
+the `hloserve.quant_linear` contract says, or F.embedding) are the torch reference.
 
 The ops are registered with torch's dispatcher when this module is first imported (torch's
 custom-op API has no other form); registering is idempotent per process and changes nothing
@@ -54,13 +54,27 @@ def dequantize(qweight: torch.Tensor, scale: torch.Tensor, min: Optional[torch.T
     return w.reshape(q.shape)                                            # [..., out, in]
 
 
+X_BLOCK = 32   # activations are quantized per block of this many elements of a row
+
+
+def quantize_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x f32 [..., K] quantized to int8 per block of X_BLOCK elements and back (llama.cpp's Q8_0 rule:
+    d = max|x| / 127, round_half_even(x / d) * d), the rounding the `hloserve.quant_linear`
+    composite applies to its activations."""
+    k = x.shape[-1]
+    pad = -k % X_BLOCK
+    xb = F.pad(x, (0, pad)).reshape(*x.shape[:-1], -1, X_BLOCK)          # [..., B, 32]
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(xb / torch.where(d > 0, d, 1)), 0)
+    return (q * d).reshape(*x.shape[:-1], -1)[..., :k]                   # [..., K]
+
+
 @torch.library.custom_op("hloserve::quantized_linear", mutates_args=())
 def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor],
                      bias: Optional[torch.Tensor], layer: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     i = int(layer)
     w = dequantize(qweight[i], scale[i], None if min is None else min[i], bits, group)
-    xr = x.to(torch.bfloat16).to(torch.float32)                         # the composite's contract rounds x
-    y = F.linear(xr, w).to(x.dtype)
+    y = F.linear(quantize_blocks(x.float()), w).to(x.dtype)
     return y if bias is None else y + bias
 
 

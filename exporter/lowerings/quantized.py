@@ -117,13 +117,25 @@ def _block_rows(out: int, n_in: int) -> int:
     return rows
 
 
+X_BLOCK = 32   # quantization/modules.py's X_BLOCK
+
+
+def quantize_blocks(x):
+    """x f32 [M, K] quantized to int8 per block of X_BLOCK elements and back (llama.cpp's Q8_0 rule;
+    the torch twin is quantization.modules.quantize_blocks)."""
+    m, k = x.shape
+    pad = -k % X_BLOCK
+    xb = jnp.pad(x, ((0, 0), (0, pad))).reshape(m, -1, X_BLOCK)         # [M, B, 32]
+    d = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / jnp.float32(127)
+    q = jnp.where(d > 0, jnp.round(xb / jnp.where(d > 0, d, 1)), 0)      # round half to even
+    return (q * d).reshape(m, -1)[:, :k]                                 # [M, K]
+
+
 def quant_linear_reference(x, qweight, scale, min_, layer, *, bits: int, group: int):
     """The `hloserve.quant_linear` composite's decomposition (its contract: runtime/artifact/kernels.py):
     x f32[M, K], qweight [L, N, K | K/2], scale [L, N, K/group], min_ like scale or f32[0], layer
     s32[] -> f32[M, N]. Slices the layer, then dequantizes next to the dot as described above."""
-    # the contract's rounding of x to bf16 (a convert pair would be folded away by XLA's excess-precision
-    # simplification; reduce_precision is kept)
-    xr = lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+    xr = quantize_blocks(x)                                              # the contract's int8 activations
     pick = (lambda a: a[0]) if qweight.shape[0] == 1 else (lambda a: lax.dynamic_index_in_dim(a, layer, 0, False))
     qw, s = pick(qweight), pick(scale)                                   # [N, K | K/2], [N, G]
     mn = pick(min_) if min_.size else None

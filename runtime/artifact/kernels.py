@@ -77,9 +77,10 @@ QUANT_LINEAR = Composite(
         "layer s32[]: the matrix used",
     ),
     attributes=("bits i64: 8 or 4", "group i64: elements of a row sharing one scale (K: one per row)"),
-    result="f32[M, N]: x rounded to bfloat16 (to nearest even) times W[layer] transposed, where "
-           "W = q * scale + min per group (scale and min widened to f32; q * scale exact in f32 for f16 "
-           "scales); computed in f32 in any association (the products x q are exact in f32)",
+    result="f32[M, N]: x8 times W[layer] transposed, where W = q * scale + min per group (scale and min "
+           "widened to f32) and x8 is x quantized per block of 32 elements of a row as llama.cpp's Q8_0 does: "
+           "d = max|x| / 127, x8 = round_half_even(x / d) * d (0 where d = 0), a last shorter block zero-padded; "
+           "computed in f32 in any association (the integer products are exact)",
 )
 
 COMPOSITES = {c.name: c for c in (PAGED_ATTENTION, LAYER_LINEAR, QUANT_LINEAR)}

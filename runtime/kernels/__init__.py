@@ -46,11 +46,20 @@ ACCEPTS = {"hloserve_quant_linear": lambda attrs: attrs["group"] % 32 == 0}   # 
 # docs/performance.md): the kernel is 2.8x faster at 1 row, 1.3x at 32, even from 128 on; without
 # AVX512-BF16 it widens each product to f32, so only decode-sized row counts stay with it.
 def max_rows(target: str) -> int | None:
-    if target not in ("hloserve_layer_linear", "hloserve_quant_linear"):
+    native = _march() == "native"
+    flags = _cpu_identity().split()
+    if target == "hloserve_quant_linear":
+        # int8 x int8 (VNNI) against XLA dequantizing the layer to f32 for its dot: the kernel is the
+        # faster to 64 rows and even at 256 (1B Llama MLP shape, 2026-11-25, docs/quantization.md);
+        # the portable integer loop only at decode-sized row counts
+        return 64 if native and "avx512_vnni" in flags else 4
+    if target != "hloserve_layer_linear":
         return None
     # with AMX the kernel is bandwidth-bound to 64 rows too, and XLA's dot still the faster at 256
     # (prompt chunks: 355 against 418 ms per 256-token chunk of a Qwen3-0.6B shape, 2026-11-25)
-    return 64 if _march() == "native" and "avx512_bf16" in _cpu_identity().split() else 4
+    return 64 if native and "avx512_bf16" in flags else 4
+
+
 # A result's dims, as (operand, dim) pairs, where they are not the first operand's
 RESULT_DIMS = {"hloserve_layer_linear": ((0, 0), (1, 1)), "hloserve_quant_linear": ((0, 0), (1, 1))}
 CONTRACTS = {(c.name, c.version): c for c in COMPOSITES.values()}

@@ -11,8 +11,8 @@
 //   hloserve_layer_linear: a few rows times one layer's 16-bit matrix, read where it lies in the
 //     stack of all layers; XLA copies the layer out of the stack and then packs (transposes) it
 //     for its dot kernel, on every call: three passes over the weights where one is needed.
-//   hloserve_quant_linear: the same with an int8 / int4 matrix, dequantized in registers; XLA
-//     writes the dequantized f32 layer to memory and reads it back for its dot.
+//   hloserve_quant_linear: the same with an int8 / int4 matrix, multiplied as integers (int8
+//     activations, VNNI); XLA writes the dequantized f32 layer to memory and reads it back.
 //
 // Work is split over XLA's intra-op thread pool; the calling thread takes a share and never
 // waits on a task that has not started.
@@ -735,15 +735,17 @@ ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 }
 
 
-// -- hloserve_quant_linear: weight-only int8 / int4 matrices, dequantized in registers ----------
+// -- hloserve_quant_linear: weight-only int8 / int4 matrices times int8 activations -------------
 //
-// W = q * scale (+ min) per group of `group` elements of a row (quantization/schemes.py). Per
-// matrix row and group, the products x q are exact (q is an integer of at most 8 bits, exact in
-// bf16; x rounded to bf16) and summed in f32, then scaled: sum_g scale_g (sum_k x_k q_k) +
-// min_g (sum_k x_k), the last sum shared by every matrix row. Blocks of kPanelRows matrix rows are
-// dequantized once into a bf16 panel (q, not q * scale: exact) that every group of x rows reads
-// from L1; the weights themselves are read from memory once, at 1 (int8) or 1/2 (int4) byte each.
-constexpr int64_t kPanelRows = 4;
+// W = q * scale (+ min) per group of `group` elements of a row (quantization/schemes.py); x is
+// quantized per block of 32 elements as llama.cpp's Q8_0 (d = max|x| / 127, x8 = round(x / d)).
+// Each block's integer dot product is exact in int32; it is then scaled by d * scale in f32.
+// With AVX512-VNNI one vpdpbusd multiplies 64 unsigned weight bytes by 64 signed activation
+// bytes and adds them in fours: the weights are made unsigned (int8: q + 128; int4 two's
+// complement: q + 8; int4 with a min: q as is) and the offset comes back as a per-group
+// correction c_g * (sum of x over the group), c_g = -128 scale, -8 scale or min. The weights
+// are read from memory once, 1 or 1/2 byte each, and never widened.
+constexpr int64_t kXBlock = 32;
 
 struct QuantMatrix {
   const void* q;      // layer's qweight [N, K] s8 or [N, K/2] u8
@@ -758,7 +760,62 @@ inline float scalar_of(const void* base, bool f16, int64_t i) {
   return f16 ? f16_to_f32(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
 }
 
-// the integer value q of element k of matrix row n (nibble 2j of a byte is its low half)
+// count scales (or mins) from element `start` of base, widened to f32 into dst
+inline void widen(const void* base, bool f16, int64_t start, int64_t count, float* dst) {
+  if (!f16) {
+    std::memcpy(dst, static_cast<const float*>(base) + start, count * sizeof(float));
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(base) + start;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= count; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+#endif
+  for (; i < count; ++i) dst[i] = f16_to_f32(h[i]);
+}
+
+// Activations quantized once per call: xq [M, K] int8 (int4 weights: each row as its even then its
+// odd elements, the order the packed nibbles hold them), d [M, K/32], and xsum [M, G]: the sum of
+// x8 = xq * d over each weight group.
+struct QuantizedX {
+  std::vector<int8_t> xq;
+  std::vector<float> d, xsum;
+  std::vector<float> lanes;   // d per vpdpbusd lane: [M, chunks, 16] (filled by the VNNI path)
+};
+
+// (xq and d are padded with zeros: a row's last, half chunk is read whole, against zero weights)
+QuantizedX quantize_x(const float* x, int64_t M, const QuantMatrix& w) {
+  const int64_t K = w.K, B = K / kXBlock;
+  QuantizedX r{std::vector<int8_t>(M * K + 64, 0), std::vector<float>(M * B + 4, 0.f),
+               std::vector<float>(M * w.G, 0.f), {}};
+  std::vector<int8_t> row(K);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = x + m * K + b * kXBlock;
+      float amax = 0.f;
+      for (int64_t k = 0; k < kXBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float d = amax / 127.f;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < kXBlock; ++k) {
+        const int v = d > 0.f ? static_cast<int>(std::nearbyint(xb[k] / d)) : 0;
+        row[b * kXBlock + k] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      r.d[m * B + b] = d;
+      r.xsum[m * w.G + b * kXBlock / w.group] += d * static_cast<float>(sum);
+    }
+    int8_t* dst = r.xq.data() + m * K;
+    if (w.bits == 8) {
+      std::memcpy(dst, row.data(), K);
+    } else {
+      for (int64_t k = 0; k < K / 2; ++k) dst[k] = row[2 * k], dst[K / 2 + k] = row[2 * k + 1];
+    }
+  }
+  return r;
+}
+
+// the integer value q of element k of matrix row n (element 2j of a byte pair is the low nibble)
 inline int int_of(const QuantMatrix& w, int64_t n, int64_t k) {
   if (w.bits == 8) return static_cast<const int8_t*>(w.q)[n * w.K + k];
   const uint8_t b = static_cast<const uint8_t*>(w.q)[n * (w.K / 2) + k / 2];
@@ -766,102 +823,172 @@ inline int int_of(const QuantMatrix& w, int64_t n, int64_t k) {
   return w.min == nullptr && v > 7 ? v - 16 : v;
 }
 
-// rows [n0, n1) times every row of xr (bf16 bits, f32 copies in xf), widened: the same products
-// and sums in f32, for CPUs without AVX512-BF16
-void quant_widened(const QuantMatrix& w, const float* xf, int64_t M, const float* xsum, int64_t n0, int64_t n1,
-                   float* out) {
-  std::vector<float> row(w.K);
+// the activation value xq of element k of row m (in quantize_x's order)
+inline int x_of(const QuantizedX& x, const QuantMatrix& w, int64_t m, int64_t k) {
+  const int8_t* row = x.xq.data() + m * w.K;
+  return w.bits == 8 ? row[k] : row[(k % 2) * (w.K / 2) + k / 2];
+}
+
+// rows [n0, n1): the same integer block sums and f32 scaling, portably (CPUs without AVX512-VNNI)
+void quant_portable(const QuantMatrix& w, const QuantizedX& x, int64_t M, int64_t n0, int64_t n1, float* out) {
+  const int64_t B = w.K / kXBlock;
+  std::vector<int32_t> row(w.K);
   for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t k = 0; k < w.K; ++k) row[k] = static_cast<float>(int_of(w, n, k));
+    for (int64_t k = 0; k < w.K; ++k) row[k] = int_of(w, n, k);
     for (int64_t m = 0; m < M; ++m) {
       float total = 0.f;
-      for (int64_t g = 0; g < w.G; ++g) {
-        float acc = 0.f;
-        const float* xg = xf + m * w.K + g * w.group;
-        const float* rg = row.data() + g * w.group;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t k = 0; k < w.group; ++k) acc += xg[k] * rg[k];
-        total += acc * scalar_of(w.scale, w.f16, n * w.G + g);
-        if (w.min != nullptr) total += scalar_of(w.min, w.f16, n * w.G + g) * xsum[m * w.G + g];
+      for (int64_t b = 0; b < B; ++b) {
+        int32_t dot = 0;
+        for (int64_t k = b * kXBlock; k < (b + 1) * kXBlock; ++k) dot += x_of(x, w, m, k) * row[k];
+        total += static_cast<float>(dot) * (x.d[m * B + b] * scalar_of(w.scale, w.f16, n * w.G + b * kXBlock / w.group));
       }
+      for (int64_t g = 0; w.min != nullptr && g < w.G; ++g)
+        total += scalar_of(w.min, w.f16, n * w.G + g) * x.xsum[m * w.G + g];
       out[m * w.N + n] = total;
     }
   }
 }
 
-#if defined(__AVX512BF16__)
-// 32 int8 -> 32 bf16 (exact)
-inline __m512i deq8(const int8_t* q) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
-  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // elements 0-15 from lo, 16-31 from hi
-}
+#if defined(__AVX512VNNI__)
+// Lanes of a vpdpbusd result per 64 weight bytes: int8, 8 lanes per x block (2 blocks); int4, the
+// low and the high nibbles of 64 bytes are 128 elements, 4 lanes per block (4 blocks).
+template <int BITS>
+struct Layout {
+  static constexpr int64_t kElems = BITS == 8 ? 64 : 128;   // elements per 64 weight bytes
+  static constexpr int kLanesPerBlock = BITS == 8 ? 8 : 4;
+};
 
-// 16 bytes of nibbles -> 32 bf16: word 2j = table[low nibble of byte j], word 2j + 1 = table[high]
-inline __m512i deq4(const uint8_t* p, __m512i table) {
-  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i lo = _mm512_and_si512(d, _mm512_set1_epi32(0xF));
-  const __m512i hi = _mm512_slli_epi32(_mm512_srli_epi32(d, 4), 16);
-  return _mm512_permutexvar_epi16(_mm512_or_si512(lo, hi), table);
-}
-
-// matrix rows [n0, n0 + rows) (rows <= kPanelRows) -> panel [rows, K] of bf16 q values
-void dequant_panel(const QuantMatrix& w, int64_t n0, int64_t rows, uint16_t* panel) {
-  alignas(64) uint16_t values[32] = {};
-  for (int v = 0; v < 16; ++v)
-    values[v] = f32_to_bf16(static_cast<float>(w.min == nullptr && v > 7 ? v - 16 : v));
-  const __m512i table = _mm512_load_si512(values);
-  for (int64_t i = 0; i < rows; ++i) {
-    uint16_t* dst = panel + i * w.K;
-    if (w.bits == 8) {
-      const int8_t* q = static_cast<const int8_t*>(w.q) + (n0 + i) * w.K;
-      for (int64_t k = 0; k < w.K; k += 32) _mm512_storeu_si512(dst + k, deq8(q + k));
-    } else {
-      const uint8_t* q = static_cast<const uint8_t*>(w.q) + (n0 + i) * (w.K / 2);
-      for (int64_t k = 0; k < w.K; k += 32) _mm512_storeu_si512(dst + k, deq4(q + k / 2, table));
-    }
+// 16 lanes: lane l holds v[block of lane l] (v: the chunk's 2 or 4 per-block values)
+template <int BITS>
+inline __m512 per_lane(const float* v) {
+  if constexpr (BITS == 8) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(v[0])), _mm256_set1_ps(v[1]), 1);
+  } else {
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(v)));
   }
 }
 
-// NR panel rows x MR x rows: per group, exact partial sums (vdpbf16ps), then scaled into the total
-template <int NR, int MR>
-inline void quant_tile(const uint16_t* panel, const float* sc, const QuantMatrix& w, const uint16_t* x,
-                       float* out) {
-  const int64_t K = w.K, chunks = w.group / 32;
+// NR matrix rows x MR x rows, chunk by chunk of 64 weight bytes: exact int32 block sums, scaled
+// in f32 by (weight scale x activation d) per lane; `ws` holds each matrix row's scale per x block
+template <int BITS, int NR, int MR>
+inline void vnni_tile(const uint8_t* q, int64_t qstride, const float* ws, const QuantizedX& x, int64_t m0,
+                      int64_t K, int64_t B, bool sym4, float* out, int64_t N) {
+  using Lay = Layout<BITS>;
   __m512 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < w.G; ++g) {
-    __m512 part[NR][MR];
-    for (int i = 0; i < NR; ++i)
-      for (int j = 0; j < MR; ++j) part[i][j] = _mm512_setzero_ps();
-    for (int64_t c = 0, k = g * w.group; c < chunks; ++c, k += 32) {
-      __m512bh xv[MR];
-      for (int j = 0; j < MR; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x + j * K + k);
-      for (int i = 0; i < NR; ++i) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(panel + i * K + k);
-        for (int j = 0; j < MR; ++j) part[i][j] = _mm512_dpbf16_ps(part[i][j], wv, xv[j]);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i flip = _mm512_set1_epi8(BITS == 8 ? static_cast<char>(0x80) : 0x08);
+  const int64_t blocks = Lay::kElems / kXBlock, chunks = (K + Lay::kElems - 1) / Lay::kElems;
+  for (int64_t c = 0, e = 0; e < K; ++c, e += Lay::kElems) {
+    // the last chunk of a row may be half a chunk (32 bytes): its other lanes get zero weights
+    const int64_t bytes = std::min<int64_t>(64, (K - e) * BITS / 8);
+    const __mmask64 valid = bytes == 64 ? ~__mmask64(0) : (__mmask64(1) << bytes) - 1;
+    __m512i lo[NR], hi[NR];
+    for (int i = 0; i < NR; ++i) {
+      const __m512i v = _mm512_maskz_loadu_epi8(valid, q + i * qstride + c * 64);
+      if constexpr (BITS == 8) {
+        lo[i] = _mm512_maskz_mov_epi8(valid, _mm512_xor_si512(v, flip));   // q + 128
+      } else {
+        lo[i] = _mm512_and_si512(v, low);
+        hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if (sym4) {                                                          // q + 8
+          lo[i] = _mm512_maskz_mov_epi8(valid, _mm512_xor_si512(lo[i], flip));
+          hi[i] = _mm512_maskz_mov_epi8(valid, _mm512_xor_si512(hi[i], flip));
+        }
       }
     }
-    for (int i = 0; i < NR; ++i) {
-      const __m512 s = _mm512_set1_ps(sc[i * w.G + g]);
-      for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_fmadd_ps(part[i][j], s, acc[i][j]);
+    __m512 wsv[NR];
+    for (int i = 0; i < NR; ++i) wsv[i] = per_lane<BITS>(ws + i * B + c * blocks);
+    for (int j = 0; j < MR; ++j) {
+      const int8_t* xr = x.xq.data() + (m0 + j) * K;
+      const __m512 dv = _mm512_loadu_ps(x.lanes.data() + ((m0 + j) * chunks + c) * 16);
+      __m512i xa, xb;
+      if constexpr (BITS == 8) {
+        xa = _mm512_loadu_si512(xr + e);
+      } else {
+        xa = _mm512_loadu_si512(xr + e / 2);            // even elements
+        xb = _mm512_loadu_si512(xr + K / 2 + e / 2);    // odd elements
+      }
+      for (int i = 0; i < NR; ++i) {
+        __m512i part = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], xa);
+        if constexpr (BITS == 4) part = _mm512_dpbusd_epi32(part, hi[i], xb);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part), _mm512_mul_ps(wsv[i], dv), acc[i][j]);
+      }
     }
   }
   for (int i = 0; i < NR; ++i)
-    for (int j = 0; j < MR; ++j) out[j * w.N + i] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < MR; ++j) out[(m0 + j) * N + i] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-template <int NR>
-inline void quant_rows(const uint16_t* panel, const float* sc, const QuantMatrix& w, const uint16_t* x, int64_t M,
-                       float* out) {
+template <int BITS, int NR>
+inline void vnni_rows(const uint8_t* q, int64_t qstride, const float* ws, const QuantizedX& x, int64_t M, int64_t K,
+                      int64_t B, bool sym4, float* out, int64_t N) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) quant_tile<NR, 4>(panel, sc, w, x + m * w.K, out + m * w.N);
+  for (; m + 4 <= M; m += 4) vnni_tile<BITS, NR, 4>(q, qstride, ws, x, m, K, B, sym4, out, N);
   switch (M - m) {
-    case 3: quant_tile<NR, 3>(panel, sc, w, x + m * w.K, out + m * w.N); break;
-    case 2: quant_tile<NR, 2>(panel, sc, w, x + m * w.K, out + m * w.N); break;
-    case 1: quant_tile<NR, 1>(panel, sc, w, x + m * w.K, out + m * w.N); break;
+    case 3: vnni_tile<BITS, NR, 3>(q, qstride, ws, x, m, K, B, sym4, out, N); break;
+    case 2: vnni_tile<BITS, NR, 2>(q, qstride, ws, x, m, K, B, sym4, out, N); break;
+    case 1: vnni_tile<BITS, NR, 1>(q, qstride, ws, x, m, K, B, sym4, out, N); break;
   }
+}
+
+// rows [n0, n1) with VNNI: the weights' per-block scales of NR rows at a time, then the tiles, then
+// the per-group offset correction (c_g = -128 scale, -8 scale or min)
+template <int BITS>
+void quant_vnni(const QuantMatrix& w, const QuantizedX& x, int64_t M, int64_t n0, int64_t n1, float* out) {
+  constexpr int NR = 2;
+  const int64_t K = w.K, B = K / kXBlock, qstride = BITS == 8 ? K : K / 2;
+  const bool sym4 = BITS == 4 && w.min == nullptr;
+  const int64_t per_group = w.group / kXBlock;
+  const float offset = BITS == 8 ? -128.f : -8.f;
+  std::vector<float> ws(NR * B + 4, 0.f), corr(w.G);   // padded: a half chunk reads 4 blocks' scales
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int64_t rows = std::min<int64_t>(NR, n1 - n);
+    for (int64_t i = 0; i < rows; ++i) {               // each group's scale, repeated for its x blocks
+      float* wi = ws.data() + i * B;
+      if (per_group == 1) {
+        widen(w.scale, w.f16, (n + i) * w.G, w.G, wi);
+      } else {
+        widen(w.scale, w.f16, (n + i) * w.G, w.G, corr.data());
+        for (int64_t g = 0, b = 0; g < w.G; ++g)
+          for (int64_t e = 0; e < per_group; ++e) wi[b++] = corr[g];
+      }
+    }
+    const uint8_t* q = static_cast<const uint8_t*>(w.q) + n * qstride;
+    if (rows == NR) vnni_rows<BITS, NR>(q, qstride, ws.data(), x, M, K, B, sym4, out + n, w.N);
+    else vnni_rows<BITS, 1>(q, qstride, ws.data(), x, M, K, B, sym4, out + n, w.N);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t r = (n + i) * w.G;
+      if (w.min != nullptr) {
+        widen(w.min, w.f16, r, w.G, corr.data());
+      } else {
+        widen(w.scale, w.f16, r, w.G, corr.data());
+        for (int64_t g = 0; g < w.G; ++g) corr[g] *= offset;
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xs = x.xsum.data() + m * w.G;
+        float extra = 0.f;
+#pragma omp simd reduction(+ : extra)
+        for (int64_t g = 0; g < w.G; ++g) extra += corr[g] * xs[g];
+        out[m * w.N + n + i] += extra;
+      }
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512VNNI__)
+// x.lanes: each row's block scales d laid out per vpdpbusd lane, read with one load per chunk
+template <int BITS>
+void spread_lanes(QuantizedX& x, int64_t M, int64_t K) {
+  using Lay = Layout<BITS>;
+  const int64_t B = K / kXBlock, chunks = (K + Lay::kElems - 1) / Lay::kElems, blocks = Lay::kElems / kXBlock;
+  x.lanes.assign(M * chunks * 16, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < chunks; ++c)
+      _mm512_storeu_ps(x.lanes.data() + (m * chunks + c) * 16, per_lane<BITS>(x.d.data() + m * B + c * blocks));
 }
 #endif
 
@@ -878,7 +1005,7 @@ ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   const ffi::DataType want = bits == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
   if (qweight.element_type() != want || qd[2] != (bits == 8 ? K : K / 2))
     return ffi::Error::InvalidArgument("hloserve_quant_linear: qweight must be s8 [L, N, K] (bits 8) or u8 [L, N, K/2] (bits 4)");
-  if (group <= 0 || group % 32 || K % group)
+  if (group <= 0 || group % kXBlock || K % group)
     return ffi::Error::InvalidArgument("hloserve_quant_linear: group must be a multiple of 32 dividing K");
   const int64_t G = K / group;
   const bool f16 = scale.element_type() == ffi::DataType::F16;
@@ -887,6 +1014,7 @@ ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   const bool asym = min.element_count() != 0;
   if (asym && (min.element_type() != scale.element_type() || min.element_count() != scale.element_count()))
     return ffi::Error::InvalidArgument("hloserve_quant_linear: min must have scale's dtype and shape, or no elements");
+  if (asym && bits == 8) return ffi::Error::InvalidArgument("hloserve_quant_linear: int8 weights have no min");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("hloserve_quant_linear: layer out of range");
   const int64_t qrow = bits == 8 ? K : K / 2, ssize = f16 ? 2 : 4;
@@ -894,43 +1022,20 @@ ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
                 static_cast<const char*>(scale.untyped_data()) + l * N * G * ssize,
                 asym ? static_cast<const char*>(min.untyped_data()) + l * N * G * ssize : nullptr,
                 f16, static_cast<int>(bits), N, K, G, group};
-  const float* xp = x.typed_data();
+  QuantizedX xq = quantize_x(x.typed_data(), M, w);
+#if defined(__AVX512VNNI__)
+  if (bits == 8) spread_lanes<8>(xq, M, K);
+  else spread_lanes<4>(xq, M, K);
+#endif
   float* op = out->typed_data();
-  // x rounded to bf16 once (bits, and their f32 values); per group its sum, for the mins
-  std::vector<uint16_t> xr(M * K);
-  std::vector<float> xf(M * K), xsum(asym ? M * G : 0, 0.f);
-  for (int64_t i = 0; i < M * K; ++i) {
-    xr[i] = f32_to_bf16(xp[i]);
-    xf[i] = bf16_to_f32(xr[i]);
-  }
-  for (int64_t m = 0; asym && m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      float acc = 0.f;
-      for (int64_t k = 0; k < group; ++k) acc += xf[m * K + g * group + k];
-      xsum[m * G + g] = acc;
-    }
   const int64_t tasks = (N + kLinearRows - 1) / kLinearRows;
   parallel_for(pool, tasks, 1, [&](int64_t task) {
     const int64_t n0 = task * kLinearRows, n1 = std::min(N, n0 + kLinearRows);
-#if defined(__AVX512BF16__)
-    std::vector<uint16_t> panel(kPanelRows * K);
-    std::vector<float> sc(kPanelRows * G);
-    for (int64_t n = n0; n < n1; n += kPanelRows) {
-      const int64_t rows = std::min(kPanelRows, n1 - n);
-      dequant_panel(w, n, rows, panel.data());
-      for (int64_t i = 0; i < rows * G; ++i) sc[i] = scalar_of(w.scale, f16, n * G + i);
-      int64_t i = 0;
-      for (; i + 2 <= rows; i += 2) quant_rows<2>(panel.data() + i * K, sc.data() + i * G, w, xr.data(), M, op + n + i);
-      if (i < rows) quant_rows<1>(panel.data() + i * K, sc.data() + i * G, w, xr.data(), M, op + n + i);
-      for (int64_t r = 0; asym && r < rows; ++r)
-        for (int64_t m = 0; m < M; ++m) {
-          float extra = 0.f;
-          for (int64_t g = 0; g < G; ++g) extra += scalar_of(w.min, f16, (n + r) * G + g) * xsum[m * G + g];
-          op[m * N + n + r] += extra;
-        }
-    }
+#if defined(__AVX512VNNI__)
+    if (bits == 8) quant_vnni<8>(w, xq, M, n0, n1, op);
+    else quant_vnni<4>(w, xq, M, n0, n1, op);
 #else
-    quant_widened(w, xf.data(), M, xsum.data(), n0, n1, op);
+    quant_portable(w, xq, M, n0, n1, op);
 #endif
   });
   return ffi::Error::Success();

@@ -124,10 +124,13 @@ def test_what_the_generic_path_cannot_serve_is_named():
 
 
 @pytest.mark.parametrize("arch,options,atol", [
-    # int8 per-channel weights: compared with transformers running the same quantized modules
-    # eagerly (hloserve's torch reference ops), so only f32 summation order differs
-    ("qwen3", {"quantize": "int8"}, 1e-4),
-    ("gemma2", {"quantize": "int4"}, 1e-4),
+    # int8 / int4 weights: compared with transformers running the same quantized modules eagerly
+    # (hloserve's torch reference ops). Both sides quantize each linear's input to int8 per block of
+    # 32, but f32 summation-order noise upstream can move an activation across a rounding boundary:
+    # each such flip moves one product by max|x_block| / 127 times its weight. 1e-2 on logits O(0.5)
+    # bounds a few flips per layer, and is far below what a wrong weight, layer or group moves (O(0.1))
+    ("qwen3", {"quantize": "int8"}, 1e-2),
+    ("gemma2", {"quantize": "int4"}, 1e-2),
     # bf16 matrices and K/V under f32 activations: logits O(0.5) through two layers of bf16-rounded
     # products (2^-8 relative each) against the f32 model: 2e-2 bounds what that rounding can move
     ("llama", {"weight_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}, 2e-2),

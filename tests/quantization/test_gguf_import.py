@@ -127,11 +127,12 @@ def test_llama_from_gguf_keeps_the_files_blocks(ckpt):
 @pytest.mark.slow
 def test_native_export_matches_the_dequantized_model(tmp_path):
     """SmolLM2 exported with --quantize gguf (decode only) vs torch eager of the f32 dequantized step:
-    the same weights bit for bit, but the quantized linears round their input to bf16 (the
-    `hloserve.quant_linear` contract): relative 2^-9 per element at each of the 211 linears, which
-    compounds over 30 layers to a few tenths of a percent of the logits' largest magnitude
-    (measured 0.4%; float32 summation order alone flips some of those roundings, so even the same
-    quantized step run eagerly is no closer). Bound: 1% of the largest logit, same argmax."""
+    the same weights bit for bit, but the quantized linears multiply int8 activations (the
+    `hloserve.quant_linear` contract: x quantized per block of 32, error <= max|x_block| / 254 per
+    element), which compounds over the 211 linears of 30 layers to a few percent of the logits'
+    largest magnitude (measured 3.3%; the perplexity cost, +0.5%, is in docs/quantization.md).
+    Bound, on logits centered on their mean (a common shift changes no probability): 6% of the
+    largest logit, 1% on average, the same argmax."""
     from hloserve.exporter.export import export_artifact
     from hloserve.exporter.models.llama_source import from_gguf
     from hloserve.exporter import presets
@@ -154,5 +155,7 @@ def test_native_export_matches_the_dequantized_model(tmp_path):
     with torch.no_grad():
         want, _ = ref(**args, kv_cache=torch.from_numpy(cache))
     want = want.numpy()
-    assert np.abs(got - want).max() < 0.01 * np.abs(want).max()
+    top = np.abs(want).max()
+    diff = np.abs((got - got.mean()) - (want - want.mean()))
+    assert diff.max() < 0.06 * top and diff.mean() < 0.01 * top, (diff.max(), diff.mean(), top)
     assert int(got.argmax()) == int(want.argmax())

@@ -162,7 +162,8 @@ def test_torch_and_jax_dequantize_bit_exact(scheme, data):
 
 
 @pytest.mark.parametrize("spec, want", [
-    ("int8", WeightScheme(8, None, True, "f32")),
+    ("int8", WeightScheme(8, 32, True, "f16")),
+    ("int8:channel", WeightScheme(8, None, True, "f32")),
     ("int8:32", WeightScheme(8, 32, True, "f16")),
     ("int4", WeightScheme(4, 32, False, "f16")),
     ("int4:128", WeightScheme(4, 128, False, "f16")),

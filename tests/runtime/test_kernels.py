@@ -205,7 +205,7 @@ def _quantized_stack(rng, spec, L, N, K):
     tensors [L, ...] (scale [L, N, G]; min f32[0] when symmetric) and the scheme."""
     from hloserve.quantization import primitives
     from hloserve.quantization.schemes import QuantConfig
-    scheme = QuantConfig.parse(spec).scheme
+    scheme = QuantConfig.parse(spec).scheme.fitted(K)
     qa = primitives.quantize(rng.standard_normal((L, N, K)).astype(np.float32) * 0.1, scheme)
     group = scheme.group or K
     q = {"qweight": qa.qweight, "scale": qa.scale.reshape(L, N, K // group),
@@ -213,21 +213,22 @@ def _quantized_stack(rng, spec, L, N, K):
     return q, scheme, group
 
 
-QUANT_SPECS = ["int8", "int8:32", "int4:32:sym", "int4:32", "int4:64"]   # per-channel f32; Q8_0; Q4_0; Q4_1
+QUANT_SPECS = ["int8:channel", "int8", "int4:32:sym", "int4:32", "int4:64"]   # per-channel f32; Q8_0; Q4_0; Q4_1
 
 
 @pytest.mark.parametrize("spec", QUANT_SPECS)
-@pytest.mark.parametrize("K,N", [(64, 70), (128, 33)])              # N % 4 != 0: the tail rows
+@pytest.mark.parametrize("K,N", [(64, 70), (96, 33), (576, 17)])    # half chunks of 64 bytes; odd N
 def test_quant_linear_kernel_matches_decomposition_and_torch(library, spec, K, N):
     """The quantized linear kernel, the decomposition and the torch op (dequantize in f32, then a
-    matmul of x rounded to bf16) agree, up to kernels.max_rows rows through the kernel and past it
-    through the decomposition, on the layer asked for.
+    matmul with x quantized to int8 per block of 32) agree, up to kernels.max_rows rows through the
+    kernel and past it through the decomposition, on the layer asked for.
 
-    Tolerance: every side rounds x to bf16 identically and the weights are the same f32 values;
-    the kernel sums x q exactly per group and then scales (sum_g s_g sum_k x_k q_k + m_g sum_k x_k)
-    where the others sum x (q s + m): the same terms in another association, so
-    |error| <= (K + 4) 2^-24 sum_k |x_k| (|q_k s_g| + |m_g|)."""
-    from hloserve.quantization.modules import quantized_linear
+    Tolerance: every side quantizes x identically (the same f32 divisions and rounding) and the
+    weights are the same f32 values; the kernel sums x8 q exactly per block as integers and then
+    scales (sum_b d_b s_b sum_k xq_k q_k + sum_g c_g sum_k x8_k) where the others sum x8 (q s + m):
+    the same terms in another association, so |error| <= (K + 4) 2^-24 sum_k |x8_k| (|q_k s_g| + |m_g|)
+    (the kernel's unsigned offsets, 128 or 8 times the scale, add that many times |s| to the terms)."""
+    from hloserve.quantization.modules import quantize_blocks, quantized_linear
     rng = np.random.default_rng(K + N + len(spec))
     q, scheme, group = _quantized_stack(rng, spec, 3, N, K)
     exp = _quant_exported(q, scheme.bits, group)
@@ -250,9 +251,10 @@ def test_quant_linear_kernel_matches_decomposition_and_torch(library, spec, K, N
         ref = quantized_linear(torch.from_numpy(x), t[0], t[1].reshape(3, N, -1) if group != K else t[1][..., 0],
                                t[2] if q["min"].size else None, None, torch.tensor(layer), scheme.bits,
                                scheme.group or 0).numpy()
-        xr = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
-        terms = np.abs(ints[layer] * s[layer]) + np.abs(m[layer])
-        bound = (K + 4) * 2.0 ** -24 * (np.abs(xr) @ terms.T) + 1e-30
+        x8 = quantize_blocks(torch.from_numpy(x)).numpy()
+        offset = 0 if q["min"].size else 128 if scheme.bits == 8 else 8
+        terms = np.abs(ints[layer] * s[layer]) + np.abs(m[layer]) + offset * np.abs(s[layer])
+        bound = (K + 4) * 2.0 ** -24 * (np.abs(x8) @ terms.T) + 1e-30
         for got in (kernel, portable):
             assert got.shape == (rows, N)
             assert (np.abs(got - ref) <= bound).all(), (rows, np.abs(got - ref).max(), bound.min())
