@@ -685,6 +685,9 @@ def main() -> int:
                         "SmolLM2 only")
     p.add_argument("--llama-server-types", default="BF16,Q8_0,Q4_0",
                    help="GGUF types llama-server serves, each made from the preset's Q4_1 file by llama-quantize")
+    p.add_argument("--llama-server-args", default="--no-repack",
+                   help="extra llama-server flags; the default turns off its weight repacking, whose quantized "
+                        "kernels crashed (SIGSEGV at load) on the Sapphire Rapids VM of 2026-11-25")
     p.add_argument("--skip", default="", help=f"systems to skip: {','.join(SYSTEMS)}")
     p.add_argument("--write-docs", action="store_true")
     args = p.parse_args()
@@ -775,7 +778,8 @@ def main() -> int:
                                   os.path.join(cache_dir(), "bench", f"smollm2-{kind}.gguf"))
                 name = f"llama-server {kind}"
                 cmd = [args.llama_server, "-m", path, "-t", str(os.cpu_count()), "-np", str(slots),
-                       "-c", str(max_len * slots), "--host", "127.0.0.1", "--port", str(free_port()), "-a", MODEL]
+                       "-c", str(max_len * slots), "--host", "127.0.0.1", "--port", str(free_port()), "-a", MODEL,
+                       *args.llama_server_args.split()]
                 with server(name, cmd, "/health", os.path.join(logs, f"llama-server-{kind}.log")) as (base, secs):
                     starts[f"{name}, start"] = secs
                     levels += bench_server(name, base, workloads, {"ignore_eos": True})

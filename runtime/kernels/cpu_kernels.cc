@@ -742,9 +742,10 @@ ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 // Each block's integer dot product is exact in int32; it is then scaled by d * scale in f32.
 // With AVX512-VNNI one vpdpbusd multiplies 64 unsigned weight bytes by 64 signed activation
 // bytes and adds them in fours: the weights are made unsigned (int8: q + 128; int4 two's
-// complement: q + 8; int4 with a min: q as is) and the offset comes back as a per-group
-// correction c_g * (sum of x over the group), c_g = -128 scale, -8 scale or min. The weights
-// are read from memory once, 1 or 1/2 byte each, and never widened.
+// complement: q + 8; int4 with a min: q as is) and each lane's integer sum starts at -offset
+// times the sum of its activations (computed once per call), so it comes out exact; a min adds
+// min_g * (x summed over group g) per matrix row. The weights are read from memory once, 1 or
+// 1/2 byte each, and never widened.
 constexpr int64_t kXBlock = 32;
 
 struct QuantMatrix {
@@ -782,13 +783,14 @@ struct QuantizedX {
   std::vector<int8_t> xq;
   std::vector<float> d, xsum;
   std::vector<float> lanes;   // d per vpdpbusd lane: [M, chunks, 16] (filled by the VNNI path)
+  std::vector<int32_t> start; // per lane, -offset * (sum of the xq the lane multiplies): [M, chunks, 16]
 };
 
 // (xq and d are padded with zeros: a row's last, half chunk is read whole, against zero weights)
 QuantizedX quantize_x(const float* x, int64_t M, const QuantMatrix& w) {
   const int64_t K = w.K, B = K / kXBlock;
   QuantizedX r{std::vector<int8_t>(M * K + 64, 0), std::vector<float>(M * B + 4, 0.f),
-               std::vector<float>(M * w.G, 0.f), {}};
+               std::vector<float>(M * w.G, 0.f), {}, {}};
   std::vector<int8_t> row(K);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < B; ++b) {
@@ -874,6 +876,7 @@ inline __m512 per_lane(const float* v) {
 template <int BITS, int NR, int MR>
 inline void vnni_tile(const uint8_t* q, int64_t qstride, const float* ws, const QuantizedX& x, int64_t m0,
                       int64_t K, int64_t B, bool sym4, float* out, int64_t N) {
+  const bool offset = BITS == 8 || sym4;
   using Lay = Layout<BITS>;
   __m512 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
@@ -904,6 +907,8 @@ inline void vnni_tile(const uint8_t* q, int64_t qstride, const float* ws, const 
     for (int j = 0; j < MR; ++j) {
       const int8_t* xr = x.xq.data() + (m0 + j) * K;
       const __m512 dv = _mm512_loadu_ps(x.lanes.data() + ((m0 + j) * chunks + c) * 16);
+      const __m512i sv = offset ? _mm512_loadu_si512(x.start.data() + ((m0 + j) * chunks + c) * 16)
+                                : _mm512_setzero_si512();
       __m512i xa, xb;
       if constexpr (BITS == 8) {
         xa = _mm512_loadu_si512(xr + e);
@@ -912,7 +917,7 @@ inline void vnni_tile(const uint8_t* q, int64_t qstride, const float* ws, const 
         xb = _mm512_loadu_si512(xr + K / 2 + e / 2);    // odd elements
       }
       for (int i = 0; i < NR; ++i) {
-        __m512i part = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], xa);
+        __m512i part = _mm512_dpbusd_epi32(sv, lo[i], xa);
         if constexpr (BITS == 4) part = _mm512_dpbusd_epi32(part, hi[i], xb);
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part), _mm512_mul_ps(wsv[i], dv), acc[i][j]);
       }
@@ -935,14 +940,13 @@ inline void vnni_rows(const uint8_t* q, int64_t qstride, const float* ws, const 
 }
 
 // rows [n0, n1) with VNNI: the weights' per-block scales of NR rows at a time, then the tiles, then
-// the per-group offset correction (c_g = -128 scale, -8 scale or min)
+// (asymmetric int4) the mins' term
 template <int BITS>
 void quant_vnni(const QuantMatrix& w, const QuantizedX& x, int64_t M, int64_t n0, int64_t n1, float* out) {
   constexpr int NR = 2;
   const int64_t K = w.K, B = K / kXBlock, qstride = BITS == 8 ? K : K / 2;
   const bool sym4 = BITS == 4 && w.min == nullptr;
   const int64_t per_group = w.group / kXBlock;
-  const float offset = BITS == 8 ? -128.f : -8.f;
   std::vector<float> ws(NR * B + 4, 0.f), corr(w.G);   // padded: a half chunk reads 4 blocks' scales
   for (int64_t n = n0; n < n1; n += NR) {
     const int64_t rows = std::min<int64_t>(NR, n1 - n);
@@ -959,14 +963,9 @@ void quant_vnni(const QuantMatrix& w, const QuantizedX& x, int64_t M, int64_t n0
     const uint8_t* q = static_cast<const uint8_t*>(w.q) + n * qstride;
     if (rows == NR) vnni_rows<BITS, NR>(q, qstride, ws.data(), x, M, K, B, sym4, out + n, w.N);
     else vnni_rows<BITS, 1>(q, qstride, ws.data(), x, M, K, B, sym4, out + n, w.N);
-    for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t i = 0; w.min != nullptr && i < rows; ++i) {   // the mins: sum_g min_g * (x summed over g)
       const int64_t r = (n + i) * w.G;
-      if (w.min != nullptr) {
-        widen(w.min, w.f16, r, w.G, corr.data());
-      } else {
-        widen(w.scale, w.f16, r, w.G, corr.data());
-        for (int64_t g = 0; g < w.G; ++g) corr[g] *= offset;
-      }
+      widen(w.min, w.f16, r, w.G, corr.data());
       for (int64_t m = 0; m < M; ++m) {
         const float* xs = x.xsum.data() + m * w.G;
         float extra = 0.f;
@@ -981,14 +980,34 @@ void quant_vnni(const QuantMatrix& w, const QuantizedX& x, int64_t M, int64_t n0
 
 #if defined(__AVX512VNNI__)
 // x.lanes: each row's block scales d laid out per vpdpbusd lane, read with one load per chunk
+// x.start: where the unsigned weights carry an offset (int8: q + 128; symmetric int4: q + 8), each
+// lane's sum starts at -offset * (its activations' sum), so the integer sums come out exact
 template <int BITS>
-void spread_lanes(QuantizedX& x, int64_t M, int64_t K) {
+void spread_lanes(QuantizedX& x, int64_t M, int64_t K, int offset) {
   using Lay = Layout<BITS>;
   const int64_t B = K / kXBlock, chunks = (K + Lay::kElems - 1) / Lay::kElems, blocks = Lay::kElems / kXBlock;
   x.lanes.assign(M * chunks * 16, 0.f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < chunks; ++c)
+  x.start.assign(M * chunks * 16, 0);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* xr = x.xq.data() + m * K;
+    for (int64_t c = 0; c < chunks; ++c) {
       _mm512_storeu_ps(x.lanes.data() + (m * chunks + c) * 16, per_lane<BITS>(x.d.data() + m * B + c * blocks));
+      if (offset == 0) continue;
+      __m512i sum;
+      if constexpr (BITS == 8) {
+        sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(xr + c * 64));
+      } else {
+        sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(xr + c * 64));
+        sum = _mm512_dpbusd_epi32(sum, ones, _mm512_loadu_si512(xr + K / 2 + c * 64));
+      }
+      // a row's last, half chunk: the lanes past it multiply zero weights and must start at zero too
+      const int64_t bytes = std::min<int64_t>(64, (K - c * Lay::kElems) * BITS / 8);
+      const __mmask16 valid = static_cast<__mmask16>((1u << (bytes / 4)) - 1);
+      _mm512_storeu_si512(x.start.data() + (m * chunks + c) * 16,
+                          _mm512_maskz_mullo_epi32(valid, sum, _mm512_set1_epi32(-offset)));
+    }
+  }
 }
 #endif
 
@@ -1024,8 +1043,8 @@ ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
                 f16, static_cast<int>(bits), N, K, G, group};
   QuantizedX xq = quantize_x(x.typed_data(), M, w);
 #if defined(__AVX512VNNI__)
-  if (bits == 8) spread_lanes<8>(xq, M, K);
-  else spread_lanes<4>(xq, M, K);
+  if (bits == 8) spread_lanes<8>(xq, M, K, 128);
+  else spread_lanes<4>(xq, M, K, asym ? 0 : 8);
 #endif
   float* op = out->typed_data();
   const int64_t tasks = (N + kLinearRows - 1) / kLinearRows;
