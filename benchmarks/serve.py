@@ -495,24 +495,19 @@ def ratios(summaries: list[dict]) -> list[str]:
     lines = []
     for (system, wl, c), ours in by.items():
         if system.startswith("hloserve "):           # a quantized artifact: against llama.cpp at its bits and bf16
-            spec = system.split(" ", 1)[1]
-            for other in (f"llama-server {SAME_BITS.get(spec, '?')}", "hloserve", "llama-server BF16"):
-                o = by.get((other, wl, c))
-                if o:
-                    lines.append(f"{wl} c={c}: {system} / {other}: output tok/s "
-                                 f"{ours['output_tok_s'] / o['output_tok_s']:.2f}x ({ours['output_tok_s']:.1f} vs "
-                                 f"{o['output_tok_s']:.1f}); TPOT p50 {ours['tpot_p50_ms']:.1f} vs "
-                                 f"{o['tpot_p50_ms']:.1f} ms = {ours['tpot_p50_ms'] / o['tpot_p50_ms']:.2f}x")
+            others = (f"llama-server {SAME_BITS.get(system.split(' ', 1)[1], '?')}", "hloserve", "llama-server BF16")
+        elif system == "hloserve":
+            others = (VLLM, "llama-cpp-python", "transformers", "llama-server BF16")
+        else:
             continue
-        if system != "hloserve":
-            continue
-        for other in (VLLM, "llama-cpp-python", "transformers", "llama-server BF16"):
+        for other in others:
             o = by.get((other, wl, c))
             if o:
-                lines.append(f"{wl} c={c}: hloserve / {other}: output tok/s {ours['output_tok_s'] / o['output_tok_s']:.2f}x "
+                lines.append(f"{wl} c={c}: {system} / {other}: output tok/s {ours['output_tok_s'] / o['output_tok_s']:.2f}x "
                              f"({ours['output_tok_s']:.1f} vs {o['output_tok_s']:.1f}); TTFT p50 "
                              f"{ours['ttft_p50_ms']:.0f} vs {o['ttft_p50_ms']:.0f} ms; TPOT p50 {ours['tpot_p50_ms']:.1f} "
-                             f"vs {o['tpot_p50_ms']:.1f} ms; ITL p99 {ours['itl_p99_ms']:.0f} vs {o['itl_p99_ms']:.0f} ms")
+                             f"vs {o['tpot_p50_ms']:.1f} ms ({ours['tpot_p50_ms'] / o['tpot_p50_ms']:.2f}x); ITL p99 "
+                             f"{ours['itl_p99_ms']:.0f} vs {o['itl_p99_ms']:.0f} ms")
     return lines
 
 
