@@ -117,7 +117,7 @@ def _block_rows(out: int, n_in: int) -> int:
     return rows
 
 
-X_BLOCK = 32   # quantization/modules.py's X_BLOCK
+X_BLOCK = _qmodules.X_BLOCK   # activations are quantized per block of this many elements
 
 
 def quantize_blocks(x):

@@ -178,7 +178,8 @@ class ScannedLayers(torch.nn.Module):
 
     `stack.{j}` holds the weights of the layers at position j of each period, stacked
     [L // period, ...] (the tensors a linear module reads in place, its IN_PLACE, are passed whole
-    to the composite with the scan's iteration as `layer`; the others are sliced); `tail` are the last L % period layers, unrolled.
+    to the composite with the scan's iteration as `layer`; the others are sliced); `tail` are the
+    last L % period layers, unrolled.
 
     The step's attention finds the cache and the layer index in the object passed to every layer
     as keyword `step_kwarg`: `step.at(layer, cache)` makes the one a layer call uses (created
