@@ -1,4 +1,4 @@
-"""On-disk cache of compiled executables, keyed without lowering.
+"""On-disk cache of compiled executables, keyed without lowering; data only, never code.
 
 jax's persistent compilation cache (configured in client.py) keys on the
 lowered HLO, so a warm process still pays for lowering the artifact's module
@@ -9,23 +9,113 @@ devices, jax/jaxlib and backend versions), so a warm start deserializes the
 executable directly. A miss falls through to jax (and its cache), and the
 result is written here.
 
-Entries live in CACHE_DIR/executables/<key>.bin and are written atomically.
-Loading an entry runs its code, so a directory another user owns or that group/others may write is
-refused (every lookup a miss, with one warning naming it); the directory is created 0700.
+An entry is CACHE_DIR/executables/<key>.xla, written atomically:
+
+    one line of JSON (EntryHeader: format, key, jax/jaxlib, platform, the payload's
+    sha256, which arguments the executable keeps, each output's shape, dtype and sharding)
+    the payload: the executable as PJRT serializes it (what jax's own cache stores)
+
+Nothing in it is unpickled or imported: the header is parsed as JSON and checked
+(format, key, versions, platform, digest) before PJRT sees the payload, and any
+mismatch is a miss with one log line, then a recompile that rewrites the entry.
+A directory another user owns or that group/others may write is still refused
+(a PJRT executable is machine code), with one warning naming it; the directory is
+created 0700.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
-import pickle
 from typing import Any, Mapping, Sequence
 
 import jax
+import numpy as np
+
+from .paths import untrusted
 
 LOG = logging.getLogger("hloserve.runtime")
-_FORMAT = 1
+FORMAT = 2
+SUFFIX = ".xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSpec:
+    """One output of a cached executable: what its per-device buffers assemble into."""
+    shape: tuple[int, ...]
+    dtype: str
+    mesh_axes: tuple[str, ...] = ()              # () : the one device's array as it comes back
+    mesh_shape: tuple[int, ...] = ()
+    spec: tuple[Any, ...] = ()                   # PartitionSpec entries: None, an axis, or a list of axes
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryHeader:
+    """The first line of an entry (JSON): everything needed to check and call the payload."""
+    format: int
+    key: str
+    jax: str
+    jaxlib: str
+    platform: str
+    payload_sha256: str
+    kept_args: tuple[int, ...]                   # arguments the executable reads (jit drops unused ones)
+    outputs: tuple[OutputSpec, ...]
+    single_output: bool                          # the function returns one array, not a tuple
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "EntryHeader":
+        d = json.loads(text)
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError(f"format {d.get('format') if isinstance(d, dict) else '?'} is not {FORMAT}")
+        outs = tuple(OutputSpec(tuple(o["shape"]), str(o["dtype"]), tuple(o["mesh_axes"]), tuple(o["mesh_shape"]),
+                                tuple(tuple(s) if isinstance(s, list) else s for s in o["spec"]))
+                     for o in d["outputs"])
+        return cls(FORMAT, str(d["key"]), str(d["jax"]), str(d["jaxlib"]), str(d["platform"]),
+                   str(d["payload_sha256"]), tuple(int(i) for i in d["kept_args"]), outs, bool(d["single_output"]))
+
+
+class CachedExecutable:
+    """A PJRT executable read from the cache, called like the jax executable it was built from:
+    `exe(*args)` with every argument of the jitted function (placed on the devices) returns its
+    outputs. Donated arguments are donated (the aliasing is part of the executable)."""
+
+    def __init__(self, loaded: Any, header: EntryHeader, devices: Sequence[Any]):
+        self._loaded = loaded
+        self._kept = header.kept_args
+        self._single = header.single_output
+        by_id = {d.id: d for d in devices}
+        self._assemble: list[Any] = []   # per output: None (one device's array) or its global sharding
+        for o in header.outputs:
+            if not o.mesh_axes:
+                self._assemble.append(None)
+                continue
+            mesh = jax.sharding.Mesh(np.array([by_id[d.id] for d in devices]).reshape(o.mesh_shape), o.mesh_axes)
+            self._assemble.append((o.shape, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*o.spec))))
+
+    def __call__(self, *args: Any) -> Any:
+        results = self._loaded.execute_sharded([args[i] for i in self._kept])
+        outs = []
+        for shards, how in zip(results.disassemble_into_single_device_arrays(), self._assemble):
+            outs.append(shards[0] if how is None else jax.make_array_from_single_device_arrays(how[0], how[1], shards))
+        return outs[0] if self._single else tuple(outs)
+
+
+def _output_spec(aval: Any, sharding: Any, devices: Sequence[Any]) -> OutputSpec:
+    shape, dtype = tuple(int(d) for d in aval.shape), str(aval.dtype)
+    if len(devices) == 1:
+        return OutputSpec(shape, dtype)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        raise ValueError(f"output sharding {type(sharding).__name__} has no plain description")
+    mesh = sharding.mesh
+    if [d.id for d in mesh.devices.flat] != [d.id for d in devices]:
+        raise ValueError("output mesh devices differ from the executable's")
+    spec = tuple(list(s) if isinstance(s, tuple) else s for s in sharding.spec)
+    return OutputSpec(shape, dtype, tuple(mesh.axis_names), tuple(mesh.devices.shape), spec)
 
 
 class ExecutableCache:
@@ -33,65 +123,74 @@ class ExecutableCache:
 
     def __init__(self, cache_dir: str):
         self.dir = os.path.join(cache_dir, "executables")
-        self.refused = self._untrusted(cache_dir)
+        self.refused = untrusted(cache_dir, self.dir)
         if self.refused:
-            LOG.warning("executable cache %s not used: %s (loading an entry runs its code); fix the permissions "
+            LOG.warning("executable cache %s not used: %s (an entry is machine code); fix the permissions "
                         "(chmod go-w, or own it) or point HLOSERVE_CACHE elsewhere", self.dir, self.refused)
 
     @staticmethod
-    def _untrusted(cache_dir: str) -> str | None:
-        """Why the directory (or the cache root above it) may hold entries written by someone else, or None."""
-        for d in (cache_dir, os.path.join(cache_dir, "executables")):
-            try:
-                st = os.stat(d)
-            except OSError:
-                continue
-            if hasattr(os, "getuid") and st.st_uid != os.getuid():
-                return f"{d} belongs to another user (uid {st.st_uid})"
-            if st.st_mode & 0o022:
-                return f"{d} is writable by group or others (mode {st.st_mode & 0o777:o})"
-        return None
-
-    @staticmethod
     def key(parts: Mapping[str, Any]) -> str:
-        blob = json.dumps({"format": _FORMAT, "jax": jax.__version__, "jaxlib": jax.lib.__version__, **parts},
+        blob = json.dumps({"format": FORMAT, "jax": jax.__version__, "jaxlib": jax.lib.__version__, **parts},
                           sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
-    def _path(self, key: str) -> str:
-        return os.path.join(self.dir, f"{key}.bin")
+    def path(self, key: str) -> str:
+        return os.path.join(self.dir, f"{key}{SUFFIX}")
 
-    def get(self, key: str, devices: Sequence[Any]) -> Any | None:
+    def get(self, key: str, devices: Sequence[Any]) -> CachedExecutable | None:
         """The executable for `key` loaded onto `devices` (in compile order), or None."""
-        path = self._path(key)
+        path = self.path(key)
         if self.refused or not os.path.exists(path):
             return None
-        from jax.experimental import serialize_executable
         try:
             with open(path, "rb") as f:
-                blob, in_tree, out_tree = pickle.load(f)
-            return serialize_executable.deserialize_and_load(
-                blob, in_tree, out_tree, backend=devices[0].client, execution_devices=list(devices))
+                blob = f.read()
+            line, sep, payload = blob.partition(b"\n")
+            if not sep:
+                raise ValueError("no header line")
+            header = EntryHeader.from_json(line.decode("utf-8"))
+            client = devices[0].client
+            want = {"key": key, "jax": jax.__version__, "jaxlib": jax.lib.__version__, "platform": client.platform}
+            got = {k: getattr(header, k) for k in want}
+            if got != want:
+                raise ValueError(f"written for {got}, looked up for {want}")
+            if hashlib.sha256(payload).hexdigest() != header.payload_sha256:
+                raise ValueError("payload digest mismatch (truncated or overwritten)")
+            loaded = client.deserialize_executable(payload, list(devices), None)
+            return CachedExecutable(loaded, header, devices)
         except Exception as e:  # noqa: BLE001 - a bad entry is a miss; it is rewritten after compiling
-            LOG.warning("executable cache entry %s is unreadable (%s: %s); recompiling", path, type(e).__name__, e)
+            LOG.warning("executable cache entry %s not used (%s: %s); recompiling", path, type(e).__name__, e)
             return None
 
     def evict(self, key: str) -> None:
         try:
-            os.remove(self._path(key))
+            os.remove(self.path(key))
         except OSError:
             pass
 
-    def put(self, key: str, compiled: Any) -> None:
-        from jax.experimental import serialize_executable
+    def put(self, key: str, compiled: Any, devices: Sequence[Any]) -> None:
+        """Write `compiled` (a jax.stages.Compiled of a function with flat array outputs)."""
         if self.refused:
             return
         try:
-            blob, in_tree, out_tree = serialize_executable.serialize(compiled)
+            unloaded = compiled._executable._unloaded_executable
+            loaded = unloaded.xla_executable
+            payload = loaded.client.serialize_executable(loaded)
+            out_avals = jax.tree.leaves(compiled.out_info)
+            out_shardings = jax.tree.leaves(compiled.output_shardings)
+            single = jax.tree_util.treedef_is_leaf(compiled.out_tree)
+            if not single and compiled.out_tree not in (jax.tree.structure(tuple(out_avals)),
+                                                        jax.tree.structure(list(out_avals))):
+                raise ValueError(f"outputs are not a flat sequence ({compiled.out_tree})")
+            header = EntryHeader(
+                FORMAT, key, jax.__version__, jax.lib.__version__, loaded.client.platform,
+                hashlib.sha256(payload).hexdigest(), tuple(sorted(unloaded.kept_var_idx)),
+                tuple(_output_spec(a, s, devices) for a, s in zip(out_avals, out_shardings)), single)
             os.makedirs(self.dir, mode=0o700, exist_ok=True)
-            tmp = f"{self._path(key)}.{os.getpid()}.partial"
+            tmp = f"{self.path(key)}.{os.getpid()}.partial"
             with open(tmp, "wb") as f:
-                pickle.dump((blob, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, self._path(key))
+                f.write(header.to_json().encode() + b"\n")
+                f.write(payload)
+            os.replace(tmp, self.path(key))
         except Exception as e:  # noqa: BLE001 - caching is an optimization; the executable still runs
             LOG.info("executable not written to the cache %s (%s: %s)", self.dir, type(e).__name__, e)

@@ -236,7 +236,7 @@ class Function:
             # are written to the executable cache.
             return exe, "read from jax's persistent compilation cache"
         if key is not None:
-            self._exec_cache.put(key, exe)
+            self._exec_cache.put(key, exe, self._devices)
         return exe, "compiled"
 
     def _run(self, key: Env, env: Mapping[str, int], requested: Mapping[str, int], args: list) -> Any:

@@ -16,3 +16,19 @@ def cache_dir() -> str:
         return os.environ["HLOSERVE_CACHE"]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "hloserve")
+
+
+def untrusted(*dirs: str) -> str | None:
+    """Why a directory hloserve loads code from (compiled executables, the kernel library) may hold
+    files written by someone else: another user owns it, or group/others may write it; None when
+    none of `dirs` (those that exist) does."""
+    for d in dirs:
+        try:
+            st = os.stat(d)
+        except OSError:
+            continue
+        if hasattr(os, "getuid") and st.st_uid != os.getuid():
+            return f"{d} belongs to another user (uid {st.st_uid})"
+        if st.st_mode & 0o022:
+            return f"{d} is writable by group or others (mode {st.st_mode & 0o777:o})"
+    return None

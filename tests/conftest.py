@@ -20,3 +20,22 @@ def minilm_artifact(tmp_path_factory, minilm_dir) -> str:
     src = load_source(minilm_dir)
     export_artifact(out, src.entries, source="all-minilm-l6-v2", model=src.model, files=src.files)
     return out
+
+
+def pytest_configure(config):
+    """Tests never read or write the user's cache root: HLOSERVE_CACHE points at a fresh directory
+    for this run (or at $HLOSERVE_TEST_CACHE, a cache kept for tests only, to skip the downloads and
+    the default model's export between local runs). Subprocesses inherit it."""
+    import os
+    import tempfile
+    root = os.environ.get("HLOSERVE_TEST_CACHE")
+    if not root:
+        root = config._hloserve_fresh_cache = tempfile.mkdtemp(prefix="hloserve-test-cache-")
+    os.environ["HLOSERVE_CACHE"] = root
+
+
+def pytest_unconfigure(config):
+    import shutil
+    fresh = getattr(config, "_hloserve_fresh_cache", None)
+    if fresh:
+        shutil.rmtree(fresh, ignore_errors=True)

@@ -16,6 +16,7 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -26,7 +27,7 @@ from typing import Any, Callable
 from hloserve.runtime.artifact.kernels import COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, QUANT_LINEAR
 
 from .._private import rewrite_composites
-from ..paths import cache_dir
+from ..paths import cache_dir, untrusted
 
 LOG = logging.getLogger("hloserve.runtime")
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernels.cc")
@@ -92,16 +93,48 @@ def cpu_library(report: Callable[[str], None] | None = None) -> Library | None:
         source = f.read()
     key = hashlib.sha256(b"\0".join([source, _compiler_version(compiler).encode(), " ".join(_flags()).encode(),
                                      jax.__version__.encode(), _cpu_identity().encode()])).hexdigest()
-    path = os.path.join(cache_dir(), "kernels", key[:24], "libhloserve_cpu.so")
-    if not os.path.exists(path):
+    root = os.path.join(cache_dir(), "kernels")
+    path = os.path.join(root, key[:24], "libhloserve_cpu.so")
+    refused = untrusted(cache_dir(), root, os.path.dirname(path))
+    if refused:
+        LOG.warning("the CPU kernels in %s are not loaded: %s (the library runs in this process); fix the "
+                    "permissions or point HLOSERVE_CACHE elsewhere. The portable formulations run.", root, refused)
+        return None
+    problem = _check_built(path, key) if os.path.exists(path) else "not built yet"
+    if problem:
+        if problem != "not built yet":
+            LOG.warning("rebuilding the CPU kernel library %s: %s", path, problem)
         if report:
             report("building hloserve's CPU kernels for this machine (once; about 10 s)")
-        err = _build(compiler, path)
+        err = _build(compiler, path, key)
         if err:
             LOG.warning("the CPU kernels could not be built (%s); attention runs its portable formulation", err)
             return None
     _register(path)
     return Library(path, key)
+
+
+def _digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_built(path: str, key: str) -> str | None:
+    """Why the library at `path` must not be loaded (its record is missing, or names another build
+    or other bytes), or None. The record (`path`.json) is written with the library when it is built."""
+    try:
+        with open(path + ".json") as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"its build record is unreadable ({type(e).__name__})"
+    if not isinstance(record, dict) or record.get("key") != key:
+        return "its build record names another build"
+    if record.get("sha256") != _digest(path):
+        return "its bytes differ from the ones built (sha256 mismatch)"
+    return None
 
 
 def specialize(exported: Any, library: Library | None) -> tuple[Any, int]:
@@ -200,8 +233,9 @@ def _flags() -> tuple[str, ...]:
     return tuple(f"-march={_march()}" if f == "-march=native" else f for f in FLAGS)
 
 
-def _build(compiler: str, path: str) -> str | None:
-    """Compile the library into `path` (atomically); returns an error line or None."""
+def _build(compiler: str, path: str, key: str) -> str | None:
+    """Compile the library into `path` (atomically) with its build record (key, sha256); returns
+    an error line or None."""
     import jax
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
@@ -216,6 +250,10 @@ def _build(compiler: str, path: str) -> str | None:
         os.unlink(tmp)
         errors = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.splitlines() or ["?"]
         return f"{os.path.basename(compiler)} exited {proc.returncode}: {errors[0][:300]}"
+    record = json.dumps({"key": key, "sha256": _digest(tmp)})
+    with open(tmp + ".json", "w") as f:
+        f.write(record)
+    os.replace(tmp + ".json", path + ".json")
     os.replace(tmp, path)
     return None
 

@@ -104,8 +104,8 @@ def test_export_bfloat16_factory(tmp_path):
     (["export", "factories:mlp", "-o", "x", "--function", "decode"], ["--function decode", "provides ['forward']"]),
     (["inspect", "no/such/artifact"], ["artifact no/such/artifact does not exist"]),
 ])
-def test_errors_are_one_line(tmp_path, args, fragments):
-    os.chdir(tmp_path)
+def test_errors_are_one_line(tmp_path, monkeypatch, args, fragments):
+    monkeypatch.chdir(tmp_path)   # restored after the test
     assert_one_line_error(hloserve(*args, check=False), *fragments)
 
 

@@ -21,7 +21,7 @@ import os
 
 import pytest
 
-pytest.importorskip("expecttest", reason="torch's OpInfo database needs expecttest (pip install expecttest)")
+import expecttest  # noqa: E402,F401 - torch's OpInfo database needs it (a dev dependency: never skipped)
 
 from . import opinfo_harness as harness  # noqa: E402
 

@@ -7,6 +7,7 @@ positions without hiding a wrong position or mask (which moves outputs by O(0.1)
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -315,3 +316,38 @@ def test_fallback_builds_pass_the_kernel_tests(library, march, tmp_path):
     assert out.returncode == 0, out.stdout[-3000:]
     assert " passed" in out.stdout and " skipped" not in out.stdout, out.stdout[-500:]
     assert list(tmp_path.rglob("libhloserve_cpu.so")), "the kernels were not built for this -march"
+
+
+LOAD_LIBRARY = """
+import logging, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+from hloserve.runtime import kernels
+lib = kernels.cpu_library()
+print("LOADED", lib.path if lib else None)
+"""
+
+
+def test_the_kernel_library_is_loaded_only_as_built(tmp_path):
+    """The library runs in the process: its bytes are checked against the record written when it
+    was built; a replaced library, or one without its record, is rebuilt (with one warning), and a
+    cache directory others may write is not loaded from at all."""
+    from tests.runtime.conftest import run_python
+    env = {"HLOSERVE_CACHE": str(tmp_path / "cache")}
+    first = run_python(LOAD_LIBRARY, env=env)
+    path = first.split("LOADED ")[-1].strip()
+    assert os.path.exists(path) and os.path.exists(path + ".json"), first
+    good = open(path, "rb").read()
+    noise = os.urandom(4096)
+    with open(path, "wb") as f:   # replaced (noise here; anything written with the right owner)
+        f.write(noise)
+    out = run_python(LOAD_LIBRARY, env=env)
+    assert "sha256 mismatch" in out and f"LOADED {path}" in out, out
+    rebuilt = open(path, "rb").read()
+    assert rebuilt != noise and len(rebuilt) > 0.5 * len(good)   # rebuilt, and its record names these bytes
+    assert kernels._check_built(path, json.load(open(path + ".json"))["key"]) is None
+    os.remove(path + ".json")
+    out = run_python(LOAD_LIBRARY, env=env)
+    assert "build record is unreadable" in out and f"LOADED {path}" in out, out
+    os.chmod(tmp_path / "cache" / "kernels", 0o777)
+    out = run_python(LOAD_LIBRARY, env=env)
+    assert "writable by group or others" in out and "LOADED None" in out, out

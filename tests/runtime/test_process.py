@@ -53,6 +53,38 @@ def test_corrupted_cache_entry_recompiles(mlp_artifact, tmp_path):
     assert again["y"] == cold["y"] and again["compiles"] == 1
 
 
+def test_an_entry_that_would_run_code_when_unpickled_is_never_unpickled(mlp_artifact, tmp_path):
+    """The cache holds data: a pickle planted under the key looked up (unpickling it would create
+    a marker file), an entry whose payload was swapped, and one copied from another key are all
+    misses that fall through to jax, with the same result."""
+    import pickle
+
+    cache = str(tmp_path / "cache")
+    marker = tmp_path / "pwned"
+    cold = _first_result(mlp_artifact, cache)
+    edir = os.path.join(cache, "executables")
+    (name,) = os.listdir(edir)
+    entry = os.path.join(edir, name)
+
+    class Plant:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    good = open(entry, "rb").read()
+    header, _, payload = good.partition(b"\n")
+    other = json.loads(header)
+    other["key"] = "0" * 64
+    for planted in (pickle.dumps(Plant()),                                  # code, the old format's loader ran it
+                    header + b"\n" + payload[:-7] + b"garbage",           # payload overwritten
+                    json.dumps(other).encode() + b"\n" + payload):       # an entry of another key
+        with open(entry, "wb") as f:
+            f.write(planted)
+        again = _first_result(mlp_artifact, cache)
+        # our entry missed (jax was asked, and its own cache answered) and nothing ran
+        assert again["y"] == cold["y"] and again["compiles"] == 1 and again["jax_hits"] == 1
+        assert not marker.exists()
+
+
 BROKEN_ENTRY = """
 import json
 import numpy as np
@@ -117,9 +149,11 @@ for _ in range(2):
     m = runtime.load({art!r}, mesh={{"model": 4}}, partition_rules=rules, cache_dir={cache!r})
     outs.append(np.asarray(m.functions["forward"](x=x)["y"]))
 cache_hits = m.functions["forward"].stats.persistent_cache_hits
+from_ours = m.functions["forward"].from_executable_cache({{}}) or any(
+    m.functions["forward"].from_executable_cache(e) for e in m.functions["forward"].compiled_shapes)
 print(json.dumps({{"err": float(np.abs(got - want).max()), "per_device": per_device, "total_split": total_split,
                   "all_reduce": hlo.count("all-reduce("), "all_gather": hlo.count("all-gather("),
-                  "cached_err": float(max(np.abs(o - want).max() for o in outs)), "cache_hits": cache_hits, "spec": list(sharded.weights["layers.0.up.weight"].sharding.spec)}}))
+                  "cached_err": float(max(np.abs(o - want).max() for o in outs)), "cache_hits": cache_hits, "from_ours": from_ours, "spec": list(sharded.weights["layers.0.up.weight"].sharding.spec)}}))
 """
 
 
@@ -134,6 +168,7 @@ def test_spmd_megatron_rules_match_single_device(mlp_artifact, tmp_path):
     # XLA inserted exactly the row-split reductions, one per layer, and gathered nothing
     assert r["all_reduce"] == 2 and r["all_gather"] == 0
     assert r["cache_hits"] == 1 and r["cached_err"] < 1e-5
+    assert r["from_ours"], "the sharded executable should come back from hloserve's executable cache"
 
 
 def test_partition_rules_errors(mlp_artifact):
