@@ -108,12 +108,17 @@ def create_app(service: LLMService | PredictService, *, api_key: str | None = No
         app.include_router(tf_serving.router)
         if service.embedder is not None:
             app.include_router(embeddings.router)
-    app.openapi = lambda: app.openapi_schema or _published(app)
+    app.openapi = lambda: app.openapi_schema or _published(app, api_key is not None)
     return app
 
 
-def _published(app: FastAPI) -> dict:
-    app.openapi_schema = schema.document(app, openai.BODIES)
+# the routes that count against --max-pending (429) and are refused while warming up or draining (503)
+ADMITTED = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models/{name}:predict",
+            "/v1/models/{name}/versions/{version}:predict")
+
+
+def _published(app: FastAPI, api_key: bool) -> dict:
+    app.openapi_schema = schema.document(app, openai.BODIES, admitted=ADMITTED, api_key=api_key)
     return app.openapi_schema
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import logging
 import uuid
 from typing import AsyncIterator
@@ -106,18 +107,22 @@ def checked_text(svc: LLMService, text: str, param: str) -> str:
     return text
 
 
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]+")   # field names written as they are; any other is JSON-quoted
+
+
 def warn_ignored(req) -> dict[str, str]:
     """Response headers naming the request fields hloserve does not know (ignored, as vLLM does).
 
     A field name is client bytes: it goes into the header escaped to printable ASCII (JSON's escapes,
-    quoted where it needs them), so no name can break the header's encoding or inject a line."""
+    quoted unless it is a plain name), so no name (empty, spaces, non-Latin-1, CR/LF) can break the
+    header's encoding or inject a line."""
     ignored = req.ignored_fields()
     if not ignored:
         return {}
-    names = ", ".join(n if n.isascii() and n.isprintable() and "," not in n and '"' not in n else json.dumps(n)
-                      for n in ignored)
+    names = ", ".join(n if _PLAIN_NAME.fullmatch(n) else json.dumps(n) for n in ignored)
     log.warning("request fields ignored (unknown to hloserve): %s", names)
-    return {"x-hloserve-warning": f"ignored unknown fields: {names}"[:1000]}
+    # cut to a bounded length; a header value may not end in whitespace (h11 refuses to send it)
+    return {"x-hloserve-warning": f"ignored unknown fields: {names}"[:1000].rstrip()}
 
 
 async def run_admitted(svc: LLMService, request: Request, req, *, chat: bool, tokenize):

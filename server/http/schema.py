@@ -4,13 +4,15 @@ FastAPI documents what it parses itself. The generation routes read their body o
 (openai.parse_body) and validation failures answer 400 in the API's own format, so FastAPI's own
 document would show no request body for them and a 422 nobody sends. `document(app, bodies)`
 starts from FastAPI's and fixes both: every route in `bodies` gets its pydantic model as its
-required JSON body, and every answer FastAPI lists as 422 is listed as 400 with the error body
-the route's API sends (OpenAI's error object, or TF Serving's {"error": message}).
+required JSON body, and every answer FastAPI lists as 422 is listed as 400; each route also lists
+the errors it really gives (401 with an API key, 404 for a model not served, 413, 429 and 503 with
+Retry-After) with the error body its API sends (OpenAI's error object, or TF Serving's
+{"error": message}); /metrics is text, /ready's 503 is listed.
 """
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -25,8 +27,11 @@ _OPENAI_ERROR = {
 _TF_SERVING_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
 
 
-def document(app: FastAPI, bodies: Mapping[str, type[BaseModel]]) -> dict[str, Any]:
-    """The app's OpenAPI document; `bodies` maps a POST path to the model its handler parses."""
+def document(app: FastAPI, bodies: Mapping[str, type[BaseModel]], *, admitted: Collection[str] = (),
+             api_key: bool = False) -> dict[str, Any]:
+    """The app's OpenAPI document; `bodies` maps a POST path to the model its handler parses,
+    `admitted` lists the paths that count against the admission bound (429, and 503 while warming
+    up or shutting down), `api_key` whether /v1/* needs one (401)."""
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas["OpenAIError"] = _OPENAI_ERROR
@@ -42,16 +47,47 @@ def document(app: FastAPI, bodies: Mapping[str, type[BaseModel]]) -> dict[str, A
             "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
     for path, item in doc.get("paths", {}).items():
         error = "TFServingError" if ":predict" in path or path.endswith("/metadata") else "OpenAIError"
-        for op in item.values():
+        for method, op in item.items():
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
-            if op.get("requestBody") or op.get("parameters"):
-                responses["400"] = {"description": "a malformed or invalid request", "content": {
+            names_model = "model" in getattr(bodies.get(path), "model_fields", {})
+            for status, description in _answers(path, method, op, names_model, admitted, api_key):
+                responses[status] = {"description": description, "content": {
                     "application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}}}
+                if status in ("429", "503"):
+                    responses[status]["headers"] = {"Retry-After": {"schema": {"type": "string"},
+                                                                    "description": "seconds to wait"}}
+    ready = doc.get("paths", {}).get("/ready", {}).get("get")
+    if ready is not None:
+        ready["responses"]["503"] = {"description": "warming up, failed, or shutting down", "content": {
+            "application/json": {"schema": {"type": "object", "properties": {
+                "status": {"type": "string"}, "detail": {"type": ["string", "null"]}}}}}}
+    metrics = doc.get("paths", {}).get("/metrics", {}).get("get")
+    if metrics is not None:
+        metrics["responses"]["200"] = {"description": "Prometheus text exposition format", "content": {
+            "text/plain": {"schema": {"type": "string"}}}}
     for name in ("HTTPValidationError", "ValidationError"):
         if not _referenced(doc, name):
             schemas.pop(name, None)
     return doc
+
+
+def _answers(path: str, method: str, op: dict, names_model: bool, admitted: Collection[str],
+             api_key: bool) -> list[tuple[str, str]]:
+    """The error answers an operation can give besides FastAPI's, as (status, description)."""
+    out = []
+    if op.get("requestBody") or op.get("parameters"):
+        out.append(("400", "a malformed or invalid request"))
+    if path.startswith("/v1/") and api_key:
+        out.append(("401", "a missing or wrong API key"))
+    if path.startswith("/v1/models/{") or names_model:
+        out.append(("404", "the model named is not served here"))
+    if method == "post":
+        out.append(("413", "the body is larger than --max-body-bytes"))
+    if path in admitted:
+        out += [("429", "overloaded: more requests in flight than --max-pending"),
+                ("503", "warming up, failed, or shutting down")]
+    return out
 
 
 def _referenced(doc: dict, name: str) -> bool:

@@ -175,7 +175,8 @@ def test_field_names_no_header_can_carry_are_escaped_and_release_admission(serve
     auth = {"Authorization": "Bearer sk-test"}
     with httpx.Client(base_url=base, headers=auth, timeout=30) as h:
         for i in range(400):
-            name = ["\u20ac", "a\r\nx-injected: 1", "\x00\x7f", "\U0001f600"][i % 4]
+            # (schemathesis found "" and "a ": a header value may not end in a space)
+            name = ["\u20ac", "a\r\nx-injected: 1", "\x00\x7f", "\U0001f600", "", "a ", " "][i % 7]
             r = h.post("/v1/completions", json={"model": "tiny-chat", "prompt": "Hi", "max_tokens": 1,
                                                 "stream": bool(i % 2), name: 1})
             assert r.status_code == 200, (name, r.text)
