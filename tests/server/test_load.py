@@ -204,3 +204,34 @@ def test_overload_answers_429_with_retry_after(tiny_chat_llm):
         r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200
         assert metric(httpx.get(f"{base}/metrics").text, "hloserve:requests_in_flight") == 0
+
+
+def test_kv_cache_exhaustion_preempts_and_every_request_finishes(tiny_chat_llm):
+    """A KV cache far too small for the load: 40 blocks of 16 tokens, while the 8 sequences a step
+    runs (32 requests in flight) of ~210 tokens each need 112 (--kv-cache-mib cannot go that low
+    here: 1 MiB is 128 blocks of this tiny model). Sequences are preempted and recomputed, every
+    request finishes with its full length and the text it gets alone, nothing answers 5xx, and
+    every block comes back."""
+    _, art = tiny_chat_llm
+    with running_server(art, "--max-num-seqs", "32", "--max-num-batched-tokens", "64", "--max-model-len", "256",
+                        "--num-blocks", "40", "--model-name", MODEL) as (base, _):
+        prompts = [(f"Story {i}: the harbour at dawn", 200) for i in range(4)]
+
+        async def run():
+            async with httpx.AsyncClient(base_url=base, limits=httpx.Limits(max_connections=32)) as client:
+                alone = {p: (await stream_completion(client, p, n))[0] for p, n in prompts}
+                plan = [prompts[i % len(prompts)] for i in range(32)]
+                got = await asyncio.wait_for(asyncio.gather(*(stream_completion(client, p, n) for p, n in plan)),
+                                             LOAD_TIMEOUT * 2)
+                return alone, plan, got
+
+        alone, plan, got = asyncio.run(run())
+        assert all(reason == "length" for _, reason, _ in got), [g[1] for g in got]
+        wrong = [p for (p, _), (text, _, _) in zip(plan, got) if text != alone[p]]
+        assert not wrong, f"{len(wrong)} of 32 differ from the request alone"
+        text = httpx.get(f"{base}/metrics", timeout=30).text
+        total = metric(text, "hloserve:kv_cache_total_blocks")
+        assert total * 16 < 8 * 210, total   # the cache really is too small for the load
+        assert metric(text, "vllm:num_preemptions_total") > 0
+        assert metric(text, "hloserve:kv_cache_used_blocks") == 0
+        assert metric(text, "hloserve:kv_cache_free_blocks") == total
