@@ -14,11 +14,14 @@ compiles to learn whether the persistent cache was hit.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 from typing import Any, Mapping, Sequence
 
 import jax
+
+LOG = logging.getLogger("hloserve.runtime")
 from hloserve.runtime.artifact.errors import HloserveError
 
 from ._private import reset_compilation_cache
@@ -132,6 +135,13 @@ def connect(platform: str | None = None, devices: Sequence[Any] | None = None,
     resolved = None
     if cache_dir is not None:
         resolved = os.path.abspath(os.path.expanduser(default_cache_dir() if cache_dir == DEFAULT_CACHE else cache_dir))
+        try:
+            os.makedirs(resolved, exist_ok=True)
+        except OSError as e:   # a read-only or full volume, a path through a file: serve, only slower to start
+            LOG.warning("compile cache %s cannot be created (%s); running without it: every start compiles. "
+                        "Point HLOSERVE_CACHE at a writable directory to keep compiled executables.",
+                        resolved, e.strerror or e)
+            resolved = None
     configure_compile_cache(resolved)
     return Client(chosen[0].platform, chosen, resolved, compiler_options(chosen[0].platform))
 

@@ -94,8 +94,15 @@ def cpu_library(report: Callable[[str], None] | None = None) -> Library | None:
     key = hashlib.sha256(b"\0".join([source, _compiler_version(compiler).encode(), " ".join(_flags()).encode(),
                                      jax.__version__.encode(), _cpu_identity().encode()])).hexdigest()
     root = os.path.join(cache_dir(), "kernels")
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:   # a read-only or full cache volume: built for this process only, in a private directory
+        LOG.warning("the CPU kernels cannot be kept in %s (%s); building them for this process only", root,
+                    e.strerror or e)
+        root = _private_dir()
     path = os.path.join(root, key[:24], "libhloserve_cpu.so")
-    refused = untrusted(cache_dir(), root, os.path.dirname(path))
+    shared = [cache_dir()] if root == os.path.join(cache_dir(), "kernels") else []   # not our private directory
+    refused = untrusted(*shared, root, os.path.dirname(path))
     if refused:
         LOG.warning("the CPU kernels in %s are not loaded: %s (the library runs in this process); fix the "
                     "permissions or point HLOSERVE_CACHE elsewhere. The portable formulations run.", root, refused)
@@ -112,6 +119,11 @@ def cpu_library(report: Callable[[str], None] | None = None) -> Library | None:
             return None
     _register(path)
     return Library(path, key)
+
+
+@functools.cache
+def _private_dir() -> str:
+    return tempfile.mkdtemp(prefix="hloserve-kernels-")   # 0700, this process's own
 
 
 def _digest(path: str) -> str:

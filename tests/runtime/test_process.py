@@ -85,6 +85,27 @@ def test_an_entry_that_would_run_code_when_unpickled_is_never_unpickled(mlp_arti
         assert not marker.exists()
 
 
+UNWRITABLE = """
+import json, logging, sys
+import numpy as np
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+from hloserve import runtime
+model = runtime.load({art!r})   # the default cache root: $HLOSERVE_CACHE
+y = np.asarray(model.functions["forward"](x=np.ones((3, 64), np.float32))["y"])
+print(json.dumps({{"y": float(y.sum()), "cache": model.client.cache_dir}}))
+"""
+
+
+def test_a_cache_root_that_cannot_be_created_serves_without_a_cache(mlp_artifact, tmp_path):
+    """A read-only or full cache volume, or a path through a file: the model loads and runs, with one
+    warning saying every start compiles, instead of failing to start."""
+    (tmp_path / "file").write_text("x")
+    out = run_python(UNWRITABLE.format(art=mlp_artifact), env={"HLOSERVE_CACHE": str(tmp_path / "file" / "cache")})
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["cache"] is None and "running without it" in out, out
+    assert result["y"] == _first_result(mlp_artifact, str(tmp_path / "cache"))["y"]
+
+
 BROKEN_ENTRY = """
 import json
 import numpy as np
