@@ -119,11 +119,8 @@ def _check_record(root: str, relpath: str, size: int, mtime_ns: int) -> str | No
                 want = row[1:3]
     if want is None or not want[0].startswith("sha256="):
         return f"{relpath} is not listed with a sha256 in its wheel's RECORD"
-    h = hashlib.sha256()
     with open(os.path.join(root, relpath), "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    digest = base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
+        digest = base64.urlsafe_b64encode(hashlib.file_digest(f, "sha256").digest()).rstrip(b"=").decode()
     if digest != want[0][len("sha256="):] or (want[1] and int(want[1]) != size):
         return f"{relpath} differs from its wheel's RECORD (sha256 mismatch)"
     return None

@@ -127,11 +127,8 @@ def _private_dir() -> str:
 
 
 def _digest(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _check_built(path: str, key: str) -> str | None:
