@@ -40,6 +40,14 @@ class QuantRecord:
         for role, t in tensors.items():
             self._by_id[_identity(t)] = (scheme, role, tuple(shape))
 
+    def add_stack(self, parts: list[torch.Tensor], stacked: torch.Tensor) -> None:
+        """`stacked` is torch.stack(parts) (layers stacked for a scan): recorded as the parts' scheme
+        and role over a leading layer dim, when the parts are quantized tensors."""
+        found = self._by_id.get(_identity(parts[0]))
+        if found is not None:
+            scheme, role, shape = found
+            self._by_id[_identity(stacked)] = (scheme, role, (len(parts), *shape))
+
     def update(self, other: "QuantRecord") -> None:
         self._by_id.update(other._by_id)
 

@@ -257,6 +257,10 @@ def quantize_layers(model: torch.nn.Module, opts: StepExportOptions, config, rec
     quantize_module(model, config, record)
     if scanned:
         scan_layers(model, opts)
+        for m in model.modules():   # the stacks the scan made of the quantized layers keep their manifest entries
+            if isinstance(m, hf_layers.ScannedLayers):
+                for parts, stacked in m.stacked_from:
+                    record.add_stack(parts, stacked)
 
 
 def llm_spec(model: torch.nn.Module, opts: StepExportOptions, eos_ids, bos_id, layers: str = "unrolled") -> LLMSpec:

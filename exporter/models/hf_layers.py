@@ -202,12 +202,15 @@ class ScannedLayers(torch.nn.Module):
         # the composite reads in place (the others are sliced per iteration by the scan)
         self.names: list[dict[str, str]] = []
         self.in_place: list[frozenset[str]] = []
+        self.stacked_from: list[tuple[list[torch.Tensor], torch.Tensor]] = []   # (per-layer tensors, their stack)
         for j in range(self.period):
             group = [layers[i] for i in range(j, self.iterations * self.period, self.period)]
             holder = torch.nn.Module()
             names, in_place = {}, set()
             for name in group[0].state_dict():       # parameters and persistent buffers (quantized weights)
-                stacked = torch.stack([_tensor(m, name).detach() for m in group])   # [L', ...]
+                parts = [_tensor(m, name).detach() for m in group]
+                stacked = torch.stack(parts)                                        # [L', ...]
+                self.stacked_from.append((parts, stacked))
                 if _read_in_place(group[0], name):
                     in_place.add(name)
                 names[name] = name.replace(".", "__")

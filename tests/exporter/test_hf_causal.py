@@ -150,6 +150,12 @@ def test_quantized_and_16_bit_weights_on_the_generic_step(tmp_path, arch, option
     model = load(str(tmp_path / "art"), buckets={"num_tokens": [64], "num_seqs": [8], "max_blocks": [8]})
     ref = _hf(arch)
     if "quantize" in options:
+        # every stored integer matrix (scanned stacks included) says what it is in the manifest
+        weights = model.manifest.weights
+        ints = [n for n, w in weights.items() if w.dtype in ("i8", "u8")]
+        assert ints and all(weights[n].quant and weights[n].quant["role"] == "qweight" for n in ints), \
+            {n: weights[n].quant for n in ints}
+        assert any(len(weights[n].shape) == 3 for n in ints)   # [layers of the scan, out, in]
         quantize_module(ref, QuantConfig.parse(options["quantize"], ()), QuantRecord())
     compare_last_logits(model, ref, atol, f"{arch} {options}")
 
