@@ -124,9 +124,7 @@ class LLMService:
 
     def close(self) -> None:
         self.engine.stop()
-        close = getattr(self.runner, "close", None)   # a multi-host run's followers are released
-        if callable(close):
-            close()
+        self.runner.close()   # a multi-host run's followers are released
 
     def end_all(self, reason: str) -> None:
         """End every running and waiting request now, with an error saying why (graceful shutdown's deadline)."""

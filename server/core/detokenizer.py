@@ -1,10 +1,10 @@
 """Token outputs -> text outputs: incremental detokenization and stop strings (vLLM keeps both in its
 front-end detokenizer, apart from the scheduler's token-level stops).
 
-Per request it keeps the text generated so far and how much of it was sent. A stop string found in
-the text ends the request there (the text is cut before it, or after it with
-include_stop_str_in_output, finish_reason "stop"), and the engine
-tells the scheduler to free the request's blocks; until a match is ruled out, text that could be the
+A request's TextState keeps the text generated so far and how much of it was sent. A stop string
+found in the text ends the request there (the text is cut before it, or after it with
+include_stop_str_in_output, finish_reason "stop"), and the engine releases the request as it
+releases any finished one (its blocks freed before the next step); until a match is ruled out, text that could be the
 start of a stop string is held back. The text of EOS / stop tokens is never emitted.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ from .sampling import SamplingParams
 
 
 @dataclasses.dataclass
-class _Text:
+class TextState:
+    """One request's text so far (held in the engine's entry for the request)."""
     detok: IncrementalDetokenizer
     stop: tuple[str, ...]
     stop_token_ids: frozenset[int]
@@ -28,11 +29,13 @@ class _Text:
 
 
 class Detokenizer:
-    """Fills `new_text` of the engine's outputs; `process` reports requests a stop string ended."""
+    """Fills `new_text` of the engine's outputs; a stop string found in the text finishes the output.
+
+    Stateless across requests: `start` makes a request's TextState, which its owner (the engine's
+    entry for the request) keeps and drops with the request."""
 
     def __init__(self, decoder: Decoder | None):
         self.decoder = decoder
-        self._texts: dict[str, _Text] = {}
 
     def check(self, params: SamplingParams) -> None:
         """Raise ValueError (a 400) for a request this detokenizer cannot serve."""
@@ -40,18 +43,17 @@ class Detokenizer:
             raise ValueError("stop strings need a tokenizer to detokenize the output, and this engine has none; "
                              "use stop_token_ids instead")
 
-    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-            stop_token_ids: frozenset[int]) -> None:
-        if self.decoder is not None:
-            self._texts[request_id] = _Text(
-                IncrementalDetokenizer(self.decoder, prompt_token_ids, skip_special_tokens=params.skip_special_tokens),
-                tuple(params.stop), stop_token_ids, params.include_stop_str_in_output)
+    def start(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+              stop_token_ids: frozenset[int]) -> TextState | None:
+        """A new request's text state (None without a decoder: outputs carry token ids only)."""
+        if self.decoder is None:
+            return None
+        return TextState(
+            IncrementalDetokenizer(self.decoder, prompt_token_ids, skip_special_tokens=params.skip_special_tokens),
+            tuple(params.stop), stop_token_ids, params.include_stop_str_in_output)
 
-    def process(self, out: RequestOutput) -> tuple[RequestOutput, bool]:
-        """(out with its text, whether a stop string ended it here: the scheduler must finish it)."""
-        st = self._texts.get(out.request_id)
-        if st is None:
-            return out, False
+    def process(self, st: TextState, out: RequestOutput) -> RequestOutput:
+        """`out` with its new text; finished with "stop" when a stop string ended the text here."""
         for token in out.new_token_ids:
             if token not in st.stop_token_ids:
                 st.text += st.detok.step(token)
@@ -61,15 +63,15 @@ class Detokenizer:
             hold = max((len(s) for s in st.stop), default=1) - 1   # a stop string may be starting
             upto = max(st.sent, len(st.text) - hold)
             text, st.sent = st.text[st.sent:upto], upto
-            return dataclasses.replace(out, new_text=text), False
+            return dataclasses.replace(out, new_text=text)
         if not hit:
             st.text += st.detok.flush()                           # a held-back incomplete character, if any
-        del self._texts[out.request_id]
         text = st.text[st.sent:] if reason is not FinishReason.ABORT else ""
-        return dataclasses.replace(out, new_text=text, finish_reason=reason), hit and out.finish_reason is None
+        st.sent = len(st.text)
+        return dataclasses.replace(out, new_text=text, finish_reason=reason)
 
     @staticmethod
-    def _cut_at_stop(st: _Text) -> bool:
+    def _cut_at_stop(st: TextState) -> bool:
         """Truncate the text before the first stop string; True if one was found."""
         start = max(0, st.sent - max(len(s) for s in st.stop))
         hits = [(j, j + len(s)) for j, s in ((st.text.find(s, start), s) for s in st.stop) if j >= 0]

@@ -2,17 +2,19 @@
 
     HTTP handlers (any thread / event loop)          loop thread (owns the runner)
     ---------------------------------------          -----------------------------
-    stream = engine.add_request(ids, params)  --->   inbox: ("add", request)
-    async for out in stream: ...              <---   outputs dispatched per request
-    engine.abort(request_id) / cancelled task --->   inbox: ("abort", id), handled before the next step
+    stream = engine.add_request(ids, params)  --->   inbox: AddRequest
+    async for out in stream: ...              <---   outputs emitted per request
+    engine.abort(request_id) / cancelled task --->   inbox: Abort(id), handled before the next step
+    engine.end_all(reason)                    --->   inbox: EndAll(reason)
 
-Handlers never touch the scheduler or the runner; they enqueue messages and
-read per-request streams. `add_request` validates on the caller's thread (the
-checks read only immutable configuration) so a bad request fails at once,
-with a message fit for a 400 answer.
+Handlers never touch the scheduler or the runner; they send typed messages
+(frozen dataclasses, as vLLM's engine-core requests) and read per-request
+streams. `add_request` validates on the caller's thread (the checks read only
+immutable configuration) so a bad request fails at once, with a message fit
+for a 400 answer.
 
 Metrics are kept by the loop thread and read through `metrics()`, a frozen
-snapshot, with vLLM's metric names in `prometheus_text()`.
+snapshot (server/core/metrics.py renders it with vLLM's metric names).
 """
 from __future__ import annotations
 
@@ -23,10 +25,10 @@ import logging
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
 from .block_manager import BlockManager
-from .detokenizer import Detokenizer
+from .detokenizer import Detokenizer, TextState
 from .metrics import Histogram, MetricsSnapshot
 from .outputs import FinishReason, RequestOutput, RunnerOutput, SchedulerPlan
 from .sampling import SamplingParams
@@ -36,26 +38,75 @@ from .stream import RequestStream
 if TYPE_CHECKING:
     from ..config import ServeConfig
     from ..text.tokenizer import Decoder, Tokenizer
-    from ..text.structured import Grammars
+    from ..text.structured import Grammars, Matcher
 
 log = logging.getLogger("hloserve.server.engine")
 
 
 class Runner(Protocol):
-    """Executes a plan on the device: one model call plus sampling."""
+    """Executes plans on the device (ModelRunner; tests/support/mock_runner.py's MockRunner)."""
 
-    def execute(self, plan: SchedulerPlan) -> RunnerOutput: ...
+    def execute(self, plan: SchedulerPlan) -> RunnerOutput:
+        """One step: the model call(s) for the plan, then sampling."""
+
+    def warmup(self, progress: Callable[[str], None] | None = None) -> int:
+        """Compile every shape `execute` can be asked for; returns the compiles done."""
+
+    def device_memory(self) -> Mapping[tuple[str, str], int]:
+        """(device, "weights" | "kv_cache") -> bytes held (fixed after construction)."""
+
+    def stats(self) -> Mapping[str, float]:
+        """Counters for /metrics (compiles, steps)."""
+
+    def close(self) -> None:
+        """Release what the runner holds beyond its arrays (a multi-host run's followers)."""
 
 
 class EngineError(RuntimeError):
     """The engine failed a request (the runner raised, or the engine stopped)."""
 
 
-@dataclasses.dataclass
-class _Live:
-    """Loop-thread bookkeeping of one request."""
+STOPPED = "the engine stopped"
+
+
+# -- messages from handlers to the loop thread (vLLM's typed engine-core requests) --------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AddRequest:
+    """Admit a request: validated on the caller's thread, added to the scheduler on the loop thread."""
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
     stream: RequestStream
     arrival: float
+    matcher: "Matcher | None" = None
+
+    def refuse(self, error: str) -> None:
+        """End its stream before it ran (the scheduler refused it, or the engine stopped)."""
+        self.stream._put(RequestOutput.ended_before_start(self.request_id, prompt_len=len(self.prompt_token_ids),
+                                                          reason=FinishReason.ERROR, error=error))
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    """End one request now (client disconnect): finish_reason "abort", its blocks freed."""
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EndAll:
+    """End every request now with finish_reason "error" and `reason` (graceful shutdown's deadline)."""
+    reason: str
+
+
+EngineMessage = AddRequest | Abort | EndAll
+
+
+@dataclasses.dataclass
+class _Live:
+    """The engine's entry for one admitted request (the scheduler keeps its token state by the same id)."""
+    stream: RequestStream
+    arrival: float
+    text: "TextState | None"          # the detokenizer's state; None without a tokenizer
     last_token_time: float | None = None
 
 
@@ -65,6 +116,12 @@ class Engine:
 
     `step()` can be driven by hand (tests, benchmarks) when the loop thread is
     not started; `start()` runs it in a thread until `stop()`.
+
+    A request's life: `add_request` validates it (caller's thread) and sends an AddRequest;
+    `_admit` hands it to the scheduler and opens its `_Live` entry; every output then passes
+    `_emit` (text, metrics, stream), and the output that finishes it, whatever ended it (a
+    token rule, a stop string, abort, an error, stop()), makes `_emit` call `_release`: the one
+    place that removes it from the scheduler (freeing its blocks) and from `_live`.
     """
 
     def __init__(self, scheduler: Scheduler, runner: Runner, *, vocab_size: int | None = None,
@@ -77,7 +134,7 @@ class Engine:
         self.vocab_size = vocab_size
         self._clock = clock
         self._cv = threading.Condition()
-        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
+        self._inbox: collections.deque[EngineMessage] = collections.deque()
         self._live: dict[str, _Live] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -85,12 +142,11 @@ class Engine:
         self._steps = 0
         self._finished: collections.Counter[str] = collections.Counter()
         self._ttft, self._itl, self._e2e = Histogram(), Histogram(), Histogram()
-        memory = getattr(runner, "device_memory", None)   # fixed after construction: read once
-        self._device_memory = dict(memory()) if callable(memory) else {}
+        self._device_memory = dict(runner.device_memory())   # fixed after construction: read once
         self._snapshot_lock = threading.Lock()
         self._snapshot = self._take_snapshot()
 
-    # -- the step: exactly three calls ---------------------------------------------------
+    # -- the step: schedule, execute, update ---------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         out = self.runner.execute(plan)
@@ -104,7 +160,7 @@ class Engine:
         Raises ValueError (say 400) for a request that can never run, and
         EngineError if the engine is stopped.
         """
-        ids = [int(t) for t in prompt_token_ids]
+        ids = tuple(int(t) for t in prompt_token_ids)
         self.check_token_ids(ids)
         self.check_token_ids([t for t, _ in params.logit_bias], what="logit_bias keys")
         self.check_token_ids(params.stop_token_ids, what="stop_token_ids")
@@ -115,13 +171,10 @@ class Engine:
             if self.grammars is None:
                 raise ValueError("structured output needs the model's tokenizer, and this artifact ships none")
             matcher = self.grammars.matcher(params.structured)   # ValueError for a bad grammar
-        if self._stopping:
-            raise EngineError("the engine is stopped; it accepts no new requests")
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(request_id, self.abort)
-        with self._cv:
-            self._inbox.append(("add", (request_id, ids, params, stream, self._clock(), matcher)))
-            self._cv.notify()
+        self._send(AddRequest(request_id=request_id, prompt_token_ids=ids, params=params, stream=stream,
+                              arrival=self._clock(), matcher=matcher))
         return stream
 
     def check_token_ids(self, ids: Sequence[int], what: str = "token ids") -> None:
@@ -133,20 +186,26 @@ class Engine:
 
     def end_all(self, reason: str) -> None:
         """End every request with finish_reason "error" and `reason` before the next step (shutdown)."""
-        with self._cv:
-            self._inbox.append(("end_all", reason))
-            self._cv.notify()
+        self._send(EndAll(reason), always=True)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (client disconnect); its blocks are freed before the next step."""
+        self._send(Abort(request_id), always=True)
+
+    def _send(self, msg: EngineMessage, *, always: bool = False) -> None:
+        """Queue a message for the loop thread. Checked under the lock stop() takes, so nothing is
+        queued after the loop's last look at the inbox (aborts and end_all are then no-ops)."""
         with self._cv:
-            self._inbox.append(("abort", request_id))
+            if self._stopping:
+                if always:
+                    return
+                raise EngineError("the engine is stopped; it accepts no new requests")
+            self._inbox.append(msg)
             self._cv.notify()
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> int:
         """Compile every shape the runner can be asked for (before /ready); returns compiles done."""
-        warm = getattr(self.runner, "warmup", None)
-        n = warm(progress) if callable(warm) else 0
+        n = self.runner.warmup(progress)
         if self.grammars is not None:   # the grammar tokenizer (~0.5 s), not on the first structured request
             problem = self.grammars.prepare()
             if problem:
@@ -169,13 +228,16 @@ class Engine:
         return self
 
     def stop(self, timeout: float | None = 10.0) -> None:
-        """Stop the loop; unfinished requests end with finish_reason "abort"."""
+        """Stop the loop; every request queued or running ends with finish_reason "error"
+        ("the engine stopped") and its blocks are freed. An engine driven by hand ends them here."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        else:
+            self._shutdown()
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -188,14 +250,20 @@ class Engine:
         return self._thread is not None and self._thread.is_alive()
 
     def _loop(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._cv:
+                    while not self._inbox and not self.scheduler.has_unfinished() and not self._stopping:
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                self.run_once()
+        except Exception:  # noqa: BLE001 (a bug in the loop itself: say so, and end every stream below)
+            log.error("the engine loop failed:\n%s", traceback.format_exc())
             with self._cv:
-                while not self._inbox and not self.scheduler.has_unfinished() and not self._stopping:
-                    self._cv.wait()
-                if self._stopping:
-                    break
-            self.run_once()
-        self._shutdown()
+                self._stopping = True
+        finally:
+            self._shutdown()
 
     def run_once(self) -> None:
         """Handle the inbox, then run one step if there is work (the loop body; drive it by hand
@@ -203,8 +271,8 @@ class Engine:
         with self._cv:
             messages = list(self._inbox)
             self._inbox.clear()
-        for kind, payload in messages:
-            self._handle(kind, payload)
+        for msg in messages:
+            self._handle(msg)
         if self.scheduler.has_unfinished():
             try:
                 outputs = self.step()
@@ -212,39 +280,40 @@ class Engine:
             except Exception as e:  # noqa: BLE001 (the loop must survive a failing step)
                 log.error("engine step failed; failing all in-flight requests:\n%s", traceback.format_exc())
                 outputs = self.scheduler.fail_all(f"engine step failed: {type(e).__name__}: {e}")
-            self._dispatch(outputs)
+            self._emit(outputs)
             if not self.scheduler.num_running and self.scheduler.num_waiting:
                 time.sleep(0.001)  # nothing could be admitted; don't spin (cannot persist: a lone request fits)
         with self._snapshot_lock:
             self._snapshot = self._take_snapshot()
 
-    def _handle(self, kind: str, payload) -> None:
-        if kind == "add":
-            request_id, ids, params, stream, arrival, matcher = payload
-            try:
-                self.scheduler.add_request(request_id, ids, params, matcher)
-            except ValueError as e:
-                stream._put(RequestOutput.ended_before_start(request_id, prompt_len=len(ids), reason=FinishReason.ERROR,
-                                                            error=str(e)))
-                return
-            self.detokenizer.add(request_id, ids, params, self.scheduler.stop_token_ids(params))
-            self._live[request_id] = _Live(stream, arrival)
-        elif kind == "abort":
-            out = self.scheduler.abort(payload)
-            if out is not None:
-                self._dispatch([out])
-        elif kind == "end_all":
-            self._dispatch(self.scheduler.fail_all(payload))
+    def _handle(self, msg: EngineMessage) -> None:
+        match msg:
+            case AddRequest():
+                self._admit(msg)
+            case Abort(request_id):
+                self._emit([out] if (out := self.scheduler.abort(request_id)) is not None else [])
+            case EndAll(reason):
+                self._emit(self.scheduler.fail_all(reason))
 
-    def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
+    def _admit(self, msg: AddRequest) -> None:
+        try:
+            self.scheduler.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.matcher)
+        except ValueError as e:
+            msg.refuse(str(e))
+            return
+        text = self.detokenizer.start(msg.prompt_token_ids, msg.params, self.scheduler.stop_token_ids(msg.params))
+        self._live[msg.request_id] = _Live(msg.stream, msg.arrival, text)
+
+    def _emit(self, outputs: Sequence[RequestOutput]) -> None:
+        """Each output: its text (a stop string may finish it here), the metrics, its stream; a
+        finished one is released."""
         now = self._clock()
         for out in outputs:
-            out, stopped = self.detokenizer.process(out)
-            if stopped:   # a stop string ended it: free its blocks before the next step
-                self.scheduler.finish(out.request_id, FinishReason.STOP)
             live = self._live.get(out.request_id)
             if live is None:
                 continue
+            if live.text is not None:
+                out = self.detokenizer.process(live.text, out)
             if out.new_token_ids:
                 if live.last_token_time is None:
                     self._ttft.observe(now - live.arrival)
@@ -252,37 +321,40 @@ class Engine:
                     self._itl.observe(now - live.last_token_time)
                 live.last_token_time = now
             if out.finished:
-                del self._live[out.request_id]
-                self._finished[out.finish_reason.value] += 1
+                self._release(out)
                 if out.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
                     self._e2e.observe(now - live.arrival)
             live.stream._put(out)
 
+    def _release(self, out: RequestOutput) -> None:
+        """The one end of a request's life: the scheduler forgets it and frees its blocks (a no-op when
+        its own token rules ended it), and its live entry, text state included, goes."""
+        self.scheduler.finish(out.request_id, out.finish_reason)
+        del self._live[out.request_id]
+        self._finished[out.finish_reason.value] += 1
+
     def _shutdown(self) -> None:
-        for kind, payload in self._inbox:
-            if kind == "add":
-                request_id, ids, _, stream, _ = payload
-                stream._put(RequestOutput.ended_before_start(request_id, prompt_len=len(ids), reason=FinishReason.ABORT,
-                                                            error="engine stopped"))
-        self._inbox.clear()
-        for rid in list(self._live):
-            out = self.scheduler.abort(rid)
-            if out is not None:
-                self._dispatch([out])
+        """End every request the loop will not run: queued ones before they start, admitted ones
+        through the scheduler (blocks freed); both with finish_reason "error"."""
+        with self._cv:
+            messages = list(self._inbox)
+            self._inbox.clear()
+        for msg in messages:
+            if isinstance(msg, AddRequest):
+                msg.refuse(STOPPED)
+        self._emit(self.scheduler.fail_all(STOPPED))
         with self._snapshot_lock:
             self._snapshot = self._take_snapshot()
 
     def _take_snapshot(self) -> MetricsSnapshot:
         s, b = self.scheduler.stats, self.scheduler.blocks
-        runner_stats = getattr(self.runner, "stats", None)
         return MetricsSnapshot(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting, kv_usage=b.usage,
             kv_free_blocks=b.num_free_blocks, kv_total_blocks=b.total_blocks,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
             finished=dict(self._finished), steps=self._steps, ttft=self._ttft.copy(), itl=self._itl.copy(),
-            e2e=self._e2e.copy(), runner=dict(runner_stats()) if callable(runner_stats) else {},
-            device_memory=self._device_memory)
+            e2e=self._e2e.copy(), runner=dict(self.runner.stats()), device_memory=self._device_memory)
 
 
 # -- wiring an artifact into an engine ------------------------------------------------------
@@ -325,7 +397,7 @@ def build_engine(artifact_path: str, config: "ServeConfig | None" = None) -> tup
                       eos_token_ids=eos)
     grammars = None
     if tokenizer is not None:
-        from ..text.structured import Grammars
+        from ..text.structured import Grammars, Matcher
         with open(os.path.join(artifact_path, tok_file), encoding="utf-8") as f:
             grammars = Grammars(f.read(), llm.vocab_size, eos)
     return Engine(sched, runner, vocab_size=llm.vocab_size, decoder=tokenizer, grammars=grammars), tokenizer

@@ -21,10 +21,6 @@ along one 128-token chunk would cost several times the two separate calls
 row whose context is empty; padding rows are never sampled. The KV cache
 lives on the device for the runner's lifetime: each call donates it and keeps
 the returned one. N (num_blocks) is fixed at construction from a memory budget.
-
-MockRunner implements the same `execute` for tests and is computable by hand:
-its "KV cache" stores token ids, and the next token is (last token + 1) % vocab,
-read back from the cache through the block table.
 """
 from __future__ import annotations
 
@@ -33,7 +29,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
-from hloserve.runtime.artifact.llm import NULL_BLOCK, LLMSpec, StepBatch, pack_step, slots
+from hloserve.runtime.artifact.llm import NULL_BLOCK, LLMSpec, StepBatch, pack_step
 
 from .outputs import RunnerOutput, SchedulerPlan
 from .sampling import sample, token_logprobs
@@ -368,51 +364,3 @@ class ModelRunner:
         return {"compiles_total": sum(s.compiles for s in fs),
                 "compiles_after_warmup_total": sum(s.compiles_after_warmup for s in fs),
                 "runner_steps_total": self.steps, "runner_step_seconds_total": self.step_seconds}
-
-
-class MockRunner:
-    """A runner computable by hand (JetStream mock_engine style), for policy and engine tests.
-
-    Its KV cache holds token ids: a step writes each token into its slot, then
-    for each sequence needing logits reads the whole context back through the
-    block table; the next token is (context[-1] + 1) % vocab_size, given to the
-    real sampler as logits with `peak` at that token. A prompt [5, 6] therefore
-    generates 7, 8, 9, ... greedily. `contexts[request_id]` records the last
-    context read, so tests can check that prefix-cache hits and slot mappings
-    put the right tokens in the right places.
-    """
-
-    def __init__(self, vocab_size: int, num_blocks: int, block_size: int, *, peak: float = 20.0,
-                 on_execute: Callable[[SchedulerPlan], None] | None = None):
-        self.vocab_size = vocab_size
-        self.block_size = block_size
-        self.peak = peak
-        self.cache = np.full(num_blocks * block_size, -1, np.int64)   # token id per slot; -1 = never written
-        self.contexts: dict[str, list[int]] = {}
-        self.plans: list[SchedulerPlan] = []
-        self.on_execute = on_execute
-        self.steps = 0
-
-    def execute(self, plan: SchedulerPlan) -> RunnerOutput:
-        self.plans.append(plan)
-        if self.on_execute is not None:
-            self.on_execute(plan)
-        if plan.is_empty:
-            return RunnerOutput({})
-        self.steps += 1
-        bs = self.block_size
-        logits = np.zeros((len(plan.seqs), self.vocab_size), np.float32)
-        for i, s in enumerate(plan.seqs):
-            for slot, tok in zip(slots(s.start, len(s.token_ids), s.block_table, bs), s.token_ids):
-                if slot // bs == NULL_BLOCK:
-                    raise AssertionError(f"{s.request_id}: a real token was written into the null block")
-                self.cache[slot] = tok
-            if not s.needs_logits:
-                continue
-            ctx = [int(self.cache[s.block_table[p // bs] * bs + p % bs]) for p in range(s.context_len)]
-            self.contexts[s.request_id] = ctx
-            logits[i, (ctx[-1] + 1) % self.vocab_size] = self.peak
-        return sample_plan(plan, logits)
-
-    def stats(self) -> dict[str, float]:
-        return {"runner_steps_total": self.steps}

@@ -13,8 +13,8 @@ class FinishReason(str, enum.Enum):
     """Why a request ended; the value is what the OpenAI API and the metrics report."""
     STOP = "stop"        # EOS, a stop token or a stop string
     LENGTH = "length"    # max_tokens or the model's context
-    ABORT = "abort"      # the client left, or the engine stopped
-    ERROR = "error"      # the engine failed
+    ABORT = "abort"      # the client left (or a request was aborted by id)
+    ERROR = "error"      # the engine failed, or stopped before the request finished
 
     __str__ = str.__str__
     __format__ = str.__format__
@@ -78,7 +78,7 @@ class RequestOutput:
       prompt_logprobs: with the first token, one entry per prompt token after the first, when the
         request asked for them (SamplingParams.prompt_logprobs).
       num_prompt_tokens / num_output_tokens / num_cached_tokens: usage so far.
-      error: what failed, with finish_reason ERROR (or ABORT when the engine stopped).
+      error: what failed, with finish_reason ERROR (e.g. "the engine stopped").
     """
     request_id: str
     new_token_ids: tuple[int, ...] = ()

@@ -11,9 +11,9 @@ import pytest
 from hloserve.server.core.block_manager import BlockManager
 from hloserve.server.core.engine import Engine, EngineError
 from hloserve.server.core.metrics import prometheus_text
-from hloserve.server.core.model_runner import MockRunner
 from hloserve.server.core.sampling import SamplingParams
 from hloserve.server.core.scheduler import Scheduler, SchedulerConfig
+from tests.support.mock_runner import MockRunner
 
 VOCAB = 100
 GREEDY = dict(temperature=0.0)
@@ -151,14 +151,47 @@ def test_runner_failure_fails_in_flight_requests_and_the_loop_survives():
         eng.stop()
 
 
-def test_stop_aborts_unfinished_requests_and_rejects_new_ones():
+def test_stop_ends_unfinished_requests_with_an_error_and_rejects_new_ones():
     eng = make_engine(step_delay=0.01).start()
     stream = eng.add_request([1], SamplingParams(max_tokens=120, **GREEDY))
     next(stream)
     eng.stop()
-    assert list(stream)[-1].finish_reason == "abort"
+    last = list(stream)[-1]
+    assert last.finish_reason == "error" and last.error == "the engine stopped"
     with pytest.raises(EngineError, match="stopped"):
         eng.add_request([1], SamplingParams())
+
+
+def test_stop_with_requests_queued_and_running_ends_every_stream_and_frees_every_block():
+    """The loop thread is held inside a step while requests pile up in its inbox; stop() then ends
+    the running one, the scheduler's waiting one and every queued AddRequest with an error."""
+    entered, go = threading.Event(), threading.Event()
+
+    def hold(plan):
+        entered.set()
+        go.wait(timeout=60)
+
+    eng = make_engine(max_num_seqs=1)
+    eng.runner.on_execute = hold
+    streams = [eng.add_request([1, 2], SamplingParams(max_tokens=50, **GREEDY)) for _ in range(2)]
+    eng.start()                                           # one runs, the other waits in the scheduler
+    assert entered.wait(timeout=60)                       # the first step is running: the loop is busy
+    streams += [eng.add_request([3, 4, 5], SamplingParams(max_tokens=50, **GREEDY)) for _ in range(3)]
+    stopper = threading.Thread(target=eng.stop)
+    stopper.start()
+    while True:                                           # every request accepted until stop() took effect
+        try:
+            streams.append(eng.add_request([6], SamplingParams(max_tokens=5, **GREEDY)))
+        except EngineError:
+            break
+    go.set()
+    stopper.join(timeout=60)
+    for s in streams:
+        last = list(s)[-1]                                # each stream ends (a hang would time the test out)
+        assert last.finished and last.finish_reason == "error" and last.error == "the engine stopped"
+    m = eng.metrics()
+    assert m.kv_free_blocks == m.kv_total_blocks and m.num_running == m.num_waiting == 0
+    assert m.finished == {"error": 2}                      # the two admitted; the queued ones never started
 
 
 def test_prometheus_text_uses_vllm_names():

@@ -138,6 +138,27 @@ def test_engine_thread_on_the_real_artifact(tiny_llm, runner):
     assert np.isfinite(m.ttft.sum) and m.ttft.count == 4
 
 
+def test_stopping_the_engine_ends_queued_waiting_and_running_requests(runner):
+    """stop() on the real runner with one request running (its blocks filled by a real step), one
+    waiting in the scheduler and one still in the inbox: each stream ends with an error, every
+    block goes back to the free pool."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=32, max_model_len=128,
+                                      admission_watermark=0.0, enable_prefix_caching=True),
+                      BlockManager(runner.num_blocks, runner.block_size))
+    eng = Engine(sched, runner, vocab_size=VOCAB)
+    greedy = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+    running, waiting = (eng.add_request(list(range(10, 30)), greedy) for _ in range(2))
+    eng.run_once()                                   # admits both; the first runs its prompt
+    assert [len(o.new_token_ids) for o in running.drain()] == [1] and sched.num_waiting == 1
+    assert sched.blocks.num_free_blocks < sched.blocks.total_blocks
+    queued = eng.add_request([5, 6, 7], greedy)      # never handled: still in the inbox
+    eng.stop()
+    for stream in (running, waiting, queued):
+        last = stream.drain()[-1]
+        assert stream.finished and last.finish_reason == "error" and last.error == "the engine stopped"
+    assert sched.blocks.num_free_blocks == sched.blocks.total_blocks and not sched.has_unfinished()
+
+
 @pytest.mark.slow
 def test_build_engine_wires_an_artifact(tiny_llm):
     from hloserve.runtime.artifact import HloserveError, LLMSpec, read_manifest

@@ -10,11 +10,11 @@ import random
 import pytest
 
 from hloserve.server.core.block_manager import BlockManager
-from hloserve.server.core.model_runner import MockRunner
 from hloserve.server.core.sampling import SamplingParams
 from hloserve.runtime.artifact.llm import slots
 from hloserve.server.core.outputs import RunnerOutput
 from hloserve.server.core.scheduler import Scheduler, SchedulerConfig
+from tests.support.mock_runner import MockRunner
 
 VOCAB = 64
 GREEDY = dict(temperature=0.0)
