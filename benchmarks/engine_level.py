@@ -43,7 +43,7 @@ class TimedFunction:
 
 def main(argv=None) -> int:
     from hloserve.server.serve import default_artifact_path
-    from hloserve.server.core.engine import build_engine
+    from hloserve.server.wiring import build_engine
     from hloserve.server.core.sampling import SamplingParams
     from hloserve.server.services import ServeConfig
 

@@ -35,7 +35,7 @@ art, n, requests = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 from hloserve.runtime.client import host_devices
 host_devices(n)
 from hloserve.server.config import ServeConfig
-from hloserve.server.core.engine import build_engine
+from hloserve.server.wiring import build_engine
 from hloserve.server.core.sampling import SamplingParams
 eng, _ = build_engine(art, ServeConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=256,
                                        block_buckets=1, tensor_parallel_size=n, platform="cpu"))

@@ -87,7 +87,7 @@ def _export_checked(args: argparse.Namespace) -> int:
     for fn in manifest.functions.values():
         ins = ", ".join(f"{t.name}: {t.describe()}" for t in fn.inputs)
         reporter.stage(f"  {fn.name}({ins})")
-    if manifest.model.get("llm") is not None:
+    if manifest.is_llm:
         reporter.stage("wrote an LLM step artifact: `hloserve serve` answers it with the OpenAI API")
     else:
         reporter.stage("wrote a predict artifact: `hloserve serve` answers it with TF Serving's REST API")

@@ -16,7 +16,7 @@ import importlib
 from typing import Any
 
 _LAZY = {"Function": "executable", "FunctionStats": "executable", "RecompileError": "executable",
-         "LoadedModel": "model", "load": "model"}
+         "LoadedModel": "model", "load": "model", "kernel_support": "model"}
 __all__ = sorted(_LAZY)
 
 

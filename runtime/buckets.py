@@ -41,6 +41,15 @@ def powers_of_two(lo: int, hi: int | None) -> tuple[int, ...]:
     return tuple(out)
 
 
+def geometric(lo: int, hi: int, growth: int = 2) -> tuple[int, ...]:
+    """lo, lo*growth, lo*growth**2, ... below hi, then hi: (1, 2, 4, 8, 12) for [1, 12]."""
+    out, p = [], lo
+    while p < hi:
+        out.append(p)
+        p *= growth
+    return tuple(out) + (hi,)
+
+
 @dataclasses.dataclass(frozen=True)
 class Buckets:
     """Bucket sizes per paddable dim (sorted ascending); dims not listed compile per exact size.

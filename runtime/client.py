@@ -99,6 +99,21 @@ def host_devices(count: int) -> None:
             pass
 
 
+def platform_devices(platform: str | None = None) -> list[Any]:
+    """The devices of `platform` ("cpu", "cuda"/"gpu", "rocm", "tpu"; None: jax's default backend)."""
+    jplat = None
+    if platform is not None:
+        jplat = _ALIASES.get(platform.lower())
+        if jplat is None:
+            raise PlatformError(f"platform {platform!r} is unknown; use one of cpu, cuda, rocm, gpu, tpu")
+    try:
+        return jax.devices(jplat) if jplat else jax.devices()
+    except RuntimeError as e:
+        have = sorted({d.platform for d in jax.devices()})
+        raise PlatformError(f"platform {platform!r} is not available (jax sees {', '.join(have)}); "
+                            f"install its PJRT plugin: pip install '{_EXTRAS.get(jplat, 'hloserve')}' ({e})") from None
+
+
 def connect(platform: str | None = None, devices: Sequence[Any] | None = None,
             cache_dir: str | None = DEFAULT_CACHE) -> Client:
     """Pick the platform and devices and configure the persistent compile cache.
@@ -106,17 +121,7 @@ def connect(platform: str | None = None, devices: Sequence[Any] | None = None,
     devices: jax devices, or indices into the platform's devices; default all of them
     (the model uses devices[0] unless a mesh spans more).
     """
-    jplat = None
-    if platform is not None:
-        jplat = _ALIASES.get(platform.lower())
-        if jplat is None:
-            raise PlatformError(f"platform {platform!r} is unknown; use one of cpu, cuda, rocm, gpu, tpu")
-    try:
-        available = jax.devices(jplat) if jplat else jax.devices()
-    except RuntimeError as e:
-        have = sorted({d.platform for d in jax.devices()})
-        raise PlatformError(f"platform {platform!r} is not available (jax sees {', '.join(have)}); "
-                            f"install its PJRT plugin: pip install '{_EXTRAS.get(jplat, 'hloserve')}' ({e})") from None
+    available = platform_devices(platform)
     if devices is None:
         chosen = tuple(available)
     else:

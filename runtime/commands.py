@@ -27,7 +27,7 @@ def _inspect(args: argparse.Namespace) -> int:
     schemes = collections.Counter(w.quant["scheme"] for w in m.weights.values() if w.quant)
     stored = "".join(f", {n} stored as {k}" for k, n in sorted(schemes.items()))
     print(f"weights: {total} tensors, {nbytes / 2**20:.1f} MiB{stored}")
-    if m.model.get("llm") is not None:
+    if m.is_llm:
         llm = artifact.LLMSpec.of(m, args.artifact)
         kv = llm.kv_cache
         held = f" holding {kv.holds} bits" if kv.holds else ""

@@ -26,7 +26,7 @@ from jax import export as jax_export
 from . import buckets as buckets_mod
 from . import kernels
 from . import sharding as sharding_mod
-from .client import DEFAULT_CACHE, Client, PlatformError, connect
+from .client import DEFAULT_CACHE, Client, PlatformError, connect, platform_devices
 from .exec_cache import ExecutableCache
 from .executable import Function, FunctionStats
 
@@ -93,7 +93,8 @@ def _read_exported(path: str, name: str) -> jax_export.Exported:
 def load(path: str, platform: str | None = None, devices: Sequence[Any] | None = None, mesh: Any = None,
          partition_rules: sharding_mod.Rules | None = None, cache_dir: str | None = DEFAULT_CACHE,
          buckets: Mapping[str, Sequence[int]] | None = None, strict: bool = False, *, verify: bool | str = True,
-         functions: Sequence[str] | None = None, input_rules: sharding_mod.Rules | None = None) -> LoadedModel:
+         functions: Sequence[str] | None = None, input_rules: sharding_mod.Rules | None = None,
+         manifest: artifact.Manifest | None = None, kernel_support: kernels.KernelSupport | None = None) -> LoadedModel:
     """Load the artifact at `path` onto devices.
 
     Args:
@@ -112,8 +113,11 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
       functions: load only these functions (default all).
       input_rules: like partition_rules, for function inputs by name (default: replicated), e.g.
         [("^kv_cache$", (None, None, "model"))]; an output named like a split input comes back split.
+      manifest: the artifact's manifest when the caller has read it already (read from `path` otherwise).
+      kernel_support: the kernels to substitute, when the caller asked `kernel_support()` before the load
+        (default: this platform's).
     """
-    manifest = artifact.read_manifest(path)
+    manifest = manifest if manifest is not None else artifact.read_manifest(path)
     names = list(functions or manifest.functions)
     for n in names:
         if n not in manifest.functions:
@@ -131,10 +135,10 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
     for n, exp in exported.items():
         _check_platform(n, exp, client, path)
     # composites this runtime has a kernel for run it (CPU: runtime/kernels/); the rest, and
-    # every composite on other platforms, run the decomposition the artifact carries
-    # (a kernel is one device's code: XLA cannot partition a custom call, so over a mesh the
-    # decomposition runs and is partitioned with the rest)
-    library = kernels.cpu_library(_stderr) if client.platform == "cpu" and jmesh is None else None
+    # every composite on other platforms or over a mesh, run the decomposition the artifact carries
+    if kernel_support is None:
+        kernel_support = kernels.support(client.platform, mesh=jmesh is not None, report=_stderr)
+    library = kernel_support.library
     specialized = {}
     for n in names:
         exported[n], specialized[n] = kernels.specialize(exported[n], library)
@@ -166,6 +170,12 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
                           compiler_options=client.compiler_options, input_shardings=split_inputs,
                           kernels=specialized[n])
     return LoadedModel(path, manifest, client, jmesh, on_device, fns)
+
+
+def kernel_support(platform: str | None = None, *, mesh: bool = False) -> kernels.KernelSupport:
+    """The composites a `load(platform=..., mesh=...)` would run as kernels, known before it loads
+    (builds the CPU kernels on first use); pass it on as load's `kernel_support`."""
+    return kernels.support(platform_devices(platform)[0].platform, mesh=mesh, report=_stderr)
 
 
 def _stderr(message: str) -> None:

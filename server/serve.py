@@ -109,15 +109,14 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
 def follow(artifact_path: str | None, config: ServeConfig, process) -> None:
     """A multi-host run's process > 0: load the same step, then run every step the leader sends
     until the leader stops (runtime/distributed.py). Serves nothing itself."""
-    from hloserve.runtime.artifact import LLMSpec, read_manifest
+    from hloserve.runtime.artifact import LLMArtifact
 
-    from .core.model_runner import ModelRunner
+    from .wiring import load_runner
     path = artifact_path or default_artifact()
-    llm = LLMSpec.of(read_manifest(path), path)
-    _, runner_cfg, _ = config.resolve(llm)
+    art = LLMArtifact.read(path)
+    _, runner_cfg, _ = config.resolve(art.llm)
     print(f"[hloserve] process {process.index}/{process.count}: loading {path}", file=sys.stderr, flush=True)
-    runner = ModelRunner.from_artifact(path, runner_cfg, platform=config.platform, strict=False,
-                                       verify=config.load_verify, tensor_parallel_size=config.tensor_parallel_size)
+    runner = load_runner(art, runner_cfg, config, strict=False)
     print(f"[hloserve] process {process.index}/{process.count}: running the leader's steps", file=sys.stderr,
           flush=True)
     steps = runner.follow()

@@ -10,17 +10,19 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
-from hloserve.runtime.artifact import LLMSpec, read_manifest
+from hloserve.runtime.artifact import LLMArtifact, read_manifest
 from hloserve.runtime.artifact.errors import HloserveError
 
 from .config import ServeConfig
 from .core.metrics import Exposition, engine_families, runner_families
 from .embeddings import Embedder
+from .wiring import build_engine
 
 if TYPE_CHECKING:
     from hloserve.runtime.model import LoadedModel
@@ -277,24 +279,23 @@ class PredictService:
 
 
 def build_service(artifact_path: str, config: ServeConfig) -> LLMService | PredictService:
-    """Load the artifact and build the service that fits it (LLM or predict). Does not warm up."""
-    import os
+    """Load the artifact and build the service that fits it (LLM or predict). Does not warm up.
 
+    manifest.json is read here, once; an LLM artifact's contract is typed once (LLMArtifact) and
+    handed down through server/wiring.py."""
     from hloserve import runtime
 
     manifest = read_manifest(artifact_path)
     names = config.served_model_names or (os.path.basename(os.path.normpath(artifact_path)),)
     readiness, admission = Readiness(), Admission(config.max_pending)
-    if manifest.model.get("llm") is None:
-        model = runtime.load(artifact_path, platform=config.platform, strict=False, verify=config.load_verify)
+    if not manifest.is_llm:
+        model = runtime.load(artifact_path, platform=config.platform, strict=False, verify=config.load_verify,
+                             manifest=manifest)
         return PredictService(model, names[0], PredictBatcher(model, config.max_batch_size, config.batch_timeout_s),
                               readiness, admission, embedder=Embedder.from_artifact(artifact_path, manifest))
-    LLMSpec.of(manifest, artifact_path)   # a malformed contract fails here, before anything loads
-
-    from .core.engine import build_engine
-
+    art = LLMArtifact.read(artifact_path, manifest)   # a malformed contract fails here, before anything loads
     try:
-        engine, tokenizer = build_engine(artifact_path, config)
+        engine, tokenizer = build_engine(art, config)
     except ValueError as e:
         raise HloserveError(str(e)) from None
     if tokenizer is None:

@@ -31,8 +31,7 @@ RULES = [
     ("hloserve.server.core.scheduler", ("hloserve.server.core.outputs", "hloserve.server.core.sampling",
                                         "hloserve.server.core.block_manager"), HEAVY | WEB | {"jax"}),
     ("hloserve.server.core.block_manager", (), HEAVY | WEB | {"jax"}),
-    ("hloserve.server.core", ("hloserve.server.core", "hloserve.server.config", "hloserve.server.text",
-                              "hloserve.runtime"), HEAVY | WEB),
+    ("hloserve.server.core", ("hloserve.server.core", "hloserve.server.text", "hloserve.runtime"), HEAVY | WEB),
     ("hloserve.server.text", ("hloserve.server.text", "hloserve.runtime.artifact"), HEAVY | WEB | {"jax"}),
     ("hloserve.server.http", ("hloserve.server", "hloserve.runtime"), HEAVY),
     ("hloserve.server.serve", ("hloserve.server", "hloserve.runtime"), HEAVY),
@@ -127,3 +126,48 @@ def test_runtime_artifact_imports_neither_jax_nor_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert out.stdout.strip() == "[]"
+
+
+def _calls(path: pathlib.Path) -> list[tuple[str, str, ast.Call]]:
+    """(enclosing function, called name, call) for every call in a module."""
+    out = []
+
+    def visit(node, where):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else where
+            if isinstance(child, ast.Call):
+                f = child.func
+                name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
+                    name = f"{f.value.id}.{f.attr}"
+                out.append((inner, name, child))
+            visit(child, inner)
+    visit(ast.parse(path.read_text()), "<module>")
+    return out
+
+
+def test_the_server_reads_an_artifact_once():
+    """One `hloserve serve` reads manifest.json once (services.build_service) and types its LLM contract
+    once (LLMArtifact.read); everything below gets the typed objects (server/wiring.py)."""
+    reads, parses, loads = [], [], []
+    for name, path in MODULES.items():
+        if not name.startswith("hloserve.server"):
+            continue
+        for where, called, call in _calls(path):
+            site = f"{name}.{where}"
+            if called.endswith("read_manifest"):
+                reads.append(site)
+            if called in ("LLMSpec.of", "LLMSpec.from_json", "LLMArtifact.read"):
+                parses.append((site, called))
+            if called == "runtime.load":
+                loads.append((site, {k.arg for k in call.keywords}))
+    assert reads == ["hloserve.server.services.build_service"]
+    # the contract is typed where a path comes in: the service, a follower process, and the
+    # conveniences that also take a path or a bare manifest (build_engine, ModelRunner.from_artifact,
+    # Tokenizer.from_artifact); handed the typed objects, as the wiring hands them, they read nothing
+    assert sorted(parses) == [("hloserve.server.core.model_runner.from_artifact", "LLMArtifact.read"),
+                              ("hloserve.server.serve.follow", "LLMArtifact.read"),
+                              ("hloserve.server.services.build_service", "LLMArtifact.read"),
+                              ("hloserve.server.text.tokenizer.from_artifact", "LLMSpec.from_json"),
+                              ("hloserve.server.wiring.build_engine", "LLMArtifact.read")]
+    assert loads and all("manifest" in kw for _, kw in loads), loads       # runtime.load gets the manifest read

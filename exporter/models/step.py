@@ -10,7 +10,8 @@ import dataclasses
 from typing import Any, Callable, Mapping
 
 import torch
-from hloserve.runtime.artifact.llm import NUM_BLOCKS, STEP_INPUTS, STEP_OUTPUTS, KVCacheSpec, LLMSpec, TensorParallelSpec
+from hloserve.runtime.artifact.llm import (DONATED, MAX_BLOCKS, NUM_BLOCKS, NUM_SEQS, NUM_TOKENS, PADDABLE, STEP_INPUTS,
+                                           STEP_OUTPUTS, KVCacheSpec, LLMSpec, TensorParallelSpec)
 
 # Finite "minus infinity" for masked attention scores (f32): fully masked rows
 # (padding) softmax to uniform instead of NaN.
@@ -68,10 +69,10 @@ def contract_entries(make_step: Callable[[str], torch.nn.Module], opts: StepExpo
     from ..export import EntryPoint
 
     Dim = torch.export.Dim
-    T = Dim("num_tokens", min=1, max=opts.max_tokens)
-    S = Dim("num_seqs", min=1, max=opts.max_seqs)
-    N = Dim("num_blocks", min=2, max=opts.max_num_blocks)
-    B = Dim("max_blocks", min=1, max=opts.max_blocks)
+    T = Dim(NUM_TOKENS, min=1, max=opts.max_tokens)
+    S = Dim(NUM_SEQS, min=1, max=opts.max_seqs)
+    N = Dim(NUM_BLOCKS, min=2, max=opts.max_num_blocks)
+    B = Dim(MAX_BLOCKS, min=1, max=opts.max_blocks)
     # example: 2 sequences, 5 tokens, 3 blocks of table, 7 blocks of cache (sizes distinct and >= 2)
     bs = opts.block_size
     ex = dict(
@@ -88,7 +89,7 @@ def contract_entries(make_step: Callable[[str], torch.nn.Module], opts: StepExpo
     dyn = ({0: T}, {0: T}, {0: T}, {0: T}, {0: S, 1: B}, {0: S}, {0: S}, {3: N})
     args = tuple(ex[n] for n in STEP_INPUTS)
     return [EntryPoint(name, make_step(att), args, dyn, input_names=STEP_INPUTS, output_names=STEP_OUTPUTS,
-                       donated=("kv_cache",), paddable=("num_tokens", "num_seqs", "max_blocks"))
+                       donated=DONATED, paddable=PADDABLE)
             for name, att in opts.functions]
 
 

@@ -14,7 +14,7 @@ neither torch nor jax is imported to do so. See docs/artifact-format.md.
 """
 from . import dtypes, errors, weights
 from .errors import ArtifactError, HloserveError, ShapeConstraintError
-from .llm import LLM_VERSIONS, STEP_INPUTS, KVCacheSpec, LLMSpec, StepBatch, pack_step
+from .llm import LLM_VERSIONS, STEP_INPUTS, KVCacheSpec, LLMArtifact, LLMSpec, StepBatch, pack_step
 from .manifest import (
                        FORMAT_VERSION,
                        MANIFEST,
@@ -34,7 +34,7 @@ from .manifest import (
 from .symbols import bind_symbols, concrete_shape, names_in
 
 __all__ = [
-    "ArtifactError", "FORMAT_VERSION", "FunctionSpec", "HloserveError", "KVCacheSpec", "LLMSpec", "LLM_VERSIONS",
+    "ArtifactError", "FORMAT_VERSION", "FunctionSpec", "HloserveError", "KVCacheSpec", "LLMArtifact", "LLMSpec", "LLM_VERSIONS",
     "MANIFEST", "Manifest", "STEP_INPUTS", "ShapeConstraintError", "StepBatch", "SymbolSpec", "TensorSpec", "WEIGHTS",
     "WeightSpec", "bind_symbols", "concrete_shape", "dtypes", "errors", "file_digest", "names_in", "numpy_dtype",
     "pack_step", "read_manifest", "verify_files", "verify_weights", "weights", "write_manifest",

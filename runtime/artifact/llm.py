@@ -24,12 +24,15 @@ Versions of the contract (a reader must understand every field of the versions i
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from . import dtypes
 from .errors import ArtifactError
+from .kernels import PAGED_ATTENTION
+from .manifest import Manifest, read_manifest
 
 LLM_VERSIONS = range(1, 3)          # the contract versions this reader accepts
 LLM_VERSION = LLM_VERSIONS.stop - 1  # the version writers produce
@@ -37,9 +40,31 @@ STEP_INPUTS = ("tokens", "positions", "seq_ids", "slot_mapping", "block_tables",
                "kv_cache")
 STEP_OUTPUTS = ("logits", "kv_cache")
 NULL_BLOCK = 0                       # block 0 is never allocated: padding writes land there
-NUM_BLOCKS = "num_blocks"            # the symbolic block dim in KVCacheSpec.shape
+# the step functions' symbolic dims: T, S, B (padded to buckets by the server) and N (the cache's blocks,
+# fixed at load from a memory budget)
+NUM_TOKENS, NUM_SEQS, MAX_BLOCKS, NUM_BLOCKS = "num_tokens", "num_seqs", "max_blocks", "num_blocks"
+PADDABLE = (NUM_TOKENS, NUM_SEQS, MAX_BLOCKS)   # padding rows/tokens write into the null block: safe to pad
+DONATED = ("kv_cache",)                          # the cache is updated in place
 KV_BITS = "int16 holding the bits of the K/V values (zeros are zeros)"
 DOC = "docs/artifact-format.md, 'LLM step contract'"
+
+
+class Layout(str, enum.Enum):
+    """How a step function attends (LLMSpec.functions names one per function; every layout is exact
+    for any mix of sequences, they differ in cost)."""
+    FLAT = "flat"        # scores T x S*C, K/V gathered once per sequence: few sequences, long chunks
+    GATHER = "gather"    # each token's own context, through the hloserve.paged_attention composite
+    PAGED = "paged"      # each token's own context, an online softmax over its blocks
+
+    @property
+    def per_token(self) -> bool:
+        """Reads only each token's own context: the layout for decodes."""
+        return self is not Layout.FLAT
+
+    @property
+    def composite(self) -> tuple[str, int] | None:
+        """The composite (name, version) the layout's attention is, when it is one."""
+        return (PAGED_ATTENTION.name, PAGED_ATTENTION.version) if self is Layout.GATHER else None
 
 
 def _field(raw: Mapping[str, Any], key: str, where: str) -> Any:
@@ -144,7 +169,8 @@ class LLMSpec:
       vocab_size: logits' last dim.
       bos_token_id, eos_token_ids: the tokenizer's special ids as the checkpoint declares them.
       kv_cache: the cache's names, storage and shape.
-      functions: step function name -> the attention layout it uses (informational).
+      functions: step function name -> its attention layout (a Layout value, then ": " and its cost in
+        words); `layout(name)` reads it.
       model: architecture facts for `inspect` (layers, heads, head_dim, hidden_size, sliding_window, ...).
       tensor_parallel: how the step splits over devices (version 2), or None: one device only.
     """
@@ -164,6 +190,12 @@ class LLMSpec:
     @property
     def max_context(self) -> int:
         return self.max_blocks * self.block_size
+
+    def layout(self, function: str) -> Layout | None:
+        """The attention layout of a step function, as its `functions` entry begins ("gather: ..."),
+        or None when the artifact does not say."""
+        head = str(self.functions.get(function, "")).split(":", 1)[0].strip()
+        return Layout(head) if head in Layout._value2member_map_ else None
 
     def to_json(self) -> dict:
         return {"version": self.version, **dict(self.model), "vocab_size": self.vocab_size,
@@ -202,13 +234,28 @@ class LLMSpec:
                    model={k: v for k, v in raw.items() if k not in known})
 
     @classmethod
-    def of(cls, manifest: Any, path: str) -> "LLMSpec":
+    def of(cls, manifest: Manifest, path: str) -> "LLMSpec":
         """The typed contract of a manifest, or an ArtifactError saying the artifact is not an LLM."""
         raw = manifest.model.get("llm")
         if raw is None:
             raise ArtifactError(f"{path} is not an LLM step artifact (its manifest has no model.llm): serve it with "
                                 f"the predict API, or export an LLM with `hloserve export`")
         return cls.from_json(raw, f"{path}: model.llm")
+
+
+@dataclasses.dataclass(frozen=True)
+class LLMArtifact:
+    """An LLM step artifact read once: its directory, manifest and typed contract. A server reads
+    one of these per start and hands it down (server/wiring.py); nothing below reads the files again."""
+    path: str
+    manifest: Manifest
+    llm: LLMSpec
+
+    @classmethod
+    def read(cls, path: str, manifest: Manifest | None = None) -> "LLMArtifact":
+        """Read manifest.json (unless given) and type its contract; ArtifactError if it is not an LLM."""
+        manifest = manifest if manifest is not None else read_manifest(path)
+        return cls(path, manifest, LLMSpec.of(manifest, path))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

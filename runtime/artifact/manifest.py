@@ -148,6 +148,11 @@ class Manifest:
     symbols: Mapping[str, SymbolSpec]
     model: Mapping[str, Any]
 
+    @property
+    def is_llm(self) -> bool:
+        """An LLM step artifact: it carries a step contract (model["llm"])."""
+        return self.model.get("llm") is not None
+
     def to_json(self) -> dict:
         return {
             "format_version": self.format_version, "producer": dict(self.producer), "source": self.source,

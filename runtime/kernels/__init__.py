@@ -74,6 +74,28 @@ class Library:
     digest: str
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelSupport:
+    """What a load runs as kernels: a runtime capability, known before the artifact loads, from
+    which a server picks how to call the step (server/core/model_runner.py's StepPolicy)."""
+    library: Library | None
+
+    @property
+    def composites(self) -> frozenset[tuple[str, int]]:
+        """The (name, version) of every composite run as a kernel (the rest run their decomposition)."""
+        return frozenset(TARGETS) if self.library is not None else frozenset()
+
+    def runs(self, name: str, version: int) -> bool:
+        return (name, version) in self.composites
+
+
+def support(platform: str, *, mesh: bool, report: Callable[[str], None] | None = None) -> KernelSupport:
+    """The kernels a load on `platform` (as jax names it: "cpu", "gpu", "tpu") runs: the CPU's, one
+    device only (a kernel is one device's code: XLA cannot partition a custom call, so over a mesh
+    the decomposition runs and is partitioned with the rest); none elsewhere."""
+    return KernelSupport(cpu_library(report) if platform == "cpu" and not mesh else None)
+
+
 def enabled() -> bool:
     return os.environ.get(ENV, "1") not in ("0", "false", "no", "off")
 

@@ -27,7 +27,6 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
-from .block_manager import BlockManager
 from .detokenizer import Detokenizer, TextState
 from .metrics import Histogram, MetricsSnapshot
 from .outputs import FinishReason, RequestOutput, RunnerOutput, SchedulerPlan
@@ -36,9 +35,8 @@ from .scheduler import Scheduler
 from .stream import RequestStream
 
 if TYPE_CHECKING:
-    from ..config import ServeConfig
-    from ..text.tokenizer import Decoder, Tokenizer
     from ..text.structured import Grammars, Matcher
+    from ..text.tokenizer import Decoder
 
 log = logging.getLogger("hloserve.server.engine")
 
@@ -355,49 +353,3 @@ class Engine:
             num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
             finished=dict(self._finished), steps=self._steps, ttft=self._ttft.copy(), itl=self._itl.copy(),
             e2e=self._e2e.copy(), runner=dict(self.runner.stats()), device_memory=self._device_memory)
-
-
-# -- wiring an artifact into an engine ------------------------------------------------------
-def build_engine(artifact_path: str, config: "ServeConfig | None" = None) -> tuple["Engine", "Tokenizer | None"]:
-    """Load an LLM artifact and wire runner, block manager, tokenizer and scheduler.
-
-    The limits come from `config.resolve` (server/config.py: the only defaults), clamped to the
-    artifact's once. Returns (engine, tokenizer); the tokenizer is None when the artifact ships none.
-    The engine is not started and not warmed up: call `engine.warmup()` (every bucket compiles;
-    /ready waits for it), then `engine.start()`.
-    """
-    import os
-
-    from hloserve.runtime.artifact import LLMSpec, read_manifest
-
-    from ..config import ServeConfig
-    from ..text.tokenizer import Tokenizer
-    from .model_runner import ModelRunner
-
-    config = config or ServeConfig()
-    manifest = read_manifest(artifact_path)
-    llm = LLMSpec.of(manifest, artifact_path)
-    sched_cfg, runner_cfg, notes = config.resolve(llm)
-    for note in notes:
-        log.info("%s", note)
-    runner = ModelRunner.from_artifact(artifact_path, runner_cfg, platform=config.platform, strict=config.strict,
-                                       verify=config.load_verify, tensor_parallel_size=config.tensor_parallel_size)
-    per_device: dict[str, dict[str, int]] = {}
-    for (device, kind), n in runner.device_memory().items():
-        per_device.setdefault(device, {})[kind] = n
-    for device, kinds in sorted(per_device.items()):
-        log.info("device %s holds %.1f MiB of weights and %.1f MiB of KV cache (%d blocks of %d tokens)", device,
-                 kinds.get("weights", 0) / 2**20, kinds.get("kv_cache", 0) / 2**20, runner.num_blocks, llm.block_size)
-    tok_file = manifest.model.get("tokenizer")
-    tokenizer = (Tokenizer.from_artifact(artifact_path, manifest.model, llm)
-                 if tok_file and os.path.exists(os.path.join(artifact_path, tok_file)) else None)
-    eos = tokenizer.eos_token_ids if tokenizer else llm.eos_token_ids
-    sched = Scheduler(sched_cfg, BlockManager(runner.num_blocks, llm.block_size,
-                                              enable_prefix_caching=sched_cfg.enable_prefix_caching),
-                      eos_token_ids=eos)
-    grammars = None
-    if tokenizer is not None:
-        from ..text.structured import Grammars, Matcher
-        with open(os.path.join(artifact_path, tok_file), encoding="utf-8") as f:
-            grammars = Grammars(f.read(), llm.vocab_size, eos)
-    return Engine(sched, runner, vocab_size=llm.vocab_size, decoder=tokenizer, grammars=grammars), tokenizer

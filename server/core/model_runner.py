@@ -25,26 +25,25 @@ the returned one. N (num_blocks) is fixed at construction from a memory budget.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
-from hloserve.runtime.artifact.llm import NULL_BLOCK, LLMSpec, StepBatch, pack_step
+from hloserve.runtime.artifact.errors import ArtifactError
+from hloserve.runtime.artifact.llm import (MAX_BLOCKS, NULL_BLOCK, NUM_BLOCKS, NUM_SEQS, NUM_TOKENS, Layout, LLMArtifact,
+                                           LLMSpec, StepBatch, pack_step)
+from hloserve.runtime.buckets import geometric
 
 from .outputs import RunnerOutput, SchedulerPlan
 from .sampling import sample, token_logprobs
 
+log = logging.getLogger("hloserve.server.runner")
+
 if TYPE_CHECKING:
+    from hloserve.runtime.kernels import KernelSupport
     from hloserve.runtime.model import LoadedModel
-
-
-def _pow2_upto(lo: int, hi: int, growth: int = 2) -> tuple[int, ...]:
-    """lo, lo*growth, lo*growth**2, ... below hi, then hi."""
-    out, p = [], lo
-    while p < hi:
-        out.append(p)
-        p *= growth
-    return tuple(out) + (hi,)
 
 
 def _bucket(buckets: Sequence[int], n: int, what: str) -> int:
@@ -87,9 +86,9 @@ class RunnerConfig:
         widths = [max_blocks]
         while len(widths) < block_buckets and widths[-1] // block_growth >= 1:
             widths.append(widths[-1] // block_growth)
-        seqs = _pow2_upto(1, max_num_seqs)
-        return cls(token_buckets=_pow2_upto(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens,
-                                            prefill_growth),
+        seqs = geometric(1, max_num_seqs)
+        return cls(token_buckets=geometric(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens,
+                                           prefill_growth),
                    seq_buckets=seqs, block_buckets=tuple(sorted(set(widths))), num_blocks=num_blocks,
                    kv_cache_bytes=kv_cache_bytes)
 
@@ -139,9 +138,6 @@ def _host(x) -> np.ndarray:
 
 def tensor_parallel_rules(llm: LLMSpec, path: str, size: int) -> dict:
     """runtime.load's mesh, partition_rules and input_rules for `size`-way tensor parallelism."""
-    import re
-
-    from hloserve.runtime.artifact.errors import ArtifactError
     tp = llm.tensor_parallel
     if tp is None:
         raise ArtifactError(f"{path} does not say how its step splits over devices (it was exported before "
@@ -166,47 +162,72 @@ def sample_plan(plan: SchedulerPlan, logits: np.ndarray) -> RunnerOutput:
                         {s.request_id: lp for s, lp in zip(seqs, lps) if lp is not None})
 
 
+@dataclasses.dataclass(frozen=True)
+class StepPolicy:
+    """Which step function runs what, chosen before the artifact loads from its functions' layouts
+    (LLMSpec.layout) and what the runtime will run as kernels (runtime.kernel_support).
+
+    With its attention composite run by a kernel (the CPU), the per-token `decode` reads only each
+    token's own blocks, for prompt chunks too: then every step is ONE call of it, mixed or not
+    (measured T=256: 83-125 ms against the flat layout's 113-255 ms, S = 1..4; docs/performance.md),
+    and one block-table width (the longest context's) serves every step: a wider table costs the
+    kernel nothing (20 executables instead of 100). Without one, its decomposition gathers every
+    token's padded context, so prompt chunks take the flat `prefill` and a mixed step is two calls.
+    """
+    decode_fn: str          # runs decode-only steps (T = S)
+    prefill_fn: str         # runs steps with prompt chunks
+    one_call: bool          # a mixed step is one call of decode_fn
+
+    @classmethod
+    def choose(cls, llm: LLMSpec, functions: Sequence[str], kernels: "KernelSupport", path: str) -> "StepPolicy":
+        layouts = {f: llm.layout(f) for f in functions}
+        per_token = [f for f, lay in layouts.items() if lay is not None and lay.per_token]
+        flat = [f for f, lay in layouts.items() if lay is Layout.FLAT]
+        # artifacts that name no layout: the functions' conventional names
+        decode = (per_token or [f for f in ("decode", "prefill") if f in functions] or [None])[0]
+        if decode is None:
+            raise ValueError(f"artifact {path} has neither a 'decode' nor a 'prefill' step function "
+                             f"(it has {sorted(functions)})")
+        prefill = (flat or [f for f in ("prefill",) if f in functions] or [decode])[0]
+        composite = layouts.get(decode) and layouts[decode].composite
+        one_call = composite is not None and composite in kernels.composites
+        return cls(decode_fn=decode, prefill_fn=decode if one_call else prefill, one_call=one_call)
+
+    def buckets(self, cfg: RunnerConfig) -> RunnerConfig:
+        """cfg with the block-table widths this policy compiles (the widest alone for one call)."""
+        return dataclasses.replace(cfg, block_buckets=cfg.block_buckets[-1:]) if self.one_call else cfg
+
+
 class ModelRunner:
     """Runs plans on an LLM artifact loaded by hloserve.runtime.
 
-    Construct with `ModelRunner.from_artifact(path, cfg)` (loads the artifact with
-    buckets matching cfg) or from an already loaded `LoadedModel`.
+    Construct with `ModelRunner.from_artifact(artifact, cfg)`: it picks the StepPolicy, narrows cfg's
+    buckets to it and loads the runtime with exactly those buckets (the runner is the one bucket
+    authority: every call reaches the runtime padded to a bucket it was loaded with).
     """
 
-    def __init__(self, model: "LoadedModel", cfg: RunnerConfig):
-        llm = LLMSpec.of(model.manifest, model.path)
+    def __init__(self, model: "LoadedModel", llm: LLMSpec, cfg: RunnerConfig, policy: StepPolicy):
         # tensor parallel: the step runs over model.mesh, the cache split by KV heads (from_artifact)
         self.tensor_parallel_size = 1 if model.mesh is None else int(model.mesh.devices.size)
         self.model = model
         self.cfg = cfg
         self.llm = llm
+        self.policy = policy
         self.block_size = llm.block_size
         self.vocab_size = llm.vocab_size
         self.max_blocks = llm.max_blocks
         fns = model.functions
-        self.decode_fn = "decode" if "decode" in fns else "prefill"
-        self.prefill_fn = "prefill" if "prefill" in fns else "decode"
-        # With its attention composite run by a kernel (CPU), `decode` reads only each token's own
-        # blocks, for prompt chunks too: then every step is ONE call of it, mixed or not (measured
-        # T=256: 83-125 ms against the flat layout's 113-255 ms, S = 1..4; docs/performance.md).
-        # Without one, its decomposition gathers every token's padded context, so prompt chunks
-        # take `prefill`'s flat layout and a mixed step is two calls.
-        self.one_call = self.decode_fn == "decode" and fns["decode"].kernels > 0
-        if self.one_call:
-            # The kernel reads only the blocks in use, so a wider table costs nothing: one width
-            # (the longest context's) serves every step, 20 executables instead of 100.
-            self.prefill_fn = self.decode_fn
-            self.cfg = cfg = dataclasses.replace(cfg, block_buckets=cfg.block_buckets[-1:])
-        if self.decode_fn not in fns:
-            raise ValueError(f"artifact {model.path} has neither a 'decode' nor a 'prefill' function "
-                             f"(it has {sorted(fns)})")
+        if policy.one_call and not fns[policy.decode_fn].kernels:
+            log.warning("%s: %s's attention composite was expected to run as a kernel and did not (an artifact "
+                        "exported before the composite?): every step runs its portable formulation; re-export "
+                        "it for the faster path", model.path, policy.decode_fn)
         if max(cfg.block_buckets) > self.max_blocks:
             raise ValueError(f"block bucket {max(cfg.block_buckets)} exceeds the artifact's max_blocks "
                              f"{self.max_blocks}; lower max_model_len")
         kv = llm.kv_cache
         # kv_cache_bytes is per device: N devices hold 1/N of each block
         n = cfg.num_blocks or max(2, cfg.kv_cache_bytes * self.tensor_parallel_size // kv.bytes_per_block)
-        sym = model.manifest.symbols.get("num_blocks")
+        sym = model.manifest.symbols.get(NUM_BLOCKS)
         if sym is not None and sym.max is not None:
             n = min(n, sym.max)
         self.num_blocks = int(n)
@@ -214,7 +235,7 @@ class ModelRunner:
         import jax.numpy as jnp
         self._kv_name, self._kv_out = kv.input, kv.output
         shape = kv.concrete_shape(self.num_blocks)                         # e.g. [L, 2, kvh, N, bs, hd]
-        split = model.functions[self.decode_fn].input_sharding(kv.input)  # each device allocates its part
+        split = fns[policy.decode_fn].input_sharding(kv.input)            # each device allocates its part
         self.kv_cache = jax.jit(lambda: jnp.zeros(shape, kv.numpy_dtype), out_shardings=split)()
         self.kv_cache_bytes = kv.bytes_per_block * self.num_blocks
         # several hosts (runtime/distributed.py): the leader's calls are replayed by the others
@@ -229,23 +250,37 @@ class ModelRunner:
         self.steps = 0
         self.step_seconds = 0.0
 
+    @property
+    def one_call(self) -> bool:
+        return self.policy.one_call
+
+    @property
+    def decode_fn(self) -> str:
+        return self.policy.decode_fn
+
+    @property
+    def prefill_fn(self) -> str:
+        return self.policy.prefill_fn
+
     @classmethod
-    def from_artifact(cls, path: str, cfg: RunnerConfig, *, platform: str | None = None, strict: bool = True,
-                      verify: bool | str = True, tensor_parallel_size: int = 1) -> "ModelRunner":
-        """Load the artifact with buckets matching cfg, on one device or, with tensor_parallel_size
-        N > 1, on a mesh of N devices: weights split as the artifact's TensorParallelSpec says
-        (XLA's SPMD partitioner adds the collectives), the KV cache split by KV heads."""
+    def from_artifact(cls, artifact: "str | LLMArtifact", cfg: RunnerConfig, *, platform: str | None = None,
+                      strict: bool = True, verify: bool | str = True, tensor_parallel_size: int = 1) -> "ModelRunner":
+        """Load the artifact (a path, or an LLMArtifact already read) with the buckets of cfg narrowed
+        to the StepPolicy, on one device or, with tensor_parallel_size N > 1, on a mesh of N devices:
+        weights split as the artifact's TensorParallelSpec says (XLA's SPMD partitioner adds the
+        collectives), the KV cache split by KV heads."""
         from hloserve import runtime
+        art = artifact if isinstance(artifact, LLMArtifact) else LLMArtifact.read(artifact)
+        split = tensor_parallel_rules(art.llm, art.path, tensor_parallel_size) if tensor_parallel_size > 1 else {}
+        kernels = runtime.kernel_support(platform, mesh=bool(split))
+        policy = StepPolicy.choose(art.llm, list(art.manifest.functions), kernels, art.path)
+        cfg = policy.buckets(cfg)
         tokens = sorted(set(cfg.token_buckets) | set(cfg.seq_buckets))   # decode steps use T = S
-        split = {}
-        if tensor_parallel_size > 1:
-            from hloserve.runtime.artifact import read_manifest
-            split = tensor_parallel_rules(LLMSpec.of(read_manifest(path), path), path, tensor_parallel_size)
-        model = runtime.load(path, platform=platform, strict=strict, verify=verify,
-                             buckets={"num_tokens": tokens,
-                                      "num_seqs": list(cfg.seq_buckets),
-                                      "max_blocks": list(cfg.block_buckets)}, **split)
-        return cls(model, cfg)
+        model = runtime.load(art.path, platform=platform, strict=strict, verify=verify, manifest=art.manifest,
+                             kernel_support=kernels,
+                             buckets={NUM_TOKENS: tokens, NUM_SEQS: list(cfg.seq_buckets),
+                                      MAX_BLOCKS: list(cfg.block_buckets)}, **split)
+        return cls(model, art.llm, cfg, policy)
 
     def device_memory(self) -> dict[tuple[str, str], int]:
         """(device, "weights" | "kv_cache") -> bytes this runner holds on each device."""
@@ -275,7 +310,7 @@ class ModelRunner:
         t_start = time.perf_counter()
         for i, (fn, t, s, b) in enumerate(shapes, 1):
             t0 = time.perf_counter()
-            env = {"num_tokens": t, "num_seqs": s, "max_blocks": b, "num_blocks": self.num_blocks}
+            env = {NUM_TOKENS: t, NUM_SEQS: s, MAX_BLOCKS: b, NUM_BLOCKS: self.num_blocks}
             function = self.model.functions[fn]
             done += function.warmup({k: [v] for k, v in env.items()})
             if function.from_executable_cache(env):

@@ -160,10 +160,10 @@ def test_stopping_the_engine_ends_queued_waiting_and_running_requests(runner):
 
 
 @pytest.mark.slow
-def test_build_engine_wires_an_artifact(tiny_llm):
-    from hloserve.runtime.artifact import HloserveError, LLMSpec, read_manifest
+def test_build_engine_wires_an_artifact(tiny_llm, monkeypatch):
+    from hloserve.runtime.artifact import HloserveError, LLMSpec, Manifest, read_manifest
     from hloserve.server.config import ServeConfig
-    from hloserve.server.core.engine import build_engine
+    from hloserve.server.wiring import build_engine
     hf, art = tiny_llm
     with pytest.raises(HloserveError, match="exceeds the artifact's max_context 128"):
         build_engine(art, ServeConfig(max_model_len=256))
@@ -171,8 +171,14 @@ def test_build_engine_wires_an_artifact(tiny_llm):
         LLMSpec.of(read_manifest(art), art))                    # clamped to the artifact once, and said so
     assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (8, 64) and len(notes) == 2
     assert runner.seq_buckets[-1] == 8 and runner.token_buckets[-1] == 64
+    reads = []                               # spies (the real methods run): the artifact is read and typed once
+    for cls in (Manifest, LLMSpec):
+        real = cls.from_json.__func__
+        monkeypatch.setattr(cls, "from_json", classmethod(
+            lambda c, *a, _real=real, **k: (reads.append(c.__name__), _real(c, *a, **k))[1]))
     eng, tok = build_engine(art, ServeConfig(max_num_seqs=1, max_num_batched_tokens=32, block_buckets=1,
                                              min_token_bucket=16, prefill_growth=2, num_blocks=32, platform="cpu"))
+    assert sorted(reads) == ["LLMSpec", "Manifest"]
     assert tok is None                                         # save_pretrained of a bare model ships no tokenizer
     assert eng.scheduler.config.max_model_len == 128 and eng.scheduler.eos_token_ids == {2}
     assert eng.warmup() == 3                                   # decode (1,1) + prefill (16,1), (32,1), width 16

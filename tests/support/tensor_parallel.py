@@ -21,7 +21,7 @@ art, sizes, prompts, new_tokens = json.loads(sys.argv[1])
 host_devices(max(sizes))
 from hloserve.runtime.artifact import LLMSpec, read_manifest
 from hloserve.server.config import ServeConfig
-from hloserve.server.core.engine import build_engine
+from hloserve.server.wiring import build_engine
 from hloserve.server.core.sampling import SamplingParams
 
 tp = LLMSpec.of(read_manifest(art), art).tensor_parallel

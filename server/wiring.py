@@ -1,0 +1,76 @@
+"""One served LLM, assembled in order from one read of its artifact (as nano-vllm's LLMEngine.__init__).
+
+    art = LLMArtifact.read(path)                  manifest.json and the typed LLMSpec, read once
+    sched_cfg, runner_cfg = config.resolve(llm)   every limit from ServeConfig, clamped to the artifact
+    runner = ModelRunner.from_artifact(art, ...)  step policy, buckets, weights and KV cache on the device
+    tokenizer = Tokenizer.from_artifact(...)      the artifact's tokenizer.json, BOS/EOS from the LLMSpec
+    grammars = Grammars(...)                      structured output over the same vocabulary
+    scheduler = Scheduler(sched_cfg, BlockManager(runner.num_blocks, ...))
+    engine = Engine(scheduler, runner, ...)
+
+Everything below receives typed objects and reads no file of the artifact again. services.build_service
+calls `build_engine` with the manifest it read; `load_runner` is the same runner for a multi-host run's
+other processes (serve.follow).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from hloserve.runtime.artifact.llm import LLMArtifact
+
+from .config import ServeConfig
+from .core.block_manager import BlockManager
+from .core.engine import Engine
+from .core.model_runner import ModelRunner, RunnerConfig
+from .core.scheduler import Scheduler
+from .text.structured import Grammars
+from .text.tokenizer import Tokenizer
+
+log = logging.getLogger("hloserve.server")
+
+
+def load_runner(art: LLMArtifact, runner_cfg: RunnerConfig, config: ServeConfig, *, strict: bool) -> ModelRunner:
+    """The artifact's step on the device(s) `config` names."""
+    return ModelRunner.from_artifact(art, runner_cfg, platform=config.platform, strict=strict,
+                                     verify=config.load_verify, tensor_parallel_size=config.tensor_parallel_size)
+
+
+def build_engine(artifact: LLMArtifact | str, config: ServeConfig | None = None) -> tuple[Engine, Tokenizer | None]:
+    """Load an LLM artifact (a path, or an LLMArtifact already read) and wire runner, tokenizer,
+    grammars and scheduler into an engine.
+
+    Returns (engine, tokenizer); the tokenizer is None when the artifact ships none. The engine is
+    not started and not warmed up: call `engine.warmup()` (every bucket compiles; /ready waits for
+    it), then `engine.start()`.
+    """
+    config = config or ServeConfig()
+    art = artifact if isinstance(artifact, LLMArtifact) else LLMArtifact.read(artifact)
+    llm = art.llm
+    sched_cfg, runner_cfg, notes = config.resolve(llm)
+    for note in notes:
+        log.info("%s", note)
+    runner = load_runner(art, runner_cfg, config, strict=config.strict)
+    _log_device_memory(runner)
+    tok_file = art.manifest.model.get("tokenizer")
+    tok_path = os.path.join(art.path, tok_file) if tok_file else None
+    tokenizer = grammars = None
+    if tok_path and os.path.exists(tok_path):
+        tokenizer = Tokenizer.from_artifact(art.path, art.manifest.model, llm)
+        with open(tok_path, encoding="utf-8") as f:
+            grammars = Grammars(f.read(), llm.vocab_size, tokenizer.eos_token_ids)
+    eos = tokenizer.eos_token_ids if tokenizer else llm.eos_token_ids
+    blocks = BlockManager(runner.num_blocks, llm.block_size, enable_prefix_caching=sched_cfg.enable_prefix_caching)
+    scheduler = Scheduler(sched_cfg, blocks, eos_token_ids=eos)
+    engine = Engine(scheduler, runner, vocab_size=llm.vocab_size, decoder=tokenizer, grammars=grammars)
+    return engine, tokenizer
+
+
+def _log_device_memory(runner: ModelRunner) -> None:
+    per_device: dict[str, dict[str, int]] = {}
+    for (device, kind), n in runner.device_memory().items():
+        per_device.setdefault(device, {})[kind] = n
+    for device, kinds in sorted(per_device.items()):
+        log.info("device %s holds %.1f MiB of weights and %.1f MiB of KV cache (%d blocks of %d tokens)", device,
+                 kinds.get("weights", 0) / 2**20, kinds.get("kv_cache", 0) / 2**20, runner.num_blocks,
+                 runner.block_size)
