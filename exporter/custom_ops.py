@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from hloserve.runtime.artifact.kernels import Holds
 
 
 @torch.library.custom_op("hloserve::mixed_linear", mutates_args=())
@@ -34,10 +35,10 @@ def _(x, weight, bias):
 
 
 # hloserve::layer_linear: mixed_linear by layer `layer` (0-dim) of a stack of 16-bit matrices
-# [L, out, in] (holds: 1 bf16, 2 f16; int16 storage holds their bits), the `hloserve.layer_linear`
+# [L, out, in] (holds: Holds.BF16 or F16; int16 storage holds their bits), the `hloserve.layer_linear`
 # composite of runtime/artifact/kernels.py (lowered in exporter/lowerings/linalg.py): a kernel
 # can read the layer where it lies in the stack instead of a sliced copy. x [..., in] -> [..., out].
-_HOLDS = {1: torch.bfloat16, 2: torch.float16}
+_HOLDS = {Holds.BF16: torch.bfloat16, Holds.F16: torch.float16}
 
 
 @torch.library.custom_op("hloserve::layer_linear", mutates_args=())

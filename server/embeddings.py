@@ -9,6 +9,7 @@ truncated to max_seq_length, padded to the request's longest, and run through th
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -29,8 +30,6 @@ class Embedder:
     @classmethod
     def from_artifact(cls, artifact_dir: str, manifest: Any) -> "Embedder | None":
         """The embedder an artifact supports, or None (no pooling config or no tokenizer)."""
-        import os
-
         import tokenizers
         pooling = manifest.model.get("pooling")
         tok_path = os.path.join(artifact_dir, "tokenizer.json")

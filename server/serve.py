@@ -18,8 +18,13 @@ import sys
 import threading
 import time
 
+from hloserve.runtime.artifact import LLMArtifact
+from hloserve.runtime.artifact.errors import HloserveError
+from hloserve.runtime.paths import cache_dir
+
 from .config import ServeConfig
 from .services import LLMService, build_service
+from .wiring import load_runner
 
 DEFAULT_PRESET = "smollm2-135m-instruct"
 # How the default model is exported, and the cache directory's suffix naming it (a cache
@@ -34,7 +39,6 @@ log = logging.getLogger("hloserve.server")
 
 def default_artifact_path(preset: str = DEFAULT_PRESET) -> str:
     """Where `hloserve serve` keeps the default model's artifact (it may not exist yet)."""
-    from hloserve.runtime.paths import cache_dir
     return os.path.join(cache_dir(), "artifacts", f"{preset}-{DEFAULT_EXPORT_TAG}")
 
 
@@ -46,7 +50,6 @@ def default_artifact(preset: str = DEFAULT_PRESET) -> str:
     print(f"[hloserve] first run: exporting {preset} to {path} (once; later starts reuse it)", file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "hloserve.server.cli", "export", preset, "-o", path, *DEFAULT_EXPORT_FLAGS]
     if subprocess.run(cmd).returncode != 0:
-        from hloserve.runtime.artifact.errors import HloserveError
         raise HloserveError(f"exporting the default model {preset} failed (see above); run `{' '.join(cmd[2:])}` to retry")
     return path
 
@@ -102,16 +105,12 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
     if server.exit_signal:   # stopped by a signal: the conventional status, after a clean close
         raise SystemExit(128 + server.exit_signal)
     if failed:
-        from hloserve.runtime.artifact.errors import HloserveError
         raise HloserveError(f"{service.model_name}: {failed[0]}")
 
 
 def follow(artifact_path: str | None, config: ServeConfig, process) -> None:
     """A multi-host run's process > 0: load the same step, then run every step the leader sends
     until the leader stops (runtime/distributed.py). Serves nothing itself."""
-    from hloserve.runtime.artifact import LLMArtifact
-
-    from .wiring import load_runner
     path = artifact_path or default_artifact()
     art = LLMArtifact.read(path)
     _, runner_cfg, _ = config.resolve(art.llm)

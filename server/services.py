@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
+from hloserve import runtime
 from hloserve.runtime.artifact import LLMArtifact, read_manifest
 from hloserve.runtime.artifact.errors import HloserveError
 
@@ -283,8 +284,6 @@ def build_service(artifact_path: str, config: ServeConfig) -> LLMService | Predi
 
     manifest.json is read here, once; an LLM artifact's contract is typed once (LLMArtifact) and
     handed down through server/wiring.py."""
-    from hloserve import runtime
-
     manifest = read_manifest(artifact_path)
     names = config.served_model_names or (os.path.basename(os.path.normpath(artifact_path)),)
     readiness, admission = Readiness(), Admission(config.max_pending)

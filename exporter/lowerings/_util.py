@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax.numpy as jnp
+from hloserve.runtime.artifact.kernels import Holds
 from jax import lax
 
 from ..registry import row
@@ -52,7 +53,7 @@ def to_bits(x):
 
 
 # The `holds` attribute of hloserve's composites: which 16-bit float an array (or its bits) holds
-HOLDS = {1: jnp.bfloat16, 2: jnp.float16}
+HOLDS = {Holds.BF16: jnp.bfloat16, Holds.F16: jnp.float16}
 
 
 def from_bits(x, dtype):

@@ -36,12 +36,14 @@ from typing import Any, Mapping
 
 import torch
 
-from hloserve.runtime.artifact.llm import LLMSpec
+from hloserve.runtime.artifact.llm import LLMSpec, ModelFacts
 
+from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.* (the composites)
+from .. import dtypes
 from ..entry import Source
 from ..errors import SourceError
 from . import hf_layers
-from .step import _MASKED, HOLDS, StepExportOptions, contract_entries, contract_spec, write_kv
+from .step import _MASKED, HOLDS, OWN, StepExportOptions, contract_entries, contract_spec, write_kv
 
 log = logging.getLogger("hloserve.export")
 
@@ -155,9 +157,8 @@ class _Step:
                               x["slot_mapping"].to(torch.int64), self.kv_dtype)
 
         qg = q.reshape(T, KV, H // KV, D)                                 # [T, KV, G, D]
-        holds = HOLDS.get(self.kv_dtype or self.cache.dtype, 0)
+        holds = HOLDS.get(self.kv_dtype or self.cache.dtype, OWN)
         if self.layout == "gather":
-            from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.paged_attention
             out = torch.ops.hloserve.paged_attention(
                 qg.float(), self.cache, layer, x["block_tables"], x["seq_ids"],
                 x["positions"], x["context_lens"], window, holds, scale, softcap)   # [T, KV, G, D]
@@ -176,7 +177,6 @@ class _Step:
 
 def _flat_attention(qg, cache, layer: torch.Tensor, x, window: int, holds: int, scale: float, softcap: float):
     """Every token scores the contexts of all S sequences of the step, masked to its own (prefill)."""
-    from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.gather_blocks
     T, KV, G, D = qg.shape
     BS = cache.shape[4]
     tables = x["block_tables"]                                            # [S, B]
@@ -268,11 +268,11 @@ def llm_spec(model: torch.nn.Module, opts: StepExportOptions, eos_ids, bos_id, l
     c = _text_config(model.config)
     return contract_spec(opts, activation_dtype(model), num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
                          head_dim=g.head_dim, vocab_size=int(c.vocab_size), bos_token_id=bos_id, eos_token_ids=eos_ids,
-                         model={"num_layers": g.num_layers, "num_heads": int(c.num_attention_heads),
-                                "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
-                                "hidden_size": int(c.hidden_size),
-                                "sliding_window": getattr(c, "sliding_window", None), "layers": layers,
-                                "attention": "transformers attention interface (hloserve_paged)"})
+                         model=ModelFacts(num_layers=g.num_layers, num_heads=int(c.num_attention_heads),
+                                          num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
+                                          hidden_size=int(c.hidden_size),
+                                          sliding_window=getattr(c, "sliding_window", None), layers=layers,
+                                          attention="transformers attention interface (hloserve_paged)"))
 
 
 def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExportOptions | None = None,
@@ -320,7 +320,6 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
     if add_bos is not None:
         meta["add_bos_token"] = add_bos
     if weight_dtype is not None and weight_dtype != tdtype:
-        from .. import dtypes
         meta["weight_dtype"] = dtypes.artifact_name_of_torch(weight_dtype)
     gen = _generation_defaults(path)
     if gen:

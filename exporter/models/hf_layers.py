@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.* (the composites)
 from .step import HOLDS
 
 
@@ -56,7 +57,6 @@ class LayerLinear(torch.nn.Module):
         return cls(bits, bias, dtype)
 
     def forward(self, x):
-        from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.layer_linear
         w = self.weight if self.weight.dim() == 3 else self.weight[None]  # [L, out, in]
         y = torch.ops.hloserve.layer_linear(x.float(), w, self.layer, self.holds).to(x.dtype)
         return y if self.bias is None else y + self.bias
@@ -76,7 +76,6 @@ class TableHead(torch.nn.Module):
         return self.embedding.weight
 
     def forward(self, h):
-        from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.layer_linear
         zero = torch.zeros((), dtype=torch.int32, device=h.device)
         table = self.embedding.weight
         return torch.ops.hloserve.layer_linear(h.float(), table[None], zero, HOLDS[table.dtype])   # [.., V]

@@ -54,9 +54,12 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
-from hloserve.runtime.artifact.llm import LLMSpec, TensorParallelSpec
+from hloserve.runtime.artifact.llm import LLMSpec, ModelFacts, TensorParallelSpec
 
-from .step import _MASKED, ATTENTION, HOLDS, StepExportOptions, contract_entries, contract_spec, paged_attention, write_kv
+from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.* (the composites)
+from .. import dtypes
+from ..errors import SourceError
+from .step import _MASKED, ATTENTION, HOLDS, OWN, StepExportOptions, contract_entries, contract_spec, paged_attention, write_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +133,6 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, d: Mapping[str, Any]) -> "LlamaConfig":
         """Parse a Hugging Face config.json dict (transformers 4.x or 5.x spelling)."""
-        from ..errors import SourceError
 
         model_type = d.get("model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2"):
@@ -349,7 +351,6 @@ class LlamaWeights(torch.nn.Module):
         """The manifest's WeightSpec.quant of an artifact weight: says which int16 weights are bits."""
         if self.bits_dtype is None or tensor.dtype != torch.int16:
             return None
-        from .. import dtypes
         return {"scheme": dtypes.artifact_name_of_torch(self.bits_dtype), "role": "bits", "stored": BITS_STORAGE,
                 "shape": list(tensor.shape)}
 
@@ -367,7 +368,6 @@ class LlamaWeights(torch.nn.Module):
         """x @ W.T + bias, W being layer `layer` of stacked weight `name`: lw[name] (one layer's
         slice of the stacked weights) or, where `in_place(name)`, the stack itself."""
         if self.in_place(name):
-            from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.layer_linear
             y = torch.ops.hloserve.layer_linear(x, self.layers[name], layer, HOLDS[self.bits_dtype])
             return y if bias is None else y + bias
         w = lw[name]
@@ -376,7 +376,6 @@ class LlamaWeights(torch.nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         table = self.embed_tokens if self.lm_head is None else self.lm_head
         if table.dtype in HOLDS:                                         # one matrix read in place
-            from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.layer_linear
             zero = torch.zeros((), dtype=torch.int32, device=h.device)
             return torch.ops.hloserve.layer_linear(h, table[None], zero, HOLDS[table.dtype])   # [S, V]
         return _linear(h, table, None)                                    # [S, V]
@@ -385,7 +384,6 @@ class LlamaWeights(torch.nn.Module):
     def from_hf_tensors(cls, cfg: LlamaConfig, get: Callable[[str], torch.Tensor], names: Iterable[str],
                         dtype: torch.dtype = torch.float32, weight_dtype: torch.dtype | None = None) -> "LlamaWeights":
         """Build stacked weights from HF-named tensors; `get(name)` returns one tensor (any dtype)."""
-        from ..errors import SourceError
 
         names = set(names)
         w = cls(cfg, dtype, weight_dtype)
@@ -423,7 +421,6 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     XLA:CPU's bf16 kernels, which a bf16 F.linear's transposed operand loses)."""
     if weight.dtype.itemsize != 2 or not weight.dtype.is_floating_point:
         return F.linear(x, weight, bias)
-    from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.mixed_linear
     return torch.ops.hloserve.mixed_linear(x, weight, bias)
 
 
@@ -514,10 +511,9 @@ class LlamaStep(torch.nn.Module):
 
             cache = write_kv(cache, l, k, v, slots, kvd)                 # then read the contexts
             if self.attention == "gather":
-                from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.paged_attention
                 out = torch.ops.hloserve.paged_attention(
                     qg.float(), cache, l, block_tables, seq_ids, positions, context_lens,
-                    cfg.sliding_window or 0, HOLDS.get(kvd or dtype, 0), D ** -0.5, 0.0).to(dtype)   # [T, KV, G, D]
+                    cfg.sliding_window or 0, HOLDS.get(kvd or dtype, OWN), D ** -0.5, 0.0).to(dtype)   # [T, KV, G, D]
             elif self.attention == "paged":
                 # `seen` is each token's context length here; the loop masks block by block
                 out = paged_attention(qg, cache, l, blocks, pos, seen, cfg.sliding_window)   # [T, KV, G, D]
@@ -526,7 +522,6 @@ class LlamaStep(torch.nn.Module):
                 # its dot reads ([KV, R*C, D], batch dims first), so XLA adds no slice copy or
                 # transpose of the gathered context (which cost more than the gather itself;
                 # docs/performance.md), and a cache split by heads is read where it lies.
-                from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.gather_blocks
                 k_ctx = torch.ops.hloserve.gather_blocks(cache, l, 0, blocks)   # [KV, S*C, D]
                 v_ctx = torch.ops.hloserve.gather_blocks(cache, l, 1, blocks)   # [KV, S*C, D]
                 if kvd is not None:   # widened inside the gather: half the bytes read, same dots
@@ -611,7 +606,7 @@ def llm_spec(cfg: LlamaConfig, opts: StepExportOptions, dtype: torch.dtype,
     return contract_spec(opts, dtype, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                          head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, bos_token_id=cfg.bos_token_id,
                          eos_token_ids=cfg.eos_token_ids,
-                         model={"num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
-                                "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-                                "hidden_size": cfg.hidden_size, "sliding_window": cfg.sliding_window,
-                                "layers": "scan" if opts.scan else "unrolled"}, tensor_parallel=tp)
+                         model=ModelFacts(num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+                                          num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                          hidden_size=cfg.hidden_size, sliding_window=cfg.sliding_window,
+                                          layers="scan" if opts.scan else "unrolled"), tensor_parallel=tp)

@@ -35,6 +35,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from .. import dtypes
 from ..entry import Source
 from ..errors import SourceError
 from .llama import LlamaConfig, LlamaWeights, llm_spec, step_entries
@@ -70,7 +71,6 @@ def source_from_weights(weights: LlamaWeights, description: str, *, opts: StepEx
     if generation_defaults:
         model["generation_defaults"] = dict(generation_defaults)
     if getattr(weights, "weight_dtype", dtype) != dtype:
-        from .. import dtypes
         model["weight_dtype"] = dtypes.artifact_name_of_torch(weights.weight_dtype)
     return Source(description, step_entries(weights, opts), model, dict(files or {}),
                   weight_quant=weights.weight_quant if getattr(weights, "bits_dtype", None) else None)

@@ -7,11 +7,15 @@ module docstring and docs/architecture.md ("LLM step contract").
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Callable
 
 import torch
+from hloserve.runtime.artifact.kernels import Holds
 from hloserve.runtime.artifact.llm import (DONATED, MAX_BLOCKS, NUM_BLOCKS, NUM_SEQS, NUM_TOKENS, PADDABLE, STEP_INPUTS,
-                                           STEP_OUTPUTS, KVCacheSpec, LLMSpec, TensorParallelSpec)
+                                           STEP_OUTPUTS, KVCacheSpec, Layout, LLMSpec, ModelFacts,
+                                           TensorParallelSpec)
+
+from .. import dtypes
 
 # Finite "minus infinity" for masked attention scores (f32): fully masked rows
 # (padding) softmax to uniform instead of NaN.
@@ -19,14 +23,16 @@ _MASKED = -1e30
 
 # what a 16-bit cache or weight stack holds, as the hloserve.paged_attention and
 # hloserve.layer_linear composites' `holds` says it
-HOLDS = {torch.bfloat16: 1, torch.float16: 2}
+# (plain ints: what torch.ops and the traced graph carry)
+HOLDS = {torch.bfloat16: int(Holds.BF16), torch.float16: int(Holds.F16)}
+OWN = int(Holds.OWN)   # an f32 cache: its own dtype
 
-ATTENTION = ("gather", "flat", "paged")
+ATTENTION = tuple(layout.value for layout in Layout)   # the contract's layouts (runtime/artifact/llm.py)
 # What each layout costs per layer (T tokens, S sequences, C = max_blocks * block_size), and
 # measured on SmolLM2-135M, CPU: one 512-token prompt: flat 2.2 s, paged 10.0 s, gather 13.1 s;
 # 31 decodes at context 1000 + one 256-token chunk (S=32, T=287): flat 40.5 s, paged 9.6 s,
 # gather 9.0 s. Pick flat when S is small, gather/paged when many sequences share a step.
-ATTENTION_COST = {
+ATTENTION_COST = {   # keyed by Layout value; LLMSpec.functions stores "<layout>: <cost>"
     "flat": "scores T x S*C, K/V gathered once per sequence (S*C): best for few sequences, long chunks",
     "gather": "K/V gathered per token (T*C), scores T x C: best for one token per sequence",
     "paged": "per-token K/V one block at a time with an online softmax (a loop over max_blocks): "
@@ -94,11 +100,10 @@ def contract_entries(make_step: Callable[[str], torch.nn.Module], opts: StepExpo
 
 
 def contract_spec(opts: StepExportOptions, dtype: torch.dtype, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                  vocab_size: int, bos_token_id: int | None, eos_token_ids, model: Mapping[str, Any],
+                  vocab_size: int, bos_token_id: int | None, eos_token_ids, model: ModelFacts,
                   tensor_parallel: TensorParallelSpec | None = None) -> LLMSpec:
     """The manifest's model["llm"] of a step built with `opts` (the cache holds int16 bits of
     opts.kv_dtype when set, else `dtype`); `model` adds the architecture facts."""
-    from .. import dtypes
     stored = torch.int16 if opts.kv_dtype is not None else dtype
     kv = KVCacheSpec(dtype=dtypes.artifact_name_of_torch(stored),
                      holds=dtypes.artifact_name_of_torch(opts.kv_dtype) if opts.kv_dtype is not None else None,
@@ -107,7 +112,7 @@ def contract_spec(opts: StepExportOptions, dtype: torch.dtype, *, num_layers: in
                    max_tokens=opts.max_tokens, vocab_size=vocab_size, bos_token_id=bos_token_id,
                    eos_token_ids=tuple(eos_token_ids), kv_cache=kv,
                    functions={name: f"{att}: {ATTENTION_COST[att]}" for name, att in opts.functions},
-                   model=dict(model), tensor_parallel=tensor_parallel)
+                   model=model, tensor_parallel=tensor_parallel)
 
 
 def write_kv(cache: torch.Tensor, layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

@@ -11,6 +11,21 @@ The contracts below are what a kernel must compute; the decomposition is the ref
 from __future__ import annotations
 
 import dataclasses
+import enum
+
+
+class Holds(enum.IntEnum):
+    """What the elements of a cache or weight stack are: the composites' `holds` attribute, also the
+    C++ kernels' `Kind` (runtime/kernels/cpu_kernels.cc; a test checks the two agree). 16-bit floats
+    may be stored as their bits in an int16 buffer (an LLM step's KVCacheSpec.holds names them)."""
+    OWN = 0     # the buffer's own dtype (f32)
+    BF16 = 1    # bfloat16
+    F16 = 2     # float16
+
+    @classmethod
+    def named(cls, name: str | None) -> "Holds":
+        """The code of a manifest dtype name ("bf16", "f16"; None: the buffer's own dtype)."""
+        return {None: cls.OWN, "bf16": cls.BF16, "f16": cls.F16}[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +54,7 @@ PAGED_ATTENTION = Composite(
     ),
     attributes=(
         "window i64: attend to positions > position - window (0: no window)",
-        "holds i64: what the cache elements are: 0 its own dtype (f32), 1 bfloat16, 2 float16",
+        "holds i64: what the cache elements are (Holds): 0 its own dtype (f32), 1 bfloat16, 2 float16",
         "scale f32: the scores' factor (1/sqrt(D) for most models)",
         "softcap f32: scores become softcap * tanh(scores / softcap) (0: no capping)",
     ),
@@ -57,7 +72,7 @@ LAYER_LINEAR = Composite(
         "weights [L, N, K]: 16-bit floats, or their bits in s16 (`holds` says which floats)",
         "layer s32[]: the matrix used",
     ),
-    attributes=("holds i64: what the weights are: 1 bfloat16, 2 float16",),
+    attributes=("holds i64: what the weights are (Holds): 1 bfloat16, 2 float16",),
     result="f32[M, N]: x rounded to the weights' dtype (to nearest even) times weights[layer] transposed; "
            "the products are exact in f32 and summed in f32 (in any order)",
 )

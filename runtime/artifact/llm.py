@@ -45,6 +45,10 @@ NULL_BLOCK = 0                       # block 0 is never allocated: padding write
 NUM_TOKENS, NUM_SEQS, MAX_BLOCKS, NUM_BLOCKS = "num_tokens", "num_seqs", "max_blocks", "num_blocks"
 PADDABLE = (NUM_TOKENS, NUM_SEQS, MAX_BLOCKS)   # padding rows/tokens write into the null block: safe to pad
 DONATED = ("kv_cache",)                          # the cache is updated in place
+# the step's int32 inputs and their dims (the cache's shape is KVCacheSpec.shape)
+STEP_DIMS = {"tokens": (NUM_TOKENS,), "positions": (NUM_TOKENS,), "seq_ids": (NUM_TOKENS,),
+             "slot_mapping": (NUM_TOKENS,), "block_tables": (NUM_SEQS, MAX_BLOCKS), "context_lens": (NUM_SEQS,),
+             "last_token": (NUM_SEQS,)}
 KV_BITS = "int16 holding the bits of the K/V values (zeros are zeros)"
 DOC = "docs/artifact-format.md, 'LLM step contract'"
 
@@ -157,6 +161,39 @@ class TensorParallelSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelFacts:
+    """Architecture facts of the exported model, stored beside the contract's keys (what `inspect` and a
+    reader may want to know; serving reads none of them).
+
+    Attributes:
+      num_layers, num_heads, num_kv_heads, head_dim, hidden_size: the decoder's geometry.
+      sliding_window: the attention window in tokens, or None.
+      layers: how the layers were exported ("scan", "unrolled", "scan (a period of 2 layers, ...)").
+      attention: how attention was exported, when the step says (the generic step: the interface).
+      other: keys a writer added that this reader does not know; kept and written back.
+    """
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    hidden_size: int | None = None
+    sliding_window: int | None = None
+    layers: str | None = None
+    attention: str | None = None
+    other: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        known = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "other"}
+        return {**{k: v for k, v in known.items() if v is not None or k == "sliding_window"}, **dict(self.other)}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> "ModelFacts":
+        names = {f.name for f in dataclasses.fields(cls)} - {"other"}
+        return cls(**{k: v for k, v in raw.items() if k in names},
+                   other={k: v for k, v in raw.items() if k not in names})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LLMSpec:
     """What a server needs to drive an LLM artifact's step functions (manifest.model["llm"]).
 
@@ -171,7 +208,7 @@ class LLMSpec:
       kv_cache: the cache's names, storage and shape.
       functions: step function name -> its attention layout (a Layout value, then ": " and its cost in
         words); `layout(name)` reads it.
-      model: architecture facts for `inspect` (layers, heads, head_dim, hidden_size, sliding_window, ...).
+      model: architecture facts (ModelFacts), stored at the top level beside the contract's keys.
       tensor_parallel: how the step splits over devices (version 2), or None: one device only.
     """
     version: int = LLM_VERSION
@@ -184,7 +221,7 @@ class LLMSpec:
     eos_token_ids: tuple[int, ...] = ()
     kv_cache: KVCacheSpec
     functions: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    model: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    model: ModelFacts = ModelFacts()
     tensor_parallel: TensorParallelSpec | None = None
 
     @property
@@ -198,7 +235,7 @@ class LLMSpec:
         return Layout(head) if head in Layout._value2member_map_ else None
 
     def to_json(self) -> dict:
-        return {"version": self.version, **dict(self.model), "vocab_size": self.vocab_size,
+        return {"version": self.version, **self.model.to_json(), "vocab_size": self.vocab_size,
                 "block_size": self.block_size, "max_context": self.max_context, "max_blocks": self.max_blocks,
                 "max_tokens": self.max_tokens, "max_seqs": self.max_seqs, "bos_token_id": self.bos_token_id,
                 "eos_token_ids": list(self.eos_token_ids), "null_block": NULL_BLOCK, "kv_cache": self.kv_cache.to_json(),
@@ -231,7 +268,30 @@ class LLMSpec:
                    kv_cache=KVCacheSpec.from_json(_field(raw, "kv_cache", where), f"{where}.kv_cache"),
                    functions=dict(step.get("functions") or {}),
                    tensor_parallel=None if tp is None else TensorParallelSpec.from_json(tp, f"{where}.tensor_parallel"),
-                   model={k: v for k, v in raw.items() if k not in known})
+                   model=ModelFacts.from_json({k: v for k, v in raw.items() if k not in known}))
+
+    def check(self, manifest: Manifest, where: str) -> None:
+        """Every step function's recorded signature is the contract's (names, dims, dtypes, the donated
+        cache, paddable dims): a mismatch is an ArtifactError here, at load, not at the first call."""
+        want_in = {**{n: ("i32", dims) for n, dims in STEP_DIMS.items()},
+                   self.kv_cache.input: (self.kv_cache.dtype, self.kv_cache.shape)}
+        for fn in manifest.functions.values():
+            got = [t.name for t in fn.inputs]
+            if got != list(STEP_INPUTS[:-1]) + [self.kv_cache.input]:
+                raise ArtifactError(f"{where}: step function {fn.name!r} takes {got}, not the contract's "
+                                    f"{list(STEP_INPUTS)}; re-export it ({DOC})")
+            for t in fn.inputs:
+                dtype, dims = want_in[t.name]
+                if (t.dtype, tuple(t.shape)) != (dtype, tuple(dims)):
+                    raise ArtifactError(f"{where}: step function {fn.name!r} input {t.name!r} is {t.describe()}, "
+                                        f"the contract says {dtype}[{','.join(map(str, dims))}]; re-export it ({DOC})")
+            outs = [t.name for t in fn.outputs]
+            if outs != ["logits", self.kv_cache.output] or self.kv_cache.input not in fn.donated:
+                raise ArtifactError(f"{where}: step function {fn.name!r} returns {outs} (donating {list(fn.donated)}), "
+                                    f"not logits and the donated {self.kv_cache.output!r}; re-export it ({DOC})")
+            if not set(fn.paddable) <= set(PADDABLE):
+                raise ArtifactError(f"{where}: step function {fn.name!r} pads {list(fn.paddable)}; the contract "
+                                    f"pads only {list(PADDABLE)}; re-export it ({DOC})")
 
     @classmethod
     def of(cls, manifest: Manifest, path: str) -> "LLMSpec":
@@ -253,9 +313,12 @@ class LLMArtifact:
 
     @classmethod
     def read(cls, path: str, manifest: Manifest | None = None) -> "LLMArtifact":
-        """Read manifest.json (unless given) and type its contract; ArtifactError if it is not an LLM."""
+        """Read manifest.json (unless given), type its contract and check the step functions against it;
+        ArtifactError if it is not an LLM or its functions do not follow the contract."""
         manifest = manifest if manifest is not None else read_manifest(path)
-        return cls(path, manifest, LLMSpec.of(manifest, path))
+        llm = LLMSpec.of(manifest, path)
+        llm.check(manifest, path)
+        return cls(path, manifest, llm)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,8 @@
 // hloserve's CPU kernels, called from StableHLO through XLA's FFI (custom_call).
 //
-// Each kernel computes exactly what a portable StableHLO formulation in the artifact computes
-// (exporter/lowerings/kernels.py holds both); the runtime builds this file on first use
+// Each kernel computes exactly what a portable StableHLO formulation in the artifact computes: the
+// composites' contracts are runtime/artifact/kernels.py, their decompositions (the reference)
+// exporter/lowerings/attention.py and linalg.py; the runtime builds this file on first use
 // (runtime/kernels/__init__.py) and registers the targets for the CPU platform only. They exist
 // because XLA:CPU materializes what these read in place:
 //
@@ -82,7 +83,11 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t grain, F fn) {
   while (shared->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
 }
 
-enum class Kind { kF32, kBF16, kF16 };
+// What a cache or weight buffer holds: the composites' `holds` attribute. The values are
+// hloserve.runtime.artifact.kernels.Holds (OWN, BF16, F16); tests/runtime/test_contract.py checks them.
+enum class Kind : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+inline bool valid_kind(int64_t holds) { return holds >= 0 && holds <= static_cast<int64_t>(Kind::kF16); }
 
 
 // Calls fn(std::integral_constant<Kind, K>{}) for the runtime `kind`.
@@ -416,8 +421,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     return ffi::Error::InvalidArgument("hloserve_paged_attention: cache shape does not match q");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("hloserve_paged_attention: layer out of range");
-  // holds: 0 = the cache's own dtype (f32), 1 = bf16 bits, 2 = f16 bits (in an s16/u16 buffer)
-  Kind kind = holds == 1 ? Kind::kBF16 : holds == 2 ? Kind::kF16 : Kind::kF32;
+  // holds: the cache's own dtype (f32), or bf16 / f16 bits (in an s16/u16 buffer)
+  if (!valid_kind(holds)) return ffi::Error::InvalidArgument("hloserve_paged_attention: holds must be 0, 1 or 2");
+  const Kind kind = static_cast<Kind>(holds);
   if ((kind == Kind::kF32) != (cache.element_type() == ffi::F32))
     return ffi::Error::InvalidArgument("hloserve_paged_attention: cache dtype does not match `holds`");
   const void* cdata = cache.untyped_data();
@@ -690,8 +696,9 @@ ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   auto wd = weights.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[2])
     return ffi::Error::InvalidArgument("hloserve_layer_linear: x must be [M, K] and weights [L, N, K]");
-  if (holds != 1 && holds != 2)
+  if (!valid_kind(holds) || static_cast<Kind>(holds) == Kind::kF32)
     return ffi::Error::InvalidArgument("hloserve_layer_linear: holds must be 1 (bf16) or 2 (f16)");
+  const Kind kind = static_cast<Kind>(holds);
   const int64_t M = xd[0], K = xd[1], L = wd[0], N = wd[1];
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("hloserve_layer_linear: layer out of range");
@@ -702,17 +709,17 @@ ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   const int64_t KP = (K + 31) / 32 * 32;
   std::vector<uint16_t> xr(M * KP, 0);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xr[m * KP + k] = holds == 1 ? f32_to_bf16(xp[m * K + k]) : f32_to_f16(xp[m * K + k]);
+    for (int64_t k = 0; k < K; ++k) xr[m * KP + k] = kind == Kind::kBF16 ? f32_to_bf16(xp[m * K + k]) : f32_to_f16(xp[m * K + k]);
   const uint16_t* xb = xr.data();
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   // AMX for bf16 matrices whose rows are whole 32-element tiles (the tail of 16-row tiles below)
-  const bool amx = holds == 1 && K % 32 == 0 && amx_usable();
+  const bool amx = kind == Kind::kBF16 && K % 32 == 0 && amx_usable();
   const std::vector<uint16_t> packed = amx ? amx_pack(xb, KP, M, K / 32) : std::vector<uint16_t>();
 #endif
   const int64_t tasks = (N + kLinearRows - 1) / kLinearRows;
   parallel_for(pool, tasks, 1, [&](int64_t task) {
     const int64_t n0 = task * kLinearRows, n1 = std::min(N, n0 + kLinearRows);
-    if (holds == 2) {
+    if (kind == Kind::kF16) {
       widened_rows<Kind::kF16>(w + n0 * K, K, xb, KP, M, n1 - n0, op + n0, N);
       return;
     }

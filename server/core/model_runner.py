@@ -31,6 +31,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
+from hloserve import runtime
 from hloserve.runtime.artifact.errors import ArtifactError
 from hloserve.runtime.artifact.llm import (MAX_BLOCKS, NULL_BLOCK, NUM_BLOCKS, NUM_SEQS, NUM_TOKENS, Layout, LLMArtifact,
                                            LLMSpec, StepBatch, pack_step)
@@ -269,7 +270,6 @@ class ModelRunner:
         to the StepPolicy, on one device or, with tensor_parallel_size N > 1, on a mesh of N devices:
         weights split as the artifact's TensorParallelSpec says (XLA's SPMD partitioner adds the
         collectives), the KV cache split by KV heads."""
-        from hloserve import runtime
         art = artifact if isinstance(artifact, LLMArtifact) else LLMArtifact.read(artifact)
         split = tensor_parallel_rules(art.llm, art.path, tensor_parallel_size) if tensor_parallel_size > 1 else {}
         kernels = runtime.kernel_support(platform, mesh=bool(split))

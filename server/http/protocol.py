@@ -2,8 +2,8 @@
 
 Every field of OpenAI's completions and chat-completions requests is accepted, and so are vLLM's
 sampling extensions. Fields that change results are implemented (sampling, penalties, logit_bias,
-min_p, min_tokens, n, several prompts, structured output, tool calls, ...); the few that hloserve
-cannot honour yet (best_of > n, echo, suffix) answer 400 saying so, and every other
+min_p, min_tokens, n, best_of, echo, several prompts, structured output, tool calls, ...); the one
+hloserve cannot honour yet (a non-empty suffix: insertion) answers 400 saying so, and every other
 field is accepted at any value that does not change the result (OpenAI's bookkeeping fields:
 store, metadata, user, service_tier, ...). A field nobody knows is ignored, as vLLM does, and named
 in the response's `x-hloserve-warning` header and the log, so a typo is visible but a newer client
@@ -18,6 +18,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..text.structured import StructuredOutput
+from .tools import check_tools, constraint
 
 
 def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
@@ -121,7 +122,6 @@ class _Sampling(OpenModel):
         """The grammar the output must match, from whichever field gave one (ValueError for two)."""
         found: list[tuple[str, StructuredOutput]] = []
         if self.uses_tools():
-            from .tools import constraint
             forced = constraint(self.tools, self.tool_choice, getattr(self, "parallel_tool_calls", None))
             if forced is not None:
                 found.append(("tool_choice", forced))
@@ -298,7 +298,6 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _tools_and_modalities(self):
-        from .tools import check_tools
         if self.tools or self.tool_choice not in (None, "none", "auto"):
             check_tools(self.tools or [], self.tool_choice)
         if self.modalities not in (None, ["text"]):

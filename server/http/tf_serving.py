@@ -11,7 +11,7 @@ from hloserve.runtime.artifact.errors import HloserveError
 
 from ..services import PredictService
 from .errors import ApiError, admit
-from .tf_serving_protocol import PredictRequestError, decode_predict_request, encode_predict_response
+from .tf_serving_protocol import PredictRequestError, decode_predict_request, default_function, encode_predict_response
 
 router = APIRouter()
 
@@ -95,8 +95,6 @@ _TF_DTYPES = {"f32": "DT_FLOAT", "f16": "DT_HALF", "bf16": "DT_BFLOAT16", "i32":
 
 def _signature_defs(manifest) -> dict:
     """GetModelMetadata's signature_def map, as TF Serving answers it (symbolic dims are -1)."""
-    from .tf_serving_protocol import default_function
-
     def tensors(specs):
         return {t.name: {"dtype": _TF_DTYPES.get(t.dtype, "DT_INVALID"), "name": t.name,
                          "tensor_shape": {"dim": [{"size": str(d if isinstance(d, int) else -1), "name": ""}

@@ -14,6 +14,7 @@ incomplete character (U+FFFD). Cost per token is constant.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 from typing import Any, Mapping, Protocol, Sequence
@@ -90,7 +91,6 @@ def _render_env():
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(fmt):
-        import datetime
         return datetime.datetime.now().strftime(fmt)
 
     env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])

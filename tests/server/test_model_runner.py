@@ -90,6 +90,34 @@ def test_step_arrays_padding():
         ("prefill", 16, 32, 8), ("prefill", 64, 32, 8)])                # 6+ tokens: T bucket 16 or 64
 
 
+def test_step_policy_is_chosen_by_layout_and_kernel_support_before_load():
+    """The runner picks its functions by the layouts the contract records (not by their names) and
+    makes every step one call only where the runtime will run the per-token layout's composite."""
+    from hloserve.runtime.artifact import LLMSpec
+    from hloserve.runtime.kernels import KernelSupport, Library
+    from hloserve.server.core.model_runner import StepPolicy
+    raw = {"block_size": 8, "max_blocks": 8, "max_seqs": 4, "max_tokens": 32, "vocab_size": VOCAB,
+           "kv_cache": {"dtype": "f32", "shape": [2, 2, 2, "num_blocks", 8, 8]},
+           "step": {"functions": {"wide": "flat: ...", "narrow": "gather: ..."}}}
+    llm = LLMSpec.from_json(raw)
+    kernels, none = KernelSupport(Library("libhloserve_cpu.so", "digest")), KernelSupport(None)
+    assert StepPolicy.choose(llm, ["wide", "narrow"], kernels, "a") == StepPolicy(
+        decode_fn="narrow", prefill_fn="narrow", one_call=True)
+    assert StepPolicy.choose(llm, ["wide", "narrow"], none, "a") == StepPolicy(
+        decode_fn="narrow", prefill_fn="wide", one_call=False)
+    cfg = RunnerConfig(token_buckets=(16,), seq_buckets=(4,), block_buckets=(2, 4, 8), num_blocks=None,
+                       kv_cache_bytes=0)
+    assert StepPolicy.choose(llm, ["wide", "narrow"], kernels, "a").buckets(cfg).block_buckets == (8,)
+    assert StepPolicy.choose(llm, ["wide", "narrow"], none, "a").buckets(cfg) == cfg
+    paged = LLMSpec.from_json({**raw, "step": {"functions": {"decode": "paged: ...", "prefill": "flat: ..."}}})
+    assert not StepPolicy.choose(paged, ["prefill", "decode"], kernels, "a").one_call   # no composite to run
+    unnamed = LLMSpec.from_json({**raw, "step": {}})                  # an artifact that records no layout
+    assert StepPolicy.choose(unnamed, ["prefill", "decode"], kernels, "a") == StepPolicy(
+        decode_fn="decode", prefill_fn="prefill", one_call=False)
+    with pytest.raises(ValueError, match="neither a 'decode' nor a 'prefill'"):
+        StepPolicy.choose(unnamed, ["forward"], kernels, "a")
+
+
 @pytest.mark.slow
 def test_greedy_tokens_match_transformers_with_chunking_prefix_hits_and_preemption(tiny_llm, runner):
     hf, _ = tiny_llm
