@@ -28,6 +28,7 @@ import traceback
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
 from .detokenizer import Detokenizer, TextState
+from .grammar import StructuredOutputs
 from .metrics import Histogram, MetricsSnapshot
 from .outputs import FinishReason, RequestOutput, RunnerOutput, SchedulerPlan
 from .sampling import SamplingParams
@@ -76,7 +77,7 @@ class AddRequest:
     params: SamplingParams
     stream: RequestStream
     arrival: float
-    matcher: "Matcher | None" = None
+    matcher: "Matcher | None" = None     # its grammar position, when it asks for structured output
 
     def refuse(self, error: str) -> None:
         """End its stream before it ran (the scheduler refused it, or the engine stopped)."""
@@ -105,6 +106,7 @@ class _Live:
     stream: RequestStream
     arrival: float
     text: "TextState | None"          # the detokenizer's state; None without a tokenizer
+    matcher: "Matcher | None"          # structured output: its grammar position
     last_token_time: float | None = None
 
 
@@ -127,7 +129,7 @@ class Engine:
                  clock: Callable[[], float] = time.monotonic):
         self.scheduler = scheduler
         self.runner = runner
-        self.grammars = grammars
+        self.structured = StructuredOutputs(grammars)
         self.detokenizer = Detokenizer(decoder)
         self.vocab_size = vocab_size
         self._clock = clock
@@ -144,9 +146,10 @@ class Engine:
         self._snapshot_lock = threading.Lock()
         self._snapshot = self._take_snapshot()
 
-    # -- the step: schedule, execute, update ---------------------------------------------
+    # -- the step: schedule, mask, execute, update ------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        plan = self.structured.masks(plan, self._matcher_of)
         out = self.runner.execute(plan)
         return self.scheduler.update(plan, out)
 
@@ -164,11 +167,7 @@ class Engine:
         self.check_token_ids(params.stop_token_ids, what="stop_token_ids")
         self.scheduler.check_request(ids, params)
         self.detokenizer.check(params)
-        matcher = None
-        if params.structured is not None:
-            if self.grammars is None:
-                raise ValueError("structured output needs the model's tokenizer, and this artifact ships none")
-            matcher = self.grammars.matcher(params.structured)   # ValueError for a bad grammar
+        matcher = self.structured.matcher(params)   # ValueError for a bad grammar
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(request_id, self.abort)
         self._send(AddRequest(request_id=request_id, prompt_token_ids=ids, params=params, stream=stream,
@@ -204,10 +203,9 @@ class Engine:
     def warmup(self, progress: Callable[[str], None] | None = None) -> int:
         """Compile every shape the runner can be asked for (before /ready); returns compiles done."""
         n = self.runner.warmup(progress)
-        if self.grammars is not None:   # the grammar tokenizer (~0.5 s), not on the first structured request
-            problem = self.grammars.prepare()
-            if problem:
-                log.warning("%s; other requests are served", problem)
+        problem = self.structured.prepare()   # the grammar tokenizer (~0.5 s), not on the first structured request
+        if problem:
+            log.warning("%s; other requests are served", problem)
         with self._snapshot_lock:
             self._snapshot = self._take_snapshot()
         return n
@@ -295,21 +293,27 @@ class Engine:
 
     def _admit(self, msg: AddRequest) -> None:
         try:
-            self.scheduler.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.matcher)
+            self.scheduler.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
         except ValueError as e:
             msg.refuse(str(e))
             return
         text = self.detokenizer.start(msg.prompt_token_ids, msg.params, self.scheduler.stop_token_ids(msg.params))
-        self._live[msg.request_id] = _Live(msg.stream, msg.arrival, text)
+        self._live[msg.request_id] = _Live(msg.stream, msg.arrival, text, msg.matcher)
+
+    def _matcher_of(self, request_id: str) -> "Matcher | None":
+        live = self._live.get(request_id)
+        return live.matcher if live is not None else None
 
     def _emit(self, outputs: Sequence[RequestOutput]) -> None:
-        """Each output: its text (a stop string may finish it here), the metrics, its stream; a
-        finished one is released."""
+        """Each output: its grammar advanced and its text (a complete grammar or a stop string may
+        finish it here), the metrics, its stream; a finished one is released."""
         now = self._clock()
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
                 continue
+            if live.matcher is not None:
+                out = self.structured.accept(live.matcher, out)
             if live.text is not None:
                 out = self.detokenizer.process(live.text, out)
             if out.new_token_ids:

@@ -32,7 +32,8 @@ newly full blocks for the prefix cache, checks the token-level stop rules
 (max_tokens, EOS / stop token ids, the model's context length), frees
 finished requests' blocks and emits one `RequestOutput` (token ids, no text)
 per request that produced a token. Text and stop strings are the
-detokenizer's (server/text/detokenizer.py), as in vLLM.
+detokenizer's (core/detokenizer.py), as in vLLM, and grammars the engine's structured-output
+component's (core/grammar.py).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ import collections
 import dataclasses
 import enum
 import random
-from typing import Any, Sequence
+from typing import Sequence
 
 from .block_manager import BlockManager
 from .outputs import FinishReason, RequestOutput, RunnerOutput, ScheduledSeq, SchedulerPlan
@@ -97,7 +98,6 @@ class Request:
     num_computed_tokens: int = 0         # tokens whose K/V is in the cache
     num_cached_tokens: int = 0           # of the prompt, tokens served by the prefix cache (last admission)
     num_preemptions: int = 0
-    matcher: Any = None                  # structured output: its grammar position (server/text/structured.Matcher)
 
     @property
     def num_output_tokens(self) -> int:
@@ -151,14 +151,13 @@ class Scheduler:
             raise ValueError(f"prompt + max_tokens needs {need} KV blocks but the cache has {self.blocks.total_blocks}; "
                              f"lower max_tokens or serve with a larger KV-cache budget")
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    matcher: Any = None) -> Request:
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
         req = Request(request_id, list(prompt_token_ids), len(prompt_token_ids), params, seed, self._arrivals,
-                      self.stop_token_ids(params), matcher=matcher)
+                      self.stop_token_ids(params))
         self._arrivals += 1
         self._requests[request_id] = req
         self.waiting.append(req)
@@ -300,16 +299,15 @@ class Scheduler:
                             score_prompt=tuple(req.token_ids[:req.num_prompt_tokens]) if score else ())
 
     def _row_context(self, req: Request) -> RowContext:
-        """The tokens penalties read and the ids min_tokens forbids, only for requests that use them."""
+        """The tokens penalties read and the ids min_tokens forbids, only for requests that use them
+        (a grammar's mask is the engine's structured-output component's, added after planning)."""
         p = req.params
         suppress = tuple(sorted(req.eos_token_ids)) if req.num_output_tokens < p.min_tokens else ()
-        allowed = req.matcher.allowed() if req.matcher is not None else None
-        if not p.needs_history and not suppress and allowed is None:
+        if not p.needs_history and not suppress:
             return RowContext()
         n = req.num_prompt_tokens
         return RowContext(prompt=tuple(req.token_ids[:n]) if p.repetition_penalty != 1 else (),
-                          output=tuple(req.token_ids[n:]) if p.needs_history else (), suppress=suppress,
-                          allowed=allowed)
+                          output=tuple(req.token_ids[n:]) if p.needs_history else (), suppress=suppress)
 
     # -- after the step -------------------------------------------------------------
     def update(self, plan: SchedulerPlan, output: RunnerOutput) -> list[RequestOutput]:
@@ -335,15 +333,11 @@ class Scheduler:
 
     def _after_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
         """Token-level stop rules (vLLM's check_stop): EOS / stop token ids, max_tokens, the context.
-        Stop strings are text, matched after detokenization (server/text/detokenizer.py)."""
+        Stop strings (core/detokenizer.py) and grammars (core/grammar.py) are the engine's."""
         params = req.params
         reason = None
-        if req.matcher is not None:
-            req.matcher.accept(token)
         if token in req.eos_token_ids and req.num_output_tokens >= params.min_tokens:
             reason = FinishReason.STOP
-        elif req.matcher is not None and req.matcher.done:
-            reason = FinishReason.STOP       # the grammar is complete
         elif req.num_output_tokens >= params.max_tokens or len(req.token_ids) >= self.config.max_model_len:
             reason = FinishReason.LENGTH
         lps = (lp,) if lp is not None else (() if params.logprobs is not None else None)

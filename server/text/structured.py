@@ -7,8 +7,8 @@
     matcher.done           # the grammar is complete (only EOS remains)
 
 llguidance computes a step's mask in tens of microseconds (an Earley parser over the token trie,
-no per-vocabulary Python loop), so masks are computed per step on the scheduler thread and applied
-to that row only: the other rows of the batch are not held up. Chosen over xgrammar (its wheel
+no per-vocabulary Python loop), so masks are computed per step on the engine's loop thread
+(server/core/grammar.py, between scheduling and execution) and applied to that row only: the other rows of the batch are not held up. Chosen over xgrammar (its wheel
 requires torch, which the server never imports) and outlines-core (compiles a regex index per
 schema up front: seconds for a nested schema on a 49k vocabulary, against llguidance's lazy masks).
 """
