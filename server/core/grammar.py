@@ -43,12 +43,14 @@ class StructuredOutputs:
     @staticmethod
     def masks(plan: SchedulerPlan, matcher_of: Callable[[str], "Matcher | None"]) -> SchedulerPlan:
         """The plan with each sampling row's grammar mask (`RowContext.allowed`) filled in."""
-        rows = []
+        rows, masked = [], False
         for seq in plan.seqs:
             m = matcher_of(seq.request_id) if seq.needs_logits else None
-            rows.append(seq if m is None else
-                        dataclasses.replace(seq, context=dataclasses.replace(seq.context, allowed=m.allowed())))
-        return dataclasses.replace(plan, seqs=tuple(rows)) if rows != list(plan.seqs) else plan
+            if m is not None:
+                seq = dataclasses.replace(seq, context=dataclasses.replace(seq.context, allowed=m.allowed()))
+                masked = True
+            rows.append(seq)
+        return dataclasses.replace(plan, seqs=tuple(rows)) if masked else plan
 
     @staticmethod
     def accept(matcher: "Matcher", out: RequestOutput) -> RequestOutput:

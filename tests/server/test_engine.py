@@ -252,3 +252,57 @@ def test_stop_strings_need_a_decoder():
 
 def tokens(outs):
     return [t for o in outs for t in o.new_token_ids]
+
+
+class _Grammar:
+    """A matcher over MockRunner's vocabulary (the interface of server/text/structured.Matcher): it allows
+    only the token 50 + (tokens accepted), for 3 tokens, then is done."""
+
+    def __init__(self):
+        self.accepted = []
+
+    def allowed(self):
+        import numpy as np
+        mask = np.zeros(VOCAB, bool)
+        mask[50 + len(self.accepted)] = True
+        return mask
+
+    def accept(self, token):
+        self.accepted.append(token)
+
+    @property
+    def done(self):
+        return len(self.accepted) == 3
+
+
+class _Grammars:
+    """Compiles every spec to a _Grammar (MockRunner has no tokenizer for llguidance)."""
+
+    def __init__(self):
+        self.made = []
+
+    def matcher(self, spec):
+        self.made.append(_Grammar())
+        return self.made[-1]
+
+    def prepare(self):
+        return None
+
+
+def test_grammar_masks_reach_the_sampler_and_a_complete_grammar_stops_and_frees():
+    """Masks are filled between schedule() and execute() for the rows that sample, tokens are accepted
+    after update(), and the grammar's completion finishes the request through the one release path."""
+    from hloserve.server.text.structured import StructuredOutput
+    plain = make_engine()
+    grammars = _Grammars()
+    eng = Engine(plain.scheduler, plain.runner, vocab_size=VOCAB, grammars=grammars)
+    stream = eng.add_request([1, 2, 3], SamplingParams(max_tokens=10, structured=StructuredOutput("json"), **GREEDY))
+    free = eng.add_request([1, 2, 3], SamplingParams(max_tokens=3, **GREEDY))
+    for _ in range(5):
+        eng.run_once()
+    outs = stream.drain()
+    assert tokens(outs) == [50, 51, 52] and grammars.made[0].accepted == [50, 51, 52]
+    assert outs[-1].finish_reason == "stop" and stream.finished
+    assert tokens(free.drain()) == [4, 5, 6]                          # its row is not masked
+    assert not eng.scheduler.has_unfinished()
+    assert eng.scheduler.blocks.num_free_blocks == eng.scheduler.blocks.total_blocks
