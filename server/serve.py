@@ -42,16 +42,18 @@ def default_artifact_path(preset: str = DEFAULT_PRESET) -> str:
 def default_artifact(preset: str = DEFAULT_PRESET) -> str:
     """The default model's artifact, exported into the cache the first time.
 
-    The export writes into `PATH.partial-PID` and is renamed into place once complete, so a start
-    killed mid-export (SIGKILL, OOM, a node going away) never leaves a half-written artifact where the
-    next start looks: that start removes what is left (its own PID's directory and those of processes
-    no longer alive) and exports again. Replicas sharing one cache may export at once; the first
-    rename wins and the others use its artifact."""
+    A start killed mid-export (SIGKILL, OOM, a node going away) leaves no half-written artifact
+    where the next start looks: the export is written into `PATH.partial-PID` and renamed into
+    place when complete, and the next start removes a directory without a manifest and what dead
+    processes left. Replicas sharing one cache may export at once; the first rename wins and the
+    others use its artifact."""
+    from hloserve.runtime.paths import partial_dir, remove_partials
     path = default_artifact_path(preset)
     if os.path.exists(os.path.join(path, "manifest.json")):
         return path
-    _remove_stale_exports(path)
-    partial = f"{path}.partial-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    remove_partials(path)
+    partial = partial_dir(path)
     print(f"[hloserve] first run: exporting {preset} to {path} (once; later starts reuse it)", file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "hloserve.server.cli", "export", preset, "-o", partial, *DEFAULT_EXPORT_FLAGS]
     if subprocess.run(cmd).returncode != 0:
@@ -66,31 +68,6 @@ def default_artifact(preset: str = DEFAULT_PRESET) -> str:
             raise
         shutil.rmtree(partial, ignore_errors=True)
     return path
-
-
-def _remove_stale_exports(path: str) -> None:
-    """Remove what killed exports left: `path` without a manifest, and `path.partial-PID` directories
-    of this process or of processes no longer alive (a live replica's export is left alone)."""
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    parent, base = os.path.split(path)
-    for name in os.listdir(parent) if os.path.isdir(parent) else ():
-        pid = name.removeprefix(f"{base}.partial-")
-        if pid == name or not pid.isdigit():
-            continue
-        if int(pid) != os.getpid() and _alive(int(pid)):
-            continue
-        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:                 # alive, another user's
-        return True
-    return True
 
 
 def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 8000, config: ServeConfig | None = None,
