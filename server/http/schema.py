@@ -1,7 +1,7 @@
 """The published OpenAPI document (/openapi.json), describing the bodies and answers the routes really have.
 
 FastAPI documents what it parses itself. The generation routes read their body off the event loop
-(openai.parse_body) and validation failures answer 400 in the API's own format, so FastAPI's own
+(prepare.parse_body) and validation failures answer 400 in the API's own format, so FastAPI's own
 document would show no request body for them and a 422 nobody sends. `document(app, bodies)`
 starts from FastAPI's and fixes both: every route in `bodies` gets its pydantic model as its
 required JSON body, and every answer FastAPI lists as 422 is listed as 400; each route also lists
