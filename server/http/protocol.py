@@ -181,6 +181,14 @@ class SamplingRequest(OpenModel):
         return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
 
 
+def neutral_only(table: dict, name: str, value):
+    """`value` if it is neutral for field `name` (table: field -> (neutral?, the message)), else ValueError."""
+    neutral, message = table[name]
+    if not neutral(value):
+        raise ValueError(message)
+    return value
+
+
 MAX_PROMPTS = 64   # prompts in one completions request (each answered by its own choice(s))
 
 # completion fields accepted only at a value that does not change the result: field -> (neutral?, message)
@@ -228,10 +236,7 @@ class CompletionRequest(SamplingRequest):
     @field_validator("suffix")
     @classmethod
     def _neutral_only(cls, v, info):
-        neutral, message = _COMPLETION_NEUTRAL_ONLY[info.field_name]
-        if not neutral(v):
-            raise ValueError(message)
-        return v
+        return neutral_only(_COMPLETION_NEUTRAL_ONLY, info.field_name, v)
 
 
 class ToolCallFunction(OpenModel):
