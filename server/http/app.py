@@ -119,7 +119,8 @@ ADMITTED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/emb
 
 
 def _published(app: FastAPI, api_key: bool) -> dict:
-    app.openapi_schema = schema.document(app, {**openai.BODIES, **responses.BODIES}, admitted=ADMITTED,
+    app.openapi_schema = schema.document(app, {**openai.BODIES, **responses.BODIES},
+                                         answers={**openai.ANSWERS, **responses.ANSWERS}, admitted=ADMITTED,
                                          api_key=api_key)
     return app.openapi_schema
 

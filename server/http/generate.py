@@ -44,8 +44,7 @@ async def generate(svc: LLMService, request: Request, req: OpenModel, *, prepare
     choices: Choices | None = None
     handed_over = False
     try:
-        gen = await asyncio.to_thread(prepare)
-        choices = submit(svc, gen)
+        gen, choices = await _submitted(svc, prepare)
         render = renderer(gen, choices)
         if stream:
             response = SSEResponse(render.events(), on_close=lambda: (choices.abort(), svc.admission.leave()),
@@ -54,13 +53,21 @@ async def generate(svc: LLMService, request: Request, req: OpenModel, *, prepare
             return response
         body = render.answer(await choices.collect(request))
         return Response(body.model_dump_json(), media_type="application/json", headers=headers)
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
     finally:
         if not handed_over:
             if choices is not None:
                 choices.abort()
             svc.admission.leave()
+
+
+async def _submitted(svc: LLMService, prepare: Callable[[], Generation]) -> tuple[Generation, Choices]:
+    """Prepare on a worker thread, then submit; what the request asks that cannot run (ValueError:
+    a bad grammar, token ids outside the vocabulary, ...) answers 400."""
+    try:
+        gen = await asyncio.to_thread(prepare)
+        return gen, submit(svc, gen)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
 
 
 def sse(body: BaseModel | dict, *, exclude: set[str] | None = None, event: str | None = None) -> str:

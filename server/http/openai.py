@@ -19,13 +19,15 @@ from . import completions as completions_api
 from .errors import ApiError, check_model
 from .generate import generate
 from .prepare import checked_text, parse_body
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocol import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, DetokenizeRequest,
+                       TokenizeRequest)
 
 router = APIRouter()
 # the routes that parse their own body (parse_body, off the event loop): their models, for the
 # published OpenAPI document (http/schema.py)
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+ANSWERS = {"/v1/completions": Completion, "/v1/chat/completions": ChatCompletion}   # their non-streamed answers
 
 
 def _svc(request: Request) -> LLMService:

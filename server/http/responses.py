@@ -40,6 +40,7 @@ from .responses_protocol import (ArgumentsDeltaEvent, ArgumentsDoneEvent, Conten
 
 router = APIRouter()
 BODIES = {"/v1/responses": ResponsesRequest}
+ANSWERS = {"/v1/responses": Response}
 
 
 @router.post("/v1/responses")
@@ -102,9 +103,8 @@ class ResponsesRenderer:
                                              status="completed") for c in calls[:self.req.max_tool_calls]]
         return [self.message(text, status)]
 
-    def message(self, text: str | None, status: str) -> OutputMessage:
-        return OutputMessage(id=f"msg_{self.id.removeprefix('resp_')}", status=status,
-                             content=[] if text is None else [OutputText(text=text)])
+    def message(self, text: str, status: str) -> OutputMessage:
+        return OutputMessage(id=f"msg_{self.id.removeprefix('resp_')}", status=status, content=[OutputText(text=text)])
 
     @staticmethod
     def status(last: RequestOutput | None) -> tuple[str, str | None]:
@@ -148,7 +148,7 @@ class ResponsesRenderer:
     def _closed(self, index: int, item) -> Iterator[str]:
         """An item's closing events, with its whole content."""
         if isinstance(item, OutputMessage):
-            part = item.content[0] if item.content else OutputText(text="")
+            (part,) = item.content
             yield self._event(TextDoneEvent, item_id=item.id, output_index=index, content_index=0, text=part.text)
             yield self._event(ContentPartEvent, type="response.content_part.done", item_id=item.id,
                               output_index=index, content_index=0, part=part)
@@ -184,8 +184,7 @@ class ResponsesRenderer:
             if not live:
                 for e in self._opened(index, item):
                     yield e
-                content = item.content[0].text if isinstance(item, OutputMessage) and item.content else \
-                    getattr(item, "arguments", "")
+                content = item.content[0].text if isinstance(item, OutputMessage) else item.arguments
                 if content:
                     yield self._delta(index, item, content)
             for e in self._closed(index, item):

@@ -149,10 +149,15 @@ def test_function_tool_round_trip_matches_chat(server):
 
 def test_answers_and_events_validate_strictly_against_the_sdk_types(server):
     """The SDK builds its objects without validation; here every answer and every event is validated
-    by pydantic against the SDK's own types (required fields, literals, discriminated unions)."""
+    by pydantic against the SDK's own types (required fields, literals, discriminated unions), and
+    every answer against the server's published schema."""
     from openai.types.responses import Response, ResponseStreamEvent
     from pydantic import TypeAdapter
+    import jsonschema
     events = TypeAdapter(ResponseStreamEvent)
+    doc = httpx.get(f"{server}/openapi.json", timeout=30).json()
+    published = {"$ref": doc["paths"]["/v1/responses"]["post"]["responses"]["200"]["content"]["application/json"]
+                 ["schema"]["$ref"], "components": doc["components"]}
     bodies = [{"input": ASK, "max_output_tokens": 4, "temperature": 0, "instructions": "Be terse."},
               {"input": ASK, "max_output_tokens": 40, "temperature": 0, "tools": [TOOL], "tool_choice": "required",
                "text": {"format": {"type": "text"}}},
@@ -163,6 +168,7 @@ def test_answers_and_events_validate_strictly_against_the_sdk_types(server):
             r = h.post("/v1/responses", json={"model": MODEL, **body})
             assert r.status_code == 200, r.text
             Response.model_validate(r.json())
+            jsonschema.validate(r.json(), published)
             with h.stream("POST", "/v1/responses", json={"model": MODEL, "stream": True, **body}) as r:
                 assert r.headers["content-type"].startswith("text/event-stream")
                 lines = [line for line in r.iter_lines() if line]
