@@ -21,6 +21,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..text.structured import StructuredOutput
+from .tools import check_tools, constraint
 
 
 def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
@@ -307,12 +308,10 @@ class ChatCompletionRequest(SamplingRequest):
         return bool(self.tools) and self.tool_choice != "none"
 
     def forced_by_tools(self) -> StructuredOutput | None:
-        from .tools import constraint
         return constraint(self.tools, self.tool_choice, self.parallel_tool_calls) if self.uses_tools() else None
 
     @model_validator(mode="after")
     def _tools_and_modalities(self):
-        from .tools import check_tools
         if self.tools or self.tool_choice not in (None, "none", "auto"):
             check_tools(self.tools or [], self.tool_choice)
         if self.modalities not in (None, ["text"]):
