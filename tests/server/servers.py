@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -24,6 +26,18 @@ def running_server(artifact: str | None, *args: str, ready_timeout: float = 600.
     with server_process(cmd, f"{base}/ready", os.path.join(log_dir, f"server-{port}.log"), timeout=ready_timeout,
                         env=env) as proc:
         yield base, proc
+
+
+def with_chat_template(artifact: str, template: str, directory: str) -> str:
+    """A copy of `artifact` under `directory` whose manifest carries `template` as its chat template."""
+    copy = os.path.join(directory, "art")
+    shutil.copytree(artifact, copy)
+    with open(f"{copy}/manifest.json") as f:
+        manifest = json.load(f)
+    manifest["model"]["chat_template"] = template
+    with open(f"{copy}/manifest.json", "w") as f:
+        json.dump(manifest, f)
+    return copy
 
 
 def hf_greedy(hf, ids, n):

@@ -106,7 +106,8 @@ def test_every_route_survives_schema_driven_fuzzing(fuzz_server):
     assert probes["answered"] > 0 and not probes["failed"], probes
     # every route was reached past the model check, and the server still serves
     assert {label for label, status in seen if status not in (401, 404)} >= {
-        "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"}, seen
+        "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize",
+        "POST /detokenize"}, seen
     r = httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
                    json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
     assert r.status_code == 200, r.text
