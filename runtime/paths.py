@@ -41,12 +41,14 @@ def partial_dir(path: str) -> str:
 
 def remove_partials(path: str) -> None:
     """Remove the `path.partial-PID` directories that killed writers left: this process's own and
-    those of processes no longer alive (a live writer's is left alone)."""
+    those of processes no longer alive (a live writer's is left alone), with what they hold and
+    what their own writers nested beside them (`path.partial-PID.partial-PID2`)."""
     import shutil
     parent, base = os.path.split(path.rstrip(os.sep))
     for name in os.listdir(parent or ".") if os.path.isdir(parent or ".") else ():
-        pid = name.removeprefix(f"{base}.partial-")
-        if pid != name and pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+        rest = name.removeprefix(f"{base}.partial-")
+        pid = rest.split(".", 1)[0]
+        if rest != name and pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 

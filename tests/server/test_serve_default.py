@@ -23,8 +23,9 @@ ANSWER_TOKENS = 12
 def default_server(tmp_path_factory):
     """The server on the default model. Where the artifact is not exported yet (a fresh cache root),
     first plant what a start killed mid-export leaves (benchmarks/chaos.py found it once stopping
-    every later start): a directory at the artifact's path with no manifest, and a dead process's
-    `.partial-PID` export; the start must remove both and export."""
+    every later start): a directory at the artifact's path with no manifest, a dead process's
+    `.partial-PID` export and its export child's `.partial-PID.partial-PID2`; the start must remove
+    them all and export."""
     import os
     import subprocess
     import sys
@@ -35,7 +36,7 @@ def default_server(tmp_path_factory):
     if not os.path.exists(os.path.join(path, "manifest.json")):
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
-        planted = [path, f"{path}.partial-{dead.pid}"]
+        planted = [path, f"{path}.partial-{dead.pid}", f"{path}.partial-{dead.pid}.partial-{dead.pid + 1}"]
         for d in planted:
             os.makedirs(os.path.join(d, "weights"), exist_ok=True)
             with open(os.path.join(d, "weights", "half.safetensors"), "wb") as f:
