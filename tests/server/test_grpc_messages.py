@@ -139,3 +139,16 @@ def test_grpc_port_defaults():
     assert ServeConfig(grpc_port=9000).grpc_port_for(llm=False) == 9000
     with pytest.raises(HloserveError, match="--grpc-port 9000: the gRPC API is TF Serving's, for predict artifacts"):
         ServeConfig(grpc_port=9000).grpc_port_for(llm=True)
+
+
+def test_the_grpc_server_imports_neither_tensorflow_nor_fastapi():
+    """The serving side's messages come from protobuf alone (the layer rule checks direct imports; this,
+    what loading the module pulls in)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import sys, hloserve.server.grpc.tf_serving as t; t.messages(); "
+            "print(sorted(m for m in ('tensorflow', 'fastapi', 'torch', 'tensorflow_serving') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.stdout.strip() == "[]"
