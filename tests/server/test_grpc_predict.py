@@ -76,8 +76,8 @@ def _request(tfs, inputs: dict, *, name="minilm", typed=False, **spec):
     return req
 
 
-def _rest(base, inputs: dict) -> np.ndarray:
-    r = httpx.post(f"{base}/v1/models/minilm:predict", timeout=120,
+def _rest(base, inputs: dict, headers: dict | None = None) -> np.ndarray:
+    r = httpx.post(f"{base}/v1/models/minilm:predict", timeout=120, headers=headers,
                    json={"inputs": {k: v.tolist() for k, v in inputs.items()}})
     assert r.status_code == 200, r.text
     return np.array(r.json()["outputs"], np.float32)
@@ -210,20 +210,24 @@ def _metric(base: str, name: str) -> float:
 
 
 def test_sigterm_drains_a_grpc_call(minilm_artifact, tfs, tmp_path):
-    """A Predict held by the batcher (--batch-timeout-ms 5000) when SIGTERM lands: new calls answer
-    UNAVAILABLE and /ready 503 while it drains, then it completes with the right answer and the process
-    exits cleanly (143)."""
+    """With --api-key, a call without the key is UNAUTHENTICATED. A Predict held by the batcher
+    (--batch-timeout-ms 5000) when SIGTERM lands: new calls answer UNAVAILABLE and /ready 503 while it
+    drains, then it completes with the right answer and the process exits cleanly (143)."""
     port = free_port()
     inputs = _inputs(np.random.default_rng(5), 1, 6)
+    key = [("authorization", "Bearer k3y")]
     with running_server(minilm_artifact, "--model-name", "minilm", "--grpc-port", str(port), "--batch-timeout-ms",
-                        "5000", "--shutdown-grace", "120", log_dir=str(tmp_path)) as (base, proc):
-        want = _rest(base, inputs)   # also compiles the shape, so the held call only waits for the batcher
+                        "5000", "--shutdown-grace", "120", "--api-key", "k3y", log_dir=str(tmp_path)) as (base, proc):
+        want = _rest(base, inputs, dict(key))   # also compiles the shape, so the held call only waits for the batcher
         stub = tfs.prediction.PredictionServiceStub(tfs.grpc.insecure_channel(f"127.0.0.1:{port}"))
+        with pytest.raises(tfs.grpc.RpcError) as unauthenticated:
+            stub.Predict(_request(tfs, inputs), timeout=60, metadata=[("authorization", "Bearer nope")])
+        assert unauthenticated.value.code() == tfs.grpc.StatusCode.UNAUTHENTICATED
         result: dict = {}
 
         def call():
             try:
-                result["out"] = stub.Predict(_request(tfs, inputs), timeout=300)
+                result["out"] = stub.Predict(_request(tfs, inputs), timeout=300, metadata=key)
             except tfs.grpc.RpcError as e:
                 result["error"] = (e.code(), e.details())
 
@@ -233,7 +237,7 @@ def test_sigterm_drains_a_grpc_call(minilm_artifact, tfs, tmp_path):
             assert held.is_alive(), result
         proc.send_signal(signal.SIGTERM)
         with pytest.raises(tfs.grpc.RpcError) as refused:
-            stub.Predict(_request(tfs, inputs), timeout=60)
+            stub.Predict(_request(tfs, inputs), timeout=60, metadata=key)
         assert refused.value.code() == tfs.grpc.StatusCode.UNAVAILABLE
         assert "shutting down" in refused.value.details()
         assert httpx.get(f"{base}/ready", timeout=60).status_code == 503
