@@ -30,6 +30,14 @@ from .lowerings import default_registry
 from .shapes import SymbolTable
 
 DEFAULT_PLATFORMS = ("cpu",)
+# An LLM step is lowered for every platform hloserve serves on: one artifact, a kernel per platform
+# substituted at load (runtime/kernels/). jax lowers once and branches only where lowerings differ.
+LLM_PLATFORMS = ("cpu", "cuda", "tpu")
+
+
+def default_platforms(model: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The lowering platforms when none are given: LLM_PLATFORMS for an LLM step, else DEFAULT_PLATFORMS."""
+    return LLM_PLATFORMS if model and model.get("llm") is not None else DEFAULT_PLATFORMS
 
 
 @dataclasses.dataclass
@@ -222,7 +230,7 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str, model: Mapping[str, Any] | None = None,
-                    platforms: Sequence[str] = DEFAULT_PLATFORMS, reporter: Reporter = QUIET,
+                    platforms: Sequence[str] | None = None, reporter: Reporter = QUIET,
                     extra_weights: Mapping[str, np.ndarray] | None = None,
                     files: Mapping[str, str] | None = None,
                     weight_quant: Callable[[str, torch.Tensor], Mapping[str, Any] | None] | None = None
@@ -234,7 +242,11 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
 
     `files` (name -> path) are copied into the artifact (tokenizer.json, ...) and
     listed with their sha256 in manifest.model["files"].
+
+    `platforms`: the lowering platforms (default: `default_platforms(model)`, cpu, cuda and tpu for
+    an LLM step).
     """
+    platforms = tuple(platforms) if platforms is not None else default_platforms(model)
     if os.path.exists(os.path.join(out_dir, artifact.MANIFEST)):
         shutil.rmtree(out_dir)
     os.makedirs(out_dir, exist_ok=True)

@@ -80,7 +80,7 @@ def _check_platform(name: str, exported: jax_export.Exported, client: Client, pa
                             f"not {plat}; re-export with --platforms {','.join([*exported.platforms, plat])}")
 
 
-def _read_exported(path: str, name: str) -> jax_export.Exported:
+def read_exported(path: str, name: str) -> jax_export.Exported:
     fpath = os.path.join(path, "functions", f"{name}.jax_exported")
     try:
         with open(fpath, "rb") as f:
@@ -133,7 +133,7 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
     jmesh = sharding_mod.make_mesh(mesh, client.devices) if mesh is not None else None
     device = client.devices[0]
 
-    exported = {n: _read_exported(path, n) for n in names}
+    exported = {n: read_exported(path, n) for n in names}
     for n, exp in exported.items():
         _check_platform(n, exp, client, path)
     # composites this runtime has a kernel for run it (CPU: runtime/kernels/); the rest, and
