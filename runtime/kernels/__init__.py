@@ -7,8 +7,8 @@
 against jaxlib's XLA FFI headers, keyed by the source, compiler, flags, jaxlib and CPU, and
 registers its targets with XLA for the CPU platform. `specialize` replaces each composite it has
 a kernel for by an FFI custom call to it, in this process's copy of the function only: the
-artifact keeps the portable decomposition, and GPU/TPU runtimes (or CPU without a compiler, or
-with HLOSERVE_CPU_KERNELS=0) run that.
+artifact keeps the portable decomposition, which a CPU without a compiler (or with
+HLOSERVE_CPU_KERNELS=0) runs. TPU and GPU have their own Pallas kernels (accelerators.py).
 """
 from __future__ import annotations
 

@@ -97,7 +97,7 @@ def choose(platform: str, name: str, version: int, attrs: dict[str, Any], kv_sha
     if not enabled():
         return KernelPlan(name, version, platform, None, params, f"{ENV}=0")
     module = _module(platform)
-    why = getattr(module, "supports", lambda *_: None)(*kv_shape[-2:]) if len(kv_shape) >= 2 else None
+    why = module.supports(*kv_shape[-2:]) if len(kv_shape) >= 2 else None
     if why:
         return KernelPlan(name, version, platform, None, params, why)
     return KernelPlan(name, version, platform, module.NAME, params,

@@ -27,6 +27,13 @@ from .paged import MASKED, PagedParams, block_range, cap, seen, widen
 NAME = "pallas_tpu.ragged_paged_attention"
 
 
+def supports(block_size: int, head_dim: int) -> str | None:
+    """Why the kernel cannot serve this cache shape, or None: its tiles are whole `[BS, D]` blocks and
+    `[G, D]` query groups (full trailing dims, which Mosaic accepts at any size)."""
+    del block_size, head_dim
+    return None
+
+
 def _kernel(layer_ref, tables_ref, seq_ref, pos_ref, lens_ref,        # scalar prefetch (SMEM)
             q_ref, k_ref, v_ref,                                        # [G, D], [BS, D], [BS, D]
             o_ref,                                                      # [G, D]
