@@ -31,6 +31,14 @@ from .lowerings import default_registry
 from .shapes import SymbolTable
 
 DEFAULT_PLATFORMS = ("cpu",)
+# An LLM step is lowered for every platform hloserve serves on: one artifact, a kernel per platform
+# substituted at load (runtime/kernels/). jax lowers once and branches only where lowerings differ.
+LLM_PLATFORMS = ("cpu", "cuda", "tpu")
+
+
+def default_platforms(model: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The lowering platforms when none are given: LLM_PLATFORMS for an LLM step, else DEFAULT_PLATFORMS."""
+    return LLM_PLATFORMS if model and model.get("llm") is not None else DEFAULT_PLATFORMS
 
 
 @dataclasses.dataclass
@@ -223,7 +231,7 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str, model: Mapping[str, Any] | None = None,
-                    platforms: Sequence[str] = DEFAULT_PLATFORMS, reporter: Reporter = QUIET,
+                    platforms: Sequence[str] | None = None, reporter: Reporter = QUIET,
                     extra_weights: Mapping[str, np.ndarray] | None = None,
                     files: Mapping[str, str] | None = None,
                     weight_quant: Callable[[str, torch.Tensor], Mapping[str, Any] | None] | None = None
@@ -239,7 +247,11 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
     The artifact is written into `out_dir.partial-PID` and renamed into place when complete
     (replacing an artifact already there), so an export killed at any point leaves no half-written
     artifact at `out_dir`; the next export removes what a dead one left.
+
+    `platforms`: the lowering platforms (default: `default_platforms(model)`, cpu, cuda and tpu for
+    an LLM step).
     """
+    platforms = tuple(platforms) if platforms is not None else default_platforms(model)
     final = out_dir
     if os.path.isdir(final) and os.listdir(final) and not os.path.exists(os.path.join(final, artifact.MANIFEST)):
         raise HloserveError(f"{final} is a non-empty directory that is not an artifact; choose a new directory "
