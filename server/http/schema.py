@@ -9,7 +9,7 @@ required JSON body, and every answer FastAPI lists as 422 is listed as 400; ever
 with `stream: true`); each route also lists
 the errors it really gives (401 with an API key, 404 for a model not served, 413, 429 and 503 with
 Retry-After) with the error body its API sends (OpenAI's error object, or TF Serving's
-{"error": message}); /metrics is text, /ready's 503 is listed.
+{"error": message} for the routes tagged "tf-serving"); /metrics is text, /ready's 503 is listed.
 """
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ _OPENAI_ERROR = {
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
+# one server-sent event: its `data` a JSON chunk of the answer (or [DONE]), `event` naming its type
+# where the API names them (the Responses API)
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 _TF_SERVING_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
 
 
@@ -52,13 +56,13 @@ def document(app: FastAPI, bodies: Mapping[str, type[BaseModel]], *, answers: Ma
         op.setdefault("responses", {})["200"] = {"description": "the answer; with `stream: true`, server-sent events",
                                                  "content": {"application/json": {"schema": _component(
                                                      schemas, model, "serialization")},
-                                                     "text/event-stream": {"schema": {"type": "string"}}}}
+                                                     "text/event-stream": {"schema": _SSE_EVENT}}}
     for path, item in doc.get("paths", {}).items():
-        error = "TFServingError" if ":predict" in path or path.endswith("/metadata") else "OpenAIError"
         for method, op in item.items():
+            error = "TFServingError" if "tf-serving" in op.get("tags", ()) else "OpenAIError"
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
-            names_model = "model" in getattr(bodies.get(path), "model_fields", {})
+            names_model = "model" in _body_properties(schemas, op)
             for status, description in _answers(path, method, op, names_model, admitted, api_key):
                 responses[status] = {"description": description, "content": {
                     "application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}}}
@@ -107,6 +111,15 @@ def _answers(path: str, method: str, op: dict, names_model: bool, admitted: Coll
         out += [("429", "overloaded: more requests in flight than --max-pending"),
                 ("503", "warming up, failed, or shutting down")]
     return out
+
+
+def _body_properties(schemas: dict, op: dict) -> dict:
+    """The properties of an operation's JSON body (ours or the one FastAPI parses), {} without one."""
+    schema = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+    ref = schema.get("$ref", "")
+    if ref.startswith("#/components/schemas/"):
+        schema = schemas.get(ref.rsplit("/", 1)[1], {})
+    return schema.get("properties", {})
 
 
 def _referenced(doc: dict, name: str) -> bool:

@@ -15,7 +15,7 @@ from .tf_serving_protocol import model_metadata as metadata_of
 from .tf_serving_protocol import model_status as status_of
 from .tf_serving_protocol import run_predict
 
-router = APIRouter()
+router = APIRouter(tags=["tf-serving"])   # the tag gives its routes TF Serving's error body in /openapi.json
 
 
 def _checked(request: Request, name: str, version: str | None) -> PredictService:
