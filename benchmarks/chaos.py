@@ -62,7 +62,7 @@ PROMPTS = (("completions", "The capital of France is"),
 MAX_TOKENS = 32
 # what an interrupted write leaves behind: *.partial files (artifact files, cache entries), tmp-named
 # files (the kernel library's mkstemp), hidden mkdtemp directories (preset downloads: .PACKAGE-XXXXXXXX)
-LEFTOVER = re.compile(r"\.partial$|\.tmp\b|^tmp\w*\.so(\.json)?$|^\.[\w.-]+-\w{8}$")
+LEFTOVER = re.compile(r"\.partial(-\d+)?$|\.tmp\b|^tmp\w*\.so(\.json)?$|^\.[\w.-]+-\w{8}$")
 
 
 def progress(msg: str) -> None:
@@ -161,7 +161,8 @@ def stream_until_killed(base: str, first: threading.Event, i: int) -> None:
 
 # -- the cache -------------------------------------------------------------------------------------
 def manifest_exists(cache: str) -> bool:
-    return bool(glob.glob(os.path.join(cache, "artifacts", "*", "manifest.json")))
+    """The default model's artifact is in place (an export in progress writes into NAME.partial-PID)."""
+    return any(".partial-" not in p for p in glob.glob(os.path.join(cache, "artifacts", "*", "manifest.json")))
 
 
 def leftovers(cache: str) -> list[str]:

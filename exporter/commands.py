@@ -24,7 +24,7 @@ PLATFORMS = ("cpu", "cuda", "rocm", "tpu")   # jax.export lowering platforms
 
 def _check_export_options(args: argparse.Namespace) -> None:
     """Options that are wrong whatever the model: refused before anything heavy runs."""
-    bad = [p for p in args.platforms.split(",") if p not in PLATFORMS]
+    bad = [p for p in (args.platforms or "cpu").split(",") if p not in PLATFORMS]
     if bad:
         raise HloserveError(f"--platforms {','.join(bad)}: lowering platforms are {', '.join(PLATFORMS)} "
                             f"(e.g. --platforms cpu,cuda)")
@@ -82,7 +82,7 @@ def _export_checked(args: argparse.Namespace) -> int:
     apply_dynamic(entries, args.dynamic, args.pad.split(",") if args.pad else ())
     model = dict(source.model, dtype=dtype)
     manifest = export_artifact(args.output, entries, source=args.source, model=model,
-                               platforms=args.platforms.split(","), reporter=reporter, files=source.files,
+                               platforms=args.platforms.split(",") if args.platforms else None, reporter=reporter, files=source.files,
                                weight_quant=source.weight_quant)
     for fn in manifest.functions.values():
         ins = ", ".join(f"{t.name}: {t.describe()}" for t in fn.inputs)
@@ -148,7 +148,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
                             "TF Serving's predict API)")
         e.add_argument("--function", action="append", help="entry point(s) to export (default: all the source provides)")
         e.add_argument("--pad", help="symbolic dims the runtime may pad to buckets, comma-separated ('none' for none)")
-        e.add_argument("--platforms", default="cpu", help="comma-separated lowering platforms (cpu,cuda,tpu)")
+        e.add_argument("--platforms", help="comma-separated lowering platforms (default: cpu,cuda,tpu for an LLM "
+                                           "step, cpu otherwise); e.g. --platforms cpu narrows an LLM step to CPU")
         e.add_argument("--quantize", metavar="SPEC",
                        help="weight-only quantization: int8 (per channel), int8:GROUP, int4[:GROUP[:asym|sym]] "
                             "(default group 32), or gguf (keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks); "

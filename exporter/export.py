@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from hloserve.runtime import artifact
 from hloserve.runtime.artifact import weights as weights_io
+from hloserve.runtime.paths import partial_dir, remove_partials
 from hloserve.runtime.progress import QUIET, Reporter
 from jax import export as jax_export
 
@@ -30,6 +31,14 @@ from .lowerings import default_registry
 from .shapes import SymbolTable
 
 DEFAULT_PLATFORMS = ("cpu",)
+# An LLM step is lowered for every platform hloserve serves on: one artifact, a kernel per platform
+# substituted at load (runtime/kernels/). jax lowers once and branches only where lowerings differ.
+LLM_PLATFORMS = ("cpu", "cuda", "tpu")
+
+
+def default_platforms(model: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The lowering platforms when none are given: LLM_PLATFORMS for an LLM step, else DEFAULT_PLATFORMS."""
+    return LLM_PLATFORMS if model and model.get("llm") is not None else DEFAULT_PLATFORMS
 
 
 @dataclasses.dataclass
@@ -222,7 +231,7 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str, model: Mapping[str, Any] | None = None,
-                    platforms: Sequence[str] = DEFAULT_PLATFORMS, reporter: Reporter = QUIET,
+                    platforms: Sequence[str] | None = None, reporter: Reporter = QUIET,
                     extra_weights: Mapping[str, np.ndarray] | None = None,
                     files: Mapping[str, str] | None = None,
                     weight_quant: Callable[[str, torch.Tensor], Mapping[str, Any] | None] | None = None
@@ -234,10 +243,40 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
 
     `files` (name -> path) are copied into the artifact (tokenizer.json, ...) and
     listed with their sha256 in manifest.model["files"].
+
+    The artifact is written into `out_dir.partial-PID` and renamed into place when complete
+    (replacing an artifact already there), so an export killed at any point leaves no half-written
+    artifact at `out_dir`; the next export removes what a dead one left.
+
+    `platforms`: the lowering platforms (default: `default_platforms(model)`, cpu, cuda and tpu for
+    an LLM step).
     """
-    if os.path.exists(os.path.join(out_dir, artifact.MANIFEST)):
-        shutil.rmtree(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
+    platforms = tuple(platforms) if platforms is not None else default_platforms(model)
+    final = out_dir
+    if os.path.isdir(final) and os.listdir(final) and not os.path.exists(os.path.join(final, artifact.MANIFEST)):
+        raise HloserveError(f"{final} is a non-empty directory that is not an artifact; choose a new directory "
+                            f"(an existing artifact is overwritten)")
+    remove_partials(final)
+    out_dir = partial_dir(final)    # written here, renamed into place when complete
+    os.makedirs(out_dir)
+    try:
+        manifest = _write_artifact(out_dir, entries, source=source, model=model, platforms=platforms,
+                                   reporter=reporter, extra_weights=extra_weights, files=files,
+                                   weight_quant=weight_quant)
+    except BaseException:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    if os.path.isdir(final):                # an artifact (replaced) or an empty directory
+        shutil.rmtree(final)
+    os.replace(out_dir, final)
+    reporter.stage(f"artifact written to {final}")
+    return manifest
+
+
+def _write_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str, model: Mapping[str, Any] | None,
+                    platforms: Sequence[str], reporter: Reporter, extra_weights: Mapping[str, np.ndarray] | None,
+                    files: Mapping[str, str] | None,
+                    weight_quant: Callable[[str, torch.Tensor], Mapping[str, Any] | None] | None) -> artifact.Manifest:
     functions: dict[str, artifact.FunctionSpec] = {}
     symbols: dict[str, artifact.SymbolSpec] = {}
     tensors: dict[str, torch.Tensor] = {}
@@ -295,5 +334,4 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
                  for n, (d, s) in specs.items()},
         symbols=symbols, model=model)
     artifact.write_manifest(out_dir, manifest)
-    reporter.stage(f"artifact written to {out_dir}")
     return manifest

@@ -37,3 +37,61 @@ def rewrite_composites(module_bytes: bytes, replace) -> tuple[bytes, int]:
             return module_bytes, 0
         text = mlir.module_to_bytecode(module)
         return _jax.mlir.serialize_portable_artifact(text, hlo.get_current_version(), False), done
+
+
+def link_kernels(module_bytes: bytes, targets: set[str], build) -> tuple[bytes, int]:
+    """Refine the shapes of an exported module whose main has static argument shapes (jax's own
+    shape refinement), then replace every custom call whose target is in `targets` by a call of a
+    kernel module: `build(target, backend_config, operand_types)` returns that module's serialized
+    bytes (a jax export at the now static operand shapes, whose main takes the call's leading
+    operands). The kernel's functions are merged into the module. Returns (bytes, number replaced)."""
+    import types
+
+    from jax._src import config
+    from jax._src.interpreters import mlir
+    from jax._src.lib import _jax
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import func, hlo
+
+    with mlir.make_ir_context(), ir.Location.unknown():
+        module = _jax.mlir.deserialize_portable_artifact(module_bytes)
+        refined = _jax.mlir.refine_polymorphic_shapes(
+            mlir_module=mlir.module_to_bytecode(module), enable_shape_assertions=True, validate_static_shapes=True,
+            enable_shardy=config.use_shardy_partitioner.value)
+        module = ir.Module.parse(refined)
+        found = []
+
+        def visit(op):
+            if op.name == "stablehlo.custom_call" and ir.StringAttr(op.attributes["call_target_name"]).value in targets:
+                found.append(op)
+            return ir.WalkResult.ADVANCE
+
+        module.operation.walk(visit)
+        api = types.SimpleNamespace(ir=ir, hlo=hlo, func=func, mlir=mlir)
+        for i, op in enumerate(found):
+            target = ir.StringAttr(op.attributes["call_target_name"]).value
+            config_attr = ir.DictAttr(op.attributes["mhlo.backend_config"])
+            backend_config = {a.name: a.attr for a in config_attr}
+            kernel = _jax.mlir.deserialize_portable_artifact(build(target, backend_config,
+                                                                   [v.type for v in op.operands], api))
+            main = next(f for f in kernel.body.operations if ir.StringAttr(f.attributes["sym_name"]).value == "main")
+            n_args = len(ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value).inputs)
+            name = mlir.merge_mlir_modules(module, f"{target}_{i}", kernel)
+            with ir.InsertionPoint(op):
+                call = func.CallOp([r.type for r in op.results], ir.FlatSymbolRefAttr.get(name),
+                                   list(op.operands)[:n_args])
+            for old, res in zip(op.results, call.results):
+                old.replace_all_uses_with(res)
+            op.erase()
+        if not found:
+            return module_bytes, 0
+        return _jax.mlir.serialize_portable_artifact(mlir.module_to_bytecode(module), hlo.get_current_version(),
+                                                     False), len(found)
+
+
+def module_text(module_bytes: bytes) -> str:
+    """An exported module (portable artifact bytes) as MLIR text."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib import _jax
+    with mlir.make_ir_context():
+        return str(_jax.mlir.deserialize_portable_artifact(module_bytes))

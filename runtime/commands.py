@@ -45,6 +45,40 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"  out {t.name}: {t.describe()}")
         if fn.paddable:
             print(f"  paddable: {', '.join(fn.paddable)}")
+    if args.platform:
+        return _inspect_platform(args.artifact, m, args.platform)
+    return 0
+
+
+def _inspect_platform(path: str, m, platform: str) -> int:
+    """What `platform` would run: each function's kernel plan, and the function lowered for that
+    platform (at its dims' smallest sizes) with the kernels linked in, naming the custom calls."""
+    import jax
+    from hloserve.runtime import artifact
+    from hloserve.runtime.kernels import accelerators
+    from hloserve.runtime.model import read_exported
+
+    platform = "cuda" if platform == "gpu" else platform
+    env = {name: max(s.min, 1) for name, s in m.symbols.items()}
+    for fn in m.functions.values():
+        exported = read_exported(path, fn.name)
+        if accelerators.LOWERING[platform] not in exported.platforms:
+            raise HloserveError(f"function {fn.name!r} was lowered for {','.join(exported.platforms)}, not "
+                                f"{platform}; re-export with --platforms {','.join([*exported.platforms, platform])}")
+        pending, plans = accelerators.specialize(exported, platform)
+        dims = ", ".join(f"{k}={v}" for k, v in sorted(env.items()) if k in artifact.names_in(
+            [d for t in fn.inputs for d in t.shape]))
+        print(f"on {platform}: function {fn.name}" + (f" (lowered at {dims})" if dims else ""))
+        for p in plans:
+            print(f"  {p.describe()}")
+        if not plans:
+            print("  no composites: XLA compiles the whole function")
+        avals = [jax.ShapeDtypeStruct(m.weights[w].shape, artifact.numpy_dtype(m.weights[w].dtype)) for w in fn.weights]
+        avals += [jax.ShapeDtypeStruct(artifact.concrete_shape(t, env), artifact.numpy_dtype(t.dtype)) for t in fn.inputs]
+        static = accelerators.for_shapes(pending, platform, avals)
+        calls = accelerators.kernels_in(static)
+        listed = ", ".join(f"{k} x{n}" for k, n in sorted(calls.items())) or "none"
+        print(f"  lowered for {platform} with its kernels: custom calls {listed}")
     return 0
 
 
@@ -97,6 +131,10 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         i.add_argument("--json", action="store_true", help="print the manifest as JSON")
         i.add_argument("--verify", action="store_true",
                        help="also hash every weight against the manifest (sizes and dtypes are always checked)")
+        i.add_argument("--platform", choices=("tpu", "cuda", "gpu"),
+                       help="also show what this platform runs, without its device: each composite's kernel "
+                            "(with its static parameters) and the functions lowered for it with the kernels "
+                            "linked in")
         i.set_defaults(fn=_inspect)
     elif name == "run":
         r = sub.add_parser(name, help="run an artifact function on inputs from an .npz file")

@@ -118,7 +118,8 @@ class Function:
                  exec_cache: ExecutableCache | None = None, devices: Sequence[Any] = (),
                  cache_identity: Mapping[str, Any] | None = None,
                  compiler_options: Mapping[str, str] | None = None,
-                 input_shardings: Mapping[str, Any] | None = None, kernels: int = 0):
+                 input_shardings: Mapping[str, Any] | None = None, kernels: int = 0,
+                 per_shape: Callable[[Sequence[Any]], jax_export.Exported] | None = None):
         self.spec = spec
         self.symbols = symbols
         self.exported = exported
@@ -139,6 +140,10 @@ class Function:
         if input_shardings:   # an output that replaces a split input (the donated cache) stays split
             out_shardings = tuple(self._in_shardings.get(t.name, input_sharding) for t in spec.outputs)
         self._jit = jax.jit(exported.call, donate_argnums=donate, out_shardings=out_shardings)
+        # accelerator kernels: the function re-exported at each compiled shape with its kernels linked
+        # in (runtime/kernels/accelerators.py)
+        self._per_shape = per_shape
+        self._jit_options = {"donate_argnums": donate, "out_shardings": out_shardings}
         self._executables: dict[Env, Any] = {}
         self._lock = threading.Lock()
         # on-disk executable cache: the key is the identity (artifact function digest, shardings,
@@ -229,7 +234,8 @@ class Function:
                 return exe, "read from the executable cache"
         events = compile_events()
         hits0 = events.cache_hits
-        exe = self._jit.lower(*avals).compile(compiler_options=self._compiler_options or None)
+        jit = self._jit if self._per_shape is None else jax.jit(self._per_shape(avals).call, **self._jit_options)
+        exe = jit.lower(*avals).compile(compiler_options=self._compiler_options or None)
         if events.cache_hits > hits0:
             # NOTE: an XLA:CPU executable deserialized from jax's cache re-serializes without its
             # kernels ("Function wrapped_iota not found" in the next process): only fresh compiles

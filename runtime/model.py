@@ -11,6 +11,7 @@ calls pass those device arrays, never re-transfer them. Nothing here imports tor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ from jax import export as jax_export
 
 from . import buckets as buckets_mod
 from . import kernels
+from .kernels import accelerators
 from . import sharding as sharding_mod
 from .client import DEFAULT_CACHE, Client, PlatformError, connect, platform_devices
 from .exec_cache import ExecutableCache
@@ -78,7 +80,7 @@ def _check_platform(name: str, exported: jax_export.Exported, client: Client, pa
                             f"not {plat}; re-export with --platforms {','.join([*exported.platforms, plat])}")
 
 
-def _read_exported(path: str, name: str) -> jax_export.Exported:
+def read_exported(path: str, name: str) -> jax_export.Exported:
     fpath = os.path.join(path, "functions", f"{name}.jax_exported")
     try:
         with open(fpath, "rb") as f:
@@ -94,7 +96,8 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
          partition_rules: sharding_mod.Rules | None = None, cache_dir: str | None = DEFAULT_CACHE,
          buckets: Mapping[str, Sequence[int]] | None = None, strict: bool = False, *, verify: bool | str = True,
          functions: Sequence[str] | None = None, input_rules: sharding_mod.Rules | None = None,
-         manifest: artifact.Manifest | None = None, kernel_support: kernels.KernelSupport | None = None) -> LoadedModel:
+         manifest: artifact.Manifest | None = None, kernel_support: kernels.KernelSupport | None = None,
+         pallas_interpret: str | None = None) -> LoadedModel:
     """Load the artifact at `path` onto devices.
 
     Args:
@@ -116,6 +119,9 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
       manifest: the artifact's manifest when the caller has read it already (read from `path` otherwise).
       kernel_support: the kernels to substitute, when the caller asked `kernel_support()` before the load
         (default: this platform's).
+      pallas_interpret: "tpu" or "cuda": run that platform's Pallas kernels (runtime/kernels/accelerators.py)
+        in Pallas interpret mode on this device instead of its own kernels: the accelerator path,
+        substitution included, checked where no accelerator is (slow: for tests).
     """
     manifest = manifest if manifest is not None else artifact.read_manifest(path)
     names = list(functions or manifest.functions)
@@ -131,17 +137,31 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
     jmesh = sharding_mod.make_mesh(mesh, client.devices) if mesh is not None else None
     device = client.devices[0]
 
-    exported = {n: _read_exported(path, n) for n in names}
+    exported = {n: read_exported(path, n) for n in names}
     for n, exp in exported.items():
         _check_platform(n, exp, client, path)
     # composites this runtime has a kernel for run it (CPU: runtime/kernels/); the rest, and
-    # every composite on other platforms or over a mesh, run the decomposition the artifact carries
+    # every composite over a mesh, run the decomposition the artifact carries (a kernel is one
+    # device's code: XLA cannot partition a custom call, so over a mesh the decomposition runs and is
+    # partitioned with the rest); TPU and GPU run their Pallas kernels (runtime/kernels/accelerators.py)
     if kernel_support is None:
-        kernel_support = kernels.support(client.platform, mesh=jmesh is not None, report=_stderr)
+        kernel_support = (kernels.KernelSupport(None) if pallas_interpret else
+                          kernels.support(client.platform, mesh=jmesh is not None, report=_stderr))
     library = kernel_support.library
-    specialized = {}
+    specialized, per_shape, kernel_digest = {}, {}, library.digest if library else None
+    accelerator = pallas_interpret or (client.platform if client.platform in accelerators.LOWERING else None)
     for n in names:
-        exported[n], specialized[n] = kernels.specialize(exported[n], library)
+        if accelerator and jmesh is None:
+            # Pallas kernels compile for static shapes: placeholders now, kernels per compiled shape
+            pending, plans = accelerators.specialize(exported[n], accelerator)
+            specialized[n] = sum(p.kernel is not None for p in plans)
+            if specialized[n]:
+                per_shape[n] = functools.partial(accelerators.for_shapes, pending, accelerator,
+                                                 interpret=bool(pallas_interpret))
+                kernel_digest = accelerators.digest(accelerator)
+            exported[n] = pending if specialized[n] else kernels.specialize(exported[n], None)[0]
+        else:
+            exported[n], specialized[n] = kernels.specialize(exported[n], library)
     used = list(dict.fromkeys(w for n in names for w in manifest.functions[n].weights))
     for w in used:
         if w not in reader:
@@ -166,9 +186,9 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
                           exec_cache=cache, devices=exec_devices,
                           cache_identity={**_identity(spec, shardings, in_sharding, exec_devices),
                                           "split_inputs": {k: repr(v.spec) for k, v in split_inputs.items()},
-                                          "kernels": library.digest if specialized[n] else None},
+                                          "kernels": kernel_digest if specialized[n] else None},
                           compiler_options=client.compiler_options, input_shardings=split_inputs,
-                          kernels=specialized[n])
+                          kernels=specialized[n], per_shape=per_shape.get(n))
     return LoadedModel(path, manifest, client, jmesh, on_device, fns)
 
 

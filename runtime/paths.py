@@ -32,3 +32,31 @@ def untrusted(*dirs: str) -> str | None:
         if st.st_mode & 0o022:
             return f"{d} is writable by group or others (mode {st.st_mode & 0o777:o})"
     return None
+
+
+def partial_dir(path: str) -> str:
+    """Where this process writes `path` before renaming it into place: `path.partial-PID`."""
+    return f"{path.rstrip(os.sep)}.partial-{os.getpid()}"
+
+
+def remove_partials(path: str) -> None:
+    """Remove the `path.partial-PID` directories that killed writers left: this process's own and
+    those of processes no longer alive (a live writer's is left alone), with what they hold and
+    what their own writers nested beside them (`path.partial-PID.partial-PID2`)."""
+    import shutil
+    parent, base = os.path.split(path.rstrip(os.sep))
+    for name in os.listdir(parent or ".") if os.path.isdir(parent or ".") else ():
+        rest = name.removeprefix(f"{base}.partial-")
+        pid = rest.split(".", 1)[0]
+        if rest != name and pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # alive, another user's
+        return True
+    return True

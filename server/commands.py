@@ -17,7 +17,8 @@ def _serve(args: argparse.Namespace) -> int:
              "max_body_bytes": None if args.max_body_mib is None else int(args.max_body_mib * 2**20),
              "shutdown_grace_s": args.shutdown_grace, "verify_weights": args.verify_weights,
              "max_output_tokens": args.max_output_tokens, "tensor_parallel_size": args.tensor_parallel_size,
-             "batch_timeout_s": None if args.batch_timeout_ms is None else args.batch_timeout_ms / 1000}
+             "batch_timeout_s": None if args.batch_timeout_ms is None else args.batch_timeout_ms / 1000,
+             "grpc_port": args.grpc_port}
     config = ServeConfig(**{k: v for k, v in given.items() if v is not None})   # the rest: ServeConfig's defaults
     hosts = int(os.environ.get("JAX_NUM_PROCESSES") or 1) if args.distributed else 1
     if config.tensor_parallel_size > 1 and (config.platform or "cpu") == "cpu":
@@ -35,12 +36,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
-    from .config import ServeConfig
+    from .config import DEFAULT_GRPC_PORT, ServeConfig
     d = ServeConfig()   # the defaults shown in --help are ServeConfig's, not copies
     sv = sub.add_parser(name, help="serve an artifact over HTTP (OpenAI API for LLMs, TF Serving predict otherwise)")
     sv.add_argument("artifact", nargs="?", help="artifact directory (default: export and serve SmolLM2-135M-Instruct)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--grpc-port", type=int, metavar="N",
+                    help="TF Serving's gRPC API (PredictionService, ModelService) on port N, 0: off (default: "
+                         "%d for predict artifacts, off for LLMs)" % DEFAULT_GRPC_PORT)
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set HLOSERVE_API_KEY)")
     sv.add_argument("--served-model-name", "--model-name", nargs="+", metavar="NAME",
                     help="name(s) clients use for the model, the first one reported (default: the artifact "

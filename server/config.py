@@ -16,6 +16,7 @@ from .core.model_runner import RunnerConfig
 from .core.scheduler import SchedulerConfig
 
 DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_GRPC_PORT = 8500   # TF Serving's
 # Prompt text longer than this many characters per token of context is refused before tokenizing:
 # no tokenizer packs that much into the tokens a context holds, and tokenizing it would stall.
 MAX_PROMPT_CHARS_PER_TOKEN = 64
@@ -47,6 +48,8 @@ class ServeConfig:
       max_output_tokens: the operator's cap on tokens generated per request (None: the context); a
         request without max_tokens gets at most this many, one asking for more answers 400.
       shutdown_grace_s: on SIGTERM/SIGINT, how long running requests may still finish.
+      grpc_port: TF Serving's gRPC API (predict artifacts) on this port; 0: off; None: DEFAULT_GRPC_PORT
+        for a predict artifact, off for an LLM (see `grpc_port_for`).
       platform: "cpu", "gpu", "tpu" or None for jax's default.
       tensor_parallel_size: LLM: devices the step is split over (Megatron-style, by KV heads); the
         KV cache budget (kv_cache_bytes) is per device.
@@ -73,6 +76,7 @@ class ServeConfig:
     max_body_bytes: int = 16 << 20
     max_output_tokens: int | None = None
     shutdown_grace_s: float = 10.0
+    grpc_port: int | None = None
     platform: str | None = None
     tensor_parallel_size: int = 1
     strict: bool = True
@@ -83,6 +87,15 @@ class ServeConfig:
             raise HloserveError(f"verify_weights={self.verify_weights!r}: use 'stamp' or 'full'")
         if self.tensor_parallel_size < 1:
             raise HloserveError(f"tensor_parallel_size={self.tensor_parallel_size}: use 1 (one device) or more")
+
+    def grpc_port_for(self, *, llm: bool) -> int:
+        """The port the gRPC API listens on for this kind of artifact (0: none)."""
+        if self.grpc_port is None:
+            return 0 if llm else DEFAULT_GRPC_PORT
+        if self.grpc_port and llm:
+            raise HloserveError(f"--grpc-port {self.grpc_port}: the gRPC API is TF Serving's, for predict artifacts; "
+                                f"an LLM artifact is served through the OpenAI API over HTTP (leave --grpc-port out)")
+        return self.grpc_port
 
     @property
     def load_verify(self) -> bool | str:

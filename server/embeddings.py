@@ -50,8 +50,13 @@ class Embedder:
                    tuple(t.name for t in fn.inputs))
 
     def encode(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> tuple[dict[str, np.ndarray], int]:
-        """Padded model inputs for the texts (or token-id lists) and the number of tokens used."""
+        """Padded model inputs for the texts (or token-id lists) and the number of tokens used;
+        ValueError for a token id outside the vocabulary."""
         rows = [list(x) if not isinstance(x, str) else self.tokenizer.encode(x).ids for x in inputs]
+        vocab = self.tokenizer.get_vocab_size()
+        bad = next((t for r in rows for t in r if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         rows = [r[:self.max_seq_length] for r in rows]
         width = max(len(r) for r in rows)
         ids = np.zeros((len(rows), width), np.int32)

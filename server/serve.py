@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,14 +44,33 @@ def default_artifact_path(preset: str = DEFAULT_PRESET) -> str:
 
 
 def default_artifact(preset: str = DEFAULT_PRESET) -> str:
-    """The default model's artifact, exported into the cache the first time."""
+    """The default model's artifact, exported into the cache the first time.
+
+    A start killed mid-export (SIGKILL, OOM, a node going away) leaves no half-written artifact
+    where the next start looks: the export is written into `PATH.partial-PID` and renamed into
+    place when complete, and the next start removes a directory without a manifest and what dead
+    processes left. Replicas sharing one cache may export at once; the first rename wins and the
+    others use its artifact."""
+    from hloserve.runtime.paths import partial_dir, remove_partials
     path = default_artifact_path(preset)
     if os.path.exists(os.path.join(path, "manifest.json")):
         return path
+    shutil.rmtree(path, ignore_errors=True)
+    remove_partials(path)
+    partial = partial_dir(path)
     print(f"[hloserve] first run: exporting {preset} to {path} (once; later starts reuse it)", file=sys.stderr, flush=True)
-    cmd = [sys.executable, "-m", "hloserve.server.cli", "export", preset, "-o", path, *DEFAULT_EXPORT_FLAGS]
+    cmd = [sys.executable, "-m", "hloserve.server.cli", "export", preset, "-o", partial, *DEFAULT_EXPORT_FLAGS]
     if subprocess.run(cmd).returncode != 0:
-        raise HloserveError(f"exporting the default model {preset} failed (see above); run `{' '.join(cmd[2:])}` to retry")
+        shutil.rmtree(partial, ignore_errors=True)
+        from hloserve.runtime.artifact.errors import HloserveError
+        raise HloserveError(f"exporting the default model {preset} failed (see above); run `hloserve serve` again "
+                            f"to retry")
+    try:
+        os.replace(partial, path)
+    except OSError:                         # another replica renamed its export into place first
+        if not os.path.exists(os.path.join(path, "manifest.json")):
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
     return path
 
 
@@ -67,9 +87,15 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
     if artifact_path is None and not config.served_model_names:   # the default model keeps its preset's name
         config = dataclasses.replace(config, served_model_names=(DEFAULT_PRESET,))
     path = artifact_path or default_artifact()
+    from hloserve.runtime.artifact import read_manifest
+    grpc_port = config.grpc_port_for(llm=read_manifest(path).model.get("llm") is not None)   # refused before loading
     print(f"[hloserve] loading {path}", file=sys.stderr, flush=True)
     service = build_service(path, config)
     app = create_app(service, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    grpc = None
+    if grpc_port:
+        from .grpc.tf_serving import GrpcServer
+        grpc = GrpcServer(service, host, grpc_port, api_key=config.api_key, max_message_bytes=config.max_body_bytes)
 
     def warm():
         what = ("compiling every bucket" if isinstance(service, LLMService) else
@@ -87,13 +113,14 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
             server.server.should_exit = True
 
     failed: list[str] = []
+    warming = threading.Thread(target=warm, name="hloserve-warmup", daemon=True)
     server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                             timeout_graceful_shutdown=config.shutdown_grace_s + 5),
-                             service, config.shutdown_grace_s)
-    warming = threading.Thread(target=warm, name="hloserve-warmup", daemon=True)
-    warming.start()
+                             service, config.shutdown_grace_s, grpc=grpc, on_listening=warming.start)
     api = "the OpenAI API (/v1/completions, /v1/chat/completions)" if isinstance(service, LLMService) else \
         f"TensorFlow Serving's REST API (/v1/models/{service.model_name}:predict)"
+    if grpc is not None:
+        api += f" and its gRPC API on {grpc.address}"
     print(f"[hloserve] serving {service.model_name} on http://{host}:{port} with {api}", file=sys.stderr, flush=True)
     try:
         server.run()
@@ -128,16 +155,36 @@ class _DrainingServer:
     503 + Retry-After while the listener stays open (a load balancer sees the replica leave), lets
     running requests finish for `grace_s` seconds, then ends what is left cleanly (an error event and
     [DONE] for streams, a JSON 503 otherwise) and only then lets uvicorn close the connections and
-    exit. A second signal exits at once."""
+    exit. A second signal exits at once.
 
-    def __init__(self, config, service, grace_s: float):
+    The gRPC server, if any, runs in uvicorn's event loop (the predict batcher's): it listens before
+    `on_listening` is called (warm-up starts there, so a port in use fails before any compile), is
+    counted by the same admission (new calls UNAVAILABLE while draining, running ones waited for) and
+    stops after uvicorn."""
+
+    def __init__(self, config, service, grace_s: float, *, grpc=None, on_listening=lambda: None):
         import uvicorn
         self.server = uvicorn.Server(config)
         self.service = service
         self.grace_s = grace_s
+        self.grpc = grpc
+        self.on_listening = on_listening
         self._handle_exit = self.server.handle_exit
         self.server.handle_exit = self.handle_exit
+        self._serve = self.server.serve
+        self.server.serve = self.serve
         self.exit_signal = 0
+
+    async def serve(self, sockets=None) -> None:
+        """uvicorn's serve, with the gRPC server started first and stopped after, in the same loop."""
+        if self.grpc is not None:
+            await self.grpc.start()
+        self.on_listening()
+        try:
+            await self._serve(sockets)
+        finally:
+            if self.grpc is not None:
+                await self.grpc.stop()
 
     def run(self) -> None:
         # Once shut down, uvicorn re-raises the signal that stopped it under the handlers it found

@@ -34,6 +34,20 @@ def pytest_configure(config):
     os.environ["HLOSERVE_CACHE"] = root
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need an accelerator: skipped where jax sees only the CPU."""
+    marked = [item for item in items if item.get_closest_marker("gpu")]
+    if not marked:
+        return
+    import jax
+    if jax.default_backend() in ("gpu", "tpu"):
+        return
+    import pytest
+    skip = pytest.mark.skip(reason="needs an accelerator (jax sees only the CPU)")
+    for item in marked:
+        item.add_marker(skip)
+
+
 def pytest_unconfigure(config):
     import shutil
     fresh = getattr(config, "_hloserve_fresh_cache", None)

@@ -34,6 +34,7 @@ RULES = [
     ("hloserve.server.core", ("hloserve.server.core", "hloserve.server.text", "hloserve.runtime"), HEAVY | WEB),
     ("hloserve.server.text", ("hloserve.server.text", "hloserve.runtime.artifact"), HEAVY | WEB | {"jax"}),
     ("hloserve.server.http", ("hloserve.server", "hloserve.runtime"), HEAVY),
+    ("hloserve.server.grpc", ("hloserve.server", "hloserve.runtime"), HEAVY | WEB),
     ("hloserve.server.serve", ("hloserve.server", "hloserve.runtime"), HEAVY),
     ("hloserve.server", ("hloserve.server", "hloserve.runtime"), HEAVY | WEB),
 ]

@@ -7,8 +7,8 @@
 against jaxlib's XLA FFI headers, keyed by the source, compiler, flags, jaxlib and CPU, and
 registers its targets with XLA for the CPU platform. `specialize` replaces each composite it has
 a kernel for by an FFI custom call to it, in this process's copy of the function only: the
-artifact keeps the portable decomposition, and GPU/TPU runtimes (or CPU without a compiler, or
-with HLOSERVE_CPU_KERNELS=0) run that.
+artifact keeps the portable decomposition, which a CPU without a compiler (or with
+HLOSERVE_CPU_KERNELS=0) runs. TPU and GPU have their own Pallas kernels (accelerators.py).
 """
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ def specialize(exported: Any, library: Library | None) -> tuple[Any, int]:
         key = (ir.StringAttr(attrs["name"]).value, ir.IntegerAttr(attrs["version"]).value)
         target = TARGETS.get(key) if library is not None else None
         config = {a.name: a.attr for a in ir.DictAttr(attrs["composite_attributes"])}
-        if target in ACCEPTS and not ACCEPTS[target]({k: _value(ir, v) for k, v in config.items()}):
+        if target in ACCEPTS and not ACCEPTS[target]({k: attribute_value(ir, v) for k, v in config.items()}):
             target = None
         result_types = [r.type for r in op.results]
         decomposition = ir.FlatSymbolRefAttr(attrs["decomposition"])
@@ -202,16 +202,7 @@ def specialize(exported: Any, library: Library | None) -> tuple[Any, int]:
                 operands = list(op.operands)[-len(CONTRACTS[key].operands):]
 
                 def kernel():
-                    shape = None
-                    if not all(ir.RankedTensorType(t).has_static_shape for t in result_types):
-                        # the result's (symbolic) dims, passed for shape refinement
-                        i32 = ir.IntegerType.get_signless(32)
-                        dims = RESULT_DIMS.get(target) or [(0, d) for d in range(ir.RankedTensorType(operands[0].type).rank)]
-                        shape = [hlo.concatenate([hlo.reshape(ir.RankedTensorType.get([1], i32),
-                                                              hlo.get_dimension_size(operands[i], d))
-                                                  for i, d in dims], 0)]
-                    return api.mlir.custom_call(target, result_types=result_types, operands=operands,
-                                                backend_config=config, api_version=4, result_shapes=shape)
+                    return custom_call(api, target, result_types, operands, config, RESULT_DIMS.get(target))
 
                 limit = max_rows(target)
                 rows = ir.RankedTensorType(operands[0].type).shape[0]
@@ -244,7 +235,31 @@ def specialize(exported: Any, library: Library | None) -> tuple[Any, int]:
     return (dataclasses.replace(exported, mlir_module_serialized=body) if n else exported), kernels_used
 
 
-def _value(ir, attr):
+def custom_call(api, target: str, result_types, operands, config, dims=None):
+    """An FFI custom call `target` (api v4) replacing a composite: `config` (the composite's
+    attributes) as its backend config, and, where the result has symbolic dims, those dims as
+    (operand, dim) pairs (default: the first operand's) for shape refinement."""
+    ir, hlo = api.ir, api.hlo
+    shape = None
+    if not all(ir.RankedTensorType(t).has_static_shape for t in result_types):
+        i32 = ir.IntegerType.get_signless(32)
+        dims = dims or [(0, d) for d in range(ir.RankedTensorType(operands[0].type).rank)]
+        shape = [hlo.concatenate([hlo.reshape(ir.RankedTensorType.get([1], i32), hlo.get_dimension_size(operands[i], d))
+                                  for i, d in dims], 0)]
+    return api.mlir.custom_call(target, result_types=result_types, operands=operands, backend_config=config,
+                                api_version=4, result_shapes=shape)
+
+
+def attribute_values(api, op) -> dict[str, Any]:
+    """A composite op's (name, version) and its attributes as Python values."""
+    ir = api.ir
+    attrs = op.attributes
+    config = {a.name: attribute_value(ir, a.attr) for a in ir.DictAttr(attrs["composite_attributes"])}
+    return {"name": ir.StringAttr(attrs["name"]).value, "version": ir.IntegerAttr(attrs["version"]).value,
+            "attributes": config}
+
+
+def attribute_value(ir, attr):
     """A composite attribute's Python value (integers and floats; others as they are)."""
     for kind in (ir.IntegerAttr, ir.FloatAttr):
         if isinstance(attr, kind):

@@ -119,6 +119,24 @@ class SchedulerStats:
     generation_tokens: int = 0
 
 
+def context_room(prompt_len: int, max_model_len: int) -> int:
+    """The context rule, part one: the tokens a prompt of `prompt_len` leaves for its output (at least
+    one, else ValueError). Stated once; the HTTP layer applies it before a request reaches the engine."""
+    if prompt_len >= max_model_len:
+        raise ValueError(f"the prompt has {prompt_len} tokens, but the model's context is {max_model_len} tokens; "
+                         f"shorten the prompt")
+    return max_model_len - prompt_len
+
+
+def check_context(prompt_len: int, max_tokens: int, max_model_len: int, *, name: str = "max_tokens") -> None:
+    """The context rule: prompt plus output fit the model's context (ValueError naming `name`, the
+    field that set the output's length, and its largest allowed value)."""
+    room = context_room(prompt_len, max_model_len)
+    if max_tokens > room:
+        raise ValueError(f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) = {prompt_len + max_tokens} exceeds "
+                         f"the model's context of {max_model_len} tokens; lower {name} to at most {room}")
+
+
 class Scheduler:
     """Continuous batching over a BlockManager; see the module docstring for the algorithm."""
 
@@ -140,12 +158,7 @@ class Scheduler:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty; send at least one token")
-        limit = self.config.max_model_len
-        if n >= limit:
-            raise ValueError(f"the prompt has {n} tokens, but the model's context is {limit} tokens; shorten the prompt")
-        if n + params.max_tokens > limit:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds the "
-                             f"model's context of {limit} tokens; lower max_tokens to at most {limit - n}")
+        check_context(n, params.max_tokens, self.config.max_model_len)
         need = self.blocks.num_blocks_needed(n + params.max_tokens - 1)   # the last token is never computed
         if need > self.blocks.total_blocks:
             raise ValueError(f"prompt + max_tokens needs {need} KV blocks but the cache has {self.blocks.total_blocks}; "

@@ -1,4 +1,4 @@
-"""`create_app(service) -> FastAPI`: the OpenAI routes (http/openai.py) for LLM artifacts, TF
+"""`create_app(service) -> FastAPI`: the OpenAI routes (http/openai.py, http/responses.py) for LLM artifacts, TF
 Serving's REST predict API (http/tf_serving.py) for the others, /health, /ready, /metrics for both,
 and the error handlers that answer in each API's own format.
 
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..services import LLMService, PredictService
-from . import embeddings, openai, schema, tf_serving
+from . import embeddings, openai, responses, schema, tf_serving
 from .errors import RETRY_AFTER, ApiError
 from .protocol import error_body
 
@@ -104,6 +104,7 @@ def create_app(service: LLMService | PredictService, *, api_key: str | None = No
 
     if isinstance(service, LLMService):
         app.include_router(openai.router)
+        app.include_router(responses.router)
     else:
         app.include_router(tf_serving.router)
         if service.embedder is not None:
@@ -113,12 +114,14 @@ def create_app(service: LLMService | PredictService, *, api_key: str | None = No
 
 
 # the routes that count against --max-pending (429) and are refused while warming up or draining (503)
-ADMITTED = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models/{name}:predict",
+ADMITTED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/models/{name}:predict",
             "/v1/models/{name}/versions/{version}:predict")
 
 
 def _published(app: FastAPI, api_key: bool) -> dict:
-    app.openapi_schema = schema.document(app, openai.BODIES, admitted=ADMITTED, api_key=api_key)
+    app.openapi_schema = schema.document(app, {**openai.BODIES, **responses.BODIES},
+                                         answers={**openai.ANSWERS, **responses.ANSWERS}, admitted=ADMITTED,
+                                         api_key=api_key)
     return app.openapi_schema
 
 

@@ -23,7 +23,10 @@ async def embeddings(req: EmbeddingRequest, request: Request):
         else list(req.input)
     admit(svc)
     try:
-        arrays, tokens = await asyncio.to_thread(emb.encode, inputs)
+        try:
+            arrays, tokens = await asyncio.to_thread(emb.encode, inputs)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="input") from None
         hidden = (await svc.batcher.run(emb.function, arrays))["last_hidden_state"]
     finally:
         svc.admission.leave()

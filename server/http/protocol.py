@@ -1,13 +1,16 @@
-"""Wire models of the OpenAI-compatible API (pydantic), and OpenAI's error format.
+"""Wire models of the OpenAI-compatible API (pydantic): requests, typed answers, and OpenAI's error format.
 
 Every field of OpenAI's completions and chat-completions requests is accepted, and so are vLLM's
 sampling extensions. Fields that change results are implemented (sampling, penalties, logit_bias,
 min_p, min_tokens, n, best_of, echo, several prompts, structured output, tool calls, ...); the one
-hloserve cannot honour yet (a non-empty suffix: insertion) answers 400 saying so, and every other
-field is accepted at any value that does not change the result (OpenAI's bookkeeping fields:
-store, metadata, user, service_tier, ...). A field nobody knows is ignored, as vLLM does, and named
-in the response's `x-hloserve-warning` header and the log, so a typo is visible but a newer client
-still works.
+that hloserve cannot honour (suffix) answers 400 saying so, and every other field is accepted at
+any value that does not change the result (OpenAI's bookkeeping fields: store, metadata, user,
+service_tier, ...). A field nobody knows is ignored, as vLLM does, and named in the response's
+`x-hloserve-warning` header and the log, so a typo is visible but a newer client still works.
+
+The answers (`Completion`, `ChatCompletion`, `ChatCompletionChunk`) are what the renderers
+(http/completions.py, http/chat.py) build; an optional field marked `exclude_if=_absent` is left
+out of the JSON when it is None, as OpenAI leaves it out.
 """
 from __future__ import annotations
 
@@ -73,7 +76,7 @@ class StructuredOutputsParams(OpenModel):
     json_object: bool | None = None
 
 
-class _Sampling(OpenModel):
+class SamplingRequest(OpenModel):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extensions)."""
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -114,17 +117,16 @@ class _Sampling(OpenModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def uses_tools(self) -> bool:
-        """Whether the answer may carry tool calls (chat with tools, tool_choice not 'none')."""
-        return bool(getattr(self, "tools", None)) and getattr(self, "tool_choice", None) != "none"
+    def forced_by_tools(self) -> StructuredOutput | None:
+        """The grammar a forced tool choice puts on the output (chat overrides this)."""
+        return None
 
     def structured(self) -> StructuredOutput | None:
         """The grammar the output must match, from whichever field gave one (ValueError for two)."""
         found: list[tuple[str, StructuredOutput]] = []
-        if self.uses_tools():
-            forced = constraint(self.tools, self.tool_choice, getattr(self, "parallel_tool_calls", None))
-            if forced is not None:
-                found.append(("tool_choice", forced))
+        forced = self.forced_by_tools()
+        if forced is not None:
+            found.append(("tool_choice", forced))
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
             found.append(("response_format", StructuredOutput("json")))
@@ -180,6 +182,14 @@ class _Sampling(OpenModel):
         return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
 
 
+def neutral_only(table: dict, name: str, value):
+    """`value` if it is neutral for field `name` (table: field -> (neutral?, the message)), else ValueError."""
+    neutral, message = table[name]
+    if not neutral(value):
+        raise ValueError(message)
+    return value
+
+
 MAX_PROMPTS = 64   # prompts in one completions request (each answered by its own choice(s))
 
 # completion fields accepted only at a value that does not change the result: field -> (neutral?, message)
@@ -188,7 +198,7 @@ _COMPLETION_NEUTRAL_ONLY = {
 }
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
@@ -227,10 +237,7 @@ class CompletionRequest(_Sampling):
     @field_validator("suffix")
     @classmethod
     def _neutral_only(cls, v, info):
-        neutral, message = _COMPLETION_NEUTRAL_ONLY[info.field_name]
-        if not neutral(v):
-            raise ValueError(message)
-        return v
+        return neutral_only(_COMPLETION_NEUTRAL_ONLY, info.field_name, v)
 
 
 class ToolCallFunction(OpenModel):
@@ -283,7 +290,7 @@ class ChatMessage(OpenModel):
         return out
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -295,6 +302,13 @@ class ChatCompletionRequest(_Sampling):
     modalities: list[str] | None = None
     add_generation_prompt: bool = True              # vLLM's chat-template extensions
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def uses_tools(self) -> bool:
+        """Whether the answer may carry tool calls (tools given, tool_choice not 'none')."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_by_tools(self) -> StructuredOutput | None:
+        return constraint(self.tools, self.tool_choice, self.parallel_tool_calls) if self.uses_tools() else None
 
     @model_validator(mode="after")
     def _tools_and_modalities(self):
@@ -337,3 +351,118 @@ class EmbeddingRequest(OpenModel):
 
 def now() -> int:
     return int(time.time())
+
+
+# -- answers ------------------------------------------------------------------------------------
+
+def _absent(value) -> bool:
+    return value is None
+
+
+class Usage(BaseModel):
+    """Token counts: each prompt counted once (its n choices share it), the completions summed."""
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt: int, completion: int) -> "Usage":
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's completions logprobs: per token its text, logprob (None for an echoed first prompt
+    token), top alternatives and character offset in the choice's text."""
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None
+
+
+class Completion(BaseModel):
+    """A completions answer, and each chunk of a streamed one (OpenAI names both text_completion)."""
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str                  # JSON text
+
+
+class CalledTool(BaseModel):
+    """A tool call in an answer; `index` only in a streamed delta."""
+    index: int | None = Field(default=None, exclude_if=_absent)
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[CalledTool] | None = Field(default=None, exclude_if=_absent)
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """What a streamed chunk adds to its choice's message (empty when it only ends the choice)."""
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_absent)
+    content: str | None = Field(default=None, exclude_if=_absent)
+    tool_calls: list[CalledTool] | None = Field(default=None, exclude_if=_absent)
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None

@@ -1,13 +1,15 @@
 """The published OpenAPI document (/openapi.json), describing the bodies and answers the routes really have.
 
 FastAPI documents what it parses itself. The generation routes read their body off the event loop
-(openai.parse_body) and validation failures answer 400 in the API's own format, so FastAPI's own
+(prepare.parse_body) and validation failures answer 400 in the API's own format, so FastAPI's own
 document would show no request body for them and a 422 nobody sends. `document(app, bodies)`
 starts from FastAPI's and fixes both: every route in `bodies` gets its pydantic model as its
-required JSON body, and every answer FastAPI lists as 422 is listed as 400; each route also lists
+required JSON body, and every answer FastAPI lists as 422 is listed as 400; every route in
+`answers` gets its answer's model as its 200 JSON body (and text/event-stream, what it sends
+with `stream: true`); each route also lists
 the errors it really gives (401 with an API key, 404 for a model not served, 413, 429 and 503 with
 Retry-After) with the error body its API sends (OpenAI's error object, or TF Serving's
-{"error": message}); /metrics is text, /ready's 503 is listed.
+{"error": message} for the routes tagged "tf-serving"); /metrics is text, /ready's 503 is listed.
 """
 from __future__ import annotations
 
@@ -24,14 +26,19 @@ _OPENAI_ERROR = {
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
+# one server-sent event: its `data` a JSON chunk of the answer (or [DONE]), `event` naming its type
+# where the API names them (the Responses API)
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 _TF_SERVING_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
 
 
-def document(app: FastAPI, bodies: Mapping[str, type[BaseModel]], *, admitted: Collection[str] = (),
-             api_key: bool = False) -> dict[str, Any]:
+def document(app: FastAPI, bodies: Mapping[str, type[BaseModel]], *, answers: Mapping[str, type[BaseModel]] = {},
+             admitted: Collection[str] = (), api_key: bool = False) -> dict[str, Any]:
     """The app's OpenAPI document; `bodies` maps a POST path to the model its handler parses,
-    `admitted` lists the paths that count against the admission bound (429, and 503 while warming
-    up or shutting down), `api_key` whether /v1/* needs one (401)."""
+    `answers` a POST path to the model of its (non-streamed) answer, `admitted` lists the paths that
+    count against the admission bound (429, and 503 while warming up or shutting down), `api_key`
+    whether /v1/* needs one (401)."""
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas["OpenAIError"] = _OPENAI_ERROR
@@ -40,17 +47,22 @@ def document(app: FastAPI, bodies: Mapping[str, type[BaseModel]], *, admitted: C
         op = doc.get("paths", {}).get(path, {}).get("post")
         if op is None:
             continue
-        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        schemas.update(schema.pop("$defs", {}))
-        schemas[model.__name__] = schema
         op["requestBody"] = {"required": True, "content": {
-            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            "application/json": {"schema": _component(schemas, model, "validation")}}}
+    for path, model in answers.items():
+        op = doc.get("paths", {}).get(path, {}).get("post")
+        if op is None:
+            continue
+        op.setdefault("responses", {})["200"] = {"description": "the answer; with `stream: true`, server-sent events",
+                                                 "content": {"application/json": {"schema": _component(
+                                                     schemas, model, "serialization")},
+                                                     "text/event-stream": {"schema": _SSE_EVENT}}}
     for path, item in doc.get("paths", {}).items():
-        error = "TFServingError" if ":predict" in path or path.endswith("/metadata") else "OpenAIError"
         for method, op in item.items():
+            error = "TFServingError" if "tf-serving" in op.get("tags", ()) else "OpenAIError"
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
-            names_model = "model" in getattr(bodies.get(path), "model_fields", {})
+            names_model = "model" in _body_properties(schemas, op)
             for status, description in _answers(path, method, op, names_model, admitted, api_key):
                 responses[status] = {"description": description, "content": {
                     "application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}}}
@@ -72,6 +84,17 @@ def document(app: FastAPI, bodies: Mapping[str, type[BaseModel]], *, admitted: C
     return doc
 
 
+def _component(schemas: dict, model: type[BaseModel], mode: str) -> dict:
+    """A $ref to `model`'s schema, added (with the models it uses) to the document's components. A
+    name already there with another schema is an error: two models may not share a name."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}", mode=mode)
+    for name, sub in [*schema.pop("$defs", {}).items(), (model.__name__, schema)]:
+        if schemas.setdefault(name, sub) != sub:
+            raise ValueError(f"two models named {name} in the OpenAPI document ({mode} schema of {model.__name__} "
+                             f"differs from the one already there); rename one")
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
 def _answers(path: str, method: str, op: dict, names_model: bool, admitted: Collection[str],
              api_key: bool) -> list[tuple[str, str]]:
     """The error answers an operation can give besides FastAPI's, as (status, description)."""
@@ -88,6 +111,15 @@ def _answers(path: str, method: str, op: dict, names_model: bool, admitted: Coll
         out += [("429", "overloaded: more requests in flight than --max-pending"),
                 ("503", "warming up, failed, or shutting down")]
     return out
+
+
+def _body_properties(schemas: dict, op: dict) -> dict:
+    """The properties of an operation's JSON body (ours or the one FastAPI parses), {} without one."""
+    schema = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+    ref = schema.get("$ref", "")
+    if ref.startswith("#/components/schemas/"):
+        schema = schemas.get(ref.rsplit("/", 1)[1], {})
+    return schema.get("properties", {})
 
 
 def _referenced(doc: dict, name: str) -> bool:

@@ -24,18 +24,44 @@ The rules follow https://www.tensorflow.org/tfx/serving/api_rest#request_format_
 Values convert to the artifact's dtypes: integers must be integral and in range (int64 inputs
 were narrowed to int32 at export), booleans are true/false. Every problem raises
 PredictRequestError, whose message the server returns as {"error": message} with status 400.
+
+The servable semantics below the bodies are shared with the gRPC API (server/grpc/): the servable
+check, model status and metadata (as TF Serving's JSON, which is the proto3 JSON of the gRPC
+messages), typed arrays (gRPC's TensorProto) cast to the inputs' dtypes, and `run_predict`
+(admission, then the batcher).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+import ml_dtypes
 import numpy as np
 from hloserve.runtime import artifact
+from hloserve.runtime.artifact.errors import HloserveError
+
+from .errors import ApiError, admit
+
+if TYPE_CHECKING:
+    from ..services import PredictService
 
 SERVING_DEFAULT = "serving_default"
+PREDICT_METHOD = "tensorflow/serving/predict"
+# TensorFlow's DataType name -> the numpy dtype and the TensorProto field holding its values when not
+# in tensor_content (16-bit floats as uint16 bit patterns in half_val, complex as (re, im) pairs)
+TF_TYPES = {
+    "DT_FLOAT": (np.dtype(np.float32), "float_val"), "DT_DOUBLE": (np.dtype(np.float64), "double_val"),
+    "DT_INT32": (np.dtype(np.int32), "int_val"), "DT_UINT8": (np.dtype(np.uint8), "int_val"),
+    "DT_INT16": (np.dtype(np.int16), "int_val"), "DT_INT8": (np.dtype(np.int8), "int_val"),
+    "DT_COMPLEX64": (np.dtype(np.complex64), "scomplex_val"), "DT_INT64": (np.dtype(np.int64), "int64_val"),
+    "DT_BOOL": (np.dtype(np.bool_), "bool_val"), "DT_BFLOAT16": (np.dtype(ml_dtypes.bfloat16), "half_val"),
+    "DT_UINT16": (np.dtype(np.uint16), "int_val"), "DT_COMPLEX128": (np.dtype(np.complex128), "dcomplex_val"),
+    "DT_HALF": (np.dtype(np.float16), "half_val"), "DT_UINT32": (np.dtype(np.uint32), "uint32_val"),
+    "DT_UINT64": (np.dtype(np.uint64), "uint64_val"),
+}
+TF_TYPE_OF_NUMPY = {dtype: name for name, (dtype, _) in TF_TYPES.items()}
 
 
 class PredictRequestError(ValueError):
@@ -71,7 +97,7 @@ def resolve_signature(signature_name: str | None, manifest: artifact.Manifest) -
     if name == SERVING_DEFAULT:
         return default_function(manifest)
     if name not in manifest.functions:
-        raise PredictRequestError(f"signature_name {name!r} not found; the model has "
+        raise PredictRequestError(f"Serving signature key {json.dumps(name)} not found; the model has "
                                   f"{[SERVING_DEFAULT, *manifest.functions]}")
     return name
 
@@ -164,6 +190,8 @@ def _check_names(named: Mapping[str, Any], names: Sequence[str], where: str) -> 
 def _to_array(value: Any, spec: artifact.TensorSpec, where: str) -> np.ndarray:
     """A JSON value -> array of the spec's dtype; rejects ragged lists, b64, and lossy integer casts."""
     dtype = artifact.numpy_dtype(spec.dtype)
+    if isinstance(value, np.ndarray):
+        return cast_array(value, spec, where)
     if _has_b64(value):
         raise PredictRequestError(f"{where}: {{'b64': ...}} values are for string tensors; this input is {spec.dtype}")
     try:
@@ -192,6 +220,28 @@ def _to_array(value: Any, spec: artifact.TensorSpec, where: str) -> np.ndarray:
                                       f"[{info.min}, {info.max}]")
         return np.array(ints, dtype=dtype).reshape(raw.shape)
     return raw.astype(dtype)
+
+
+def cast_array(arr: np.ndarray, spec: artifact.TensorSpec, where: str) -> np.ndarray:
+    """A typed array (a gRPC TensorProto's) -> the spec's dtype: integers from integers in range (int64
+    is narrowed to int32 like JSON numbers), booleans from booleans, floats from any real numbers."""
+    dtype = artifact.numpy_dtype(spec.dtype)
+    src = arr.dtype
+    if src == dtype:
+        return arr
+    kind = "f" if src == ml_dtypes.bfloat16 else src.kind
+    want = "f" if dtype == ml_dtypes.bfloat16 else dtype.kind
+    sent = TF_TYPE_OF_NUMPY.get(src, str(src))
+    if want in "iu" and kind in "iu":
+        info = np.iinfo(dtype)
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            bad = arr[(arr < info.min) | (arr > info.max)].flat[0]
+            raise PredictRequestError(f"{where}: {bad} does not fit {spec.dtype} [{info.min}, {info.max}]")
+        return arr.astype(dtype)
+    if want == "f" and kind in "iuf" or want == "c" and kind in "iufc":
+        return arr.astype(dtype)
+    raise PredictRequestError(f"{where}: a {sent} tensor cannot feed {spec.describe()}; send "
+                              f"{TF_TYPE_OF_NUMPY.get(dtype, spec.dtype)}")
 
 
 def _has_b64(value: Any) -> bool:
@@ -225,3 +275,55 @@ def encode_predict_response(outputs: Mapping[str, Any], request: PredictRequest)
         return {"predictions": _json_value(arrays[names[0]])}
     values = {n: _json_value(a) for n, a in arrays.items()}
     return {"predictions": [{n: values[n][i] for n in names} for i in range(next(iter(batch.values())))]}
+
+
+def check_servable(svc: "PredictService", name: str, version: str | None) -> None:
+    """404 in TF Serving's words unless `name` (and `version`, when given) is the servable served."""
+    if name != svc.model_name:
+        raise ApiError(404, f"Servable not found for request: Latest({name}); this server serves '{svc.model_name}'")
+    if version is not None and version != str(svc.version):
+        raise ApiError(404, f"Servable not found for request: Specific({name}, {version}); "
+                            f"available version: {svc.version}")
+
+
+async def run_predict(svc: "PredictService", function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Admit the request (503 while warming up or shutting down, 429 past --max-pending), run it through
+    the batcher, release it; a runtime check that fails (a dim out of range) answers 400."""
+    admit(svc)
+    try:
+        outs = await svc.batcher.run(function, inputs)
+    except HloserveError as e:
+        raise ApiError(400, str(e)) from None
+    finally:
+        svc.admission.leave()
+    return {k: np.asarray(v) for k, v in outs.items()}
+
+
+def model_status(svc: "PredictService") -> dict:
+    """GetModelStatus's answer (AVAILABLE once warm, UNLOADING while shutting down)."""
+    r = svc.readiness
+    state = ("UNLOADING" if r.draining else "AVAILABLE" if r.ready else "END" if r.error else "LOADING")
+    return {"model_version_status": [{"version": str(svc.version), "state": state,
+                                      "status": {"error_code": "OK", "error_message": r.error or ""}}]}
+
+
+def model_metadata(svc: "PredictService") -> dict:
+    """GetModelMetadata's answer: the signature defs of every function, "serving_default" the first."""
+    return {"model_spec": {"name": svc.model_name, "signature_name": "", "version": str(svc.version)},
+            "metadata": {"signature_def": signature_defs(svc.model.manifest)}}
+
+
+def signature_defs(manifest: artifact.Manifest) -> dict:
+    """The SignatureDefMap, as TF Serving answers it (symbolic dims are -1)."""
+    def tensors(specs):
+        return {t.name: {"dtype": TF_TYPE_OF_NUMPY.get(artifact.numpy_dtype(t.dtype), "DT_INVALID"), "name": t.name,
+                         "tensor_shape": {"dim": [{"size": str(d if isinstance(d, int) else -1), "name": ""}
+                                                  for d in t.shape], "unknown_rank": False}} for t in specs}
+
+    sigs = {}
+    for name, fn in manifest.functions.items():
+        sig = {"inputs": tensors(fn.inputs), "outputs": tensors(fn.outputs), "method_name": PREDICT_METHOD}
+        sigs[name] = sig
+        if name == default_function(manifest):
+            sigs["serving_default"] = sig
+    return {"signature_def": sigs}

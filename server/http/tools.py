@@ -36,10 +36,6 @@ class ToolCall:
     arguments: str           # JSON text
     id: str = dataclasses.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
-    def to_json(self, index: int | None = None) -> dict:
-        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        return out if index is None else {"index": index, **out}
-
 
 def check_tools(tools: Sequence[dict], tool_choice: Any) -> None:
     """ValueError unless the tools are functions with names and the choice names one of them."""

@@ -214,6 +214,8 @@ def test_hloserve_containers_run_the_dockerfile_command():
         svc = yaml.safe_load(f)["services"]["hloserve"]
     args = [str(a) for a in svc["command"]]
     assert args[args.index("--port") + 1] == svc["ports"][0].split(":")[1]
+    if "--grpc-port" in args:
+        assert args[args.index("--grpc-port") + 1] in [p.split(":")[1] for p in svc["ports"]]
     artifact_mounts = [v.split(":")[1] for v in svc["volumes"]]
     assert any(args[0].startswith(m + "/") for m in artifact_mounts)
 
@@ -230,6 +232,8 @@ def _check_serve_args(args: list[str], c: dict, dep: dict, cli_commands: set[str
     port = args[args.index("--port") + 1]
     assert args[args.index("--host") + 1] == "0.0.0.0", name
     assert int(port) in {p["containerPort"] for p in c["ports"]}, name
+    if "--grpc-port" in args:   # TF Serving's gRPC API: the container port named grpc
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"] == int(args[args.index("--grpc-port") + 1])
     mounts = [m["mountPath"] for m in c["volumeMounts"]]
     assert any(args[0].startswith(m + "/") for m in mounts), f"{name}: artifact {args[0]} is not under a mount"
     assert "serve" in cli_commands

@@ -123,3 +123,20 @@ def test_unsupported_ops_cli_lists_all(tmp_path):
     proc = hloserve("export", "factories:exotic", "-o", str(tmp_path / "a"), "-q", check=False)
     assert_one_line_error(proc, "no lowering for 2 op(s)", "hloserve_test.frobnicate_cli.default",
                           "hloserve_test.twiddle_cli.default", "factories.py:", "exporter/lowerings/")
+
+
+def test_an_interrupted_export_leaves_no_artifact_and_the_rerun_succeeds(tmp_path):
+    """An export is written into OUT.partial-PID and renamed into place when complete: a killed one
+    (its partial directory planted here, as SIGKILL leaves it: a dead PID, functions but no
+    manifest) leaves nothing at OUT, and the next export of OUT removes it and succeeds; a failed one
+    removes its own partial directory."""
+    out = tmp_path / "art"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f"art.partial-{dead.pid}"
+    (left / "functions").mkdir(parents=True)
+    (left / "functions" / "forward.mlirbc").write_bytes(b"\0" * 64)
+    hloserve("export", "factories:mlp", "-o", str(out), "-q")
+    assert (out / "manifest.json").exists() and sorted(os.listdir(tmp_path)) == ["art"]
+    proc = hloserve("export", "factories:exotic", "-o", str(tmp_path / "bad"), "-q", check=False)
+    assert proc.returncode != 0 and sorted(os.listdir(tmp_path)) == ["art"]

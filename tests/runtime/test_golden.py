@@ -63,3 +63,65 @@ def test_newer_or_broken_llm_contract_is_refused(tmp_path):
         LLMSpec.from_json(broken)
     with pytest.raises(ArtifactError, match="not an LLM step artifact"):
         LLMSpec.of(artifact.Manifest.from_json({**raw, "model": {}}), "x")
+
+
+COMPOSITES = os.path.join(GOLDEN, "composites_v1")
+COMPOSITE_CASES = sorted(n.removesuffix(".npz") for n in os.listdir(COMPOSITES) if n.endswith(".npz"))
+
+
+def _bound(name: str, args: list, want: np.ndarray) -> np.ndarray:
+    """How far a reordered f32 summation may move each output (tests/runtime/test_kernels.py derives
+    each): attention outputs are softmax averages of O(1) values, 1e-5; a linear's products are exact
+    in f32 (x rounded to the weights' 16 bits, or quantized per block of 32 for quantized weights), so
+    |error| <= (K + 4) 2^-24 sum_k |x_k w_k| (the quantized kernel's unsigned offsets included)."""
+    import jax.numpy as jnp
+    import torch
+
+    from hloserve.quantization import primitives
+    from hloserve.quantization.modules import quantize_blocks
+    if name.startswith("paged_attention"):
+        return np.full(want.shape, 1e-5)
+    x, layer = args[0], int(args[-1])
+    K = x.shape[1]
+    if name.startswith("layer_linear"):
+        w = np.asarray(jnp.asarray(args[1][layer]).view(jnp.bfloat16).astype(jnp.float32))
+        xr = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+        return K * 2.0 ** -24 * (np.abs(xr) @ np.abs(w).T) + 1e-30
+    qweight, scale, mn = args[1], args[2], args[3]
+    bits = 4 if qweight.shape[2] * 2 == K else 8
+    ints = (primitives.unpack_int4(qweight, signed=not mn.size) if bits == 4 else qweight).astype(np.float32)[layer]
+    group = K // scale.shape[2]
+    s = np.repeat(scale.astype(np.float32)[layer], group, axis=1)
+    m = np.repeat(mn.astype(np.float32)[layer], group, axis=1) if mn.size else np.zeros_like(s)
+    offset = 0 if mn.size else 128 if bits == 8 else 8
+    x8 = quantize_blocks(torch.from_numpy(x)).numpy()
+    terms = np.abs(ints * s) + np.abs(m) + offset * np.abs(s)
+    return (K + 4) * 2.0 ** -24 * (np.abs(x8) @ terms.T) + 1e-30
+
+
+@pytest.mark.parametrize("name", COMPOSITE_CASES)
+def test_stored_composite_computes_what_it_did_through_kernel_and_decomposition(name):
+    """A module stored with a composite at its version (tests/golden/make_composites_v1.py, written
+    2026-11-26) is still recognised: on this machine's CPU kernel (where one builds) and through its
+    decomposition it computes the stored outputs, within what reordered f32 sums allow."""
+    import jax
+    from jax import export
+
+    from hloserve.runtime import kernels
+    from hloserve.runtime.artifact.kernels import LAYER_LINEAR, PAGED_ATTENTION, QUANT_LINEAR
+
+    composite = next(c for c in (PAGED_ATTENTION, LAYER_LINEAR, QUANT_LINEAR) if name.startswith(c.name.split(".")[1]))
+    with open(os.path.join(COMPOSITES, f"{name}.jax_exported"), "rb") as f:
+        exp = export.deserialize(bytearray(f.read()))
+    stored = np.load(os.path.join(COMPOSITES, f"{name}.npz"))
+    args = [stored[f"arg{i}"] for i in range(len(stored.files) - 1)]
+    want = stored["want"]
+    assert f'"{composite.name}"' in exp.mlir_module() and f"version = {composite.version}" in exp.mlir_module()
+    bound = _bound(name, args, want)
+    library = kernels.cpu_library()
+    for lib in (None, library) if library is not None else (None,):
+        fn, n_kernels = kernels.specialize(exp, lib)
+        assert n_kernels == (lib is not None)
+        got = np.asarray(jax.jit(fn.call)(*args))
+        assert got.shape == want.shape and (np.abs(got - want) <= bound).all(), \
+            (name, lib is not None, np.abs(got - want).max())

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -14,16 +16,29 @@ def running_server(artifact: str | None, *args: str, ready_timeout: float = 600.
                    log_dir: str | None = None):
     """Yields (base_url, process). The server's output goes to a log file shown on failure.
 
-    artifact None runs `hloserve serve` without one (the default model, exported on first use).
+    artifact None runs `hloserve serve` without one (the default model, exported on first use). The gRPC
+    API is off unless `--grpc-port` is among the args (a predict server would otherwise take port 8500).
     """
     port = free_port()
     log_dir = log_dir or (os.path.dirname(os.path.normpath(artifact)) if artifact else tempfile.gettempdir())
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "hloserve.server.cli", "serve", *([artifact] if artifact else []), "--port", str(port),
-           *args]
+           *args, *(() if "--grpc-port" in args else ("--grpc-port", "0"))]
     with server_process(cmd, f"{base}/ready", os.path.join(log_dir, f"server-{port}.log"), timeout=ready_timeout,
                         env=env) as proc:
         yield base, proc
+
+
+def with_chat_template(artifact: str, template: str, directory: str) -> str:
+    """A copy of `artifact` under `directory` whose manifest carries `template` as its chat template."""
+    copy = os.path.join(directory, "art")
+    shutil.copytree(artifact, copy)
+    with open(f"{copy}/manifest.json") as f:
+        manifest = json.load(f)
+    manifest["model"]["chat_template"] = template
+    with open(f"{copy}/manifest.json", "w") as f:
+        json.dump(manifest, f)
+    return copy
 
 
 def hf_greedy(hf, ids, n):

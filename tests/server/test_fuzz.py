@@ -5,8 +5,8 @@ negative mode invalid ones), half of them naming the served model. For each answ
 the status code and content type are the documented ones, and the body matches the documented
 schema. Throughout, a prober in its own process keeps asking /health; afterwards the server still
 answers a normal completion and holds no admission slot. A bounded run here
-(HLOSERVE_FUZZ_EXAMPLES examples per operation and mode, default 25); a longer one is the same
-test with a larger value (docs/reliability.md).
+(HLOSERVE_FUZZ_EXAMPLES examples per operation and mode, default 25, the same cases every run); a
+longer one is the same test with a larger value, drawn anew each run (docs/reliability.md).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from .servers import running_server
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-chat"
+PREDICT_ROUTES = {"POST /v1/models/{name}:predict", "GET /v1/models/{name}", "GET /v1/models/{name}/metadata"}
 KEY = "sk-fuzz"
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
           checks.response_schema_conformance, checks.response_headers_conformance]
@@ -64,9 +65,12 @@ def fuzz_server(tiny_chat_llm, tmp_path_factory):
         yield base
 
 
-def test_every_route_survives_schema_driven_fuzzing(fuzz_server):
-    base = fuzz_server
+def fuzz(base: str, model: str) -> tuple[collections.Counter, list[str], dict]:
+    """Every operation of the server's /openapi.json, HLOSERVE_FUZZ_EXAMPLES examples per mode (half
+    naming `model`), each answer checked against the document, while a prober asks /health.
+    Returns (answers per (operation, status), failing answers, the prober's counts)."""
     examples = int(os.environ.get("HLOSERVE_FUZZ_EXAMPLES", "25"))
+    derandomize = "HLOSERVE_FUZZ_EXAMPLES" not in os.environ   # the suite's bounded run draws the same cases
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
     prober = subprocess.Popen([sys.executable, "-c", _PROBE, f"{base}/health"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
@@ -78,13 +82,13 @@ def test_every_route_survives_schema_driven_fuzzing(fuzz_server):
             op = result.ok()
             for mode in schemathesis.GenerationMode:
                 @given(case=op.as_strategy(generation_mode=mode), served=st.booleans())
-                @settings(max_examples=examples, deadline=None, database=None,
+                @settings(max_examples=examples, deadline=None, database=None, derandomize=derandomize,
                           suppress_health_check=list(HealthCheck))
                 def run(case, served):
                     if served and isinstance(case.body, dict) and "model" in case.body:
-                        case.body["model"] = MODEL
+                        case.body["model"] = model
                     if served and case.path_parameters and "name" in case.path_parameters:
-                        case.path_parameters["name"] = MODEL
+                        case.path_parameters["name"] = model
                     headers = {"Authorization": f"Bearer {KEY}"}
                     response = case.call(headers=headers, timeout=120)
                     seen[op.label, response.status_code] += 1
@@ -99,14 +103,20 @@ def test_every_route_survives_schema_driven_fuzzing(fuzz_server):
                     assert mode is schemathesis.GenerationMode.NEGATIVE
     finally:
         out, _ = prober.communicate("stop\n", timeout=120)
-    probes = json.loads(out)
     print("\n" + "\n".join(f"{label} {status}: {n}" for (label, status), n in sorted(seen.items())))
+    return seen, failures, json.loads(out)
+
+
+def test_every_route_survives_schema_driven_fuzzing(fuzz_server):
+    base = fuzz_server
+    seen, failures, probes = fuzz(base, MODEL)
     assert not failures, f"{len(failures)} failing answers, e.g.:\n" + "\n\n".join(failures[:3])
     assert not any(status >= 500 for _, status in seen)
     assert probes["answered"] > 0 and not probes["failed"], probes
     # every route was reached past the model check, and the server still serves
     assert {label for label, status in seen if status not in (401, 404)} >= {
-        "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"}, seen
+        "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize",
+        "POST /detokenize"}, seen
     r = httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
                    json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
     assert r.status_code == 200, r.text
@@ -116,3 +126,26 @@ def test_every_route_survives_schema_driven_fuzzing(fuzz_server):
     families = text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=60).text)
     in_flight = [s.value for f in families for s in f.samples if s.name == "hloserve:requests_in_flight"]
     assert in_flight == [0], in_flight   # every admission was released
+
+
+@pytest.fixture(scope="module")
+def predict_server(minilm_artifact, tmp_path_factory):
+    with running_server(minilm_artifact, "--model-name", "minilm", "--api-key", KEY, "--max-batch-size", "8",
+                        "--batch-timeout-ms", "5", "--max-pending", "64",
+                        log_dir=str(tmp_path_factory.mktemp("fuzz-predict"))) as (base, _):
+        yield base
+
+
+def test_every_predict_route_survives_schema_driven_fuzzing(predict_server):
+    """The same on a predict artifact's server (TF Serving's REST API, /v1/embeddings): never a 5xx,
+    answers as documented, /health answered throughout; afterwards a real predict is answered."""
+    base = predict_server
+    seen, failures, probes = fuzz(base, "minilm")
+    assert not failures, f"{len(failures)} failing answers, e.g.:\n" + "\n\n".join(failures[:3])
+    assert not any(status >= 500 for _, status in seen)
+    assert probes["answered"] > 0 and not probes["failed"], probes
+    assert {label for label, status in seen if status not in (401, 404)} >= PREDICT_ROUTES, seen
+    r = httpx.post(f"{base}/v1/models/minilm:predict", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                   json={"instances": [{"input_ids": [101, 7592, 102], "attention_mask": [1, 1, 1],
+                                        "token_type_ids": [0, 0, 0]}]})
+    assert r.status_code == 200 and len(r.json()["predictions"]) == 1, r.text

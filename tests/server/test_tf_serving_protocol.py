@@ -75,7 +75,7 @@ def test_responses_mirror_the_request_form():
 def test_signature_names():
     assert resolve_signature(None, M) == "forward" and resolve_signature("serving_default", M) == "forward"
     assert resolve_signature("score", M) == "score"
-    with pytest.raises(PredictRequestError, match=r"signature_name 'classify' not found; the model has "
+    with pytest.raises(PredictRequestError, match=r"Serving signature key \"classify\" not found; the model has "
                                                   r"\['serving_default', 'forward', 'score'\]"):
         resolve_signature("classify", M)
 

@@ -8,7 +8,6 @@ tool grammar being applied at every step.
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import jsonschema
@@ -16,7 +15,7 @@ import pytest
 
 from hloserve.server.http import tools
 
-from .servers import running_server
+from .servers import running_server, with_chat_template
 
 pytestmark = pytest.mark.slow
 
@@ -41,13 +40,7 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 @pytest.fixture(scope="module")
 def server(tiny_chat_llm, tmp_path_factory):
     _, art = tiny_chat_llm
-    copy = str(tmp_path_factory.mktemp("tools") / "art")
-    shutil.copytree(art, copy)
-    with open(f"{copy}/manifest.json") as f:
-        manifest = json.load(f)
-    manifest["model"]["chat_template"] = TEMPLATE
-    with open(f"{copy}/manifest.json", "w") as f:
-        json.dump(manifest, f)
+    copy = with_chat_template(art, TEMPLATE, str(tmp_path_factory.mktemp("tools")))
     with running_server(copy, "--max-model-len", "256", "--served-model-name", "tiny") as (base, proc):
         yield base
 

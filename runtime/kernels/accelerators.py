@@ -1,0 +1,206 @@
+"""hloserve's TPU and GPU kernels for the artifact's composites, substituted as the CPU kernels are.
+
+    plans = accelerators.plan(exported, "tpu")                     # which composite -> which kernel
+    pending, n = accelerators.specialize(exported, "tpu")          # at load
+    static = accelerators.for_shapes(pending, "tpu", avals)        # per compiled shape
+
+A Pallas kernel is compiled for one static shape (its grid and tiles are Python integers), while the
+artifact's step is symbolic in its tokens, sequences and blocks. So the substitution has two
+halves. At load, `specialize` turns each composite a kernel serves into a placeholder custom call
+(`PENDING`, the composite's attributes as its config, its result dims for shape refinement) and
+every other composite into a call of its decomposition, as the CPU `specialize` does. When the
+runtime compiles a shape, `for_shapes` exports the step at those static shapes, refines every
+shape inside (jax's shape refinement), lowers the Pallas kernel for each placeholder at its now
+static operand shapes and links it in. The artifact stays portable: nothing of this is written.
+
+What runs where (docs/deploy.md):
+* `hloserve.paged_attention`: TPU -> `pallas_tpu.ragged_paged_attention`, GPU (cuda) ->
+  `pallas_triton.paged_attention`; over a mesh, or with HLOSERVE_PALLAS_KERNELS=0, the decomposition.
+* `hloserve.layer_linear` and `hloserve.quant_linear`: XLA's dot on both (the decomposition). A
+  TPU's MXU takes the bf16 operands and accumulates in f32, which is the composite's contract, and
+  XLA:TPU/GPU read the stacked layer's slice in place inside the layer loop; the CPU kernels exist
+  because XLA:CPU copied and packed that slice, which the accelerator compilers do not need.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+from typing import Any, Sequence
+
+from hloserve.runtime.artifact.kernels import COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, QUANT_LINEAR
+
+from .. import _private
+from . import attribute_value, attribute_values, custom_call
+from .paged import PagedParams
+
+ENV = "HLOSERVE_PALLAS_KERNELS"   # "0": the accelerators run every composite's decomposition
+PENDING = "hloserve_pallas_paged_attention"   # placeholder custom call, replaced once shapes are static
+# jax's platform names for lowering (a GPU device reports "gpu")
+LOWERING = {"tpu": "tpu", "gpu": "cuda", "cuda": "cuda"}
+# what the linear composites run on an accelerator, and why (see the module docstring)
+XLA_DOT = "XLA's dot (the decomposition): the MXU / cuBLAS take the 16-bit operands with f32 sums, as the contract asks"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """One composite of a function on one platform: the kernel that runs it (None: its
+    decomposition), with the static parameters the kernel is built with, and why."""
+    composite: str
+    version: int
+    platform: str
+    kernel: str | None
+    params: dict[str, Any]
+    why: str
+
+    def describe(self) -> str:
+        params = ", ".join(f"{k}={v}" for k, v in self.params.items())
+        runs = f"{self.kernel}({params})" if self.kernel else "decomposition"
+        return f"{self.composite} v{self.version} -> {runs}: {self.why}"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") not in ("0", "false", "no", "off")
+
+
+def _module(platform: str):
+    """The kernel module serving paged attention on `platform` (imported on use)."""
+    if LOWERING[platform] == "tpu":
+        from . import pallas_tpu
+        return pallas_tpu
+    from . import pallas_gpu
+    return pallas_gpu
+
+
+def digest(platform: str) -> str:
+    """Identifies the kernels' code for `platform` (executable-cache keys)."""
+    import jax
+    h = hashlib.sha256(jax.__version__.encode())
+    for name in ("paged.py", _module(platform).__name__.rsplit(".", 1)[1] + ".py", "accelerators.py"):
+        with open(os.path.join(os.path.dirname(__file__), name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def choose(platform: str, name: str, version: int, attrs: dict[str, Any], kv_shape: Sequence[Any] = ()) -> KernelPlan:
+    """The plan for one composite (name, version, attributes) on `platform`."""
+    if platform not in LOWERING:
+        raise ValueError(f"platform {platform!r} has no accelerator kernels; use one of tpu, cuda")
+    contract = COMPOSITES.get(name)
+    if contract is None or contract.version != version:
+        return KernelPlan(name, version, platform, None, {}, "no kernel knows this composite (version)")
+    if name in (LAYER_LINEAR.name, QUANT_LINEAR.name):
+        return KernelPlan(name, version, platform, None, {}, XLA_DOT)
+    assert name == PAGED_ATTENTION.name
+    params = dataclasses.asdict(PagedParams.from_attributes(attrs))
+    if not enabled():
+        return KernelPlan(name, version, platform, None, params, f"{ENV}=0")
+    module = _module(platform)
+    why = module.supports(*kv_shape[-2:]) if len(kv_shape) >= 2 else None
+    if why:
+        return KernelPlan(name, version, platform, None, params, why)
+    return KernelPlan(name, version, platform, module.NAME, params,
+                      "reads each sequence's blocks in place from the paged cache")
+
+
+def _plan_of(api, op, platform: str) -> KernelPlan:
+    info = attribute_values(api, op)
+    operands = list(op.operands)[-len(PAGED_ATTENTION.operands):]
+    kv = api.ir.RankedTensorType(operands[1].type).shape if info["name"] == PAGED_ATTENTION.name else ()
+    return choose(platform, info["name"], info["version"], info["attributes"], kv)
+
+
+def plan(exported: Any, platform: str) -> list[KernelPlan]:
+    """What each composite of `exported` runs on `platform` (reads the module, changes nothing)."""
+    plans = []
+
+    def look(op, api) -> bool:
+        plans.append(_plan_of(api, op, platform))
+        return False
+
+    _private.rewrite_composites(exported.mlir_module_serialized, look)
+    return plans
+
+
+def specialize(exported: Any, platform: str) -> tuple[Any, list[KernelPlan]]:
+    """`exported` with each composite a kernel serves on `platform` as a `PENDING` placeholder and
+    every other one a call of its decomposition. Returns (function, plans); the function must go
+    through `for_shapes` before it compiles when any plan names a kernel."""
+    plans = []
+
+    def replace(op, api) -> bool:
+        p = _plan_of(api, op, platform)
+        plans.append(p)
+        result_types = [r.type for r in op.results]
+        with api.ir.InsertionPoint(op):
+            if p.kernel is None:
+                new = api.func.CallOp(result_types, api.ir.FlatSymbolRefAttr(op.attributes["decomposition"]),
+                                      list(op.operands))
+            else:
+                operands = list(op.operands)[-len(PAGED_ATTENTION.operands):]
+                config = {a.name: a.attr for a in api.ir.DictAttr(op.attributes["composite_attributes"])}
+                new = custom_call(api, PENDING, result_types, operands, config)
+        for old, res in zip(op.results, new.results):
+            old.replace_all_uses_with(res)
+        op.erase()
+        return True
+
+    body, n = _private.rewrite_composites(exported.mlir_module_serialized, replace)
+    return (dataclasses.replace(exported, mlir_module_serialized=body) if n else exported), plans
+
+
+def for_shapes(pending: Any, platform: str, avals: Sequence[Any], *, interpret: bool = False) -> Any:
+    """`pending` (from `specialize`) exported at the static `avals` for `platform` with its
+    kernels linked in: an Exported whose `call` compiles for that platform. With `interpret`, the
+    kernels run in Pallas interpret mode and the function is lowered for the platform in use
+    (tests on CPU: the same substitution, the kernels as plain XLA)."""
+    import jax
+    from jax import export as jax_export
+
+    lowering = jax.default_backend() if interpret else LOWERING[platform]
+    lowering = LOWERING.get(lowering, lowering)
+    static = jax_export.export(jax.jit(pending.call), platforms=(lowering,),
+                               disabled_checks=[jax_export.DisabledSafetyCheck.custom_call(PENDING)])(*avals)
+    build = functools.partial(_build_kernel, platform=platform, lowering=lowering, interpret=interpret)
+    body, _ = _private.link_kernels(static.mlir_module_serialized, {PENDING}, build)
+    return dataclasses.replace(static, mlir_module_serialized=body)
+
+
+def _build_kernel(target: str, config: dict, operand_types: list, api, *, platform: str, lowering: str,
+                  interpret: bool) -> bytes:
+    """The serialized jax export of the kernel for one placeholder, at its static operand types."""
+    import jax
+    from jax import export as jax_export
+    del target
+    attrs = {k: attribute_value(api.ir, v) for k, v in config.items()}
+    params = PagedParams.from_attributes(attrs)
+    avals = [jax.ShapeDtypeStruct(tuple(api.ir.RankedTensorType(t).shape), _dtype(str(api.ir.RankedTensorType(t).element_type)))
+             for t in operand_types[:len(PAGED_ATTENTION.operands)]]
+    fn = functools.partial(_module(platform).paged_attention, params=params, interpret=interpret)
+    checks = [jax_export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    return jax_export.export(jax.jit(lambda *a: fn(*a)), platforms=(lowering,), disabled_checks=checks)(
+        *avals).mlir_module_serialized
+
+
+_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "i32": "int32", "i16": "int16",
+           "i8": "int8", "ui8": "uint8", "i64": "int64"}
+
+
+def _dtype(mlir_name: str):
+    import jax.numpy as jnp
+    return jnp.dtype(_DTYPES[mlir_name])
+
+
+def kernels_in(exported: Any) -> dict[str, int]:
+    """Custom-call targets in a lowered function's module, with their counts (what `inspect
+    --platform` names: tpu_custom_call for Mosaic, __gpu$xla.gpu.triton for Triton)."""
+    import re
+    text = _private.module_text(exported.mlir_module_serialized)
+    counts: dict[str, int] = {}
+    for target in re.findall(r"stablehlo\.custom_call @([\w$.]+)", text):
+        if target == "shape_assertion":   # jax's shape checks, not a kernel
+            continue
+        counts[target] = counts.get(target, 0) + 1
+    return counts
+

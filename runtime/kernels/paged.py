@@ -1,0 +1,68 @@
+"""What every accelerator kernel of `hloserve.paged_attention` shares: its static parameters, the
+range of cache blocks a token reads, the mask inside a block, and the widening of stored K/V.
+
+The contract is runtime/artifact/kernels.py's PAGED_ATTENTION; the reference is its decomposition
+(exporter/lowerings/attention.py). Both kernels walk only the blocks a token can see, with an online
+softmax over them, and read each block where it lies in the cache `[L, 2, KV, N, BS, D]`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+
+# Finite "minus infinity" for masked scores, as the decomposition uses: no NaN from a row that sees nothing.
+MASKED = -1e30
+# `holds` attribute -> the float type the stored bits are (0: the cache's own dtype)
+HOLDS = {1: jnp.bfloat16, 2: jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedParams:
+    """The composite's attributes, as a kernel takes them (static: one kernel per value)."""
+    window: int      # attend to positions > position - window (0: no window)
+    holds: int       # what the cache elements are: 0 its own dtype, 1 bfloat16, 2 float16
+    scale: float     # the scores' factor
+    softcap: float   # scores become softcap * tanh(scores / softcap) (0: no capping)
+
+    @classmethod
+    def from_attributes(cls, attrs: dict) -> "PagedParams":
+        return cls(window=int(attrs["window"]), holds=int(attrs["holds"]), scale=float(attrs["scale"]),
+                   softcap=float(attrs["softcap"]))
+
+
+def block_range(position, context_len, block_size: int, window: int):
+    """(first, last) block of a token's context: the blocks holding positions c with
+    c <= position, c < context_len and, with a window, c > position - window. last < first when
+    the token sees nothing (padding: context_len 0).
+    (Truncating division of non-negative values: Mosaic's floor division asks which TPU it runs on,
+    which a lowering without the device cannot answer.)"""
+    end = jnp.minimum(position, context_len - 1)                     # the last position seen
+    start = jnp.maximum(position - window + 1, 0) if window else jnp.int32(0)
+    last = jnp.where(end >= 0, lax.div(jnp.maximum(end, 0), block_size), -1)
+    return lax.div(start, block_size), last
+
+
+def seen(block, position, context_len, block_size: int, window: int):
+    """bool[1, BS]: which positions of block `block` the token attends to."""
+    c = block * block_size + lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
+    ok = (c <= position) & (c < context_len)
+    if window:
+        ok = ok & (c > position - window)
+    return ok
+
+
+def widen(x, holds: int):
+    """Stored K/V -> f32 (bits of a 16-bit float are reinterpreted first)."""
+    if holds and x.dtype != HOLDS[holds]:
+        x = lax.bitcast_convert_type(x, HOLDS[holds])
+    return x.astype(jnp.float32)
+
+
+def cap(scores, params: PagedParams):
+    """Scaled, soft-capped scores."""
+    scores = scores * params.scale
+    if params.softcap:
+        scores = params.softcap * jnp.tanh(scores / params.softcap)
+    return scores

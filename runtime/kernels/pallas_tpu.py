@@ -1,0 +1,108 @@
+"""The TPU kernel behind `hloserve.paged_attention`: ragged paged attention in Pallas (Mosaic),
+written for the artifact's cache layout `[L, 2, KV, N, BS, D]`.
+
+Grid (token, kv head, block of the context). The block tables, sequence ids, positions, context
+lengths and the layer are scalar-prefetched into SMEM, so each K and V block's index map reads the
+cache block the token's sequence holds at that place (layer, K|V, head, block) and the pipeline
+DMAs exactly that `[BS, D]` tile into VMEM: nothing of the cache is gathered or copied. Grid steps
+outside the token's blocks (past its context, or before a sliding window) re-name the nearest block
+in range, which the pipeline does not fetch again, and skip the compute. The G query heads sharing
+a KV head are one `[G, D]` tile; scores, the online softmax and the sums run in f32.
+
+Decode rows and prompt chunks are both rows of the same grid (a chunk's tokens re-read their shared
+blocks, one row each: the cost is decode's per token; a tile of a chunk's tokens sharing each block
+is the next step). Runs in Pallas interpret mode on any platform (`interpret=True`, the tests).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .paged import MASKED, PagedParams, block_range, cap, seen, widen
+
+NAME = "pallas_tpu.ragged_paged_attention"
+
+
+def supports(block_size: int, head_dim: int) -> str | None:
+    """Why the kernel cannot serve this cache shape, or None: its tiles are whole `[BS, D]` blocks and
+    `[G, D]` query groups (full trailing dims, which Mosaic accepts at any size)."""
+    del block_size, head_dim
+    return None
+
+
+def _kernel(layer_ref, tables_ref, seq_ref, pos_ref, lens_ref,        # scalar prefetch (SMEM)
+            q_ref, k_ref, v_ref,                                        # [G, D], [BS, D], [BS, D]
+            o_ref,                                                      # [G, D]
+            m_ref, l_ref, acc_ref,                                      # VMEM scratch: [G, 1], [G, 1], [G, D]
+            *, params: PagedParams, block_size: int):
+    del layer_ref, tables_ref
+    t, j = pl.program_id(0), pl.program_id(2)
+    pos, ctx = pos_ref[t], lens_ref[seq_ref[t]]
+    first, last = block_range(pos, ctx, block_size, params.window)
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, MASKED, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when((j >= first) & (j <= last))
+    def _block():
+        q = q_ref[...]
+        k = widen(k_ref[...], params.holds)
+        v = widen(v_ref[...], params.holds)
+        s = cap(jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                                    preferred_element_type=jnp.float32), params)          # [G, BS]
+        s = jnp.where(seen(j, pos, ctx, block_size, params.window), s, MASKED)
+        m_prev = m_ref[...]
+        m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+        p = jnp.exp(s - m_new)
+        alpha = jnp.exp(m_prev - m_new)
+        l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v, precision=jax.lax.Precision.HIGHEST,
+                                                      preferred_element_type=jnp.float32)
+        m_ref[...] = m_new
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _done():
+        l = l_ref[...]
+        o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def paged_attention(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, *,
+                    params: PagedParams, interpret: bool = False):
+    """The composite's operands -> f32[T, KV, G, D] (runtime/artifact/kernels.py, PAGED_ATTENTION)."""
+    T, KV, G, D = q.shape
+    L, _, _, N, BS, _ = kv_cache.shape
+    S, B = block_tables.shape
+    tables = jnp.clip(block_tables.astype(jnp.int32), 0, N - 1).reshape(-1)   # CLIP, as the decomposition's gather
+    window = params.window
+
+    def kv_map(which):
+        def index(t, h, j, layer, tables, seqs, pos, lens):
+            first, last = block_range(pos[t], lens[seqs[t]], BS, window)
+            jj = jnp.clip(j, first, jnp.maximum(first, last))             # steps out of range re-name a block in it
+            jj = jnp.minimum(jj, B - 1)
+            return layer[0], which, h, tables[seqs[t] * B + jj], 0, 0
+        return pl.BlockSpec((None, None, None, None, BS, D), index)
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(T, KV, B),
+        in_specs=[pl.BlockSpec((None, None, G, D), lambda t, h, j, *_: (t, h, 0, 0)), kv_map(0), kv_map(1)],
+        out_specs=pl.BlockSpec((None, None, G, D), lambda t, h, j, *_: (t, h, 0, 0)),
+        scratch_shapes=[pltpu.VMEM((G, 1), jnp.float32), pltpu.VMEM((G, 1), jnp.float32),
+                        pltpu.VMEM((G, D), jnp.float32)])
+    return pl.pallas_call(
+        functools.partial(_kernel, params=params, block_size=BS),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((T, KV, G, D), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="hloserve_paged_attention",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), tables, seq_ids.astype(jnp.int32), positions.astype(jnp.int32),
+      context_lens.astype(jnp.int32), q.astype(jnp.float32), kv_cache, kv_cache)

@@ -1,0 +1,1 @@
+"""TensorFlow Serving's gRPC API (tensorflow.serving.PredictionService and ModelService) for predict artifacts."""

@@ -1,0 +1,93 @@
+"""The served LLM step on accelerators, checked from this CPU (runtime/kernels/accelerators.py).
+
+* The step is lowered for cpu, cuda and tpu by default, and the multi-platform artifact still loads
+  and runs its CPU kernel here (the server tests serve this same artifact).
+* The TPU and GPU path, substitution included (placeholders at load, the Pallas kernel linked in per
+  compiled shape), runs here with the kernels in Pallas interpret mode and gives the CPU path's
+  logits and cache for a mixed step (decode rows and a prompt chunk across a block edge).
+* `hloserve inspect ART --platform tpu|cuda` lowers the step for that platform and names its kernels.
+* With an accelerator (`gpu` marker), the same step on the device against the CPU.
+
+Tolerance: logits of a 2-layer random model (|logit| < ~5), f32, attention summed in another order
+by the kernels: 1e-4 absolute.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from hloserve.runtime import artifact, load
+from hloserve.runtime.kernels import accelerators, pallas_gpu, pallas_tpu
+from hloserve.runtime.model import read_exported
+
+from .conftest import BLOCK
+
+
+def _step(art):
+    """A mixed step on a random cache: sequence 0 decodes at position 20 (two blocks), sequence 1
+    runs a prompt chunk over positions 12..19 (across its first block edge)."""
+    m = artifact.read_manifest(art)
+    shape = [6 if d == "num_blocks" else d for d in m.model["llm"]["kv_cache"]["shape"]]
+    rng = np.random.default_rng(0)
+    cache = rng.standard_normal(shape).astype(np.float32)
+    tables = np.array([[3, 5], [4, 1]], np.int32)
+    seq = np.array([0] + [1] * 8, np.int32)
+    pos = np.array([20] + list(range(12, 20)), np.int32)
+    slot = np.array([tables[s, p // BLOCK] * BLOCK + p % BLOCK for s, p in zip(seq, pos)], np.int32)
+    return dict(tokens=rng.integers(3, 1000, len(seq)).astype(np.int32), positions=pos, seq_ids=seq,
+                slot_mapping=slot, block_tables=tables, context_lens=np.array([21, 20], np.int32),
+                last_token=np.array([0, 8], np.int32), kv_cache=cache)
+
+
+def _decode(art, **load_args):
+    model = load(art, functions=["decode"], cache_dir=None, **load_args)
+    fn = model.functions["decode"]
+    out = fn(**_step(art))
+    return fn.kernels, {k: np.asarray(v) for k, v in out.items()}
+
+
+def test_llm_step_is_lowered_for_every_platform_by_default(tiny_chat_llm):
+    _, art = tiny_chat_llm
+    m = artifact.read_manifest(art)
+    for name, fn in m.functions.items():
+        assert fn.platforms == ("cpu", "cuda", "tpu")
+        assert read_exported(art, name).platforms == ("cpu", "cuda", "tpu")
+    for platform, kernel in (("tpu", pallas_tpu.NAME), ("cuda", pallas_gpu.NAME)):
+        assert [p.kernel for p in accelerators.plan(read_exported(art, "decode"), platform)] == [kernel]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_accelerator_path_in_interpret_mode_matches_the_cpu(tiny_chat_llm, platform):
+    _, art = tiny_chat_llm
+    cpu_kernels, want = _decode(art)
+    kernels, got = _decode(art, pallas_interpret=platform)
+    assert kernels == 1 and cpu_kernels == 1       # the composite ran a kernel on both paths
+    np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got["kv_cache"], want["kv_cache"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("platform,kernel,custom_call", [
+    ("tpu", pallas_tpu.NAME, "tpu_custom_call x1"), ("cuda", pallas_gpu.NAME, "__gpu$xla.gpu.triton x1")])
+def test_inspect_names_each_platforms_kernels(tiny_chat_llm, platform, kernel, custom_call):
+    _, art = tiny_chat_llm
+    proc = subprocess.run([sys.executable, "-m", "hloserve.server.cli", "inspect", art, "--platform", platform],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    decode = proc.stdout.split(f"on {platform}: function decode", 1)[1]
+    assert f"hloserve.paged_attention v1 -> {kernel}(window=0, holds=0, scale=0.25, softcap=0.0)" in decode
+    assert f"lowered for {platform} with its kernels: custom calls {custom_call}" in decode
+
+
+@pytest.mark.gpu
+def test_the_step_on_the_accelerator_matches_the_cpu(tiny_chat_llm):
+    _, art = tiny_chat_llm
+    device = jax.default_backend()
+    _, want = _decode(art, platform="cpu")
+    kernels, got = _decode(art, platform=device)
+    assert kernels == 1
+    # XLA's f32 dots on a GPU default to TF32 (10-bit mantissa products): a looser bound
+    np.testing.assert_allclose(got["logits"], want["logits"], atol=2e-2, rtol=0)
