@@ -66,6 +66,7 @@ class EngineError(RuntimeError):
 
 
 STOPPED = "the engine stopped"
+COMPILE = object()   # add_request's default: make the grammar matcher there
 
 
 # -- messages from handlers to the loop thread (vLLM's typed engine-core requests) --------------
@@ -155,9 +156,12 @@ class Engine:
 
     # -- API for handlers (any thread) -----------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                    request_id: str | None = None) -> RequestStream:
+                    request_id: str | None = None, matcher: "Matcher | None | object" = COMPILE) -> RequestStream:
         """Validate and enqueue a request; returns its stream of outputs.
 
+        `matcher`: the request's grammar matcher when the caller made it already with
+        `structured.matcher(params)` (the server does, on a worker thread: a grammar compiles in
+        milliseconds to seconds, too long for the event loop that calls this); made here otherwise.
         Raises ValueError (say 400) for a request that can never run, and
         EngineError if the engine is stopped.
         """
@@ -167,7 +171,8 @@ class Engine:
         self.check_token_ids(params.stop_token_ids, what="stop_token_ids")
         self.scheduler.check_request(ids, params)
         self.detokenizer.check(params)
-        matcher = self.structured.matcher(params)   # ValueError for a bad grammar
+        if matcher is COMPILE:
+            matcher = self.structured.matcher(params)   # ValueError for a bad grammar
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(request_id, self.abort)
         self._send(AddRequest(request_id=request_id, prompt_token_ids=ids, params=params, stream=stream,

@@ -1,7 +1,7 @@
 """One generation request's lifecycle, the same for every API: admit, prepare, submit, render.
 
-    admit (429/503 before any work) -> prepare (tokenize + SamplingParams on a worker thread,
-    http/prepare.py) -> submit (engine streams, fan-in: http/fanin.py) -> the API's renderer:
+    admit (429/503 before any work) -> prepare (tokenize, SamplingParams and grammars on a worker
+    thread, http/prepare.py) -> submit (engine streams, fan-in: http/fanin.py) -> the API's renderer:
     `answer(results)` (one typed body) or `events()` (server-sent events)
 
 The admission is released exactly once, on every exit: here when the answer is complete or
@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from ..services import LLMService
 from .errors import ApiError, admit
 from .fanin import Choices, Finished
-from .prepare import Generation, submit, warn_ignored
+from .prepare import Generation, matchers, submit, warn_ignored
 from .protocol import OpenModel
 
 
@@ -61,11 +61,15 @@ async def generate(svc: LLMService, request: Request, req: OpenModel, *, prepare
 
 
 async def _submitted(svc: LLMService, prepare: Callable[[], Generation]) -> tuple[Generation, Choices]:
-    """Prepare on a worker thread, then submit; what the request asks that cannot run (ValueError:
-    a bad grammar, token ids outside the vocabulary, ...) answers 400."""
+    """Prepare on a worker thread (its grammars compiled there too), then submit; what the request
+    asks that cannot run (ValueError: a bad grammar, token ids outside the vocabulary, ...) answers 400."""
+    def prepared() -> tuple[Generation, list]:
+        gen = prepare()
+        return gen, matchers(svc, gen)
+
     try:
-        gen = await asyncio.to_thread(prepare)
-        return gen, submit(svc, gen)
+        gen, made = await asyncio.to_thread(prepared)
+        return gen, submit(svc, gen, made)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
 
