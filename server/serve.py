@@ -87,10 +87,9 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
     if artifact_path is None and not config.served_model_names:   # the default model keeps its preset's name
         config = dataclasses.replace(config, served_model_names=(DEFAULT_PRESET,))
     path = artifact_path or default_artifact()
-    from hloserve.runtime.artifact import read_manifest
-    grpc_port = config.grpc_port_for(llm=read_manifest(path).model.get("llm") is not None)   # refused before loading
     print(f"[hloserve] loading {path}", file=sys.stderr, flush=True)
     service = build_service(path, config)
+    grpc_port = config.grpc_port_for(llm=isinstance(service, LLMService))   # refused before anything compiles
     app = create_app(service, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
     grpc = None
     if grpc_port:
