@@ -118,8 +118,42 @@ def test_step_policy_is_chosen_by_layout_and_kernel_support_before_load():
         StepPolicy.choose(unnamed, ["forward"], kernels, "a")
 
 
+@pytest.fixture(scope="module")
+def portable_runner(tiny_llm):
+    """The runner with the CPU kernels turned off (HLOSERVE_CPU_KERNELS=0 at load): every composite
+    runs the decomposition the artifact carries, and decode and prefill are separate calls."""
+    import os
+
+    from hloserve.runtime import kernels
+    _, art = tiny_llm
+    cfg = RunnerConfig(token_buckets=(16, 32), seq_buckets=(4,), block_buckets=(16,), num_blocks=14,
+                       kv_cache_bytes=0)
+    old = os.environ.get(kernels.ENV)
+    os.environ[kernels.ENV] = "0"
+    try:
+        r = ModelRunner.from_artifact(art, cfg, platform="cpu", strict=True)
+    finally:
+        if old is None:
+            del os.environ[kernels.ENV]
+        else:
+            os.environ[kernels.ENV] = old
+    assert not r.one_call and r.warmup() == len(r.warmup_shapes())
+    return r
+
+
 @pytest.mark.slow
 def test_greedy_tokens_match_transformers_with_chunking_prefix_hits_and_preemption(tiny_llm, runner):
+    greedy_tokens_match_transformers(tiny_llm, runner)
+
+
+@pytest.mark.slow
+def test_greedy_tokens_match_transformers_with_the_kernels_off(tiny_llm, portable_runner):
+    greedy_tokens_match_transformers(tiny_llm, portable_runner)
+
+
+def greedy_tokens_match_transformers(tiny_llm, runner):
+    """Chunked prefill, prefix-cache hits and preemption on `runner`: every request's greedy tokens
+    equal transformers' on the same weights; nothing compiles after warm-up, every block comes back."""
     hf, _ = tiny_llm
     rng = random.Random(3)
     shared = [rng.randrange(3, VOCAB) for _ in range(17)]
