@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
-from hloserve.runtime.artifact.llm import LLMSpec, ModelFacts, TensorParallelSpec
+from hloserve.runtime.artifact.llm import Layout, LLMSpec, ModelFacts, TensorParallelSpec
 
 from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.* (the composites)
 from .. import dtypes
@@ -436,6 +436,88 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepReads:
+    """The step inputs a layout's attention reads, and what it derives from them once per step."""
+    block_tables: torch.Tensor      # [S, B]
+    seq_ids: torch.Tensor           # [T]
+    positions: torch.Tensor         # [T]
+    context_lens: torch.Tensor      # [S]
+    blocks: torch.Tensor | None     # the blocks read: [B, T] (paged), [S, B] (flat), None (gather)
+    seen: torch.Tensor | None       # what each token may see: [T] lengths (paged), [T, S*C] (flat), None
+
+
+class GatherLayout:
+    """Decode rows: the hloserve.paged_attention composite reads the step inputs itself (a CPU
+    kernel reads only the blocks in use; elsewhere its decomposition gathers them)."""
+
+    @staticmethod
+    def reads(cfg, block_tables, seq_ids, positions, context_lens, C) -> StepReads:
+        return StepReads(block_tables, seq_ids, positions, context_lens, None, None)
+
+    @staticmethod
+    def attend(qg, cache, l, r: StepReads, cfg, kvd, dtype) -> torch.Tensor:
+        D = qg.shape[-1]
+        return torch.ops.hloserve.paged_attention(
+            qg.float(), cache, l, r.block_tables, r.seq_ids, r.positions, r.context_lens,
+            cfg.sliding_window or 0, HOLDS.get(kvd or dtype, OWN), D ** -0.5, 0.0).to(dtype)   # [T, KV, G, D]
+
+
+class PagedLayout:
+    """A loop over each token's blocks, masked block by block (an f32/16-bit model cache only)."""
+
+    @staticmethod
+    def reads(cfg, block_tables, seq_ids, positions, context_lens, C) -> StepReads:
+        blocks = block_tables[seq_ids].transpose(0, 1)                    # [B, T]: scanned over B
+        seen = context_lens[seq_ids].to(torch.int64)                      # [T]: each token's context length
+        return StepReads(block_tables, seq_ids, positions, context_lens, blocks, seen)
+
+    @staticmethod
+    def attend(qg, cache, l, r: StepReads, cfg, kvd, dtype) -> torch.Tensor:
+        return paged_attention(qg, cache, l, r.blocks, r.positions.to(torch.int64), r.seen,
+                               cfg.sliding_window)                        # [T, KV, G, D]
+
+
+class FlatLayout:
+    """Prompt chunks: every sequence's whole blocks gathered, one masked attention over them."""
+
+    @staticmethod
+    def reads(cfg, block_tables, seq_ids, positions, context_lens, C) -> StepReads:
+        T, S = seq_ids.shape[0], block_tables.shape[0]
+        ctx_pos = torch.arange(C, device=seq_ids.device)                  # [C]
+        pos = positions.to(torch.int64)
+        own = seq_ids.to(torch.int64)[:, None] == torch.arange(S, device=seq_ids.device)[None, :]   # [T, S]
+        causal = ctx_pos[None, :] <= pos[:, None]                         # [T, C]
+        if cfg.sliding_window:
+            causal = causal & (ctx_pos[None, :] > pos[:, None] - cfg.sliding_window)
+        filled = ctx_pos[None, :] < context_lens.to(torch.int64)[:, None]   # [S, C]
+        seen = (own[:, :, None] & causal[:, None, :] & filled[None, :, :]).reshape(T, S * C)   # [T, S*C]
+        return StepReads(block_tables, seq_ids, positions, context_lens, block_tables, seen)
+
+    @staticmethod
+    def attend(qg, cache, l, r: StepReads, cfg, kvd, dtype) -> torch.Tensor:
+        # Whole blocks gathered, K and V by separate gathers: each lands in the layout its dot
+        # reads ([KV, R*C, D], batch dims first), so XLA adds no slice copy or transpose of the
+        # gathered context (which cost more than the gather itself; docs/performance.md), and a
+        # cache split by heads is read where it lies.
+        D = qg.shape[-1]
+        k_ctx = torch.ops.hloserve.gather_blocks(cache, l, 0, r.blocks)   # [KV, S*C, D]
+        v_ctx = torch.ops.hloserve.gather_blocks(cache, l, 1, r.blocks)   # [KV, S*C, D]
+        if kvd is not None:   # widened inside the gather: half the bytes read, same dots
+            k_ctx, v_ctx = k_ctx.view(kvd).to(dtype), v_ctx.view(kvd).to(dtype)
+        qk = qg.transpose(0, 1)                                           # [KV, T, G, D]
+        scores = torch.einsum("ktgd,kcd->ktgc", qk, k_ctx)                # [KV, T, G, S*C]
+        scores = scores.float() * (D ** -0.5)
+        scores = torch.where(r.seen[None, :, None, :], scores, _MASKED)
+        probs = torch.softmax(scores, dim=-1).to(dtype)
+        out = torch.einsum("ktgc,kcd->ktgd", probs, v_ctx)                # [KV, T, G, D]
+        return out.transpose(0, 1)                                        # [T, KV, G, D]
+
+
+# one attention layout per step kind, chosen once when the step is built
+LAYOUTS = {Layout.GATHER: GatherLayout, Layout.PAGED: PagedLayout, Layout.FLAT: FlatLayout}
+
+
 class LlamaStep(torch.nn.Module):
     """One paged-cache step of a LlamaWeights decoder (see the module docstring).
 
@@ -457,12 +539,12 @@ class LlamaStep(torch.nn.Module):
         self.model = model
         self.cfg = model.cfg
         self.attention = attention
+        self.layout = LAYOUTS[attention]
         self.scan = scan
         self.kv_dtype = kv_dtype
 
     def forward(self, tokens, positions, seq_ids, slot_mapping, block_tables, context_lens, last_token, kv_cache):
         cfg, w = self.cfg, self.model
-        T = tokens.shape[0]
         S, B = block_tables.shape
         L, _, KV, N, BS, D = kv_cache.shape
         C = B * BS                                   # context capacity of one sequence
@@ -471,23 +553,8 @@ class LlamaStep(torch.nn.Module):
         h = w.embed(tokens)                          # [T, hidden]
         cos, sin = self._rope(positions, seq_ids, context_lens, dtype)   # [T, 1, D] each
 
-        # Which cache rows each token reads, and which of them it may see.
-        ctx_pos = torch.arange(C, device=tokens.device)                   # [C]
-        pos = positions.to(torch.int64)
-        if self.attention == "gather":
-            blocks = seen = None        # hloserve::paged_attention reads the step inputs itself
-        elif self.attention == "paged":
-            blocks = block_tables[seq_ids].transpose(0, 1)                # [B, T]: scanned over B
-            seen = context_lens[seq_ids].to(torch.int64)                  # [T]: masks are built per block
-        else:
-            blocks = block_tables                                         # [S, B]
-            own = seq_ids.to(torch.int64)[:, None] == torch.arange(S, device=tokens.device)[None, :]   # [T, S]
-            causal = ctx_pos[None, :] <= pos[:, None]                     # [T, C]
-            if cfg.sliding_window:
-                causal = causal & (ctx_pos[None, :] > pos[:, None] - cfg.sliding_window)
-            filled = ctx_pos[None, :] < context_lens.to(torch.int64)[:, None]   # [S, C]
-            seen = (own[:, :, None] & causal[:, None, :] & filled[None, :, :]).reshape(T, S * C)  # [T, S*C]
-
+        # which cache rows each token reads and may see, as this layout wants them (once per step)
+        reads = self.layout.reads(cfg, block_tables, seq_ids, positions, context_lens, C)
         slots = slot_mapping.to(torch.int64)
         layer_ids = torch.arange(L, device=tokens.device)
         kvd = self.kv_dtype
@@ -510,29 +577,7 @@ class LlamaStep(torch.nn.Module):
             k = k * cos + rotate_half(k) * sin
 
             cache = write_kv(cache, l, k, v, slots, kvd)                 # then read the contexts
-            if self.attention == "gather":
-                out = torch.ops.hloserve.paged_attention(
-                    qg.float(), cache, l, block_tables, seq_ids, positions, context_lens,
-                    cfg.sliding_window or 0, HOLDS.get(kvd or dtype, OWN), D ** -0.5, 0.0).to(dtype)   # [T, KV, G, D]
-            elif self.attention == "paged":
-                # `seen` is each token's context length here; the loop masks block by block
-                out = paged_attention(qg, cache, l, blocks, pos, seen, cfg.sliding_window)   # [T, KV, G, D]
-            else:
-                # Whole blocks gathered, K and V by separate gathers: each lands in the layout
-                # its dot reads ([KV, R*C, D], batch dims first), so XLA adds no slice copy or
-                # transpose of the gathered context (which cost more than the gather itself;
-                # docs/performance.md), and a cache split by heads is read where it lies.
-                k_ctx = torch.ops.hloserve.gather_blocks(cache, l, 0, blocks)   # [KV, S*C, D]
-                v_ctx = torch.ops.hloserve.gather_blocks(cache, l, 1, blocks)   # [KV, S*C, D]
-                if kvd is not None:   # widened inside the gather: half the bytes read, same dots
-                    k_ctx, v_ctx = k_ctx.view(kvd).to(dtype), v_ctx.view(kvd).to(dtype)
-                qk = qg.transpose(0, 1)                                   # [KV, T, G, D]
-                scores = torch.einsum("ktgd,kcd->ktgc", qk, k_ctx)       # [KV, T, G, S*C]
-                scores = scores.float() * (D ** -0.5)
-                scores = torch.where(seen[None, :, None, :], scores, _MASKED)
-                probs = torch.softmax(scores, dim=-1).to(dtype)
-                out = torch.einsum("ktgc,kcd->ktgd", probs, v_ctx)       # [KV, T, G, D]
-                out = out.transpose(0, 1)                                 # [T, KV, G, D]
+            out = self.layout.attend(qg, cache, l, reads, cfg, kvd, dtype)   # [T, KV, G, D]
             out = out.reshape(T, cfg.q_size)                              # [T, H*D]
             h = h + w.linear(out, lw, "o_proj", lw.get("o_bias"), l)
 
