@@ -68,7 +68,7 @@ class QuantizedLlamaWeights(torch.nn.Module):
         s = self.schemes[name]
         mn = self.layers[name + MIN_SUFFIX] if name + MIN_SUFFIX in self.layers else None
         return torch.ops.hloserve.quantized_linear(x, self.layers[name], self.layers[name + SCALE_SUFFIX], mn, bias,
-                                                   layer, s.bits, s.group or 0)
+                                                   layer, s.bits, s.group or 0, s.rows)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         name = "embed_tokens" if self.lm_head is None else "lm_head"
@@ -78,7 +78,8 @@ class QuantizedLlamaWeights(torch.nn.Module):
         mn = getattr(self, name + MIN_SUFFIX, None)
         zero = torch.zeros((), dtype=torch.int32, device=h.device)
         return torch.ops.hloserve.quantized_linear(h, getattr(self, name)[None], getattr(self, name + SCALE_SUFFIX)[None],
-                                                   None if mn is None else mn[None], None, zero, s.bits, s.group or 0)
+                                                   None if mn is None else mn[None], None, zero, s.bits, s.group or 0,
+                                                   s.rows)
 
 
 def quantize_llama(weights, config: QuantConfig, record: QuantRecord | None = None) -> QuantizedLlamaWeights:
@@ -92,7 +93,7 @@ def quantize_llama(weights, config: QuantConfig, record: QuantRecord | None = No
     for n in weights.layer_names:
         t = weights.layers[n].detach()
         if n in MATRICES and not config.skipped(f"layers.{n}"):
-            q, scheme = quantize_tensor(t, config.scheme, f"layers.{n}")
+            q, scheme = quantize_tensor(t, config.scheme, f"layers.{n}", linear=True)
             record.add(q, scheme, tuple(t.shape))
             store(layers, n, q)
             schemes[n] = scheme
@@ -106,7 +107,7 @@ def quantize_llama(weights, config: QuantConfig, record: QuantRecord | None = No
         if config.skipped(n):
             globals_[n] = t.detach()
             continue
-        q, scheme = quantize_tensor(t, config.scheme, n)
+        q, scheme = quantize_tensor(t, config.scheme, n, linear=n == "lm_head")   # embed_tokens: gathered too
         record.add(q, scheme, tuple(t.shape))
         store(globals_, n, q)
         schemes[n] = scheme

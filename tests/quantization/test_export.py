@@ -65,8 +65,10 @@ def test_module_swap_exports_and_matches_eager(spec, tmp_path):
     bits = int(spec[3])
     w = manifest.weights
     assert w["up.weight"].dtype == ("i8" if bits == 8 else "u8")
-    assert w["up.weight"].shape == ((128, 64) if bits == 8 else (128, 32))
+    # linear layers are stored interleaved by 16 rows (quant_linear version 2): [128/16, 16 * 64 | 8 * 64]
+    assert w["up.weight"].shape == ((8, 1024) if bits == 8 else (8, 512))
     assert w["up.weight"].quant["role"] == "qweight" and w["up.weight"].quant["shape"] == [128, 64]
+    assert w["up.weight"].quant["rows"] == 16 and w["up.weight_scale"].shape[-1] == 16
     assert w["up.weight_scale"].quant == {**w["up.weight"].quant, "role": "scale"}
     assert w["up.bias"].quant is None and w["up.bias"].dtype == "f32"
     assert ("up.weight_min" in w) == (bits == 4 and not spec.endswith("sym"))
@@ -78,6 +80,7 @@ def test_module_swap_exports_and_matches_eager(spec, tmp_path):
     with open(tmp_path / "manifest.json") as f:
         tied = json.load(f)["weights"].get("embed.weight") or w["head.weight"].to_json()
         assert tied["quant"]["scheme"] == f"int{bits}"
+        assert "rows" not in tied["quant"]                           # the tied table is gathered: row by row
 
 
 @pytest.mark.parametrize("spec", ["int8", "int4:32:asym"])
@@ -164,7 +167,9 @@ def test_llama_step_quantized_matches_eager(spec, hf_llama, tmp_path):
     qkv = m.weights["model.layers.qkv_proj"]
     L, rows, hidden = 2, 64 + 2 * 2 * 16, 64
     assert qkv.quant["shape"] == [L, rows, hidden]                  # stays stacked over layers
-    assert qkv.shape == ((L, rows, hidden) if spec == "int8" else (L, rows, hidden // 2))
+    # interleaved by 16 rows for the quant_linear version 2 kernel: [L, rows / 16, 16 hidden | 8 hidden]
+    assert qkv.quant["rows"] == 16
+    assert qkv.shape == ((L, rows // 16, 16 * hidden) if spec == "int8" else (L, rows // 16, 8 * hidden))
     assert m.weights["model.layers.input_layernorm"].quant is None
     mlir = open(tmp_path / "functions" / "decode.mlir").read()
     assert mlir.count("stablehlo.while") == 1                       # dequantized one layer per iteration
