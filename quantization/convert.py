@@ -98,10 +98,12 @@ def quantize_module(module: torch.nn.Module, config: QuantConfig, record: QuantR
 
     Module names are the dotted paths of named_modules() ("encoder.layer.0.attention.self.query").
     A weight whose input dim does not fit the scheme's group raises (skip it or pick a group).
-    Modules sharing one weight (tied embeddings) share one quantized tensor.
+    Modules sharing one weight share one quantized tensor, except a head tied to an embedding, which
+    gets an interleaved copy (the table's gathers read rows; the head's kernel reads 16 rows at once).
     """
     record = record if record is not None else QuantRecord()
     shared: dict[tuple, tuple[dict[str, torch.Tensor], WeightScheme]] = {}
+    heads: dict[tuple, tuple[dict[str, torch.Tensor], WeightScheme]] = {}     # tied heads' interleaved copies
     targets = [(n, m) for n, m in module.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
     embedded = {_identity(m.weight) for n, m in targets if isinstance(m, torch.nn.Embedding) and not config.skipped(n)}
     for name, child in targets:
@@ -114,6 +116,12 @@ def quantize_module(module: torch.nn.Module, config: QuantConfig, record: QuantR
             record.add(shared[key][0], shared[key][1], tuple(w.shape))
         tensors, scheme = shared[key]
         if isinstance(child, torch.nn.Linear):
+            if key in embedded and scheme.for_linear(tuple(w.shape)).rows:
+                # a head tied to an embedding: its own copy interleaved by 16 rows (the gathers need rows)
+                if key not in heads:
+                    heads[key] = interleaved(tensors, scheme.for_linear(tuple(w.shape))), scheme.for_linear(tuple(w.shape))
+                    record.add(heads[key][0], heads[key][1], tuple(w.shape))
+                tensors, scheme = heads[key]
             new: torch.nn.Module = QuantizedLinear(child.in_features, child.out_features, scheme, tensors,
                                                    child.bias, w.dtype)
         else:

@@ -126,6 +126,10 @@ class WeightScheme:
         if self.bits == 4 and n_in % 2:
             raise QuantizationError(f"{where}: input dim {n_in} is odd; int4 packs two values per byte")
 
+    def stored_width(self, width: int) -> int:
+        """The float input dim of a row-by-row qweight's last dim (int4 packs two per byte)."""
+        return 2 * width if self.bits == 4 else width
+
     def stored_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         """role -> shape of the stored tensors of a float weight of `shape`."""
         *lead, n_in = shape

@@ -14,7 +14,7 @@ from hloserve.quantization.convert import QuantRecord, interleaved, quantize_ten
 from hloserve.quantization.schemes import QuantConfig, QuantizationError, WeightScheme
 
 from .llama import MATRICES, _layer_layout, fused_row_order, rope_inv_freq
-from .llama_quant import QuantizedLlamaWeights
+from .llama_quant import QuantizedLlamaWeights, tied_head
 
 # ggml type -> the scheme its blocks are, exactly
 GGUF_SCHEMES: Mapping[str, WeightScheme] = {
@@ -118,6 +118,7 @@ def llama_from_gguf(cfg, ckpt, config: QuantConfig, record: QuantRecord | None =
         record.add(q, scheme, tuple(t.shape))
         store(globals_, n, q)
         schemes[n] = scheme
+    tied_head(globals_, schemes, record)
     return QuantizedLlamaWeights(cfg, dtype, layers, globals_, schemes, rope_inv_freq(cfg))
 
 

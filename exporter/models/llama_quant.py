@@ -13,7 +13,7 @@ from typing import Mapping
 
 import torch
 import torch.nn.functional as F
-from hloserve.quantization.convert import QuantRecord, quantize_tensor, store
+from hloserve.quantization.convert import ROLE_SUFFIX, QuantRecord, interleaved, quantize_tensor, store
 from hloserve.quantization.schemes import MIN_SUFFIX, SCALE_SUFFIX, QuantConfig, WeightScheme
 
 from .llama import MATRICES
@@ -111,4 +111,23 @@ def quantize_llama(weights, config: QuantConfig, record: QuantRecord | None = No
         record.add(q, scheme, tuple(t.shape))
         store(globals_, n, q)
         schemes[n] = scheme
+    tied_head(globals_, schemes, record)
     return QuantizedLlamaWeights(weights.cfg, weights.dtype, layers, globals_, schemes, weights.rope_inv_freq)
+
+
+def tied_head(globals_: dict[str, torch.Tensor], schemes: dict[str, WeightScheme], record: QuantRecord) -> None:
+    """A quantized table the head shares (tied embeddings) is stored a second time, interleaved by 16
+    rows, as `lm_head`: the head then runs the quant_linear version 2 kernel (the table's gathers
+    need it row by row). The same values; the artifact grows by the table's quantized bytes."""
+    if "lm_head" in globals_ or "embed_tokens" not in schemes:
+        return
+    table = {role: globals_["embed_tokens" + suffix] for role, suffix in ROLE_SUFFIX.items()
+             if "embed_tokens" + suffix in globals_}
+    shape = (table["qweight"].shape[0], schemes["embed_tokens"].stored_width(table["qweight"].shape[-1]))
+    scheme = schemes["embed_tokens"].for_linear(shape)
+    if not scheme.rows:
+        return
+    q = interleaved(table, scheme)
+    record.add(q, scheme, shape)
+    store(globals_, "lm_head", q)
+    schemes["lm_head"] = scheme

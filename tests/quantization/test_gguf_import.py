@@ -112,7 +112,10 @@ def test_llama_from_gguf_keeps_the_files_blocks(ckpt):
     # the layers' blocks interleaved by 16 rows (quant_linear version 2); the tied table row by row
     assert w.schemes["qkv_proj"] == dataclasses.replace(gguf_quant.GGUF_SCHEMES["Q4_1"], rows=16)
     assert w.schemes["embed_tokens"] == gguf_quant.GGUF_SCHEMES["Q8_0"]
-    assert w.lm_head is None                                           # tied: the head reads embed_tokens
+    # tied: the head reads the table's Q8_0 blocks again, interleaved by 16 rows (the table's gathers need rows)
+    assert w.schemes["lm_head"] == dataclasses.replace(gguf_quant.GGUF_SCHEMES["Q8_0"], rows=16)
+    head, head_scale, _ = modules.rows_in_order(w.lm_head, w.lm_head_scale, None, 8)
+    assert torch.equal(head, w.embed_tokens) and torch.equal(head_scale, w.embed_tokens_scale)
     L, rows = cfg.num_layers, cfg.q_size + 2 * cfg.kv_size
     assert tuple(w.layers["qkv_proj"].shape) == (L, rows // 16, 8 * cfg.hidden_size)
     assert tuple(w.layers["qkv_proj_scale"].shape) == (L, rows // 16, cfg.hidden_size // 32, 16)
