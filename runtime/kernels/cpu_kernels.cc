@@ -1127,11 +1127,20 @@ QuantX2 quantize_x2(const float* x, int64_t M, int64_t K, int64_t G, int64_t gro
 
 struct QuantMatrix2 {
   const uint8_t* q;     // the layer's interleaved bytes
-  const float* scale;   // [N / 16, G, 16], widened to f32
-  const float* min;     // like scale, or nullptr
+  const void* scale;    // [N / 16, G, 16], f16 or f32
+  const void* min;      // like scale, or nullptr
+  bool f16;
   int bits;
   int64_t N, K, G, group;
 };
+
+// row group g's scales (or mins) [G, 16] as f32: in place for f32, else widened into `buf`
+inline const float* group_scalars(const void* base, bool f16, int64_t g, int64_t G, std::vector<float>& buf) {
+  if (!f16) return static_cast<const float*>(base) + g * G * 16;
+  buf.resize(G * 16);
+  widen(base, true, g * G * 16, G * 16, buf.data());
+  return buf.data();
+}
 
 // the integer value of element k of matrix row n in the interleaved layout (portable path)
 inline int int_of2(const QuantMatrix2& w, int64_t n, int64_t k) {
@@ -1145,19 +1154,23 @@ inline int int_of2(const QuantMatrix2& w, int64_t n, int64_t k) {
 // row groups [g0, g1), portably: the integer block sums (the weights as they are, signed), then f32
 void quant2_portable(const QuantMatrix2& w, const QuantX2& x, int64_t M, int64_t g0, int64_t g1, float* out) {
   const int64_t B = w.K / kXBlock, per_group = w.group / kXBlock;
-  for (int64_t n = g0 * 16; n < g1 * 16; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      float total = 0.f;
-      const int8_t* xr = x.xq.data() + m * w.K;
-      for (int64_t b = 0; b < B; ++b) {
-        int32_t dot = 0;
-        for (int64_t k = b * kXBlock; k < (b + 1) * kXBlock; ++k) dot += xr[k] * int_of2(w, n, k);
-        total += static_cast<float>(dot) * (w.scale[((n / 16) * w.G + b / per_group) * 16 + n % 16] * x.d[m * B + b]);
+  std::vector<float> sbuf, mbuf;
+  for (int64_t rg = g0; rg < g1; ++rg) {
+    const float* ws = group_scalars(w.scale, w.f16, rg, w.G, sbuf);
+    const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, rg, w.G, mbuf) : nullptr;
+    for (int64_t n = rg * 16; n < (rg + 1) * 16; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        float total = 0.f;
+        const int8_t* xr = x.xq.data() + m * w.K;
+        for (int64_t b = 0; b < B; ++b) {
+          int32_t dot = 0;
+          for (int64_t k = b * kXBlock; k < (b + 1) * kXBlock; ++k) dot += xr[k] * int_of2(w, n, k);
+          total += static_cast<float>(dot) * (ws[(b / per_group) * 16 + n % 16] * x.d[m * B + b]);
+        }
+        for (int64_t g = 0; wm != nullptr && g < w.G; ++g) total += wm[g * 16 + n % 16] * x.xsum[m * w.G + g];
+        out[m * w.N + n] = total;
       }
-      for (int64_t g = 0; w.min != nullptr && g < w.G; ++g)
-        total += w.min[((n / 16) * w.G + g) * 16 + n % 16] * x.xsum[m * w.G + g];
-      out[m * w.N + n] = total;
-    }
+  }
 }
 
 #if defined(__AVX512VNNI__)
@@ -1216,10 +1229,11 @@ template <int BITS, bool SYM4>
 void quant2_vnni(const QuantMatrix2& w, const QuantX2& x, int64_t M, int64_t g0, int64_t g1, float* out) {
   const int64_t per_group = w.group / kXBlock;
   const int64_t gbytes = BITS == 8 ? 16 * w.K : 8 * w.K;   // bytes per group of 16 rows
+  std::vector<float> sbuf, mbuf;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* q = w.q + g * gbytes;
-    const float* ws = w.scale + g * w.G * 16;
-    const float* wm = w.min != nullptr ? w.min + g * w.G * 16 : nullptr;
+    const float* ws = group_scalars(w.scale, w.f16, g, w.G, sbuf);
+    const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, g, w.G, mbuf) : nullptr;
     float* o = out + g * 16;
     int64_t m = 0;
     for (; m + 6 <= M; m += 6) quant2_tile<BITS, SYM4, 6>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N);
@@ -1261,14 +1275,11 @@ ffi::Error QuantLinear2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   if (asym && bits == 8) return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: int8 weights have no min");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: layer out of range");
-  // the layer's scales (and mins) widened to f32 once per call: N * G floats each
-  const int64_t ssize = f16 ? 2 : 4, per_layer = N * G;
-  std::vector<float> scales(per_layer), mins(asym ? per_layer : 0);
-  widen(static_cast<const char*>(scale.untyped_data()) + l * per_layer * ssize, f16, 0, per_layer, scales.data());
-  if (asym) widen(static_cast<const char*>(min.untyped_data()) + l * per_layer * ssize, f16, 0, per_layer, mins.data());
-  const int64_t qlayer = bits == 8 ? N * K : N * K / 2;
-  QuantMatrix2 w{static_cast<const uint8_t*>(qweight.untyped_data()) + l * qlayer, scales.data(),
-                 asym ? mins.data() : nullptr, static_cast<int>(bits), N, K, G, group};
+  const int64_t ssize = f16 ? 2 : 4, per_layer = N * G, qlayer = bits == 8 ? N * K : N * K / 2;
+  QuantMatrix2 w{static_cast<const uint8_t*>(qweight.untyped_data()) + l * qlayer,
+                 static_cast<const char*>(scale.untyped_data()) + l * per_layer * ssize,
+                 asym ? static_cast<const char*>(min.untyped_data()) + l * per_layer * ssize : nullptr, f16,
+                 static_cast<int>(bits), N, K, G, group};
   const bool sym4 = bits == 4 && !asym;
   const QuantX2 xq = quantize_x2(x.typed_data(), M, K, G, group, bits == 8 ? 128 : sym4 ? 8 : 0);
   float* op = out->typed_data();
