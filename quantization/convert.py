@@ -64,14 +64,32 @@ class QuantRecord:
         return scheme.manifest_entry(role, of, shape)
 
 
-def to_torch(qa: primitives.QuantizedArray) -> dict[str, torch.Tensor]:
-    return {role: torch.from_numpy(np.ascontiguousarray(a)) for role, a in qa.tensors().items()}
+def to_torch(qa: primitives.QuantizedArray, rows: int = 0) -> dict[str, torch.Tensor]:
+    """The stored tensors of `qa` (row by row) as torch tensors, interleaved if `rows` is nonzero."""
+    tensors = {role: torch.from_numpy(np.ascontiguousarray(a)) for role, a in qa.tensors().items()}
+    return interleaved(tensors, qa.scheme) if rows else tensors
 
 
-def quantize_tensor(w: torch.Tensor, scheme: WeightScheme, where: str) -> tuple[dict[str, torch.Tensor], WeightScheme]:
-    """(stored tensors, the scheme used: `scheme` fitted to w's input dim, see WeightScheme.fitted)."""
+def interleaved(tensors: Mapping[str, torch.Tensor], scheme: WeightScheme) -> dict[str, torch.Tensor]:
+    """Stored tensors row by row (qweight [..., N, K | K/2], scale/min [..., N, G] or per channel
+    [..., N]) -> interleaved by 16 rows (WeightScheme.rows; primitives.interleave_rows)."""
+    def grouped(role):
+        a = tensors.get(role)
+        return None if a is None else (a if scheme.group else a[..., None]).numpy()   # [..., N, G]
+    q, scale, mn = primitives.interleave_rows(tensors["qweight"].numpy(), grouped("scale"), grouped("min"), scheme.bits)
+    out = {"qweight": q, "scale": scale, **({} if mn is None else {"min": mn})}
+    return {role: torch.from_numpy(a) for role, a in out.items()}
+
+
+def quantize_tensor(w: torch.Tensor, scheme: WeightScheme, where: str, *, linear: bool = False,
+                    ) -> tuple[dict[str, torch.Tensor], WeightScheme]:
+    """(stored tensors, the scheme used: `scheme` fitted to w's input dim, see WeightScheme.fitted;
+    with `linear`, a weight only linear layers read, interleaved where WeightScheme.for_linear says)."""
     scheme = scheme.fitted(w.shape[-1])
-    return to_torch(primitives.quantize(w.detach().float().cpu().numpy(), scheme, where=where)), scheme
+    qa = primitives.quantize(w.detach().float().cpu().numpy(), scheme, where=where)
+    if linear:
+        scheme = scheme.for_linear(tuple(w.shape))
+    return to_torch(qa, scheme.rows), scheme
 
 
 # -- generic modules --------------------------------------------------------------
@@ -80,21 +98,30 @@ def quantize_module(module: torch.nn.Module, config: QuantConfig, record: QuantR
 
     Module names are the dotted paths of named_modules() ("encoder.layer.0.attention.self.query").
     A weight whose input dim does not fit the scheme's group raises (skip it or pick a group).
-    Modules sharing one weight (tied embeddings) share one quantized tensor.
+    Modules sharing one weight share one quantized tensor, except a head tied to an embedding, which
+    gets an interleaved copy (the table's gathers read rows; the head's kernel reads 16 rows at once).
     """
     record = record if record is not None else QuantRecord()
     shared: dict[tuple, tuple[dict[str, torch.Tensor], WeightScheme]] = {}
+    heads: dict[tuple, tuple[dict[str, torch.Tensor], WeightScheme]] = {}     # tied heads' interleaved copies
     targets = [(n, m) for n, m in module.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+    embedded = {_identity(m.weight) for n, m in targets if isinstance(m, torch.nn.Embedding) and not config.skipped(n)}
     for name, child in targets:
         if config.skipped(name):
             continue
         w = child.weight
         key = _identity(w)
-        if key not in shared:
-            shared[key] = quantize_tensor(w, config.scheme, name)
+        if key not in shared:   # a weight only Linears read (not a tied embedding) may be interleaved
+            shared[key] = quantize_tensor(w, config.scheme, name, linear=key not in embedded)
             record.add(shared[key][0], shared[key][1], tuple(w.shape))
         tensors, scheme = shared[key]
         if isinstance(child, torch.nn.Linear):
+            if key in embedded and scheme.for_linear(tuple(w.shape)).rows:
+                # a head tied to an embedding: its own copy interleaved by 16 rows (the gathers need rows)
+                if key not in heads:
+                    heads[key] = interleaved(tensors, scheme.for_linear(tuple(w.shape))), scheme.for_linear(tuple(w.shape))
+                    record.add(heads[key][0], heads[key][1], tuple(w.shape))
+                tensors, scheme = heads[key]
             new: torch.nn.Module = QuantizedLinear(child.in_features, child.out_features, scheme, tensors,
                                                    child.bias, w.dtype)
         else:

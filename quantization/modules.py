@@ -1,12 +1,13 @@
 """Quantized Linear / Embedding, exported through two custom ops the emitter lowers.
 
     hloserve::quantized_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? min, Tensor? bias,
-                               Tensor layer, int bits, int group) -> Tensor      # x [..., in] -> [..., out]
+                               Tensor layer, int bits, int group, int rows=0) -> Tensor   # x [..., in] -> [..., out]
     hloserve::quantized_embedding(Tensor qweight, Tensor scale, Tensor? min, Tensor indices,
                                   int bits, int group, ScalarType dtype) -> Tensor   # [*idx, hidden]
 
 `group` 0 means one scale per output row. quantized_linear takes a stack of matrices (qweight
-[L, out, in or in/2], scale [L, out(, G)], min likewise) and uses matrix `layer` (a 0-dim int32):
+[L, out, in or in/2], scale [L, out(, G)], min likewise; with rows=16 interleaved by 16 rows, see
+WeightScheme.rows) and uses matrix `layer` (a 0-dim int32):
 a scanned layer loop reads its layer where the stack lies (the `hloserve.quant_linear` composite,
 runtime/artifact/kernels.py), and a single matrix is a stack of one. The ops keep the quantized tensors whole through
 torch.export (a q/dq pattern in ATen would be decomposed and re-fused by chance); the lowering
@@ -69,18 +70,43 @@ def quantize_blocks(x: torch.Tensor) -> torch.Tensor:
     return (q * d).reshape(*x.shape[:-1], -1)[..., :k]                   # [..., K]
 
 
+def rows_in_order(qweight: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor], bits: int):
+    """One matrix interleaved by 16 rows (qweight [N/16, 16 K | 8 K], scale/min [N/16, G, 16]) -> its
+    integer values int8 [N, K] and scale/min [N, G] (the torch twin of the lowering's _rows_in_order)."""
+    ng, width = qweight.shape
+    if bits == 8:
+        K = width // 16
+        q = qweight.reshape(ng, K // 4, 16, 4).permute(0, 2, 1, 3).reshape(16 * ng, K)        # [N, K]
+    else:
+        K = width // 8
+        b = qweight.reshape(ng, K // 8, 16, 4)
+        lo, hi = (b & 0xF).to(torch.int8), (b >> 4).to(torch.int8)
+        if min is None:
+            lo, hi = torch.where(lo > 7, lo - 16, lo), torch.where(hi > 7, hi - 16, hi)
+        q = torch.stack([lo, hi], dim=3).permute(0, 2, 1, 3, 4).reshape(16 * ng, K)            # [N, K]
+
+    def rows(a):
+        return None if a is None else a.permute(0, 2, 1).reshape(16 * ng, a.shape[1])        # [N, G]
+    return q, rows(scale), rows(min)
+
+
 @torch.library.custom_op("hloserve::quantized_linear", mutates_args=())
 def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor],
-                     bias: Optional[torch.Tensor], layer: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+                     bias: Optional[torch.Tensor], layer: torch.Tensor, bits: int, group: int,
+                     rows: int = 0) -> torch.Tensor:
     i = int(layer)
-    w = dequantize(qweight[i], scale[i], None if min is None else min[i], bits, group)
+    if rows:   # interleaved by 16 rows (WeightScheme.rows): put back in row order, then the same arithmetic
+        q, s, m = rows_in_order(qweight[i], scale[i], None if min is None else min[i], bits)
+        w = dequantize(q, s, m, 8, group)
+    else:
+        w = dequantize(qweight[i], scale[i], None if min is None else min[i], bits, group)
     y = F.linear(quantize_blocks(x.float()), w).to(x.dtype)
     return y if bias is None else y + bias
 
 
 @quantized_linear.register_fake
-def _(x, qweight, scale, min, bias, layer, bits, group):
-    return x.new_empty((*x.shape[:-1], qweight.shape[-2]))
+def _(x, qweight, scale, min, bias, layer, bits, group, rows=0):
+    return x.new_empty((*x.shape[:-1], qweight.shape[-2] * (rows or 1)))
 
 
 @torch.library.custom_op("hloserve::quantized_embedding", mutates_args=())
@@ -125,7 +151,7 @@ class QuantizedLinear(torch.nn.Module):
         if w.dim() == 2:                                                 # one matrix: a stack of one
             w, s, m = w[None], s[None], None if m is None else m[None]
         return torch.ops.hloserve.quantized_linear(x, w, s, m, self.bias, self.layer, self.scheme.bits,
-                                                   self.scheme.group or 0)
+                                                   self.scheme.group or 0, self.scheme.rows)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.scheme.describe()}"

@@ -26,7 +26,7 @@ import dataclasses
 
 import numpy as np
 
-from .schemes import QuantizationError, WeightScheme
+from .schemes import INTERLEAVE, QuantizationError, WeightScheme
 
 _NP_SCALE = {"f32": np.float32, "f16": np.float16}
 
@@ -69,6 +69,32 @@ def unpack_int4(packed: np.ndarray, *, signed: bool) -> np.ndarray:
     if signed:
         lo, hi = np.where(lo > 7, lo - 16, lo), np.where(hi > 7, hi - 16, hi)
     return np.stack([lo, hi], axis=-1).reshape(*p.shape[:-1], 2 * p.shape[-1]).astype(np.int8)
+
+
+def interleave_rows(qweight: np.ndarray, scale: np.ndarray, min_: np.ndarray | None, bits: int,
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Stored tensors in version 1's layout (qweight [..., N, K | K/2], scale/min [..., N, G]) ->
+    version 2's (runtime/artifact/kernels.py QUANT_LINEAR_V2): qweight [..., N/16, 16 K | 8 K], each
+    64-byte run 16 rows x 4 bytes of one k-step (int4: a byte holds elements k and k + 4 of an
+    8-element step), scale/min [..., N/16, G, 16]. The values are the same; only their places move."""
+    *lead, N, width = qweight.shape
+    if N % INTERLEAVE:
+        raise QuantizationError(f"interleave_rows: {N} rows is not a multiple of {INTERLEAVE}")
+    if bits == 8:
+        K = width
+        q = qweight.reshape(*lead, N // INTERLEAVE, INTERLEAVE, K // 4, 4)                      # [.., n/16, 16, K/4, 4]
+        q = np.swapaxes(q, -3, -2).reshape(*lead, N // INTERLEAVE, INTERLEAVE * K)             # [.., n/16, K/4, 16, 4]
+    else:
+        K = 2 * width
+        v = unpack_int4(qweight, signed=False).astype(np.uint8)                    # nibbles in element order
+        v = v.reshape(*lead, N // INTERLEAVE, INTERLEAVE, K // 8, 2, 4)                        # [.., n/16, 16, K/8, lo|hi, 4]
+        packed = v[..., 0, :] | (v[..., 1, :] << 4)                                # [.., n/16, 16, K/8, 4]
+        q = np.swapaxes(packed, -3, -2).reshape(*lead, N // INTERLEAVE, INTERLEAVE * K // 2)   # [.., n/16, K/8, 16, 4]
+
+    def rows_last(a):
+        return None if a is None else np.ascontiguousarray(
+            np.swapaxes(a.reshape(*lead, N // INTERLEAVE, INTERLEAVE, a.shape[-1]), -2, -1))   # [.., n/16, G, 16]
+    return np.ascontiguousarray(q), rows_last(scale), rows_last(min_)
 
 
 def _outward(x: np.ndarray, dtype, *, down: bool = False) -> np.ndarray:

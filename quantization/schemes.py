@@ -39,6 +39,9 @@ SCALE_DTYPES = ("f32", "f16")
 ROUNDINGS = ("minmax", "mse")
 
 
+INTERLEAVE = 16   # rows of a matrix interleaved for the quant_linear version 2 kernel
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightScheme:
     """How one weight is quantized.
@@ -52,12 +55,16 @@ class WeightScheme:
         "minmax" from the group's extremes (llama.cpp's Q8_0 / Q4_0 / Q4_1 rules), or "mse"
         (int4 symmetric only) the scale, among candidates around the minmax one, whose
         least-squares refit gives the smallest squared error of the group.
+      rows: 0, the matrix stored row by row ([out, in | in/2], scales [out, G]), or 16: interleaved
+        by 16 rows for the `hloserve.quant_linear` version 2 kernel (primitives.interleave_rows;
+        linear layers only, see `for_linear`).
     """
     bits: int = 8
     group: int | None = None
     symmetric: bool = True
     scale_dtype: str = "f32"
     rounding: str = "minmax"
+    rows: int = 0
 
     def __post_init__(self):
         if self.bits not in (4, 8):
@@ -74,6 +81,16 @@ class WeightScheme:
             raise QuantizationError(f"rounding {self.rounding!r}: use one of {ROUNDINGS}")
         if self.rounding == "mse" and not (self.bits == 4 and self.symmetric):
             raise QuantizationError("rounding 'mse' is implemented for int4 symmetric only; use minmax")
+        if self.rows not in (0, INTERLEAVE):
+            raise QuantizationError(f"rows={self.rows}: stored matrices are row by row (0) or interleaved by {INTERLEAVE}")
+
+    def for_linear(self, shape: tuple[int, ...]) -> "WeightScheme":
+        """This scheme for a linear layer's weight [..., out, in]: interleaved by 16 rows (the
+        quant_linear version 2 kernel) where out is a multiple of 16 and each group (or the row)
+        whole 32-element blocks; else row by row."""
+        *_, n_out, n_in = shape
+        whole = (self.group or n_in) % 32 == 0
+        return dataclasses.replace(self, rows=INTERLEAVE if n_out % INTERLEAVE == 0 and whole else 0)
 
     @property
     def name(self) -> str:
@@ -109,24 +126,33 @@ class WeightScheme:
         if self.bits == 4 and n_in % 2:
             raise QuantizationError(f"{where}: input dim {n_in} is odd; int4 packs two values per byte")
 
+    def stored_width(self, width: int) -> int:
+        """The float input dim of a row-by-row qweight's last dim (int4 packs two per byte)."""
+        return 2 * width if self.bits == 4 else width
+
     def stored_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         """role -> shape of the stored tensors of a float weight of `shape`."""
         *lead, n_in = shape
         q = (*lead, n_in // 2) if self.bits == 4 else tuple(shape)
         s = (*lead, n_in // self.group) if self.group else tuple(lead)
+        if self.rows:
+            *lead, n_out = lead
+            width = q[-1] * INTERLEAVE
+            q, s = (*lead, n_out // INTERLEAVE, width), (*lead, n_out // INTERLEAVE, n_in // (self.group or n_in), INTERLEAVE)
         out = {"qweight": q, "scale": s}
         if not self.symmetric:
             out["min"] = s
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"scheme": self.name, "group": self.group, "symmetric": self.symmetric,
-                "scale_dtype": self.scale_dtype, "rounding": self.rounding}
+        d = {"scheme": self.name, "group": self.group, "symmetric": self.symmetric,
+             "scale_dtype": self.scale_dtype, "rounding": self.rounding}
+        return {**d, "rows": self.rows} if self.rows else d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "WeightScheme":
         return cls(int(str(d["scheme"]).removeprefix("int")), d.get("group"), bool(d.get("symmetric", True)),
-                   d.get("scale_dtype", "f32"), d.get("rounding", "minmax"))
+                   d.get("scale_dtype", "f32"), d.get("rounding", "minmax"), int(d.get("rows", 0)))
 
     def manifest_entry(self, role: str, of: str, shape: tuple[int, ...]) -> dict[str, Any]:
         """WeightSpec.quant of one stored tensor: the scheme, its role, and the float weight it encodes."""

@@ -34,7 +34,7 @@ import math
 import jax.numpy as jnp
 import torch
 from hloserve.quantization import modules as _qmodules  # noqa: F401 - defines the torch.ops.hloserve ops
-from hloserve.runtime.artifact.kernels import QUANT_LINEAR
+from hloserve.runtime.artifact.kernels import QUANT_LINEAR, QUANT_LINEAR_V2
 from jax import lax
 
 from .. import _private
@@ -152,18 +152,69 @@ def quant_linear_reference(x, qweight, scale, min_, layer, *, bits: int, group: 
     return jnp.moveaxis(ys, 0, -2).reshape(x.shape[0], out)              # [n, M, rows] -> [M, N]
 
 
+def _rows_in_order(qw, s, mn, bits: int):
+    """One layer in version 2's layout (qweight [N/16, 16 K | 8 K], scale/min [N/16, G, 16]) -> its
+    integer values [N, K] (int8; int4 nibbles sign-extended when there is no min) and scale/min
+    [N, G]: the interleaving undone (primitives.interleave_rows is the inverse)."""
+    ng, width = qw.shape
+    if bits == 8:
+        K = width // 16
+        q = qw.reshape(ng, K // 4, 16, 4).transpose(0, 2, 1, 3).reshape(16 * ng, K)           # [N, K]
+    else:
+        K = width // 8
+        b = lax.bitcast_convert_type(qw, jnp.int8).reshape(ng, K // 8, 16, 4)                 # [n/16, K/8, 16, 4]
+        if mn is None:
+            lo = lax.shift_right_arithmetic(lax.shift_left(b, jnp.int8(4)), jnp.int8(4))
+            hi = lax.shift_right_arithmetic(b, jnp.int8(4))
+        else:
+            lo, hi = b & jnp.int8(0xF), lax.shift_right_logical(b, jnp.int8(4))
+        q = jnp.stack([lo, hi], axis=3)                                                        # [n/16, K/8, 16, 2, 4]
+        q = q.transpose(0, 2, 1, 3, 4).reshape(16 * ng, K)                                     # [N, K]
+
+    def rows(a):
+        return None if a is None else a.transpose(0, 2, 1).reshape(16 * ng, a.shape[1])      # [N, G]
+    return q, rows(s), rows(mn)
+
+
+def quant_linear_v2_reference(x, qweight, scale, min_, layer, *, bits: int, group: int):
+    """The `hloserve.quant_linear` version 2 composite's decomposition: the layer's matrix put back in
+    row order, then version 1's arithmetic (x quantized per block as Q8_0, W = q * scale + min)."""
+    xr = quantize_blocks(x)
+    pick = (lambda a: a[0]) if qweight.shape[0] == 1 else (lambda a: lax.dynamic_index_in_dim(a, layer, 0, False))
+    q, s, mn = _rows_in_order(pick(qweight), pick(scale), pick(min_) if min_.size else None, bits)
+    out, n_in = q.shape[0], x.shape[-1]
+    rows = _block_rows(out, n_in)
+    if rows == out:
+        return _linear_block(xr, q, s, mn, 8, group)                     # int values: bits 8's dequantize
+    n = out // rows
+
+    def blocks(a):
+        return a.reshape(n, rows, *a.shape[1:]) if a is not None else None   # [n, rows, ...]
+
+    ys = lax.map(lambda b: _linear_block(xr, *b, 8, group), (blocks(q), blocks(s), blocks(mn)))
+    return jnp.moveaxis(ys, 0, -2).reshape(x.shape[0], out)              # [n, M, rows] -> [M, N]
+
+
 # hloserve::quantized_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? min, Tensor? bias,
-#                            Tensor layer, int bits, int group) -> Tensor
+#                            Tensor layer, int bits, int group, int rows=0) -> Tensor
 @lower(torch.ops.hloserve.quantized_linear.default)
-def _quantized_linear(ctx, x, qweight, scale, min_, bias, layer, bits, group):
+def _quantized_linear(ctx, x, qweight, scale, min_, bias, layer, bits, group, rows=0):
     if bits == 4 and not group:
         raise ValueError("int4 weights need a group size (schemes.WeightScheme refuses per-channel int4)")
     *lead, k = x.shape
-    L, out = qweight.shape[:2]
+    L = qweight.shape[0]
     g = group or k
-    scale = scale.reshape(L, out, k // g)                                # [L, N, G] (per channel: G = 1)
-    min_ = jnp.zeros((0,), jnp.float32) if min_ is None else min_.reshape(L, out, k // g)
-    composite = _private.composite(quant_linear_reference, QUANT_LINEAR.name, QUANT_LINEAR.version)
+    if rows:   # interleaved by 16 rows: version 2
+        out = qweight.shape[1] * rows
+        shape = (L, out // rows, k // g, rows)                           # [L, N/16, G, 16]
+        reference, contract = quant_linear_v2_reference, QUANT_LINEAR_V2
+    else:
+        out = qweight.shape[1]
+        shape = (L, out, k // g)                                         # [L, N, G] (per channel: G = 1)
+        reference, contract = quant_linear_reference, QUANT_LINEAR
+    scale = scale.reshape(shape)
+    min_ = jnp.zeros((0,), jnp.float32) if min_ is None else min_.reshape(shape)
+    composite = _private.composite(reference, contract.name, contract.version)
     y = composite(x.reshape(math.prod(lead), k).astype(jnp.float32), qweight, scale, min_,
                   jnp.asarray(layer, jnp.int32).reshape(()), bits=int(bits), group=int(g))
     y = y.reshape(*lead, out)                                            # [..., N]

@@ -10,11 +10,11 @@ from typing import Mapping
 import numpy as np
 import torch
 from hloserve.quantization import primitives
-from hloserve.quantization.convert import QuantRecord, quantize_tensor, store
+from hloserve.quantization.convert import QuantRecord, interleaved, quantize_tensor, store
 from hloserve.quantization.schemes import QuantConfig, QuantizationError, WeightScheme
 
 from .llama import MATRICES, _layer_layout, fused_row_order, rope_inv_freq
-from .llama_quant import QuantizedLlamaWeights
+from .llama_quant import QuantizedLlamaWeights, tied_head
 
 # ggml type -> the scheme its blocks are, exactly
 GGUF_SCHEMES: Mapping[str, WeightScheme] = {
@@ -87,9 +87,12 @@ def llama_from_gguf(cfg, ckpt, config: QuantConfig, record: QuantRecord | None =
             idx = slice(None) if order is None else order.numpy()        # FUSED_ROWS
             q = {role: torch.from_numpy(np.stack([np.concatenate([b[role] for b in bl], 0)[idx] for bl in blocks]))
                  for role in blocks[0][0]}                               # [L, rows, ...] each
+            if scheme.for_linear(shape).rows:   # interleaved for the quant_linear version 2 kernel
+                scheme = scheme.for_linear(shape)
+                q = interleaved(q, scheme)
         else:
             q, scheme = quantize_tensor(torch.stack([dequantized(names, order) for names in per_layer]), config.scheme,
-                                         stacked)
+                                         stacked, linear=True)
         record.add(q, scheme, shape)
         store(layers, stacked, q)
         schemes[stacked] = scheme
@@ -104,13 +107,18 @@ def llama_from_gguf(cfg, ckpt, config: QuantConfig, record: QuantRecord | None =
             globals_[n] = torch.from_numpy(t.dequantize()).to(dtype)
             continue
         scheme = GGUF_SCHEMES.get(t.ggml_type)
+        linear = n == "lm_head"                                          # embed_tokens: gathered too
         if scheme is not None:
             q = {role: torch.from_numpy(a) for role, a in gguf_blocks(t).items()}
+            if linear and scheme.for_linear(t.shape).rows:
+                scheme = scheme.for_linear(t.shape)
+                q = interleaved(q, scheme)
         else:
-            q, scheme = quantize_tensor(torch.from_numpy(t.dequantize()), config.scheme, n)
+            q, scheme = quantize_tensor(torch.from_numpy(t.dequantize()), config.scheme, n, linear=linear)
         record.add(q, scheme, tuple(t.shape))
         store(globals_, n, q)
         schemes[n] = scheme
+    tied_head(globals_, schemes, record)
     return QuantizedLlamaWeights(cfg, dtype, layers, globals_, schemes, rope_inv_freq(cfg))
 
 

@@ -13,7 +13,7 @@ from typing import Mapping
 
 import torch
 import torch.nn.functional as F
-from hloserve.quantization.convert import QuantRecord, quantize_tensor, store
+from hloserve.quantization.convert import ROLE_SUFFIX, QuantRecord, interleaved, quantize_tensor, store
 from hloserve.quantization.schemes import MIN_SUFFIX, SCALE_SUFFIX, QuantConfig, WeightScheme
 
 from .llama import MATRICES
@@ -68,7 +68,7 @@ class QuantizedLlamaWeights(torch.nn.Module):
         s = self.schemes[name]
         mn = self.layers[name + MIN_SUFFIX] if name + MIN_SUFFIX in self.layers else None
         return torch.ops.hloserve.quantized_linear(x, self.layers[name], self.layers[name + SCALE_SUFFIX], mn, bias,
-                                                   layer, s.bits, s.group or 0)
+                                                   layer, s.bits, s.group or 0, s.rows)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         name = "embed_tokens" if self.lm_head is None else "lm_head"
@@ -78,7 +78,8 @@ class QuantizedLlamaWeights(torch.nn.Module):
         mn = getattr(self, name + MIN_SUFFIX, None)
         zero = torch.zeros((), dtype=torch.int32, device=h.device)
         return torch.ops.hloserve.quantized_linear(h, getattr(self, name)[None], getattr(self, name + SCALE_SUFFIX)[None],
-                                                   None if mn is None else mn[None], None, zero, s.bits, s.group or 0)
+                                                   None if mn is None else mn[None], None, zero, s.bits, s.group or 0,
+                                                   s.rows)
 
 
 def quantize_llama(weights, config: QuantConfig, record: QuantRecord | None = None) -> QuantizedLlamaWeights:
@@ -92,7 +93,7 @@ def quantize_llama(weights, config: QuantConfig, record: QuantRecord | None = No
     for n in weights.layer_names:
         t = weights.layers[n].detach()
         if n in MATRICES and not config.skipped(f"layers.{n}"):
-            q, scheme = quantize_tensor(t, config.scheme, f"layers.{n}")
+            q, scheme = quantize_tensor(t, config.scheme, f"layers.{n}", linear=True)
             record.add(q, scheme, tuple(t.shape))
             store(layers, n, q)
             schemes[n] = scheme
@@ -106,8 +107,27 @@ def quantize_llama(weights, config: QuantConfig, record: QuantRecord | None = No
         if config.skipped(n):
             globals_[n] = t.detach()
             continue
-        q, scheme = quantize_tensor(t, config.scheme, n)
+        q, scheme = quantize_tensor(t, config.scheme, n, linear=n == "lm_head")   # embed_tokens: gathered too
         record.add(q, scheme, tuple(t.shape))
         store(globals_, n, q)
         schemes[n] = scheme
+    tied_head(globals_, schemes, record)
     return QuantizedLlamaWeights(weights.cfg, weights.dtype, layers, globals_, schemes, weights.rope_inv_freq)
+
+
+def tied_head(globals_: dict[str, torch.Tensor], schemes: dict[str, WeightScheme], record: QuantRecord) -> None:
+    """A quantized table the head shares (tied embeddings) is stored a second time, interleaved by 16
+    rows, as `lm_head`: the head then runs the quant_linear version 2 kernel (the table's gathers
+    need it row by row). The same values; the artifact grows by the table's quantized bytes."""
+    if "lm_head" in globals_ or "embed_tokens" not in schemes:
+        return
+    table = {role: globals_["embed_tokens" + suffix] for role, suffix in ROLE_SUFFIX.items()
+             if "embed_tokens" + suffix in globals_}
+    shape = (table["qweight"].shape[0], schemes["embed_tokens"].stored_width(table["qweight"].shape[-1]))
+    scheme = schemes["embed_tokens"].for_linear(shape)
+    if not scheme.rows:
+        return
+    q = interleaved(table, scheme)
+    record.add(q, scheme, shape)
+    store(globals_, "lm_head", q)
+    schemes["lm_head"] = scheme

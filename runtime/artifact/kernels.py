@@ -98,4 +98,23 @@ QUANT_LINEAR = Composite(
            "computed in f32 in any association (the integer products are exact)",
 )
 
-COMPOSITES = {c.name: c for c in (PAGED_ATTENTION, LAYER_LINEAR, QUANT_LINEAR)}
+# Version 2: the same product with each layer's matrix interleaved by 16 rows, so that one 64-byte
+# read holds 4 (int8) or 8 (int4) consecutive elements of 16 rows (docs/quantization.md, "Version 2").
+QUANT_LINEAR_V2 = Composite(
+    name="hloserve.quant_linear",
+    version=2,
+    operands=(
+        "x f32[M, K]: activations",
+        "qweight [L, N/16, 16 K] s8 (bits 8: element (n, k) of a layer at (n // 16, 64 (k // 4) + 4 (n % 16) + k % 4)), "
+        "or [L, N/16, 8 K] u8 (bits 4: element (n, k) in byte (n // 16, 64 (k // 8) + 4 (n % 16) + k % 4), its low "
+        "nibble when k % 8 < 4, else its high one; two's complement when there is no min, unsigned when there is)",
+        "scale [L, N/16, K/group, 16]: f16 or f32, row n's scale for group g at (n // 16, g, n % 16)",
+        "min like scale (asymmetric), or f32[0] (symmetric: no min)",
+        "layer s32[]: the matrix used",
+    ),
+    attributes=QUANT_LINEAR.attributes,
+    result=QUANT_LINEAR.result,
+)
+
+# (name, version) -> contract
+COMPOSITES = {(c.name, c.version): c for c in (PAGED_ATTENTION, LAYER_LINEAR, QUANT_LINEAR, QUANT_LINEAR_V2)}

@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 from typing import Any, Callable
 
-from hloserve.runtime.artifact.kernels import COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, QUANT_LINEAR
+from hloserve.runtime.artifact.kernels import COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, QUANT_LINEAR, QUANT_LINEAR_V2
 
 from .._private import rewrite_composites
 from ..paths import cache_dir, untrusted
@@ -38,9 +38,11 @@ MARCH_ENV = "HLOSERVE_CPU_KERNEL_MARCH"
 # composite (name, version) -> FFI target in cpu_kernels.cc
 TARGETS = {(PAGED_ATTENTION.name, PAGED_ATTENTION.version): "hloserve_paged_attention",
            (LAYER_LINEAR.name, LAYER_LINEAR.version): "hloserve_layer_linear",
-           (QUANT_LINEAR.name, QUANT_LINEAR.version): "hloserve_quant_linear"}
+           (QUANT_LINEAR.name, QUANT_LINEAR.version): "hloserve_quant_linear",
+           (QUANT_LINEAR_V2.name, QUANT_LINEAR_V2.version): "hloserve_quant_linear_v2"}
 # What a kernel needs of a composite's attributes (the others run their decomposition)
-ACCEPTS = {"hloserve_quant_linear": lambda attrs: attrs["group"] % 32 == 0}   # whole 32-element vectors
+ACCEPTS = {"hloserve_quant_linear": lambda attrs: attrs["group"] % 32 == 0,   # whole 32-element vectors
+           "hloserve_quant_linear_v2": lambda attrs: attrs["group"] % 32 == 0}
 # Kernels that beat XLA only up to a number of rows (the first operand's dim 0): above it the
 # decomposition runs. layer_linear reads each weight once where XLA's dot copies and packs the
 # layer, which pays off once enough rows share the packed copy. Measured (AMD EPYC, AVX512-BF16,
@@ -49,11 +51,16 @@ ACCEPTS = {"hloserve_quant_linear": lambda attrs: attrs["group"] % 32 == 0}   # 
 def max_rows(target: str) -> int | None:
     native = _march() == "native"
     flags = _cpu_identity().split()
+    vnni = native and "avx512_vnni" in flags
     if target == "hloserve_quant_linear":
         # int8 x int8 (VNNI) against XLA dequantizing the layer to f32 for its dot: the kernel is the
         # faster to 64 rows and even at 256 (1B Llama MLP shape, 2026-11-25, docs/quantization.md);
         # the portable integer loop only at decode-sized row counts
-        return 64 if native and "avx512_vnni" in flags else 4
+        return 64 if vnni else 4
+    if target == "hloserve_quant_linear_v2":
+        # 16 interleaved rows per vpdpbusd: 4-5x XLA's dequantize-then-dot at 256 rows and more
+        # (docs/quantization.md, "Version 2"), so every row count runs it
+        return None if vnni else 4
     if target != "hloserve_layer_linear":
         return None
     # with AMX the kernel is bandwidth-bound to 64 rows too, and XLA's dot still the faster at 256
@@ -62,8 +69,10 @@ def max_rows(target: str) -> int | None:
 
 
 # A result's dims, as (operand, dim) pairs, where they are not the first operand's
-RESULT_DIMS = {"hloserve_layer_linear": ((0, 0), (1, 1)), "hloserve_quant_linear": ((0, 0), (1, 1))}
-CONTRACTS = {(c.name, c.version): c for c in COMPOSITES.values()}
+# (None: a static dim of the result)
+RESULT_DIMS = {"hloserve_layer_linear": ((0, 0), (1, 1)), "hloserve_quant_linear": ((0, 0), (1, 1)),
+               "hloserve_quant_linear_v2": ((0, 0), None)}
+CONTRACTS = COMPOSITES
 ENV = "HLOSERVE_CPU_KERNELS"     # "0" turns the kernels off (the portable decompositions run)
 
 
@@ -238,14 +247,20 @@ def specialize(exported: Any, library: Library | None) -> tuple[Any, int]:
 def custom_call(api, target: str, result_types, operands, config, dims=None):
     """An FFI custom call `target` (api v4) replacing a composite: `config` (the composite's
     attributes) as its backend config, and, where the result has symbolic dims, those dims as
-    (operand, dim) pairs (default: the first operand's) for shape refinement."""
+    (operand, dim) pairs, or None for a static dim (default: the first operand's), for shape refinement."""
     ir, hlo = api.ir, api.hlo
     shape = None
     if not all(ir.RankedTensorType(t).has_static_shape for t in result_types):
         i32 = ir.IntegerType.get_signless(32)
         dims = dims or [(0, d) for d in range(ir.RankedTensorType(operands[0].type).rank)]
-        shape = [hlo.concatenate([hlo.reshape(ir.RankedTensorType.get([1], i32), hlo.get_dimension_size(operands[i], d))
-                                  for i, d in dims], 0)]
+        result = ir.RankedTensorType(result_types[0])
+
+        def size(r: int, where):
+            if where is None:   # a static dim of the result
+                return hlo.constant(ir.DenseElementsAttr.get_splat(ir.RankedTensorType.get([1], i32),
+                                                                   ir.IntegerAttr.get(i32, result.get_dim_size(r))))
+            return hlo.reshape(ir.RankedTensorType.get([1], i32), hlo.get_dimension_size(operands[where[0]], where[1]))
+        shape = [hlo.concatenate([size(r, where) for r, where in enumerate(dims)], 0)]
     return api.mlir.custom_call(target, result_types=result_types, operands=operands, backend_config=config,
                                 api_version=4, result_shapes=shape)
 

@@ -1067,6 +1067,237 @@ ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+
+// -- hloserve_quant_linear_v2: the same product, matrices interleaved by 16 rows ---------------
+//
+// Version 2 of the composite stores each layer's matrix 16 rows at a time, k-step by k-step
+// (runtime/artifact/kernels.py QUANT_LINEAR_V2): int8, element (n, k) at byte
+// ((n / 16) * K/4 + k / 4) * 64 + (n % 16) * 4 + k % 4; int4, k-steps of 8 elements, byte
+// ((n / 16) * K/8 + k / 8) * 64 + (n % 16) * 4 + k % 4 holding element k in its low nibble
+// (k % 8 < 4) or k - 4 in its high one; scales and mins [N / 16, G, 16]. One 64-byte load is then
+// 16 matrix rows x 4 elements: vpdpbusd against 4 activation bytes broadcast gives each lane (a
+// matrix row) its exact integer sum, kept in int32 over the whole 32-element block, so the block
+// is scaled once (cvt, mul, fma per 16 rows x 32 elements, where version 1 does it per 64
+// elements of one row) and 16 outputs are stored at once, with no horizontal sums.
+struct QuantX2 {
+  std::vector<int8_t> xq;      // [M, K] (+ padding)
+  std::vector<float> d;        // [M, B] block scales
+  std::vector<int32_t> start;  // [M, B] -offset * (sum of the block's xq): the unsigned weights' correction
+  std::vector<float> xsum;     // [M, G] x8 summed over each weight group (the mins' term)
+};
+
+// x quantized per 32-element block as Q8_0 (d = max|x| / 127, xq = round_half_even(x / d)), like quantize_x
+QuantX2 quantize_x2(const float* x, int64_t M, int64_t K, int64_t G, int64_t group, int offset) {
+  const int64_t B = K / kXBlock;
+  QuantX2 r{std::vector<int8_t>(M * K + 64, 0), std::vector<float>(M * B, 0.f), std::vector<int32_t>(M * B, 0),
+            std::vector<float>(M * G, 0.f)};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = x + m * K + b * kXBlock;
+      int8_t* dst = r.xq.data() + m * K + b * kXBlock;
+      int32_t sum = 0;
+      float d = 0.f;
+#if defined(__AVX512F__)
+      const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+      d = amax / 127.f;
+      if (d > 0.f) {
+        const __m512 dv = _mm512_set1_ps(d);   // true division and round-to-nearest-even, as the reference
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_div_ps(a, dv)), qc = _mm512_cvtps_epi32(_mm512_div_ps(c, dv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qc));
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+      }
+#else
+      float amax = 0.f;
+      for (int64_t k = 0; k < kXBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      d = amax / 127.f;
+      for (int64_t k = 0; k < kXBlock; ++k) {
+        const int v = d > 0.f ? static_cast<int>(std::nearbyint(xb[k] / d)) : 0;
+        dst[k] = static_cast<int8_t>(v);
+        sum += v;
+      }
+#endif
+      r.d[m * B + b] = d;
+      r.start[m * B + b] = -offset * sum;
+      r.xsum[m * G + b * kXBlock / group] += d * static_cast<float>(sum);
+    }
+  return r;
+}
+
+struct QuantMatrix2 {
+  const uint8_t* q;     // the layer's interleaved bytes
+  const void* scale;    // [N / 16, G, 16], f16 or f32
+  const void* min;      // like scale, or nullptr
+  bool f16;
+  int bits;
+  int64_t N, K, G, group;
+};
+
+// row group g's scales (or mins) [G, 16] as f32: in place for f32, else widened into `buf`
+inline const float* group_scalars(const void* base, bool f16, int64_t g, int64_t G, std::vector<float>& buf) {
+  if (!f16) return static_cast<const float*>(base) + g * G * 16;
+  buf.resize(G * 16);
+  widen(base, true, g * G * 16, G * 16, buf.data());
+  return buf.data();
+}
+
+// the integer value of element k of matrix row n in the interleaved layout (portable path)
+inline int int_of2(const QuantMatrix2& w, int64_t n, int64_t k) {
+  if (w.bits == 8)
+    return static_cast<const int8_t*>(static_cast<const void*>(w.q))[((n / 16) * (w.K / 4) + k / 4) * 64 + (n % 16) * 4 + k % 4];
+  const uint8_t b = w.q[((n / 16) * (w.K / 8) + k / 8) * 64 + (n % 16) * 4 + k % 4];
+  const int v = (k % 8) < 4 ? (b & 0xF) : (b >> 4);
+  return w.min == nullptr && v > 7 ? v - 16 : v;
+}
+
+// row groups [g0, g1), portably: the integer block sums (the weights as they are, signed), then f32
+void quant2_portable(const QuantMatrix2& w, const QuantX2& x, int64_t M, int64_t g0, int64_t g1, float* out) {
+  const int64_t B = w.K / kXBlock, per_group = w.group / kXBlock;
+  std::vector<float> sbuf, mbuf;
+  for (int64_t rg = g0; rg < g1; ++rg) {
+    const float* ws = group_scalars(w.scale, w.f16, rg, w.G, sbuf);
+    const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, rg, w.G, mbuf) : nullptr;
+    for (int64_t n = rg * 16; n < (rg + 1) * 16; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        float total = 0.f;
+        const int8_t* xr = x.xq.data() + m * w.K;
+        for (int64_t b = 0; b < B; ++b) {
+          int32_t dot = 0;
+          for (int64_t k = b * kXBlock; k < (b + 1) * kXBlock; ++k) dot += xr[k] * int_of2(w, n, k);
+          total += static_cast<float>(dot) * (ws[(b / per_group) * 16 + n % 16] * x.d[m * B + b]);
+        }
+        for (int64_t g = 0; wm != nullptr && g < w.G; ++g) total += wm[g * 16 + n % 16] * x.xsum[m * w.G + g];
+        out[m * w.N + n] = total;
+      }
+  }
+}
+
+#if defined(__AVX512VNNI__)
+// one group of 16 matrix rows times MR rows of x (from m0): per block, int32 sums started at the
+// offset correction, then one f32 scaling per row of x; outputs 16 contiguous floats per row of x
+template <int BITS, bool SYM4, int MR>
+inline void quant2_tile(const uint8_t* q, const float* ws, const float* wm, const QuantX2& x, int64_t m0, int64_t K,
+                        int64_t G, int64_t per_group, float* out, int64_t N) {
+  const int64_t B = K / kXBlock;
+  constexpr int64_t kBlockBytes = BITS == 8 ? 16 * 32 : 16 * 16;
+  const __m512i flip = _mm512_set1_epi8(BITS == 8 ? static_cast<char>(0x80) : static_cast<char>(0x88));
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 facc[MR];
+  for (int j = 0; j < MR; ++j) facc[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    __m512i iacc[MR];
+    for (int j = 0; j < MR; ++j) iacc[j] = _mm512_set1_epi32(x.start[(m0 + j) * B + b]);
+    const uint8_t* qb = q + b * kBlockBytes;
+    const int8_t* xb = x.xq.data() + m0 * K + b * kXBlock;
+    if constexpr (BITS == 8) {
+      for (int s = 0; s < 8; ++s) {
+        const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(qb + s * 64), flip);   // q + 128
+        for (int j = 0; j < MR; ++j) {
+          int32_t four;
+          std::memcpy(&four, xb + j * K + s * 4, 4);
+          iacc[j] = _mm512_dpbusd_epi32(iacc[j], w, _mm512_set1_epi32(four));
+        }
+      }
+    } else {
+      for (int s = 0; s < 4; ++s) {
+        __m512i v = _mm512_loadu_si512(qb + s * 64);
+        if constexpr (SYM4) v = _mm512_xor_si512(v, flip);                          // q + 8, both nibbles
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int j = 0; j < MR; ++j) {
+          int32_t a, c;
+          std::memcpy(&a, xb + j * K + s * 8, 4);
+          std::memcpy(&c, xb + j * K + s * 8 + 4, 4);
+          iacc[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[j], lo, _mm512_set1_epi32(a)), hi,
+                                        _mm512_set1_epi32(c));
+        }
+      }
+    }
+    const __m512 sv = _mm512_loadu_ps(ws + (b / per_group) * 16);
+    for (int j = 0; j < MR; ++j)
+      facc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[j]), _mm512_mul_ps(sv, _mm512_set1_ps(x.d[(m0 + j) * B + b])),
+                                facc[j]);
+  }
+  for (int64_t g = 0; wm != nullptr && g < G; ++g) {
+    const __m512 mv = _mm512_loadu_ps(wm + g * 16);
+    for (int j = 0; j < MR; ++j) facc[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.xsum[(m0 + j) * G + g]), facc[j]);
+  }
+  for (int j = 0; j < MR; ++j) _mm512_storeu_ps(out + (m0 + j) * N, facc[j]);
+}
+
+template <int BITS, bool SYM4>
+void quant2_vnni(const QuantMatrix2& w, const QuantX2& x, int64_t M, int64_t g0, int64_t g1, float* out) {
+  const int64_t per_group = w.group / kXBlock;
+  const int64_t gbytes = BITS == 8 ? 16 * w.K : 8 * w.K;   // bytes per group of 16 rows
+  std::vector<float> sbuf, mbuf;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* q = w.q + g * gbytes;
+    const float* ws = group_scalars(w.scale, w.f16, g, w.G, sbuf);
+    const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, g, w.G, mbuf) : nullptr;
+    float* o = out + g * 16;
+    int64_t m = 0;
+    for (; m + 6 <= M; m += 6) quant2_tile<BITS, SYM4, 6>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N);
+    switch (M - m) {
+      case 5: quant2_tile<BITS, SYM4, 5>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+      case 4: quant2_tile<BITS, SYM4, 4>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+      case 3: quant2_tile<BITS, SYM4, 3>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+      case 2: quant2_tile<BITS, SYM4, 2>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+      case 1: quant2_tile<BITS, SYM4, 1>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+    }
+  }
+}
+#endif
+
+ffi::Error QuantLinear2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qweight, ffi::AnyBuffer scale,
+                        ffi::AnyBuffer min, ffi::Buffer<ffi::S32> layer, int64_t bits, int64_t group,
+                        ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions();
+  auto qd = qweight.dimensions();
+  auto sd = scale.dimensions();
+  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 4)
+    return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: x must be [M, K], qweight [L, N/16, 16 K | 8 K], "
+                                       "scale [L, N/16, G, 16]");
+  if (bits != 8 && bits != 4) return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: bits must be 8 or 4");
+  const int64_t M = xd[0], K = xd[1], L = qd[0], NG = qd[1], N = NG * 16;
+  const ffi::DataType want = bits == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
+  if (qweight.element_type() != want || qd[2] != (bits == 8 ? 16 * K : 8 * K))
+    return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: qweight must be s8 [L, N/16, 16 K] (bits 8) or "
+                                       "u8 [L, N/16, 8 K] (bits 4)");
+  if (group <= 0 || group % kXBlock || K % group)
+    return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: group must be a multiple of 32 dividing K");
+  const int64_t G = K / group;
+  const bool f16 = scale.element_type() == ffi::DataType::F16;
+  if ((!f16 && scale.element_type() != ffi::DataType::F32) || sd[0] != L || sd[1] != NG || sd[2] != G || sd[3] != 16)
+    return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: scale must be f16 or f32 [L, N/16, K / group, 16]");
+  const bool asym = min.element_count() != 0;
+  if (asym && (min.element_type() != scale.element_type() || min.element_count() != scale.element_count()))
+    return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: min must have scale's dtype and shape, or no elements");
+  if (asym && bits == 8) return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: int8 weights have no min");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: layer out of range");
+  const int64_t ssize = f16 ? 2 : 4, per_layer = N * G, qlayer = bits == 8 ? N * K : N * K / 2;
+  QuantMatrix2 w{static_cast<const uint8_t*>(qweight.untyped_data()) + l * qlayer,
+                 static_cast<const char*>(scale.untyped_data()) + l * per_layer * ssize,
+                 asym ? static_cast<const char*>(min.untyped_data()) + l * per_layer * ssize : nullptr, f16,
+                 static_cast<int>(bits), N, K, G, group};
+  const bool sym4 = bits == 4 && !asym;
+  const QuantX2 xq = quantize_x2(x.typed_data(), M, K, G, group, bits == 8 ? 128 : sym4 ? 8 : 0);
+  float* op = out->typed_data();
+  constexpr int64_t kGroupsPerTask = kLinearRows / 16;
+  const int64_t tasks = (NG + kGroupsPerTask - 1) / kGroupsPerTask;
+  parallel_for(pool, tasks, 1, [&](int64_t task) {
+    const int64_t g0 = task * kGroupsPerTask, g1 = std::min(NG, g0 + kGroupsPerTask);
+#if defined(__AVX512VNNI__)
+    if (bits == 8) quant2_vnni<8, false>(w, xq, M, g0, g1, op);
+    else if (sym4) quant2_vnni<4, true>(w, xq, M, g0, g1, op);
+    else quant2_vnni<4, false>(w, xq, M, g0, g1, op);
+#else
+    quant2_portable(w, xq, M, g0, g1, op);
+#endif
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_paged_attention, PagedAttention,
@@ -1095,6 +1326,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_layer_linear, LayerLinear,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear, QuantLinear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v2, QuantLinear2,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

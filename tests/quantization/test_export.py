@@ -30,16 +30,16 @@ class TinyLM(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(100, 64)
+        self.embed = torch.nn.Embedding(112, 64)
         self.up = torch.nn.Linear(64, 128)
         self.down = torch.nn.Linear(128, 64, bias=False)
-        self.head = torch.nn.Linear(64, 100, bias=False)
+        self.head = torch.nn.Linear(64, 112, bias=False)
         self.head.weight = self.embed.weight                             # tied
 
     def forward(self, ids):
         h = self.embed(ids)                                              # [B, S, 64]
         h = h + self.down(torch.nn.functional.gelu(self.up(h)))
-        return self.head(h)                                              # [B, S, 100]
+        return self.head(h)                                              # [B, S, 112]
 
 
 @pytest.mark.parametrize("spec", ["int8", "int8:32", "int4:32:sym", "int4:64"])
@@ -50,7 +50,8 @@ def test_module_swap_exports_and_matches_eager(spec, tmp_path):
         want_float = model(ids).numpy()
     record = quantize_module(model, QuantConfig.parse(spec))
     assert isinstance(model.embed, QuantizedEmbedding) and isinstance(model.up, QuantizedLinear)
-    assert model.head.weight is model.embed.weight                  # tied weights stay one tensor
+    # the tied head reads its own copy, interleaved by 16 rows (the table gathers rows): the same values
+    assert model.head.scheme.rows == 16 and model.embed.scheme.rows == 0
     with torch.no_grad():
         want = model(ids).numpy()
     seq = torch.export.Dim("seq", min=1, max=64)
@@ -65,19 +66,20 @@ def test_module_swap_exports_and_matches_eager(spec, tmp_path):
     bits = int(spec[3])
     w = manifest.weights
     assert w["up.weight"].dtype == ("i8" if bits == 8 else "u8")
-    assert w["up.weight"].shape == ((128, 64) if bits == 8 else (128, 32))
+    # linear layers are stored interleaved by 16 rows (quant_linear version 2): [128/16, 16 * 64 | 8 * 64]
+    assert w["up.weight"].shape == ((8, 1024) if bits == 8 else (8, 512))
     assert w["up.weight"].quant["role"] == "qweight" and w["up.weight"].quant["shape"] == [128, 64]
+    assert w["up.weight"].quant["rows"] == 16 and w["up.weight_scale"].shape[-1] == 16
     assert w["up.weight_scale"].quant == {**w["up.weight"].quant, "role": "scale"}
     assert w["up.bias"].quant is None and w["up.bias"].dtype == "f32"
     assert ("up.weight_min" in w) == (bits == 4 and not spec.endswith("sym"))
-    assert "head.weight" not in w or "embed.weight" not in w         # stored once
+    assert w["head.weight"].quant["rows"] == 16 and "rows" not in w["embed.weight"].quant
     # the StableHLO takes the stored integers as arguments: i8 (int8) or ui8 (packed int4)
     mlir = open(tmp_path / "functions" / "forward.mlir").read()
     main = re.search(r"func\.func public @main\((.*?)\)\s*->", mlir, re.S).group(1)
     assert ("xi8>" if bits == 8 else "xui8>") in main
     with open(tmp_path / "manifest.json") as f:
-        tied = json.load(f)["weights"].get("embed.weight") or w["head.weight"].to_json()
-        assert tied["quant"]["scheme"] == f"int{bits}"
+        assert json.load(f)["weights"]["embed.weight"]["quant"]["scheme"] == f"int{bits}"
 
 
 @pytest.mark.parametrize("spec", ["int8", "int4:32:asym"])
@@ -164,7 +166,9 @@ def test_llama_step_quantized_matches_eager(spec, hf_llama, tmp_path):
     qkv = m.weights["model.layers.qkv_proj"]
     L, rows, hidden = 2, 64 + 2 * 2 * 16, 64
     assert qkv.quant["shape"] == [L, rows, hidden]                  # stays stacked over layers
-    assert qkv.shape == ((L, rows, hidden) if spec == "int8" else (L, rows, hidden // 2))
+    # interleaved by 16 rows for the quant_linear version 2 kernel: [L, rows / 16, 16 hidden | 8 hidden]
+    assert qkv.quant["rows"] == 16
+    assert qkv.shape == ((L, rows // 16, 16 * hidden) if spec == "int8" else (L, rows // 16, 8 * hidden))
     assert m.weights["model.layers.input_layernorm"].quant is None
     mlir = open(tmp_path / "functions" / "decode.mlir").read()
     assert mlir.count("stablehlo.while") == 1                       # dequantized one layer per iteration

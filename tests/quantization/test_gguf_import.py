@@ -6,6 +6,8 @@ Real data: SmolLM2-135M-Instruct's Q4_1 file (layers Q4_1, tied embedding Q8_0).
 that file lacks, comes from gguf.quants.quantize on random data."""
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import jax
 import numpy as np
@@ -107,20 +109,27 @@ def test_llama_from_gguf_keeps_the_files_blocks(ckpt):
     cfg = LlamaConfig.from_hf(dict(ckpt.config))
     record = convert.QuantRecord()
     w = gguf_quant.llama_from_gguf(cfg, ckpt, QuantConfig.parse("gguf"), record)
-    assert w.schemes["qkv_proj"] == gguf_quant.GGUF_SCHEMES["Q4_1"] and w.schemes["embed_tokens"] == gguf_quant.GGUF_SCHEMES["Q8_0"]
-    assert w.lm_head is None                                           # tied: the head reads embed_tokens
+    # the layers' blocks interleaved by 16 rows (quant_linear version 2); the tied table row by row
+    assert w.schemes["qkv_proj"] == dataclasses.replace(gguf_quant.GGUF_SCHEMES["Q4_1"], rows=16)
+    assert w.schemes["embed_tokens"] == gguf_quant.GGUF_SCHEMES["Q8_0"]
+    # tied: the head reads the table's Q8_0 blocks again, interleaved by 16 rows (the table's gathers need rows)
+    assert w.schemes["lm_head"] == dataclasses.replace(gguf_quant.GGUF_SCHEMES["Q8_0"], rows=16)
+    head, head_scale, _ = modules.rows_in_order(w.lm_head, w.lm_head_scale, None, 8)
+    assert torch.equal(head, w.embed_tokens) and torch.equal(head_scale, w.embed_tokens_scale)
     L, rows = cfg.num_layers, cfg.q_size + 2 * cfg.kv_size
-    assert tuple(w.layers["qkv_proj"].shape) == (L, rows, cfg.hidden_size // 2)
-    assert tuple(w.layers["qkv_proj_scale"].shape) == (L, rows, cfg.hidden_size // 32)
+    assert tuple(w.layers["qkv_proj"].shape) == (L, rows // 16, 8 * cfg.hidden_size)
+    assert tuple(w.layers["qkv_proj_scale"].shape) == (L, rows // 16, cfg.hidden_size // 32, 16)
     assert w.layers["qkv_proj"].dtype == torch.uint8 and w.layers["qkv_proj_min"].dtype == torch.float16
     assert w.layers["input_layernorm"].dtype == torch.float32
     i = 17   # one layer's slice of the stacked storage dequantizes to the file's q, k, v rows exactly
-    got = modules.dequantize(w.layers["qkv_proj"][i], w.layers["qkv_proj_scale"][i], w.layers["qkv_proj_min"][i], 4, 32)
+    q, s, m = modules.rows_in_order(w.layers["qkv_proj"][i], w.layers["qkv_proj_scale"][i], w.layers["qkv_proj_min"][i], 4)
+    got = modules.dequantize(q, s, m, 8, 32)
     want = np.concatenate([ckpt.tensors[f"model.layers.{i}.self_attn.{p}_proj.weight"].dequantize() for p in "qkv"])
     want = want[fused_row_order(cfg, "qkv_proj").numpy()]             # grouped by KV head (FUSED_ROWS)
     np.testing.assert_array_equal(_bits(got.numpy()), _bits(want))
     entry = record("model.layers.gate_up_proj_min", w.layers["gate_up_proj_min"])
-    assert entry == {"scheme": "int4", "group": 32, "symmetric": False, "scale_dtype": "f16", "rounding": "minmax", "role": "min",
+    assert entry == {"scheme": "int4", "group": 32, "symmetric": False, "scale_dtype": "f16", "rounding": "minmax", "rows": 16,
+                     "role": "min",
                      "of": "model.layers.gate_up_proj", "shape": [L, 2 * cfg.intermediate_size, cfg.hidden_size]}
 
 

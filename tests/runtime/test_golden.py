@@ -77,7 +77,7 @@ def _bound(name: str, args: list, want: np.ndarray) -> np.ndarray:
     import jax.numpy as jnp
     import torch
 
-    from hloserve.quantization import primitives
+    from hloserve.quantization import modules, primitives
     from hloserve.quantization.modules import quantize_blocks
     if name.startswith("paged_attention"):
         return np.full(want.shape, 1e-5)
@@ -88,6 +88,14 @@ def _bound(name: str, args: list, want: np.ndarray) -> np.ndarray:
         xr = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
         return K * 2.0 ** -24 * (np.abs(xr) @ np.abs(w).T) + 1e-30
     qweight, scale, mn = args[1], args[2], args[3]
+    if name.startswith("quant_linear_v2"):   # interleaved by 16 rows: back to row order for the bound
+        bits = 4 if qweight.shape[2] == 8 * K else 8
+        mats = [modules.rows_in_order(*(torch.from_numpy(a[i]) if a.size else None for a in (qweight, scale, mn)), bits)
+                for i in range(qweight.shape[0])]
+        qweight = np.stack([q.numpy() for q, _, _ in mats])                 # int values [L, N, K]
+        scale = np.stack([sc.numpy() for _, sc, _ in mats])
+        mn = np.stack([m.numpy() for _, _, m in mats]) if mn.size else mn
+        bits = 8                                                             # int values, as int8 are
     bits = 4 if qweight.shape[2] * 2 == K else 8
     ints = (primitives.unpack_int4(qweight, signed=not mn.size) if bits == 4 else qweight).astype(np.float32)[layer]
     group = K // scale.shape[2]
@@ -108,9 +116,10 @@ def test_stored_composite_computes_what_it_did_through_kernel_and_decomposition(
     from jax import export
 
     from hloserve.runtime import kernels
-    from hloserve.runtime.artifact.kernels import LAYER_LINEAR, PAGED_ATTENTION, QUANT_LINEAR
+    from hloserve.runtime.artifact.kernels import LAYER_LINEAR, PAGED_ATTENTION, QUANT_LINEAR, QUANT_LINEAR_V2
 
-    composite = next(c for c in (PAGED_ATTENTION, LAYER_LINEAR, QUANT_LINEAR) if name.startswith(c.name.split(".")[1]))
+    composite = next(c for c in (PAGED_ATTENTION, LAYER_LINEAR, QUANT_LINEAR_V2, QUANT_LINEAR)
+                     if name.startswith(c.name.split(".")[1] + ("_v2" if c.version == 2 else "")))
     with open(os.path.join(COMPOSITES, f"{name}.jax_exported"), "rb") as f:
         exp = export.deserialize(bytearray(f.read()))
     stored = np.load(os.path.join(COMPOSITES, f"{name}.npz"))

@@ -187,12 +187,14 @@ def test_layer_linear_kernel_reads_only_its_layer(library):
     assert np.abs(np.asarray(fn(x, mine, np.int32(1)))).max() == 0
 
 
-def _quant_exported(q, bits, group):
-    from hloserve.exporter.lowerings.quantized import quant_linear_reference
+def _quant_exported(q, bits, group, version=1):
+    from hloserve.exporter.lowerings.quantized import quant_linear_reference, quant_linear_v2_reference
     from hloserve.runtime.artifact.kernels import QUANT_LINEAR
 
+    reference = quant_linear_reference if version == 1 else quant_linear_v2_reference
+
     def f(x, qweight, scale, mn, layer):
-        return _private.composite(quant_linear_reference, QUANT_LINEAR.name, QUANT_LINEAR.version)(
+        return _private.composite(reference, QUANT_LINEAR.name, version)(
             x, qweight, scale, mn, layer, bits=bits, group=group)
     (m,) = export.symbolic_shape("M")
     K = q["scale"].shape[2] * group
@@ -218,8 +220,9 @@ QUANT_SPECS = ["int8:channel", "int8", "int4:32:sym", "int4:32", "int4:64"]   # 
 
 
 @pytest.mark.parametrize("spec", QUANT_SPECS)
-@pytest.mark.parametrize("K,N", [(64, 70), (96, 33), (576, 17)])    # half chunks of 64 bytes; odd N
-def test_quant_linear_kernel_matches_decomposition_and_torch(library, spec, K, N):
+@pytest.mark.parametrize("K,N,version", [(64, 70, 1), (96, 33, 1), (576, 17, 1),   # half chunks of 64 bytes; odd N
+                                         (64, 48, 2), (96, 16, 2), (576, 64, 2)])  # 16 interleaved rows
+def test_quant_linear_kernel_matches_decomposition_and_torch(library, spec, K, N, version):
     """The quantized linear kernel, the decomposition and the torch op (dequantize in f32, then a
     matmul with x quantized to int8 per block of 32) agree, up to kernels.max_rows rows through the
     kernel and past it through the decomposition, on the layer asked for.
@@ -232,26 +235,35 @@ def test_quant_linear_kernel_matches_decomposition_and_torch(library, spec, K, N
     from hloserve.quantization.modules import quantize_blocks, quantized_linear
     rng = np.random.default_rng(K + N + len(spec))
     q, scheme, group = _quantized_stack(rng, spec, 3, N, K)
-    exp = _quant_exported(q, scheme.bits, group)
+    from hloserve.quantization import primitives
+    stored = q
+    if version == 2:
+        qw, sc, mn = primitives.interleave_rows(q["qweight"], q["scale"], q["min"] if q["min"].size else None, scheme.bits)
+        stored = {"qweight": qw, "scale": sc, "min": q["min"] if mn is None else mn}
+    exp = _quant_exported(stored, scheme.bits, group, version)
     portable_fn, _ = kernels.specialize(exp, None)
     kernel_fn, n_kernel = kernels.specialize(exp, library)
-    assert n_kernel == 1 and "custom_call @hloserve_quant_linear" in kernel_fn.mlir_module()
-    from hloserve.quantization import primitives
+    target = "hloserve_quant_linear" if version == 1 else "hloserve_quant_linear_v2"
+    assert n_kernel == 1 and f"custom_call @{target}(" in kernel_fn.mlir_module()
     ints = (primitives.unpack_int4(q["qweight"], signed=scheme.symmetric) if scheme.bits == 4
             else q["qweight"]).astype(np.float32)                                       # [L, N, K]
     s = np.repeat(q["scale"].astype(np.float32), group, axis=2)                         # [L, N, K]
     m = np.repeat(q["min"].astype(np.float32), group, axis=2) if q["min"].size else np.zeros_like(s)
-    limit = kernels.max_rows("hloserve_quant_linear")
-    args = [q["qweight"], q["scale"], q["min"]]
+    limit = kernels.max_rows(target) or 64
+    args = [stored["qweight"], stored["scale"], stored["min"]]
     for rows in (1, 3, 5, limit, limit + 1, 2 * limit + 3):
         x = rng.standard_normal((rows, K)).astype(np.float32)
         layer = np.int32(rows % 3)
         kernel = np.asarray(jax.jit(kernel_fn.call)(x, *args, layer))
         portable = np.asarray(jax.jit(portable_fn.call)(x, *args, layer))
         t = [torch.from_numpy(np.ascontiguousarray(a)) for a in args]
-        ref = quantized_linear(torch.from_numpy(x), t[0], t[1].reshape(3, N, -1) if group != K else t[1][..., 0],
-                               t[2] if q["min"].size else None, None, torch.tensor(layer), scheme.bits,
-                               scheme.group or 0).numpy()
+        if version == 1:
+            ref = quantized_linear(torch.from_numpy(x), t[0], t[1].reshape(3, N, -1) if group != K else t[1][..., 0],
+                                   t[2] if q["min"].size else None, None, torch.tensor(layer), scheme.bits,
+                                   scheme.group or 0).numpy()
+        else:
+            ref = quantized_linear(torch.from_numpy(x), t[0], t[1], t[2] if q["min"].size else None, None,
+                                   torch.tensor(layer), scheme.bits, scheme.group or 0, 16).numpy()
         x8 = quantize_blocks(torch.from_numpy(x)).numpy()
         offset = 0 if q["min"].size else 128 if scheme.bits == 8 else 8
         terms = np.abs(ints[layer] * s[layer]) + np.abs(m[layer]) + offset * np.abs(s[layer])
