@@ -261,7 +261,7 @@ def test_q4_k_import_within_f16_rounding(k_ckpt):
     """Q4_K -> int4 g32 asymmetric, f16 scale and min: q is kept; scale d*sc and min -dmin*m are
     exact in f32 and rounded once to f16 (relative error <= 2^-11; absolute <= 2^-25 below f16's
     normal range). So |ours - gguf| <= 15 e(scale) + e(min), plus one f32 rounding of each side."""
-    worst = 0.0
+    rounded = False
     for t in _k_tensors(k_ckpt, "Q4_K"):
         stored, scheme = gguf_quant.gguf_blocks(t)
         assert scheme == gguf_quant.GGUF_SCHEMES["Q4_K"] == WeightScheme(4, 32, False, "f16")
@@ -278,8 +278,8 @@ def test_q4_k_import_within_f16_rounding(k_ckpt):
         bound = np.repeat(15 * e(scale) + e(mn), 32, -1) + 2.0**-23 * 2 * np.abs(ref)
         err = np.abs(got - ref)
         assert (err <= bound).all(), (t.name, (err - bound).max())
-        worst = max(worst, float((err / np.repeat(scale, 32, -1)).max()))
-    assert 0 < worst < 15 * 2.0**-11 + 2.0**-11 * 63    # rounding happened; far below a step (1 scale)
+        rounded |= bool((err > 0).any())
+    assert rounded                                      # f16 rounding happened: the bound was tested
 
 
 def test_q6_k_import_within_half_a_step(k_ckpt):
@@ -305,7 +305,7 @@ def test_q6_k_import_within_half_a_step(k_ckpt):
         slack = 2.0**-23 * 2 * np.abs(ref)
         assert (err[~clips] <= step[~clips] / 2 + slack[~clips]).all(), t.name
         assert (err[clips] <= step[clips] + slack[clips]).all(), t.name
-    assert clips.any() or "embed" not in t.name                              # the planted case was seen
+        assert clips[0, 16] and err[0, 16] > step[0, 16] / 2, t.name        # the planted case, seen
 
 
 def test_llama_from_gguf_k_quant_schemes(k_ckpt):
