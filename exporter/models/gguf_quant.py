@@ -47,16 +47,24 @@ def _q6_k(f: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, None]:
     r = the one of sc_a, sc_b of larger magnitude (signed); scale = d * r / 4 (exact in f32);
     q8 = round(4 * q * sc / r), clipped to [-128, 127]. For r's sub-block q8 = 4q, so
     q8 * scale = q * (d * r): exact. For the other |4 q sc / r| <= 128, so the rounding costs at most
-    scale / 2, and the clip one scale, only when sc = -r and q = -32."""
+    scale / 2, and the clip one scale, only when sc = -r and q = -32: of such a pair (sc_b = -sc_a)
+    r is taken from the sub-block holding a -32 when only one does."""
     lead = f["q"].shape[:-1]                                             # [..., nb]
     sc = f["sc"].astype(np.int32).reshape(*lead, 8, 2)                   # [..., nb, pair, 2]
-    r = np.where(np.abs(sc[..., 0]) >= np.abs(sc[..., 1]), sc[..., 0], sc[..., 1])   # [..., nb, 8]
     q = f["q"].astype(np.int32).reshape(*lead, 8, 2, 16)                 # [..., nb, pair, 2, 16]
+    r = np.where(_q6_k_second(sc, q), sc[..., 1], sc[..., 0])           # [..., nb, 8]
     num = (4 * q * sc[..., None]).astype(np.float64)
     den = np.where(r == 0, 1, r)[..., None, None].astype(np.float64)
     q8 = np.where(r[..., None, None] == 0, 0, np.clip(np.round(num / den), -128, 127))
     scale = f["d"].astype(np.float32)[..., None] * r.astype(np.float32) / np.float32(4)   # [..., nb, 8]
     return q8.astype(np.int8).reshape(*lead, 256), scale, None
+
+
+def _q6_k_second(sc: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Whether Q6_K's pair scale r comes from the second sub-block: sc [..., 2], q [..., 2, 16] -> [...]."""
+    low = (q == -32).any(-1)                                             # [..., 2]
+    tie = (sc[..., 1] == -sc[..., 0]) & low[..., 1] & ~low[..., 0]       # the second must be r, or it clips
+    return (np.abs(sc[..., 1]) > np.abs(sc[..., 0])) | tie
 
 
 # ggml type -> block fields -> (q in element order [..., nb, block], scale, min or None) per group of 32

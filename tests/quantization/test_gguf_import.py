@@ -176,8 +176,8 @@ K_EMBED = "Q6_K"
 
 def _k_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
     """Random Q4_K / Q6_K blocks uint8 [rows, cols / 256 * size]: every bit random but the f16 scales,
-    drawn so the values are ~0.05 in size. Q6_K's first pair of sub-blocks gets opposite scales and a
-    q of -32 in the second (the one case that clips)."""
+    drawn so the values are ~0.05 in size. Q6_K's first two pairs of sub-blocks get opposite scales
+    and a q of -32 in both sub-blocks (the one case that clips) or only in the second."""
     size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1]
     b = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)      # [rows, nb, size]
 
@@ -189,9 +189,15 @@ def _k_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
         b[..., 0:2], b[..., 2:4] = f16(5e-5, 2e-4, False), f16(5e-5, 2e-4, False)   # d, dmin
     else:
         b[..., 208:210] = f16(5e-6, 2e-5, True)                                       # d
-        b[0, 0, 192:194] = np.array([50, -50], np.int8).view(np.uint8)                # sc of sub-blocks 0, 1
-        b[0, 0, 16] &= 0xF0                                                           # element 16: low bits 0
-        b[0, 0, 128 + 16] &= 0xFC                                                     # and high bits 0: q = -32
+        # pair 0 (sub-blocks 0, 1): opposite scales and q = -32 in both (elements 0 and 16): one clips
+        b[0, 0, 192:194] = np.array([50, -50], np.int8).view(np.uint8)
+        b[0, 0, [0, 16]] &= 0xF0                                                      # low 4 bits 0
+        b[0, 0, [128, 128 + 16]] &= 0xFC                                              # high 2 bits 0: q = -32
+        # pair 1 (sub-blocks 2, 3): opposite scales, q = -32 only in sub-block 3 (element 48): r is its
+        b[0, 0, 194:196] = np.array([40, -40], np.int8).view(np.uint8)
+        b[0, 0, 128:128 + 16] |= 0x04                                                 # elements 32-47: q >= -16
+        b[0, 0, 48] &= 0xF0
+        b[0, 0, 128 + 16] &= 0xF3                                                     # element 48: q = -32
     return b.reshape(rows, -1)
 
 
@@ -285,7 +291,8 @@ def test_q4_k_import_within_f16_rounding(k_ckpt):
 def test_q6_k_import_within_half_a_step(k_ckpt):
     """Q6_K -> int8 g32, f32 scale d*r/4 per pair of sub-blocks (r: the pair's scale of larger
     magnitude): the r sub-block is exact (q8 = 4q), the other within scale/2 of gguf's value
-    (plus one f32 rounding of each side), one scale where sc = -r and q = -32 clips 128 to 127."""
+    (plus one f32 rounding of each side), one scale where sc = -r and q = -32 clips 128 to 127: only
+    when both sub-blocks hold a -32 (else r is taken from the one that does)."""
     for t in _k_tensors(k_ckpt, "Q6_K"):
         stored, scheme = gguf_quant.gguf_blocks(t)
         assert scheme == WeightScheme(8, 32, True, "f32") and stored["scale"].dtype == np.float32
@@ -293,7 +300,9 @@ def test_q6_k_import_within_half_a_step(k_ckpt):
         got = _dequantized(stored, scheme, t.shape)
         f = t.block_fields()
         sc = f["sc"].astype(np.int64).reshape(t.shape[0], -1, 2)             # [out, groups, 2]
-        first = np.abs(sc[..., 0]) >= np.abs(sc[..., 1])                     # [out, groups]: r is sub-block 0
+        has32 = (f["q"].reshape(t.shape[0], -1, 2, 16) == -32).any(-1)      # [out, groups, 2]
+        swap = (sc[..., 1] == -sc[..., 0]) & has32[..., 1] & ~has32[..., 0]  # r from the one with a -32
+        first = (np.abs(sc[..., 0]) >= np.abs(sc[..., 1])) & ~swap           # [out, groups]: r is sub-block 0
         exact = np.stack([first, ~first], -1).repeat(16, -1).reshape(t.shape)
         np.testing.assert_array_equal(_bits(got[exact].astype(np.float32)), _bits(ref[exact]), err_msg=t.name)
         step = np.abs(stored["scale"].astype(np.float64)).repeat(32, -1)    # [out, in]
@@ -305,7 +314,8 @@ def test_q6_k_import_within_half_a_step(k_ckpt):
         slack = 2.0**-23 * 2 * np.abs(ref)
         assert (err[~clips] <= step[~clips] / 2 + slack[~clips]).all(), t.name
         assert (err[clips] <= step[clips] + slack[clips]).all(), t.name
-        assert clips[0, 16] and err[0, 16] > step[0, 16] / 2, t.name        # the planted case, seen
+        assert clips[0, 16] and err[0, 16] > step[0, 16] / 2, t.name        # the planted cases, seen
+        assert swap[0, 1] and exact[0, 48] and not clips[0, 32:64].any(), t.name
 
 
 def test_llama_from_gguf_k_quant_schemes(k_ckpt):
