@@ -1,7 +1,7 @@
 """Quantization benchmark: size, quality and decode speed of SmolLM2-135M-Instruct artifacts,
 MiniLM int8 embedding similarity, and the in-graph dequantization formulations on XLA.
 
-    python benchmarks/quant.py [--out DIR] [--variants f32,bf16w,int8,int4-g32,int4-g128,gguf]
+    python benchmarks/quant.py [--out DIR] [--variants f32,bf16w,int8,int4-g32,int4-g128,gguf] [--source S]
                                [--skip-ppl] [--skip-speed] [--skip-minilm] [--skip-micro]
                                [--window 256] [--max-tokens N] [--steps 300] [--rounds 20]
 
@@ -12,6 +12,8 @@ All measured in one run, on jax's default backend (CPU here):
     searched for least squared error) / int4-g32-sym-minmax (llama.cpp's Q4_0 rule) / int4-g128
     = requantized from that f32 (g128 falls back to g64 where the input dim is 576), gguf = the
     file's own Q4_1 (layers) and Q8_0 (tied embedding) blocks imported as int4 g32 asym / int8 g32;
+    `--source` takes another GGUF of the same model instead (e.g. a K-quant file made by
+    llama-quantize), whose f32 is then that file dequantized;
   * artifact bytes (weights.safetensors + functions/), and the ratio to f32;
   * perplexity on tests/data/web_genesis.txt (World English Bible, Genesis 1-19, public domain)
     through the exported `decode` function via hloserve.runtime: each window of W tokens is one
@@ -53,17 +55,17 @@ TEXT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "web_genes
 BLOCK = 16
 
 
-def export_variant(name: str, out: str) -> dict:
-    """Export the decode function of SmolLM2 in one variant (reused when already there)."""
+def export_variant(name: str, out: str, source: str = "smollm2-135m-instruct") -> dict:
+    """Export the decode function of SmolLM2 (from `source`) in one variant (reused when already there)."""
     from hloserve.exporter.export import export_artifact
     from hloserve.exporter.sources import load_source
 
     if os.path.exists(os.path.join(out, "manifest.json")):
         return {"export_s": None}
     t = time.perf_counter()
-    src = load_source("smollm2-135m-instruct", **VARIANTS[name])
+    src = load_source(source, **VARIANTS[name])
     entries = [e for e in src.entries if e.name == "decode"]
-    export_artifact(out, entries, source=f"smollm2-135m-instruct ({name})", model=src.model, files=src.files,
+    export_artifact(out, entries, source=f"{source} ({name})", model=src.model, files=src.files,
                     weight_quant=src.weight_quant)
     return {"export_s": time.perf_counter() - t}
 
@@ -308,6 +310,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/hloserve-quant-bench")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--source", default="smollm2-135m-instruct",
+                    help="the SmolLM2 checkpoint: the preset (default) or another GGUF file of it")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--steps", type=int, default=300)
@@ -322,22 +326,23 @@ def main(argv=None) -> int:
     results: dict = {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
                      "variants": {}}
     variants = args.variants.split(",")
+    label = "smollm2" if args.source == "smollm2-135m-instruct" else os.path.basename(args.source).removesuffix(".gguf")
     for v in variants:
-        path = os.path.join(args.out, f"smollm2-{v}")
-        r = export_variant(v, path)
+        path = os.path.join(args.out, f"{label}-{v}")
+        r = export_variant(v, path, args.source)
         r["bytes"] = artifact_bytes(path)
         results["variants"][v] = r
         print(f"[quant] {v}: exported, {r['bytes'] / 2**20:.1f} MiB", file=sys.stderr, flush=True)
     base = results["variants"].get("f32")
     for v, r in results["variants"].items():
-        path = os.path.join(args.out, f"smollm2-{v}")
+        path = os.path.join(args.out, f"{label}-{v}")
         if base:
             r["size_vs_f32"] = r["bytes"] / base["bytes"]
         if not args.skip_ppl:
             r.update(perplexity(path, args.window, args.max_tokens))
             print(f"[quant] {v}: ppl {r['ppl']:.4f}", file=sys.stderr, flush=True)
     if not args.skip_speed:
-        speeds = decode_speed({v: os.path.join(args.out, f"smollm2-{v}") for v in results["variants"]}, args.steps,
+        speeds = decode_speed({v: os.path.join(args.out, f"{label}-{v}") for v in results["variants"]}, args.steps,
                               rounds=args.rounds)
         for v, r in speeds.items():
             results["variants"][v].update(r)

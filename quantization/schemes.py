@@ -170,8 +170,9 @@ class QuantConfig:
       scheme: the scheme of every quantized weight.
       skip: fnmatch patterns of module / weight names left in float (e.g. "*embed*", "lm_head").
       spec: the user's spelling, for messages and the manifest.
-      native: keep a GGUF file's own blocks (Q8_0 -> int8 g32, Q4_0 -> int4 g32, Q4_1 -> int4 g32 asym)
-        instead of requantizing; `scheme` then applies to tensors of other ggml types.
+      native: keep a GGUF file's own blocks (Q8_0, Q5_0 -> int8 g32, Q4_0 -> int4 g32, Q4_1 -> int4 g32
+        asym; K-quants converted: Q4_K -> int4 g32 asym, Q6_K -> int8 g32) instead of requantizing;
+        `scheme` then applies to tensors of other ggml types.
     """
     scheme: WeightScheme
     skip: tuple[str, ...] = ()
@@ -198,7 +199,7 @@ class QuantConfig:
         +7% perplexity at g32 against +41% symmetric; docs/quantization.md) for 0.5 bit more a weight.
         """
         usage = ("use int8[:GROUP|:channel], int4[:GROUP[:asym|sym[:mse|minmax]]] (GROUP 32, 64, 128, ...) or gguf "
-                 "(keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks)")
+                 "(keep a GGUF file's own blocks: Q8_0/Q5_0/Q4_0/Q4_1, Q4_K/Q6_K converted)")
         parts = [p.strip().lower() for p in spec.split(":")]
         kind = parts[0]
         if kind == "gguf" and len(parts) == 1:

@@ -29,17 +29,23 @@ def _serve(args: argparse.Namespace) -> int:
         process = distributed.initialize()
         if not process.is_leader:
             from .serve import follow
-            follow(args.artifact, config, process)
+            follow(args.artifact, config, process, args.quantize)
             return 0
-    serve(args.artifact, host=args.host, port=args.port, config=config, log_level=args.log_level)
+    serve(args.artifact, host=args.host, port=args.port, config=config, log_level=args.log_level,
+          quantize=args.quantize)
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
-    from .config import DEFAULT_GRPC_PORT, ServeConfig
+    from .config import DEFAULT_GRPC_PORT, SERVE_QUANTIZE, ServeConfig
     d = ServeConfig()   # the defaults shown in --help are ServeConfig's, not copies
     sv = sub.add_parser(name, help="serve an artifact over HTTP (OpenAI API for LLMs, TF Serving predict otherwise)")
-    sv.add_argument("artifact", nargs="?", help="artifact directory (default: export and serve SmolLM2-135M-Instruct)")
+    sv.add_argument("artifact", nargs="?", help="artifact directory, or a GGUF file or preset exported into the cache "
+                    "once (default: export and serve SmolLM2-135M-Instruct)")
+    sv.add_argument("--quantize", default=SERVE_QUANTIZE, metavar="Q",
+                    help="weights of a GGUF file or preset when it is exported: auto (default: the file's own "
+                         "blocks, 'gguf', for one named here; bf16 for the default model), gguf, bf16, or any "
+                         "`hloserve export --quantize` spec (int8, int4, ...)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--grpc-port", type=int, metavar="N",

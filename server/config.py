@@ -17,6 +17,11 @@ from .core.scheduler import SchedulerConfig
 
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_GRPC_PORT = 8500   # TF Serving's
+# `hloserve serve --quantize`: "auto" is `gguf` (the file's own blocks: the smallest step time at one
+# or a few concurrent requests) for a GGUF file or preset named on the command line, bf16 for the
+# default model (no argument; twice the throughput at 16 concurrent requests until the integer
+# kernel catches up); "bf16" is DEFAULT_EXPORT_FLAGS; anything else is an export --quantize spec.
+SERVE_QUANTIZE = "auto"
 # Prompt text longer than this many characters per token of context is refused before tokenizing:
 # no tokenizer packs that much into the tokens a context holds, and tokenizing it would stall.
 MAX_PROMPT_CHARS_PER_TOKEN = 64

@@ -1,15 +1,19 @@
-"""`hloserve serve [ARTIFACT]`: build the service, start uvicorn, warm up in the background.
+"""`hloserve serve [ARTIFACT | MODEL.gguf | PRESET]`: build the service, start uvicorn, warm up in the background.
 
 /health answers at once; /ready answers 503 until warm-up has compiled every
 bucket (then the engine loop starts). With no ARTIFACT, the default model
 (SmolLM2-135M-Instruct) is exported into the cache on first use — in a
 subprocess, so the serving process itself never imports torch — with
 DEFAULT_EXPORT_FLAGS: bf16 weight matrices and KV cache under f32 activations, the
-form XLA:CPU serves fastest at the f32 model's perplexity (docs/performance.md).
+form XLA:CPU serves fastest at many concurrent requests (docs/performance.md). A GGUF file
+or a preset named on the command line is exported the same way, once, in the format
+`--quantize` picks (`auto`: the file's own blocks, `gguf`; docs/quantization.md "Which format
+to pick on a CPU").
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import shutil
@@ -23,7 +27,7 @@ from hloserve.runtime.artifact import LLMArtifact
 from hloserve.runtime.artifact.errors import HloserveError
 from hloserve.runtime.paths import cache_dir
 
-from .config import ServeConfig
+from .config import SERVE_QUANTIZE, ServeConfig
 from .services import LLMService, build_service
 from .wiring import load_runner
 
@@ -34,17 +38,33 @@ DEFAULT_PRESET = "smollm2-135m-instruct"
 # fused rows grouped for tensor parallelism, and the 16-bit matrices read in place through the
 # hloserve.layer_linear composite, version 1).
 DEFAULT_EXPORT_FLAGS = ("--weight-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16")
-DEFAULT_EXPORT_TAG = "bf16-s5"
+EXPORT_STEP = "s5"
+DEFAULT_EXPORT_TAG = f"bf16-{EXPORT_STEP}"
 log = logging.getLogger("hloserve.server")
 
 
-def default_artifact_path(preset: str = DEFAULT_PRESET) -> str:
+def export_choice(quantize: str, *, default_model: bool) -> tuple[tuple[str, ...], str]:
+    """(export flags, cache tag) of `hloserve serve --quantize` (see SERVE_QUANTIZE)."""
+    if quantize == "auto":
+        quantize = "bf16" if default_model else "gguf"
+    if quantize == "bf16":
+        return DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG
+    return ("--quantize", quantize), f"{quantize.lower().replace(':', '_')}-{EXPORT_STEP}"
+
+
+def default_artifact_path(preset: str = DEFAULT_PRESET, tag: str = DEFAULT_EXPORT_TAG) -> str:
     """Where `hloserve serve` keeps the default model's artifact (it may not exist yet)."""
-    return os.path.join(cache_dir(), "artifacts", f"{preset}-{DEFAULT_EXPORT_TAG}")
+    return os.path.join(cache_dir(), "artifacts", f"{preset}-{tag}")
 
 
-def default_artifact(preset: str = DEFAULT_PRESET) -> str:
-    """The default model's artifact, exported into the cache the first time.
+def default_artifact(preset: str = DEFAULT_PRESET, quantize: str = SERVE_QUANTIZE) -> str:
+    """The default model's artifact, exported into the cache the first time."""
+    flags, tag = export_choice(quantize, default_model=True)
+    return exported_artifact(preset, default_artifact_path(preset, tag), flags)
+
+
+def exported_artifact(source: str, path: str, flags: tuple[str, ...]) -> str:
+    """`hloserve export SOURCE FLAGS` into `path`, once (an existing artifact there is used as it is).
 
     A start killed mid-export (SIGKILL, OOM, a node going away) leaves no half-written artifact
     where the next start looks: the export is written into `PATH.partial-PID` and renamed into
@@ -52,19 +72,17 @@ def default_artifact(preset: str = DEFAULT_PRESET) -> str:
     processes left. Replicas sharing one cache may export at once; the first rename wins and the
     others use its artifact."""
     from hloserve.runtime.paths import partial_dir, remove_partials
-    path = default_artifact_path(preset)
     if os.path.exists(os.path.join(path, "manifest.json")):
         return path
     shutil.rmtree(path, ignore_errors=True)
     remove_partials(path)
     partial = partial_dir(path)
-    print(f"[hloserve] first run: exporting {preset} to {path} (once; later starts reuse it)", file=sys.stderr, flush=True)
-    cmd = [sys.executable, "-m", "hloserve.server.cli", "export", preset, "-o", partial, *DEFAULT_EXPORT_FLAGS]
+    print(f"[hloserve] first run: exporting {source} ({' '.join(flags)}) to {path} (once; later starts reuse it)",
+          file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "hloserve.server.cli", "export", source, "-o", partial, *flags]
     if subprocess.run(cmd).returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
-        from hloserve.runtime.artifact.errors import HloserveError
-        raise HloserveError(f"exporting the default model {preset} failed (see above); run `hloserve serve` again "
-                            f"to retry")
+        raise HloserveError(f"exporting {source} failed (see above); run `hloserve serve` again to retry")
     try:
         os.replace(partial, path)
     except OSError:                         # another replica renamed its export into place first
@@ -74,8 +92,33 @@ def default_artifact(preset: str = DEFAULT_PRESET) -> str:
     return path
 
 
+def serve_target(target: str | None, quantize: str = SERVE_QUANTIZE) -> tuple[str, str | None]:
+    """(the artifact `hloserve serve TARGET` serves, the model name it defaults to or None).
+
+    TARGET: None (the default model), an artifact directory (served as it is; --quantize must stay
+    auto), a .gguf file or a preset name (no path separator, nothing of that name here): exported
+    into the cache once per file (path, size, mtime) and format."""
+    if target is None:
+        return default_artifact(DEFAULT_PRESET, quantize), DEFAULT_PRESET
+    if os.path.isdir(target):
+        if quantize != "auto":
+            raise HloserveError(f"{target} is an exported artifact; --quantize {quantize} applies to a GGUF file or "
+                                f"preset (export it again with `hloserve export SOURCE --quantize {quantize}`)")
+        return target, None
+    flags, tag = export_choice(quantize, default_model=False)
+    if os.path.isfile(target) and target.endswith(".gguf"):
+        st = os.stat(target)
+        key = f"{os.path.abspath(target)}\0{st.st_size}\0{st.st_mtime_ns}".encode()
+        name = os.path.basename(target)[:-len(".gguf")]
+        where = f"{name}-{hashlib.sha256(key).hexdigest()[:12]}-{tag}"
+        return exported_artifact(target, os.path.join(cache_dir(), "artifacts", where), flags), name
+    if not os.path.exists(target) and os.sep not in target and not target.endswith(".gguf"):
+        return exported_artifact(target, default_artifact_path(target, tag), flags), target
+    return target, None   # build_service says what it is not
+
+
 def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 8000, config: ServeConfig | None = None,
-          log_level: str = "info") -> None:
+          log_level: str = "info", quantize: str = SERVE_QUANTIZE) -> None:
     import uvicorn
 
     from .http.app import create_app
@@ -84,9 +127,9 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
     for noisy in ("jax", "absl"):   # jax's backend probing (libtpu) and cache chatter: warnings only
         logging.getLogger(noisy).setLevel(logging.WARNING)
     config = config or ServeConfig()
-    if artifact_path is None and not config.served_model_names:   # the default model keeps its preset's name
-        config = dataclasses.replace(config, served_model_names=(DEFAULT_PRESET,))
-    path = artifact_path or default_artifact()
+    path, name = serve_target(artifact_path, quantize)
+    if name and not config.served_model_names:   # an exported preset or file keeps its own name
+        config = dataclasses.replace(config, served_model_names=(name,))
     print(f"[hloserve] loading {path}", file=sys.stderr, flush=True)
     service = build_service(path, config)
     grpc_port = config.grpc_port_for(llm=isinstance(service, LLMService))   # refused before anything compiles
@@ -134,10 +177,10 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
         raise HloserveError(f"{service.model_name}: {failed[0]}")
 
 
-def follow(artifact_path: str | None, config: ServeConfig, process) -> None:
+def follow(artifact_path: str | None, config: ServeConfig, process, quantize: str = SERVE_QUANTIZE) -> None:
     """A multi-host run's process > 0: load the same step, then run every step the leader sends
     until the leader stops (runtime/distributed.py). Serves nothing itself."""
-    path = artifact_path or default_artifact()
+    path, _ = serve_target(artifact_path, quantize)
     art = LLMArtifact.read(path)
     _, runner_cfg, _ = config.resolve(art.llm)
     print(f"[hloserve] process {process.index}/{process.count}: loading {path}", file=sys.stderr, flush=True)

@@ -1,10 +1,16 @@
-"""GGUF Q8_0 / Q4_0 / Q4_1 blocks imported as they are (no float round trip) into the Llama step's weights.
+"""GGUF blocks imported without a float round trip into the Llama step's weights.
 
     qw = llama_from_gguf(cfg, ckpt, config)             # the file's blocks, in QuantizedLlamaWeights
     build, record = gguf_weights_builder(config)        # what `hloserve export X.gguf --quantize gguf` uses
+
+Each ggml type in GGUF_SCHEMES converts to one of our schemes from its integer fields
+(GGUFTensor.block_fields), never through floats: Q8_0 / Q4_0 / Q4_1 / Q5_0 exactly, Q4_K with
+its sub-block scales rounded to f16, Q6_K with sub-blocks of 16 paired into groups of 32 (exact
+on the pair's larger scale). Bounds in docs/quantization.md ("GGUF import").
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import numpy as np
@@ -16,52 +22,127 @@ from hloserve.quantization.schemes import QuantConfig, QuantizationError, Weight
 from .llama import MATRICES, _layer_layout, fused_row_order, rope_inv_freq
 from .llama_quant import QuantizedLlamaWeights, tied_head
 
-# ggml type -> the scheme its blocks are, exactly
+# ggml type -> the scheme its blocks convert to (group 32 throughout)
 GGUF_SCHEMES: Mapping[str, WeightScheme] = {
-    "Q8_0": WeightScheme(8, 32, True, "f16"),
-    "Q4_0": WeightScheme(4, 32, True, "f16"),
-    "Q4_1": WeightScheme(4, 32, False, "f16"),
+    "Q8_0": WeightScheme(8, 32, True, "f16"),    # exact: q, d
+    "Q5_0": WeightScheme(8, 32, True, "f16"),    # exact: q - 16 in [-16, 15], d
+    "Q4_0": WeightScheme(4, 32, True, "f16"),    # exact: q - 8, d
+    "Q4_1": WeightScheme(4, 32, False, "f16"),   # exact: q, d, m
+    "Q4_K": WeightScheme(4, 32, False, "f16"),   # q; d * sc and -dmin * m rounded to f16 (2^-11 relative)
+    "Q6_K": WeightScheme(8, 32, True, "f32"),    # sub-blocks of 16 paired: exact on the larger scale
 }
 
 
-def gguf_blocks(t) -> dict[str, np.ndarray]:
-    """A Q8_0 / Q4_0 / Q4_1 GGUFTensor -> stored tensors in our layout, no float round trip.
+def _q4_k(f: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K sub-block j (32 elements): value = (d * sc_j) * q - dmin * m_j = q * scale_j + min_j, with
+    scale and min exact in f32 (an f16 times a 6-bit integer)."""
+    scale = f["d"].astype(np.float32)[..., None] * f["sc"].astype(np.float32)     # [..., nb, 8]
+    mn = -(f["dmin"].astype(np.float32)[..., None] * f["m"].astype(np.float32))   # [..., nb, 8]
+    return f["q"], scale, mn
 
-    Q8_0: q int8 [out, in], scale f16 [out, in/32]. Q4_0: (q - 8) packed signed, scale.
-    Q4_1: q packed unsigned, scale = d, min = m (value q * d + m, as gguf computes it).
+
+def _q6_k(f: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, None]:
+    """Q6_K sub-blocks a, b of 16 (value d * sc * q, q in [-32, 31]) -> one int8 group of 32.
+
+    r = the one of sc_a, sc_b of larger magnitude (signed); scale = d * r / 4 (exact in f32);
+    q8 = round(4 * q * sc / r), clipped to [-128, 127]. For r's sub-block q8 = 4q, so
+    q8 * scale = q * (d * r): exact. For the other |4 q sc / r| <= 128, so the rounding costs at most
+    scale / 2, and the clip one scale, only when sc = -r and q = -32: of such a pair (sc_b = -sc_a)
+    r is taken from the sub-block holding a -32 when only one does."""
+    lead = f["q"].shape[:-1]                                             # [..., nb]
+    sc = f["sc"].astype(np.int32).reshape(*lead, 8, 2)                   # [..., nb, pair, 2]
+    q = f["q"].astype(np.int32).reshape(*lead, 8, 2, 16)                 # [..., nb, pair, 2, 16]
+    r = np.where(_q6_k_second(sc, q), sc[..., 1], sc[..., 0])           # [..., nb, 8]
+    num = (4 * q * sc[..., None]).astype(np.float64)
+    den = np.where(r == 0, 1, r)[..., None, None].astype(np.float64)
+    q8 = np.where(r[..., None, None] == 0, 0, np.clip(np.round(num / den), -128, 127))
+    scale = f["d"].astype(np.float32)[..., None] * r.astype(np.float32) / np.float32(4)   # [..., nb, 8]
+    return q8.astype(np.int8).reshape(*lead, 256), scale, None
+
+
+def _q6_k_second(sc: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Whether Q6_K's pair scale r comes from the second sub-block: sc [..., 2], q [..., 2, 16] -> [...]."""
+    low = (q == -32).any(-1)                                             # [..., 2]
+    tie = (sc[..., 1] == -sc[..., 0]) & low[..., 1] & ~low[..., 0]       # the second must be r, or it clips
+    return (np.abs(sc[..., 1]) > np.abs(sc[..., 0])) | tie
+
+
+# ggml type -> block fields -> (q in element order [..., nb, block], scale, min or None) per group of 32
+_CONVERT = {
+    "Q8_0": lambda f: (f["q"], f["d"], None),
+    "Q5_0": lambda f: (f["q"].astype(np.int8) - 16, f["d"], None),
+    "Q4_0": lambda f: (f["q"].astype(np.int8) - 8, f["d"], None),
+    "Q4_1": lambda f: (f["q"], f["d"], f["m"]),
+    "Q4_K": _q4_k,
+    "Q6_K": _q6_k,
+}
+
+
+def gguf_blocks(t) -> tuple[dict[str, np.ndarray], WeightScheme]:
+    """A GGUFTensor of a GGUF_SCHEMES type -> (stored tensors in our layout, its scheme), no float round trip.
+
+    Q8_0: q int8 [out, in], scale f16 [out, in/32]. Q5_0: q - 16 as int8, scale d. Q4_0: (q - 8)
+    packed signed, scale d. Q4_1: q packed unsigned, scale = d, min = m (value q * d + m, as gguf
+    computes it). Q4_K: q packed unsigned, scale and min per sub-block of 32 (see _q4_k) rounded to
+    f16, or kept f32 where f16 would overflow. Q6_K: int8, f32 scale per pair of sub-blocks (_q6_k).
     """
-    f = t.block_fields()                                                 # d, m: [out, nb]; q: [out, nb, 32]
-    n_in = t.shape[-1]
-    q = f["q"].reshape(*t.shape[:-1], n_in)                              # [out, in]
-    if t.ggml_type == "Q8_0":
-        stored = {"qweight": np.ascontiguousarray(q.astype(np.int8))}
-    elif t.ggml_type == "Q4_0":
-        stored = {"qweight": primitives.pack_int4(q.astype(np.int8) - 8)}
-    elif t.ggml_type == "Q4_1":
-        stored = {"qweight": primitives.pack_int4(q.astype(np.int8))}
-    else:
+    scheme = GGUF_SCHEMES.get(t.ggml_type)
+    if scheme is None:
         raise QuantizationError(f"{t.gguf_name}: ggml type {t.ggml_type} has no direct import; "
                                 f"supported: {sorted(GGUF_SCHEMES)}")
-    stored["scale"] = np.ascontiguousarray(f["d"])
-    if "m" in f:
-        stored["min"] = np.ascontiguousarray(f["m"])
-    return stored
+    lead, n_in = t.shape[:-1], t.shape[-1]
+    q, scale, mn = _CONVERT[t.ggml_type](t.block_fields())
+    sdt = np.float16 if scheme.scale_dtype == "f16" else np.float32
+    with np.errstate(over="ignore"):
+        if scale.dtype != sdt and not all(np.isfinite(a.astype(sdt)).all() for a in (scale, mn) if a is not None):
+            scheme, sdt = dataclasses.replace(scheme, scale_dtype="f32"), np.float32
+    q = q.reshape(*lead, n_in).astype(np.int8)                           # [out, in]
+    stored = {"qweight": primitives.pack_int4(q) if scheme.bits == 4 else np.ascontiguousarray(q),
+              "scale": np.ascontiguousarray(scale.astype(sdt).reshape(*lead, n_in // 32))}
+    if mn is not None:
+        stored["min"] = np.ascontiguousarray(mn.astype(sdt).reshape(*lead, n_in // 32))
+    return stored, scheme
+
+
+def _parts(ts: list, target: WeightScheme, where: str) -> tuple[list[dict[str, np.ndarray]], WeightScheme]:
+    """Tensors that are one stored weight (a stack's layers and q/k/v parts) -> their stored tensors
+    in one scheme: each part's own blocks where its GGUF_SCHEMES entry has the scheme's bits and
+    symmetry, requantized from its float values with `target` otherwise; f16 scales are widened
+    to f32 (exactly) when any part needs f32."""
+    natives = [GGUF_SCHEMES.get(t.ggml_type) for t in ts]
+    kinds = {(s.bits, s.symmetric) for s in natives if s is not None}
+    if None not in natives and len(kinds) == 1:
+        target = natives[0]
+    out, schemes = [], []
+    for t, s in zip(ts, natives):
+        if s is not None and (s.bits, s.symmetric) == (target.bits, target.symmetric):
+            stored, s = gguf_blocks(t)
+        else:
+            q, s = quantize_tensor(torch.from_numpy(t.dequantize()), target, where)
+            stored = {role: a.numpy() for role, a in q.items()}
+        out.append(stored)
+        schemes.append(s)
+    if len({dataclasses.replace(s, scale_dtype="f32", rounding="minmax") for s in schemes}) != 1:
+        raise QuantizationError(f"{where}: its parts convert to different schemes ({sorted({s.describe() for s in schemes})}); "
+                                f"--quantize-skip it")
+    if any(s.scale_dtype == "f32" for s in schemes):
+        out = [{r: a.astype(np.float32) if r != "qweight" else a for r, a in st.items()} for st in out]
+        return out, dataclasses.replace(schemes[0], scale_dtype="f32")
+    return out, schemes[0]
 
 
 def llama_from_gguf(cfg, ckpt, config: QuantConfig, record: QuantRecord | None = None,
                     dtype: torch.dtype = torch.float32) -> QuantizedLlamaWeights:
     """QuantizedLlamaWeights straight from a GGUF checkpoint's blocks.
 
-    A stacked weight whose parts (every layer's q/k/v, ...) all have one of GGUF_SCHEMES's
-    types keeps the file's blocks; otherwise (F16/F32, K-quants, mixed types) it is dequantized
-    and requantized with config.scheme. Skipped names stay float.
+    Each stacked weight (every layer's q/k/v, ...) and each head gets one scheme: the common one
+    of its parts' GGUF_SCHEMES entries when they agree in bits and symmetry (each part converted
+    from its blocks), else config.scheme, with the parts whose blocks have that scheme's bits and
+    symmetry converted and the rest (F16/F32, Q5_K, Q2_K, ..., or a Q4_K layer in a stack of Q6_K
+    ones) dequantized and requantized. Skipped names stay float.
     """
     record = record if record is not None else QuantRecord()
     tensors = ckpt.tensors
-
-    def native(names: list[str]) -> WeightScheme | None:
-        kinds = {tensors[n].ggml_type for n in names}
-        return GGUF_SCHEMES.get(kinds.pop()) if len(kinds) == 1 else None
 
     def dequantized(names: list[str], order: torch.Tensor | None) -> torch.Tensor:
         rows = torch.cat([torch.from_numpy(tensors[n].dequantize()) for n in names], 0)
@@ -81,18 +162,15 @@ def llama_from_gguf(cfg, ckpt, config: QuantConfig, record: QuantRecord | None =
         if stacked not in MATRICES or config.skipped(f"layers.{stacked}"):
             layers[stacked] = torch.stack([dequantized(names, order) for names in per_layer]).to(dtype)
             continue
-        scheme = native(flat)
-        if scheme is not None:
-            blocks = [[gguf_blocks(tensors[n]) for n in names] for names in per_layer]
-            idx = slice(None) if order is None else order.numpy()        # FUSED_ROWS
-            q = {role: torch.from_numpy(np.stack([np.concatenate([b[role] for b in bl], 0)[idx] for bl in blocks]))
-                 for role in blocks[0][0]}                               # [L, rows, ...] each
-            if scheme.for_linear(shape).rows:   # interleaved for the quant_linear version 2 kernel
-                scheme = scheme.for_linear(shape)
-                q = interleaved(q, scheme)
-        else:
-            q, scheme = quantize_tensor(torch.stack([dequantized(names, order) for names in per_layer]), config.scheme,
-                                         stacked, linear=True)
+        parts, scheme = _parts([tensors[n] for n in flat], config.scheme, stacked)
+        per = len(parts) // cfg.num_layers                               # parts per layer (q, k, v: 3)
+        idx = slice(None) if order is None else order.numpy()            # FUSED_ROWS
+        q = {role: torch.from_numpy(np.stack([np.concatenate([p[role] for p in parts[i * per:(i + 1) * per]], 0)[idx]
+                                              for i in range(cfg.num_layers)]))
+             for role in parts[0]}                                       # [L, rows, ...] each
+        if scheme.for_linear(shape).rows:   # interleaved by 16 rows for the quant_linear version 2 kernel
+            scheme = scheme.for_linear(shape)
+            q = interleaved(q, scheme)
         record.add(q, scheme, shape)
         store(layers, stacked, q)
         schemes[stacked] = scheme
@@ -106,15 +184,11 @@ def llama_from_gguf(cfg, ckpt, config: QuantConfig, record: QuantRecord | None =
         if config.skipped(n):
             globals_[n] = torch.from_numpy(t.dequantize()).to(dtype)
             continue
-        scheme = GGUF_SCHEMES.get(t.ggml_type)
-        linear = n == "lm_head"                                          # embed_tokens: gathered too
-        if scheme is not None:
-            q = {role: torch.from_numpy(a) for role, a in gguf_blocks(t).items()}
-            if linear and scheme.for_linear(t.shape).rows:
-                scheme = scheme.for_linear(t.shape)
-                q = interleaved(q, scheme)
-        else:
-            q, scheme = quantize_tensor(torch.from_numpy(t.dequantize()), config.scheme, n, linear=linear)
+        parts, scheme = _parts([t], config.scheme, n)
+        q = {role: torch.from_numpy(a) for role, a in parts[0].items()}
+        if n == "lm_head" and scheme.for_linear(tuple(t.shape)).rows:   # embed_tokens is gathered too: rows
+            scheme = scheme.for_linear(tuple(t.shape))
+            q = interleaved(q, scheme)
         record.add(q, scheme, tuple(t.shape))
         store(globals_, n, q)
         schemes[n] = scheme

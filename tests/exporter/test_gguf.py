@@ -223,8 +223,11 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray
 
 
 def _write_gguf(path: str, arch: str, hf_cfg, state: dict[str, np.ndarray], *, rope_scaling=None,
-                add_bos: bool = True) -> None:
-    """A GGUF file as llama.cpp's converter writes it for `arch` (F32 tensors; q/k permuted for llama)."""
+                add_bos: bool = True, raw: dict | None = None) -> None:
+    """A GGUF file as llama.cpp's converter writes it for `arch` (F32 tensors; q/k permuted for llama).
+
+    raw: HF name -> (uint8 blocks [rows, row bytes], ggml type name), written as those blocks in place
+    of state's float values (rows permuted for llama q/k like the floats)."""
     import gguf
     from gguf.tensor_mapping import get_tensor_name_map
     w = gguf.GGUFWriter(path, arch)
@@ -261,12 +264,14 @@ def _write_gguf(path: str, arch: str, hf_cfg, state: dict[str, np.ndarray], *, r
         if name == "lm_head.weight" and hf_cfg.tie_word_embeddings:
             continue
         base, _, suffix = name.rpartition(".")
-        value = value.astype(np.float32)
+        blocks, kind = (raw or {}).get(name, (None, None))
+        value = value.astype(np.float32) if blocks is None else blocks
         if arch == "llama" and ".q_proj." in name:
             value = _llama_cpp_permute(value, heads, heads)
         elif arch == "llama" and ".k_proj." in name:
             value = _llama_cpp_permute(value, heads, kv)
-        w.add_tensor(f"{names.get_name(base)}.{suffix}", value)
+        w.add_tensor(f"{names.get_name(base)}.{suffix}", value,
+                     raw_dtype=None if kind is None else gguf.GGMLQuantizationType[kind])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

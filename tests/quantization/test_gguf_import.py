@@ -1,9 +1,11 @@
-"""GGUF Q8_0 / Q4_0 / Q4_1 blocks imported without a float round trip, checked bit for bit
-against the gguf package's own dequantization (gguf.quants.dequantize), in NumPy, in the torch
-eager op, in the jax lowering, and through an exported artifact run by hloserve.runtime.
+"""GGUF blocks imported without a float round trip, checked against the gguf package's own
+dequantization (gguf.quants.dequantize): Q8_0 / Q4_0 / Q4_1 / Q5_0 bit for bit, in NumPy, in the
+torch eager op, in the jax lowering, and through an exported artifact run by hloserve.runtime;
+K-quants (Q4_K, Q6_K) within the bounds their conversion derives (docs/quantization.md).
 
-Real data: SmolLM2-135M-Instruct's Q4_1 file (layers Q4_1, tied embedding Q8_0). Q4_0, which
-that file lacks, comes from gguf.quants.quantize on random data."""
+Real data: SmolLM2-135M-Instruct's Q4_1 file (layers Q4_1, tied embedding Q8_0). Q4_0 and Q5_0,
+which that file lacks, come from gguf.quants.quantize on random data; K-quants (gguf-py cannot
+quantize them) are random bytes with realistic f16 scales, written into a tiny Llama GGUF file."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +21,7 @@ from hloserve.exporter.models.gguf import GGUFTensor, load_gguf
 from hloserve.exporter.models import gguf_quant
 from hloserve.exporter.models.llama import fused_row_order
 from hloserve.quantization import convert, modules, primitives
-from hloserve.quantization.schemes import QuantConfig
+from hloserve.quantization.schemes import QuantConfig, WeightScheme
 from hloserve.runtime.artifact.llm import LLMSpec, pack_step
 
 
@@ -34,8 +36,7 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 
 def _check_bit_exact(t: GGUFTensor) -> None:
-    stored = gguf_quant.gguf_blocks(t)
-    scheme = gguf_quant.GGUF_SCHEMES[t.ggml_type]
+    stored, scheme = gguf_quant.gguf_blocks(t)
     ref = t.dequantize()                                              # gguf.quants.dequantize
     qa = primitives.QuantizedArray(stored["qweight"], stored["scale"], stored.get("min"), scheme, t.shape)
     assert stored["qweight"].dtype == (np.int8 if scheme.bits == 8 else np.uint8)
@@ -63,7 +64,7 @@ def test_smollm2_embedding_q8_0_bit_exact(ckpt):
     _check_bit_exact(t)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0"])
 def test_synthetic_blocks_bit_exact(qtype):
     kind = gguf.GGMLQuantizationType[qtype]
     rng = np.random.default_rng(0)
@@ -92,7 +93,7 @@ def test_through_artifact_bit_exact(ckpt, tmp_path):
             return self.q(i), self.e(j)
 
     tq, te = ckpt.tensors["model.layers.3.self_attn.q_proj.weight"], ckpt.tensors["model.embed_tokens.weight"]
-    blocks = {k: ({r: torch.from_numpy(a) for r, a in gguf_quant.gguf_blocks(t).items()}, t.shape)
+    blocks = {k: ({r: torch.from_numpy(a) for r, a in gguf_quant.gguf_blocks(t)[0].items()}, t.shape)
               for k, t in (("q", tq), ("e", te))}
     i = torch.tensor([0, 5, 575, 100], dtype=torch.int32)
     j = torch.tensor([0, 1, 49151, 1234, 7], dtype=torch.int32)
@@ -168,3 +169,208 @@ def test_native_export_matches_the_dequantized_model(tmp_path):
     diff = np.abs((got - got.mean()) - (want - want.mean()))
     assert diff.max() < 0.06 * top and diff.mean() < 0.01 * top, (diff.max(), diff.mean(), top)
     assert int(got.argmax()) == int(want.argmax())
+
+
+# -- K-quants: a tiny Llama GGUF whose layers are Q4_K / Q6_K / Q5_0 blocks ----------------------
+# HF name (layer i) -> ggml type of layer 0, layer 1. Rows of K-quants are whole super-blocks of 256.
+K_LAYERS = {
+    "self_attn.q_proj.weight": ("Q4_K", "Q4_K"), "self_attn.k_proj.weight": ("Q4_K", "Q4_K"),
+    "self_attn.v_proj.weight": ("Q4_K", "Q4_K"), "self_attn.o_proj.weight": ("Q4_K", "Q4_K"),
+    "mlp.gate_proj.weight": ("Q4_K", "Q4_K"),
+    "mlp.up_proj.weight": ("Q6_K", "Q6_K"),      # gate_up mixes 4 and 6 bits: int8, the Q4_K part requantized
+    "mlp.down_proj.weight": ("Q6_K", "Q5_0"),    # both int8: converted, Q5_0's f16 scales widened to f32
+}
+K_EMBED = "Q6_K"
+
+
+def _k_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Random Q4_K / Q6_K blocks uint8 [rows, cols / 256 * size]: every bit random but the f16 scales,
+    drawn so the values are ~0.05 in size. Q6_K's first two pairs of sub-blocks get opposite scales
+    and a q of -32 in both sub-blocks (the one case that clips) or only in the second."""
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1]
+    b = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)      # [rows, nb, size]
+
+    def f16(lo: float, hi: float, signed: bool) -> np.ndarray:
+        v = rng.uniform(lo, hi, b.shape[:2]) * (rng.choice([-1.0, 1.0], b.shape[:2]) if signed else 1.0)
+        return v.astype(np.float16)[..., None].view(np.uint8)                 # [rows, nb, 2]
+
+    if kind == "Q4_K":
+        b[..., 0:2], b[..., 2:4] = f16(5e-5, 2e-4, False), f16(5e-5, 2e-4, False)   # d, dmin
+    else:
+        b[..., 208:210] = f16(5e-6, 2e-5, True)                                       # d
+        # pair 0 (sub-blocks 0, 1): opposite scales and q = -32 in both (elements 0 and 16): one clips
+        b[0, 0, 192:194] = np.array([50, -50], np.int8).view(np.uint8)
+        b[0, 0, [0, 16]] &= 0xF0                                                      # low 4 bits 0
+        b[0, 0, [128, 128 + 16]] &= 0xFC                                              # high 2 bits 0: q = -32
+        # pair 1 (sub-blocks 2, 3): opposite scales, q = -32 only in sub-block 3 (element 48): r is its
+        b[0, 0, 194:196] = np.array([40, -40], np.int8).view(np.uint8)
+        b[0, 0, 128:128 + 16] |= 0x04                                                 # elements 32-47: q >= -16
+        b[0, 0, 48] &= 0xF0
+        b[0, 0, 128 + 16] &= 0xF3                                                     # element 48: q = -32
+    return b.reshape(rows, -1)
+
+
+def write_k_gguf(path: str) -> str:
+    """A tiny Llama GGUF (2 layers, hidden 256, 4 heads, 2 KV heads, byte-level vocabulary of 258,
+    tied embedding) whose matrices are K_LAYERS's / K_EMBED's blocks; returns path."""
+    import transformers
+
+    from tests.exporter.test_gguf import _write_gguf
+    cfg = transformers.LlamaConfig(vocab_size=258, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=True, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    state = {k: v.detach().numpy() for k, v in transformers.LlamaForCausalLM(cfg).state_dict().items()}
+    rng = np.random.default_rng(0)
+    raw = {"model.embed_tokens.weight": (_k_blocks(K_EMBED, 258, 256, rng), K_EMBED)}
+    for part, kinds in K_LAYERS.items():
+        for i, kind in enumerate(kinds):
+            name = f"model.layers.{i}.{part}"
+            rows, cols = state[name].shape
+            blocks = (gguf.quants.quantize(state[name], gguf.GGMLQuantizationType[kind]) if kind == "Q5_0"
+                      else _k_blocks(kind, rows, cols, rng))
+            raw[name] = (blocks, kind)
+    _write_gguf(path, "llama", cfg, state, raw=raw)
+    return path
+
+
+@pytest.fixture(scope="module")
+def k_gguf(tmp_path_factory) -> str:
+    return write_k_gguf(str(tmp_path_factory.mktemp("kquant") / "tiny-k.gguf"))
+
+
+@pytest.fixture(scope="module")
+def k_ckpt(k_gguf):
+    return load_gguf(k_gguf)
+
+
+def _k_tensors(ckpt, kind: str) -> list[GGUFTensor]:
+    found = [t for t in ckpt.tensors.values() if t.ggml_type == kind]
+    assert found, kind
+    return found
+
+
+def test_k_quant_fields_give_gguf_values(k_ckpt):
+    """Q4_K / Q6_K block fields (sub-block scales unpacked from 6 bits, bit planes joined) give
+    gguf.quants.dequantize bit for bit with the documented formulas; so does Q4_K's f32 scale/min."""
+    for t in _k_tensors(k_ckpt, "Q4_K") + _k_tensors(k_ckpt, "Q6_K"):
+        f = t.block_fields()
+        per = 32 if t.ggml_type == "Q4_K" else 16
+        q = f["q"].astype(np.float32).reshape(*f["sc"].shape, per)          # [out, nb, sub, per]
+        ds = (f["d"].astype(np.float32)[..., None] * f["sc"].astype(np.float32))[..., None]
+        got = ds * q
+        if t.ggml_type == "Q4_K":
+            got = got - (f["dmin"].astype(np.float32)[..., None] * f["m"].astype(np.float32))[..., None]
+            q4, scale, mn = gguf_quant._q4_k(f)                              # as stored with f32 scales
+            again = q4.astype(np.float32).reshape(q.shape) * scale[..., None] + mn[..., None]
+            np.testing.assert_array_equal(_bits(again.reshape(t.shape)), _bits(t.dequantize()), err_msg=t.name)
+        np.testing.assert_array_equal(_bits(got.reshape(t.shape)), _bits(t.dequantize()), err_msg=t.name)
+
+
+def _dequantized(stored: dict, scheme, shape) -> np.ndarray:
+    return primitives.dequantize(primitives.QuantizedArray(stored["qweight"], stored["scale"], stored.get("min"),
+                                                           scheme, tuple(shape))).astype(np.float64)
+
+
+def test_q4_k_import_within_f16_rounding(k_ckpt):
+    """Q4_K -> int4 g32 asymmetric, f16 scale and min: q is kept; scale d*sc and min -dmin*m are
+    exact in f32 and rounded once to f16 (relative error <= 2^-11; absolute <= 2^-25 below f16's
+    normal range). So |ours - gguf| <= 15 e(scale) + e(min), plus one f32 rounding of each side."""
+    rounded = False
+    for t in _k_tensors(k_ckpt, "Q4_K"):
+        stored, scheme = gguf_quant.gguf_blocks(t)
+        assert scheme == gguf_quant.GGUF_SCHEMES["Q4_K"] == WeightScheme(4, 32, False, "f16")
+        assert stored["scale"].dtype == stored["min"].dtype == np.float16
+        ref = t.dequantize().astype(np.float64)
+        got = _dequantized(stored, scheme, t.shape)
+        f = t.block_fields()
+        scale = np.abs(f["d"].astype(np.float64)[..., None] * f["sc"]).reshape(t.shape[0], -1)   # [out, in/32]
+        mn = np.abs(f["dmin"].astype(np.float64)[..., None] * f["m"]).reshape(t.shape[0], -1)
+
+        def e(x):
+            return np.maximum(x * 2.0**-11, 2.0**-25)
+
+        bound = np.repeat(15 * e(scale) + e(mn), 32, -1) + 2.0**-23 * 2 * np.abs(ref)
+        err = np.abs(got - ref)
+        assert (err <= bound).all(), (t.name, (err - bound).max())
+        rounded |= bool((err > 0).any())
+    assert rounded                                      # f16 rounding happened: the bound was tested
+
+
+def test_q6_k_import_within_half_a_step(k_ckpt):
+    """Q6_K -> int8 g32, f32 scale d*r/4 per pair of sub-blocks (r: the pair's scale of larger
+    magnitude): the r sub-block is exact (q8 = 4q), the other within scale/2 of gguf's value
+    (plus one f32 rounding of each side), one scale where sc = -r and q = -32 clips 128 to 127: only
+    when both sub-blocks hold a -32 (else r is taken from the one that does)."""
+    for t in _k_tensors(k_ckpt, "Q6_K"):
+        stored, scheme = gguf_quant.gguf_blocks(t)
+        assert scheme == WeightScheme(8, 32, True, "f32") and stored["scale"].dtype == np.float32
+        ref = t.dequantize()
+        got = _dequantized(stored, scheme, t.shape)
+        f = t.block_fields()
+        sc = f["sc"].astype(np.int64).reshape(t.shape[0], -1, 2)             # [out, groups, 2]
+        has32 = (f["q"].reshape(t.shape[0], -1, 2, 16) == -32).any(-1)      # [out, groups, 2]
+        swap = (sc[..., 1] == -sc[..., 0]) & has32[..., 1] & ~has32[..., 0]  # r from the one with a -32
+        first = (np.abs(sc[..., 0]) >= np.abs(sc[..., 1])) & ~swap           # [out, groups]: r is sub-block 0
+        exact = np.stack([first, ~first], -1).repeat(16, -1).reshape(t.shape)
+        np.testing.assert_array_equal(_bits(got[exact].astype(np.float32)), _bits(ref[exact]), err_msg=t.name)
+        step = np.abs(stored["scale"].astype(np.float64)).repeat(32, -1)    # [out, in]
+        q = f["q"].reshape(t.shape)
+        r = np.where(first, sc[..., 0], sc[..., 1]).repeat(32, -1)
+        own = sc.repeat(16, -1).reshape(t.shape)
+        clips = (own == -r) & (q == -32) & (r != 0) & ~exact
+        err = np.abs(got - ref.astype(np.float64))
+        slack = 2.0**-23 * 2 * np.abs(ref)
+        assert (err[~clips] <= step[~clips] / 2 + slack[~clips]).all(), t.name
+        assert (err[clips] <= step[clips] + slack[clips]).all(), t.name
+        assert clips[0, 16] and err[0, 16] > step[0, 16] / 2, t.name        # the planted cases, seen
+        assert swap[0, 1] and exact[0, 48] and not clips[0, 32:64].any(), t.name
+
+
+def test_llama_from_gguf_k_quant_schemes(k_ckpt):
+    """Per stacked weight, one scheme: Q4_K stacks int4 asym f16; gate_up (Q4_K gate, Q6_K up) and
+    down (Q6_K, Q5_0) int8 g32 with f32 scales: up/down blocks converted, Q5_0 exact, the Q4_K gate
+    requantized from its values as int8 g32 (f16 scales, widened)."""
+    from hloserve.exporter.models.llama import LlamaConfig
+
+    cfg = LlamaConfig.from_hf(dict(k_ckpt.config))
+    w = gguf_quant.llama_from_gguf(cfg, k_ckpt, QuantConfig.parse("gguf"))
+    int8_f32 = WeightScheme(8, 32, True, "f32")
+    assert w.schemes == {"qkv_proj": gguf_quant.GGUF_SCHEMES["Q4_K"], "o_proj": gguf_quant.GGUF_SCHEMES["Q4_K"],
+                         "gate_up_proj": int8_f32, "down_proj": int8_f32, "embed_tokens": int8_f32}
+    t = k_ckpt.tensors
+
+    def layer(name: str, i: int) -> np.ndarray:
+        return modules.dequantize(w.layers[name][i], w.layers[name + "_scale"][i], None, 8, 32).numpy()
+
+    gate = primitives.quantize(t["model.layers.0.mlp.gate_proj.weight"].dequantize(), WeightScheme(8, 32, True, "f16"))
+    up, _ = gguf_quant.gguf_blocks(t["model.layers.0.mlp.up_proj.weight"])
+    want = np.concatenate([primitives.dequantize(gate), _dequantized(up, int8_f32, (256, 256)).astype(np.float32)])
+    want = want[fused_row_order(cfg, "gate_up_proj").numpy()]
+    np.testing.assert_array_equal(_bits(layer("gate_up_proj", 0)), _bits(want))
+    np.testing.assert_array_equal(_bits(layer("down_proj", 1)), _bits(t["model.layers.1.mlp.down_proj.weight"].dequantize()))
+
+
+def test_k_quant_gguf_export_runs(k_gguf, tmp_path):
+    """The tiny K-quant GGUF exported with --quantize gguf and run by hloserve.runtime == torch eager
+    of the same quantized step (1e-4 on logits; only summation order differs), schemes in the manifest."""
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.sources import load_source
+    from hloserve.runtime import load
+
+    src = load_source(k_gguf, quantize="gguf")
+    entries = [e for e in src.entries if e.name == "decode"]
+    manifest = export_artifact(str(tmp_path), entries, source="tiny k-quant gguf", model=src.model,
+                               weight_quant=src.weight_quant)
+    qkv, down = manifest.weights["model.layers.qkv_proj_scale"].quant, manifest.weights["model.layers.down_proj"].quant
+    assert (qkv["scheme"], qkv["symmetric"], qkv["scale_dtype"]) == ("int4", False, "f16")
+    assert (down["scheme"], down["scale_dtype"]) == ("int8", "f32")
+    prompt = [257, 100, 7, 42, 255, 3, 99]
+    inputs = pack_step([(prompt, 0, [1])], 16)
+    model = load(str(tmp_path), buckets={"num_tokens": [16], "num_seqs": [1], "max_blocks": [1]})
+    cache = np.zeros(LLMSpec.from_json(manifest.model["llm"]).kv_cache.concrete_shape(2), np.float32)
+    got = np.asarray(model.functions["decode"](**inputs, kv_cache=cache)["logits"])
+    with torch.no_grad():
+        want, _ = entries[0].module(**{k: torch.from_numpy(v) for k, v in inputs.items()},
+                                    kv_cache=torch.from_numpy(cache))
+    np.testing.assert_allclose(got, want.numpy(), atol=1e-4, rtol=0)

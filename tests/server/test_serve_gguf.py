@@ -1,0 +1,61 @@
+"""`hloserve serve MODEL.gguf`: a GGUF file named on the command line is exported into the cache
+once, in the format `--quantize` picks (auto: the file's own blocks), and served.
+
+The file is the tiny Llama of tests/quantization/test_gguf_import.py whose matrices are Q4_K,
+Q6_K and Q5_0 blocks (K-quants converted at export)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hloserve.server.serve import DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG, export_choice, serve_target
+
+from ..quantization.test_gguf_import import write_k_gguf
+from .servers import running_server
+
+
+def test_export_choice_table():
+    """auto: the file's blocks for a GGUF named on the command line, bf16 for the default model."""
+    assert export_choice("auto", default_model=False) == (("--quantize", "gguf"), "gguf-s5")
+    assert export_choice("auto", default_model=True) == (DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG)
+    assert export_choice("bf16", default_model=False) == (DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG)
+    assert export_choice("int4:32:sym", default_model=False) == (("--quantize", "int4:32:sym"), "int4_32_sym-s5")
+
+
+def test_quantize_is_refused_for_an_exported_artifact(tmp_path):
+    """An artifact is served as it was exported: --quantize other than auto is one readable line, exit 1."""
+    r = subprocess.run([sys.executable, "-m", "hloserve.server.cli", "serve", str(tmp_path), "--quantize", "int8"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("hloserve: error: ") and "is an exported artifact" in lines[-1], r.stderr
+
+
+@pytest.mark.slow
+def test_serve_gguf_file_serves_its_own_blocks(tmp_path):
+    """`hloserve serve tiny-k.gguf` exports it with --quantize gguf (the manifest says so: the Q4_K
+    layers int4 g32 asymmetric, the Q6_K / Q5_0 ones int8 g32), names the model after the file and
+    answers a completion; a second resolution reuses the export."""
+    import openai
+
+    path = write_k_gguf(str(tmp_path / "tiny-k.gguf"))
+    with running_server(path, "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "64",
+                        log_dir=str(tmp_path)) as (base, _):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+        (model,) = [m.id for m in client.models.list().data]
+        assert model == "tiny-k"
+        r = client.completions.create(model=model, prompt="t t", max_tokens=4, temperature=0)
+        assert r.usage.completion_tokens == 4
+    art, name = serve_target(path)                        # already exported: found, not exported again
+    assert name == "tiny-k" and art.endswith("-gguf-s5")
+    with open(os.path.join(art, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["model"]["quantization"]["native"] is True
+    qkv = manifest["weights"]["model.layers.qkv_proj"]["quant"]
+    down = manifest["weights"]["model.layers.down_proj_scale"]["quant"]
+    assert (qkv["scheme"], qkv["group"], qkv["symmetric"]) == ("int4", 32, False)
+    assert (down["scheme"], down["scale_dtype"]) == ("int8", "f32")
