@@ -336,12 +336,15 @@ def test_llama_from_gguf_k_quant_schemes(k_ckpt):
     cfg = LlamaConfig.from_hf(dict(k_ckpt.config))
     w = gguf_quant.llama_from_gguf(cfg, k_ckpt, QuantConfig.parse("gguf"))
     int8_f32 = WeightScheme(8, 32, True, "f32")
-    assert w.schemes == {"qkv_proj": gguf_quant.GGUF_SCHEMES["Q4_K"], "o_proj": gguf_quant.GGUF_SCHEMES["Q4_K"],
-                         "gate_up_proj": int8_f32, "down_proj": int8_f32, "embed_tokens": int8_f32}
+    rows16 = {n: dataclasses.replace(s, rows=16) for n, s in (("qkv_proj", gguf_quant.GGUF_SCHEMES["Q4_K"]),
+              ("o_proj", gguf_quant.GGUF_SCHEMES["Q4_K"]), ("gate_up_proj", int8_f32), ("down_proj", int8_f32))}
+    # the layer stacks interleaved by 16 rows (quant_linear version 2), the table row by row
+    assert {n: s for n, s in w.schemes.items() if n != "lm_head"} == {**rows16, "embed_tokens": int8_f32}
     t = k_ckpt.tensors
 
     def layer(name: str, i: int) -> np.ndarray:
-        return modules.dequantize(w.layers[name][i], w.layers[name + "_scale"][i], None, 8, 32).numpy()
+        q, s, _ = modules.rows_in_order(w.layers[name][i], w.layers[name + "_scale"][i], None, 8)
+        return modules.dequantize(q, s, None, 8, 32).numpy()
 
     gate = primitives.quantize(t["model.layers.0.mlp.gate_proj.weight"].dequantize(), WeightScheme(8, 32, True, "f16"))
     up, _ = gguf_quant.gguf_blocks(t["model.layers.0.mlp.up_proj.weight"])
