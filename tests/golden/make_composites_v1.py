@@ -38,16 +38,17 @@ def cases(rng):
     return out
 
 
-def main() -> None:
-    os.makedirs(OUT, exist_ok=True)
-    for name, (exp, args) in cases(np.random.default_rng(0)).items():
+def write(out: str, stored: dict) -> None:
+    """Each case's module, inputs and decomposition outputs into directory `out`."""
+    os.makedirs(out, exist_ok=True)
+    for name, (exp, args) in stored.items():
         portable, _ = kernels.specialize(exp, None)
         want = np.asarray(jax.jit(portable.call)(*args))
-        with open(os.path.join(OUT, f"{name}.jax_exported"), "wb") as f:
+        with open(os.path.join(out, f"{name}.jax_exported"), "wb") as f:
             f.write(bytes(exp.serialize()))
-        np.savez(os.path.join(OUT, f"{name}.npz"), want=want, **{f"arg{i}": np.asarray(a) for i, a in enumerate(args)})
+        np.savez(os.path.join(out, f"{name}.npz"), want=want, **{f"arg{i}": np.asarray(a) for i, a in enumerate(args)})
         print(name, want.shape)
 
 
 if __name__ == "__main__":
-    main()
+    write(OUT, cases(np.random.default_rng(0)))
