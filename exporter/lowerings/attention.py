@@ -94,28 +94,33 @@ def jax_softmax(x, axis):
     return e / e.sum(axis=axis, keepdims=True)
 
 
+def _operands(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens) -> tuple:
+    """The operands both versions of the paged-attention composite share, in their contract's types."""
+    i32 = jnp.int32
+    return (q.astype(jnp.float32), kv_cache, jnp.asarray(layer, i32).reshape(()), block_tables.astype(i32),
+            seq_ids.astype(i32), positions.astype(i32), context_lens.astype(i32))
+
+
 # hloserve::paged_attention(Tensor q, Tensor kv_cache, Tensor layer, Tensor block_tables, Tensor seq_ids,
-#                           Tensor positions, Tensor context_lens, int window, int holds) -> Tensor
+#                           Tensor positions, Tensor context_lens, int window, int holds, float scale,
+#                           float softcap) -> Tensor: version 1, the window an attribute
 @lower(torch.ops.hloserve.paged_attention)
 def _paged_attention(ctx, q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds,
                      scale, softcap):
-    i32 = jnp.int32
     composite = _private.composite(paged_attention_reference, PAGED_ATTENTION.name, PAGED_ATTENTION.version)
-    out = composite(q.astype(jnp.float32), kv_cache, jnp.asarray(layer, i32).reshape(()), block_tables.astype(i32),
-                    seq_ids.astype(i32), positions.astype(i32), context_lens.astype(i32),
+    out = composite(*_operands(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens),
                     window=int(window or 0), holds=int(holds), scale=np.float32(scale),
                     softcap=np.float32(softcap or 0))
     return out.astype(q.dtype)
 
 
-# hloserve::paged_attention_windowed(..., Tensor window, int holds, float scale, float softcap) -> Tensor
+# hloserve::paged_attention_windowed(..., Tensor window, int holds, float scale, float softcap) -> Tensor:
+# version 2, the window an s32[] operand
 @lower(torch.ops.hloserve.paged_attention_windowed)
 def _paged_attention_windowed(ctx, q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds,
                               scale, softcap):
-    i32 = jnp.int32
     composite = _private.composite(paged_attention_reference_v2, PAGED_ATTENTION_V2.name, PAGED_ATTENTION_V2.version)
-    out = composite(q.astype(jnp.float32), kv_cache, jnp.asarray(layer, i32).reshape(()), block_tables.astype(i32),
-                    seq_ids.astype(i32), positions.astype(i32), context_lens.astype(i32),
-                    jnp.asarray(window, i32).reshape(()), holds=int(holds), scale=np.float32(scale),
+    out = composite(*_operands(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens),
+                    jnp.asarray(window, jnp.int32).reshape(()), holds=int(holds), scale=np.float32(scale),
                     softcap=np.float32(softcap or 0))
     return out.astype(q.dtype)

@@ -498,6 +498,19 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   return ffi::Error::Success();
 }
 
+// The operands both versions take: q, cache, layer, block_tables, seq_ids, positions, context_lens.
+auto PagedAttentionOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>();
+}
+
 // Version 2: the window an s32[] operand (a scanned layer's own), not an attribute.
 ffi::Error PagedAttentionV2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
@@ -1081,33 +1094,13 @@ ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_paged_attention, PagedAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("holds")
+                              PagedAttentionOperands().Attr<int64_t>("window").Attr<int64_t>("holds")
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_paged_attention_v2, PagedAttentionV2,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("holds")
+                              PagedAttentionOperands().Arg<ffi::Buffer<ffi::S32>>().Attr<int64_t>("holds")
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -61,12 +61,15 @@ def test_a_model_that_branches_on_its_window_is_scanned_by_period(tmp_path):
     """Cohere 2 rotates q/k only in its sliding layers (`if self.sliding_window is not None`): one
     body carrying the window as data would rotate every layer's, which the export's check (the
     scanned step against the unrolled one, eager) sees, so the layers are scanned by period."""
-    from hloserve.exporter.models.hf_causal import from_hf_directory
+    from hloserve.exporter.models import hf_layers
+    from hloserve.exporter.models.hf_causal import WINDOW, from_hf_directory
     hf = _model("Cohere2ForCausalLM", "Cohere2Config", num_hidden_layers=4, sliding_window=8,
                 layer_types=["sliding_attention", "full_attention"] * 2)
+    # the layers differ in nothing but their window: the period comes from the check
+    assert len({hf_layers._static_signature(m, WINDOW.names) for m in hf.model.layers}) == 1
     hf.save_pretrained(str(tmp_path / "hf"))
     src = from_hf_directory(str(tmp_path / "hf"))
-    assert src.model["llm"]["model"]["layers"] == "scan (a period of 2 layers)"
+    assert src.model["llm"]["layers"] == "scan (a period of 2 layers)"
 
 
 def test_bf16_checkpoint_exports_as_the_serving_step(tmp_path):
