@@ -3,7 +3,8 @@
     hloserve::mixed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor   # x [..., in] -> [..., out]
     hloserve::layer_linear(Tensor x, Tensor weights, Tensor layer, int holds) -> Tensor   # the composite's op
     hloserve::gather_blocks(Tensor cache, Tensor layer, int kv, Tensor blocks) -> Tensor
-    hloserve::paged_attention(...) -> Tensor                                  # the composite's op
+    hloserve::paged_attention(...) -> Tensor                                  # the composite's op (v1)
+    hloserve::paged_attention_windowed(...) -> Tensor                         # v2: the window an operand
 
 A Linear over 16-bit weights with wider activations: x is rounded to the weight's dtype, the
 products (exact in float32: 8 + 8 or 11 + 11 significant bits) are summed in float32 and the
@@ -55,11 +56,46 @@ def _(x, weights, layer, holds):
 
 # hloserve::paged_attention: attention over each token's own paged context, the
 # `hloserve.paged_attention` composite of runtime/artifact/kernels.py (lowered in
-# exporter/lowerings/attention.py). The eager form below is the torch reference.
+# exporter/lowerings/attention.py): version 1 with the window an int attribute, version 2
+# (paged_attention_windowed) with it a 0-dim int32 operand (a scanned layer's own window).
+# The eager forms below are the torch reference.
 @torch.library.custom_op("hloserve::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: torch.Tensor, block_tables: torch.Tensor,
                     seq_ids: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
                     window: int, holds: int, scale: float, softcap: float) -> torch.Tensor:
+    return _paged_attention(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds,
+                            scale, softcap)
+
+
+@paged_attention.register_fake
+def _(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds, scale, softcap):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("hloserve::paged_attention_windowed", mutates_args=())
+def paged_attention_windowed(q: torch.Tensor, kv_cache: torch.Tensor, layer: torch.Tensor, block_tables: torch.Tensor,
+                             seq_ids: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
+                             window: torch.Tensor, holds: int, scale: float, softcap: float) -> torch.Tensor:
+    return _paged_attention(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds,
+                            scale, softcap)
+
+
+@paged_attention_windowed.register_fake
+def _(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds, scale, softcap):
+    return torch.empty_like(q)
+
+
+def within_window(c: torch.Tensor, pos: torch.Tensor, window) -> torch.Tensor | None:
+    """Which positions `c` a token at `pos` sees through a sliding window (c > pos - window), where
+    `window` is an int or a 0-dim integer tensor (a scanned layer's; 0 or less: no window); None
+    when an int window is 0 (nothing to mask)."""
+    if isinstance(window, torch.Tensor):
+        return (window <= 0) | (c > pos - window)
+    return c > pos - window if window else None
+
+
+def _paged_attention(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds, scale,
+                     softcap):
     T, KV, G, D = q.shape
     L, _, _, N, BS, _ = kv_cache.shape
     B = block_tables.shape[1]
@@ -73,19 +109,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: torch.Tensor
     c = torch.arange(B * BS)
     pos = positions.long()[:, None]
     seen = (c[None, :] <= pos) & (c[None, :] < context_lens[seq_ids].long()[:, None])   # [T, C]
-    if window:
-        seen = seen & (c[None, :] > pos - window)
+    windowed = within_window(c[None, :], pos, window)
+    if windowed is not None:
+        seen = seen & windowed
     scores = torch.einsum("tkgd,ktcd->ktgc", q.float(), k) * scale        # [KV, T, G, C]
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     scores = torch.where(seen[None, :, None, :], scores, -1e30)
     out = torch.einsum("ktgc,ktcd->tkgd", torch.softmax(scores, dim=-1), v)   # [T, KV, G, D]
     return out.to(q.dtype)
-
-
-@paged_attention.register_fake
-def _(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds, scale, softcap):
-    return torch.empty_like(q)
 
 
 # hloserve::gather_blocks: the K (kv=0) or V (kv=1) blocks `blocks` [R, B] of layer `layer` (0-dim)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import torch
-from hloserve.runtime.artifact.kernels import PAGED_ATTENTION
+from hloserve.runtime.artifact.kernels import PAGED_ATTENTION, PAGED_ATTENTION_V2
 from jax import lax
 
 from .. import _private
@@ -44,8 +44,9 @@ def _gather_blocks(ctx, cache, layer, kv, blocks):
 
 
 def paged_attention_reference(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, *,
-                              window: int, holds: int, scale: float, softcap: float):
+                              window, holds: int, scale: float, softcap: float):
     """The portable formulation: every token gathers its sequence's whole (padded) context.
+    `window` is version 1's int attribute or version 2's s32[] operand (0 or less: no window).
 
     Whole blocks are gathered (gather_blocks), K and V by separate gathers, each landing in the
     layout its dot reads ([KV, T, C, D], batch dims first), so XLA adds no slice copy or
@@ -70,12 +71,21 @@ def paged_attention_reference(q, kv_cache, layer, block_tables, seq_ids, positio
     c = jnp.arange(C, dtype=jnp.int32)
     pos = positions[:, None]
     seen = (c[None, :] <= pos) & (c[None, :] < context_lens[seq_ids][:, None])   # [T, C]
-    if window:
+    if not isinstance(window, int):     # version 2: the layer's window is data
+        seen = seen & ((window <= 0) | (c[None, :] > pos - window))
+    elif window:
         seen = seen & (c[None, :] > pos - window)
     scores = jnp.where(seen[None, :, :, None], scores, _MASKED)
     probs = jax_softmax(scores, axis=-2)                                  # over C
     out = jnp.matmul(probs.swapaxes(-1, -2), v, precision=lax.Precision.HIGHEST)   # [KV, T, G, D]
     return out.transpose(1, 0, 2, 3)                                      # [T, KV, G, D]
+
+
+def paged_attention_reference_v2(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, *,
+                                 holds: int, scale: float, softcap: float):
+    """Version 2's decomposition: version 1's, with the window an s32[] operand."""
+    return paged_attention_reference(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens,
+                                     window=window, holds=holds, scale=scale, softcap=softcap)
 
 
 def jax_softmax(x, axis):
@@ -84,15 +94,33 @@ def jax_softmax(x, axis):
     return e / e.sum(axis=axis, keepdims=True)
 
 
+def _operands(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens) -> tuple:
+    """The operands both versions of the paged-attention composite share, in their contract's types."""
+    i32 = jnp.int32
+    return (q.astype(jnp.float32), kv_cache, jnp.asarray(layer, i32).reshape(()), block_tables.astype(i32),
+            seq_ids.astype(i32), positions.astype(i32), context_lens.astype(i32))
+
+
 # hloserve::paged_attention(Tensor q, Tensor kv_cache, Tensor layer, Tensor block_tables, Tensor seq_ids,
-#                           Tensor positions, Tensor context_lens, int window, int holds) -> Tensor
+#                           Tensor positions, Tensor context_lens, int window, int holds, float scale,
+#                           float softcap) -> Tensor: version 1, the window an attribute
 @lower(torch.ops.hloserve.paged_attention)
 def _paged_attention(ctx, q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds,
                      scale, softcap):
-    i32 = jnp.int32
     composite = _private.composite(paged_attention_reference, PAGED_ATTENTION.name, PAGED_ATTENTION.version)
-    out = composite(q.astype(jnp.float32), kv_cache, jnp.asarray(layer, i32).reshape(()), block_tables.astype(i32),
-                    seq_ids.astype(i32), positions.astype(i32), context_lens.astype(i32),
+    out = composite(*_operands(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens),
                     window=int(window or 0), holds=int(holds), scale=np.float32(scale),
+                    softcap=np.float32(softcap or 0))
+    return out.astype(q.dtype)
+
+
+# hloserve::paged_attention_windowed(..., Tensor window, int holds, float scale, float softcap) -> Tensor:
+# version 2, the window an s32[] operand
+@lower(torch.ops.hloserve.paged_attention_windowed)
+def _paged_attention_windowed(ctx, q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds,
+                              scale, softcap):
+    composite = _private.composite(paged_attention_reference_v2, PAGED_ATTENTION_V2.name, PAGED_ATTENTION_V2.version)
+    out = composite(*_operands(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens),
+                    jnp.asarray(window, jnp.int32).reshape(()), holds=int(holds), scale=np.float32(scale),
                     softcap=np.float32(softcap or 0))
     return out.astype(q.dtype)

@@ -39,6 +39,7 @@ import torch
 from hloserve.runtime.artifact.llm import LLMSpec, ModelFacts
 
 from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.* (the composites)
+from ..custom_ops import within_window
 from .. import dtypes
 from ..entry import Source
 from ..errors import SourceError
@@ -51,6 +52,10 @@ ATTN_NAME = "hloserve_paged"
 STEP_KWARG = "hloserve_step"
 # layer kinds (config.layer_types) whose attention is full or windowed softmax attention
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
+# a transformers attention's sliding window (None on its global layers), the one static attribute in
+# which Gemma's sliding and global layers differ: per-layer data of one scanned body, which reaches
+# `_Step.attend` as the layer's window (the other names say the same and are not read by the step)
+WINDOW = hf_layers.PerLayer("sliding_window", "window", labels=("is_sliding", "layer_type", "attention_type"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,17 +135,20 @@ class _Step:
     """The paging inputs of one step and the cache as it is updated, layer by layer (tracing state)."""
 
     def __init__(self, layout: str, inputs: Mapping[str, torch.Tensor], kv_dtype: torch.dtype | None,
-                 dtype: torch.dtype, *, cache: torch.Tensor | None = None, layer: torch.Tensor | None = None):
+                 dtype: torch.dtype, *, cache: torch.Tensor | None = None, layer: torch.Tensor | None = None,
+                 window: torch.Tensor | None = None):
         self.layout = layout
         self.x = inputs
         self.cache = inputs["kv_cache"] if cache is None else cache
         self.kv_dtype = kv_dtype
         self.dtype = dtype
         self.layer = layer          # 0-dim int32 (a scanned layer's index); None: the module's layer_idx
+        self.window = window        # 0-dim int32 (a scanned layer's own window, 0: none); None: the module's
 
-    def at(self, layer: torch.Tensor, cache: torch.Tensor) -> "_Step":
-        """The step as layer `layer` sees it, over `cache` (hf_layers.ScannedLayers)."""
-        return _Step(self.layout, self.x, self.kv_dtype, self.dtype, cache=cache, layer=layer)
+    def at(self, layer: torch.Tensor, cache: torch.Tensor, window: torch.Tensor | None = None) -> "_Step":
+        """The step as layer `layer` sees it, over `cache` (hf_layers.ScannedLayers); `window`: the
+        layer's sliding window as data, where the layers of one scanned body differ in it (WINDOW)."""
+        return _Step(self.layout, self.x, self.kv_dtype, self.dtype, cache=cache, layer=layer, window=window)
 
     def attend(self, module, query, key, value, scaling, window, softcap) -> torch.Tensor:
         layer = self.layer if self.layer is not None else torch.tensor(module.layer_idx, dtype=torch.int32)
@@ -151,7 +159,7 @@ class _Step:
         v = value[0].transpose(0, 1)                                      # [T, KV, D]
         x = self.x
         scale = float(scaling) if scaling is not None else D ** -0.5
-        window = int(window or 0)
+        window = int(window or 0) if self.window is None else self.window    # an int, or the layer's 0-dim tensor
         softcap = float(softcap or 0.0)
         self.cache = write_kv(self.cache, layer.to(torch.int64), k.to(self.dtype), v.to(self.dtype),
                               x["slot_mapping"].to(torch.int64), self.kv_dtype)
@@ -159,23 +167,25 @@ class _Step:
         qg = q.reshape(T, KV, H // KV, D)                                 # [T, KV, G, D]
         holds = HOLDS.get(self.kv_dtype or self.cache.dtype, OWN)
         if self.layout == "gather":
-            out = torch.ops.hloserve.paged_attention(
-                qg.float(), self.cache, layer, x["block_tables"], x["seq_ids"],
-                x["positions"], x["context_lens"], window, holds, scale, softcap)   # [T, KV, G, D]
+            # version 2 of the composite where the window is the layer's data, version 1 otherwise
+            windowed = isinstance(window, torch.Tensor)
+            op = torch.ops.hloserve.paged_attention_windowed if windowed else torch.ops.hloserve.paged_attention
+            out = op(qg.float(), self.cache, layer, x["block_tables"], x["seq_ids"], x["positions"],
+                     x["context_lens"], window, holds, scale, softcap)      # [T, KV, G, D]
         elif self.layout == "paged":
             if holds:
                 raise ValueError("the paged layout reads an f32 cache; export it without --kv-cache-dtype")
             from .step import paged_attention
             blocks = x["block_tables"][x["seq_ids"]].transpose(0, 1)      # [B, T]: scanned over B
             out = paged_attention(qg.float(), self.cache, layer, blocks, x["positions"].to(torch.int64),
-                                  x["context_lens"][x["seq_ids"]].to(torch.int64), window or None, scale=scale,
+                                  x["context_lens"][x["seq_ids"]].to(torch.int64), window, scale=scale,
                                   softcap=softcap)
         else:
             out = _flat_attention(qg.float(), self.cache, layer, x, window, holds, scale, softcap)
         return out.to(query.dtype).reshape(1, T, H, D)                   # [1, T, H, D]
 
 
-def _flat_attention(qg, cache, layer: torch.Tensor, x, window: int, holds: int, scale: float, softcap: float):
+def _flat_attention(qg, cache, layer: torch.Tensor, x, window, holds: int, scale: float, softcap: float):
     """Every token scores the contexts of all S sequences of the step, masked to its own (prefill)."""
     T, KV, G, D = qg.shape
     BS = cache.shape[4]
@@ -192,8 +202,9 @@ def _flat_attention(qg, cache, layer: torch.Tensor, x, window: int, holds: int, 
     pos = x["positions"].to(torch.int64)[:, None]                         # [T, 1]
     own = x["seq_ids"].to(torch.int64)[:, None] == torch.arange(S, device=qg.device)[None, :]   # [T, S]
     causal = c[None, :] <= pos                                            # [T, C]
-    if window:
-        causal = causal & (c[None, :] > pos - window)
+    windowed = within_window(c[None, :], pos, window)
+    if windowed is not None:
+        causal = causal & windowed
     filled = c[None, :] < x["context_lens"].to(torch.int64)[:, None]      # [S, C]
     seen = (own[:, :, None] & causal[:, None, :] & filled[None, :, :]).reshape(T, S * C)   # [T, S*C]
     scores = torch.einsum("tkgd,kcd->ktgc", qg, k) * scale                # [KV, T, G, S*C]
@@ -234,20 +245,37 @@ def step_entries(model: torch.nn.Module, opts: StepExportOptions) -> list:
 def scan_layers(model: torch.nn.Module, opts: StepExportOptions) -> str:
     """Scan the model's decoder layers (hf_layers.ScannedLayers), checked by one eager step on the
     contract's example; where the model's layer loop cannot be taken over, the layers stay
-    unrolled. Returns how the layers run: "scan", "scan (period P)", or "unrolled: why"."""
-    scanned = hf_layers.scan(model, STEP_KWARG)
+    unrolled. Layers that differ only in their sliding window are one body, the window per layer
+    as data (WINDOW), where that step gives the unrolled layers' logits and cache; otherwise they
+    are scanned by period. Returns how the layers run: "scan", "scan (period P)", or "unrolled: why"."""
+    scanned = hf_layers.scan(model, STEP_KWARG, (WINDOW,))
     if scanned is None:
         return "unrolled: no list of decoder layers found"
     entry = step_entries(model, opts)[0]
     try:
         with torch.no_grad():
-            entry.module(*entry.args)
+            got = entry.module(*entry.args)
+            if scanned.carried and not _same_as_unrolled(model, entry, got):
+                log.info("the layers' sliding windows cannot be per-layer data (the model reads them otherwise): "
+                         "scanned by period")
+                hf_layers.unscan(model)
+                scanned = hf_layers.scan(model, STEP_KWARG)
+                entry.module(*entry.args)
     except hf_layers.ScanError as e:
         hf_layers.unscan(model)
         log.info("decoder layers exported unrolled: %s", e)
         return f"unrolled: {e}"
     tail = f", {len(scanned.tail)} unrolled after it" if len(scanned.tail) else ""
     return "scan" if scanned.period == 1 else f"scan (a period of {scanned.period} layers{tail})"
+
+
+def _same_as_unrolled(model: torch.nn.Module, entry, got) -> bool:
+    """Whether the unrolled layers give the scanned step's logits and cache on the entry's example
+    (summation order aside)."""
+    with hf_layers.unrolled(model):
+        want = entry.module(*entry.args)
+    return all(torch.allclose(g.float(), w.float(), rtol=1e-4, atol=1e-4 * max(1.0, float(w.float().abs().max())))
+               for g, w in zip(got, want))
 
 
 def quantize_layers(model: torch.nn.Module, opts: StepExportOptions, config, record) -> None:

@@ -7,13 +7,15 @@ Two rewrites of a loaded transformers model, both done once before export:
     becomes a `LayerLinear` reading its matrix where it lies in a stack [L, out, in] (the
     stacked decoder weights, or a stack of one); the embedding table is stored in the same
     16-bit dtype and the LM head, tied or not, reads it through the composite.
-  * `scan(model, step_kwarg)`: the decoder layers' ModuleList becomes a `ScannedLayers`: their
-    weights stacked on a leading [L] dim and ONE layer traced as the body of a torch scan
-    (a StableHLO while loop), so XLA compiles one layer, not L. Layers whose modules differ in
-    a static attribute (Gemma's sliding/global attention) are scanned as a repeating period of
-    layers (Gemma 3: five sliding and one global layer per iteration), the last L % period
-    unrolled after it; what differs between layers as data (Gemma 3's local and global rotary
-    tables) is selected per layer inside the body.
+  * `scan(model, step_kwarg, carried)`: the decoder layers' ModuleList becomes a `ScannedLayers`:
+    their weights stacked on a leading [L] dim and ONE layer traced as the body of a torch scan
+    (a StableHLO while loop), so XLA compiles one layer, not L. A static attribute in which layers
+    differ and which the step can take as data (`PerLayer`: Gemma's sliding window) is carried as
+    a per-layer row of the scan and handed to the step (`step.at`), so Gemma 3's five sliding and
+    one global layer are one body; what differs between layers as arguments (Gemma 3's local and
+    global rotary tables) is selected per layer inside the body (the distinct tables stacked once,
+    a per-layer index picking one). Layers that differ in any other static attribute are scanned
+    as a repeating period of layers, the last L % period unrolled after it.
 
 How the layer loop is taken over without model-specific code: the model's own forward still
 iterates over `self.layers[:n]` and calls each layer. ScannedLayers hands it one stand-in per
@@ -24,6 +26,7 @@ the layer it happened at, and the step is exported unrolled).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -128,14 +131,14 @@ def decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.
     return None
 
 
-def _static_signature(layer: torch.nn.Module) -> tuple:
+def _static_signature(layer: torch.nn.Module, carried: frozenset[str] = frozenset()) -> tuple:
     """What must be equal for two layers to share one traced body: every submodule's type and plain
-    attributes (not its tensors, and not `layer_idx`, which the scan supplies), every tensor's
-    name, shape and dtype."""
+    attributes (not its tensors, not `layer_idx`, which the scan supplies, and not the `carried`
+    ones, which the scan passes as data), every tensor's name, shape and dtype."""
     out = []
     for path, m in layer.named_modules():
         attrs = tuple(sorted((k, repr(v)) for k, v in vars(m).items()
-                             if not k.startswith("_") and k not in ("layer_idx", "training")
+                             if not k.startswith("_") and k not in ("layer_idx", "training") and k not in carried
                              and not isinstance(v, (torch.Tensor, torch.nn.Module))))
         out.append((path, type(m).__name__, attrs))
     out += [(n, tuple(t.shape), t.dtype) for n, t in (*layer.named_parameters(), *layer.named_buffers())]
@@ -149,6 +152,28 @@ def period_of(signatures: list) -> int:
         if all(signatures[i] == signatures[i % p] for i in range(L)):
             return p
     return L
+
+
+@dataclasses.dataclass(frozen=True)
+class PerLayer:
+    """A plain attribute of a decoder layer's modules (`attribute`, e.g. "sliding_window") that may
+    differ between the layers of one scanned body: each layer's value, as int32 (None: 0), is a row
+    of the scan, passed to the step as `step.at(..., keyword=row)`. `labels` are attributes that
+    say the same thing in other words (e.g. "is_sliding"), left out of the layers' signatures too:
+    the body reads the first layer's, so a model whose forward reads them (or branches on the
+    attribute itself) computes something else, which the caller's check must catch
+    (models/hf_causal.scan_layers compares the scanned step with the unrolled one)."""
+    attribute: str
+    keyword: str
+    labels: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset((self.attribute, *self.labels))
+
+    def values(self, layer: torch.nn.Module) -> set:
+        """The attribute's values in `layer`'s modules (one, where the layer has it consistently)."""
+        return {vars(m)[self.attribute] for m in layer.modules() if self.attribute in vars(m)}
 
 
 @dataclasses.dataclass
@@ -166,7 +191,7 @@ class _StandIn:
         self._owner, self._i = owner, i
 
     def __getattr__(self, name):
-        return getattr(self._owner.templates[self._i % self._owner.period], name)
+        return getattr(self._owner.original[self._i], name)
 
     def __call__(self, hidden_states, *args, **kwargs):
         return self._owner.record(self._i, hidden_states, args, kwargs)
@@ -186,10 +211,17 @@ class ScannedLayers(torch.nn.Module):
     the cache that layer wrote.
     """
 
-    def __init__(self, layers: torch.nn.ModuleList, step_kwarg: str):
+    def __init__(self, layers: torch.nn.ModuleList, step_kwarg: str, carried: tuple[PerLayer, ...] = ()):
         super().__init__()
         L = len(layers)
-        self.period = period_of([_static_signature(m) for m in layers])
+        # a PerLayer attribute is carried as data only where it differs between layers and each layer
+        # has one value of it; otherwise it stays a static attribute of the body
+        per_layer = [[c.values(m) for m in layers] for c in carried]
+        carried = tuple(c for c, vals in zip(carried, per_layer)
+                        if all(len(v) == 1 for v in vals) and len({next(iter(v)) for v in vals}) > 1)
+        excluded = frozenset(n for c in carried for n in c.names)
+        self.period = period_of([_static_signature(m, excluded) for m in layers])
+        self.carried = carried
         self.num_layers = L
         self.iterations = L // self.period
         self.step_kwarg = step_kwarg
@@ -214,6 +246,10 @@ class ScannedLayers(torch.nn.Module):
                     in_place.add(name)
                 names[name] = name.replace(".", "__")
                 holder.register_buffer(names[name], stacked)
+            for c in carried:     # [L // period] int32: the layers' values of a carried attribute
+                rows = [int(next(iter(c.values(m))) or 0) for m in group]
+                holder.register_buffer(f"per_layer__{c.keyword}", torch.tensor(rows, dtype=torch.int32),
+                                       persistent=False)
             self.stack.append(holder)
             self.names.append(names)
             self.in_place.append(frozenset(in_place))
@@ -258,22 +294,26 @@ class ScannedLayers(torch.nn.Module):
             sliced, in_place = {}, {}
             for name, stored in self.names[j].items():
                 (in_place if name in self.in_place[j] else sliced)[name] = holder.get_buffer(stored)
-            positions.append((rebuild, varying, sliced, in_place))
-        xs = [t for _, varying, sliced, _ in positions for t in (*varying.values(), *sliced.values())]
+            data = {c.keyword: holder.get_buffer(f"per_layer__{c.keyword}") for c in self.carried}
+            positions.append((rebuild, varying, sliced, in_place, data))
+        xs = [t for _, varying, sliced, _, data in positions
+              for t in (*varying.values(), *sliced.values(), *data.values())]
 
         def body(carry, xs):
             h, cache = carry
             *xs, it = xs
             k = 0
-            for j, (rebuild, varying, sliced, in_place) in enumerate(positions):
+            for j, (rebuild, varying, sliced, in_place, data) in enumerate(positions):
                 rows = dict(zip(varying, xs[k:k + len(varying)]))
                 k += len(varying)
                 params = dict(zip(sliced, xs[k:k + len(sliced)]))
                 k += len(sliced)
+                own = dict(zip(data, xs[k:k + len(data)]))
+                k += len(data)
                 params.update(in_place)
                 params.update({_sibling(name, "layer"): it for name in in_place})
                 args, kwargs = rebuild(rows)
-                h, cache = self._layer(self.templates[j], h, args, kwargs, params, it * p + j, outer, cache)
+                h, cache = self._layer(self.templates[j], h, args, kwargs, params, it * p + j, outer, cache, own)
             return (h, cache), h.new_zeros(())
 
         steps = torch.arange(n, dtype=torch.int32)
@@ -285,9 +325,10 @@ class ScannedLayers(torch.nn.Module):
         outer.cache = cache
         return h
 
-    def _layer(self, module, h, args, kwargs, params, layer, outer, cache):
-        """One decoder layer on `h`, its attention reading and writing `cache` as layer `layer`."""
-        step = outer.at(layer, cache)
+    def _layer(self, module, h, args, kwargs, params, layer, outer, cache, own=None):
+        """One decoder layer on `h`, its attention reading and writing `cache` as layer `layer`
+        (`own`: the layer's carried attributes, keyword -> 0-dim int32)."""
+        step = outer.at(layer, cache, **(own or {}))
         kwargs = {**kwargs, self.step_kwarg: step}
         if params is None:
             out = module(h, *args, **kwargs)
@@ -296,13 +337,13 @@ class ScannedLayers(torch.nn.Module):
         return out, step.cache
 
 
-def scan(model: torch.nn.Module, step_kwarg: str) -> ScannedLayers | None:
+def scan(model: torch.nn.Module, step_kwarg: str, carried: tuple[PerLayer, ...] = ()) -> ScannedLayers | None:
     """Replace the model's decoder-layer list with a ScannedLayers (None if it has no such list)."""
     found = decoder_layers(model)
     if found is None:
         return None
     parent, name, layers = found
-    scanned = ScannedLayers(layers, step_kwarg)
+    scanned = ScannedLayers(layers, step_kwarg, carried)
     setattr(parent, name, scanned)
     return scanned
 
@@ -316,6 +357,20 @@ def unscan(model: torch.nn.Module) -> bool:
                 setattr(parent, name, child.original)
                 return True
     return False
+
+
+@contextlib.contextmanager
+def unrolled(model: torch.nn.Module):
+    """The model's decoder layers as they were inside the block, its ScannedLayers back after it."""
+    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, ScannedLayers)]
+    for parent, name, child in found:
+        setattr(parent, name, child.original)
+    try:
+        yield
+    finally:
+        for parent, name, child in found:
+            setattr(parent, name, child)
 
 
 class ScanError(ValueError):
@@ -342,26 +397,48 @@ def _sibling(name: str, attr: str) -> str:
 
 def _split_arguments(group: list[_Call], j: int, step_kwarg: str):
     """Of the calls at one period position, which arguments are the same object in every call
-    (closed over) and which are tensors that differ (stacked [n, ...], one row per iteration).
+    (closed over) and which are tensors that differ: stacked [n, ...], one row per iteration, or,
+    where fewer distinct tensors than calls are passed (Gemma 3's two rotary tables over 26
+    layers), the distinct ones stacked once (closed over) and an int32 row per iteration picking one.
     Returns (rebuild(rows) -> (args, kwargs), {key: stacked tensor})."""
     first = group[0]
     kwargs = {k: v for k, v in first.kwargs.items() if k != step_kwarg}
     flat_first, spec = _flatten((first.args, kwargs))
     columns = [_flatten((c.args, {k: v for k, v in c.kwargs.items() if k != step_kwarg}))[0] for c in group]
     varying: dict[str, torch.Tensor] = {}
+    tables: dict[int, torch.Tensor] = {}
     for k, leaf in enumerate(flat_first):
         values = [col[k] for col in columns]
         if all(v is leaf for v in values):
             continue
-        if not all(isinstance(v, torch.Tensor) for v in values) or len({(v.shape, v.dtype) for v in values}) != 1:
+        if not all(isinstance(v, torch.Tensor) and v.shape == leaf.shape and v.dtype == leaf.dtype for v in values):
             raise ScanError(f"decoder layers at period position {j} are called with different non-tensor "
                             f"arguments (argument {k}: {type(leaf).__name__})")
-        varying[f"a{k}"] = torch.stack(values)                            # [n, ...]
+        distinct: list[torch.Tensor] = []
+        picks = [_index_of(distinct, v) for v in values]
+        if len(distinct) < len(values):
+            tables[k] = torch.stack(distinct)                             # [u, ...]
+            varying[f"a{k}"] = torch.tensor(picks, dtype=torch.int32)     # [n]
+        else:
+            varying[f"a{k}"] = torch.stack(values)                        # [n, ...]
+
+    def leaf_of(k: int, leaf, rows: dict[str, torch.Tensor]):
+        row = rows.get(f"a{k}", leaf)
+        return torch.index_select(tables[k], 0, row.reshape(1))[0] if k in tables else row
 
     def rebuild(rows: dict[str, torch.Tensor]):
-        return _unflatten([rows.get(f"a{k}", leaf) for k, leaf in enumerate(flat_first)], spec)
+        return _unflatten([leaf_of(k, leaf, rows) for k, leaf in enumerate(flat_first)], spec)
 
     return rebuild, varying
+
+
+def _index_of(distinct: list, value) -> int:
+    """The position of `value` (by identity) in `distinct`, appended if it is not there."""
+    for i, d in enumerate(distinct):
+        if d is value:
+            return i
+    distinct.append(value)
+    return len(distinct) - 1
 
 
 def _flatten(tree: Any):

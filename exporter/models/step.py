@@ -16,6 +16,7 @@ from hloserve.runtime.artifact.llm import (DONATED, MAX_BLOCKS, NUM_BLOCKS, NUM_
                                            TensorParallelSpec)
 
 from .. import dtypes
+from ..custom_ops import within_window
 
 # Finite "minus infinity" for masked attention scores (f32): fully masked rows
 # (padding) softmax to uniform instead of NaN.
@@ -138,7 +139,7 @@ def write_kv(cache: torch.Tensor, layer: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def paged_attention(qg: torch.Tensor, cache: torch.Tensor, layer: torch.Tensor, blocks: torch.Tensor,
-                    pos: torch.Tensor, ctx_len: torch.Tensor, window: int | None, *, scale: float | None = None,
+                    pos: torch.Tensor, ctx_len: torch.Tensor, window, *, scale: float | None = None,
                     softcap: float = 0.0) -> torch.Tensor:
     """Attention over each token's own paged context, one block at a time with an online softmax.
 
@@ -167,8 +168,9 @@ def paged_attention(qg: torch.Tensor, cache: torch.Tensor, layer: torch.Tensor, 
             scores = softcap * torch.tanh(scores / softcap)                # [T, KV, G, BS]
         cpos = j * BS + torch.arange(BS, device=qg.device)                # [BS]
         seen = (cpos[None, :] <= pos[:, None]) & (cpos[None, :] < ctx_len[:, None])   # [T, BS]
-        if window:
-            seen = seen & (cpos[None, :] > pos[:, None] - window)
+        windowed = within_window(cpos[None, :], pos[:, None], window)
+        if windowed is not None:
+            seen = seen & windowed
         scores = torch.where(seen[:, None, None, :], scores, _MASKED)
         m_new = torch.maximum(m, scores.amax(dim=-1))                     # [T, KV, G]
         p = torch.exp(scores - m_new[..., None])                          # [T, KV, G, BS]

@@ -116,5 +116,18 @@ QUANT_LINEAR_V2 = Composite(
     result=QUANT_LINEAR.result,
 )
 
+# Version 2 of paged attention: the window is an operand, so layers that differ only in their
+# window (Gemma's sliding and global layers) are one scanned body, each layer's window a row of the
+# scan's per-layer data. Version 1 stays for everything else (and the artifacts that have it).
+PAGED_ATTENTION_V2 = Composite(
+    name=PAGED_ATTENTION.name,
+    version=2,
+    operands=(*PAGED_ATTENTION.operands,
+              "window s32[]: attend to positions > position - window (0 or less: no window)"),
+    attributes=PAGED_ATTENTION.attributes[1:],
+    result=PAGED_ATTENTION.result + "; with a window w > 0 also c > positions[t] - w",
+)
+
 # (name, version) -> contract
-COMPOSITES = {(c.name, c.version): c for c in (PAGED_ATTENTION, LAYER_LINEAR, QUANT_LINEAR, QUANT_LINEAR_V2)}
+COMPOSITES = {(c.name, c.version): c for c in (PAGED_ATTENTION, PAGED_ATTENTION_V2, LAYER_LINEAR, QUANT_LINEAR,
+                                                 QUANT_LINEAR_V2)}

@@ -31,7 +31,7 @@ import numpy as np
 
 from . import dtypes
 from .errors import ArtifactError
-from .kernels import PAGED_ATTENTION
+from .kernels import PAGED_ATTENTION, PAGED_ATTENTION_V2
 from .manifest import Manifest, read_manifest
 
 LLM_VERSIONS = range(1, 3)          # the contract versions this reader accepts
@@ -66,9 +66,11 @@ class Layout(str, enum.Enum):
         return self is not Layout.FLAT
 
     @property
-    def composite(self) -> tuple[str, int] | None:
-        """The composite (name, version) the layout's attention is, when it is one."""
-        return (PAGED_ATTENTION.name, PAGED_ATTENTION.version) if self is Layout.GATHER else None
+    def composites(self) -> tuple[tuple[str, int], ...]:
+        """The composites (name, version) the layout's attention may be (version 2 where a scanned
+        body's layers differ in their window), none when it is plain StableHLO."""
+        versions = (PAGED_ATTENTION, PAGED_ATTENTION_V2)
+        return tuple((c.name, c.version) for c in versions) if self is Layout.GATHER else ()
 
 
 def _field(raw: Mapping[str, Any], key: str, where: str) -> Any:

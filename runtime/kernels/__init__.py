@@ -24,7 +24,8 @@ import subprocess
 import tempfile
 from typing import Any, Callable
 
-from hloserve.runtime.artifact.kernels import COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, QUANT_LINEAR, QUANT_LINEAR_V2
+from hloserve.runtime.artifact.kernels import (COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2,
+                                               QUANT_LINEAR, QUANT_LINEAR_V2)
 
 from .._private import rewrite_composites
 from ..paths import cache_dir, untrusted
@@ -37,6 +38,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPI
 MARCH_ENV = "HLOSERVE_CPU_KERNEL_MARCH"
 # composite (name, version) -> FFI target in cpu_kernels.cc
 TARGETS = {(PAGED_ATTENTION.name, PAGED_ATTENTION.version): "hloserve_paged_attention",
+           (PAGED_ATTENTION_V2.name, PAGED_ATTENTION_V2.version): "hloserve_paged_attention_v2",
            (LAYER_LINEAR.name, LAYER_LINEAR.version): "hloserve_layer_linear",
            (QUANT_LINEAR.name, QUANT_LINEAR.version): "hloserve_quant_linear",
            (QUANT_LINEAR_V2.name, QUANT_LINEAR_V2.version): "hloserve_quant_linear_v2"}
@@ -72,7 +74,7 @@ def max_rows(target: str) -> int | None:
 # (None: a static dim of the result)
 RESULT_DIMS = {"hloserve_layer_linear": ((0, 0), (1, 1)), "hloserve_quant_linear": ((0, 0), (1, 1)),
                "hloserve_quant_linear_v2": ((0, 0), None)}
-CONTRACTS = COMPOSITES
+CONTRACTS = COMPOSITES   # (name, version) -> contract
 ENV = "HLOSERVE_CPU_KERNELS"     # "0" turns the kernels off (the portable decompositions run)
 
 

@@ -14,7 +14,8 @@ shape inside (jax's shape refinement), lowers the Pallas kernel for each placeho
 static operand shapes and links it in. The artifact stays portable: nothing of this is written.
 
 What runs where (docs/deploy.md):
-* `hloserve.paged_attention`: TPU -> `pallas_tpu.ragged_paged_attention`, GPU (cuda) ->
+* `hloserve.paged_attention` (version 1, and version 2 with the window an operand, read by the
+  kernels as data): TPU -> `pallas_tpu.ragged_paged_attention`, GPU (cuda) ->
   `pallas_triton.paged_attention`; over a mesh, or with HLOSERVE_PALLAS_KERNELS=0, the decomposition.
 * `hloserve.layer_linear` and `hloserve.quant_linear`: XLA's dot on both (the decomposition). A
   TPU's MXU takes the bf16 operands and accumulates in f32, which is the composite's contract, and
@@ -29,7 +30,7 @@ import hashlib
 import os
 from typing import Any, Sequence
 
-from hloserve.runtime.artifact.kernels import COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, QUANT_LINEAR
+from hloserve.runtime.artifact.kernels import COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2, QUANT_LINEAR
 
 from .. import _private
 from . import attribute_value, attribute_values, custom_call
@@ -87,7 +88,8 @@ def choose(platform: str, name: str, version: int, attrs: dict[str, Any], kv_sha
     """The plan for one composite (name, version, attributes) on `platform`."""
     if platform not in LOWERING:
         raise ValueError(f"platform {platform!r} has no accelerator kernels; use one of tpu, cuda")
-    if (name, version) not in COMPOSITES:
+    contract = COMPOSITES.get((name, version))
+    if contract is None:
         return KernelPlan(name, version, platform, None, {}, "no kernel knows this composite (version)")
     if name in (LAYER_LINEAR.name, QUANT_LINEAR.name):
         return KernelPlan(name, version, platform, None, {}, XLA_DOT)
@@ -103,9 +105,17 @@ def choose(platform: str, name: str, version: int, attrs: dict[str, Any], kv_sha
                       "reads each sequence's blocks in place from the paged cache")
 
 
+def _operands(api, op) -> list:
+    """A composite op's operands of its contract (leading ones beyond it are its decomposition's
+    dimension variables)."""
+    key = (api.ir.StringAttr(op.attributes["name"]).value, api.ir.IntegerAttr(op.attributes["version"]).value)
+    contract = COMPOSITES.get(key)
+    return list(op.operands)[-len(contract.operands):] if contract else list(op.operands)
+
+
 def _plan_of(api, op, platform: str) -> KernelPlan:
     info = attribute_values(api, op)
-    operands = list(op.operands)[-len(PAGED_ATTENTION.operands):]
+    operands = _operands(api, op)
     kv = api.ir.RankedTensorType(operands[1].type).shape if info["name"] == PAGED_ATTENTION.name else ()
     return choose(platform, info["name"], info["version"], info["attributes"], kv)
 
@@ -137,7 +147,7 @@ def specialize(exported: Any, platform: str) -> tuple[Any, list[KernelPlan]]:
                 new = api.func.CallOp(result_types, api.ir.FlatSymbolRefAttr(op.attributes["decomposition"]),
                                       list(op.operands))
             else:
-                operands = list(op.operands)[-len(PAGED_ATTENTION.operands):]
+                operands = _operands(api, op)
                 config = {a.name: a.attr for a in api.ir.DictAttr(op.attributes["composite_attributes"])}
                 new = custom_call(api, PENDING, result_types, operands, config)
         for old, res in zip(op.results, new.results):
@@ -174,8 +184,10 @@ def _build_kernel(target: str, config: dict, operand_types: list, api, *, platfo
     del target
     attrs = {k: attribute_value(api.ir, v) for k, v in config.items()}
     params = PagedParams.from_attributes(attrs)
+    # the placeholder's leading operands are the contract's (version 2's window the last), then any result shapes
+    contract = PAGED_ATTENTION if params.window is not None else PAGED_ATTENTION_V2
     avals = [jax.ShapeDtypeStruct(tuple(api.ir.RankedTensorType(t).shape), _dtype(str(api.ir.RankedTensorType(t).element_type)))
-             for t in operand_types[:len(PAGED_ATTENTION.operands)]]
+             for t in operand_types[:len(contract.operands)]]
     fn = functools.partial(_module(platform).paged_attention, params=params, interpret=interpret)
     checks = [jax_export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     return jax_export.export(jax.jit(lambda *a: fn(*a)), platforms=(lowering,), disabled_checks=checks)(

@@ -9,6 +9,7 @@
 //   hloserve_paged_attention: attention of each token over its own sequence's paged context,
 //     read block by block straight from the KV cache (16-bit float bits or f32), only the blocks
 //     in use; XLA gathers every sequence's padded context, widened to f32, before its dots.
+//     hloserve_paged_attention_v2 is the same with the window an operand (composite version 2).
 //   hloserve_layer_linear: a few rows times one layer's 16-bit matrix, read where it lies in the
 //     stack of all layers; XLA copies the layer out of the stack and then packs (transposes) it
 //     for its dot kernel, on every call: three passes over the weights where one is needed.
@@ -495,6 +496,29 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     });
   });
   return ffi::Error::Success();
+}
+
+// The operands both versions take: q, cache, layer, block_tables, seq_ids, positions, context_lens.
+auto PagedAttentionOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>();
+}
+
+// Version 2: the window an s32[] operand (a scanned layer's own), not an attribute.
+ffi::Error PagedAttentionV2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
+                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
+                            ffi::Buffer<ffi::S32> seq_ids, ffi::Buffer<ffi::S32> positions,
+                            ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> window, int64_t holds,
+                            float scale, float softcap, ffi::ResultBuffer<ffi::F32> out) {
+  return PagedAttention(pool, q, cache, layer, block_tables, seq_ids, positions, context_lens,
+                        window.typed_data()[0], holds, scale, softcap, out);
 }
 
 // ---- layer linear ---------------------------------------------------------------------------
@@ -1301,17 +1325,13 @@ ffi::Error QuantLinear2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_paged_attention, PagedAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("holds")
+                              PagedAttentionOperands().Attr<int64_t>("window").Attr<int64_t>("holds")
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_paged_attention_v2, PagedAttentionV2,
+                              PagedAttentionOperands().Arg<ffi::Buffer<ffi::S32>>().Attr<int64_t>("holds")
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -21,36 +21,48 @@ HOLDS = {1: jnp.bfloat16, 2: jnp.float16}
 @dataclasses.dataclass(frozen=True)
 class PagedParams:
     """The composite's attributes, as a kernel takes them (static: one kernel per value)."""
-    window: int      # attend to positions > position - window (0: no window)
+    window: int | None   # attend to positions > position - window (0: no window; None: an operand, version 2)
     holds: int       # what the cache elements are: 0 its own dtype, 1 bfloat16, 2 float16
     scale: float     # the scores' factor
     softcap: float   # scores become softcap * tanh(scores / softcap) (0: no capping)
 
     @classmethod
     def from_attributes(cls, attrs: dict) -> "PagedParams":
-        return cls(window=int(attrs["window"]), holds=int(attrs["holds"]), scale=float(attrs["scale"]),
+        window = int(attrs["window"]) if "window" in attrs else None
+        return cls(window=window, holds=int(attrs["holds"]), scale=float(attrs["scale"]),
                    softcap=float(attrs["softcap"]))
 
 
-def block_range(position, context_len, block_size: int, window: int):
+def block_range(position, context_len, block_size: int, window):
     """(first, last) block of a token's context: the blocks holding positions c with
     c <= position, c < context_len and, with a window, c > position - window. last < first when
-    the token sees nothing (padding: context_len 0).
+    the token sees nothing (padding: context_len 0). `window`: an int, or an s32 scalar read in
+    the kernel (version 2; 0 or less: no window).
     (Truncating division of non-negative values: Mosaic's floor division asks which TPU it runs on,
     which a lowering without the device cannot answer.)"""
     end = jnp.minimum(position, context_len - 1)                     # the last position seen
-    start = jnp.maximum(position - window + 1, 0) if window else jnp.int32(0)
+    if isinstance(window, int):
+        start = jnp.maximum(position - window + 1, 0) if window else jnp.int32(0)
+    else:
+        start = jnp.where(window > 0, jnp.maximum(position - window + 1, 0), 0)
     last = jnp.where(end >= 0, lax.div(jnp.maximum(end, 0), block_size), -1)
     return lax.div(start, block_size), last
 
 
-def seen(block, position, context_len, block_size: int, window: int):
-    """bool[1, BS]: which positions of block `block` the token attends to."""
+def seen(block, position, context_len, block_size: int, window):
+    """bool[1, BS]: which positions of block `block` the token attends to (`window` as block_range's)."""
     c = block * block_size + lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
     ok = (c <= position) & (c < context_len)
-    if window:
+    if not isinstance(window, int):
+        ok = ok & ((window <= 0) | (c > position - window))
+    elif window:
         ok = ok & (c > position - window)
     return ok
+
+
+def window_operand(window, params: PagedParams):
+    """s32[1]: the window a kernel reads (version 2's operand, or version 1's attribute as a constant)."""
+    return jnp.reshape(jnp.asarray(params.window if window is None else window, jnp.int32), (1,))
 
 
 def widen(x, holds: int):

@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .paged import MASKED, PagedParams, block_range, cap, seen, widen
+from .paged import MASKED, PagedParams, block_range, cap, seen, widen, window_operand
 
 NAME = "pallas_triton.paged_attention"
 
@@ -37,12 +37,12 @@ def supports(block_size: int, head_dim: int) -> str | None:
     return None
 
 
-def _kernel(layer_ref, tables_ref, seq_ref, pos_ref, lens_ref, q_ref, kv_ref, o_ref, *,
+def _kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, lens_ref, q_ref, kv_ref, o_ref, *,
             params: PagedParams, block_size: int, max_blocks: int):
     t, h = pl.program_id(0), pl.program_id(1)
-    layer, seq = layer_ref[0], seq_ref[t]
+    layer, seq, window = layer_ref[0], seq_ref[t], window_ref[0]
     pos, ctx = pos_ref[t], lens_ref[seq]
-    first, last = block_range(pos, ctx, block_size, params.window)
+    first, last = block_range(pos, ctx, block_size, window)
     q = q_ref[...]                                                       # [G, D]
     G, D = q.shape
 
@@ -52,7 +52,7 @@ def _kernel(layer_ref, tables_ref, seq_ref, pos_ref, lens_ref, q_ref, kv_ref, o_
         k = widen(kv_ref[layer, 0, h, block, :, :], params.holds)        # [BS, D]
         v = widen(kv_ref[layer, 1, h, block, :, :], params.holds)
         s = cap((q[:, None, :] * k[None, :, :]).sum(axis=-1), params)    # [G, BS]
-        s = jnp.where(seen(j, pos, ctx, block_size, params.window), s, MASKED)
+        s = jnp.where(seen(j, pos, ctx, block_size, window), s, MASKED)
         m_new = jnp.maximum(m_prev, s.max(axis=1))
         p = jnp.exp(s - m_new[:, None])
         alpha = jnp.exp(m_prev - m_new)
@@ -65,9 +65,10 @@ def _kernel(layer_ref, tables_ref, seq_ref, pos_ref, lens_ref, q_ref, kv_ref, o_
     o_ref[...] = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
 
 
-def paged_attention(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, *,
+def paged_attention(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window=None, *,
                     params: PagedParams, interpret: bool = False, num_warps: int = 4):
-    """The composite's operands -> f32[T, KV, G, D] (runtime/artifact/kernels.py, PAGED_ATTENTION)."""
+    """The composite's operands -> f32[T, KV, G, D] (runtime/artifact/kernels.py, PAGED_ATTENTION;
+    `window`: version 2's operand, None for version 1, whose window is params.window)."""
     T, KV, G, D = q.shape
     L, _, _, N, BS, _ = kv_cache.shape
     S, B = block_tables.shape
@@ -77,13 +78,13 @@ def paged_attention(q, kv_cache, layer, block_tables, seq_ids, positions, contex
     Gp = 1 << max(G - 1, 0).bit_length()                                 # G padded to a power of two
     qp = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, 0), (0, Gp - G), (0, 0))) if Gp != G else q.astype(jnp.float32)
     tables = jnp.clip(block_tables.astype(jnp.int32), 0, N - 1).reshape(-1)   # CLIP, as the decomposition's gather
-    scalars = [jnp.reshape(layer, (1,)).astype(jnp.int32), tables, seq_ids.astype(jnp.int32),
+    scalars = [jnp.reshape(layer, (1,)).astype(jnp.int32), window_operand(window, params), tables, seq_ids.astype(jnp.int32),
                positions.astype(jnp.int32), context_lens.astype(jnp.int32)]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         functools.partial(_kernel, params=params, block_size=BS, max_blocks=B),
         grid=(T, KV),
-        in_specs=[any_spec] * 5 + [pl.BlockSpec((None, None, Gp, D), lambda t, h: (t, h, 0, 0)), any_spec],
+        in_specs=[any_spec] * 6 + [pl.BlockSpec((None, None, Gp, D), lambda t, h: (t, h, 0, 0)), any_spec],
         out_specs=pl.BlockSpec((None, None, Gp, D), lambda t, h: (t, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((T, KV, Gp, D), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),

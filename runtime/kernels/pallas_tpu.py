@@ -2,7 +2,7 @@
 written for the artifact's cache layout `[L, 2, KV, N, BS, D]`.
 
 Grid (token, kv head, block of the context). The block tables, sequence ids, positions, context
-lengths and the layer are scalar-prefetched into SMEM, so each K and V block's index map reads the
+lengths, the layer and the window (an operand in version 2) are scalar-prefetched into SMEM, so each K and V block's index map reads the
 cache block the token's sequence holds at that place (layer, K|V, head, block) and the pipeline
 DMAs exactly that `[BS, D]` tile into VMEM: nothing of the cache is gathered or copied. Grid steps
 outside the token's blocks (past its context, or before a sliding window) re-name the nearest block
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .paged import MASKED, PagedParams, block_range, cap, seen, widen
+from .paged import MASKED, PagedParams, block_range, cap, seen, widen, window_operand
 
 NAME = "pallas_tpu.ragged_paged_attention"
 
@@ -34,15 +34,15 @@ def supports(block_size: int, head_dim: int) -> str | None:
     return None
 
 
-def _kernel(layer_ref, tables_ref, seq_ref, pos_ref, lens_ref,        # scalar prefetch (SMEM)
+def _kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, lens_ref,   # scalar prefetch (SMEM)
             q_ref, k_ref, v_ref,                                        # [G, D], [BS, D], [BS, D]
             o_ref,                                                      # [G, D]
             m_ref, l_ref, acc_ref,                                      # VMEM scratch: [G, 1], [G, 1], [G, D]
             *, params: PagedParams, block_size: int):
     del layer_ref, tables_ref
     t, j = pl.program_id(0), pl.program_id(2)
-    pos, ctx = pos_ref[t], lens_ref[seq_ref[t]]
-    first, last = block_range(pos, ctx, block_size, params.window)
+    pos, ctx, window = pos_ref[t], lens_ref[seq_ref[t]], window_ref[0]
+    first, last = block_range(pos, ctx, block_size, window)
 
     @pl.when(j == 0)
     def _init():
@@ -57,7 +57,7 @@ def _kernel(layer_ref, tables_ref, seq_ref, pos_ref, lens_ref,        # scalar p
         v = widen(v_ref[...], params.holds)
         s = cap(jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
                                     preferred_element_type=jnp.float32), params)          # [G, BS]
-        s = jnp.where(seen(j, pos, ctx, block_size, params.window), s, MASKED)
+        s = jnp.where(seen(j, pos, ctx, block_size, window), s, MASKED)
         m_prev = m_ref[...]
         m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
         p = jnp.exp(s - m_new)
@@ -73,25 +73,25 @@ def _kernel(layer_ref, tables_ref, seq_ref, pos_ref, lens_ref,        # scalar p
         o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
 
 
-def paged_attention(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, *,
+def paged_attention(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window=None, *,
                     params: PagedParams, interpret: bool = False):
-    """The composite's operands -> f32[T, KV, G, D] (runtime/artifact/kernels.py, PAGED_ATTENTION)."""
+    """The composite's operands -> f32[T, KV, G, D] (runtime/artifact/kernels.py, PAGED_ATTENTION;
+    `window`: version 2's operand, None for version 1, whose window is params.window)."""
     T, KV, G, D = q.shape
     L, _, _, N, BS, _ = kv_cache.shape
     S, B = block_tables.shape
     tables = jnp.clip(block_tables.astype(jnp.int32), 0, N - 1).reshape(-1)   # CLIP, as the decomposition's gather
-    window = params.window
 
     def kv_map(which):
-        def index(t, h, j, layer, tables, seqs, pos, lens):
-            first, last = block_range(pos[t], lens[seqs[t]], BS, window)
+        def index(t, h, j, layer, window, tables, seqs, pos, lens):
+            first, last = block_range(pos[t], lens[seqs[t]], BS, window[0])
             jj = jnp.clip(j, first, jnp.maximum(first, last))             # steps out of range re-name a block in it
             jj = jnp.minimum(jj, B - 1)
             return layer[0], which, h, tables[seqs[t] * B + jj], 0, 0
         return pl.BlockSpec((None, None, None, None, BS, D), index)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
+        num_scalar_prefetch=6,
         grid=(T, KV, B),
         in_specs=[pl.BlockSpec((None, None, G, D), lambda t, h, j, *_: (t, h, 0, 0)), kv_map(0), kv_map(1)],
         out_specs=pl.BlockSpec((None, None, G, D), lambda t, h, j, *_: (t, h, 0, 0)),
@@ -104,5 +104,6 @@ def paged_attention(q, kv_cache, layer, block_tables, seq_ids, positions, contex
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="hloserve_paged_attention",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), tables, seq_ids.astype(jnp.int32), positions.astype(jnp.int32),
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), window_operand(window, params), tables, seq_ids.astype(jnp.int32),
+      positions.astype(jnp.int32),
       context_lens.astype(jnp.int32), q.astype(jnp.float32), kv_cache, kv_cache)

@@ -190,8 +190,8 @@ class StepPolicy:
             raise ValueError(f"artifact {path} has neither a 'decode' nor a 'prefill' step function "
                              f"(it has {sorted(functions)})")
         prefill = (flat or [f for f in ("prefill",) if f in functions] or [decode])[0]
-        composite = layouts.get(decode) and layouts[decode].composite
-        one_call = composite is not None and composite in kernels.composites
+        composites = layouts[decode].composites if layouts.get(decode) else ()
+        one_call = bool(composites) and set(composites) <= kernels.composites
         return cls(decode_fn=decode, prefill_fn=decode if one_call else prefill, one_call=one_call)
 
     def buckets(self, cfg: RunnerConfig) -> RunnerConfig:

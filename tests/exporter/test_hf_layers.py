@@ -4,11 +4,12 @@ A scanned step must compute what the model's own layer loop computes: last-token
 models within 1e-4 of transformers (as tests/exporter/test_hf_causal.py, whose two-layer models
 scan too), with more layers than one period so the loop really iterates, and a tail of layers
 after the last whole period. What makes it a scan is read from the exported StableHLO: one
-layer body per period position (plus the tail), not one per layer.
+layer body (or one per period position, plus the tail), not one per layer.
 """
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -40,17 +41,35 @@ def _export(hf, tmp_path, *args):
     return manifest, model, (tmp_path / "art" / "functions" / "decode.mlir").read_text()
 
 
-def test_gemma3_scans_a_period_of_sliding_and_global_layers_with_a_tail(tmp_path):
-    """Seven layers, sliding/global alternating: a period of 2 scanned 3 times, then one layer.
-    Three attention calls in the decode function (two in the body, one after), not seven."""
+def test_gemma3_sliding_and_global_layers_are_one_scanned_body(tmp_path):
+    """Seven layers, sliding/global alternating (local and global rotary tables): one body scanned
+    seven times, each layer's window a row of the scan's data (paged attention version 2, the
+    window an operand), the layer's rotary table picked per iteration. One attention call in the
+    decode function, not seven. The prompts (up to 40 tokens) pass the window of 8."""
     kinds = ["sliding_attention", "full_attention"] * 3 + ["sliding_attention"]
     hf = _model("Gemma3ForCausalLM", "Gemma3TextConfig", num_hidden_layers=7, sliding_window=8,
                 query_pre_attn_scalar=20, layer_types=kinds)
     manifest, model, mlir = _export(hf, tmp_path, "--dtype", "float32")
-    assert manifest["model"]["llm"]["layers"] == "scan (a period of 2 layers, 1 unrolled after it)"
-    assert mlir.count('stablehlo.composite "hloserve.paged_attention"') == 3
+    assert manifest["model"]["llm"]["layers"] == "scan"
+    assert mlir.count('stablehlo.composite "hloserve.paged_attention"') == 1
+    assert re.search(r'composite "hloserve.paged_attention".*version = 2', mlir)
     assert "stablehlo.while" in mlir
     compare_last_logits(model, hf, 1e-4)
+
+
+def test_a_model_that_branches_on_its_window_is_scanned_by_period(tmp_path):
+    """Cohere 2 rotates q/k only in its sliding layers (`if self.sliding_window is not None`): one
+    body carrying the window as data would rotate every layer's, which the export's check (the
+    scanned step against the unrolled one, eager) sees, so the layers are scanned by period."""
+    from hloserve.exporter.models import hf_layers
+    from hloserve.exporter.models.hf_causal import WINDOW, from_hf_directory
+    hf = _model("Cohere2ForCausalLM", "Cohere2Config", num_hidden_layers=4, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"] * 2)
+    # the layers differ in nothing but their window: the period comes from the check
+    assert len({hf_layers._static_signature(m, WINDOW.names) for m in hf.model.layers}) == 1
+    hf.save_pretrained(str(tmp_path / "hf"))
+    src = from_hf_directory(str(tmp_path / "hf"))
+    assert src.model["llm"]["layers"] == "scan (a period of 2 layers)"
 
 
 def test_bf16_checkpoint_exports_as_the_serving_step(tmp_path):

@@ -1,7 +1,6 @@
 """Writes tests/golden/composites_v1/: one stored module per composite (name, version) the CPU kernels
 replace, with its inputs and what its decomposition computed when written. Run once, on 2026-11-26
-(hloserve after the accelerator kernels, jax 0.10.2; quant_linear version 2 added the same day);
-cases already written are skipped: never regenerate silently: a composite whose
+(hloserve after the accelerator kernels, jax 0.10.2); never regenerate silently: a composite whose
 meaning changes gets a new version, and the stored v1 modules must keep computing what they did.
 
     python -m tests.golden.make_composites_v1
@@ -14,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hloserve.quantization import primitives
 from hloserve.runtime import kernels
 from tests.runtime.test_kernels import _case, _exported, _linear_exported, _quant_exported, _quantized_stack
 
@@ -37,27 +35,20 @@ def cases(rng):
         out[f"quant_linear_{spec.replace(':', '_g')}"] = (
             _quant_exported(q, scheme.bits, group),
             [rng.standard_normal((5, 64)).astype(np.float32), q["qweight"], q["scale"], q["min"], np.int32(1)])
-    for spec in ("int8", "int4:32"):                                # version 2: interleaved by 16 rows (2026-11-26)
-        q, scheme, group = _quantized_stack(rng, spec, 3, 48, 64)
-        qw, sc, mn = primitives.interleave_rows(q["qweight"], q["scale"], q["min"] if q["min"].size else None, scheme.bits)
-        out[f"quant_linear_v2_{spec.replace(':', '_g')}"] = (
-            _quant_exported({"qweight": qw, "scale": sc, "min": q["min"] if mn is None else mn}, scheme.bits, group, 2),
-            [rng.standard_normal((5, 64)).astype(np.float32), qw, sc, q["min"] if mn is None else mn, np.int32(1)])
     return out
 
 
-def main() -> None:
-    os.makedirs(OUT, exist_ok=True)
-    for name, (exp, args) in cases(np.random.default_rng(0)).items():
-        if os.path.exists(os.path.join(OUT, f"{name}.npz")):
-            continue                                                # written once: the stored meaning stays
+def write(out: str, stored: dict) -> None:
+    """Each case's module, inputs and decomposition outputs into directory `out`."""
+    os.makedirs(out, exist_ok=True)
+    for name, (exp, args) in stored.items():
         portable, _ = kernels.specialize(exp, None)
         want = np.asarray(jax.jit(portable.call)(*args))
-        with open(os.path.join(OUT, f"{name}.jax_exported"), "wb") as f:
+        with open(os.path.join(out, f"{name}.jax_exported"), "wb") as f:
             f.write(bytes(exp.serialize()))
-        np.savez(os.path.join(OUT, f"{name}.npz"), want=want, **{f"arg{i}": np.asarray(a) for i, a in enumerate(args)})
+        np.savez(os.path.join(out, f"{name}.npz"), want=want, **{f"arg{i}": np.asarray(a) for i, a in enumerate(args)})
         print(name, want.shape)
 
 
 if __name__ == "__main__":
-    main()
+    write(OUT, cases(np.random.default_rng(0)))

@@ -15,10 +15,10 @@ import pytest
 from jax import export
 
 from hloserve.exporter import _private
-from hloserve.exporter.lowerings.attention import paged_attention_reference
+from hloserve.exporter.lowerings.attention import paged_attention_reference, paged_attention_reference_v2
 from hloserve.exporter.lowerings.linalg import layer_linear_reference
 from hloserve.exporter.lowerings.quantized import quant_linear_reference
-from hloserve.runtime.artifact.kernels import LAYER_LINEAR, PAGED_ATTENTION, QUANT_LINEAR
+from hloserve.runtime.artifact.kernels import LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2, QUANT_LINEAR
 from hloserve.runtime.kernels import accelerators, pallas_gpu, pallas_tpu
 from hloserve.runtime.kernels.paged import PagedParams
 from tests.runtime.test_kernels import _case
@@ -49,6 +49,28 @@ def test_kernel_matches_the_decomposition_in_interpret_mode(platform, G, D, hold
     assert got.shape == want.shape == (len(args[4]), 2, G, D)
     np.testing.assert_allclose(got[:pad], want[:pad], atol=1e-5, rtol=0)
     assert np.isfinite(got[pad]).all()            # the padding token sees nothing: finite, unspecified
+
+
+@pytest.mark.parametrize("platform", sorted(KERNELS))
+def test_version_2_window_operand_through_the_load_time_substitution(platform):
+    """Paged attention version 2 (the window an s32[] operand): exported as the exporter writes it,
+    planned onto the platform's kernel, substituted at static shapes (accelerators.for_shapes, the
+    kernel in interpret mode) and called with several windows: each equals version 1's
+    decomposition with that window as its attribute."""
+    from hloserve.runtime.kernels import accelerators as acc
+    args, pad = _case(np.random.default_rng(3), 2, 16, 1, chunk=True)
+    kw = dict(holds=1, scale=np.float32(0.25), softcap=np.float32(0))
+    composite = _private.composite(paged_attention_reference_v2, PAGED_ATTENTION_V2.name, PAGED_ATTENTION_V2.version)
+    avals = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in (*args, np.int32(0))]
+    exp = export.export(jax.jit(lambda *a: composite(*a, **kw)), platforms=("cpu",))(*avals)
+    pending, plans = acc.specialize(exp, platform)
+    assert [(p.version, p.kernel, p.params["window"]) for p in plans] == [(2, KERNELS[platform].NAME, None)]
+    fn = jax.jit(acc.for_shapes(pending, platform, avals, interpret=True).call)
+    for window in (0, 5, 30):
+        params = PagedParams(window=window, holds=1, scale=0.25, softcap=0.0)
+        got = np.asarray(fn(*args, np.int32(window)))
+        np.testing.assert_allclose(got[:pad], _reference(args, params)[:pad], atol=1e-5, rtol=0,
+                                   err_msg=f"window {window}")
 
 
 @pytest.mark.parametrize("platform", sorted(KERNELS))
@@ -92,7 +114,9 @@ def test_plan_per_platform():
     assert odd.kernel is None and "powers of two" in odd.why
     for name in (LAYER_LINEAR.name, QUANT_LINEAR.name):
         assert accelerators.choose("tpu", name, 1, {}).kernel is None
-    assert accelerators.choose("tpu", PAGED_ATTENTION.name, 2, attrs).kernel is None   # unknown version
+    v2 = accelerators.choose("tpu", PAGED_ATTENTION.name, 2, {k: v for k, v in attrs.items() if k != "window"})
+    assert v2.kernel == pallas_tpu.NAME and v2.params["window"] is None        # the window is an operand
+    assert accelerators.choose("tpu", PAGED_ATTENTION.name, 3, attrs).kernel is None   # unknown version
     with pytest.raises(ValueError, match="use one of tpu, cuda"):
         accelerators.choose("rocm", PAGED_ATTENTION.name, 1, attrs)
 

@@ -36,7 +36,8 @@ def test_a_functions_layout_is_read_from_its_contract_entry(stored, layout):
     assert spec.layout("decode") is layout and spec.layout("missing") is None
     if layout is not None:
         assert layout.per_token == (layout is not Layout.FLAT)
-        assert layout.composite == ((PAGED_ATTENTION.name, PAGED_ATTENTION.version) if layout is Layout.GATHER else None)
+        assert layout.composites == (((PAGED_ATTENTION.name, 1), (PAGED_ATTENTION.name, 2)) if layout is Layout.GATHER
+                                     else ())
 
 
 def test_the_step_signature_is_checked_against_the_contract_at_load():

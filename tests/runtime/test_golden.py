@@ -65,11 +65,12 @@ def test_newer_or_broken_llm_contract_is_refused(tmp_path):
         LLMSpec.of(artifact.Manifest.from_json({**raw, "model": {}}), "x")
 
 
-COMPOSITES = os.path.join(GOLDEN, "composites_v1")
-COMPOSITE_CASES = sorted(n.removesuffix(".npz") for n in os.listdir(COMPOSITES) if n.endswith(".npz"))
+# composites_v<version>/<case>.npz: modules with composites of that version
+COMPOSITE_CASES = sorted(f"{d}/{n.removesuffix('.npz')}" for d in os.listdir(GOLDEN) if d.startswith("composites_v")
+                         for n in os.listdir(os.path.join(GOLDEN, d)) if n.endswith(".npz"))
 
 
-def _bound(name: str, args: list, want: np.ndarray) -> np.ndarray:
+def _bound(name: str, version: int, args: list, want: np.ndarray) -> np.ndarray:
     """How far a reordered f32 summation may move each output (tests/runtime/test_kernels.py derives
     each): attention outputs are softmax averages of O(1) values, 1e-5; a linear's products are exact
     in f32 (x rounded to the weights' 16 bits, or quantized per block of 32 for quantized weights), so
@@ -88,7 +89,7 @@ def _bound(name: str, args: list, want: np.ndarray) -> np.ndarray:
         xr = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
         return K * 2.0 ** -24 * (np.abs(xr) @ np.abs(w).T) + 1e-30
     qweight, scale, mn = args[1], args[2], args[3]
-    if name.startswith("quant_linear_v2"):   # interleaved by 16 rows: back to row order for the bound
+    if version == 2:   # quant_linear v2, interleaved by 16 rows: back to row order for the bound
         bits = 4 if qweight.shape[2] == 8 * K else 8
         mats = [modules.rows_in_order(*(torch.from_numpy(a[i]) if a.size else None for a in (qweight, scale, mn)), bits)
                 for i in range(qweight.shape[0])]
@@ -109,24 +110,25 @@ def _bound(name: str, args: list, want: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("name", COMPOSITE_CASES)
 def test_stored_composite_computes_what_it_did_through_kernel_and_decomposition(name):
-    """A module stored with a composite at its version (tests/golden/make_composites_v1.py, written
-    2026-11-26) is still recognised: on this machine's CPU kernel (where one builds) and through its
+    """A module stored with a composite at its version (tests/golden/make_composites_v1.py and
+    make_composites_v2.py, written 2026-11-26) is still recognised: on this machine's CPU kernel (where one builds) and through its
     decomposition it computes the stored outputs, within what reordered f32 sums allow."""
     import jax
     from jax import export
 
     from hloserve.runtime import kernels
-    from hloserve.runtime.artifact.kernels import LAYER_LINEAR, PAGED_ATTENTION, QUANT_LINEAR, QUANT_LINEAR_V2
+    from hloserve.runtime.artifact.kernels import COMPOSITES
 
-    composite = next(c for c in (PAGED_ATTENTION, LAYER_LINEAR, QUANT_LINEAR_V2, QUANT_LINEAR)
-                     if name.startswith(c.name.split(".")[1] + ("_v2" if c.version == 2 else "")))
-    with open(os.path.join(COMPOSITES, f"{name}.jax_exported"), "rb") as f:
+    folder, name = name.split("/")
+    version = int(folder.removeprefix("composites_v"))
+    composite = next(c for (_, v), c in COMPOSITES.items() if v == version and name.startswith(c.name.split(".")[1]))
+    with open(os.path.join(GOLDEN, folder, f"{name}.jax_exported"), "rb") as f:
         exp = export.deserialize(bytearray(f.read()))
-    stored = np.load(os.path.join(COMPOSITES, f"{name}.npz"))
+    stored = np.load(os.path.join(GOLDEN, folder, f"{name}.npz"))
     args = [stored[f"arg{i}"] for i in range(len(stored.files) - 1)]
     want = stored["want"]
     assert f'"{composite.name}"' in exp.mlir_module() and f"version = {composite.version}" in exp.mlir_module()
-    bound = _bound(name, args, want)
+    bound = _bound(name, version, args, want)
     library = kernels.cpu_library()
     for lib in (None, library) if library is not None else (None,):
         fn, n_kernels = kernels.specialize(exp, lib)

@@ -20,9 +20,9 @@ import torch
 from jax import export
 
 from hloserve.exporter import _private, custom_ops
-from hloserve.exporter.lowerings.attention import paged_attention_reference
+from hloserve.exporter.lowerings.attention import paged_attention_reference, paged_attention_reference_v2
 from hloserve.runtime import kernels
-from hloserve.runtime.artifact.kernels import PAGED_ATTENTION
+from hloserve.runtime.artifact.kernels import PAGED_ATTENTION, PAGED_ATTENTION_V2
 
 BS = 8
 
@@ -65,6 +65,21 @@ def _exported(args, window, holds, scale=None, softcap=0.0):
     return export.export(jax.jit(f), platforms=("cpu",))(*shapes)
 
 
+def _exported_v2(args, holds, scale=None, softcap=0.0):
+    """Version 2 of paged attention (the window the last operand, s32[]) over `args` and a window,
+    T symbolic."""
+    D = np.shape(args[0])[-1]
+
+    def f(*a):
+        return _private.composite(paged_attention_reference_v2, PAGED_ATTENTION_V2.name, PAGED_ATTENTION_V2.version)(
+            *a, holds=holds, scale=np.float32(D ** -0.5 if scale is None else scale), softcap=np.float32(softcap))
+    (t,) = export.symbolic_shape("T")
+    shapes = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in (*args, np.int32(0))]
+    for i in (0, 4, 5):
+        shapes[i] = jax.ShapeDtypeStruct((t, *np.shape(args[i])[1:]), np.asarray(args[i]).dtype)
+    return export.export(jax.jit(f), platforms=("cpu",))(*shapes)
+
+
 @pytest.fixture(scope="module")
 def library():
     lib = kernels.cpu_library()
@@ -93,6 +108,32 @@ def test_paged_attention_kernel_matches_decomposition_and_torch(library, G, D, h
     np.testing.assert_allclose(portable[real], ref[real], atol=1e-5, rtol=0)
     np.testing.assert_allclose(kernel[real], ref[real], atol=1e-5, rtol=0)
     assert np.isfinite(kernel).all() and np.isfinite(portable).all()
+
+
+@pytest.mark.parametrize("holds", [0, 1])
+@pytest.mark.parametrize("chunk", [False, True], ids=["short", "chunk37"])
+def test_paged_attention_v2_reads_its_window_as_data(library, holds, chunk):
+    """Version 2 (the window an s32[] operand): one compiled function, kernel and decomposition,
+    for every window a layer may have (0: none, one inside a block, one past a block edge, one
+    wider than every context), each equal to the torch reference with that window."""
+    args, pad = _case(np.random.default_rng(7 + holds), 4, 64, holds, chunk=chunk)
+    D = 64
+    exp = _exported_v2(args, holds)
+    portable_fn, n_portable = kernels.specialize(exp, None)
+    kernel_fn, n_kernel = kernels.specialize(exp, library)
+    assert (n_portable, n_kernel) == (0, 1)
+    assert "custom_call @hloserve_paged_attention_v2" in kernel_fn.mlir_module()
+    portable, kernel = jax.jit(portable_fn.call), jax.jit(kernel_fn.call)
+    real = np.arange(len(args[4])) != pad
+    for window in (0, 5, 8, 100):
+        ref = custom_ops.paged_attention_windowed(*[torch.from_numpy(np.array(a)) for a in args],
+                                                  torch.tensor(window, dtype=torch.int32), holds, D ** -0.5, 0.0)
+        want = custom_ops.paged_attention(*[torch.from_numpy(np.array(a)) for a in args], window, holds, D ** -0.5,
+                                          0.0).numpy()
+        np.testing.assert_array_equal(ref.numpy(), want)                 # the two torch forms agree
+        for fn in (portable, kernel):
+            got = np.asarray(fn(*args, np.int32(window)))
+            np.testing.assert_allclose(got[real], want[real], atol=1e-5, rtol=0, err_msg=f"window {window}")
 
 
 def test_kernel_sees_only_its_sequence(library):
