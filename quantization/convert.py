@@ -116,11 +116,12 @@ def quantize_module(module: torch.nn.Module, config: QuantConfig, record: QuantR
             record.add(shared[key][0], shared[key][1], tuple(w.shape))
         tensors, scheme = shared[key]
         if isinstance(child, torch.nn.Linear):
-            if key in embedded and scheme.for_linear(tuple(w.shape)).rows:
+            head = scheme.for_linear(tuple(w.shape))
+            if key in embedded and head.rows:
                 # a head tied to an embedding: its own copy interleaved by 16 rows (the gathers need rows)
                 if key not in heads:
-                    heads[key] = interleaved(tensors, scheme.for_linear(tuple(w.shape))), scheme.for_linear(tuple(w.shape))
-                    record.add(heads[key][0], heads[key][1], tuple(w.shape))
+                    heads[key] = interleaved(tensors, head), head
+                    record.add(heads[key][0], head, tuple(w.shape))
                 tensors, scheme = heads[key]
             new: torch.nn.Module = QuantizedLinear(child.in_features, child.out_features, scheme, tensors,
                                                    child.bias, w.dtype)

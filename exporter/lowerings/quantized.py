@@ -131,14 +131,16 @@ def quantize_blocks(x):
     return (q * d).reshape(m, -1)[:, :k]                                 # [M, K]
 
 
-def quant_linear_reference(x, qweight, scale, min_, layer, *, bits: int, group: int):
-    """The `hloserve.quant_linear` composite's decomposition (its contract: runtime/artifact/kernels.py):
-    x f32[M, K], qweight [L, N, K | K/2], scale [L, N, K/group], min_ like scale or f32[0], layer
-    s32[] -> f32[M, N]. Slices the layer, then dequantizes next to the dot as described above."""
-    xr = quantize_blocks(x)                                              # the contract's int8 activations
+def _picked(qweight, scale, min_, layer):
+    """Layer `layer` of each stored stack (a stack of one is indexed statically); min_ None when empty."""
     pick = (lambda a: a[0]) if qweight.shape[0] == 1 else (lambda a: lax.dynamic_index_in_dim(a, layer, 0, False))
-    qw, s = pick(qweight), pick(scale)                                   # [N, K | K/2], [N, G]
-    mn = pick(min_) if min_.size else None
+    return pick(qweight), pick(scale), pick(min_) if min_.size else None
+
+
+def _layer_product(x, qw, s, mn, bits: int, group: int):
+    """x f32[M, K] quantized as the contract says, times one layer's stored matrix [N, ...] (row by
+    row): whole, or in row blocks inside a loop for large matrices (see the module docstring)."""
+    xr = quantize_blocks(x)                                              # the contract's int8 activations
     out, n_in = qw.shape[0], x.shape[-1]
     rows = _block_rows(out, n_in)
     if rows == out:
@@ -150,6 +152,13 @@ def quant_linear_reference(x, qweight, scale, min_, layer, *, bits: int, group: 
 
     ys = lax.map(lambda b: _linear_block(xr, *b, bits, group), (blocks(qw), blocks(s), blocks(mn)))
     return jnp.moveaxis(ys, 0, -2).reshape(x.shape[0], out)              # [n, M, rows] -> [M, N]
+
+
+def quant_linear_reference(x, qweight, scale, min_, layer, *, bits: int, group: int):
+    """The `hloserve.quant_linear` composite's decomposition (its contract: runtime/artifact/kernels.py):
+    x f32[M, K], qweight [L, N, K | K/2], scale [L, N, K/group], min_ like scale or f32[0], layer
+    s32[] -> f32[M, N]. Slices the layer, then dequantizes next to the dot as described above."""
+    return _layer_product(x, *_picked(qweight, scale, min_, layer), bits, group)
 
 
 def _rows_in_order(qw, s, mn, bits: int):
@@ -179,20 +188,8 @@ def _rows_in_order(qw, s, mn, bits: int):
 def quant_linear_v2_reference(x, qweight, scale, min_, layer, *, bits: int, group: int):
     """The `hloserve.quant_linear` version 2 composite's decomposition: the layer's matrix put back in
     row order, then version 1's arithmetic (x quantized per block as Q8_0, W = q * scale + min)."""
-    xr = quantize_blocks(x)
-    pick = (lambda a: a[0]) if qweight.shape[0] == 1 else (lambda a: lax.dynamic_index_in_dim(a, layer, 0, False))
-    q, s, mn = _rows_in_order(pick(qweight), pick(scale), pick(min_) if min_.size else None, bits)
-    out, n_in = q.shape[0], x.shape[-1]
-    rows = _block_rows(out, n_in)
-    if rows == out:
-        return _linear_block(xr, q, s, mn, 8, group)                     # int values: bits 8's dequantize
-    n = out // rows
-
-    def blocks(a):
-        return a.reshape(n, rows, *a.shape[1:]) if a is not None else None   # [n, rows, ...]
-
-    ys = lax.map(lambda b: _linear_block(xr, *b, 8, group), (blocks(q), blocks(s), blocks(mn)))
-    return jnp.moveaxis(ys, 0, -2).reshape(x.shape[0], out)              # [n, M, rows] -> [M, N]
+    q, s, mn = _rows_in_order(*_picked(qweight, scale, min_, layer), bits)
+    return _layer_product(x, q, s, mn, 8, group)                         # int values: bits 8's dequantize
 
 
 # hloserve::quantized_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? min, Tensor? bias,
