@@ -1042,6 +1042,17 @@ void spread_lanes(QuantizedX& x, int64_t M, int64_t K, int offset) {
 }
 #endif
 
+// What both quant_linear versions refuse beyond their shapes (nullptr: nothing): min, bits, layer
+const char* quant_operands_error(int64_t bits, const ffi::AnyBuffer& scale, const ffi::AnyBuffer& min, int64_t l,
+                                 int64_t L) {
+  const bool asym = min.element_count() != 0;
+  if (asym && (min.element_type() != scale.element_type() || min.element_count() != scale.element_count()))
+    return "min must have scale's dtype and shape, or no elements";
+  if (asym && bits == 8) return "int8 weights have no min";
+  if (l < 0 || l >= L) return "layer out of range";
+  return nullptr;
+}
+
 ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qweight, ffi::AnyBuffer scale,
                        ffi::AnyBuffer min, ffi::Buffer<ffi::S32> layer, int64_t bits, int64_t group,
                        ffi::ResultBuffer<ffi::F32> out) {
@@ -1062,11 +1073,9 @@ ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   if ((!f16 && scale.element_type() != ffi::DataType::F32) || sd[0] != L || sd[1] != N || sd[2] != G)
     return ffi::Error::InvalidArgument("hloserve_quant_linear: scale must be f16 or f32 [L, N, K / group]");
   const bool asym = min.element_count() != 0;
-  if (asym && (min.element_type() != scale.element_type() || min.element_count() != scale.element_count()))
-    return ffi::Error::InvalidArgument("hloserve_quant_linear: min must have scale's dtype and shape, or no elements");
-  if (asym && bits == 8) return ffi::Error::InvalidArgument("hloserve_quant_linear: int8 weights have no min");
   const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("hloserve_quant_linear: layer out of range");
+  if (const char* why = quant_operands_error(bits, scale, min, l, L))
+    return ffi::Error::InvalidArgument(std::string("hloserve_quant_linear: ") + why);
   const int64_t qrow = bits == 8 ? K : K / 2, ssize = f16 ? 2 : 4;
   QuantMatrix w{static_cast<const char*>(qweight.untyped_data()) + l * N * qrow,
                 static_cast<const char*>(scale.untyped_data()) + l * N * G * ssize,
@@ -1294,11 +1303,9 @@ ffi::Error QuantLinear2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   if ((!f16 && scale.element_type() != ffi::DataType::F32) || sd[0] != L || sd[1] != NG || sd[2] != G || sd[3] != 16)
     return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: scale must be f16 or f32 [L, N/16, K / group, 16]");
   const bool asym = min.element_count() != 0;
-  if (asym && (min.element_type() != scale.element_type() || min.element_count() != scale.element_count()))
-    return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: min must have scale's dtype and shape, or no elements");
-  if (asym && bits == 8) return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: int8 weights have no min");
   const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: layer out of range");
+  if (const char* why = quant_operands_error(bits, scale, min, l, L))
+    return ffi::Error::InvalidArgument(std::string("hloserve_quant_linear_v2: ") + why);
   const int64_t ssize = f16 ? 2 : 4, per_layer = N * G, qlayer = bits == 8 ? N * K : N * K / 2;
   QuantMatrix2 w{static_cast<const uint8_t*>(qweight.untyped_data()) + l * qlayer,
                  static_cast<const char*>(scale.untyped_data()) + l * per_layer * ssize,
