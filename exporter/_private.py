@@ -1,4 +1,4 @@
-"""Every private jax and torch API the exporter uses, in one place (checked on jax 0.10.x, torch 2.13).
+"""Every private jax and torch API the exporter uses, in one place (checked on jax 0.10.x with torch 2.13, and jax 0.11.2 with torch 2.11 on a GPU).
 
 An upgrade that moves one of these breaks here, with the rest of the exporter untouched. Each name
 says what it is for; none of them is re-exported beyond the exporter.
@@ -51,14 +51,14 @@ def _composite_primitive():
     """The primitive behind `composite` (registered with jax on first use)."""
     from jax._src import util
     from jax._src.interpreters import mlir
-    from jax._src.lax import lax as _lax
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import hlo
 
     prim = _jax_core.Primitive("hloserve_composite")
     prim.multiple_results = True
-    prim.def_impl(_lax._composite_impl)
-    prim.def_abstract_eval(_lax._composite_abstract_eval)
+    # our own rules: jax's composite rules renamed their jaxpr parameter in 0.11
+    prim.def_impl(lambda *args, jaxpr, **_: _jax_core.jaxpr_as_fun(jaxpr)(*args))
+    prim.def_abstract_eval(lambda *args, jaxpr, **_: jaxpr.out_avals)
 
     def lowering(ctx, *args, name, attributes, version, jaxpr):
         const_args_and_avals = _jax_core.jaxpr_const_args(jaxpr.jaxpr)

@@ -8,6 +8,8 @@ Shapes are tiny: interpret mode runs every grid step as XLA ops.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,23 @@ def test_kernel_matches_the_decomposition_in_interpret_mode(platform, G, D, hold
     assert np.isfinite(got[pad]).all()            # the padding token sees nothing: finite, unspecified
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("G,D,holds,window,scale,softcap,chunk", CASES)
+def test_gpu_kernel_compiled_by_triton_matches_the_decomposition(G, D, holds, window, scale, softcap, chunk):
+    """The same cases compiled by Triton and run on the GPU (exact f32 products and sums, as in
+    interpret mode; the GPU's exp differs from the CPU's by a few ulps, far inside 1e-5)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("the Triton kernel needs a GPU")
+    args, pad = _case(np.random.default_rng(G * 10 + holds), G, D, holds, chunk=chunk)
+    params = PagedParams(window=window, holds=holds, scale=D ** -0.5 if scale is None else scale, softcap=softcap)
+    fn = jax.jit(functools.partial(pallas_gpu.paged_attention, params=params))
+    got = np.asarray(fn(*map(jnp.asarray, args)))
+    with jax.default_device(jax.devices("cpu")[0]):     # on the GPU its f32 einsums would take TF32
+        want = _reference(args, params)
+    np.testing.assert_allclose(got[:pad], want[:pad], atol=1e-5, rtol=0)
+    assert np.isfinite(got[pad]).all()
+
+
 @pytest.mark.parametrize("platform", sorted(KERNELS))
 def test_version_2_window_operand_through_the_load_time_substitution(platform):
     """Paged attention version 2 (the window an s32[] operand): exported as the exporter writes it,
@@ -66,11 +85,12 @@ def test_version_2_window_operand_through_the_load_time_substitution(platform):
     pending, plans = acc.specialize(exp, platform)
     assert [(p.version, p.kernel, p.params["window"]) for p in plans] == [(2, KERNELS[platform].NAME, None)]
     fn = jax.jit(acc.for_shapes(pending, platform, avals, interpret=True).call)
-    for window in (0, 5, 30):
-        params = PagedParams(window=window, holds=1, scale=0.25, softcap=0.0)
-        got = np.asarray(fn(*args, np.int32(window)))
-        np.testing.assert_allclose(got[:pad], _reference(args, params)[:pad], atol=1e-5, rtol=0,
-                                   err_msg=f"window {window}")
+    with jax.default_device(jax.devices("cpu")[0]):      # where it was exported for, also on a GPU machine
+        for window in (0, 5, 30):
+            params = PagedParams(window=window, holds=1, scale=0.25, softcap=0.0)
+            got = np.asarray(fn(*args, np.int32(window)))
+            np.testing.assert_allclose(got[:pad], _reference(args, params)[:pad], atol=1e-5, rtol=0,
+                                       err_msg=f"window {window}")
 
 
 @pytest.mark.parametrize("platform", sorted(KERNELS))
