@@ -88,12 +88,18 @@ class Library:
 @dataclasses.dataclass(frozen=True)
 class KernelSupport:
     """What a load runs as kernels: a runtime capability, known before the artifact loads, from
-    which a server picks how to call the step (server/core/model_runner.py's StepPolicy)."""
+    which a server picks how to call the step (server/core/model_runner.py's StepPolicy).
+    `library`: the CPU kernels; `accelerator`: "tpu" or "cuda" where that platform's Pallas kernels
+    run (runtime/kernels/accelerators.py)."""
     library: Library | None
+    accelerator: str | None = None
 
     @property
     def composites(self) -> frozenset[tuple[str, int]]:
         """The (name, version) of every composite run as a kernel (the rest run their decomposition)."""
+        if self.accelerator is not None:
+            from . import accelerators
+            return accelerators.SERVED
         return frozenset(TARGETS) if self.library is not None else frozenset()
 
     def runs(self, name: str, version: int) -> bool:
@@ -101,10 +107,17 @@ class KernelSupport:
 
 
 def support(platform: str, *, mesh: bool, report: Callable[[str], None] | None = None) -> KernelSupport:
-    """The kernels a load on `platform` (as jax names it: "cpu", "gpu", "tpu") runs: the CPU's, one
-    device only (a kernel is one device's code: XLA cannot partition a custom call, so over a mesh
-    the decomposition runs and is partitioned with the rest); none elsewhere."""
-    return KernelSupport(cpu_library(report) if platform == "cpu" and not mesh else None)
+    """The kernels a load on `platform` (as jax names it: "cpu", "gpu", "tpu") runs, one device only
+    (a kernel is one device's code: XLA cannot partition a custom call, so over a mesh the
+    decomposition runs and is partitioned with the rest): the CPU's, or the accelerator's Pallas
+    kernels unless they are turned off."""
+    if mesh:
+        return KernelSupport(None)
+    if platform == "cpu":
+        return KernelSupport(cpu_library(report))
+    from . import accelerators
+    lowering = accelerators.LOWERING.get(platform)
+    return KernelSupport(None, lowering if lowering and accelerators.enabled() else None)
 
 
 def enabled() -> bool:

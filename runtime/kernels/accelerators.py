@@ -40,6 +40,8 @@ ENV = "HLOSERVE_PALLAS_KERNELS"   # "0": the accelerators run every composite's 
 PENDING = "hloserve_pallas_paged_attention"   # placeholder custom call, replaced once shapes are static
 # jax's platform names for lowering (a GPU device reports "gpu")
 LOWERING = {"tpu": "tpu", "gpu": "cuda", "cuda": "cuda"}
+# the composites a Pallas kernel runs (where the cache shape suits it: `choose`), as KernelSupport names them
+SERVED = frozenset({(PAGED_ATTENTION.name, PAGED_ATTENTION.version), (PAGED_ATTENTION_V2.name, PAGED_ATTENTION_V2.version)})
 # what the linear composites run on an accelerator, and why (see the module docstring)
 XLA_DOT = "XLA's dot (the decomposition): the MXU / cuBLAS take the 16-bit operands with f32 sums, as the contract asks"
 

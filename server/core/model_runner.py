@@ -168,11 +168,12 @@ class StepPolicy:
     """Which step function runs what, chosen before the artifact loads from its functions' layouts
     (LLMSpec.layout) and what the runtime will run as kernels (runtime.kernel_support).
 
-    With its attention composite run by a kernel (the CPU), the per-token `decode` reads only each
-    token's own blocks, for prompt chunks too: then every step is ONE call of it, mixed or not
-    (measured T=256: 83-125 ms against the flat layout's 113-255 ms, S = 1..4; docs/performance.md),
-    and one block-table width (the longest context's) serves every step: a wider table costs the
-    kernel nothing (20 executables instead of 100). Without one, its decomposition gathers every
+    With its attention composite run by a kernel (the CPU's, or a GPU's or TPU's Pallas kernel), the
+    per-token `decode` reads only each token's own blocks, for prompt chunks too: then every step is
+    ONE call of it, mixed or not (CPU, T=256: 83-125 ms against the flat layout's 113-255 ms, S =
+    1..4; docs/performance.md), and one block-table width (the longest context's) serves every step:
+    a wider table costs the kernel nothing (20 executables instead of 100; on an H200 each took ~3.4 s
+    to compile, docs/deploy.md). Without one, its decomposition gathers every
     token's padded context, so prompt chunks take the flat `prefill` and a mixed step is two calls.
     """
     decode_fn: str          # runs decode-only steps (T = S)

@@ -90,11 +90,12 @@ def test_step_arrays_padding():
         ("prefill", 16, 32, 8), ("prefill", 64, 32, 8)])                # 6+ tokens: T bucket 16 or 64
 
 
-def test_step_policy_is_chosen_by_layout_and_kernel_support_before_load():
+def test_step_policy_is_chosen_by_layout_and_kernel_support_before_load(monkeypatch):
     """The runner picks its functions by the layouts the contract records (not by their names) and
     makes every step one call only where the runtime will run the per-token layout's composite."""
     from hloserve.runtime.artifact import LLMSpec
-    from hloserve.runtime.kernels import KernelSupport, Library
+    from hloserve.runtime import kernels as runtime_kernels
+    from hloserve.runtime.kernels import KernelSupport, Library, accelerators
     from hloserve.server.core.model_runner import StepPolicy
     raw = {"block_size": 8, "max_blocks": 8, "max_seqs": 4, "max_tokens": 32, "vocab_size": VOCAB,
            "kv_cache": {"dtype": "f32", "shape": [2, 2, 2, "num_blocks", 8, 8]},
@@ -109,6 +110,14 @@ def test_step_policy_is_chosen_by_layout_and_kernel_support_before_load():
                        kv_cache_bytes=0)
     assert StepPolicy.choose(llm, ["wide", "narrow"], kernels, "a").buckets(cfg).block_buckets == (8,)
     assert StepPolicy.choose(llm, ["wide", "narrow"], none, "a").buckets(cfg) == cfg
+    # a GPU or TPU whose Pallas kernel runs the attention composite: one call, one width (20
+    # executables, not 100: an H200 compiled each in ~3.4 s), as on the CPU
+    for platform in ("gpu", "tpu"):
+        pallas = runtime_kernels.support(platform, mesh=False)
+        assert StepPolicy.choose(llm, ["wide", "narrow"], pallas, "a").buckets(cfg).block_buckets == (8,)
+        assert runtime_kernels.support(platform, mesh=True).composites == frozenset()
+    monkeypatch.setenv(accelerators.ENV, "0")
+    assert not StepPolicy.choose(llm, ["wide", "narrow"], runtime_kernels.support("gpu", mesh=False), "a").one_call
     paged = LLMSpec.from_json({**raw, "step": {"functions": {"decode": "paged: ...", "prefill": "flat: ..."}}})
     assert not StepPolicy.choose(paged, ["prefill", "decode"], kernels, "a").one_call   # no composite to run
     unnamed = LLMSpec.from_json({**raw, "step": {}})                  # an artifact that records no layout
