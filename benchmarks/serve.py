@@ -271,6 +271,27 @@ def quantized_artifact(source: str, spec: str, path: str) -> str:
     return path
 
 
+def shape_gguf(hf_dir: str, bin_dir: str, path: str) -> str:
+    """`path`: a shape's Hugging Face directory as a BF16 GGUF, written once by llama.cpp's own
+    convert_hf_to_gguf.py from the tree llama-server was built from (benchmarks/llama_server_env.sh)."""
+    if os.path.exists(path):
+        return path
+    import glob
+    scripts = sorted(glob.glob(os.path.join(os.path.dirname(bin_dir), "src", "*", "vendor", "llama.cpp",
+                                            "convert_hf_to_gguf.py")))
+    if not scripts:
+        raise SystemExit(f"llama.cpp's convert_hf_to_gguf.py is not under {os.path.dirname(bin_dir)}/src; "
+                         f"run `bash benchmarks/llama_server_env.sh`")
+    print(f"writing {path} with {scripts[-1]} (once; it imports sentencepiece and gguf)", flush=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    proc = subprocess.run([sys.executable, scripts[-1], hf_dir, "--outtype", "bf16", "--outfile", tmp],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-2000:]}")
+    os.replace(tmp, path)
+    return path
+
+
 def llama_gguf(gguf: str, kind: str, bin_dir: str, path: str) -> str:
     """`path`: the GGUF `gguf` requantized to ggml type `kind` by llama.cpp's llama-quantize (once; BF16
     from the Q4_1 file is its exact dequantization, the weights hloserve's default artifact serves)."""
@@ -687,7 +708,8 @@ def main() -> int:
                    help="llama.cpp's llama-server binary (`bash benchmarks/llama_server_env.sh` builds it); "
                         "SmolLM2 only")
     p.add_argument("--llama-server-types", default="BF16,Q8_0,Q4_0",
-                   help="GGUF types llama-server serves, each made from the preset's Q4_1 file by llama-quantize")
+                   help="GGUF types llama-server serves, each made by llama-quantize from the preset's Q4_1 file "
+                        "(--model SHAPE: from the shape converted to BF16 by llama.cpp's convert_hf_to_gguf.py)")
     p.add_argument("--llama-server-args", default="--no-repack",
                    help="extra llama-server flags; the default turns off its weight repacking, whose quantized "
                         "kernels crashed (SIGSEGV at load) on the Sapphire Rapids VM of 2026-11-25")
@@ -709,7 +731,7 @@ def main() -> int:
         p.error("--concurrency and --requests need as many entries")
     if args.model != "smollm2" and args.tokenizer_dir:      # a shape needs only SmolLM2's tokenizer
         gguf, hf_dir = None, args.tokenizer_dir
-        skip |= {"llama-cpp-python", "llama-server"}
+        skip.add("llama-cpp-python")
     else:
         gguf = presets.resolve(PRESET)
         hf_dir = hf_model_dir(gguf, args.hf_dir or os.path.join(cache_dir(), "bench", "smollm2-hf"))
@@ -774,15 +796,19 @@ def main() -> int:
             starts[f"{name}, default cache"] = secs
             levels += bench_server(name, base, workloads, {"ignore_eos": True})
 
-    if "llama-server" not in skip and args.model == "smollm2":
+    if "llama-server" not in skip:
         if not os.path.exists(args.llama_server):
             print(f"llama-server: skipped ({args.llama_server} not found; `bash benchmarks/llama_server_env.sh` "
                   f"builds it)", flush=True)
         else:
             slots = max(conc + ([args.long_concurrency] if args.long_requests > 0 else []))
+            bin_dir = os.path.dirname(args.llama_server)
+            # SmolLM2: its GGUF; a shape: its directory converted by llama.cpp (the same random weights)
+            source = gguf if args.model == "smollm2" else shape_gguf(
+                hf_dir, bin_dir, os.path.join(cache_dir(), "bench", f"{args.model}-BF16.gguf"))
             for kind in [t for t in args.llama_server_types.split(",") if t]:
-                path = llama_gguf(gguf, kind, os.path.dirname(args.llama_server),
-                                  os.path.join(cache_dir(), "bench", f"smollm2-{kind}.gguf"))
+                path = source if kind == "BF16" and args.model != "smollm2" else llama_gguf(
+                    source, kind, bin_dir, os.path.join(cache_dir(), "bench", f"{args.model}-{kind}.gguf"))
                 name = f"llama-server {kind}"
                 cmd = [args.llama_server, "-m", path, "-t", str(os.cpu_count()), "-np", str(slots),
                        "-c", str(max_len * slots), "--host", "127.0.0.1", "--port", str(free_port()), "-a", MODEL,
