@@ -145,10 +145,17 @@ class _Step:
         self.layer = layer          # 0-dim int32 (a scanned layer's index); None: the module's layer_idx
         self.window = window        # 0-dim int32 (a scanned layer's own window, 0: none); None: the module's
 
-    def at(self, layer: torch.Tensor, cache: torch.Tensor, window: torch.Tensor | None = None) -> "_Step":
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The paging inputs a layer's attention reads (the cache aside): a scanned body's inputs."""
+        return {k: v for k, v in self.x.items() if k != "kv_cache"}
+
+    def at(self, layer: torch.Tensor, cache: torch.Tensor, window: torch.Tensor | None = None, *,
+           tensors: Mapping[str, torch.Tensor] | None = None) -> "_Step":
         """The step as layer `layer` sees it, over `cache` (hf_layers.ScannedLayers); `window`: the
-        layer's sliding window as data, where the layers of one scanned body differ in it (WINDOW)."""
-        return _Step(self.layout, self.x, self.kv_dtype, self.dtype, cache=cache, layer=layer, window=window)
+        layer's sliding window as data, where the layers of one scanned body differ in it (WINDOW);
+        `tensors`: `tensors()` as the scanned body receives them."""
+        x = self.x if tensors is None else {**self.x, **tensors}
+        return _Step(self.layout, x, self.kv_dtype, self.dtype, cache=cache, layer=layer, window=window)
 
     def attend(self, module, query, key, value, scaling, window, softcap) -> torch.Tensor:
         layer = self.layer if self.layer is not None else torch.tensor(module.layer_idx, dtype=torch.int32)
