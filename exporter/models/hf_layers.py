@@ -84,15 +84,15 @@ class TableHead(torch.nn.Module):
         return torch.ops.hloserve.layer_linear(h.float(), table[None], zero, HOLDS[table.dtype])   # [.., V]
 
 
-def sixteen_bit(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Store `model`'s matrices in `dtype` (bfloat16 or float16) under its wider activations: every
-    nn.Linear becomes a LayerLinear, the input embedding table is narrowed (its lookups widened back
-    to the activations' dtype) and a tied LM head reads that table through the composite. Returns
-    how many linear layers were swapped."""
+def sixteen_bit(model: torch.nn.Module, dtype: torch.dtype, act: torch.dtype | None = None) -> int:
+    """Store `model`'s matrices in `dtype` (bfloat16 or float16) under its wider activations `act`
+    (default: the embedding table's dtype): every nn.Linear becomes a LayerLinear, the input
+    embedding table is narrowed (its lookups widened back to `act`) and a tied LM head reads that
+    table through the composite. Returns how many linear layers were swapped."""
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is emb.weight
-    act = emb.weight.dtype
+    act = act or emb.weight.dtype
     emb.weight = torch.nn.Parameter(emb.weight.detach().to(dtype), requires_grad=False)
     emb.register_forward_hook(lambda module, args, out: out.to(act))
     if tied:
@@ -100,15 +100,41 @@ def sixteen_bit(model: torch.nn.Module, dtype: torch.dtype) -> int:
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
+            if not _is_matrix_module(child):
+                continue
             if type(child) is torch.nn.Linear:
                 setattr(parent, name, LayerLinear.of(child, dtype))
                 swapped += 1
-            elif type(child).__name__ == "Conv1D" and child.weight.dim() == 2:   # GPT-2's linear: W [in, out]
+            else:   # GPT-2's linear: W [in, out]
                 linear = torch.nn.Linear(*child.weight.shape, bias=child.bias is not None)
                 linear.weight, linear.bias = torch.nn.Parameter(child.weight.detach().t()), child.bias
                 setattr(parent, name, LayerLinear.of(linear, dtype))
                 swapped += 1
     return swapped
+
+
+def _is_matrix_module(module: torch.nn.Module) -> bool:
+    """Whether sixteen_bit swaps `module` for a LayerLinear (nn.Linear, GPT-2's 2-D Conv1D)."""
+    return type(module) is torch.nn.Linear or (type(module).__name__ == "Conv1D" and module.weight.dim() == 2)
+
+
+def widen_all_but_matrices(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating parameter and buffer of `model` in `dtype` (a copy, shared tensors stay
+    shared), except the tensors sixteen_bit stores in 16 bits (the linear matrices and the input
+    embedding table): a model loaded in its 16-bit checkpoint dtype then holds what loading it in
+    `dtype` and sixteen_bit give (widening is exact)."""
+    keep = {id(m.weight) for m in model.modules() if _is_matrix_module(m)}
+    keep.add(id(model.get_input_embeddings().weight))
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or id(t) in keep or not t.is_floating_point() or t.dtype == dtype:
+                    continue
+                if id(t) not in done:
+                    wide = t.detach().to(dtype)
+                    done[id(t)] = torch.nn.Parameter(wide, requires_grad=False) if isinstance(t, torch.nn.Parameter) else wide
+                table[name] = done[id(t)]
 
 
 def _replace(model: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module) -> None:
