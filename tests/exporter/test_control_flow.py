@@ -209,7 +209,8 @@ class LiftedScan(torch.nn.Module):
 
         def body(h, x, lifted):
             w, i = x
-            h = torch.tanh(h @ w + lifted["bias"][i] * lifted["scale"] + lifted["table"])
+            b = torch.index_select(lifted["bias"], 0, i.reshape(1))[0]
+            h = torch.tanh(h @ w + b * lifted["scale"] + lifted["table"])
             return h, h.sum()
 
         h, (sums,) = scan_lifted(body, h0, (self.w, torch.arange(4)),
