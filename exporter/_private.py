@@ -20,6 +20,37 @@ def torch_scan():
     return scan
 
 
+def scan_lifted(body, init, xs, lifted):
+    """torch's scan op over `body(carry, x, lifted) -> (carry, y)`, called directly: every tensor
+    the body reads besides the carry and its row of `xs` is passed in `lifted` (its additional
+    inputs), so nothing needs finding. `torch_scan()` compiles the body with dynamo first to lift
+    closed-over tensors, seconds per traced body (docs/performance.md); a body that closes over a
+    traced tensor fails under this one (torch: "Mixing fake modes"). Returns (carry, [y leaves]);
+    eager, it runs the body once per row."""
+    import torch
+    from torch._higher_order_ops.scan import scan_op
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils import _pytree as pytree
+
+    init_leaves, init_spec = pytree.tree_flatten(init)
+    xs_leaves, xs_spec = pytree.tree_flatten(xs)
+    lifted_leaves, lifted_spec = pytree.tree_flatten(lifted)
+    if any(isinstance(t, FakeTensor) for t in init_leaves):   # traced: a real tensor enters as a constant's copy
+        lifted_leaves = [t.clone() if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) else t
+                         for t in lifted_leaves]
+    ni, nx = len(init_leaves), len(xs_leaves)
+
+    def flat(*args):
+        carry = pytree.tree_unflatten(list(args[:ni]), init_spec)
+        x = pytree.tree_unflatten(list(args[ni:ni + nx]), xs_spec)
+        closed = pytree.tree_unflatten(list(args[ni + nx:]), lifted_spec)
+        carry, y = body(carry, x, closed)
+        return [*pytree.tree_leaves(carry), *pytree.tree_leaves(y)]
+
+    out = scan_op(flat, init_leaves, xs_leaves, tuple(lifted_leaves))
+    return pytree.tree_unflatten(list(out[:ni]), init_spec), list(out[ni:])
+
+
 def composite(decomposition, name: str, version: int):
     """`jax.lax.composite`, also under symbolic shapes: jax's own lowering passes the operands
     but not the dimension variables its decomposition function takes first (jax 0.10: "has 7

@@ -145,10 +145,17 @@ class _Step:
         self.layer = layer          # 0-dim int32 (a scanned layer's index); None: the module's layer_idx
         self.window = window        # 0-dim int32 (a scanned layer's own window, 0: none); None: the module's
 
-    def at(self, layer: torch.Tensor, cache: torch.Tensor, window: torch.Tensor | None = None) -> "_Step":
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The paging inputs a layer's attention reads (the cache aside): a scanned body's inputs."""
+        return {k: v for k, v in self.x.items() if k != "kv_cache"}
+
+    def at(self, layer: torch.Tensor, cache: torch.Tensor, window: torch.Tensor | None = None, *,
+           tensors: Mapping[str, torch.Tensor] | None = None) -> "_Step":
         """The step as layer `layer` sees it, over `cache` (hf_layers.ScannedLayers); `window`: the
-        layer's sliding window as data, where the layers of one scanned body differ in it (WINDOW)."""
-        return _Step(self.layout, self.x, self.kv_dtype, self.dtype, cache=cache, layer=layer, window=window)
+        layer's sliding window as data, where the layers of one scanned body differ in it (WINDOW);
+        `tensors`: `tensors()` as the scanned body receives them."""
+        x = self.x if tensors is None else {**self.x, **tensors}
+        return _Step(self.layout, x, self.kv_dtype, self.dtype, cache=cache, layer=layer, window=window)
 
     def attend(self, module, query, key, value, scaling, window, softcap) -> torch.Tensor:
         layer = self.layer if self.layer is not None else torch.tensor(module.layer_idx, dtype=torch.int32)
@@ -303,6 +310,53 @@ def llm_spec(model: torch.nn.Module, opts: StepExportOptions, eos_ids, bos_id, l
                                           attention="transformers attention interface (hloserve_paged)"))
 
 
+def load_model(cls, path: str, tdtype: torch.dtype, sixteen: torch.dtype | None) -> torch.nn.Module:
+    """`cls` from `path` in `tdtype`, its attention ours, in eval mode. Where its matrices are to be
+    stored in `sixteen` (hf_layers.sixteen_bit) and every tensor of the checkpoint is stored in
+    `sixteen`, it is loaded in `sixteen` (no widening of 1B parameters to `tdtype` and narrowing back,
+    seconds each) and made what a `tdtype` load holds: the other tensors widened (exact), the
+    non-persistent buffers (rotary tables, embedding scales) computed by a `tdtype` model, config.dtype."""
+    stored = sixteen is not None and tdtype != sixteen and _checkpoint_dtypes(path) == {sixteen}
+    model, info = cls.from_pretrained(path, dtype=sixteen if stored else tdtype, attn_implementation=ATTN_NAME,
+                                      output_loading_info=True)
+    if stored and info.get("missing_keys"):      # initialized, not loaded: as a `tdtype` load initializes them
+        model = cls.from_pretrained(path, dtype=tdtype, attn_implementation=ATTN_NAME)
+    elif stored:
+        hf_layers.widen_all_but_matrices(model, tdtype)
+        for key, buf in _initialized_buffers(cls, model.config, tdtype).items():
+            owner, _, name = key.rpartition(".")
+            model.get_submodule(owner).register_buffer(name, buf, persistent=False)
+        for c in {id(model.config): model.config, id(_text_config(model.config)): _text_config(model.config)}.values():
+            c.dtype = tdtype
+    return model.eval().requires_grad_(False)
+
+
+def _checkpoint_dtypes(path: str) -> set[torch.dtype | str]:
+    """The dtypes of every tensor in the directory's *.safetensors files (read from their headers)."""
+    found: set[torch.dtype | str] = set()
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    for name in files:
+        with open(os.path.join(path, name), "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        found |= {_SAFETENSORS_DTYPES.get(v["dtype"], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+    return found if files else {"none"}
+
+
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def _initialized_buffers(cls, config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The non-persistent buffers of `cls(config)` in `dtype` as from_pretrained computes them (its
+    weights on the meta device: nothing is allocated for them)."""
+    with torch.device("meta"):
+        skeleton = cls._from_config(config, dtype=dtype, attn_implementation=ATTN_NAME)
+    for key, buf in skeleton.named_non_persistent_buffers():
+        owner, _, name = key.rpartition(".")
+        skeleton.get_submodule(owner).register_buffer(name, torch.empty_like(buf, device="cpu"), persistent=False)
+    skeleton.initialize_weights()
+    return dict(skeleton.named_non_persistent_buffers())
+
+
 def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExportOptions | None = None,
                       kv_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> Source:
     """Any supported HF causal-LM directory -> Source with the prefill/decode step functions."""
@@ -320,10 +374,10 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
         raise SourceError(f"{path}: transformers {transformers.__version__} has no class for {archs or config.model_type}")
     check_supported(cls, config)
     register_attention()
-    model = cls.from_pretrained(path, dtype=tdtype, attn_implementation=ATTN_NAME).eval().requires_grad_(False)
     sixteen = weight_dtype if weight_dtype is not None else tdtype if tdtype.itemsize == 2 else None
+    model = load_model(cls, path, tdtype, sixteen)
     if sixteen is not None:
-        hf_layers.sixteen_bit(model, sixteen)
+        hf_layers.sixteen_bit(model, sixteen, tdtype)
     c = _text_config(model.config)
     g = geometry(model.config)
     max_pos = int(getattr(c, "max_position_embeddings", 4096) or 4096)

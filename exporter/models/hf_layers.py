@@ -84,15 +84,15 @@ class TableHead(torch.nn.Module):
         return torch.ops.hloserve.layer_linear(h.float(), table[None], zero, HOLDS[table.dtype])   # [.., V]
 
 
-def sixteen_bit(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Store `model`'s matrices in `dtype` (bfloat16 or float16) under its wider activations: every
-    nn.Linear becomes a LayerLinear, the input embedding table is narrowed (its lookups widened back
-    to the activations' dtype) and a tied LM head reads that table through the composite. Returns
-    how many linear layers were swapped."""
+def sixteen_bit(model: torch.nn.Module, dtype: torch.dtype, act: torch.dtype | None = None) -> int:
+    """Store `model`'s matrices in `dtype` (bfloat16 or float16) under its wider activations `act`
+    (default: the embedding table's dtype): every nn.Linear becomes a LayerLinear, the input
+    embedding table is narrowed (its lookups widened back to `act`) and a tied LM head reads that
+    table through the composite. Returns how many linear layers were swapped."""
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is emb.weight
-    act = emb.weight.dtype
+    act = act or emb.weight.dtype
     emb.weight = torch.nn.Parameter(emb.weight.detach().to(dtype), requires_grad=False)
     emb.register_forward_hook(lambda module, args, out: out.to(act))
     if tied:
@@ -100,15 +100,41 @@ def sixteen_bit(model: torch.nn.Module, dtype: torch.dtype) -> int:
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
+            if not _is_matrix_module(child):
+                continue
             if type(child) is torch.nn.Linear:
                 setattr(parent, name, LayerLinear.of(child, dtype))
                 swapped += 1
-            elif type(child).__name__ == "Conv1D" and child.weight.dim() == 2:   # GPT-2's linear: W [in, out]
+            else:   # GPT-2's linear: W [in, out]
                 linear = torch.nn.Linear(*child.weight.shape, bias=child.bias is not None)
                 linear.weight, linear.bias = torch.nn.Parameter(child.weight.detach().t()), child.bias
                 setattr(parent, name, LayerLinear.of(linear, dtype))
                 swapped += 1
     return swapped
+
+
+def _is_matrix_module(module: torch.nn.Module) -> bool:
+    """Whether sixteen_bit swaps `module` for a LayerLinear (nn.Linear, GPT-2's 2-D Conv1D)."""
+    return type(module) is torch.nn.Linear or (type(module).__name__ == "Conv1D" and module.weight.dim() == 2)
+
+
+def widen_all_but_matrices(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating parameter and buffer of `model` in `dtype` (a copy, shared tensors stay
+    shared), except the tensors sixteen_bit stores in 16 bits (the linear matrices and the input
+    embedding table): a model loaded in its 16-bit checkpoint dtype then holds what loading it in
+    `dtype` and sixteen_bit give (widening is exact)."""
+    keep = {id(m.weight) for m in model.modules() if _is_matrix_module(m)}
+    keep.add(id(model.get_input_embeddings().weight))
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or id(t) in keep or not t.is_floating_point() or t.dtype == dtype:
+                    continue
+                if id(t) not in done:
+                    wide = t.detach().to(dtype)
+                    done[id(t)] = torch.nn.Parameter(wide, requires_grad=False) if isinstance(t, torch.nn.Parameter) else wide
+                table[name] = done[id(t)]
 
 
 def _replace(model: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module) -> None:
@@ -206,9 +232,12 @@ class ScannedLayers(torch.nn.Module):
     last L % period layers, unrolled.
 
     The step's attention finds the cache and the layer index in the object passed to every layer
-    as keyword `step_kwarg`: `step.at(layer, cache)` makes the one a layer call uses (created
-    inside the scan body, so the body mutates nothing outside it), and its `.cache` afterwards is
-    the cache that layer wrote.
+    as keyword `step_kwarg`: `step.at(layer, cache, tensors=...)` makes the one a layer call uses
+    (created inside the scan body, so the body mutates nothing outside it; `tensors`: the step's
+    `tensors()` as the body receives them), and its `.cache` afterwards is the cache that layer
+    wrote. The body reads no tensor it is not passed (_private.scan_lifted): the stacks, the
+    arguments the layers share, the step's tensors and the template's own buffers go in as the
+    scan's additional inputs.
     """
 
     def __init__(self, layers: torch.nn.ModuleList, step_kwarg: str, carried: tuple[PerLayer, ...] = ()):
@@ -284,51 +313,55 @@ class ScannedLayers(torch.nn.Module):
         return self._run(calls)
 
     def _run(self, calls: list[_Call]):
-        from .._private import torch_scan
+        from .._private import scan_lifted
         p, n = self.period, self.iterations
         outer = calls[0].kwargs[self.step_kwarg]
-        positions = []
+        positions, lifted = [], {"step": outer.tensors()}
         for j in range(p):
-            rebuild, varying = _split_arguments(calls[j:n * p:p], j, self.step_kwarg)
+            rebuild, varying, shared = _split_arguments(calls[j:n * p:p], j, self.step_kwarg)
             holder = self.stack[j]
             sliced, in_place = {}, {}
             for name, stored in self.names[j].items():
                 (in_place if name in self.in_place[j] else sliced)[name] = holder.get_buffer(stored)
             data = {c.keyword: holder.get_buffer(f"per_layer__{c.keyword}") for c in self.carried}
-            positions.append((rebuild, varying, sliced, in_place, data))
-        xs = [t for _, varying, sliced, _, data in positions
-              for t in (*varying.values(), *sliced.values(), *data.values())]
+            # the template's own tensors that no stack replaces (non-persistent buffers): read as they are
+            own = {k: t for k, t in (*self.templates[j].named_parameters(), *self.templates[j].named_buffers())
+                   if k not in self.names[j] and k not in {_sibling(m, "layer") for m in in_place}}
+            positions.append((rebuild, varying, sliced, data))
+            lifted[j] = {"in_place": in_place, "shared": shared, "own": own}
+        xs = [t for _, varying, sliced, data in positions for t in (*varying.values(), *sliced.values(), *data.values())]
 
-        def body(carry, xs):
+        def body(carry, xs, lifted):
             h, cache = carry
             *xs, it = xs
             k = 0
-            for j, (rebuild, varying, sliced, in_place, data) in enumerate(positions):
+            for j, (rebuild, varying, sliced, data) in enumerate(positions):
                 rows = dict(zip(varying, xs[k:k + len(varying)]))
                 k += len(varying)
                 params = dict(zip(sliced, xs[k:k + len(sliced)]))
                 k += len(sliced)
-                own = dict(zip(data, xs[k:k + len(data)]))
+                per_layer = dict(zip(data, xs[k:k + len(data)]))
                 k += len(data)
-                params.update(in_place)
-                params.update({_sibling(name, "layer"): it for name in in_place})
-                args, kwargs = rebuild(rows)
-                h, cache = self._layer(self.templates[j], h, args, kwargs, params, it * p + j, outer, cache, own)
+                params.update(lifted[j]["own"])
+                params.update(lifted[j]["in_place"])
+                params.update({_sibling(name, "layer"): it for name in lifted[j]["in_place"]})
+                args, kwargs = rebuild(rows, lifted[j]["shared"])
+                step = outer.at(it * p + j, cache, tensors=lifted["step"], **per_layer)
+                h, cache = self._layer(self.templates[j], h, args, kwargs, params, step)
             return (h, cache), h.new_zeros(())
 
         steps = torch.arange(n, dtype=torch.int32)
-        (h, cache), _ = torch_scan()(body, (calls[0].hidden, outer.cache), (*xs, steps))
+        (h, cache), _ = scan_lifted(body, (calls[0].hidden, outer.cache), (*xs, steps), lifted)
         for k, layer in enumerate(self.tail):
             i = n * p + k
-            h, cache = self._layer(layer, h, calls[i].args, calls[i].kwargs, None,
-                                   torch.tensor(i, dtype=torch.int32), outer, cache)
+            step = outer.at(torch.tensor(i, dtype=torch.int32), cache)
+            h, cache = self._layer(layer, h, calls[i].args, calls[i].kwargs, None, step)
         outer.cache = cache
         return h
 
-    def _layer(self, module, h, args, kwargs, params, layer, outer, cache, own=None):
-        """One decoder layer on `h`, its attention reading and writing `cache` as layer `layer`
-        (`own`: the layer's carried attributes, keyword -> 0-dim int32)."""
-        step = outer.at(layer, cache, **(own or {}))
+    def _layer(self, module, h, args, kwargs, params, step):
+        """One decoder layer on `h`, its attention reading and writing the cache through `step`
+        (`params`: the tensors substituted for the module's own, None: its own)."""
         kwargs = {**kwargs, self.step_kwarg: step}
         if params is None:
             out = module(h, *args, **kwargs)
@@ -397,19 +430,22 @@ def _sibling(name: str, attr: str) -> str:
 
 def _split_arguments(group: list[_Call], j: int, step_kwarg: str):
     """Of the calls at one period position, which arguments are the same object in every call
-    (closed over) and which are tensors that differ: stacked [n, ...], one row per iteration, or,
+    (shared) and which are tensors that differ: stacked [n, ...], one row per iteration, or,
     where fewer distinct tensors than calls are passed (Gemma 3's two rotary tables over 26
-    layers), the distinct ones stacked once (closed over) and an int32 row per iteration picking one.
-    Returns (rebuild(rows) -> (args, kwargs), {key: stacked tensor})."""
+    layers), the distinct ones stacked once (shared) and an int32 row per iteration picking one.
+    Returns (rebuild(rows, shared) -> (args, kwargs), {key: stacked tensor}, {key: shared tensor}):
+    the scan body rebuilds the call from its rows and the shared tensors as passed into it."""
     first = group[0]
     kwargs = {k: v for k, v in first.kwargs.items() if k != step_kwarg}
     flat_first, spec = _flatten((first.args, kwargs))
     columns = [_flatten((c.args, {k: v for k, v in c.kwargs.items() if k != step_kwarg}))[0] for c in group]
     varying: dict[str, torch.Tensor] = {}
-    tables: dict[int, torch.Tensor] = {}
+    shared: dict[str, torch.Tensor] = {}
     for k, leaf in enumerate(flat_first):
         values = [col[k] for col in columns]
         if all(v is leaf for v in values):
+            if isinstance(leaf, torch.Tensor):
+                shared[f"a{k}"] = leaf
             continue
         if not all(isinstance(v, torch.Tensor) and v.shape == leaf.shape and v.dtype == leaf.dtype for v in values):
             raise ScanError(f"decoder layers at period position {j} are called with different non-tensor "
@@ -417,19 +453,20 @@ def _split_arguments(group: list[_Call], j: int, step_kwarg: str):
         distinct: list[torch.Tensor] = []
         picks = [_index_of(distinct, v) for v in values]
         if len(distinct) < len(values):
-            tables[k] = torch.stack(distinct)                             # [u, ...]
+            shared[f"t{k}"] = torch.stack(distinct)                       # [u, ...]
             varying[f"a{k}"] = torch.tensor(picks, dtype=torch.int32)     # [n]
         else:
             varying[f"a{k}"] = torch.stack(values)                        # [n, ...]
 
-    def leaf_of(k: int, leaf, rows: dict[str, torch.Tensor]):
-        row = rows.get(f"a{k}", leaf)
-        return torch.index_select(tables[k], 0, row.reshape(1))[0] if k in tables else row
+    def leaf_of(k: int, leaf, rows: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]):
+        if f"t{k}" in shared:
+            return torch.index_select(shared[f"t{k}"], 0, rows[f"a{k}"].reshape(1))[0]
+        return rows.get(f"a{k}", shared.get(f"a{k}", leaf))
 
-    def rebuild(rows: dict[str, torch.Tensor]):
-        return _unflatten([leaf_of(k, leaf, rows) for k, leaf in enumerate(flat_first)], spec)
+    def rebuild(rows: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]):
+        return _unflatten([leaf_of(k, leaf, rows, shared) for k, leaf in enumerate(flat_first)], spec)
 
-    return rebuild, varying
+    return rebuild, varying, shared
 
 
 def _index_of(distinct: list, value) -> int:

@@ -194,6 +194,44 @@ def test_scan_carry_and_stacked_ys_with_dynamic_batch_and_length(tmp_path):
         _check(fn, m, (torch.randn(batch, 8), torch.randn(steps, batch, 8), torch.tensor(0.7)))
 
 
+class LiftedScan(torch.nn.Module):
+    """exporter/_private.scan_lifted: the body reads a stacked parameter row, a whole buffer, a
+    second input and a plain tensor that is neither (a constant), all passed in, none closed over."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 8, 8) * 0.3)     # [L, 8, 8]: a row per iteration
+        self.register_buffer("bias", torch.randn(4, 8))             # read whole, indexed by the step
+        self.table = torch.randn(8)                                 # no module tensor: a constant
+
+    def forward(self, h0, scale):                 # h0: (B, 8), scale: ()
+        from hloserve.exporter._private import scan_lifted
+
+        def body(h, x, lifted):
+            w, i = x
+            b = torch.index_select(lifted["bias"], 0, i.reshape(1))[0]
+            h = torch.tanh(h @ w + b * lifted["scale"] + lifted["table"])
+            return h, h.sum()
+
+        h, (sums,) = scan_lifted(body, h0, (self.w, torch.arange(4)),
+                                 {"bias": self.bias, "scale": scale, "table": self.table})
+        return h, sums
+
+
+def test_scan_lifted_reads_only_what_it_is_passed(tmp_path):
+    torch.manual_seed(3)
+    m = LiftedScan().eval()
+    fn, text = _export(tmp_path, m, (torch.randn(2, 8), torch.tensor(0.5)), ({0: Dim("batch", max=8)}, None))
+    assert _count(text, "stablehlo.while") == 1
+    got = _check(fn, m, (torch.randn(3, 8), torch.tensor(0.7)))
+    h = torch.randn(3, 8)          # eager scan_lifted is the plain loop
+    want = h
+    for i in range(4):
+        want = torch.tanh(want @ m.w[i] + m.bias[i] * 0.7 + m.table)
+    torch.testing.assert_close(m(h, torch.tensor(0.7))[0], want, rtol=0, atol=0)
+    assert len(got) == 2
+
+
 class ReverseScanOverDim1(torch.nn.Module):
     def forward(self, init, xs):                  # init: (B, 3), xs: (B, T, 3)
         def step(c, x):

@@ -98,3 +98,32 @@ def test_auto_dtype_follows_the_checkpoint(tmp_path):
     assert auto_dtypes(str(tmp_path / "f32"), "auto", None, None) == ("float32", None, None)
     assert auto_dtypes(str(tmp_path / "bf16"), "float32", None, None) == ("float32", None, None)
     assert auto_dtypes(str(tmp_path / "bf16"), "auto", None, "float16") == ("float32", None, "float16")
+
+
+def test_a_16_bit_checkpoint_loads_in_its_dtype_as_the_wide_load_would(tmp_path):
+    """A bf16 Gemma 3 checkpoint, its matrices stored in bf16 under f32 activations: loaded in bf16
+    (no widening and narrowing back) it holds what the f32 load and sixteen_bit hold, tensor for
+    tensor and bit for bit, ties kept; its embedding scale (a non-persistent buffer computed in the
+    default dtype, bf16 in a bf16 load) is the f32 load's."""
+    import transformers
+    from hloserve.exporter.models import hf_causal, hf_layers
+    hf = _model("Gemma3ForCausalLM", "Gemma3TextConfig", num_hidden_layers=2, sliding_window=8,
+                query_pre_attn_scalar=20, hidden_size=72, layer_types=["sliding_attention", "full_attention"])
+    hf.to(torch.bfloat16).save_pretrained(str(tmp_path / "hf"))
+    hf_causal.register_attention()
+    wide = transformers.Gemma3ForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32,
+                                                          attn_implementation=hf_causal.ATTN_NAME)
+    hf_layers.sixteen_bit(wide, torch.bfloat16)
+    loaded = hf_causal.load_model(transformers.Gemma3ForCausalLM, str(tmp_path / "hf"), torch.float32, torch.bfloat16)
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16          # loaded in its dtype
+    hf_layers.sixteen_bit(loaded, torch.bfloat16, torch.float32)
+
+    def tensors(m):
+        return [*m.named_parameters(remove_duplicate=False), *m.named_buffers(remove_duplicate=False)]
+
+    a, b = tensors(wide), tensors(loaded)
+    assert [n for n, _ in a] == [n for n, _ in b]
+    for (name, x), (_, y) in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    assert loaded.model.embed_tokens.embed_scale.dtype == torch.float32
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight and loaded.config.dtype == torch.float32
