@@ -145,11 +145,9 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
     # device's code: XLA cannot partition a custom call, so over a mesh the decomposition runs and is
     # partitioned with the rest); TPU and GPU run their Pallas kernels (runtime/kernels/accelerators.py)
     if kernel_support is None:
-        kernel_support = (kernels.KernelSupport(None, accelerators.LOWERING[pallas_interpret]) if pallas_interpret else
-                          kernels.support(client.platform, mesh=jmesh is not None, report=_stderr))
-    library = kernel_support.library
+        kernel_support = kernels.support(pallas_interpret or client.platform, mesh=jmesh is not None, report=_stderr)
+    library, accelerator = kernel_support.library, kernel_support.accelerator
     specialized, per_shape, kernel_digest = {}, {}, library.digest if library else None
-    accelerator = pallas_interpret or (client.platform if client.platform in accelerators.LOWERING else None)
     for n in names:
         if accelerator and jmesh is None:
             # Pallas kernels compile for static shapes: placeholders now, kernels per compiled shape

@@ -107,7 +107,8 @@ class KernelSupport:
 
 
 def support(platform: str, *, mesh: bool, report: Callable[[str], None] | None = None) -> KernelSupport:
-    """The kernels a load on `platform` (as jax names it: "cpu", "gpu", "tpu") runs, one device only
+    """The kernels a load on `platform` ("cpu", "gpu" or "tpu" as jax names it; "cuda" or "tpu" for
+    a load that interprets that accelerator's Pallas kernels on this device) runs, one device only
     (a kernel is one device's code: XLA cannot partition a custom call, so over a mesh the
     decomposition runs and is partitioned with the rest): the CPU's, or the accelerator's Pallas
     kernels unless they are turned off."""
