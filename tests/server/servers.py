@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -52,3 +53,10 @@ def hf_greedy(hf, ids, n):
             ids.append(tok)
             out.append(tok)
     return out
+
+
+def metric(text: str, name: str) -> float:
+    """The value of an unlabelled-by-bucket Prometheus sample `name{...} value`."""
+    m = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
+    assert m, f"metric {name} missing from /metrics"
+    return float(m.group(1))

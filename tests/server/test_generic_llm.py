@@ -15,8 +15,7 @@ import json
 import httpx
 import pytest
 
-from .servers import hf_greedy, running_server
-from .test_load import metric
+from .servers import hf_greedy, metric, running_server
 
 pytestmark = pytest.mark.slow
 NEW = 32

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from .servers import hf_greedy, running_server
+from .servers import hf_greedy, metric, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -30,13 +30,6 @@ DISCONNECT_EVERY = 5          # every 5th request (20%) leaves: alternately a st
 CHUNKS_BEFORE_DISCONNECT = 3
 REQUEST_TIMEOUT = 60.0        # seconds, per request
 LOAD_TIMEOUT = 150.0          # seconds, the whole load phase
-
-
-def metric(text: str, name: str) -> float:
-    """The value of an unlabelled-by-bucket Prometheus sample `name{...} value`."""
-    m = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
-    assert m, f"metric {name} missing from /metrics"
-    return float(m.group(1))
 
 
 def make_prompts(seed: int = 0, n: int = 40) -> list[tuple[str, int]]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -12,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from .servers import running_server
+from .servers import metric, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +47,8 @@ def _stream(base: str, results: list, i: int, started: threading.Semaphore | Non
 
 
 def _start_streams(base: str, n: int, running: int) -> tuple[list, list]:
-    """n streams; returns once `running` of them have their first token (the others are queued)."""
+    """n streams; returns once `running` of them have their first token and the others are queued
+    (a signal sent then finds every request in the engine)."""
     results: list = [None] * n
     started = threading.Semaphore(0)
     threads = [threading.Thread(target=_stream, args=(base, results, i, started)) for i in range(n)]
@@ -54,6 +56,15 @@ def _start_streams(base: str, n: int, running: int) -> tuple[list, list]:
         t.start()
     for _ in range(running):
         assert started.acquire(timeout=120), "the streams never started"   # a hang detector
+    deadline = time.monotonic() + 120   # a hang detector: every request reached the engine (queued, running or done)
+    while True:
+        text = httpx.get(f"{base}/metrics", timeout=30).text
+        finished = sum(float(v) for v in re.findall(r"^vllm:request_success_total{[^}]*} (\S+)$", text, re.M))
+        admitted = metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting") + finished
+        if admitted == n or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert admitted == n, text
     return results, threads
 
 
