@@ -36,7 +36,7 @@ from typing import Any, Mapping
 
 import torch
 
-from hloserve.runtime.artifact.llm import LLMSpec, ModelFacts
+from hloserve.runtime.artifact.llm import LLMSpec, ModelFacts, TensorParallelSpec
 
 from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.* (the composites)
 from ..custom_ops import within_window
@@ -298,16 +298,55 @@ def quantize_layers(model: torch.nn.Module, opts: StepExportOptions, config, rec
                     record.add_stack(parts, stacked)
 
 
+# Tensor parallelism (Megatron-style, as the Llama step's): the projections a layer's heads or its
+# MLP's hidden units come out of are split by output rows, the two that fold them back by input
+# columns, so each device holds whole heads and each layer needs one all-reduce after o_proj and
+# one after down_proj. Fused projections (Phi-3's qkv_proj, gate_up_proj) stay whole: an even
+# split of their rows would not hand each device whole heads or matching gate and up rows.
+COLUMN_SPLIT = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+ROW_SPLIT = frozenset({"o_proj", "down_proj"})
+
+
+def tensor_parallel_dims(model: torch.nn.Module) -> dict[str, int]:
+    """Artifact weight name -> the dim a tensor-parallel split divides: the COLUMN_SPLIT matrices'
+    output rows (their biases and quantized companions too), the ROW_SPLIT matrices' input columns
+    (a per-row scale, with no such dim, stays whole), the embedding table and the LM head by
+    vocabulary rows. A scanned layer's stacks carry the layers as dim 0. Others are replicated.
+    A tied table is listed under both its names (embedding and head); the artifact stores it under
+    one, and a name it does not store matches nothing when the server makes its sharding rules."""
+    from hloserve.quantization.schemes import MIN_SUFFIX, SCALE_SUFFIX
+
+    out = {}
+    for name, t in model.state_dict().items():
+        stem = next((name[:-len(s)] for s in (SCALE_SUFFIX, MIN_SUFFIX) if name.endswith(s)), name)
+        path = stem.replace("__", ".").split(".")        # a stack's "mlp__up_proj__weight" as a path
+        stacked = ".stack." in name
+        owner, leaf = (path[-2], path[-1]) if len(path) >= 2 else ("", path[-1])
+        if owner in COLUMN_SPLIT and leaf in ("weight", "bias"):
+            dim = int(stacked)
+        elif owner in ROW_SPLIT and leaf == "weight":
+            dim = 1 + int(stacked)
+        elif owner in ("embed_tokens", "lm_head", "embedding") and leaf == "weight" and t.dim() == 2:
+            dim = 0
+        else:
+            continue
+        if dim < t.dim():
+            out[f"model.{name}"] = dim
+    return out
+
+
 def llm_spec(model: torch.nn.Module, opts: StepExportOptions, eos_ids, bos_id, layers: str = "unrolled") -> LLMSpec:
     g = geometry(model.config)
     c = _text_config(model.config)
+    tp = TensorParallelSpec(weights=tensor_parallel_dims(model), kv_heads=g.num_kv_heads, kv_cache_dim=2)
     return contract_spec(opts, activation_dtype(model), num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
                          head_dim=g.head_dim, vocab_size=int(c.vocab_size), bos_token_id=bos_id, eos_token_ids=eos_ids,
                          model=ModelFacts(num_layers=g.num_layers, num_heads=int(c.num_attention_heads),
                                           num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
                                           hidden_size=int(c.hidden_size),
                                           sliding_window=getattr(c, "sliding_window", None), layers=layers,
-                                          attention="transformers attention interface (hloserve_paged)"))
+                                          attention="transformers attention interface (hloserve_paged)"),
+                         tensor_parallel=tp)
 
 
 def load_model(cls, path: str, tdtype: torch.dtype, sixteen: torch.dtype | None) -> torch.nn.Module:

@@ -142,8 +142,7 @@ def tensor_parallel_rules(llm: LLMSpec, path: str, size: int) -> dict:
     tp = llm.tensor_parallel
     if tp is None:
         raise ArtifactError(f"{path} does not say how its step splits over devices (it was exported before "
-                            f"tensor parallelism, or by the generic step); re-export it with --llm-step llama "
-                            f"to serve with --tensor-parallel-size")
+                            f"tensor parallelism); re-export it to serve with --tensor-parallel-size")
     tp.check(size, path)
     axis = "model"
     rules = [(f"^{re.escape(name)}$", (None,) * dim + (axis,)) for name, dim in tp.weights.items()]

@@ -41,6 +41,7 @@ def test_two_and_four_devices_give_one_devices_tokens_with_every_split_weight_di
         assert r["tokens"] == report[1]["tokens"], f"tensor-parallel {n}"
         assert r["devices"] == n and r["compiles_after_warmup"] == 0
         assert r["split"] and all(frac == [1 / n] for frac in r["split"].values()), r["split"]
+        assert not r["absent"], r["absent"]          # every weight the spec names is stored
         for fn, h in r["hlo"].items():      # the one gather: each step's logits, split by vocabulary
             assert h["all-reduce"] >= 2 and only_logits_gathered(h["all-gather"], r["vocab"]), (fn, h)
     one = report[1]["memory"]
@@ -64,6 +65,57 @@ def test_bf16_weights_read_in_place_split_the_same_way(tmp_path_factory):
     two = report[2]
     assert two["tokens"] == report[1]["tokens"]
     assert two["split"] and all(frac == [1 / 2] for frac in two["split"].values()), two["split"]
+    for fn, h in two["hlo"].items():
+        assert h["all-reduce"] >= 2 and only_logits_gathered(h["all-gather"], two["vocab"]), (fn, h)
+
+
+@pytest.mark.parametrize("family,weights", [("llama", "f32"), ("qwen3", "bf16")])
+def test_the_generic_step_splits_like_the_llama_step(tmp_path_factory, family, weights):
+    """The generic (transformers) step of a GQA model, its layers one scanned body: two devices give
+    one device's tokens and transformers', every split weight (q/k/v and gate/up by output rows, o
+    and down by input columns, the vocabulary) and the KV cache are halved, and the compiled steps
+    all-reduce and gather nothing but the logits. bf16: the stacks are read in place
+    (hloserve.layer_linear), whose decomposition the mesh partitions."""
+    import torch
+    import transformers
+
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.models import hf_causal
+    from hloserve.exporter.models.step import StepExportOptions
+
+    root = str(tmp_path_factory.mktemp(f"generic-tp-{family}"))
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=family == "qwen3")
+    if family == "qwen3":
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **common)).eval()
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
+    with torch.no_grad():      # x3: greedy without near-ties at float noise
+        for name, p in hf.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.mul_(3.0)
+    hf.save_pretrained(f"{root}/hf")
+    src = hf_causal.from_hf_directory(f"{root}/hf", opts=StepExportOptions(block_size=16, max_context=256, max_tokens=64,
+                                                                           max_seqs=8),
+                                      weight_dtype=torch.bfloat16 if weights == "bf16" else None)
+    assert src.model["llm"]["layers"] == "scan"
+    export_artifact(f"{root}/art", src.entries, source=f"tiny-{family}", model=src.model)
+    prompts = [[5, 6, 7], list(range(10, 90)), [42] * 20]          # 80 tokens: chunked
+    report = tp_report(f"{root}/art", [1, 2], prompts, NEW)
+    if weights == "f32":
+        assert report[1]["tokens"] == [hf_greedy(hf, p, NEW) for p in prompts]
+    two = report[2]
+    assert two["tokens"] == report[1]["tokens"]
+    split = {re.sub(r".*(stack\.0\.|model\.)", "", k): v for k, v in two["split"].items()}
+    want = {"self_attn__q_proj__weight", "self_attn__k_proj__weight", "self_attn__v_proj__weight",
+            "self_attn__o_proj__weight", "mlp__gate_proj__weight", "mlp__up_proj__weight", "mlp__down_proj__weight",
+            "kv_cache"}
+    assert want <= set(split) and all(frac == [1 / 2] for frac in split.values()), split
+    assert any("embed" in k or "lm_head" in k for k in split), split       # the vocabulary is split too
+    # a tied table is named under both of its names; the artifact stores it under one
+    assert len(two["absent"]) == (family == "qwen3") and all("embed" in k or "lm_head" in k for k in two["absent"])
     for fn, h in two["hlo"].items():
         assert h["all-reduce"] >= 2 and only_logits_gathered(h["all-gather"], two["vocab"]), (fn, h)
 

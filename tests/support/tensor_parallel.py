@@ -37,7 +37,10 @@ for n in sizes:
         tokens = [[t for o in s for t in o.new_token_ids] for s in streams]
     runner = eng.runner
     split = {}   # weight -> sorted set of (shard size along its split dim / full size)
+    absent = sorted(set(tp.weights) - set(runner.model.weights))   # aliases of a tied table stored under another name
     for name, dim in tp.weights.items():
+        if name in absent:
+            continue
         a = runner.model.weights[name]
         split[name] = sorted({s.data.shape[dim] / a.shape[dim] for s in a.addressable_shards})
     kv = runner.kv_cache
@@ -47,7 +50,7 @@ for n in sizes:
         text = "\n".join(f._executable(dict(env)).as_text() for env in f.compiled_shapes)
         hlo[fn] = {"all-reduce": len(re.findall(r" all-reduce\(", text)),
                    "all-gather": sorted(set(re.findall(r"= (\S+?)\{[^}]*\} all-gather\(", text)))}
-    report[n] = {"tokens": tokens, "split": split, "hlo": hlo, "vocab": runner.vocab_size,
+    report[n] = {"tokens": tokens, "split": split, "absent": absent, "hlo": hlo, "vocab": runner.vocab_size,
                  "devices": len({d for d, _ in runner.device_memory()}),
                  "memory": {f"{d}/{k}": v for (d, k), v in runner.device_memory().items()},
                  "compiles_after_warmup": runner.stats()["compiles_after_warmup_total"]}
