@@ -140,9 +140,10 @@ def _load_path(path: str, tdtype, quant=None, llm: dict | None = None) -> Source
     if path.endswith(".gguf"):
         from .models import llama_source  # the LLM export path (imported only when needed)
         step = llm.pop("step", "llama")
+        if step == "generic":
+            return _gguf_generic(path, tdtype, quant, llm)
         if step != "llama":
-            raise SourceError(f"--llm-step {step}: {path} is a GGUF, which exports through the Llama step (save it as "
-                              f"a Hugging Face directory for the generic one)")
+            raise SourceError(f"--llm-step {step}: {path} is a GGUF, which exports as an LLM step (llama or generic)")
         if quant is not None and quant.native:  # keep the file's Q8_0/Q4_0/Q4_1 blocks
             from .models.gguf_quant import gguf_weights_builder
             build, record = gguf_weights_builder(quant, tdtype)
@@ -151,6 +152,24 @@ def _load_path(path: str, tdtype, quant=None, llm: dict | None = None) -> Source
             return src
         return llama_source.from_gguf(path, tdtype, **llm)
     raise SourceError(f"{path}: unknown checkpoint type; expected a HF directory, a .pt2 or a .gguf file")
+
+
+def _gguf_generic(path: str, tdtype, quant, llm: dict) -> Source:
+    """A GGUF through the generic step: dequantized into a Hugging Face directory (a private temp
+    dir; its weights file is removed once the model is loaded), exported like one."""
+    import tempfile
+
+    from .models import llama_source
+    if quant is not None and quant.native:
+        raise SourceError(f"--quantize gguf keeps {path}'s blocks through the Llama step only; use --llm-step llama "
+                          f"(or --quantize int8 / int4 on the generic step)")
+    out = llama_source.gguf_as_hf_directory(path, tempfile.mkdtemp(prefix="hloserve-gguf-hf-"))
+    try:
+        src = hf_directory(out, tdtype, {**llm, "step": "generic"})
+    finally:
+        os.remove(os.path.join(out, "model.safetensors"))   # loaded; the tokenizer files stay for the export
+    src.description = f"GGUF {os.path.basename(path)} dequantized, {src.description}"
+    return src
 
 
 def _load_pt2(path: str, tdtype) -> Source:

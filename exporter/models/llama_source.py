@@ -160,6 +160,41 @@ def _generation_defaults(path: str) -> dict[str, float]:
 
 
 # -- GGUF ---------------------------------------------------------------------------
+def gguf_as_hf_directory(path: str, out: str) -> str:
+    """The GGUF at `path` as a Hugging Face directory `out` (what transformers' `gguf_file=` load
+    makes of it, through our reader): config.json, model.safetensors of the dequantized f32 tensors
+    in HF names, tokenizer.json and a tokenizer_config.json with the chat template and add_bos_token.
+    The generic step exports it (`--llm-step generic`)."""
+    from safetensors.torch import save_file
+
+    from .gguf import load_gguf
+
+    ckpt = load_gguf(path)
+    raw = dict(ckpt.config)
+    if "rope_freq_factors" in raw and not raw.get("rope_scaling"):
+        raise SourceError(f"{path}: its rope_freqs tensor has no transformers config equivalent here; export it "
+                          f"with --llm-step llama")
+    raw.pop("rope_freq_factors", None)
+    st = ckpt.special_tokens
+    for key, value in (("eos_token_id", st.eos_token_id), ("bos_token_id", st.bos_token_id)):
+        if value is not None and raw.get(key) is None:
+            raw[key] = value
+    raw["torch_dtype"] = "float32"
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(raw, f)
+    sd = ckpt.state_dict()
+    save_file({name: sd[name].contiguous() for name in list(sd)}, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "tokenizer.json"), "w") as f:
+        f.write(ckpt.tokenizer_json)
+    tok_cfg: dict = {"chat_template": ckpt.chat_template} if ckpt.chat_template else {}
+    if st.add_bos_token is not None:
+        tok_cfg["add_bos_token"] = st.add_bos_token
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump(tok_cfg, f)
+    return out
+
+
 def from_gguf(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExportOptions | None = None,
               build_weights: Callable | None = None, weight_dtype: torch.dtype | None = None,
               kv_dtype: torch.dtype | None = None) -> Source:
