@@ -302,7 +302,7 @@ class ModelRunner:
         Nothing is run: a freshly compiled step runs at its steady speed from its first call
         (measured 2026-11-26: gemma3-1b shape, each of the 20 shapes' first call within a few ms of
         its second), so running each once on padding only added the step time (~10 s of a 21 s
-        warm-up). `progress` gets one line per shape.
+        warm-up), except in a multi-host run (below). `progress` gets one line per shape.
         """
         done = 0
         shapes = self.warmup_shapes()
@@ -312,6 +312,14 @@ class ModelRunner:
             env = {NUM_TOKENS: t, NUM_SEQS: s, MAX_BLOCKS: b, NUM_BLOCKS: self.num_blocks}
             function = self.model.functions[fn]
             done += function.warmup({k: [v] for k, v in env.items()}, run=False)
+            if self._calls is not None and not function.from_executable_cache(env):
+                # a multi-host run still runs each shape once: the processes meet in its collectives,
+                # so no process starts serving while another is still compiling (a first step that
+                # waits on a compiling peer fails its collective's connect timeout)
+                z = np.zeros
+                _host(self._call(fn, dict(tokens=z(t, np.int32), positions=z(t, np.int32), seq_ids=z(t, np.int32),
+                                          slot_mapping=z(t, np.int32), block_tables=z((s, b), np.int32),
+                                          context_lens=z(s, np.int32), last_token=z(s, np.int32)))["logits"])
             if progress is not None:
                 how = ("read from the executable cache" if function.from_executable_cache(env)
                        else f"in {time.perf_counter() - t0:.1f} s")
