@@ -160,6 +160,17 @@ def _generation_defaults(path: str) -> dict[str, float]:
 
 
 # -- GGUF ---------------------------------------------------------------------------
+def _gguf_config(ckpt) -> dict:
+    """The GGUF's config in transformers config.json form, its BOS/EOS ids filled from the
+    tokenizer's special tokens where the config has none."""
+    raw = dict(ckpt.config)
+    st = ckpt.special_tokens
+    for key, value in (("eos_token_id", st.eos_token_id), ("bos_token_id", st.bos_token_id)):
+        if value is not None and raw.get(key) is None:
+            raw[key] = value
+    return raw
+
+
 def gguf_as_hf_directory(path: str, out: str) -> str:
     """The GGUF at `path` as a Hugging Face directory `out` (what transformers' `gguf_file=` load
     makes of it, through our reader): config.json, model.safetensors of the dequantized f32 tensors
@@ -170,15 +181,12 @@ def gguf_as_hf_directory(path: str, out: str) -> str:
     from .gguf import load_gguf
 
     ckpt = load_gguf(path)
-    raw = dict(ckpt.config)
+    raw = _gguf_config(ckpt)
     if "rope_freq_factors" in raw and not raw.get("rope_scaling"):
         raise SourceError(f"{path}: its rope_freqs tensor has no transformers config equivalent here; export it "
                           f"with --llm-step llama")
     raw.pop("rope_freq_factors", None)
     st = ckpt.special_tokens
-    for key, value in (("eos_token_id", st.eos_token_id), ("bos_token_id", st.bos_token_id)):
-        if value is not None and raw.get(key) is None:
-            raw[key] = value
     raw["torch_dtype"] = "float32"
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
@@ -206,12 +214,8 @@ def from_gguf(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExpor
     from .gguf import load_gguf
 
     ckpt = load_gguf(path)
-    raw = dict(ckpt.config)
+    raw = _gguf_config(ckpt)
     st = ckpt.special_tokens
-    if st.eos_token_id is not None and raw.get("eos_token_id") is None:
-        raw["eos_token_id"] = st.eos_token_id
-    if st.bos_token_id is not None and raw.get("bos_token_id") is None:
-        raw["bos_token_id"] = st.bos_token_id
     cfg = LlamaConfig.from_hf(raw)
     if build_weights is not None:
         weights = build_weights(cfg, ckpt)
