@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 from hloserve.quantization.convert import QuantRecord, quantize_module
+from hloserve.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from hloserve.quantization.schemes import QuantConfig, QuantizationError
 
 from .models.hf_causal import HFStep, quantize_layers
@@ -28,18 +29,23 @@ def quantize_source(source, config: QuantConfig):
                 done[id(w)] = w if isinstance(w, QuantizedLlamaWeights) else quantize_llama(w, config, record)
             e.module.model = done[id(w)]
         elif isinstance(e.module, HFStep):
-            if id(e.module.model) not in done:
+            if id(e.module.model) not in done and not _holds_quantized(e.module.model):   # (a GGUF's blocks)
                 quantize_layers(e.module.model, e.module.opts, config, record)
                 done[id(e.module.model)] = e.module.model
         elif id(e.module) not in done:
             quantize_module(e.module, config, record)
             done[id(e.module)] = e.module
-    if not len(record) and not any(isinstance(m, QuantizedLlamaWeights) for m in done.values()):
+    prev = getattr(source, "weight_quant", None)
+    if not len(record) and not prev and not any(isinstance(m, QuantizedLlamaWeights) for m in done.values()):
         raise QuantizationError(f"--quantize {config.spec}: no Linear or Embedding weight was quantized "
                                 f"(skip patterns {list(config.skip)} matched all, or the model has none)")
-    prev = getattr(source, "weight_quant", None)
     if isinstance(prev, QuantRecord):
         record.update(prev)
     source.weight_quant = record
     source.model["quantization"] = config.to_json()
     return source
+
+
+def _holds_quantized(model: torch.nn.Module) -> bool:
+    """Whether `model`'s weights were stored quantized when it was loaded (a GGUF's own blocks)."""
+    return any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in model.modules())

@@ -160,14 +160,23 @@ def _gguf_generic(path: str, tdtype, quant, llm: dict) -> Source:
     import tempfile
 
     from .models import llama_source
-    if quant is not None and quant.native:
-        raise SourceError(f"--quantize gguf keeps {path}'s blocks through the Llama step only; use --llm-step llama "
-                          f"(or --quantize int8 / int4 on the generic step)")
     out = llama_source.gguf_as_hf_directory(path, tempfile.mkdtemp(prefix="hloserve-gguf-hf-"))
     try:
         src = hf_directory(out, tdtype, {**llm, "step": "generic"})
     finally:
         os.remove(os.path.join(out, "model.safetensors"))   # loaded; the tokenizer files stay for the export
+    if quant is not None and quant.native:   # --quantize gguf: the file's own blocks replace the floats
+        from hloserve.quantization.convert import QuantRecord
+
+        from .models.gguf import load_gguf
+        from .models.gguf_quant import stored_by_module
+        from .models.hf_causal import quantize_layers
+        ckpt, record = load_gguf(path), QuantRecord()
+        for model, opts in {id(e.module.model): (e.module.model, e.module.opts) for e in src.entries}.values():
+            quantize_layers(model, opts, quant, record, lambda m: stored_by_module(m, ckpt, quant))
+        src.weight_quant = record
+        src.description = f"GGUF {os.path.basename(path)} ({quant.spec}: its own blocks), {src.description}"
+        return src
     src.description = f"GGUF {os.path.basename(path)} dequantized, {src.description}"
     return src
 

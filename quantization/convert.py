@@ -93,8 +93,12 @@ def quantize_tensor(w: torch.Tensor, scheme: WeightScheme, where: str, *, linear
 
 
 # -- generic modules --------------------------------------------------------------
-def quantize_module(module: torch.nn.Module, config: QuantConfig, record: QuantRecord | None = None) -> QuantRecord:
+def quantize_module(module: torch.nn.Module, config: QuantConfig, record: QuantRecord | None = None,
+                    given: Mapping[str, tuple[dict[str, torch.Tensor], WeightScheme]] | None = None) -> QuantRecord:
     """Swap every nn.Linear / nn.Embedding of `module` (not matched by config.skip) in place.
+
+    `given` maps module names to weights already stored (row by row) in a scheme, e.g. a GGUF file's
+    own blocks (exporter/models/gguf_quant.py): those are used as they are, not requantized.
 
     Module names are the dotted paths of named_modules() ("encoder.layer.0.attention.self.query").
     A weight whose input dim does not fit the scheme's group raises (skip it or pick a group).
@@ -112,7 +116,12 @@ def quantize_module(module: torch.nn.Module, config: QuantConfig, record: QuantR
         w = child.weight
         key = _identity(w)
         if key not in shared:   # a weight only Linears read (not a tied embedding) may be interleaved
-            shared[key] = quantize_tensor(w, config.scheme, name, linear=key not in embedded)
+            if given is not None and name in given:
+                tensors, scheme = given[name]
+                rows = scheme.for_linear(tuple(w.shape))
+                shared[key] = (interleaved(tensors, rows), rows) if key not in embedded and rows.rows else given[name]
+            else:
+                shared[key] = quantize_tensor(w, config.scheme, name, linear=key not in embedded)
             record.add(shared[key][0], shared[key][1], tuple(w.shape))
         tensors, scheme = shared[key]
         if isinstance(child, torch.nn.Linear):

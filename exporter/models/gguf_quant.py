@@ -2,6 +2,7 @@
 
     qw = llama_from_gguf(cfg, ckpt, config)             # the file's blocks, in QuantizedLlamaWeights
     build, record = gguf_weights_builder(config)        # what `hloserve export X.gguf --quantize gguf` uses
+    given = stored_by_module(model, ckpt, config)       # the same blocks for the generic step's module swap
 
 Each ggml type in GGUF_SCHEMES converts to one of our schemes from its integer fields
 (GGUFTensor.block_fields), never through floats: Q8_0 / Q4_0 / Q4_1 / Q5_0 exactly, Q4_K with
@@ -11,6 +12,7 @@ on the pair's larger scale). Bounds in docs/quantization.md ("GGUF import").
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Mapping
 
 import numpy as np
@@ -194,6 +196,26 @@ def llama_from_gguf(cfg, ckpt, config: QuantConfig, record: QuantRecord | None =
         schemes[n] = scheme
     tied_head(globals_, schemes, record)
     return QuantizedLlamaWeights(cfg, dtype, layers, globals_, schemes, rope_inv_freq(cfg))
+
+
+def stored_by_module(module: torch.nn.Module, ckpt, config: QuantConfig
+                     ) -> dict[str, tuple[dict[str, torch.Tensor], WeightScheme]]:
+    """The generic step's share of `--quantize gguf`: each nn.Linear / nn.Embedding of `module` (a
+    transformers model loaded from the GGUF's Hugging Face directory, layers unscanned) whose weight
+    the file holds, as stored tensors from the file's blocks (row by row, HF row order), by module
+    name: quantization.convert.quantize_module's `given`. One scheme per role across the layers
+    (model.layers.*.self_attn.q_proj, ...), as a scanned stack needs, chosen as _parts does."""
+    roles: dict[str, list[str]] = {}
+    for name, m in module.named_modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and f"{name}.weight" in ckpt.tensors \
+                and not config.skipped(name):
+            roles.setdefault(re.sub(r"\.\d+\.", ".*.", name), []).append(name)
+    out = {}
+    for role, names in roles.items():
+        parts, scheme = _parts([ckpt.tensors[f"{n}.weight"] for n in names], config.scheme, role)
+        for name, stored in zip(names, parts):
+            out[name] = {r: torch.from_numpy(a) for r, a in stored.items()}, scheme
+    return out
 
 
 def gguf_weights_builder(config: QuantConfig, dtype: torch.dtype = torch.float32):

@@ -285,11 +285,13 @@ def _same_as_unrolled(model: torch.nn.Module, entry, got) -> bool:
                for g, w in zip(got, want))
 
 
-def quantize_layers(model: torch.nn.Module, opts: StepExportOptions, config, record) -> None:
-    """--quantize on a generic step: the module swap on the real layers, then scanned again."""
+def quantize_layers(model: torch.nn.Module, opts: StepExportOptions, config, record, stored=None) -> None:
+    """--quantize on a generic step: the module swap on the real layers, then scanned again.
+    `stored(model)`, if given, returns weights already quantized by module name (quantize_module's
+    `given`: a GGUF's own blocks), read from the unscanned layers."""
     from hloserve.quantization.convert import quantize_module
     scanned = hf_layers.unscan(model)
-    quantize_module(model, config, record)
+    quantize_module(model, config, record, stored(model) if stored is not None else None)
     if scanned:
         scan_layers(model, opts)
         for m in model.modules():   # the stacks the scan made of the quantized layers keep their manifest entries

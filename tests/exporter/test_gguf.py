@@ -212,16 +212,6 @@ def test_non_gguf_file_is_a_clear_error(tmp_path):
         load_gguf(str(tmp_path / "missing.gguf"))
 
 
-def test_gguf_blocks_on_the_generic_step_are_one_line(smollm2_gguf, tmp_path, capsys):
-    """`--quantize gguf` keeps the file's blocks through the Llama step only: with --llm-step generic
-    the CLI exits non-zero with one line naming the step that can."""
-    from hloserve.server.cli import main
-    assert main(["export", smollm2_gguf, "--llm-step", "generic", "--quantize", "gguf",
-                 "-o", str(tmp_path / "art"), "-q"]) != 0
-    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert len(err) == 1 and "--llm-step llama" in err[0], err
-    assert not (tmp_path / "art").exists()
-
 
 # -- synthetic files: what the SmolLM2 file does not exercise ------------------------------------
 def _llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:

@@ -135,8 +135,10 @@ def test_llama_from_gguf_keeps_the_files_blocks(ckpt):
 
 
 @pytest.mark.slow
-def test_native_export_matches_the_dequantized_model(tmp_path):
-    """SmolLM2 exported with --quantize gguf (decode only) vs torch eager of the f32 dequantized step:
+@pytest.mark.parametrize("step", ["llama", "generic"])
+def test_native_export_matches_the_dequantized_model(tmp_path, step):
+    """SmolLM2 exported with --quantize gguf (decode only; the hand-written Llama step's stacked
+    weights, or the generic step's module swap) vs torch eager of the f32 dequantized step:
     the same weights bit for bit, but the quantized linears multiply int8 activations (the
     `hloserve.quant_linear` contract: x quantized per block of 32, error <= max|x_block| / 254 per
     element), which compounds over the 211 linears of 30 layers to a few percent of the logits'
@@ -149,12 +151,13 @@ def test_native_export_matches_the_dequantized_model(tmp_path):
     from hloserve.exporter.sources import load_source
     from hloserve.runtime import load
 
-    src = load_source("smollm2-135m-instruct", quantize="gguf")
+    src = load_source("smollm2-135m-instruct", quantize="gguf", llm_step=step)
     entries = [e for e in src.entries if e.name == "decode"]
     manifest = export_artifact(str(tmp_path), entries, source="smollm2 gguf", model=src.model,
                                weight_quant=src.weight_quant)
-    assert manifest.weights["model.layers.down_proj"].quant["symmetric"] is False
-    assert manifest.weights["model.embed_tokens"].dtype == "i8"
+    down = [w for n, w in manifest.weights.items() if "down_proj" in n and w.quant and w.quant["role"] == "qweight"]
+    assert len(down) == 1 and down[0].quant["symmetric"] is False and down[0].quant["scheme"] == "int4"   # Q4_1
+    assert [w.dtype for n, w in manifest.weights.items() if n.endswith(("embed_tokens", "embed_tokens.weight"))] == ["i8"]
     prompt = [1, 504, 3458, 282, 260, 1345, 28, 253, 2114, 1953, 30]
     inputs = pack_step([(prompt, 0, [1])], 16)
     model = load(str(tmp_path), buckets={"num_tokens": [16], "num_seqs": [1], "max_blocks": [1]})
@@ -377,3 +380,39 @@ def test_k_quant_gguf_export_runs(k_gguf, tmp_path):
         want, _ = entries[0].module(**{k: torch.from_numpy(v) for k, v in inputs.items()},
                                     kv_cache=torch.from_numpy(cache))
     np.testing.assert_allclose(got, want.numpy(), atol=1e-4, rtol=0)
+
+
+def test_k_quant_gguf_blocks_on_the_generic_step(k_gguf, k_ckpt, tmp_path):
+    """`--llm-step generic --quantize gguf`: each layer's linears keep their own blocks, one scheme
+    per role across the layers (the scanned stack's): q/k/v/o and gate (Q4_K) int4 asym, up (Q6_K)
+    int8 f32 scales, down (Q6_K, Q5_0) int8 with Q5_0's f16 scales widened, bit-exact to the file;
+    the runtime's logits equal torch eager of the same quantized step (1e-4; summation order)."""
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.sources import load_source
+    from hloserve.runtime import load
+
+    src = load_source(k_gguf, quantize="gguf", llm_step="generic")
+    entries = [e for e in src.entries if e.name == "decode"]
+    manifest = export_artifact(str(tmp_path), entries, source="tiny k-quant gguf", model=src.model,
+                               weight_quant=src.weight_quant)
+    quant = {n: w.quant for n, w in manifest.weights.items() if w.quant and w.quant["role"] == "qweight"}
+    want = {"q_proj": ("int4", False, "f16"), "o_proj": ("int4", False, "f16"), "gate_proj": ("int4", False, "f16"),
+            "up_proj": ("int8", True, "f32"), "down_proj": ("int8", True, "f32")}
+    for role, scheme in want.items():
+        found = [(q["scheme"], q["symmetric"], q["scale_dtype"]) for n, q in quant.items() if role in n]
+        assert found == [scheme], (role, found)
+    stacked = dict(entries[0].module.model.named_buffers())          # the scanned stacks: [layers, ...]
+    q, s = (next(b for n, b in stacked.items() if n.endswith(suffix)) for suffix in ("down_proj__weight",
+                                                                                   "down_proj__weight_scale"))
+    rows = modules.rows_in_order(q[1], s[1], None, 8)                 # layer 1 (Q5_0)
+    got = modules.dequantize(*rows, 8, 32).numpy()
+    np.testing.assert_array_equal(_bits(got), _bits(k_ckpt.tensors["model.layers.1.mlp.down_proj.weight"].dequantize()))
+    prompt = [257, 100, 7, 42, 255, 3, 99]
+    inputs = pack_step([(prompt, 0, [1])], 16)
+    model = load(str(tmp_path), buckets={"num_tokens": [16], "num_seqs": [1], "max_blocks": [1]})
+    cache = np.zeros(LLMSpec.from_json(manifest.model["llm"]).kv_cache.concrete_shape(2), np.float32)
+    got = np.asarray(model.functions["decode"](**inputs, kv_cache=cache)["logits"])
+    with torch.no_grad():
+        ref, _ = entries[0].module(**{k: torch.from_numpy(v) for k, v in inputs.items()},
+                                   kv_cache=torch.from_numpy(cache))
+    np.testing.assert_allclose(got, ref.numpy(), atol=1e-4, rtol=0)
