@@ -69,8 +69,9 @@ def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = Non
     Linear/Embedding weights are swapped for quantized ones (a GGUF with `gguf` keeps its blocks).
     `weight_dtype` / `kv_cache_dtype` (--weight-dtype, --kv-cache-dtype) store an LLM's weight
     matrices / K and V in a 16-bit float under float32 activations (models/llama.py). `llm_step`
-    (--llm-step) picks how a Hugging Face causal LM becomes the step: "generic" (models/hf_causal.py),
-    "llama" (models/llama.py), "auto", or "none" (its plain forward, for the predict API)."""
+    (--llm-step) picks how a Hugging Face causal LM or a GGUF becomes the step: "generic"
+    (models/hf_causal.py; what "auto" picks), "llama" (models/llama.py, the hand-written Llama-family
+    step), or "none" (its plain forward, for the predict API)."""
     llm = {}
     for flag, value, key in (("--weight-dtype", weight_dtype, "weight_dtype"),
                              ("--kv-cache-dtype", kv_cache_dtype, "kv_dtype")):
@@ -139,8 +140,8 @@ def _load_path(path: str, tdtype, quant=None, llm: dict | None = None) -> Source
         return _load_pt2(path, tdtype)
     if path.endswith(".gguf"):
         from .models import llama_source  # the LLM export path (imported only when needed)
-        step = llm.pop("step", "llama")
-        if step == "generic":
+        step = llm.pop("step", "auto")
+        if step in ("auto", "generic"):
             return _gguf_generic(path, tdtype, quant, llm)
         if step != "llama":
             raise SourceError(f"--llm-step {step}: {path} is a GGUF, which exports as an LLM step (llama or generic)")
@@ -159,21 +160,25 @@ def _gguf_generic(path: str, tdtype, quant, llm: dict) -> Source:
     dir; its weights file is removed once the model is loaded), exported like one."""
     import tempfile
 
-    from .models import llama_source
-    out = llama_source.gguf_as_hf_directory(path, tempfile.mkdtemp(prefix="hloserve-gguf-hf-"))
+    from .models import hf_causal, llama_source
+    from .models.gguf import load_gguf
+    ckpt = load_gguf(path)
+    out = llama_source.gguf_as_hf_directory(ckpt, tempfile.mkdtemp(prefix="hloserve-gguf-hf-"))
     try:
         src = hf_directory(out, tdtype, {**llm, "step": "generic"})
     finally:
         os.remove(os.path.join(out, "model.safetensors"))   # loaded; the tokenizer files stay for the export
+    models = {id(e.module.model): (e.module.model, e.module.opts) for e in src.entries}.values()
+    if ckpt.config.get("rope_freq_factors"):   # llama.cpp's form of Llama 3 RoPE scaling
+        for model, _ in models:
+            hf_causal.divide_rope_frequencies(model, ckpt.config["rope_freq_factors"], path)
     if quant is not None and quant.native:   # --quantize gguf: the file's own blocks replace the floats
         from hloserve.quantization.convert import QuantRecord
 
-        from .models.gguf import load_gguf
         from .models.gguf_quant import stored_by_module
-        from .models.hf_causal import quantize_layers
-        ckpt, record = load_gguf(path), QuantRecord()
-        for model, opts in {id(e.module.model): (e.module.model, e.module.opts) for e in src.entries}.values():
-            quantize_layers(model, opts, quant, record, lambda m: stored_by_module(m, ckpt, quant))
+        record = QuantRecord()
+        for model, opts in models:
+            hf_causal.quantize_layers(model, opts, quant, record, lambda m: stored_by_module(m, ckpt, quant))
         src.weight_quant = record
         src.description = f"GGUF {os.path.basename(path)} ({quant.spec}: its own blocks), {src.description}"
         return src
@@ -370,7 +375,7 @@ def hf_directory(path: str, tdtype, llm: dict | None = None) -> Source:
     llm = dict(llm or {})
     step = llm.pop("step", "auto")
     causal = _is_causal_lm(cls, config) and step != "none"
-    if step == "llama" or (step == "auto" and causal and config.model_type in ("llama", "mistral", "qwen2")):
+    if step == "llama":
         from .models import llama_source   # the hand-written Llama step (scanned layers, 16-bit weights)
         return llama_source.from_hf_directory(path, tdtype, **llm)
     why_not = None

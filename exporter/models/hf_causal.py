@@ -300,6 +300,22 @@ def quantize_layers(model: torch.nn.Module, opts: StepExportOptions, config, rec
                     record.add_stack(parts, stacked)
 
 
+def divide_rope_frequencies(model: torch.nn.Module, factors, where: str) -> None:
+    """A GGUF's rope_freqs tensor (llama.cpp's form of Llama 3 RoPE scaling: each rotary inverse
+    frequency divided by its factor) applied to the model's rotary embedding buffers."""
+    f = torch.tensor(factors, dtype=torch.float32)                     # [head_dim / 2]
+    rotary = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    if not rotary:
+        raise SourceError(f"{where}: has a rope_freqs tensor, but {type(model).__name__} has no rotary inv_freq")
+    for m in rotary:
+        if m.inv_freq.shape != f.shape:
+            raise SourceError(f"{where}: rope_freqs has {f.numel()} factors; {type(model).__name__}'s rotary "
+                              f"embedding has {m.inv_freq.numel()} frequencies")
+        m.inv_freq = m.inv_freq / f.to(m.inv_freq.dtype)
+        if isinstance(getattr(m, "original_inv_freq", None), torch.Tensor):
+            m.original_inv_freq = m.inv_freq
+
+
 # Tensor parallelism (Megatron-style, as the Llama step's): the projections a layer's heads or its
 # MLP's hidden units come out of are split by output rows, the two that fold them back by input
 # columns, so each device holds whole heads and each layer needs one all-reduce after o_proj and

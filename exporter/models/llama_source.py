@@ -171,20 +171,15 @@ def _gguf_config(ckpt) -> dict:
     return raw
 
 
-def gguf_as_hf_directory(path: str, out: str) -> str:
-    """The GGUF at `path` as a Hugging Face directory `out` (what transformers' `gguf_file=` load
-    makes of it, through our reader): config.json, model.safetensors of the dequantized f32 tensors
-    in HF names, tokenizer.json and a tokenizer_config.json with the chat template and add_bos_token.
-    The generic step exports it (`--llm-step generic`)."""
+def gguf_as_hf_directory(ckpt, out: str) -> str:
+    """A GGUF checkpoint (gguf.load_gguf) as a Hugging Face directory `out` (what transformers'
+    `gguf_file=` load makes of it, through our reader): config.json, model.safetensors of the
+    dequantized f32 tensors in HF names, tokenizer.json and a tokenizer_config.json with the chat
+    template and add_bos_token. The generic step exports it. A rope_freqs tensor has no config.json
+    form: the caller divides the loaded model's rotary frequencies by ckpt.config["rope_freq_factors"]."""
     from safetensors.torch import save_file
 
-    from .gguf import load_gguf
-
-    ckpt = load_gguf(path)
     raw = _gguf_config(ckpt)
-    if "rope_freq_factors" in raw and not raw.get("rope_scaling"):
-        raise SourceError(f"{path}: its rope_freqs tensor has no transformers config equivalent here; export it "
-                          f"with --llm-step llama")
     raw.pop("rope_freq_factors", None)
     st = ckpt.special_tokens
     raw["torch_dtype"] = "float32"

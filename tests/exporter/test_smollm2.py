@@ -118,6 +118,7 @@ def test_smollm2_greedy_matches_transformers(smollm2_artifact, hf_model):
         manifest = json.load(f)
     assert set(manifest["functions"]) >= {"prefill", "decode"}
     assert manifest["model"]["preset"] == "smollm2-135m-instruct"
+    assert "attention interface" in manifest["model"]["llm"]["attention"]     # the generic step, by default
     prompts = _prompts(smollm2_artifact)
     got, prefill_logits = _runtime_greedy(smollm2_artifact, prompts, NEW_TOKENS)
     _assert_matches_transformers(hf_model, prompts, got, prefill_logits)
@@ -149,21 +150,21 @@ def test_smollm2_hf_directory_through_the_generic_step(tmp_path_factory, smollm2
     _assert_matches_transformers(hf_model, prompts, got, prefill_logits)
 
 
-def test_smollm2_gguf_through_the_generic_step(tmp_path_factory, smollm2_artifact, hf_model):
-    """`hloserve export smollm2-135m-instruct --llm-step generic`: the GGUF itself, dequantized into a
-    Hugging Face directory by hloserve's reader, through the model's transformers code: the chat
-    template, BOS choice and tokenizer carried over, the same greedy continuations as transformers."""
+def test_smollm2_gguf_through_the_llama_step(tmp_path_factory, smollm2_artifact, hf_model):
+    """`hloserve export smollm2-135m-instruct --llm-step llama`: the hand-written Llama step (the
+    default is the generic step): the chat template, BOS choice and tokenizer as the default
+    artifact's, the same greedy continuations as transformers."""
     from hloserve.server.cli import main
-    out = str(tmp_path_factory.mktemp("smollm2-gguf-generic") / "art")
-    assert main(["export", "smollm2-135m-instruct", "--llm-step", "generic", "-o", out, "-q"]) == 0
+    out = str(tmp_path_factory.mktemp("smollm2-gguf-llama") / "art")
+    assert main(["export", "smollm2-135m-instruct", "--llm-step", "llama", "-o", out, "-q"]) == 0
     with open(os.path.join(out, "manifest.json")) as f:
         manifest = json.load(f)
     with open(os.path.join(smollm2_artifact, "manifest.json")) as f:
-        hand = json.load(f)
-    assert "attention interface" in manifest["model"]["llm"]["attention"]
-    assert manifest["model"]["llm"]["tensor_parallel"]["kv_heads"] == 3
+        generic = json.load(f)
+    assert "attention interface" not in manifest["model"]["llm"].get("attention", "")
+    assert manifest["model"]["llm"]["tensor_parallel"]["kv_heads"] == generic["model"]["llm"]["tensor_parallel"]["kv_heads"] == 3
     for key in ("chat_template", "add_bos_token"):
-        assert manifest["model"].get(key) == hand["model"].get(key), key
+        assert manifest["model"].get(key) == generic["model"].get(key), key
     prompts = _prompts(out)
     assert prompts == _prompts(smollm2_artifact)
     got, prefill_logits = _runtime_greedy(out, prompts, NEW_TOKENS)
@@ -196,6 +197,6 @@ def test_smollm2_split_over_three_devices(smollm2_artifact):
     report = tp_report(smollm2_artifact, [3], prompts, 32)[3]
     assert report["tokens"] == want
     assert all(frac == [1 / 3] for frac in report["split"].values()), report["split"]
-    assert len(report["split"]) == 4 + 1 + 1                      # qkv, o, gate_up, down; embedding; the cache
+    assert len(report["split"]) == 7 + 1 + 1                      # q, k, v, o, gate, up, down; embedding; the cache
     for fn, h in report["hlo"].items():                           # gathered: the logits only
         assert h["all-reduce"] >= 2 and only_logits_gathered(h["all-gather"], report["vocab"]), (fn, h)

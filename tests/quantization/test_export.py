@@ -125,7 +125,7 @@ def test_llama_step_quantized_matches_eager(spec, hf_llama, tmp_path):
     from hloserve.exporter.sources import load_source
 
     hf, path = hf_llama
-    src = load_source(path, quantize=spec)
+    src = load_source(path, quantize=spec, llm_step="llama")
     step = src.entries[0].module
     assert isinstance(step, LlamaStep) and isinstance(step.model, QuantizedLlamaWeights)
     assert src.entries[1].module.model is step.model            # prefill and decode share the weights
@@ -180,7 +180,7 @@ def test_cli_quantize(hf_llama, tmp_path):
     _, path = hf_llama
     out = str(tmp_path / "art")
     assert main(["export", path, "-o", out, "--quantize", "int4:32", "--quantize-skip", "lm_head",
-                 "--function", "decode", "-q"]) == 0
+                 "--function", "decode", "--llm-step", "llama", "-q"]) == 0
     with open(os.path.join(out, "manifest.json")) as f:
         man = json.load(f)
     assert man["model"]["quantization"] == {"spec": "int4:32", "scheme": "int4", "group": 32, "symmetric": False,
