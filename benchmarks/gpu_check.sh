@@ -13,7 +13,7 @@
 #   $OUT/tests.xml                 pytest's junit report of the GPU tests
 #   $OUT/step_vs_transformers.json the step's latency per call shape, hloserve and transformers eager
 #
-# Knobs (environment): PYTHON (python3), TEST_S (150) and BENCH_S (240) seconds, TEST_WORKERS (4),
+# Knobs (environment): PYTHON (python3), TEST_S (120) and BENCH_S (210) seconds, TEST_WORKERS (4),
 # SHAPE (llama-1b: a serve.py shape), STEP_SHAPES (1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024),
 # BENCH_ARGS (more step_vs_transformers.py flags, e.g. "--layers 2 --device cpu" to rehearse on a CPU).
 set -u -o pipefail
@@ -97,9 +97,9 @@ bench() {
 main() {
   echo "gpu_check: $(date -u +%FT%TZ) in $PWD, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), OUT=$OUT"
   setup
-  step versions 90 versions
-  step gpu-tests "${TEST_S:-150}" gpu_tests
-  step step-vs-transformers "${BENCH_S:-240}" bench
+  step versions 60 versions
+  step gpu-tests "${TEST_S:-120}" gpu_tests
+  step step-vs-transformers "${BENCH_S:-210}" bench
   echo; echo "=== summary ==="
   printf '%s\n' "${SUMMARY[@]}"
 }
