@@ -87,6 +87,9 @@ def read_exported(path: str, name: str) -> jax_export.Exported:
             return jax_export.deserialize(bytearray(f.read()))
     except OSError as e:
         raise ArtifactError(f"artifact {path}: functions/{name}.jax_exported cannot be read ({e}); re-export it") from e
+    except ImportError as e:   # jax reads the file with flatbuffers, which it does not install itself
+        raise ArtifactError(f"artifact {path}: function {name!r} cannot be read without a package jax needs for "
+                            f"it ({e}); pip install flatbuffers (a dependency of hloserve)") from e
     except Exception as e:  # noqa: BLE001 - flatbuffer errors have no common type
         raise ArtifactError(f"artifact {path}: function {name!r} cannot be deserialized "
                             f"({type(e).__name__}: {e}); the file is corrupted, re-export it") from e

@@ -182,6 +182,25 @@ def test_bad_artifacts_give_one_clear_error(mlp_artifact, tmp_path, damage, veri
         runtime.load(art, cache_dir=str(tmp_path / "cache"), verify=verify)
 
 
+def test_missing_flatbuffers_is_named_not_called_corruption(mlp_artifact):
+    """jax reads a function with flatbuffers, which jax itself does not install (hloserve does): in a
+    process where it cannot be imported, loading says which package to install."""
+    from tests.runtime.conftest import run_python
+    code = f"""
+import sys
+sys.modules["flatbuffers"] = None          # import flatbuffers raises ImportError
+from hloserve import runtime
+from hloserve.runtime.artifact.errors import ArtifactError
+try:
+    runtime.load({mlp_artifact!r}, cache_dir=None)
+except ArtifactError as e:
+    print(e)
+"""
+    out = run_python(code)
+    assert "function 'forward' cannot be read without a package jax needs" in out
+    assert "pip install flatbuffers" in out and "corrupted" not in out
+
+
 def test_unknown_platform_and_device(mlp_artifact, tmp_path):
     from hloserve.runtime.client import PlatformError
     with pytest.raises(PlatformError, match="platform 'quantum' is unknown"):
