@@ -245,7 +245,7 @@ def test_cli_export_bfloat16(tmp_path):
     from hloserve.runtime import load
     hf = _hf_model("qwen2", seed=5)
     hf.save_pretrained(str(tmp_path / "hf"))
-    assert main(["export", str(tmp_path / "hf"), "-o", str(tmp_path / "art"), "--dtype", "bfloat16", "-q"]) == 0
+    assert main(["export", str(tmp_path / "hf"), "-o", str(tmp_path / "art"), "--dtype", "bfloat16", "--llm-step", "llama", "-q"]) == 0
     with open(tmp_path / "art" / "manifest.json") as f:
         manifest = json.load(f)
     # the stacked matrices are stored as their bits in int16 (models/llama.py, BITS_STORAGE)
@@ -285,7 +285,7 @@ def test_cli_export_bf16_weights(tmp_path, arch):
     from hloserve.runtime import load
     hf = _hf_model(arch, seed=5)
     hf.save_pretrained(str(tmp_path / "hf"))
-    assert main(["export", str(tmp_path / "hf"), "-o", str(tmp_path / "art"), "--weight-dtype", "bfloat16",
+    assert main(["export", str(tmp_path / "hf"), "-o", str(tmp_path / "art"), "--llm-step", "llama", "--weight-dtype", "bfloat16",
                  "-q"]) == 0
     with open(tmp_path / "art" / "manifest.json") as f:
         manifest = json.load(f)
@@ -335,7 +335,7 @@ def test_cli_export_bf16_kv_cache(tmp_path, capsys):
     from hloserve.runtime import load
     hf = _hf_model("llama", seed=7)
     hf.save_pretrained(str(tmp_path / "hf"))
-    assert main(["export", str(tmp_path / "hf"), "-o", str(tmp_path / "art"), "--weight-dtype", "bfloat16",
+    assert main(["export", str(tmp_path / "hf"), "-o", str(tmp_path / "art"), "--llm-step", "llama", "--weight-dtype", "bfloat16",
                  "--kv-cache-dtype", "bfloat16", "-q"]) == 0
     with open(tmp_path / "art" / "manifest.json") as f:
         kv = json.load(f)["model"]["llm"]["kv_cache"]

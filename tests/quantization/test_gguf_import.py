@@ -358,13 +358,13 @@ def test_llama_from_gguf_k_quant_schemes(k_ckpt):
 
 
 def test_k_quant_gguf_export_runs(k_gguf, tmp_path):
-    """The tiny K-quant GGUF exported with --quantize gguf and run by hloserve.runtime == torch eager
-    of the same quantized step (1e-4 on logits; only summation order differs), schemes in the manifest."""
+    """The tiny K-quant GGUF exported with --quantize gguf through the Llama step and run by
+    hloserve.runtime == torch eager of the same quantized step (1e-4 on logits; only summation order differs), schemes in the manifest."""
     from hloserve.exporter.export import export_artifact
     from hloserve.exporter.sources import load_source
     from hloserve.runtime import load
 
-    src = load_source(k_gguf, quantize="gguf")
+    src = load_source(k_gguf, quantize="gguf", llm_step="llama")
     entries = [e for e in src.entries if e.name == "decode"]
     manifest = export_artifact(str(tmp_path), entries, source="tiny k-quant gguf", model=src.model,
                                weight_quant=src.weight_quant)

@@ -16,7 +16,7 @@ def export_tiny_llama(root, name: str, vocab: int, files: dict[str, str] | None 
     import transformers
 
     from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.models import llama_source
+    from hloserve.exporter.models import hf_causal
     from hloserve.exporter.models.step import StepExportOptions
 
     torch.manual_seed(0)
@@ -27,7 +27,7 @@ def export_tiny_llama(root, name: str, vocab: int, files: dict[str, str] | None 
     hf.save_pretrained(str(root / "hf"))
     for file, text in (files or {}).items():
         (root / "hf" / file).write_text(text)
-    src = llama_source.from_hf_directory(str(root / "hf"), opts=StepExportOptions(
+    src = hf_causal.from_hf_directory(str(root / "hf"), opts=StepExportOptions(
         block_size=BLOCK, max_context=256, max_tokens=64, max_seqs=8))
     art = str(root / name)
     export_artifact(art, src.entries, source=name, model=src.model, files=src.files)

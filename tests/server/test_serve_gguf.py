@@ -37,8 +37,8 @@ def test_quantize_is_refused_for_an_exported_artifact(tmp_path):
 
 @pytest.mark.slow
 def test_serve_gguf_file_serves_its_own_blocks(tmp_path):
-    """`hloserve serve tiny-k.gguf` exports it with --quantize gguf (the manifest says so: the Q4_K
-    layers int4 g32 asymmetric, the Q6_K / Q5_0 ones int8 g32), names the model after the file and
+    """`hloserve serve tiny-k.gguf` exports it with --quantize gguf through the generic step (the
+    manifest says so: the Q4_K layers int4 g32 asymmetric, the Q6_K / Q5_0 ones int8 g32), names the model after the file and
     answers a completion; a second resolution reuses the export."""
     import openai
 
@@ -55,7 +55,8 @@ def test_serve_gguf_file_serves_its_own_blocks(tmp_path):
     with open(os.path.join(art, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["model"]["quantization"]["native"] is True
-    qkv = manifest["weights"]["model.layers.qkv_proj"]["quant"]
-    down = manifest["weights"]["model.layers.down_proj_scale"]["quant"]
-    assert (qkv["scheme"], qkv["group"], qkv["symmetric"]) == ("int4", 32, False)
+    (q,), (down,) = ([w["quant"] for n, w in manifest["weights"].items()
+                      if part in n and w.get("quant", {}).get("role") == role]
+                     for part, role in (("q_proj", "qweight"), ("down_proj", "scale")))
+    assert (q["scheme"], q["group"], q["symmetric"]) == ("int4", 32, False)
     assert (down["scheme"], down["scale_dtype"]) == ("int8", "f32")

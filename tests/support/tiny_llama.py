@@ -16,7 +16,7 @@ def tiny_llama(root: str, *, heads: int, kv_heads: int, max_position: int, block
     import transformers
 
     from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.models import llama_source
+    from hloserve.exporter.models import hf_causal
     from hloserve.exporter.models.step import StepExportOptions
 
     torch.manual_seed(0)
@@ -30,7 +30,7 @@ def tiny_llama(root: str, *, heads: int, kv_heads: int, max_position: int, block
             if not name.endswith("norm.weight"):
                 p.mul_(3.0)
     hf.save_pretrained(os.path.join(root, "hf"))
-    src = llama_source.from_hf_directory(os.path.join(root, "hf"), opts=StepExportOptions(
+    src = hf_causal.from_hf_directory(os.path.join(root, "hf"), opts=StepExportOptions(
         block_size=block_size, max_context=max_context, max_tokens=64, max_seqs=8), weight_dtype=weight_dtype)
     art = os.path.join(root, "art")
     export_artifact(art, src.entries, source="tiny-llama", model=src.model)
