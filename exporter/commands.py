@@ -140,11 +140,10 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         e.add_argument("--kv-cache-dtype", metavar="D",
                        help="LLMs: store K and V in D (bfloat16 or float16) under float32 activations: half the "
                             "cache memory and gather traffic; attention still computes in float32")
-        e.add_argument("--llm-step", choices=("auto", "generic", "llama", "none"), default="auto",
-                       help="how a HF causal LM or a GGUF becomes the paged-cache step: 'generic' (the model's "
-                            "own code through transformers' attention interface, any architecture; what 'auto' "
-                            "picks), 'llama' (hloserve's hand-written Llama-family step), 'none' (the plain "
-                            "forward, served with TF Serving's predict API)")
+        e.add_argument("--llm-step", choices=("auto", "generic", "none"), default="auto",
+                       help="how a HF causal LM or a GGUF is exported: 'auto'/'generic' (the paged-cache step: the "
+                            "model's own code through transformers' attention interface, layers scanned), 'none' "
+                            "(a causal LM's plain forward, served with TF Serving's predict API)")
         e.add_argument("--function", action="append", help="entry point(s) to export (default: all the source provides)")
         e.add_argument("--pad", help="symbolic dims the runtime may pad to buckets, comma-separated ('none' for none)")
         e.add_argument("--platforms", help="comma-separated lowering platforms (default: cpu,cuda,tpu for an LLM "

@@ -1,7 +1,7 @@
 """Source: what a checkpoint loader returns (entry points + manifest metadata + extra files).
 
 Kept apart from exporter/sources.py (the loaders) so that model-specific loaders such as
-models/llama_source.py can build one without importing the dispatcher that imports them.
+models/hf_causal.py can build one without importing the dispatcher that imports them.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`--quantize` applied to a Source: the Llama step's stacked weights, or the generic module swap."""
+"""`--quantize` applied to a Source: quantization's module swap, on an LLM step's real layers."""
 from __future__ import annotations
 
 import torch
@@ -7,36 +7,29 @@ from hloserve.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from hloserve.quantization.schemes import QuantConfig, QuantizationError
 
 from .models.hf_causal import HFStep, quantize_layers
-from .models.llama import LlamaStep
-from .models.llama_quant import QuantizedLlamaWeights, quantize_llama
 
 
 def quantize_source(source, config: QuantConfig):
-    """Quantize a Source's modules in place (LlamaStep entries share one QuantizedLlamaWeights).
+    """Quantize a Source's modules in place (entries sharing a model quantize it once).
 
     Returns the source, with source.weight_quant set to the record and
     source.model["quantization"] describing the config.
     """
     record = QuantRecord()
-    done: dict[int, torch.nn.Module] = {}
+    done: set[int] = set()
     for e in source.entries:
         if e.module is None:
             raise QuantizationError(f"entry {e.name!r} is a pre-captured program (.pt2); --quantize needs the "
                                     f"model's modules: export from a HF directory, GGUF or module:factory")
-        if isinstance(e.module, LlamaStep):
-            w = e.module.model
-            if id(w) not in done:
-                done[id(w)] = w if isinstance(w, QuantizedLlamaWeights) else quantize_llama(w, config, record)
-            e.module.model = done[id(w)]
-        elif isinstance(e.module, HFStep):
+        if isinstance(e.module, HFStep):
             if id(e.module.model) not in done and not _holds_quantized(e.module.model):   # (a GGUF's blocks)
                 quantize_layers(e.module.model, e.module.opts, config, record)
-                done[id(e.module.model)] = e.module.model
+            done.add(id(e.module.model))
         elif id(e.module) not in done:
             quantize_module(e.module, config, record)
-            done[id(e.module)] = e.module
+            done.add(id(e.module))
     prev = getattr(source, "weight_quant", None)
-    if not len(record) and not prev and not any(isinstance(m, QuantizedLlamaWeights) for m in done.values()):
+    if not len(record) and not prev:
         raise QuantizationError(f"--quantize {config.spec}: no Linear or Embedding weight was quantized "
                                 f"(skip patterns {list(config.skip)} matched all, or the model has none)")
     if isinstance(prev, QuantRecord):

@@ -27,7 +27,7 @@ from .shapes import AUTO_NAME
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --llm-step: how a causal LM is exported ("none": its plain forward, served with the predict API)
-LLM_STEPS = ("auto", "generic", "llama", "none")
+LLM_STEPS = ("auto", "generic", "none")
 LOW_DTYPES = ("bfloat16", "float16")
 
 
@@ -68,10 +68,9 @@ def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = Non
     """Load SOURCE; with `quantize` (--quantize, see quantization.schemes.QuantConfig.parse) its
     Linear/Embedding weights are swapped for quantized ones (a GGUF with `gguf` keeps its blocks).
     `weight_dtype` / `kv_cache_dtype` (--weight-dtype, --kv-cache-dtype) store an LLM's weight
-    matrices / K and V in a 16-bit float under float32 activations (models/llama.py). `llm_step`
-    (--llm-step) picks how a Hugging Face causal LM or a GGUF becomes the step: "generic"
-    (models/hf_causal.py; what "auto" picks), "llama" (models/llama.py, the hand-written Llama-family
-    step), or "none" (its plain forward, for the predict API)."""
+    matrices / K and V in a 16-bit float under float32 activations. `llm_step` (--llm-step): "auto"
+    or "generic" export a Hugging Face causal LM or a GGUF as the paged-cache step
+    (models/hf_causal.py), "none" a causal LM as its plain forward (for the predict API)."""
     llm = {}
     for flag, value, key in (("--weight-dtype", weight_dtype, "weight_dtype"),
                              ("--kv-cache-dtype", kv_cache_dtype, "kv_dtype")):
@@ -139,31 +138,23 @@ def _load_path(path: str, tdtype, quant=None, llm: dict | None = None) -> Source
         _llm_only(path, llm)
         return _load_pt2(path, tdtype)
     if path.endswith(".gguf"):
-        from .models import llama_source  # the LLM export path (imported only when needed)
         step = llm.pop("step", "auto")
-        if step in ("auto", "generic"):
-            return _gguf_generic(path, tdtype, quant, llm)
-        if step != "llama":
-            raise SourceError(f"--llm-step {step}: {path} is a GGUF, which exports as an LLM step (llama or generic)")
-        if quant is not None and quant.native:  # keep the file's Q8_0/Q4_0/Q4_1 blocks
-            from .models.gguf_quant import gguf_weights_builder
-            build, record = gguf_weights_builder(quant, tdtype)
-            src = llama_source.from_gguf(path, tdtype, build_weights=build, kv_dtype=llm.get("kv_dtype"))
-            src.weight_quant = record
-            return src
-        return llama_source.from_gguf(path, tdtype, **llm)
+        if step not in ("auto", "generic"):
+            raise SourceError(f"--llm-step {step}: {path} is a GGUF, which exports as an LLM step (auto or generic)")
+        return _gguf(path, tdtype, quant, llm)
     raise SourceError(f"{path}: unknown checkpoint type; expected a HF directory, a .pt2 or a .gguf file")
 
 
-def _gguf_generic(path: str, tdtype, quant, llm: dict) -> Source:
+def _gguf(path: str, tdtype, quant, llm: dict) -> Source:
     """A GGUF through the generic step: dequantized into a Hugging Face directory (a private temp
-    dir; its weights file is removed once the model is loaded), exported like one."""
+    dir; its weights file is removed once the model is loaded), exported like one; with
+    `--quantize gguf` its linears then take the file's own blocks."""
     import tempfile
 
-    from .models import hf_causal, llama_source
-    from .models.gguf import load_gguf
+    from .models import hf_causal
+    from .models.gguf import load_gguf, write_hf_directory
     ckpt = load_gguf(path)
-    out = llama_source.gguf_as_hf_directory(ckpt, tempfile.mkdtemp(prefix="hloserve-gguf-hf-"))
+    out = write_hf_directory(ckpt, tempfile.mkdtemp(prefix="hloserve-gguf-hf-"))
     try:
         src = hf_directory(out, tdtype, {**llm, "step": "generic"})
     finally:
@@ -375,9 +366,6 @@ def hf_directory(path: str, tdtype, llm: dict | None = None) -> Source:
     llm = dict(llm or {})
     step = llm.pop("step", "auto")
     causal = _is_causal_lm(cls, config) and step != "none"
-    if step == "llama":
-        from .models import llama_source   # the hand-written Llama step (scanned layers, 16-bit weights)
-        return llama_source.from_hf_directory(path, tdtype, **llm)
     why_not = None
     if causal or step == "generic":
         from .models import hf_causal      # any causal LM through transformers' attention interface

@@ -106,7 +106,7 @@ def test_package_graph_is_one_directional():
 
 @pytest.mark.parametrize("importer, target", [
     ("hloserve.runtime.model", "hloserve.exporter.export"),
-    ("hloserve.quantization.convert", "hloserve.exporter.models.llama"),
+    ("hloserve.quantization.convert", "hloserve.exporter.models.hf_causal"),
     ("hloserve.server.services", "hloserve.exporter.presets"),
     ("hloserve.runtime.artifact.manifest", "hloserve.runtime.client"),
 ])

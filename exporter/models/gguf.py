@@ -32,6 +32,9 @@ Interface
     ckpt.chat_template     str | None (tokenizer.chat_template).
     ckpt.special_tokens    SpecialTokens: bos/eos/unk/pad ids and strings, add_bos_token, add_eos_token.
     ckpt.metadata          dict of the file's scalar metadata (general.*, {arch}.*), for the manifest.
+    hf_config(ckpt)        ckpt.config with BOS/EOS ids filled from the tokenizer's special tokens
+    write_hf_directory(ckpt, out)   the checkpoint as a Hugging Face directory (config, f32 weights,
+                           tokenizer, chat template): what the generic LLM step exports
 
     t = ckpt.tensors["model.layers.0.self_attn.q_proj.weight"]
     t.gguf_name            "blk.0.attn_q.weight"
@@ -66,6 +69,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import re
 import types
@@ -378,6 +382,44 @@ def load_gguf(path: str) -> GGUFCheckpoint:
         path=os.path.abspath(path), architecture=arch, config=config,
         tensors=types.MappingProxyType(tensors), tokenizer_json=gguf_tokenizer_json(vocab, where=where),
         chat_template=field("tokenizer.chat_template"), special_tokens=special, metadata=metadata)
+
+
+def hf_config(ckpt: "GGUFCheckpoint") -> dict:
+    """The GGUF's config in transformers config.json form, its BOS/EOS ids filled from the
+    tokenizer's special tokens where the config has none."""
+    raw = dict(ckpt.config)
+    st = ckpt.special_tokens
+    for key, value in (("eos_token_id", st.eos_token_id), ("bos_token_id", st.bos_token_id)):
+        if value is not None and raw.get(key) is None:
+            raw[key] = value
+    return raw
+
+
+def write_hf_directory(ckpt: "GGUFCheckpoint", out: str) -> str:
+    """A GGUF checkpoint (gguf.load_gguf) as a Hugging Face directory `out` (what transformers'
+    `gguf_file=` load makes of it, through our reader): config.json, model.safetensors of the
+    dequantized f32 tensors in HF names, tokenizer.json and a tokenizer_config.json with the chat
+    template and add_bos_token. The generic step exports it. A rope_freqs tensor has no config.json
+    form: the caller divides the loaded model's rotary frequencies by ckpt.config["rope_freq_factors"]."""
+    from safetensors.torch import save_file
+
+    raw = hf_config(ckpt)
+    raw.pop("rope_freq_factors", None)
+    st = ckpt.special_tokens
+    raw["torch_dtype"] = "float32"
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(raw, f)
+    sd = ckpt.state_dict()
+    save_file({name: sd[name].contiguous() for name in list(sd)}, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "tokenizer.json"), "w") as f:
+        f.write(ckpt.tokenizer_json)
+    tok_cfg: dict = {"chat_template": ckpt.chat_template} if ckpt.chat_template else {}
+    if st.add_bos_token is not None:
+        tok_cfg["add_bos_token"] = st.add_bos_token
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump(tok_cfg, f)
+    return out
 
 
 def _config(field, arch: str, model_type: str, hf_arch: str, raw_tensors: dict, where: str) -> dict:

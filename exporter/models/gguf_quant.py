@@ -1,8 +1,8 @@
-"""GGUF blocks imported without a float round trip into the Llama step's weights.
+"""GGUF blocks imported without a float round trip into the LLM step's quantized linears.
 
-    qw = llama_from_gguf(cfg, ckpt, config)             # the file's blocks, in QuantizedLlamaWeights
-    build, record = gguf_weights_builder(config)        # what `hloserve export X.gguf --quantize gguf` uses
-    given = stored_by_module(model, ckpt, config)       # the same blocks for the generic step's module swap
+    stored, scheme = gguf_blocks(ckpt.tensors[name])    # one tensor's blocks in our layout
+    given = stored_by_module(model, ckpt, config)       # `hloserve export X.gguf --quantize gguf`: every
+                                                        # linear's blocks, for quantize_module's `given`
 
 Each ggml type in GGUF_SCHEMES converts to one of our schemes from its integer fields
 (GGUFTensor.block_fields), never through floats: Q8_0 / Q4_0 / Q4_1 / Q5_0 exactly, Q4_K with
@@ -18,11 +18,8 @@ from typing import Mapping
 import numpy as np
 import torch
 from hloserve.quantization import primitives
-from hloserve.quantization.convert import QuantRecord, interleaved, quantize_tensor, store
+from hloserve.quantization.convert import quantize_tensor
 from hloserve.quantization.schemes import QuantConfig, QuantizationError, WeightScheme
-
-from .llama import MATRICES, _layer_layout, fused_row_order, rope_inv_freq
-from .llama_quant import QuantizedLlamaWeights, tied_head
 
 # ggml type -> the scheme its blocks convert to (group 32 throughout)
 GGUF_SCHEMES: Mapping[str, WeightScheme] = {
@@ -107,7 +104,7 @@ def gguf_blocks(t) -> tuple[dict[str, np.ndarray], WeightScheme]:
 
 
 def _parts(ts: list, target: WeightScheme, where: str) -> tuple[list[dict[str, np.ndarray]], WeightScheme]:
-    """Tensors that are one stored weight (a stack's layers and q/k/v parts) -> their stored tensors
+    """Tensors that are one stored weight (a scanned stack's layers) -> their stored tensors
     in one scheme: each part's own blocks where its GGUF_SCHEMES entry has the scheme's bits and
     symmetry, requantized from its float values with `target` otherwise; f16 scales are widened
     to f32 (exactly) when any part needs f32."""
@@ -133,71 +130,6 @@ def _parts(ts: list, target: WeightScheme, where: str) -> tuple[list[dict[str, n
     return out, schemes[0]
 
 
-def llama_from_gguf(cfg, ckpt, config: QuantConfig, record: QuantRecord | None = None,
-                    dtype: torch.dtype = torch.float32) -> QuantizedLlamaWeights:
-    """QuantizedLlamaWeights straight from a GGUF checkpoint's blocks.
-
-    Each stacked weight (every layer's q/k/v, ...) and each head gets one scheme: the common one
-    of its parts' GGUF_SCHEMES entries when they agree in bits and symmetry (each part converted
-    from its blocks), else config.scheme, with the parts whose blocks have that scheme's bits and
-    symmetry converted and the rest (F16/F32, Q5_K, Q2_K, ..., or a Q4_K layer in a stack of Q6_K
-    ones) dequantized and requantized. Skipped names stay float.
-    """
-    record = record if record is not None else QuantRecord()
-    tensors = ckpt.tensors
-
-    def dequantized(names: list[str], order: torch.Tensor | None) -> torch.Tensor:
-        rows = torch.cat([torch.from_numpy(tensors[n].dequantize()) for n in names], 0)
-        return rows if order is None else rows[order]                    # FUSED_ROWS
-
-    layers: dict[str, torch.Tensor] = {}
-    schemes: dict[str, WeightScheme] = {}
-    for stacked, parts in _layer_layout(cfg).items():
-        per_layer = [[p.format(i=i) for p in parts] for i in range(cfg.num_layers)]
-        flat = [n for names in per_layer for n in names]
-        missing = [n for n in flat if n not in tensors]
-        if missing:
-            raise QuantizationError(f"{ckpt.path}: tensor {missing[0]} is missing for {stacked}")
-        rows = sum(tensors[n].shape[0] for n in per_layer[0])
-        shape = (cfg.num_layers, rows, tensors[flat[0]].shape[-1])
-        order = fused_row_order(cfg, stacked)
-        if stacked not in MATRICES or config.skipped(f"layers.{stacked}"):
-            layers[stacked] = torch.stack([dequantized(names, order) for names in per_layer]).to(dtype)
-            continue
-        parts, scheme = _parts([tensors[n] for n in flat], config.scheme, stacked)
-        per = len(parts) // cfg.num_layers                               # parts per layer (q, k, v: 3)
-        idx = slice(None) if order is None else order.numpy()            # FUSED_ROWS
-        q = {role: torch.from_numpy(np.stack([np.concatenate([p[role] for p in parts[i * per:(i + 1) * per]], 0)[idx]
-                                              for i in range(cfg.num_layers)]))
-             for role in parts[0]}                                       # [L, rows, ...] each
-        if scheme.for_linear(shape).rows:   # interleaved by 16 rows for the quant_linear version 2 kernel
-            scheme = scheme.for_linear(shape)
-            q = interleaved(q, scheme)
-        record.add(q, scheme, shape)
-        store(layers, stacked, q)
-        schemes[stacked] = scheme
-
-    globals_: dict[str, torch.Tensor] = {"norm": torch.from_numpy(tensors["model.norm.weight"].dequantize()).to(dtype)}
-    heads = {"embed_tokens": "model.embed_tokens.weight"}
-    if not cfg.tie_word_embeddings:
-        heads["lm_head"] = "lm_head.weight"
-    for n, hf in heads.items():
-        t = tensors[hf]
-        if config.skipped(n):
-            globals_[n] = torch.from_numpy(t.dequantize()).to(dtype)
-            continue
-        parts, scheme = _parts([t], config.scheme, n)
-        q = {role: torch.from_numpy(a) for role, a in parts[0].items()}
-        if n == "lm_head" and scheme.for_linear(tuple(t.shape)).rows:   # embed_tokens is gathered too: rows
-            scheme = scheme.for_linear(tuple(t.shape))
-            q = interleaved(q, scheme)
-        record.add(q, scheme, tuple(t.shape))
-        store(globals_, n, q)
-        schemes[n] = scheme
-    tied_head(globals_, schemes, record)
-    return QuantizedLlamaWeights(cfg, dtype, layers, globals_, schemes, rope_inv_freq(cfg))
-
-
 def stored_by_module(module: torch.nn.Module, ckpt, config: QuantConfig
                      ) -> dict[str, tuple[dict[str, torch.Tensor], WeightScheme]]:
     """The generic step's share of `--quantize gguf`: each nn.Linear / nn.Embedding of `module` (a
@@ -216,13 +148,3 @@ def stored_by_module(module: torch.nn.Module, ckpt, config: QuantConfig
         for name, stored in zip(names, parts):
             out[name] = {r: torch.from_numpy(a) for r, a in stored.items()}, scheme
     return out
-
-
-def gguf_weights_builder(config: QuantConfig, dtype: torch.dtype = torch.float32):
-    """(build_weights for llama_source.from_gguf, the QuantRecord it fills): the file's own blocks."""
-    record = QuantRecord()
-
-    def build(cfg, ckpt):
-        return llama_from_gguf(cfg, ckpt, config, record, dtype)
-
-    return build, record

@@ -17,7 +17,7 @@ tensor, docs/architecture.md "LLM step contract") and reads its sequence's conte
     reading only the blocks in use, or its portable decomposition;
   * `prefill`: the flat layout (every token scores all of the step's contexts, masked to its own);
   * a `paged` layout (StepExportOptions.functions), the online-softmax loop over blocks of
-    models/llama.py: bounded memory for long contexts (f32 cache).
+    models/step.py: bounded memory for long contexts (f32 cache).
 
 Logits are computed for each sequence's last token only (`logits_to_keep=last_token`), so final
 logit soft-capping, logit scales and tied heads are the model's own code too.
@@ -243,7 +243,7 @@ class HFStep(torch.nn.Module):
 
 
 def step_entries(model: torch.nn.Module, opts: StepExportOptions) -> list:
-    """`prefill` (flat) and `decode` (gather) over the same model, as llama.step_entries."""
+    """`prefill` (flat) and `decode` (gather) over the same model (models/step.py's contract)."""
     g = geometry(model.config)
     return contract_entries(lambda att: HFStep(model, layout=att, opts=opts), opts, g.num_layers,
                             g.num_kv_heads, g.head_dim, activation_dtype(model))
@@ -419,7 +419,7 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
     """Any supported HF causal-LM directory -> Source with the prefill/decode step functions."""
     import transformers
 
-    from .llama_source import _TOKENIZER_FILES, _chat_template, _generation_defaults
+    from .hf_files import TOKENIZER_FILES, chat_template, generation_defaults
 
     try:
         config = transformers.AutoConfig.from_pretrained(path)
@@ -443,7 +443,7 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
     eos = getattr(model.generation_config, "eos_token_id", None) or getattr(c, "eos_token_id", None)
     eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
     bos = getattr(c, "bos_token_id", None)
-    files = {f: os.path.join(path, f) for f in _TOKENIZER_FILES if os.path.exists(os.path.join(path, f))}
+    files = {f: os.path.join(path, f) for f in TOKENIZER_FILES if os.path.exists(os.path.join(path, f))}
     add_bos = None
     if os.path.exists(os.path.join(path, "tokenizer_config.json")):
         with open(os.path.join(path, "tokenizer_config.json")) as f:
@@ -454,13 +454,13 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
                    "head_dim": g.head_dim, "vocab_size": int(c.vocab_size)},
         "llm": llm_spec(model, opts, eos_ids, None if bos is None else int(bos), layers).to_json(),
         "tokenizer": "tokenizer.json" if "tokenizer.json" in files else None,
-        "chat_template": _chat_template(path),
+        "chat_template": chat_template(path),
     }
     if add_bos is not None:
         meta["add_bos_token"] = add_bos
     if weight_dtype is not None and weight_dtype != tdtype:
         meta["weight_dtype"] = dtypes.artifact_name_of_torch(weight_dtype)
-    gen = _generation_defaults(path)
+    gen = generation_defaults(path)
     if gen:
         meta["generation_defaults"] = gen
     return Source(f"Hugging Face {cls.__name__} from {path} (paged-cache step through transformers' attention "

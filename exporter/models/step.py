@@ -1,8 +1,36 @@
-"""The LLM step contract's plumbing, shared by both step builders (models/llama.py, the hand-written
-Llama-family step, and models/hf_causal.py, any transformers causal LM): the export options, the
-entry points over the contract's inputs and dims, the manifest's LLMSpec, the K/V write and the
-online-softmax "paged" attention layout. The contract itself is documented in models/llama.py's
-module docstring and docs/architecture.md ("LLM step contract").
+"""The LLM step contract's plumbing (models/hf_causal.py builds the step of any transformers causal
+LM on it): the export options, the entry points over the contract's inputs and dims, the
+manifest's LLMSpec, the K/V write and the online-softmax "paged" attention layout.
+
+The step (docs/architecture.md, "LLM step contract"):
+
+    tokens        int32[T]            tokens of this step, all sequences flattened
+    positions     int32[T]            position of each token in its sequence
+    seq_ids       int32[T]            row of block_tables each token belongs to
+    slot_mapping  int32[T]            block * block_size + offset where the token's K/V is written
+    block_tables  int32[S, B]         block ids per sequence, padded with the null block 0
+    context_lens  int32[S]            tokens in each sequence's context, this step's included
+    last_token    int32[S]            index into T of each sequence's last token
+    kv_cache      dtype[L, 2, kv_heads, N, block_size, head_dim]   (donated)
+    -> logits f32[S, vocab] (of each sequence's last token), kv_cache (updated)
+
+A step first writes this step's K/V through slot_mapping, then each token attends to the cache
+positions c of its sequence with c <= its position and c < context_len. Block 0 is the null block:
+padding tokens write there and padding rows of block_tables point there; it is never read
+unmasked. Masked scores use a finite minimum, so padded rows give finite garbage, never NaN.
+
+Three attention layouts share that contract (all exact for any mix of sequences; they differ in
+cost, see ATTENTION_COST):
+  * "gather" (entry point `decode`): every token attends over its own sequence's context,
+    [T, B*block_size]; best when T ~ S (one token per sequence). It is the
+    `hloserve.paged_attention` composite (runtime/artifact/kernels.py): its portable decomposition
+    gathers each token's padded context; the CPU runtime runs a kernel that reads only the blocks
+    in use, in place.
+  * "flat" (entry point `prefill`): every token scores against all S contexts at once,
+    [T, S*B*block_size], masked to its own; best when S is small and T large (prompts, chunked
+    prefill).
+  * "paged" (not exported by default): gather one block at a time in a loop with an online
+    softmax; bounded memory for long contexts and many sequences.
 """
 from __future__ import annotations
 

@@ -13,11 +13,13 @@ residual, scaling multipliers, biases, tied and untied heads.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
-from .test_llama import Paged
+from .step_driver import Paged
 
 pytestmark = pytest.mark.slow
 
@@ -192,3 +194,16 @@ def test_paged_layout_is_reachable_on_the_generic_step(tmp_path):
         with torch.no_grad():
             want = hf(torch.tensor([p])).logits[0, -1].numpy()
         np.testing.assert_allclose(got[i], want, atol=1e-4, rtol=0, err_msg=f"paged, prompt length {len(p)}")
+
+
+def test_weight_dtype_errors_name_the_fix(tmp_path, capsys):
+    """--weight-dtype is for LLM step exports, not with --quantize, and must be a float dtype."""
+    from hloserve.server.cli import main
+    art = str(tmp_path / "art")
+    assert main(["export", "smollm2-135m-instruct", "-o", art, "--weight-dtype", "bfloat16", "--quantize", "int8"]) == 1
+    assert "--weight-dtype and --quantize both choose how weights are stored" in capsys.readouterr().err
+    assert main(["export", "smollm2-135m-instruct", "-o", art, "--weight-dtype", "int8"]) == 1
+    assert "--weight-dtype 'int8' is not supported" in capsys.readouterr().err
+    assert main(["export", "tests.exporter.factories:mlp", "-o", art, "--weight-dtype", "bfloat16"]) == 1
+    assert "--weight-dtype, --kv-cache-dtype and --llm-step apply to LLMs exported as step functions" in capsys.readouterr().err
+    assert not os.path.exists(art)

@@ -150,27 +150,6 @@ def test_smollm2_hf_directory_through_the_generic_step(tmp_path_factory, smollm2
     _assert_matches_transformers(hf_model, prompts, got, prefill_logits)
 
 
-def test_smollm2_gguf_through_the_llama_step(tmp_path_factory, smollm2_artifact, hf_model):
-    """`hloserve export smollm2-135m-instruct --llm-step llama`: the hand-written Llama step (the
-    default is the generic step): the chat template, BOS choice and tokenizer as the default
-    artifact's, the same greedy continuations as transformers."""
-    from hloserve.server.cli import main
-    out = str(tmp_path_factory.mktemp("smollm2-gguf-llama") / "art")
-    assert main(["export", "smollm2-135m-instruct", "--llm-step", "llama", "-o", out, "-q"]) == 0
-    with open(os.path.join(out, "manifest.json")) as f:
-        manifest = json.load(f)
-    with open(os.path.join(smollm2_artifact, "manifest.json")) as f:
-        generic = json.load(f)
-    assert "attention interface" not in manifest["model"]["llm"].get("attention", "")
-    assert manifest["model"]["llm"]["tensor_parallel"]["kv_heads"] == generic["model"]["llm"]["tensor_parallel"]["kv_heads"] == 3
-    for key in ("chat_template", "add_bos_token"):
-        assert manifest["model"].get(key) == generic["model"].get(key), key
-    prompts = _prompts(out)
-    assert prompts == _prompts(smollm2_artifact)
-    got, prefill_logits = _runtime_greedy(out, prompts, NEW_TOKENS)
-    _assert_matches_transformers(hf_model, prompts, got, prefill_logits)
-
-
 def _assert_matches_transformers(hf_model, prompts, got, prefill_logits):
     eos = hf_model.config.eos_token_id
     for i, (prompt, cont) in enumerate(zip(prompts, got)):

@@ -14,12 +14,11 @@ import pytest
 import torch
 
 from hloserve.exporter.export import EntryPoint, export_artifact
-from hloserve.exporter.models.llama_quant import QuantizedLlamaWeights
 from hloserve.quantization.convert import quantize_module
 from hloserve.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from hloserve.quantization.schemes import QuantConfig, QuantizationError
 from hloserve.runtime import load
-from tests.exporter.test_llama import Paged, _hf_model, _prompts
+from tests.exporter.step_driver import hf_model
 
 ATOL = 1e-4
 
@@ -110,83 +109,36 @@ def test_skip_patterns_leave_modules_float():
 
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory):
-    hf = _hf_model("llama")
+    hf = hf_model("llama")
     root = tmp_path_factory.mktemp("qllm")
     hf.save_pretrained(str(root / "hf"))
     return hf, str(root / "hf")
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4:32:asym"])
-def test_llama_step_quantized_matches_eager(spec, hf_llama, tmp_path):
-    """The stacked, scanned Llama step with quantized stacked weights: runtime == torch eager of the
-    same quantized step (prefill and decode, a ragged batch), and the scan survives (one while)."""
-    from hloserve.exporter.models.llama import LlamaStep
-    from hloserve.runtime.artifact.llm import pack_step
-    from hloserve.exporter.sources import load_source
-
-    hf, path = hf_llama
-    src = load_source(path, quantize=spec, llm_step="llama")
-    step = src.entries[0].module
-    assert isinstance(step, LlamaStep) and isinstance(step.model, QuantizedLlamaWeights)
-    assert src.entries[1].module.model is step.model            # prefill and decode share the weights
-    export_artifact(str(tmp_path), src.entries, source="tiny", model=src.model, weight_quant=src.weight_quant)
-    model = load(str(tmp_path), buckets={"num_tokens": [1, 8, 64], "num_seqs": [1, 8], "max_blocks": [8]})
-    prompts = _prompts([5, 17, 30])
-    paged = Paged(model)
-    got = paged.step("prefill", dict(enumerate(prompts)))
-    got_decode = paged.step("decode", {0: [7], 1: [9]})
-
-    # eager: the same step module on the same inputs (fresh cache, one step per call as above)
-    cfg = step.model.cfg
-    kv = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, 40, 16, cfg.head_dim)   # [L, 2, KV, N, BS, D]
-    tables, free, chunks = [], list(range(39, 0, -1)), []
-    for p in prompts:
-        t = [free.pop() for _ in range(-(-len(p) // 16))]
-        tables.append(t)
-        chunks.append((p, 0, t))
-    eager = {n: torch.from_numpy(v) for n, v in pack_step(chunks, 16).items()}
-    with torch.no_grad():
-        want, kv = src.entries[0].module(**eager, kv_cache=kv)
-        for i, nxt in ((0, 7), (1, 9)):
-            if (len(prompts[i]) + 1) > 16 * len(tables[i]):
-                tables[i].append(free.pop())
-        dec = {n: torch.from_numpy(v) for n, v in pack_step(
-            [([7], len(prompts[0]), tables[0]), ([9], len(prompts[1]), tables[1])], 16).items()}
-        want_decode, _ = src.entries[1].module(**dec, kv_cache=kv)
-    np.testing.assert_allclose(got, want.numpy(), atol=ATOL, rtol=0)
-    np.testing.assert_allclose(got_decode, want_decode.numpy(), atol=ATOL, rtol=0)
-    # vs the float model: quantization changes logits, but the argmax mostly survives int8
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompts[2]])).logits[0, -1].numpy()
-    rel = np.abs(got[2] - ref).max() / np.abs(ref).max()
-    assert rel < (0.05 if spec == "int8" else 0.5), rel
-
-    m = model.manifest
-    assert m.model["quantization"]["spec"] == spec
-    qkv = m.weights["model.layers.qkv_proj"]
-    L, rows, hidden = 2, 64 + 2 * 2 * 16, 64
-    assert qkv.quant["shape"] == [L, rows, hidden]                  # stays stacked over layers
-    # interleaved by 16 rows for the quant_linear version 2 kernel: [L, rows / 16, 16 hidden | 8 hidden]
-    assert qkv.quant["rows"] == 16
-    assert qkv.shape == ((L, rows // 16, 16 * hidden) if spec == "int8" else (L, rows // 16, 8 * hidden))
-    assert m.weights["model.layers.input_layernorm"].quant is None
-    mlir = open(tmp_path / "functions" / "decode.mlir").read()
-    assert mlir.count("stablehlo.while") == 1                       # dequantized one layer per iteration
-
-
 def test_cli_quantize(hf_llama, tmp_path):
+    """`hloserve export DIR --quantize int4:32 --quantize-skip lm_head`: the manifest records the
+    config; each layer's linears stay stacked over the layers of the one scanned body (one while),
+    interleaved by 16 rows for the quant_linear version 2 kernel; the skipped head and the norms stay
+    float. Bad specs are one line, exit 1."""
     from hloserve.server.cli import main
 
     _, path = hf_llama
     out = str(tmp_path / "art")
     assert main(["export", path, "-o", out, "--quantize", "int4:32", "--quantize-skip", "lm_head",
-                 "--function", "decode", "--llm-step", "llama", "-q"]) == 0
+                 "--function", "decode", "-q"]) == 0
     with open(os.path.join(out, "manifest.json")) as f:
         man = json.load(f)
     assert man["model"]["quantization"] == {"spec": "int4:32", "scheme": "int4", "group": 32, "symmetric": False,
                                             "scale_dtype": "f16", "rounding": "minmax", "skip": ["lm_head"],
                                             "native": False}
-    assert man["weights"]["model.lm_head"]["dtype"] == "f32" and "quant" not in man["weights"]["model.lm_head"]
-    assert man["weights"]["model.layers.down_proj"]["quant"]["group"] == 32
+    weights = man["weights"]
+    (head,) = [w for n, w in weights.items() if n.endswith("lm_head.weight")]
+    assert head["dtype"] == "f32" and "quant" not in head
+    (q,) = [w for n, w in weights.items() if n.endswith("q_proj__weight")]
+    L, rows, hidden = 2, 64, 64
+    assert q["quant"]["shape"] == [L, rows, hidden] and q["quant"]["group"] == 32 and q["quant"]["rows"] == 16
+    assert q["shape"] == [L, rows // 16, 8 * hidden]                # [L, rows / 16, 16 rows of hidden / 2 bytes]
+    assert all("quant" not in w for n, w in weights.items() if "layernorm" in n)
+    assert open(os.path.join(out, "functions", "decode.mlir")).read().count("stablehlo.while") == 1
     assert main(["export", path, "-o", str(tmp_path / "x"), "--quantize", "int5", "-q"]) == 1
     assert main(["export", path, "-o", str(tmp_path / "x"), "--quantize", "gguf", "-q"]) == 1

@@ -8,7 +8,6 @@ which that file lacks, come from gguf.quants.quantize on random data; K-quants (
 quantize them) are random bytes with realistic f16 scales, written into a tiny Llama GGUF file."""
 from __future__ import annotations
 
-import dataclasses
 
 import gguf
 import jax
@@ -19,8 +18,7 @@ import torch
 from hloserve.exporter.lowerings import quantized as lowering
 from hloserve.exporter.models.gguf import GGUFTensor, load_gguf
 from hloserve.exporter.models import gguf_quant
-from hloserve.exporter.models.llama import fused_row_order
-from hloserve.quantization import convert, modules, primitives
+from hloserve.quantization import modules, primitives
 from hloserve.quantization.schemes import QuantConfig, WeightScheme
 from hloserve.runtime.artifact.llm import LLMSpec, pack_step
 
@@ -104,41 +102,31 @@ def test_through_artifact_bit_exact(ckpt, tmp_path):
     np.testing.assert_array_equal(_bits(out["e"]), _bits(te.dequantize()[j.numpy()]))
 
 
-def test_llama_from_gguf_keeps_the_files_blocks(ckpt):
-    from hloserve.exporter.models.llama import LlamaConfig
+def test_stored_by_module_keeps_the_files_blocks(ckpt):
+    """`--quantize gguf`'s module swap input for SmolLM2 (a transformers Llama built on the meta
+    device from the file's config: only its module names matter): every linear and the table the
+    file holds, each from its own blocks (Q4_1 layers int4 g32 asymmetric, the Q8_0 table int8),
+    dequantizing to gguf's values bit for bit; the tied head is not in the file, so the swap gives it
+    the table's blocks."""
+    import transformers
 
-    cfg = LlamaConfig.from_hf(dict(ckpt.config))
-    record = convert.QuantRecord()
-    w = gguf_quant.llama_from_gguf(cfg, ckpt, QuantConfig.parse("gguf"), record)
-    # the layers' blocks interleaved by 16 rows (quant_linear version 2); the tied table row by row
-    assert w.schemes["qkv_proj"] == dataclasses.replace(gguf_quant.GGUF_SCHEMES["Q4_1"], rows=16)
-    assert w.schemes["embed_tokens"] == gguf_quant.GGUF_SCHEMES["Q8_0"]
-    # tied: the head reads the table's Q8_0 blocks again, interleaved by 16 rows (the table's gathers need rows)
-    assert w.schemes["lm_head"] == dataclasses.replace(gguf_quant.GGUF_SCHEMES["Q8_0"], rows=16)
-    head, head_scale, _ = modules.rows_in_order(w.lm_head, w.lm_head_scale, None, 8)
-    assert torch.equal(head, w.embed_tokens) and torch.equal(head_scale, w.embed_tokens_scale)
-    L, rows = cfg.num_layers, cfg.q_size + 2 * cfg.kv_size
-    assert tuple(w.layers["qkv_proj"].shape) == (L, rows // 16, 8 * cfg.hidden_size)
-    assert tuple(w.layers["qkv_proj_scale"].shape) == (L, rows // 16, cfg.hidden_size // 32, 16)
-    assert w.layers["qkv_proj"].dtype == torch.uint8 and w.layers["qkv_proj_min"].dtype == torch.float16
-    assert w.layers["input_layernorm"].dtype == torch.float32
-    i = 17   # one layer's slice of the stacked storage dequantizes to the file's q, k, v rows exactly
-    q, s, m = modules.rows_in_order(w.layers["qkv_proj"][i], w.layers["qkv_proj_scale"][i], w.layers["qkv_proj_min"][i], 4)
-    got = modules.dequantize(q, s, m, 8, 32)
-    want = np.concatenate([ckpt.tensors[f"model.layers.{i}.self_attn.{p}_proj.weight"].dequantize() for p in "qkv"])
-    want = want[fused_row_order(cfg, "qkv_proj").numpy()]             # grouped by KV head (FUSED_ROWS)
+    from hloserve.exporter.models.gguf import hf_config
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(ckpt)))
+    given = gguf_quant.stored_by_module(model, ckpt, QuantConfig.parse("gguf"))
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert set(given) == (linears - {"lm_head"}) | {"model.embed_tokens"}
+    assert given["model.embed_tokens"][1] == gguf_quant.GGUF_SCHEMES["Q8_0"]
+    stored, scheme = given["model.layers.17.self_attn.k_proj"]
+    assert scheme == gguf_quant.GGUF_SCHEMES["Q4_1"] and stored["qweight"].dtype == torch.uint8
+    got = modules.dequantize(stored["qweight"], stored["scale"], stored["min"], 4, 32)
+    want = ckpt.tensors["model.layers.17.self_attn.k_proj.weight"].dequantize()   # HF row order (un-permuted)
     np.testing.assert_array_equal(_bits(got.numpy()), _bits(want))
-    entry = record("model.layers.gate_up_proj_min", w.layers["gate_up_proj_min"])
-    assert entry == {"scheme": "int4", "group": 32, "symmetric": False, "scale_dtype": "f16", "rounding": "minmax", "rows": 16,
-                     "role": "min",
-                     "of": "model.layers.gate_up_proj", "shape": [L, 2 * cfg.intermediate_size, cfg.hidden_size]}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("step", ["llama", "generic"])
-def test_native_export_matches_the_dequantized_model(tmp_path, step):
-    """SmolLM2 exported with --quantize gguf (decode only; the hand-written Llama step's stacked
-    weights, or the generic step's module swap) vs torch eager of the f32 dequantized step:
+def test_native_export_matches_the_dequantized_model(tmp_path):
+    """SmolLM2 exported with --quantize gguf (decode only) vs torch eager of the f32 dequantized step:
     the same weights bit for bit, but the quantized linears multiply int8 activations (the
     `hloserve.quant_linear` contract: x quantized per block of 32, error <= max|x_block| / 254 per
     element), which compounds over the 211 linears of 30 layers to a few percent of the logits'
@@ -146,25 +134,24 @@ def test_native_export_matches_the_dequantized_model(tmp_path, step):
     Bound, on logits centered on their mean (a common shift changes no probability): 6% of the
     largest logit, 1% on average, the same argmax."""
     from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.models.llama_source import from_gguf
-    from hloserve.exporter import presets
     from hloserve.exporter.sources import load_source
     from hloserve.runtime import load
 
-    src = load_source("smollm2-135m-instruct", quantize="gguf", llm_step=step)
+    src = load_source("smollm2-135m-instruct", quantize="gguf")
     entries = [e for e in src.entries if e.name == "decode"]
     manifest = export_artifact(str(tmp_path), entries, source="smollm2 gguf", model=src.model,
                                weight_quant=src.weight_quant)
     down = [w for n, w in manifest.weights.items() if "down_proj" in n and w.quant and w.quant["role"] == "qweight"]
     assert len(down) == 1 and down[0].quant["symmetric"] is False and down[0].quant["scheme"] == "int4"   # Q4_1
-    assert [w.dtype for n, w in manifest.weights.items() if n.endswith(("embed_tokens", "embed_tokens.weight"))] == ["i8"]
+    table = [w for n, w in manifest.weights.items() if n.endswith(("embed_tokens.weight", "lm_head.weight"))]
+    assert [w.dtype for w in table] == ["i8", "i8"]      # the tied head: the table's Q8_0 blocks, interleaved
     prompt = [1, 504, 3458, 282, 260, 1345, 28, 253, 2114, 1953, 30]
     inputs = pack_step([(prompt, 0, [1])], 16)
     model = load(str(tmp_path), buckets={"num_tokens": [16], "num_seqs": [1], "max_blocks": [1]})
     cache = np.zeros(LLMSpec.from_json(manifest.model["llm"]).kv_cache.concrete_shape(2), np.float32)   # [30, 2, 3, 2, 16, 64]
     got = np.asarray(model.functions["decode"](**inputs, kv_cache=cache)["logits"])
     args = {k: torch.from_numpy(v) for k, v in inputs.items()}
-    ref = from_gguf(presets.resolve("smollm2-135m-instruct", quiet=True)).entries[1].module
+    ref = next(e.module for e in load_source("smollm2-135m-instruct", dtype="float32").entries if e.name == "decode")
     with torch.no_grad():
         want, _ = ref(**args, kv_cache=torch.from_numpy(cache))
     want = want.numpy()
@@ -330,59 +317,7 @@ def test_q6_k_import_within_half_a_step(k_ckpt):
         assert swap[0, 1] and exact[0, 48] and not clips[0, 32:64].any(), t.name
 
 
-def test_llama_from_gguf_k_quant_schemes(k_ckpt):
-    """Per stacked weight, one scheme: Q4_K stacks int4 asym f16; gate_up (Q4_K gate, Q6_K up) and
-    down (Q6_K, Q5_0) int8 g32 with f32 scales: up/down blocks converted, Q5_0 exact, the Q4_K gate
-    requantized from its values as int8 g32 (f16 scales, widened)."""
-    from hloserve.exporter.models.llama import LlamaConfig
-
-    cfg = LlamaConfig.from_hf(dict(k_ckpt.config))
-    w = gguf_quant.llama_from_gguf(cfg, k_ckpt, QuantConfig.parse("gguf"))
-    int8_f32 = WeightScheme(8, 32, True, "f32")
-    rows16 = {n: dataclasses.replace(s, rows=16) for n, s in (("qkv_proj", gguf_quant.GGUF_SCHEMES["Q4_K"]),
-              ("o_proj", gguf_quant.GGUF_SCHEMES["Q4_K"]), ("gate_up_proj", int8_f32), ("down_proj", int8_f32))}
-    # the layer stacks interleaved by 16 rows (quant_linear version 2), the table row by row
-    assert {n: s for n, s in w.schemes.items() if n != "lm_head"} == {**rows16, "embed_tokens": int8_f32}
-    t = k_ckpt.tensors
-
-    def layer(name: str, i: int) -> np.ndarray:
-        q, s, _ = modules.rows_in_order(w.layers[name][i], w.layers[name + "_scale"][i], None, 8)
-        return modules.dequantize(q, s, None, 8, 32).numpy()
-
-    gate = primitives.quantize(t["model.layers.0.mlp.gate_proj.weight"].dequantize(), WeightScheme(8, 32, True, "f16"))
-    up, _ = gguf_quant.gguf_blocks(t["model.layers.0.mlp.up_proj.weight"])
-    want = np.concatenate([primitives.dequantize(gate), _dequantized(up, int8_f32, (256, 256)).astype(np.float32)])
-    want = want[fused_row_order(cfg, "gate_up_proj").numpy()]
-    np.testing.assert_array_equal(_bits(layer("gate_up_proj", 0)), _bits(want))
-    np.testing.assert_array_equal(_bits(layer("down_proj", 1)), _bits(t["model.layers.1.mlp.down_proj.weight"].dequantize()))
-
-
-def test_k_quant_gguf_export_runs(k_gguf, tmp_path):
-    """The tiny K-quant GGUF exported with --quantize gguf through the Llama step and run by
-    hloserve.runtime == torch eager of the same quantized step (1e-4 on logits; only summation order differs), schemes in the manifest."""
-    from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.sources import load_source
-    from hloserve.runtime import load
-
-    src = load_source(k_gguf, quantize="gguf", llm_step="llama")
-    entries = [e for e in src.entries if e.name == "decode"]
-    manifest = export_artifact(str(tmp_path), entries, source="tiny k-quant gguf", model=src.model,
-                               weight_quant=src.weight_quant)
-    qkv, down = manifest.weights["model.layers.qkv_proj_scale"].quant, manifest.weights["model.layers.down_proj"].quant
-    assert (qkv["scheme"], qkv["symmetric"], qkv["scale_dtype"]) == ("int4", False, "f16")
-    assert (down["scheme"], down["scale_dtype"]) == ("int8", "f32")
-    prompt = [257, 100, 7, 42, 255, 3, 99]
-    inputs = pack_step([(prompt, 0, [1])], 16)
-    model = load(str(tmp_path), buckets={"num_tokens": [16], "num_seqs": [1], "max_blocks": [1]})
-    cache = np.zeros(LLMSpec.from_json(manifest.model["llm"]).kv_cache.concrete_shape(2), np.float32)
-    got = np.asarray(model.functions["decode"](**inputs, kv_cache=cache)["logits"])
-    with torch.no_grad():
-        want, _ = entries[0].module(**{k: torch.from_numpy(v) for k, v in inputs.items()},
-                                    kv_cache=torch.from_numpy(cache))
-    np.testing.assert_allclose(got, want.numpy(), atol=1e-4, rtol=0)
-
-
-def test_k_quant_gguf_blocks_on_the_generic_step(k_gguf, k_ckpt, tmp_path):
+def test_k_quant_gguf_keeps_its_blocks_per_role(k_gguf, k_ckpt, tmp_path):
     """`--llm-step generic --quantize gguf`: each layer's linears keep their own blocks, one scheme
     per role across the layers (the scanned stack's): q/k/v/o and gate (Q4_K) int4 asym, up (Q6_K)
     int8 f32 scales, down (Q6_K, Q5_0) int8 with Q5_0's f16 scales widened, bit-exact to the file;

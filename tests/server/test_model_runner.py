@@ -1,6 +1,6 @@
 """ModelRunner on a real exported artifact: a tiny random-init Llama, greedy tokens vs transformers.
 
-The artifact is exported with hloserve.exporter.models.llama_source (2 layers,
+The artifact is exported with hloserve.exporter.models.hf_causal (2 layers,
 hidden 64, vocab 256, block size 8, f32) and run through hloserve.runtime in
 strict mode (any compile after warm-up raises). The scheduler runs it with
 chunked prefill, prefix-cache hits and a pool small enough to force

@@ -70,7 +70,7 @@ def test_bf16_weights_read_in_place_split_the_same_way(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family,weights", [("llama", "f32"), ("qwen3", "bf16")])
-def test_the_generic_step_splits_like_the_llama_step(tmp_path_factory, family, weights):
+def test_the_generic_step_splits_by_heads(tmp_path_factory, family, weights):
     """The generic (transformers) step of a GQA model, its layers one scanned body: two devices give
     one device's tokens and transformers', every split weight (q/k/v and gate/up by output rows, o
     and down by input columns, the vocabulary) and the KV cache are halved, and the compiled steps
