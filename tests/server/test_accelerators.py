@@ -98,3 +98,43 @@ def test_the_step_on_the_accelerator_matches_the_cpu(tiny_llm):
     assert kernels == 1
     # XLA's f32 dots on a GPU default to TF32 (10-bit mantissa products): a looser bound
     np.testing.assert_allclose(got["logits"], want["logits"], atol=2e-2, rtol=0)
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def tiny_quantized_llm(request, tmp_path_factory):
+    """tiny_llm's model exported with `--quantize` int8 / int4 (asymmetric groups of 32)."""
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.sources import load_source
+
+    root = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    export_tiny_llama(root, "float", 1024)
+    src = load_source(str(root / "hf"), quantize=request.param)
+    art = str(root / request.param)
+    export_artifact(art, src.entries, source=f"tiny {request.param}", model=src.model, weight_quant=src.weight_quant)
+    return art
+
+
+def _quantized_step_matches(art, **load_args):
+    """The quantized step off the CPU kernels (`load_args`) against the CPU's. Both paths quantize each
+    linear's input to int8 per block of 32 (the `hloserve.quant_linear` contract), but from
+    activations computed in other orders (and, on a GPU, TF32 products): where one rounds an element
+    the other way, that element moves by one int8 step, 1/127 of its block's largest magnitude.
+    Bound: 5e-2 on logits of magnitude < 1 (the GPU's TF32 dots carry ~1e-3 relative error each, as in
+    the f32 test's 2e-2 bound; rounding flips add a little), and the same next token for both
+    sequences. Measured in interpret mode on a CPU: 2.7e-7 (the same f32 arithmetic in another order)."""
+    cpu_kernels, want = _decode(art, platform="cpu")
+    kernels, got = _decode(art, **load_args)
+    assert cpu_kernels >= 2 and kernels >= 1        # the CPU ran the attention and linear kernels
+    np.testing.assert_allclose(got["logits"], want["logits"], atol=5e-2, rtol=0)
+    assert (got["logits"].argmax(-1) == want["logits"].argmax(-1)).all()
+
+
+def test_a_quantized_step_in_interpret_mode_matches_the_cpu(tiny_quantized_llm):
+    """The GPU path of a quantized step rehearsed here: the Triton attention kernel in Pallas
+    interpret mode, `hloserve.quant_linear` by its decomposition (no GPU linear kernel yet)."""
+    _quantized_step_matches(tiny_quantized_llm, pallas_interpret="cuda")
+
+
+@pytest.mark.gpu
+def test_a_quantized_step_on_the_accelerator_matches_the_cpu(tiny_quantized_llm):
+    _quantized_step_matches(tiny_quantized_llm, platform=jax.default_backend())
