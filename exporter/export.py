@@ -273,6 +273,17 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
     return manifest
 
 
+def _split_only_stored(model: dict, stored: Mapping[str, Any]) -> dict:
+    """`model` with its LLM tensor-parallel spec naming only weights the artifact stores: the spec is
+    made from the model's modules, which name a tied table twice (embedding and head); the writer
+    keeps one name."""
+    tp = (model.get("llm") or {}).get("tensor_parallel")
+    if not tp or set(tp["weights"]) <= set(stored):
+        return model
+    weights = {n: d for n, d in tp["weights"].items() if n in stored}
+    return {**model, "llm": {**model["llm"], "tensor_parallel": {**tp, "weights": weights}}}
+
+
 def _write_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str, model: Mapping[str, Any] | None,
                     platforms: Sequence[str], reporter: Reporter, extra_weights: Mapping[str, np.ndarray] | None,
                     files: Mapping[str, str] | None,
@@ -320,7 +331,7 @@ def _write_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
         except md.PackageNotFoundError:
             return "unknown"
 
-    model = dict(model or {})
+    model = _split_only_stored(dict(model or {}), specs)
     if files:
         for name, src_path in files.items():
             shutil.copy(src_path, os.path.join(out_dir, name))

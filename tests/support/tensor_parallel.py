@@ -37,7 +37,7 @@ for n in sizes:
         tokens = [[t for o in s for t in o.new_token_ids] for s in streams]
     runner = eng.runner
     split = {}   # weight -> sorted set of (shard size along its split dim / full size)
-    absent = sorted(set(tp.weights) - set(runner.model.weights))   # aliases of a tied table stored under another name
+    absent = sorted(set(tp.weights) - set(runner.model.weights))   # names the spec lists but the artifact lacks
     for name, dim in tp.weights.items():
         if name in absent:
             continue
