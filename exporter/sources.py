@@ -146,19 +146,16 @@ def _load_path(path: str, tdtype, quant=None, llm: dict | None = None) -> Source
 
 
 def _gguf(path: str, tdtype, quant, llm: dict) -> Source:
-    """A GGUF through the generic step: dequantized into a Hugging Face directory (a private temp
-    dir; its weights file is removed once the model is loaded), exported like one; with
-    `--quantize gguf` its linears then take the file's own blocks."""
+    """A GGUF through the generic step: its config and tokenizer as a Hugging Face directory (a private
+    temp dir, whose tokenizer files the export copies), its weights dequantized in memory, exported
+    like a directory; with `--quantize gguf` its linears then take the file's own blocks."""
     import tempfile
 
     from .models import hf_causal
     from .models.gguf import load_gguf, write_hf_directory
     ckpt = load_gguf(path)
     out = write_hf_directory(ckpt, tempfile.mkdtemp(prefix="hloserve-gguf-hf-"))
-    try:
-        src = hf_directory(out, tdtype, {**llm, "step": "generic"})
-    finally:
-        os.remove(os.path.join(out, "model.safetensors"))   # loaded; the tokenizer files stay for the export
+    src = hf_causal.from_hf_directory(out, tdtype, state_dict=ckpt.materialize(), **llm)
     models = {id(e.module.model): (e.module.model, e.module.opts) for e in src.entries}.values()
     if ckpt.config.get("rope_freq_factors"):   # llama.cpp's form of Llama 3 RoPE scaling
         for model, _ in models:

@@ -33,8 +33,8 @@ Interface
     ckpt.special_tokens    SpecialTokens: bos/eos/unk/pad ids and strings, add_bos_token, add_eos_token.
     ckpt.metadata          dict of the file's scalar metadata (general.*, {arch}.*), for the manifest.
     hf_config(ckpt)        ckpt.config with BOS/EOS ids filled from the tokenizer's special tokens
-    write_hf_directory(ckpt, out)   the checkpoint as a Hugging Face directory (config, f32 weights,
-                           tokenizer, chat template): what the generic LLM step exports
+    write_hf_directory(ckpt, out)   the checkpoint as a Hugging Face directory (config, tokenizer,
+                           chat template; weights from ckpt.materialize()): what the generic step exports
 
     t = ckpt.tensors["model.layers.0.self_attn.q_proj.weight"]
     t.gguf_name            "blk.0.attn_q.weight"
@@ -396,13 +396,12 @@ def hf_config(ckpt: "GGUFCheckpoint") -> dict:
 
 
 def write_hf_directory(ckpt: "GGUFCheckpoint", out: str) -> str:
-    """A GGUF checkpoint (gguf.load_gguf) as a Hugging Face directory `out` (what transformers'
-    `gguf_file=` load makes of it, through our reader): config.json, model.safetensors of the
-    dequantized f32 tensors in HF names, tokenizer.json and a tokenizer_config.json with the chat
-    template and add_bos_token. The generic step exports it. A rope_freqs tensor has no config.json
-    form: the caller divides the loaded model's rotary frequencies by ckpt.config["rope_freq_factors"]."""
-    from safetensors.torch import save_file
-
+    """A GGUF checkpoint (load_gguf) as a Hugging Face directory `out`, its weights aside (what
+    transformers' `gguf_file=` load makes of it, through our reader): config.json, tokenizer.json and
+    a tokenizer_config.json with the chat template and add_bos_token. The weights stay in the file:
+    `ckpt.materialize()` gives them in HF names, float32 (the generic step loads them from memory).
+    A rope_freqs tensor has no config.json form: the caller divides the loaded model's rotary
+    frequencies by ckpt.config["rope_freq_factors"]."""
     raw = hf_config(ckpt)
     raw.pop("rope_freq_factors", None)
     st = ckpt.special_tokens
@@ -410,8 +409,6 @@ def write_hf_directory(ckpt: "GGUFCheckpoint", out: str) -> str:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(raw, f)
-    sd = ckpt.state_dict()
-    save_file({name: sd[name].contiguous() for name in list(sd)}, os.path.join(out, "model.safetensors"))
     with open(os.path.join(out, "tokenizer.json"), "w") as f:
         f.write(ckpt.tokenizer_json)
     tok_cfg: dict = {"chat_template": ckpt.chat_template} if ckpt.chat_template else {}

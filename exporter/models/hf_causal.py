@@ -367,12 +367,19 @@ def llm_spec(model: torch.nn.Module, opts: StepExportOptions, eos_ids, bos_id, l
                          tensor_parallel=tp)
 
 
-def load_model(cls, path: str, tdtype: torch.dtype, sixteen: torch.dtype | None) -> torch.nn.Module:
-    """`cls` from `path` in `tdtype`, its attention ours, in eval mode. Where its matrices are to be
+def load_model(cls, path: str, tdtype: torch.dtype, sixteen: torch.dtype | None,
+               state_dict: Mapping[str, torch.Tensor] | None = None) -> torch.nn.Module:
+    """`cls` from `path` in `tdtype`, its attention ours, in eval mode; with `state_dict`, its weights
+    are those tensors (float32) and `path` gives only the config. Where its matrices are to be
     stored in `sixteen` (hf_layers.sixteen_bit) and every tensor of the checkpoint is stored in
     `sixteen`, it is loaded in `sixteen` (no widening of 1B parameters to `tdtype` and narrowing back,
     seconds each) and made what a `tdtype` load holds: the other tensors widened (exact), the
     non-persistent buffers (rotary tables, embedding scales) computed by a `tdtype` model, config.dtype."""
+    if state_dict is not None:
+        config = cls.config_class.from_pretrained(path)
+        model = cls.from_pretrained(None, config=config, state_dict=dict(state_dict), dtype=tdtype,
+                                    attn_implementation=ATTN_NAME)
+        return model.eval().requires_grad_(False)
     stored = sixteen is not None and tdtype != sixteen and _checkpoint_dtypes(path) == {sixteen}
     model, info = cls.from_pretrained(path, dtype=sixteen if stored else tdtype, attn_implementation=ATTN_NAME,
                                       output_loading_info=True)
@@ -415,8 +422,10 @@ def _initialized_buffers(cls, config, dtype: torch.dtype) -> dict[str, torch.Ten
 
 
 def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExportOptions | None = None,
-                      kv_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> Source:
-    """Any supported HF causal-LM directory -> Source with the prefill/decode step functions."""
+                      kv_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
+                      state_dict: Mapping[str, torch.Tensor] | None = None) -> Source:
+    """Any supported HF causal-LM directory -> Source with the prefill/decode step functions
+    (`state_dict`: its float32 weights, in place of the directory's *.safetensors: a GGUF's)."""
     import transformers
 
     from .hf_files import TOKENIZER_FILES, chat_template, generation_defaults
@@ -432,7 +441,7 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
     check_supported(cls, config)
     register_attention()
     sixteen = weight_dtype if weight_dtype is not None else tdtype if tdtype.itemsize == 2 else None
-    model = load_model(cls, path, tdtype, sixteen)
+    model = load_model(cls, path, tdtype, sixteen, state_dict)
     if sixteen is not None:
         hf_layers.sixteen_bit(model, sixteen, tdtype)
     c = _text_config(model.config)
