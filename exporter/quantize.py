@@ -1,16 +1,15 @@
 """`--quantize` applied to a Source: quantization's module swap, on an LLM step's real layers."""
 from __future__ import annotations
 
-import torch
 from hloserve.quantization.convert import QuantRecord, quantize_module
-from hloserve.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from hloserve.quantization.schemes import QuantConfig, QuantizationError
 
 from .models.hf_causal import HFStep, quantize_layers
 
 
 def quantize_source(source, config: QuantConfig):
-    """Quantize a Source's modules in place (entries sharing a model quantize it once).
+    """Quantize a Source's modules in place (entries sharing a model quantize it once), taking the
+    weights it already holds quantized (Source.quantized_weights) as they are.
 
     Returns the source, with source.weight_quant set to the record and
     source.model["quantization"] describing the config.
@@ -22,23 +21,16 @@ def quantize_source(source, config: QuantConfig):
             raise QuantizationError(f"entry {e.name!r} is a pre-captured program (.pt2); --quantize needs the "
                                     f"model's modules: export from a HF directory, GGUF or module:factory")
         if isinstance(e.module, HFStep):
-            if id(e.module.model) not in done and not _holds_quantized(e.module.model):   # (a GGUF's blocks)
-                quantize_layers(e.module.model, e.module.opts, config, record)
+            if id(e.module.model) not in done:
+                quantize_layers(e.module.model, e.module.opts, config, record, source.quantized_weights)
             done.add(id(e.module.model))
         elif id(e.module) not in done:
             quantize_module(e.module, config, record)
             done.add(id(e.module))
-    prev = getattr(source, "weight_quant", None)
-    if not len(record) and not prev:
+    if not len(record):
         raise QuantizationError(f"--quantize {config.spec}: no Linear or Embedding weight was quantized "
                                 f"(skip patterns {list(config.skip)} matched all, or the model has none)")
-    if isinstance(prev, QuantRecord):
-        record.update(prev)
     source.weight_quant = record
     source.model["quantization"] = config.to_json()
     return source
 
-
-def _holds_quantized(model: torch.nn.Module) -> bool:
-    """Whether `model`'s weights were stored quantized when it was loaded (a GGUF's own blocks)."""
-    return any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in model.modules())

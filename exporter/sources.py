@@ -148,7 +148,8 @@ def _load_path(path: str, tdtype, quant=None, llm: dict | None = None) -> Source
 def _gguf(path: str, tdtype, quant, llm: dict) -> Source:
     """A GGUF through the generic step: its config and tokenizer as a Hugging Face directory (a private
     temp dir, whose tokenizer files the export copies), its weights dequantized in memory, exported
-    like a directory; with `--quantize gguf` its linears then take the file's own blocks."""
+    like a directory; with `--quantize gguf` it offers the file's own blocks (Source.quantized_weights)
+    to quantize_source's module swap."""
     import tempfile
 
     from .models import hf_causal
@@ -156,18 +157,12 @@ def _gguf(path: str, tdtype, quant, llm: dict) -> Source:
     ckpt = load_gguf(path)
     out = write_hf_directory(ckpt, tempfile.mkdtemp(prefix="hloserve-gguf-hf-"))
     src = hf_causal.from_hf_directory(out, tdtype, state_dict=ckpt.materialize(), **llm)
-    models = {id(e.module.model): (e.module.model, e.module.opts) for e in src.entries}.values()
     if ckpt.config.get("rope_freq_factors"):   # llama.cpp's form of Llama 3 RoPE scaling
-        for model, _ in models:
+        for model in {id(e.module.model): e.module.model for e in src.entries}.values():
             hf_causal.divide_rope_frequencies(model, ckpt.config["rope_freq_factors"], path)
-    if quant is not None and quant.native:   # --quantize gguf: the file's own blocks replace the floats
-        from hloserve.quantization.convert import QuantRecord
-
+    if quant is not None and quant.native:   # --quantize gguf: quantize_source swaps in the file's own blocks
         from .models.gguf_quant import stored_by_module
-        record = QuantRecord()
-        for model, opts in models:
-            hf_causal.quantize_layers(model, opts, quant, record, lambda m: stored_by_module(m, ckpt, quant))
-        src.weight_quant = record
+        src.quantized_weights = lambda model: stored_by_module(model, ckpt, quant)
         src.description = f"GGUF {os.path.basename(path)} ({quant.spec}: its own blocks), {src.description}"
         return src
     src.description = f"GGUF {os.path.basename(path)} dequantized, {src.description}"

@@ -330,8 +330,8 @@ def tensor_parallel_dims(model: torch.nn.Module) -> dict[str, int]:
     output rows (their biases and quantized companions too), the ROW_SPLIT matrices' input columns
     (a per-row scale, with no such dim, stays whole), the embedding table and the LM head by
     vocabulary rows. A scanned layer's stacks carry the layers as dim 0. Others are replicated.
-    A tied table is listed under both its names (embedding and head); the artifact stores it under
-    one, and a name it does not store matches nothing when the server makes its sharding rules."""
+    A tied table is listed under both its names (embedding and head): which one the artifact stores
+    is decided when it is written, and export_artifact drops the other from the spec."""
     from hloserve.quantization.schemes import MIN_SUFFIX, SCALE_SUFFIX
 
     out = {}

@@ -30,7 +30,6 @@ def chat_template(path: str) -> str | None:
     return None
 
 
-
 # sampling fields of generation_config.json a server applies when a request leaves them out (vLLM does the same)
 GENERATION_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
@@ -45,4 +44,3 @@ def generation_defaults(path: str) -> dict[str, float]:
     if not gen.get("do_sample", False):
         return {}
     return {k: gen[k] for k in GENERATION_FIELDS if isinstance(gen.get(k), (int, float))}
-
