@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from .step_driver import Paged
+from .step_driver import prompts as _prompts
 
 pytestmark = pytest.mark.slow
 
@@ -74,11 +75,6 @@ def exported(request, tmp_path_factory):
     export_artifact(str(root / "art"), src.entries, source=arch, model=src.model)
     return arch, hf, load(str(root / "art"), buckets={"num_tokens": [1, 8, 64], "num_seqs": [1, 8],
                                                      "max_blocks": [8]})
-
-
-def _prompts(lengths, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("fn", ["prefill", "decode"])
