@@ -25,9 +25,20 @@ import torch.nn.functional as F
 from hloserve.runtime.artifact.kernels import Holds
 
 
+# The eager form widens the matrix a block of rows at a time (about 4 MiB of float32): the block is
+# multiplied while it is in cache, instead of a widened copy of the whole matrix going through memory
+# twice (2-3x faster on a 1B model's eager step, which the generic step's export runs to check its scan).
+_WIDEN_ELEMENTS = 1 << 20
+
+
 @torch.library.custom_op("hloserve::mixed_linear", mutates_args=())
 def mixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return F.linear(x.to(weight.dtype).to(x.dtype), weight.to(x.dtype), bias)
+    x = x.to(weight.dtype).to(x.dtype)
+    rows = max(1, _WIDEN_ELEMENTS // weight.shape[1])
+    if weight.dtype == x.dtype or weight.shape[0] <= rows:
+        return F.linear(x, weight.to(x.dtype), bias)
+    out = torch.cat([F.linear(x, weight[r:r + rows].to(x.dtype)) for r in range(0, weight.shape[0], rows)], dim=-1)
+    return out if bias is None else out + bias
 
 
 @mixed_linear.register_fake

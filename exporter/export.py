@@ -68,6 +68,7 @@ class _Lowered:
     spec: artifact.FunctionSpec
     symbols: dict[str, artifact.SymbolSpec]
     weights: dict[str, torch.Tensor]
+    constants: frozenset[str]
 
 
 def stablehlo_target_version() -> str:
@@ -88,6 +89,8 @@ class Traced:
       inputs: (name, torch fake value) per user input, in call order after the weights.
       outputs: (name, torch fake value) per result, in result order.
       mutations: output name -> the buffer or input it updates.
+      constants: the weights that are tensors the traced code made (torch.export's lifted
+        constants), named after the entry point.
     """
     exported: jax_export.Exported
     symbols: SymbolTable
@@ -96,6 +99,7 @@ class Traced:
     inputs: tuple[tuple[str, Any], ...]
     outputs: tuple[tuple[str, Any], ...]
     mutations: Mapping[str, str]
+    constants: frozenset[str] = frozenset()
 
 
 def trace_entry(entry: EntryPoint, *, platforms: Sequence[str] = DEFAULT_PLATFORMS,
@@ -113,6 +117,7 @@ def trace_entry(entry: EntryPoint, *, platforms: Sequence[str] = DEFAULT_PLATFOR
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     weight_names: list[str] = []
     weight_values: dict[str, torch.Tensor] = {}
+    constants: set[str] = set()
     user: list[tuple[str, Any]] = []
     unused: set[str] = set()
     for node, spec in zip(placeholders, sig.input_specs):
@@ -130,6 +135,8 @@ def trace_entry(entry: EntryPoint, *, platforms: Sequence[str] = DEFAULT_PLATFOR
                                     f"({type(value).__name__}); script objects cannot be exported")
             weight_names.append(name)
             weight_values[name] = value
+            if kind == "CONSTANT_TENSOR":
+                constants.add(name)
         elif kind == "USER_INPUT":
             user.append((node.name, node.meta["val"]))
         else:
@@ -176,7 +183,8 @@ def trace_entry(entry: EntryPoint, *, platforms: Sequence[str] = DEFAULT_PLATFOR
                    f"to StableHLO (platforms: {', '.join(platforms)})")
     exp = jax_export.export(jax.jit(fn), platforms=tuple(platforms))(*in_avals)
     return Traced(exp, symbols, tuple(weight_names), weight_values,
-                  tuple((n, v) for n, (_, v) in zip(input_names, user)), tuple(outputs), mutations)
+                  tuple((n, v) for n, (_, v) in zip(input_names, user)), tuple(outputs), mutations,
+                  frozenset(constants))
 
 
 def lower_entry(entry: EntryPoint, out_dir: str, *, platforms: Sequence[str] = DEFAULT_PLATFORMS,
@@ -212,11 +220,19 @@ def lower_entry(entry: EntryPoint, out_dir: str, *, platforms: Sequence[str] = D
         donated=tuple(entry.donated), paddable=tuple(entry.paddable), files=digests,
         stablehlo_version=stablehlo_target_version(), platforms=tuple(platforms))
     syms = {s.name: artifact.SymbolSpec(s.name, s.min, s.max) for s in symbols.symbols.values()}
-    return _Lowered(spec, syms, dict(traced.weight_values))
+    return _Lowered(spec, syms, dict(traced.weight_values), traced.constants)
 
 
-def _identity(t: torch.Tensor) -> tuple:
-    """Two names with the same identity are one tensor (tied weights, shared submodules)."""
+_SMALL_CONSTANT = 1 << 16   # elements: a lifted constant up to this size is identified by its value
+
+
+def _identity(t: torch.Tensor, constant: bool = False) -> tuple:
+    """Two names with the same identity are one tensor (tied weights, shared submodules). A small
+    constant the traced code made is identified by its value: each entry point's trace makes its
+    own copy (a scanned step's per-layer index rows), which is stored once."""
+    if constant and t.numel() <= _SMALL_CONSTANT:
+        raw = t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+        return ("value", t.dtype, tuple(t.shape), raw.numpy().tobytes())
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
@@ -292,37 +308,45 @@ def _write_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
     symbols: dict[str, artifact.SymbolSpec] = {}
     tensors: dict[str, torch.Tensor] = {}
     canonical: dict[tuple, str] = {}   # storage identity -> the first name seen (tied weights stored once)
-    for entry in entries:
-        if entry.name in functions:
-            raise HloserveError(f"two entry points are named {entry.name!r}; names must be unique")
-        lowered = lower_entry(entry, out_dir, platforms=platforms, reporter=reporter)
-        rename = {}
-        for name, t in lowered.weights.items():
-            rename[name] = canonical.setdefault(_identity(t), name)
-        functions[entry.name] = dataclasses.replace(lowered.spec, weights=tuple(rename[n] for n in lowered.spec.weights))
-        for name, sym in lowered.symbols.items():
-            if name in symbols and symbols[name] != sym:
-                raise HloserveError(f"dim {name!r} has range [{sym.min}, {sym.max}] in {entry.name!r} but "
-                                    f"[{symbols[name].min}, {symbols[name].max}] elsewhere; give one range per name")
-            symbols[name] = sym
-        for name, t in lowered.weights.items():
-            name = rename[name]
-            if name in tensors and tensors[name] is not t and not (
-                    tensors[name].shape == t.shape and tensors[name].dtype == t.dtype and torch.equal(tensors[name], t)):
-                raise HloserveError(f"weight {name!r} differs between entry points; shared weights must be identical")
-            tensors.setdefault(name, t)
-
-    specs = {n: (dtypes.artifact_name_of_torch(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
-    for n, a in (extra_weights or {}).items():
-        specs[n] = (dtypes.name_of_numpy(a.dtype), tuple(a.shape))
-    total = sum(int(np.prod(s, dtype=np.int64)) * dtypes.NUMPY[d].itemsize for d, s in specs.values())
-    reporter.stage(f"writing {len(specs)} weights ({total / 2**20:.1f} MiB) to {artifact.WEIGHTS}")
-
-    def produce(name):
-        return to_numpy(tensors[name]) if name in tensors else extra_weights[name]
-
-    with reporter.bar(total, "weights") as advance:
-        digests = weights_io.write(os.path.join(out_dir, artifact.WEIGHTS), specs, produce, progress=advance)
+    path = os.path.join(out_dir, artifact.WEIGHTS)
+    early: _BackgroundWeights | None = None
+    try:
+        for i, entry in enumerate(entries):
+            if entry.name in functions:
+                raise HloserveError(f"two entry points are named {entry.name!r}; names must be unique")
+            lowered = lower_entry(entry, out_dir, platforms=platforms, reporter=reporter)
+            rename = {}
+            for name, t in lowered.weights.items():
+                rename[name] = canonical.setdefault(_identity(t, name in lowered.constants), name)
+            functions[entry.name] = dataclasses.replace(lowered.spec, weights=tuple(rename[n] for n in lowered.spec.weights))
+            for name, sym in lowered.symbols.items():
+                if name in symbols and symbols[name] != sym:
+                    raise HloserveError(f"dim {name!r} has range [{sym.min}, {sym.max}] in {entry.name!r} but "
+                                        f"[{symbols[name].min}, {symbols[name].max}] elsewhere; give one range per name")
+                symbols[name] = sym
+            for name, t in lowered.weights.items():
+                name = rename[name]
+                if name in tensors and tensors[name] is not t and not (
+                        tensors[name].shape == t.shape and tensors[name].dtype == t.dtype and torch.equal(tensors[name], t)):
+                    raise HloserveError(f"weight {name!r} differs between entry points; shared weights must be identical")
+                tensors.setdefault(name, t)
+            if i == 0 and len(entries) > 1:
+                # the entry points of one model share its weights (an LLM step's prefill and decode):
+                # they are written while the others are lowered (the write is I/O and hashing, which
+                # release the GIL; lowering is Python)
+                early = _BackgroundWeights(path, _weight_arrays(tensors, extra_weights), reporter)
+        if early is not None and early.names == [*tensors, *(extra_weights or {})]:
+            arrays, digests = early.arrays, early.finish(reporter)
+        else:
+            if early is not None:      # a later entry point reads weights the first does not: all written again
+                early.cancel()
+                early = None
+            arrays = _weight_arrays(tensors, extra_weights)
+            digests = _write_weights(path, arrays, reporter)
+    except BaseException:
+        if early is not None:
+            early.cancel()
+        raise
     import importlib.metadata as md
 
     def version(pkg):
@@ -331,6 +355,7 @@ def _write_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
         except md.PackageNotFoundError:
             return "unknown"
 
+    specs = {n: (dtypes.name_of_numpy(a.dtype), tuple(a.shape)) for n, a in arrays.items()}
     model = _split_only_stored(dict(model or {}), specs)
     if files:
         for name, src_path in files.items():
@@ -346,3 +371,73 @@ def _write_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
         symbols=symbols, model=model)
     artifact.write_manifest(out_dir, manifest)
     return manifest
+
+
+def _weight_arrays(tensors: Mapping[str, torch.Tensor], extra: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+    """Every weight as the numpy array the artifact stores (views where the dtype allows), in file order."""
+    return {**{n: to_numpy(t) for n, t in tensors.items()}, **(extra or {})}
+
+
+def _weights_message(arrays: Mapping[str, np.ndarray]) -> str:
+    return f"{len(arrays)} weights ({sum(a.nbytes for a in arrays.values()) / 2**20:.1f} MiB) to {artifact.WEIGHTS}"
+
+
+def _write_weights(path: str, arrays: Mapping[str, np.ndarray], reporter: Reporter) -> dict[str, str]:
+    reporter.stage(f"writing {_weights_message(arrays)}")
+    specs = {n: (dtypes.name_of_numpy(a.dtype), tuple(a.shape)) for n, a in arrays.items()}
+    with reporter.bar(sum(a.nbytes for a in arrays.values()), "weights") as advance:
+        return weights_io.write(path, specs, arrays.__getitem__, progress=advance)
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _BackgroundWeights:
+    """weights.safetensors written on a thread; `finish` waits for it (a progress bar for the
+    rest), `cancel` stops it after the tensor being written."""
+
+    def __init__(self, path: str, arrays: dict[str, np.ndarray], reporter: Reporter):
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.arrays = arrays
+        self.names = list(arrays)
+        self.total = sum(a.nbytes for a in arrays.values())
+        self.written = 0
+        self._stop = threading.Event()
+        reporter.stage(f"writing {_weights_message(arrays)}, while the other entry points are lowered")
+        specs = {n: (dtypes.name_of_numpy(a.dtype), tuple(a.shape)) for n, a in arrays.items()}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hloserve-weights")
+        self._future = self._pool.submit(weights_io.write, path, specs, arrays.__getitem__, progress=self._advance)
+        self._pool.shutdown(wait=False)
+
+    def _advance(self, nbytes: int) -> None:
+        if self._stop.is_set():
+            raise _Cancelled()
+        self.written += nbytes
+
+    def finish(self, reporter: Reporter) -> dict[str, str]:
+        import concurrent.futures
+
+        if not self._future.done():
+            shown = self.written
+            with reporter.bar(self.total, "weights") as advance:
+                advance(shown)
+                while True:
+                    try:
+                        digests = self._future.result(timeout=0.1)
+                        break
+                    except concurrent.futures.TimeoutError:
+                        advance(self.written - shown)
+                        shown = self.written
+                advance(self.total - shown)
+            return digests
+        return self._future.result()
+
+    def cancel(self) -> None:
+        self._stop.set()
+        try:
+            self._future.result()
+        except Exception:  # noqa: BLE001 - cancelled or failed: the caller is already raising or rewriting
+            pass

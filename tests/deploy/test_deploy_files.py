@@ -179,7 +179,7 @@ def test_images_are_built_by_the_dockerfiles():
 def test_dockerfiles_copy_every_package_and_install_the_cli():
     project = pyproject()
     package_dirs = set(project["tool"]["setuptools"]["package-dir"].values())
-    assert project["project"]["scripts"]["hloserve"] == "hloserve.server.cli:main"
+    assert project["project"]["scripts"]["hloserve"] == "hloserve.server.cli:run"
     assert "tpu" in project["project"]["optional-dependencies"]
     for name, instrs in dockerfiles().items():
         copied = set()

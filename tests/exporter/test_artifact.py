@@ -97,27 +97,70 @@ def test_buffer_mutations_are_outputs(tmp_path):
     np.testing.assert_array_equal(np.asarray(res["updated:total"]), np.full(4, 2.0))
 
 
-def test_entry_points_share_one_weights_file(tmp_path):
-    class Encode(torch.nn.Module):
-        def __init__(self, mlp):
-            super().__init__()
-            self.mlp = mlp
+class _Encode(torch.nn.Module):
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
 
-        def forward(self, x):
-            return self.mlp.a(x)
+    def forward(self, x):
+        return self.mlp.a(x)
 
+
+@pytest.mark.parametrize("first", ["forward", "encode"])
+def test_entry_points_share_one_weights_file(tmp_path, first):
+    # forward first: the weights file is written while encode is lowered (encode reads no other
+    # weight); encode first: forward reads weights encode does not, and the file is written again
     mlp, args, dyn = factories.mlp()
     out = str(tmp_path / "art")
-    export_artifact(out, [EntryPoint("forward", mlp, args, (dyn["x"],)),
-                          EntryPoint("encode", Encode(mlp), args, (dyn["x"],))], source="t")
+    entries = [EntryPoint("forward", mlp, args, (dyn["x"],)), EntryPoint("encode", _Encode(mlp), args, (dyn["x"],))]
+    export_artifact(out, entries if first == "forward" else entries[::-1], source="t")
     m = artifact.read_manifest(out)
     assert set(m.functions) == {"forward", "encode"}
-    assert sorted(m.weights) == ["a.bias", "a.weight", "b.bias", "b.weight"]
-    assert m.functions["encode"].weights == ("a.weight", "a.bias")
-    model = load(out)
+    a = "a" if first == "forward" else "mlp.a"      # a shared tensor is stored under its first name
+    assert sorted(m.weights) == sorted([f"{a}.bias", f"{a}.weight", "b.bias", "b.weight"])
+    assert m.functions["encode"].weights == (f"{a}.weight", f"{a}.bias")
+    model = load(out)                       # checks every weight's sha256 against the manifest
     x = torch.randn(4, 8)
     np.testing.assert_allclose(np.asarray(model.functions["encode"](x=x.numpy())["output"]),
                                mlp.a(x).detach().numpy(), atol=ATOL)
+    np.testing.assert_allclose(np.asarray(model.functions["forward"](x=x.numpy())["output"]),
+                               mlp(x).detach().numpy(), atol=ATOL)
+
+
+def test_a_failing_entry_point_leaves_no_artifact_while_the_weights_are_written(tmp_path):
+    mlp, args, dyn = factories.mlp()
+    out = tmp_path / "art"
+    with pytest.raises(UnsupportedOpError):
+        export_artifact(str(out), [EntryPoint("forward", mlp, args, (dyn["x"],)),
+                                   EntryPoint("exotic", *factories.exotic())], source="t")
+    assert os.listdir(tmp_path) == []        # neither the artifact nor its partial directory
+
+
+class _Offset(torch.nn.Module):
+    """Adds a tensor made in forward: torch.export lifts it as a constant of each trace."""
+
+    def __init__(self, values):
+        super().__init__()
+        self.values = values
+
+    def forward(self, x):
+        return x + torch.tensor(self.values, dtype=torch.float32)
+
+
+def test_equal_constants_of_entry_points_are_stored_once(tmp_path):
+    x = torch.randn(2, 3)
+    out = str(tmp_path / "art")
+    export_artifact(out, [EntryPoint("one", _Offset([1.0, 2.0, 3.0]), (x,)),
+                          EntryPoint("same", _Offset([1.0, 2.0, 3.0]), (x,)),
+                          EntryPoint("other", _Offset([4.0, 5.0, 6.0]), (x,))], source="t")
+    m = artifact.read_manifest(out)
+    assert m.functions["one"].weights == m.functions["same"].weights
+    assert m.functions["other"].weights != m.functions["one"].weights
+    assert len(m.weights) == 2
+    model = load(out)
+    for name, values in (("one", [1.0, 2.0, 3.0]), ("same", [1.0, 2.0, 3.0]), ("other", [4.0, 5.0, 6.0])):
+        np.testing.assert_allclose(np.asarray(model.functions[name](x=x.numpy())["output"]),
+                                   (x + torch.tensor(values)).numpy(), atol=ATOL)
 
 
 # -- loading errors ----------------------------------------------------------
