@@ -21,7 +21,7 @@ class Source:
     Attributes:
       entries: entry points, each with default dynamic dims (overridable by --dynamic).
       model: manifest "model" metadata (task, tokenizer files, config).
-      files: extra files copied into the artifact (tokenizer.json, ...), name -> source path.
+      files: extra files of the artifact (tokenizer.json, ...), name -> the path copied or the bytes written.
       weight_quant: (artifact weight name, tensor) -> the manifest's WeightSpec.quant or None
         (set by exporter.quantize.quantize_source).
       quantized_weights: model -> {module name: (stored tensors, scheme)}, the weights the checkpoint
@@ -31,6 +31,6 @@ class Source:
     description: str
     entries: list["EntryPoint"]
     model: dict = dataclasses.field(default_factory=dict)
-    files: dict[str, str] = dataclasses.field(default_factory=dict)
+    files: dict[str, str | bytes] = dataclasses.field(default_factory=dict)
     weight_quant: Callable[[str, "torch.Tensor"], Any] | None = None
     quantized_weights: Callable[["torch.nn.Module"], Any] | None = None

@@ -249,7 +249,7 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str, model: Mapping[str, Any] | None = None,
                     platforms: Sequence[str] | None = None, reporter: Reporter = QUIET,
                     extra_weights: Mapping[str, np.ndarray] | None = None,
-                    files: Mapping[str, str] | None = None,
+                    files: Mapping[str, str | bytes] | None = None,
                     weight_quant: Callable[[str, torch.Tensor], Mapping[str, Any] | None] | None = None
                     ) -> artifact.Manifest:
     """Lower every entry point and write the artifact directory `out_dir`.
@@ -257,8 +257,8 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
     `weight_quant(name, tensor)` gives a weight's quantization scheme for the manifest
     (WeightSpec.quant; quantization.convert.QuantRecord), None for plain weights.
 
-    `files` (name -> path) are copied into the artifact (tokenizer.json, ...) and
-    listed with their sha256 in manifest.model["files"].
+    `files` (name -> a path, copied, or bytes, written) are the artifact's extra files
+    (tokenizer.json, ...), listed with their sha256 in manifest.model["files"].
 
     The artifact is written into `out_dir.partial-PID` and renamed into place when complete
     (replacing an artifact already there), so an export killed at any point leaves no half-written
@@ -302,7 +302,7 @@ def _split_only_stored(model: dict, stored: Mapping[str, Any]) -> dict:
 
 def _write_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str, model: Mapping[str, Any] | None,
                     platforms: Sequence[str], reporter: Reporter, extra_weights: Mapping[str, np.ndarray] | None,
-                    files: Mapping[str, str] | None,
+                    files: Mapping[str, str | bytes] | None,
                     weight_quant: Callable[[str, torch.Tensor], Mapping[str, Any] | None] | None) -> artifact.Manifest:
     functions: dict[str, artifact.FunctionSpec] = {}
     symbols: dict[str, artifact.SymbolSpec] = {}
@@ -358,8 +358,12 @@ def _write_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
     specs = {n: (dtypes.name_of_numpy(a.dtype), tuple(a.shape)) for n, a in arrays.items()}
     model = _split_only_stored(dict(model or {}), specs)
     if files:
-        for name, src_path in files.items():
-            shutil.copy(src_path, os.path.join(out_dir, name))
+        for name, content in files.items():
+            if isinstance(content, bytes):
+                with open(os.path.join(out_dir, name), "wb") as f:
+                    f.write(content)
+            else:
+                shutil.copy(content, os.path.join(out_dir, name))
         model["files"] = {name: artifact.file_digest(os.path.join(out_dir, name)) for name in files}
     manifest = artifact.Manifest(
         format_version=artifact.FORMAT_VERSION,

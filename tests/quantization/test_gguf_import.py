@@ -8,6 +8,7 @@ which that file lacks, come from gguf.quants.quantize on random data; K-quants (
 quantize them) are random bytes with realistic f16 scales, written into a tiny Llama GGUF file."""
 from __future__ import annotations
 
+import os
 
 import gguf
 import jax
@@ -351,3 +352,26 @@ def test_k_quant_gguf_keeps_its_blocks_per_role(k_gguf, k_ckpt, tmp_path):
         ref, _ = entries[0].module(**{k: torch.from_numpy(v) for k, v in inputs.items()},
                                    kv_cache=torch.from_numpy(cache))
     np.testing.assert_allclose(got, ref.numpy(), atol=1e-4, rtol=0)
+
+
+def test_a_gguf_source_leaves_no_temporary_directory(k_gguf, tmp_path, monkeypatch):
+    """The Hugging Face directory a GGUF is read through is removed once loaded; the source holds
+    its tokenizer files' bytes, which the artifact gets."""
+    import tempfile
+
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.sources import load_source
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    src = load_source(k_gguf, llm_step="generic")
+    assert os.listdir(scratch) == []
+    assert set(src.files) == {"tokenizer.json", "tokenizer_config.json"}
+    entries = [e for e in src.entries if e.name == "decode"]
+    manifest = export_artifact(str(tmp_path / "art"), entries, source="tiny k-quant gguf", model=src.model,
+                               files=src.files)
+    for name, content in src.files.items():
+        with open(tmp_path / "art" / name, "rb") as f:
+            assert f.read() == content
+    assert set(manifest.model["files"]) == set(src.files)
