@@ -38,6 +38,7 @@ def scan_lifted(body, init, xs, lifted):
     if any(isinstance(t, FakeTensor) for t in init_leaves):   # traced: a real tensor enters as a constant's copy
         lifted_leaves = [t.clone() if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) else t
                          for t in lifted_leaves]
+    init_leaves, xs_leaves, lifted_leaves = _unaliased(init_leaves, xs_leaves, lifted_leaves)
     ni, nx = len(init_leaves), len(xs_leaves)
 
     def flat(*args):
@@ -49,6 +50,27 @@ def scan_lifted(body, init, xs, lifted):
 
     out = scan_op(flat, init_leaves, xs_leaves, tuple(lifted_leaves))
     return pytree.tree_unflatten(list(out[:ni]), init_spec), list(out[ni:])
+
+
+def _unaliased(*groups):
+    """The scan's operands with each one that shares storage with an earlier one cloned: torch's
+    scan refuses operands that alias each other (when the exported program is decomposed), and
+    models pass views of one tensor (GPT-J splits one sin/cos table into its two halves)."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    seen = set()
+
+    def own(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        key = StorageWeakRef(t.untyped_storage())
+        if key in seen:
+            return t.clone()
+        seen.add(key)
+        return t
+
+    return [[own(t) for t in group] for group in groups]
 
 
 def composite(decomposition, name: str, version: int):

@@ -109,10 +109,24 @@ def check_supported(cls, config) -> None:
     if other:
         raise SourceError(f"{name} has {', '.join(other)} layers (recurrent state, not a KV cache); the paged step "
                           f"serves attention layers only and would need a per-sequence state cache for these")
+    experts = getattr(c, "is_moe", True) and next(
+        (f"{k}={getattr(c, k)}" for k in _EXPERT_COUNTS if (getattr(c, k, None) or 0) > 1), None)
+    if experts:
+        raise SourceError(f"{name} is a mixture-of-experts model ({experts}); the generic step has no lowering for "
+                          f"transformers' routed experts (grouped matmuls over data-dependent groups) yet: "
+                          f"dense models only")
+    if getattr(c, "kv_lora_rank", None):
+        raise SourceError(f"{name} uses multi-head latent attention (kv_lora_rank={c.kv_lora_rank}): its keys and "
+                          f"values have different head sizes, which the paged KV cache ([L, 2, KV, N, 16, D]) does "
+                          f"not hold")
     g = geometry(config)
     if g.num_kv_heads <= 0 or c.num_attention_heads % g.num_kv_heads:
         raise SourceError(f"{name}: {c.num_attention_heads} query heads are not a multiple of {g.num_kv_heads} "
                           f"KV heads")
+
+
+# config fields that count a mixture-of-experts model's routed experts (transformers' families)
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 def register_attention() -> None:
@@ -127,7 +141,9 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, scal
     -> ([1, T, H, D], None). Writes this step's K/V into the cache and attends over it."""
     step = kwargs.get(STEP_KWARG)
     if step is None:
-        raise RuntimeError(f"{ATTN_NAME} attention called without the step's paging inputs ({STEP_KWARG}=...)")
+        raise SourceError(f"{type(module).__name__} is called without the step's paging inputs ({STEP_KWARG}=...): "
+                          f"the model's decoder layers do not hand transformers' attention keyword arguments on to "
+                          f"their attention, so the generic step cannot serve this family")
     return step.attend(module, query, key, value, scaling, sliding_window, softcap), None
 
 

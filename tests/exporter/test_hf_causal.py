@@ -44,6 +44,11 @@ ARCHS = {
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(embedding_multiplier=2.0, logits_scaling=4.0,
                                                              residual_multiplier=0.5, attention_multiplier=0.3)),
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512)),
+    # rotates q/k in its sliding layers only: sliding and global layers are a period of two bodies
+    "cohere2": ("Cohere2ForCausalLM", "Cohere2Config", dict(sliding_window=8,
+                                                             layer_types=["sliding_attention", "full_attention"])),
+    # hands its layers two views of one sin/cos table (the scan's operands must not alias)
+    "gptj": ("GPTJForCausalLM", "GPTJConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, rotary_dim=8)),
 }
 
 
@@ -51,7 +56,7 @@ def _hf(arch: str, vocab_size: int = VOCAB):
     """A small random-init model of `arch` (f32)."""
     import transformers
     cls_name, cfg_name, extra = ARCHS[arch]
-    kw = dict(COMMON, vocab_size=vocab_size) if arch != "gpt2" else dict(vocab_size=vocab_size)
+    kw = dict(COMMON, vocab_size=vocab_size) if arch not in ("gpt2", "gptj") else dict(vocab_size=vocab_size)
     kw.update({k: v for k, v in extra.items() if v is not None})
     for k, v in extra.items():
         if v is None:
@@ -119,6 +124,25 @@ def test_what_the_generic_path_cannot_serve_is_named():
         check_supported(transformers.MambaForCausalLM, mamba)
     with pytest.raises(SourceError, match="not a causal LM"):
         check_supported(transformers.BertModel, transformers.BertConfig())
+    with pytest.raises(SourceError, match=r"mixture-of-experts model \(num_local_experts=8\)"):
+        check_supported(transformers.MixtralForCausalLM, transformers.MixtralConfig())
+    with pytest.raises(SourceError, match="multi-head latent attention"):
+        check_supported(transformers.DeepseekV2ForCausalLM, transformers.DeepseekV2Config(n_routed_experts=1))
+
+
+def test_a_family_whose_layers_drop_the_attention_arguments_is_refused_in_one_line(tmp_path):
+    """Nemotron's decoder layer calls its attention without transformers' keyword arguments, so the
+    step's inputs never reach hloserve's attention: refused when loaded, naming the module."""
+    import transformers
+
+    from hloserve.exporter.errors import SourceError
+    from hloserve.exporter.sources import load_source
+
+    torch.manual_seed(0)
+    hf = transformers.NemotronForCausalLM(transformers.NemotronConfig(**COMMON, partial_rotary_factor=0.5))
+    hf.save_pretrained(str(tmp_path / "hf"))
+    with pytest.raises(SourceError, match="NemotronAttention is called without the step's paging inputs"):
+        load_source(str(tmp_path / "hf"), llm_step="generic")
 
 
 @pytest.mark.parametrize("arch,options,atol", [
