@@ -220,7 +220,7 @@ SHAPES = {
     "phi3-style": ("Phi3ForCausalLM", "Phi3Config", dict(   # fused qkv and gate_up, untied head, ~0.6B
         hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=16,
         num_key_value_heads=16, max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=0)),
-    "llama-1b": ("LlamaForCausalLM", "LlamaConfig", dict(   # Llama-3.2-1B's shape (the hand-written step)
+    "llama-1b": ("LlamaForCausalLM", "LlamaConfig", dict(   # Llama-3.2-1B's shape
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, tie_word_embeddings=True, rope_theta=5e5,
         max_position_embeddings=131072)),

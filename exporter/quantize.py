@@ -4,7 +4,7 @@ from __future__ import annotations
 from hloserve.quantization.convert import QuantRecord, quantize_module
 from hloserve.quantization.schemes import QuantConfig, QuantizationError
 
-from .models.hf_causal import HFStep, quantize_layers
+from .models.hf_causal import HFStep, quantize_layers, tensor_parallel_dims
 
 
 def quantize_source(source, config: QuantConfig):
@@ -23,6 +23,9 @@ def quantize_source(source, config: QuantConfig):
         if isinstance(e.module, HFStep):
             if id(e.module.model) not in done:
                 quantize_layers(e.module.model, e.module.opts, config, record, source.quantized_weights)
+                tp = (source.model.get("llm") or {}).get("tensor_parallel")
+                if tp:      # the split the loader named was of the unquantized weights: the scales too now
+                    tp["weights"] = tensor_parallel_dims(e.module.model)
             done.add(id(e.module.model))
         elif id(e.module) not in done:
             quantize_module(e.module, config, record)

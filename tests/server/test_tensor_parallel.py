@@ -69,13 +69,14 @@ def test_bf16_weights_read_in_place_split_the_same_way(tmp_path_factory):
         assert h["all-reduce"] >= 2 and only_logits_gathered(h["all-gather"], two["vocab"]), (fn, h)
 
 
-@pytest.mark.parametrize("family,weights", [("llama", "f32"), ("qwen3", "bf16")])
+@pytest.mark.parametrize("family,weights", [("llama", "f32"), ("qwen3", "bf16"), ("llama", "int8")])
 def test_the_generic_step_splits_by_heads(tmp_path_factory, family, weights):
     """The generic (transformers) step of a GQA model, its layers one scanned body: two devices give
     one device's tokens and transformers', every split weight (q/k/v and gate/up by output rows, o
     and down by input columns, the vocabulary) and the KV cache are halved, and the compiled steps
     all-reduce and gather nothing but the logits. bf16: the stacks are read in place
-    (hloserve.layer_linear), whose decomposition the mesh partitions."""
+    (hloserve.layer_linear), whose decomposition the mesh partitions. int8 (--quantize): the
+    per-row scales of the row-split matrices are split with them."""
     import torch
     import transformers
 
@@ -101,7 +102,11 @@ def test_the_generic_step_splits_by_heads(tmp_path_factory, family, weights):
                                                                            max_seqs=8),
                                       weight_dtype=torch.bfloat16 if weights == "bf16" else None)
     assert src.model["llm"]["layers"] == "scan"
-    export_artifact(f"{root}/art", src.entries, source=f"tiny-{family}", model=src.model)
+    if weights == "int8":
+        from hloserve.exporter.quantize import quantize_source
+        from hloserve.quantization.schemes import QuantConfig
+        quantize_source(src, QuantConfig.parse("int8"))
+    export_artifact(f"{root}/art", src.entries, source=f"tiny-{family}", model=src.model, weight_quant=src.weight_quant)
     prompts = [[5, 6, 7], list(range(10, 90)), [42] * 20]          # 80 tokens: chunked
     report = tp_report(f"{root}/art", [1, 2], prompts, NEW)
     if weights == "f32":
@@ -112,6 +117,9 @@ def test_the_generic_step_splits_by_heads(tmp_path_factory, family, weights):
     want = {"self_attn__q_proj__weight", "self_attn__k_proj__weight", "self_attn__v_proj__weight",
             "self_attn__o_proj__weight", "mlp__gate_proj__weight", "mlp__up_proj__weight", "mlp__down_proj__weight",
             "kv_cache"}
+    if weights == "int8":
+        want |= {f"{m}__weight_scale" for m in ("self_attn__q_proj", "self_attn__k_proj", "self_attn__v_proj",
+                                                 "mlp__gate_proj", "mlp__up_proj")}
     assert want <= set(split) and all(frac == [1 / 2] for frac in split.values()), split
     assert any("embed" in k or "lm_head" in k for k in split), split       # the vocabulary is split too
     assert two["absent"] == []       # a tied table: the spec names the one name the artifact stores
