@@ -302,14 +302,17 @@ def _same_as_unrolled(model: torch.nn.Module, entry, got) -> bool:
 
 
 def quantize_layers(model: torch.nn.Module, opts: StepExportOptions, config, record, stored=None) -> None:
-    """--quantize on a generic step: the module swap on the real layers, then scanned again.
+    """--quantize on a generic step: the module swap on the real layers, then scanned again as before.
     `stored(model)`, if given, returns weights already quantized by module name (quantize_module's
     `given`: a GGUF's own blocks), read from the unscanned layers."""
     from hloserve.quantization.convert import quantize_module
-    scanned = hf_layers.unscan(model)
+    before = next((m for m in model.modules() if isinstance(m, hf_layers.ScannedLayers)), None)
+    hf_layers.unscan(model)
     quantize_module(model, config, record, stored(model) if stored is not None else None)
-    if scanned:
-        scan_layers(model, opts)
+    if before is not None:
+        # scanned as the load decided (and checked against the unrolled layers): the swap changes
+        # the layers' linears, not how the model's forward calls them or reads their windows
+        hf_layers.scan(model, STEP_KWARG, before.carried)
         for m in model.modules():   # the stacks the scan made of the quantized layers keep their manifest entries
             if isinstance(m, hf_layers.ScannedLayers):
                 for parts, stacked in m.stacked_from:
