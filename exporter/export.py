@@ -8,9 +8,11 @@ manifest is incomplete by construction).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import shutil
+import threading
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -355,7 +357,7 @@ def _write_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
         except md.PackageNotFoundError:
             return "unknown"
 
-    specs = {n: (dtypes.name_of_numpy(a.dtype), tuple(a.shape)) for n, a in arrays.items()}
+    specs = _specs(arrays)
     model = _split_only_stored(dict(model or {}), specs)
     if files:
         for name, content in files.items():
@@ -382,15 +384,18 @@ def _weight_arrays(tensors: Mapping[str, torch.Tensor], extra: Mapping[str, np.n
     return {**{n: to_numpy(t) for n, t in tensors.items()}, **(extra or {})}
 
 
+def _specs(arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {n: (dtypes.name_of_numpy(a.dtype), tuple(a.shape)) for n, a in arrays.items()}
+
+
 def _weights_message(arrays: Mapping[str, np.ndarray]) -> str:
     return f"{len(arrays)} weights ({sum(a.nbytes for a in arrays.values()) / 2**20:.1f} MiB) to {artifact.WEIGHTS}"
 
 
 def _write_weights(path: str, arrays: Mapping[str, np.ndarray], reporter: Reporter) -> dict[str, str]:
     reporter.stage(f"writing {_weights_message(arrays)}")
-    specs = {n: (dtypes.name_of_numpy(a.dtype), tuple(a.shape)) for n, a in arrays.items()}
     with reporter.bar(sum(a.nbytes for a in arrays.values()), "weights") as advance:
-        return weights_io.write(path, specs, arrays.__getitem__, progress=advance)
+        return weights_io.write(path, _specs(arrays), arrays.__getitem__, progress=advance)
 
 
 class _Cancelled(Exception):
@@ -402,18 +407,15 @@ class _BackgroundWeights:
     rest), `cancel` stops it after the tensor being written."""
 
     def __init__(self, path: str, arrays: dict[str, np.ndarray], reporter: Reporter):
-        import threading
-        from concurrent.futures import ThreadPoolExecutor
-
         self.arrays = arrays
         self.names = list(arrays)
         self.total = sum(a.nbytes for a in arrays.values())
         self.written = 0
         self._stop = threading.Event()
         reporter.stage(f"writing {_weights_message(arrays)}, while the other entry points are lowered")
-        specs = {n: (dtypes.name_of_numpy(a.dtype), tuple(a.shape)) for n, a in arrays.items()}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hloserve-weights")
-        self._future = self._pool.submit(weights_io.write, path, specs, arrays.__getitem__, progress=self._advance)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hloserve-weights")
+        self._future = self._pool.submit(weights_io.write, path, _specs(arrays), arrays.__getitem__,
+                                         progress=self._advance)
         self._pool.shutdown(wait=False)
 
     def _advance(self, nbytes: int) -> None:
@@ -422,8 +424,6 @@ class _BackgroundWeights:
         self.written += nbytes
 
     def finish(self, reporter: Reporter) -> dict[str, str]:
-        import concurrent.futures
-
         if not self._future.done():
             shown = self.written
             with reporter.bar(self.total, "weights") as advance:

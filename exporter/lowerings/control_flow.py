@@ -57,8 +57,9 @@ def _cond(ctx, pred, true_gm, false_gm, operands):
     t, f = ctx.subgraph(true_gm), ctx.subgraph(false_gm)
     arrays, merge = _split(operands)
     pred = jnp.asarray(pred).reshape(()).astype(bool)
-    return list(lax.cond(pred, lambda ops: _as_torch(t(*merge(ops)), ctx.out_val),
-                         lambda ops: _as_torch(f(*merge(ops)), ctx.out_val), arrays))
+    out = list(lax.cond(pred, lambda ops: _as_torch(t(*merge(ops)), ctx.out_val),
+                        lambda ops: _as_torch(f(*merge(ops)), ctx.out_val), arrays))
+    return out if isinstance(ctx.out_val, (list, tuple)) else out[0]   # branches returning one tensor: that tensor
 
 
 # while_loop(GraphModule cond_fn, GraphModule body_fn, Tensor[] carried_inputs, Tensor[] additional_inputs) -> Tensor[]

@@ -109,12 +109,6 @@ def check_supported(cls, config) -> None:
     if other:
         raise SourceError(f"{name} has {', '.join(other)} layers (recurrent state, not a KV cache); the paged step "
                           f"serves attention layers only and would need a per-sequence state cache for these")
-    experts = getattr(c, "is_moe", True) and next(
-        (f"{k}={getattr(c, k)}" for k in _EXPERT_COUNTS if (getattr(c, k, None) or 0) > 1), None)
-    if experts:
-        raise SourceError(f"{name} is a mixture-of-experts model ({experts}); the generic step has no lowering for "
-                          f"transformers' routed experts (grouped matmuls over data-dependent groups) yet: "
-                          f"dense models only")
     if getattr(c, "kv_lora_rank", None):
         raise SourceError(f"{name} uses multi-head latent attention (kv_lora_rank={c.kv_lora_rank}): its keys and "
                           f"values have different head sizes, which the paged KV cache ([L, 2, KV, N, 16, D]) does "
@@ -127,6 +121,27 @@ def check_supported(cls, config) -> None:
 
 # config fields that count a mixture-of-experts model's routed experts (transformers' families)
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def route_experts(model: torch.nn.Module) -> None:
+    """A mixture-of-experts model's experts through hloserve's implementation (models/hf_experts.py);
+    SourceError for one whose experts it cannot compute."""
+    from . import hf_experts
+    name = type(model).__name__
+    if hf_experts.use_ours(model):
+        for path, m in model.named_modules():
+            if hf_experts.is_experts(m):
+                try:
+                    hf_experts.check_experts(m, f"{name} {path}")
+                except ValueError as e:
+                    raise SourceError(str(e)) from None
+        return
+    c = _text_config(model.config)
+    experts = getattr(c, "is_moe", True) and next(
+        (f"{k}={getattr(c, k)}" for k in _EXPERT_COUNTS if (getattr(c, k, None) or 0) > 1), None)
+    if experts:
+        raise SourceError(f"{name} is a mixture-of-experts model ({experts}) whose experts are not a transformers "
+                          f"experts module (use_experts_implementation), which the generic step computes")
 
 
 def register_attention() -> None:
@@ -461,6 +476,7 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
     register_attention()
     sixteen = weight_dtype if weight_dtype is not None else tdtype if tdtype.itemsize == 2 else None
     model = load_model(cls, path, tdtype, sixteen, state_dict)
+    route_experts(model)
     if sixteen is not None:
         hf_layers.sixteen_bit(model, sixteen, tdtype)
     c = _text_config(model.config)

@@ -97,7 +97,11 @@ def sixteen_bit(model: torch.nn.Module, dtype: torch.dtype, act: torch.dtype | N
     emb.register_forward_hook(lambda module, args, out: out.to(act))
     if tied:
         _replace(model, head, TableHead(emb))
+    from .hf_experts import is_experts, sixteen_bit_experts
     swapped = 0
+    for m in list(model.modules()):
+        if is_experts(m):
+            sixteen_bit_experts(m, dtype)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not _is_matrix_module(child):
@@ -123,7 +127,9 @@ def widen_all_but_matrices(model: torch.nn.Module, dtype: torch.dtype) -> None:
     shared), except the tensors sixteen_bit stores in 16 bits (the linear matrices and the input
     embedding table): a model loaded in its 16-bit checkpoint dtype then holds what loading it in
     `dtype` and sixteen_bit give (widening is exact)."""
+    from .hf_experts import expert_matrices
     keep = {id(m.weight) for m in model.modules() if _is_matrix_module(m)}
+    keep |= {id(t) for m in model.modules() for t in expert_matrices(m)}
     keep.add(id(model.get_input_embeddings().weight))
     done: dict[int, torch.Tensor] = {}
     for module in model.modules():

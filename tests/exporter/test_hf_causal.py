@@ -49,6 +49,11 @@ ARCHS = {
                                                              layer_types=["sliding_attention", "full_attention"])),
     # hands its layers two views of one sin/cos table (the scan's operands must not alias)
     "gptj": ("GPTJForCausalLM", "GPTJConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, rotary_dim=8)),
+    # mixture of experts (models/hf_experts.py): 4 experts, 2 per token
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # a dense MLP in layer 1, experts in layer 0 (a period of two bodies), q/k norms
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, head_dim=16,
+                                                                 moe_intermediate_size=32, mlp_only_layers=[1])),
 }
 
 
@@ -124,10 +129,22 @@ def test_what_the_generic_path_cannot_serve_is_named():
         check_supported(transformers.MambaForCausalLM, mamba)
     with pytest.raises(SourceError, match="not a causal LM"):
         check_supported(transformers.BertModel, transformers.BertConfig())
-    with pytest.raises(SourceError, match=r"mixture-of-experts model \(num_local_experts=8\)"):
-        check_supported(transformers.MixtralForCausalLM, transformers.MixtralConfig())
     with pytest.raises(SourceError, match="multi-head latent attention"):
         check_supported(transformers.DeepseekV2ForCausalLM, transformers.DeepseekV2Config(n_routed_experts=1))
+
+
+def test_experts_hloserve_does_not_compute_are_refused_in_one_line(tmp_path):
+    """GPT-OSS's experts are transposed and biased: refused when loaded, naming the module."""
+    import transformers
+
+    from hloserve.exporter.errors import SourceError
+    from hloserve.exporter.sources import load_source
+
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, head_dim=16)
+    transformers.GptOssForCausalLM(cfg).save_pretrained(str(tmp_path / "hf"))
+    with pytest.raises(SourceError, match="GptOssForCausalLM model.layers.0.mlp.experts: .* transposed"):
+        load_source(str(tmp_path / "hf"), llm_step="generic")
 
 
 def test_a_family_whose_layers_drop_the_attention_arguments_is_refused_in_one_line(tmp_path):
@@ -154,6 +171,8 @@ def test_a_family_whose_layers_drop_the_attention_arguments_is_refused_in_one_li
     ("qwen3", {"quantize": "int8"}, 1e-2),
     ("gemma2", {"quantize": "int4"}, 1e-2),
     ("cohere2", {"quantize": "int8"}, 1e-2),     # scanned by period: rescanned so after the swap
+    # the experts' stacks [E, out, in] in bf16, read in place by the composite: the bound above
+    ("mixtral", {"weight_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}, 2e-2),
     # bf16 matrices and K/V under f32 activations: logits O(0.5) through two layers of bf16-rounded
     # products (2^-8 relative each) against the f32 model: 2e-2 bounds what that rounding can move
     ("llama", {"weight_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}, 2e-2),

@@ -1,0 +1,112 @@
+"""Mixture-of-experts layers on the generic step: hloserve's implementation of transformers' experts
+interface (`ExpertsInterface`, what `AttentionInterface` is to attention).
+
+transformers' own implementations sort the step's (token, expert) pairs by expert and multiply
+ragged groups (`grouped_mm`), whose sizes are data: no static shape to export. Here every expert
+is one branch of a conditional, taken when the step routes any token to it:
+
+    y = sum_e  cond(any token routed to e,  w_e * down_e(act(gate_e(x)) * up_e(x)),  0)
+
+where w_e [T] is each token's routing weight for expert e (0 for the tokens not routed to it). The
+branch multiplies all T rows; the condition is what a step pays for: a decode step of a few
+sequences reads only the experts its tokens chose, a long prompt chunk usually all of them.
+A 16-bit stack of experts' matrices [E, out, in] is read in place through the layer_linear
+composite (expert e of a scanned layer's [L, E, out, in] stack at row layer * E + e), as every
+other 16-bit linear of the generic step (hf_layers.sixteen_bit); an f32 one by slicing.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.layer_linear
+from .step import HOLDS
+
+EXPERTS_NAME = "hloserve_experts"
+
+# the expert matrices of transformers' experts modules (use_experts_implementation), [E, out, in]
+_MATRICES = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def is_experts(module: torch.nn.Module) -> bool:
+    """Whether `module` is a transformers experts module (decorated by use_experts_implementation)."""
+    return hasattr(module, "has_gate") and hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts")
+
+
+def use_ours(model: torch.nn.Module) -> bool:
+    """Route the model's experts modules through EXPERTS_NAME; returns whether it has any."""
+    if not any(is_experts(m) for m in model.modules()):
+        return False
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_NAME, experts_forward)
+    model.set_experts_implementation(EXPERTS_NAME)
+    return True
+
+
+def expert_matrices(module: torch.nn.Module) -> list[torch.Tensor]:
+    """An experts module's matrices [E, out, in] (none for any other module)."""
+    if not is_experts(module):
+        return []
+    return [t for t in (getattr(module, n, None) for n in _MATRICES) if isinstance(t, torch.Tensor)]
+
+
+def check_experts(module: torch.nn.Module, where: str) -> None:
+    """The experts layouts this implementation computes (raise ValueError naming what is not)."""
+    if module.is_transposed or not module.is_concatenated or module.has_bias or module.has_post_expert_norm:
+        raise ValueError(f"{where}: {type(module).__name__}'s experts are transposed, interleaved, biased or "
+                         f"post-normed, which hloserve's experts implementation does not compute yet")
+
+
+def sixteen_bit_experts(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Store an experts module's matrices as the int16 bits of `dtype`, read in place through the
+    layer_linear composite (a scan substitutes the stack [L, E, out, in] and its iteration)."""
+    for name in _MATRICES:
+        w = getattr(module, name, None)
+        if isinstance(w, torch.Tensor):     # [E, out, in] -> its int16 bits
+            setattr(module, name, torch.nn.Parameter(w.detach().to(dtype).view(torch.int16), requires_grad=False))
+    module.holds = HOLDS[dtype]
+    module.IN_PLACE = tuple(n for n in _MATRICES if isinstance(getattr(module, n, None), torch.Tensor))
+    module.register_buffer("layer", torch.zeros((), dtype=torch.int32), persistent=False)
+
+
+def _linear(w: torch.Tensor, layer: torch.Tensor, holds: int | None, x: torch.Tensor, e: int) -> torch.Tensor:
+    """x [T, in] @ expert e's matrix of `w` [E, out, in] (or a scanned stack [L, E, out, in] at
+    `layer`)^T -> [T, out] (f32)."""
+    if w.dtype != torch.int16:                                       # f32 experts: sliced
+        return torch.nn.functional.linear(x, w[e].to(x.dtype))
+    stack = w if w.dim() == 4 else w[None]                           # [L, E, out, in]
+    L, E, out, inp = stack.shape
+    row = layer.to(torch.int32) * E + e
+    return torch.ops.hloserve.layer_linear(x, stack.reshape(L * E, out, inp), row, holds)   # [L*E, out, in]
+
+
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts signature: hidden [T, H], top_k_index / top_k_weights [T, k] -> [T, H]."""
+    from torch._higher_order_ops.cond import cond_op
+
+    first = "gate_up_proj" if self.has_gate else "up_proj"
+    holds = getattr(self, "holds", None)
+    layer = getattr(self, "layer", None)
+    layer = torch.zeros((), dtype=torch.int32) if layer is None else layer
+    x = hidden_states.float()
+    out = torch.zeros_like(x)                                        # [T, H]
+    for e in range(self.num_experts):
+        chosen = top_k_index == e                                    # [T, k]
+        weight = (top_k_weights.float() * chosen).sum(-1)           # [T]
+        # every tensor the branches read is an operand (a closed-over traced tensor is refused)
+        out = cond_op(chosen.any(), _expert(self, e, holds), _skip, (x, weight, out, getattr(self, first),
+                                                                     self.down_proj, layer))
+    return out.to(hidden_states.dtype)
+
+
+def _expert(module, e: int, holds: int | None):
+    """The branch that adds expert e's output, weighted per token, to `out`."""
+    def run(x, weight, out, up, down, layer):
+        h = _linear(up, layer, holds, x, e)                          # [T, 2I] or [T, I]
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        return out + _linear(down, layer, holds, h, e) * weight[:, None]
+    return run
+
+
+def _skip(x, weight, out, up, down, layer):
+    return out.clone()
