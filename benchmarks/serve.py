@@ -224,6 +224,10 @@ SHAPES = {
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, tie_word_embeddings=True, rope_theta=5e5,
         max_position_embeddings=131072)),
+    "qwen3-moe-style": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(   # 32 experts, 4 per token: ~0.9B, ~0.2B active
+        hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512, num_experts=32, num_experts_per_tok=4,
+        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True,
+        rope_theta=1e6, max_position_embeddings=32768)),
 }
 
 

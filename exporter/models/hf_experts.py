@@ -101,9 +101,22 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
 
 def _expert(module, e: int, holds: int | None):
     """The branch that adds expert e's output, weighted per token, to `out`."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    # the activation's forward, not its module call: the branch is traced apart from the model's
+    # module tree (a scanned layer's template is not in it), where torch.export cannot name a module
+    act = module.act_fn.forward if isinstance(module.act_fn, torch.nn.Module) else module.act_fn
+    fused = getattr(type(module), "_apply_gate", _default_apply_gate) is _default_apply_gate
+
     def run(x, weight, out, up, down, layer):
         h = _linear(up, layer, holds, x, e)                          # [T, 2I] or [T, I]
-        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        if module.has_gate and fused:
+            gate, h = h.chunk(2, dim=-1)                             # [T, I] each: [gate; up]
+            h = act(gate) * h
+        elif module.has_gate:
+            h = module._apply_gate(h)
+        else:
+            h = act(h)
         return out + _linear(down, layer, holds, h, e) * weight[:, None]
     return run
 
