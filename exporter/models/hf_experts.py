@@ -2,8 +2,9 @@
 interface (`ExpertsInterface`, what `AttentionInterface` is to attention).
 
 transformers' own implementations sort the step's (token, expert) pairs by expert and multiply
-ragged groups (`grouped_mm`), whose sizes are data: no static shape to export. Here every expert
-is one branch of a conditional, taken when the step routes any token to it:
+ragged groups (`grouped_mm`), whose sizes are data: no static shape to export. Here a loop over
+the experts (a scan, so one expert is traced and compiled, not E) adds each expert's output in a
+conditional branch, taken when the step routes any token to it:
 
     y = sum_e  cond(any token routed to e,  w_e * down_e(act(gate_e(x)) * up_e(x)),  0)
 
@@ -68,11 +69,11 @@ def sixteen_bit_experts(module: torch.nn.Module, dtype: torch.dtype) -> None:
     module.register_buffer("layer", torch.zeros((), dtype=torch.int32), persistent=False)
 
 
-def _linear(w: torch.Tensor, layer: torch.Tensor, holds: int | None, x: torch.Tensor, e: int) -> torch.Tensor:
+def _linear(w: torch.Tensor, layer: torch.Tensor, holds: int | None, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     """x [T, in] @ expert e's matrix of `w` [E, out, in] (or a scanned stack [L, E, out, in] at
     `layer`)^T -> [T, out] (f32)."""
     if w.dtype != torch.int16:                                       # f32 experts: sliced
-        return torch.nn.functional.linear(x, w[e].to(x.dtype))
+        return torch.nn.functional.linear(x, torch.index_select(w, 0, e.reshape(1))[0].to(x.dtype))   # [out, in]
     stack = w if w.dim() == 4 else w[None]                           # [L, E, out, in]
     L, E, out, inp = stack.shape
     row = layer.to(torch.int32) * E + e
@@ -81,25 +82,36 @@ def _linear(w: torch.Tensor, layer: torch.Tensor, holds: int | None, x: torch.Te
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts signature: hidden [T, H], top_k_index / top_k_weights [T, k] -> [T, H]."""
+    """transformers' experts signature: hidden [T, H], top_k_index / top_k_weights [T, k] -> [T, H].
+    A loop over the experts (a scan: one expert traced and compiled, not E) whose body adds expert
+    e's output when the step routes a token to it."""
     from torch._higher_order_ops.cond import cond_op
+
+    from .._private import scan_lifted
 
     first = "gate_up_proj" if self.has_gate else "up_proj"
     holds = getattr(self, "holds", None)
     layer = getattr(self, "layer", None)
     layer = torch.zeros((), dtype=torch.int32) if layer is None else layer
-    x = hidden_states.float()
-    out = torch.zeros_like(x)                                        # [T, H]
-    for e in range(self.num_experts):
-        chosen = top_k_index == e                                    # [T, k]
-        weight = (top_k_weights.float() * chosen).sum(-1)           # [T]
+    run = _expert(self, holds)
+
+    def body(out, xs, lifted):
+        (e,) = xs                                                    # this expert: int32 []
+        x, index, weights, up, down, layer = lifted
+        chosen = index == e                                          # [T, k]
+        weight = (weights * chosen).sum(-1)                          # [T]
         # every tensor the branches read is an operand (a closed-over traced tensor is refused)
-        out = cond_op(chosen.any(), _expert(self, e, holds), _skip, (x, weight, out, getattr(self, first),
-                                                                     self.down_proj, layer))
+        out = cond_op(chosen.any(), run, _skip, (x, weight, out, up, down, layer, e))
+        return out, out.new_zeros(())
+
+    x = hidden_states.float()
+    experts = torch.arange(self.num_experts, dtype=torch.int32)
+    out, _ = scan_lifted(body, torch.zeros_like(x), (experts,),
+                         (x, top_k_index, top_k_weights.float(), getattr(self, first), self.down_proj, layer))
     return out.to(hidden_states.dtype)
 
 
-def _expert(module, e: int, holds: int | None):
+def _expert(module, holds: int | None):
     """The branch that adds expert e's output, weighted per token, to `out`."""
     from transformers.integrations.moe import _default_apply_gate
 
@@ -108,7 +120,7 @@ def _expert(module, e: int, holds: int | None):
     act = module.act_fn.forward if isinstance(module.act_fn, torch.nn.Module) else module.act_fn
     fused = getattr(type(module), "_apply_gate", _default_apply_gate) is _default_apply_gate
 
-    def run(x, weight, out, up, down, layer):
+    def run(x, weight, out, up, down, layer, e):
         h = _linear(up, layer, holds, x, e)                          # [T, 2I] or [T, I]
         if module.has_gate and fused:
             gate, h = h.chunk(2, dim=-1)                             # [T, I] each: [gate; up]
@@ -121,5 +133,5 @@ def _expert(module, e: int, holds: int | None):
     return run
 
 
-def _skip(x, weight, out, up, down, layer):
+def _skip(x, weight, out, up, down, layer, e):
     return out.clone()
