@@ -337,7 +337,7 @@ def _write_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
                 # they are written while the others are lowered (the write is I/O and hashing, which
                 # release the GIL; lowering is Python)
                 early = _BackgroundWeights(path, _weight_arrays(tensors, extra_weights), reporter)
-        if early is not None and early.names == [*tensors, *(extra_weights or {})]:
+        if early is not None and list(early.arrays) == [*tensors, *(extra_weights or {})]:
             arrays, digests = early.arrays, early.finish(reporter)
         else:
             if early is not None:      # a later entry point reads weights the first does not: all written again
@@ -408,7 +408,6 @@ class _BackgroundWeights:
 
     def __init__(self, path: str, arrays: dict[str, np.ndarray], reporter: Reporter):
         self.arrays = arrays
-        self.names = list(arrays)
         self.total = sum(a.nbytes for a in arrays.values())
         self.written = 0
         self._stop = threading.Event()

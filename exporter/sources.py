@@ -147,9 +147,10 @@ def _load_path(path: str, tdtype, quant=None, llm: dict | None = None) -> Source
 
 def _gguf(path: str, tdtype, quant, llm: dict) -> Source:
     """A GGUF through the generic step: its config and tokenizer as a Hugging Face directory (a private
-    temp dir, removed once loaded; the source holds its tokenizer files' bytes), its weights dequantized in memory, exported
-    like a directory; with `--quantize gguf` it offers the file's own blocks (Source.quantized_weights)
+    temp dir, removed once loaded; the source holds its tokenizer files' bytes), its weights
+    dequantized in memory, exported like a directory; with `--quantize gguf` it offers the file's own blocks (Source.quantized_weights)
     to quantize_source's module swap."""
+    import pathlib
     import shutil
     import tempfile
 
@@ -159,7 +160,7 @@ def _gguf(path: str, tdtype, quant, llm: dict) -> Source:
     out = tempfile.mkdtemp(prefix="hloserve-gguf-hf-")
     try:
         src = hf_causal.from_hf_directory(write_hf_directory(ckpt, out), tdtype, state_dict=ckpt.materialize(), **llm)
-        src.files = {name: _read_bytes(p) for name, p in src.files.items()}   # the directory goes now
+        src.files = {name: pathlib.Path(p).read_bytes() for name, p in src.files.items()}   # the directory goes now
     finally:
         shutil.rmtree(out, ignore_errors=True)
     if ckpt.config.get("rope_freq_factors"):   # llama.cpp's form of Llama 3 RoPE scaling
@@ -172,11 +173,6 @@ def _gguf(path: str, tdtype, quant, llm: dict) -> Source:
         return src
     src.description = f"GGUF {os.path.basename(path)} dequantized, {src.description}"
     return src
-
-
-def _read_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def _load_pt2(path: str, tdtype) -> Source:

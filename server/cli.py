@@ -48,11 +48,16 @@ def build_parser(chosen: str | None) -> argparse.ArgumentParser:
     return p
 
 
+def command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand word of `argv` (its first argument that is not an option)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv                      # accepted before or after the subcommand
     argv = [a for a in argv if a != "--debug"]
-    chosen = next((a for a in argv if not a.startswith("-")), None)
+    chosen = command_of(argv)
     args = build_parser(chosen if chosen in COMMANDS else None).parse_args(argv)
     args.debug = debug
     try:
@@ -75,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run() -> None:
     """The console script: main() on sys.argv, then exit (directly for ENDS_DIRECTLY commands)."""
     code = main()
-    if next((a for a in sys.argv[1:] if not a.startswith("-")), None) in ENDS_DIRECTLY:
+    if command_of(sys.argv[1:]) in ENDS_DIRECTLY:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -131,10 +131,7 @@ def route_experts(model: torch.nn.Module) -> None:
     if hf_experts.use_ours(model):
         for path, m in model.named_modules():
             if hf_experts.is_experts(m):
-                try:
-                    hf_experts.check_experts(m, f"{name} {path}")
-                except ValueError as e:
-                    raise SourceError(str(e)) from None
+                hf_experts.check_experts(m, f"{name} {path}")
         return
     c = _text_config(model.config)
     experts = getattr(c, "is_moe", True) and next(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.layer_linear
+from ..errors import SourceError
 from .step import HOLDS
 
 EXPERTS_NAME = "hloserve_experts"
@@ -51,9 +52,9 @@ def expert_matrices(module: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def check_experts(module: torch.nn.Module, where: str) -> None:
-    """The experts layouts this implementation computes (raise ValueError naming what is not)."""
+    """The experts layouts this implementation computes (SourceError naming what is not)."""
     if module.is_transposed or not module.is_concatenated or module.has_bias or module.has_post_expert_norm:
-        raise ValueError(f"{where}: {type(module).__name__}'s experts are transposed, interleaved, biased or "
+        raise SourceError(f"{where}: {type(module).__name__}'s experts are transposed, interleaved, biased or "
                          f"post-normed, which hloserve's experts implementation does not compute yet")
 
 
