@@ -4,7 +4,7 @@ from __future__ import annotations
 from hloserve.quantization.convert import QuantRecord, quantize_module
 from hloserve.quantization.schemes import QuantConfig, QuantizationError
 
-from .models.hf_causal import HFStep, quantize_layers, tensor_parallel_dims
+from .llm.hf_causal import HFStep, quantize_layers, tensor_parallel_dims
 
 
 def quantize_source(source, config: QuantConfig):

@@ -154,8 +154,8 @@ def _gguf(path: str, tdtype, quant, llm: dict) -> Source:
     import shutil
     import tempfile
 
-    from .models import hf_causal
-    from .models.gguf import load_gguf, write_hf_directory
+    from .llm import hf_causal
+    from .gguf.checkpoint import load_gguf, write_hf_directory
     ckpt = load_gguf(path)
     out = tempfile.mkdtemp(prefix="hloserve-gguf-hf-")
     try:
@@ -167,7 +167,7 @@ def _gguf(path: str, tdtype, quant, llm: dict) -> Source:
         for model in {id(e.module.model): e.module.model for e in src.entries}.values():
             hf_causal.divide_rope_frequencies(model, ckpt.config["rope_freq_factors"], path)
     if quant is not None and quant.native:   # --quantize gguf: quantize_source swaps in the file's own blocks
-        from .models.gguf_quant import stored_by_module
+        from .gguf.quant import stored_by_module
         src.quantized_weights = lambda model: stored_by_module(model, ckpt, quant)
         src.description = f"GGUF {os.path.basename(path)} ({quant.spec}: its own blocks), {src.description}"
         return src
@@ -366,7 +366,7 @@ def hf_directory(path: str, tdtype, llm: dict | None = None) -> Source:
     causal = _is_causal_lm(cls, config) and step != "none"
     why_not = None
     if causal or step == "generic":
-        from .models import hf_causal      # any causal LM through transformers' attention interface
+        from .llm import hf_causal      # any causal LM through transformers' attention interface
         try:
             hf_causal.check_supported(cls, config)
         except SourceError as e:

@@ -6,7 +6,7 @@
 Every stored tensor is registered in a `QuantRecord` by its storage identity, so the exporter
 can write each weight's scheme into the manifest (WeightSpec.quant) whatever name torch.export
 gives it. This package knows no model: model-specific quantization (the stacked Llama weights,
-GGUF blocks) lives next to the model in hloserve.exporter.models and uses these pieces.
+GGUF blocks) lives next to the model in hloserve.exporter.llm and uses these pieces.
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def quantize_module(module: torch.nn.Module, config: QuantConfig, record: QuantR
     """Swap every nn.Linear / nn.Embedding of `module` (not matched by config.skip) in place.
 
     `given` maps module names to weights already stored (row by row) in a scheme, e.g. a GGUF file's
-    own blocks (exporter/models/gguf_quant.py): those are used as they are, not requantized.
+    own blocks (exporter/gguf/quant.py): those are used as they are, not requantized.
 
     Module names are the dotted paths of named_modules() ("encoder.layer.0.attention.self.query").
     A weight whose input dim does not fit the scheme's group raises (skip it or pick a group).

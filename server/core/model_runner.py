@@ -43,7 +43,7 @@ from .sampling import sample, token_logprobs
 log = logging.getLogger("hloserve.server.runner")
 
 if TYPE_CHECKING:
-    from hloserve.runtime.kernels import KernelSupport
+    from hloserve.runtime.kernels import KernelBackend
     from hloserve.runtime.model import LoadedModel
 
 
@@ -180,7 +180,7 @@ class StepPolicy:
     one_call: bool          # a mixed step is one call of decode_fn
 
     @classmethod
-    def choose(cls, llm: LLMSpec, functions: Sequence[str], kernels: "KernelSupport", path: str) -> "StepPolicy":
+    def choose(cls, llm: LLMSpec, functions: Sequence[str], kernels: "KernelBackend", path: str) -> "StepPolicy":
         layouts = {f: llm.layout(f) for f in functions}
         per_token = [f for f, lay in layouts.items() if lay is not None and lay.per_token]
         flat = [f for f, lay in layouts.items() if lay is Layout.FLAT]

@@ -63,7 +63,7 @@ def test_default_model_answers_the_capital_of_france(default_server):
 
     from hloserve.exporter import presets
     from hloserve.runtime import artifact
-    from hloserve.exporter.models.gguf import load_gguf
+    from hloserve.exporter.gguf.checkpoint import load_gguf
     from hloserve.server.serve import default_artifact
     from hloserve.server.text.tokenizer import Tokenizer
 

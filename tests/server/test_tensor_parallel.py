@@ -81,8 +81,8 @@ def test_the_generic_step_splits_by_heads(tmp_path_factory, family, weights):
     import transformers
 
     from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.models import hf_causal
-    from hloserve.exporter.models.step import StepExportOptions
+    from hloserve.exporter.llm import hf_causal
+    from hloserve.exporter.llm.step import StepExportOptions
 
     root = str(tmp_path_factory.mktemp(f"generic-tp-{family}"))
     torch.manual_seed(0)

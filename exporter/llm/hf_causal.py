@@ -38,13 +38,13 @@ import torch
 
 from hloserve.runtime.artifact.llm import LLMSpec, ModelFacts, TensorParallelSpec
 
-from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.* (the composites)
-from ..custom_ops import within_window
+from ..composites import layer_linear, paged_attention  # noqa: F401 - registers torch.ops.hloserve.*
+from ..composites.paged_attention import within_window
 from .. import dtypes
 from ..entry import Source
 from ..errors import SourceError
 from . import hf_layers
-from .step import _MASKED, HOLDS, OWN, StepExportOptions, contract_entries, contract_spec, write_kv
+from .step import _MASKED, StepExportOptions, contract_entries, contract_spec, holds_of, write_kv
 
 log = logging.getLogger("hloserve.export")
 
@@ -102,7 +102,7 @@ def check_supported(cls, config) -> None:
     if not getattr(cls, "_supports_attention_backend", False):
         raise SourceError(f"{name} does not route its attention through transformers' attention interface "
                           f"(_supports_attention_backend is False), so its attention cannot be replaced by a "
-                          f"paged one; it needs a hand-written step in exporter/models/")
+                          f"paged one; it needs a hand-written step in exporter/llm/")
     c = _text_config(config)
     kinds = set(getattr(c, "layer_types", None) or ())
     other = sorted(kinds - set(_ATTENTION_LAYERS))
@@ -200,7 +200,7 @@ class _Step:
                               x["slot_mapping"].to(torch.int64), self.kv_dtype)
 
         qg = q.reshape(T, KV, H // KV, D)                                 # [T, KV, G, D]
-        holds = HOLDS.get(self.kv_dtype or self.cache.dtype, OWN)
+        holds = holds_of(self.kv_dtype or self.cache.dtype)
         if self.layout == "gather":
             # version 2 of the composite where the window is the layer's data, version 1 otherwise
             windowed = isinstance(window, torch.Tensor)

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.* (the composites)
-from .step import HOLDS
+from ..composites import layer_linear, paged_attention  # noqa: F401 - registers torch.ops.hloserve.*
+from .step import holds_of
 
 
 class LayerLinear(torch.nn.Module):
@@ -47,7 +47,7 @@ class LayerLinear(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
-        self.holds = HOLDS[dtype]
+        self.holds = holds_of(dtype)
         self.in_features, self.out_features = weight.shape[-1], weight.shape[-2]
         self.weight = torch.nn.Parameter(weight, requires_grad=False)      # [out, in] int16 bits
         self.bias = bias
@@ -81,7 +81,7 @@ class TableHead(torch.nn.Module):
     def forward(self, h):
         zero = torch.zeros((), dtype=torch.int32, device=h.device)
         table = self.embedding.weight
-        return torch.ops.hloserve.layer_linear(h.float(), table[None], zero, HOLDS[table.dtype])   # [.., V]
+        return torch.ops.hloserve.layer_linear(h.float(), table[None], zero, holds_of(table.dtype))   # [.., V]
 
 
 def sixteen_bit(model: torch.nn.Module, dtype: torch.dtype, act: torch.dtype | None = None) -> int:

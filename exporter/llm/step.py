@@ -44,17 +44,19 @@ from hloserve.runtime.artifact.llm import (DONATED, MAX_BLOCKS, NUM_BLOCKS, NUM_
                                            TensorParallelSpec)
 
 from .. import dtypes
-from ..custom_ops import within_window
+from ..composites.paged_attention import within_window
 
 # Finite "minus infinity" for masked attention scores (f32): fully masked rows
 # (padding) softmax to uniform instead of NaN.
 _MASKED = -1e30
 
-# what a 16-bit cache or weight stack holds, as the hloserve.paged_attention and
-# hloserve.layer_linear composites' `holds` says it
-# (plain ints: what torch.ops and the traced graph carry)
-HOLDS = {torch.bfloat16: int(Holds.BF16), torch.float16: int(Holds.F16)}
-OWN = int(Holds.OWN)   # an f32 cache: its own dtype
+
+
+def holds_of(dtype: torch.dtype) -> int:
+    """What a cache or weight stack of `dtype` holds, as the hloserve.paged_attention and
+    hloserve.layer_linear composites' `holds` says it (Holds.OWN for an f32 cache); a plain int:
+    what torch.ops and the traced graph carry."""
+    return int(Holds.of_dtype(str(dtype)))
 
 ATTENTION = tuple(layout.value for layout in Layout)   # the contract's layouts (runtime/artifact/llm.py)
 # What each layout costs per layer (T tokens, S sequences, C = max_blocks * block_size), and

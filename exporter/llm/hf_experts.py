@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.layer_linear
+from ..composites import layer_linear  # noqa: F401 - registers torch.ops.hloserve.layer_linear
 from ..errors import SourceError
-from .step import HOLDS
+from .step import holds_of
 
 EXPERTS_NAME = "hloserve_experts"
 
@@ -65,7 +65,7 @@ def sixteen_bit_experts(module: torch.nn.Module, dtype: torch.dtype) -> None:
         w = getattr(module, name, None)
         if isinstance(w, torch.Tensor):     # [E, out, in] -> its int16 bits
             setattr(module, name, torch.nn.Parameter(w.detach().to(dtype).view(torch.int16), requires_grad=False))
-    module.holds = HOLDS[dtype]
+    module.holds = holds_of(dtype)
     module.IN_PLACE = tuple(n for n in _MATRICES if isinstance(getattr(module, n, None), torch.Tensor))
     module.register_buffer("layer", torch.zeros((), dtype=torch.int32), persistent=False)
 
