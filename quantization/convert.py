@@ -10,7 +10,8 @@ GGUF blocks) lives next to the model in hloserve.exporter.llm and uses these pie
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -90,6 +91,20 @@ def quantize_tensor(w: torch.Tensor, scheme: WeightScheme, where: str, *, linear
     if linear:
         scheme = scheme.for_linear(tuple(w.shape))
     return to_torch(qa, scheme.rows), scheme
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantRequest:
+    """`--quantize` as a loader applies it: the config, the record the exporter reads the manifest's
+    WeightSpec.quant from, and the weights the checkpoint already holds quantized (`stored(module)`:
+    {module name: (stored tensors, scheme)}, a GGUF's own blocks), used as they are."""
+    config: QuantConfig
+    record: QuantRecord = dataclasses.field(default_factory=lambda: QuantRecord())
+    stored: Callable[[torch.nn.Module], Mapping[str, tuple[dict[str, torch.Tensor], WeightScheme]]] | None = None
+
+    def apply(self, module: torch.nn.Module) -> None:
+        """The module swap on `module` (its real, unscanned layers)."""
+        quantize_module(module, self.config, self.record, self.stored(module) if self.stored is not None else None)
 
 
 # -- generic modules --------------------------------------------------------------

@@ -147,13 +147,8 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
         kernel_support = kernels.support(pallas_interpret or client.platform, mesh=jmesh is not None,
                                          report=_stderr, interpret=bool(pallas_interpret))
     specialized = {n: kernel_support.specialize(exported[n]) for n in names}
-    used = list(dict.fromkeys(w for n in names for w in manifest.functions[n].weights))
-    for w in used:
-        if w not in reader:
-            raise ArtifactError(f"artifact {path}: weight {w!r} is missing from {artifact.WEIGHTS}; re-export it")
-    shardings = sharding_mod.weight_shardings({w: reader[w].shape for w in used}, partition_rules, jmesh, device)
-    # memory-mapped views go to the device once; with a mesh each device receives only its shard
-    on_device = {w: sharding_mod.place(reader[w], shardings[w]) for w in used}
+    on_device, shardings = _place_weights(path, reader, [manifest.functions[n] for n in names], partition_rules,
+                                          jmesh, device)
     in_sharding = sharding_mod.input_sharding(jmesh, device)
 
     # (a multi-host run compiles on every process: executables are not shared through the cache)
@@ -175,6 +170,18 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
                           compiler_options=client.compiler_options, input_shardings=split_inputs,
                           kernels=specialized[n].kernels, per_shape=specialized[n].per_shape)
     return LoadedModel(path, manifest, client, jmesh, on_device, fns)
+
+
+def _place_weights(path: str, reader: weights_io.Reader, specs: Sequence[artifact.FunctionSpec],
+                   partition_rules: sharding_mod.Rules | None, jmesh: Any, device: Any) -> tuple[dict, dict]:
+    """(weight name -> device array, weight name -> sharding) for the weights `specs` read: the
+    memory-mapped views go to the device once; with a mesh each device receives only its shard."""
+    used = list(dict.fromkeys(w for spec in specs for w in spec.weights))
+    for w in used:
+        if w not in reader:
+            raise ArtifactError(f"artifact {path}: weight {w!r} is missing from {artifact.WEIGHTS}; re-export it")
+    shardings = sharding_mod.weight_shardings({w: reader[w].shape for w in used}, partition_rules, jmesh, device)
+    return {w: sharding_mod.place(reader[w], shardings[w]) for w in used}, shardings
 
 
 def kernel_support(platform: str | None = None, *, mesh: bool = False) -> kernels.KernelBackend:

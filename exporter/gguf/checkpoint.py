@@ -54,9 +54,10 @@ from ..errors import SourceError
 from .tensor import GGUFTensor
 from .tokenizer import GGUFVocab, gguf_tokenizer_json
 
+from hloserve.runtime.progress import Reporter
+
 if TYPE_CHECKING:
     import torch
-    from hloserve.runtime.progress import Reporter
 
 # llama.cpp architecture -> (HF model_type, HF architecture class, q/k rows permuted for NORM RoPE)
 ARCHITECTURES: Mapping[str, tuple[str, str, bool]] = {
@@ -146,14 +147,12 @@ class GGUFCheckpoint:
 
     def state_dict(self, reporter: "Reporter | None" = None) -> LazyStateDict:
         """Lazily dequantized weights; progress lines go to `reporter` (default: stderr; progress.QUIET: none)."""
-        from hloserve.runtime.progress import Reporter
         return LazyStateDict(self.tensors, Reporter() if reporter is None else reporter)
 
     def materialize(self, reporter: "Reporter | None" = None, dtype: "torch.dtype | None" = None
                     ) -> dict[str, "torch.Tensor"]:
         """All weights dequantized (float32, or cast to `dtype`), with a progress bar."""
         import torch
-        from hloserve.runtime.progress import Reporter
         reporter = Reporter() if reporter is None else reporter
         counts = collections.Counter(t.ggml_type for t in self.tensors.values())
         kinds = ", ".join(f"{n} {k}" for k, n in counts.most_common())

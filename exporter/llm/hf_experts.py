@@ -22,6 +22,7 @@ import torch
 from ..composites import layer_linear  # noqa: F401 - registers torch.ops.hloserve.layer_linear
 from ..errors import SourceError
 from .step import holds_of
+from .._private import scan_lifted
 
 EXPERTS_NAME = "hloserve_experts"
 
@@ -88,7 +89,6 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     e's output when the step routes a token to it."""
     from torch._higher_order_ops.cond import cond_op
 
-    from .._private import scan_lifted
 
     first = "gate_up_proj" if self.has_gate else "up_proj"
     holds = getattr(self, "holds", None)

@@ -34,6 +34,9 @@ import torch
 
 from ..composites import layer_linear, paged_attention  # noqa: F401 - registers torch.ops.hloserve.*
 from .step import holds_of
+from .hf_experts import is_experts, sixteen_bit_experts
+from .hf_experts import expert_matrices
+from .._private import scan_lifted
 
 
 class LayerLinear(torch.nn.Module):
@@ -97,7 +100,6 @@ def sixteen_bit(model: torch.nn.Module, dtype: torch.dtype, act: torch.dtype | N
     emb.register_forward_hook(lambda module, args, out: out.to(act))
     if tied:
         _replace(model, head, TableHead(emb))
-    from .hf_experts import is_experts, sixteen_bit_experts
     swapped = 0
     for m in list(model.modules()):
         if is_experts(m):
@@ -127,7 +129,6 @@ def widen_all_but_matrices(model: torch.nn.Module, dtype: torch.dtype) -> None:
     shared), except the tensors sixteen_bit stores in 16 bits (the linear matrices and the input
     embedding table): a model loaded in its 16-bit checkpoint dtype then holds what loading it in
     `dtype` and sixteen_bit give (widening is exact)."""
-    from .hf_experts import expert_matrices
     keep = {id(m.weight) for m in model.modules() if _is_matrix_module(m)}
     keep |= {id(t) for m in model.modules() for t in expert_matrices(m)}
     keep.add(id(model.get_input_embeddings().weight))
@@ -319,7 +320,6 @@ class ScannedLayers(torch.nn.Module):
         return self._run(calls)
 
     def _run(self, calls: list[_Call]):
-        from .._private import scan_lifted
         p, n = self.period, self.iterations
         outer = calls[0].kwargs[self.step_kwarg]
         positions, lifted = [], {"step": outer.tensors()}

@@ -69,7 +69,7 @@ def test_a_model_that_branches_on_its_window_is_scanned_by_period(tmp_path):
     assert len({hf_layers._static_signature(m, WINDOW.names) for m in hf.model.layers}) == 1
     hf.save_pretrained(str(tmp_path / "hf"))
     src = from_hf_directory(str(tmp_path / "hf"))
-    assert src.model["llm"]["layers"] == "scan (a period of 2 layers)"
+    assert src.model["llm"].model.layers == "scan (a period of 2 layers)"
 
 
 def test_bf16_checkpoint_exports_as_the_serving_step(tmp_path):
