@@ -670,6 +670,21 @@ def write_docs(section: str) -> None:
         f.write(text)
 
 
+def step_breakdown(metrics: str) -> str:
+    """One line from a server's /metrics: per engine step, the mean host and device seconds
+    (hloserve:step_host_seconds, hloserve:step_device_seconds) and the device's share of the steps."""
+    from prometheus_client.parser import text_string_to_metric_families
+    got = {}
+    for fam in text_string_to_metric_families(metrics):
+        if fam.name in ("hloserve:step_host_seconds", "hloserve:step_device_seconds"):
+            got[fam.name.split("_")[1]] = {x.name.rsplit("_", 1)[-1]: x.value for x in fam.samples}
+    if len(got) < 2 or not got["device"].get("count"):
+        return "no step breakdown in /metrics"
+    host, dev = (got[k]["sum"] / got[k]["count"] for k in ("host", "device"))
+    return (f"per step ({int(got['device']['count'])} steps): host {1e3 * host:.2f} ms, device {1e3 * dev:.2f} ms "
+            f"(device busy {100 * dev / (host + dev):.0f}% of the steps)")
+
+
 def baseline_path(root: str, work: str) -> str:
     """A PYTHONPATH entry under which `hloserve` is the checkout at `root` (its package-dir folders
     linked as hloserve/<package>), for serving a second revision beside the installed one."""
@@ -807,6 +822,7 @@ def main() -> int:
             metrics = httpx.get(base + "/metrics").text
             rec = [ln for ln in metrics.splitlines() if ln.startswith("hloserve:compiles_after_warmup_total")]
             print(f"  {rec[0] if rec else 'no recompile metric'}", flush=True)
+            print(f"  {step_breakdown(metrics)}", flush=True)
 
     for spec in [q for q in args.quantize.split(",") if q] if "hloserve" not in skip else []:
         source = PRESET if args.model == "smollm2" else hf_dir
