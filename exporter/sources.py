@@ -18,6 +18,7 @@ import sys
 from typing import Any, Sequence
 
 import torch
+from hloserve.runtime.artifact.generation import GENERATION_CONFIG
 
 from . import presets
 from .entry import Source  # noqa: F401  (re-exported: sources return it)
@@ -29,6 +30,7 @@ from hloserve.quantization.convert import QuantRequest
 from hloserve.quantization.schemes import QuantConfig
 from .quantize import quantize_source
 from .llm import hf_causal
+from .llm.hf_files import with_recommended
 from .gguf.checkpoint import load_gguf, write_hf_directory
 from .gguf.quant import stored_by_module
 from .capture import decompose
@@ -114,6 +116,8 @@ def _load_source(spec: str, dtype: str, quant, llm: dict) -> Source:
         path = presets.resolve(spec)
         src = _load_path(path, tdtype, quant, llm)
         src.model["preset"] = spec
+        if presets.PRESETS[spec].generation:   # its model card's sampling, for the server's defaults
+            src.files = {**src.files, GENERATION_CONFIG: with_recommended(src.files, presets.PRESETS[spec].generation)}
         return src
     if os.path.exists(spec):
         return _load_path(spec, tdtype, quant, llm)

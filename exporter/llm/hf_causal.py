@@ -46,7 +46,7 @@ from ..entry import Source
 from ..errors import SourceError
 from . import hf_experts, hf_layers
 from .attention import ATTN_NAME, STEP_KWARG, StepState, register_attention
-from .hf_files import TOKENIZER_FILES, chat_template, generation_defaults
+from .hf_files import TOKENIZER_FILES, chat_template
 from .step import StepExportOptions, contract_entries, contract_spec
 
 log = logging.getLogger("hloserve.export")
@@ -389,9 +389,6 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
         meta["add_bos_token"] = add_bos
     if weight_dtype is not None and weight_dtype != tdtype:
         meta["weight_dtype"] = dtypes.artifact_name_of_torch(weight_dtype)
-    gen = generation_defaults(path)
-    if gen:
-        meta["generation_defaults"] = gen
     if quantize is not None:
         meta["quantization"] = quantize.config.to_json()
     return Source(f"Hugging Face {cls.__name__} from {path} (paged-cache step through transformers' attention "

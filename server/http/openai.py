@@ -35,8 +35,11 @@ def _svc(request: Request) -> LLMService:
 
 
 def model_card(svc: LLMService, name: str) -> dict:
+    """OpenAI's Model object, with vLLM's `root` and `max_model_len` and the sampling defaults a
+    request gets for the fields it leaves out (`generation_defaults`; {}: neutral)."""
     return {"id": name, "object": "model", "created": svc.created, "owned_by": "hloserve",
-            "root": svc.model_names[0], "max_model_len": svc.max_model_len}
+            "root": svc.model_names[0], "max_model_len": svc.max_model_len,
+            "generation_defaults": svc.generation_defaults}
 
 
 @router.get("/v1/models")
