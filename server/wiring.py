@@ -24,7 +24,7 @@ from .core.block_manager import BlockManager
 from .core.engine import Engine
 from .core.model_runner import ModelRunner, RunnerConfig
 from .core.scheduler import Scheduler
-from .text.structured import Grammars
+from .text.grammar import Grammars
 from .text.tokenizer import Tokenizer
 
 log = logging.getLogger("hloserve.server")

@@ -33,6 +33,9 @@ RULES = [
     ("hloserve.server.core.block_manager", (), HEAVY | WEB | {"jax"}),
     ("hloserve.server.core", ("hloserve.server.core", "hloserve.server.text", "hloserve.runtime"), HEAVY | WEB),
     ("hloserve.server.text", ("hloserve.server.text", "hloserve.runtime.artifact"), HEAVY | WEB | {"jax"}),
+    # TF Serving's predict semantics: shared by http/ and grpc/, so it may use neither the web stack nor a route
+    ("hloserve.server.predict", ("hloserve.server.http.errors", "hloserve.server.services", "hloserve.runtime"),
+     HEAVY | WEB | {"grpc"}),
     ("hloserve.server.http", ("hloserve.server", "hloserve.runtime"), HEAVY),
     ("hloserve.server.grpc", ("hloserve.server", "hloserve.runtime"), HEAVY | WEB),
     ("hloserve.server.serve", ("hloserve.server", "hloserve.runtime"), HEAVY),

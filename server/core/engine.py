@@ -28,15 +28,15 @@ import traceback
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
 from .detokenizer import Detokenizer, TextState
-from .grammar import StructuredOutputs
 from .metrics import STEP_BUCKETS, Histogram, MetricsSnapshot
 from .outputs import FinishReason, RequestOutput, RunnerOutput, SchedulerPlan
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .stream import RequestStream
+from .structured_output import StructuredOutputManager
 
 if TYPE_CHECKING:
-    from ..text.structured import Grammars, Matcher
+    from ..text.grammar import Grammars, Matcher
     from ..text.tokenizer import Decoder
 
 log = logging.getLogger("hloserve.server.engine")
@@ -130,7 +130,7 @@ class Engine:
                  clock: Callable[[], float] = time.monotonic):
         self.scheduler = scheduler
         self.runner = runner
-        self.structured = StructuredOutputs(grammars)
+        self.structured = StructuredOutputManager(grammars)
         self.detokenizer = Detokenizer(decoder)
         self.vocab_size = vocab_size
         self._clock = clock

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..text.structured import StructuredOutput
+from ..text.grammar import GrammarSpec
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 _NUCLEUS_PROBE = 64  # top-p first tries the 64 most likely tokens before a full sort
@@ -52,7 +52,7 @@ class SamplingParams:
         output (> 1 discourages repeats; 1: off).
       logit_bias: (token id, bias in [-100, 100]) pairs added to the logits.
       min_tokens: EOS and stop token ids cannot be sampled before this many output tokens.
-      structured: the grammar the output must match (server/text/structured.py), or None.
+      structured: the grammar the output must match (server/text/grammar.py), or None.
       include_stop_str_in_output: the text keeps the stop string that ended it (vLLM's).
       skip_special_tokens: special tokens' text is left out of the output (vLLM's; default True).
     """
@@ -73,7 +73,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
-    structured: StructuredOutput | None = None
+    structured: GrammarSpec | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 

@@ -33,7 +33,7 @@ newly full blocks for the prefix cache, checks the token-level stop rules
 finished requests' blocks and emits one `RequestOutput` (token ids, no text)
 per request that produced a token. Text and stop strings are the
 detokenizer's (core/detokenizer.py), as in vLLM, and grammars the engine's structured-output
-component's (core/grammar.py).
+component's (core/structured_output.py).
 """
 from __future__ import annotations
 
@@ -346,7 +346,7 @@ class Scheduler:
 
     def _after_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
         """Token-level stop rules (vLLM's check_stop): EOS / stop token ids, max_tokens, the context.
-        Stop strings (core/detokenizer.py) and grammars (core/grammar.py) are the engine's."""
+        Stop strings (core/detokenizer.py) and grammars (core/structured_output.py) are the engine's."""
         params = req.params
         reason = None
         if token in req.eos_token_ids and req.num_output_tokens >= params.min_tokens:

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from ..http.tf_serving_protocol import TF_TYPE_OF_NUMPY, TF_TYPES, PredictRequestError
+from ..predict import TF_TYPE_OF_NUMPY, TF_TYPES, PredictRequestError
 from .messages import messages
 
 # the numpy type each typed field holds on the wire (half_val: 16-bit patterns in int32s)

@@ -6,7 +6,7 @@
                                                            signatures (tensors in, tensors out), not tf.Example ones
     tensorflow.serving.ModelService/GetModelStatus
 
-Requests go through the REST API's code (http/tf_serving_protocol.py): the servable check, the signature,
+Requests go through the predict semantics the REST API shares (server/predict.py): the servable check, the signature,
 the inputs by name, rank and dtype, admission and the predict batcher (an HTTP and a gRPC request may share
 a batch), and the same status and metadata. Errors answer with gRPC status codes and TF Serving's messages
 where it has one: NOT_FOUND for another servable, INVALID_ARGUMENT for a bad request, FAILED_PRECONDITION
@@ -25,8 +25,8 @@ from google.protobuf import json_format
 from hloserve.runtime.artifact.errors import HloserveError
 
 from ..http.errors import ApiError
-from ..http.tf_serving_protocol import (SERVING_DEFAULT, PredictRequestError, check_servable, columnar_to_arrays,
-                                        model_metadata, model_status, resolve_signature, run_predict)
+from ..predict import (SERVING_DEFAULT, PredictRequestError, check_servable, columnar_to_arrays, model_metadata,
+                       model_status, resolve_signature, run_predict)
 from .messages import messages
 from .tensors import from_array, to_array
 

@@ -20,7 +20,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..text.structured import StructuredOutput
+from ..text.grammar import GrammarSpec
 from .tools import check_tools, constraint
 
 
@@ -117,21 +117,21 @@ class SamplingRequest(OpenModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def forced_by_tools(self) -> StructuredOutput | None:
+    def forced_by_tools(self) -> GrammarSpec | None:
         """The grammar a forced tool choice puts on the output (chat overrides this)."""
         return None
 
-    def structured(self) -> StructuredOutput | None:
+    def structured(self) -> GrammarSpec | None:
         """The grammar the output must match, from whichever field gave one (ValueError for two)."""
-        found: list[tuple[str, StructuredOutput]] = []
+        found: list[tuple[str, GrammarSpec]] = []
         forced = self.forced_by_tools()
         if forced is not None:
             found.append(("tool_choice", forced))
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
-            found.append(("response_format", StructuredOutput("json")))
+            found.append(("response_format", GrammarSpec("json")))
         elif rf is not None and rf.type == "json_schema":
-            found.append(("response_format", StructuredOutput("json_schema", json.dumps(rf.json_schema.schema_))))
+            found.append(("response_format", GrammarSpec("json_schema", json.dumps(rf.json_schema.schema_))))
         so = self.structured_outputs
         forms = [("guided_json", self.guided_json, "json_schema"), ("guided_regex", self.guided_regex, "regex"),
                  ("guided_choice", self.guided_choice, "choice"), ("guided_grammar", self.guided_grammar, "grammar")]
@@ -140,13 +140,13 @@ class SamplingRequest(OpenModel):
                       ("structured_outputs.choice", so.choice, "choice"),
                       ("structured_outputs.grammar", so.grammar, "grammar")]
             if so.json_object:
-                found.append(("structured_outputs.json_object", StructuredOutput("json")))
+                found.append(("structured_outputs.json_object", GrammarSpec("json")))
         for name, value, kind in forms:
             if value is None:
                 continue
             if kind == "json_schema" or kind == "choice":
                 value = value if isinstance(value, str) else json.dumps(value)
-            found.append((name, StructuredOutput(kind, value)))
+            found.append((name, GrammarSpec(kind, value)))
         if len(found) > 1:
             raise ValueError(f"{' and '.join(n for n, _ in found)} both constrain the output; send one")
         return found[0][1] if found else None
@@ -307,7 +307,7 @@ class ChatCompletionRequest(SamplingRequest):
         """Whether the answer may carry tool calls (tools given, tool_choice not 'none')."""
         return bool(self.tools) and self.tool_choice != "none"
 
-    def forced_by_tools(self) -> StructuredOutput | None:
+    def forced_by_tools(self) -> GrammarSpec | None:
         return constraint(self.tools, self.tool_choice, self.parallel_tool_calls) if self.uses_tools() else None
 
     @model_validator(mode="after")

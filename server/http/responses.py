@@ -3,7 +3,7 @@
 A response is a chat underneath, through the same path as /v1/chat/completions: `instructions` and
 `input` become the conversation the model's chat template renders (so the same greedy request gives
 the same tokens on both routes), `text.format` and a forced `tool_choice` become the grammar on the
-output (server/text/structured.py), function tools are rendered by the template and calls parsed
+output (server/text/grammar.py), function tools are rendered by the template and calls parsed
 from the finished text (http/tools.py). One prompt, one sample: the engine's single stream is read
 through the fan-in (http/fanin.py) like any other.
 

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from ..text.structured import StructuredOutput
+from ..text.grammar import GrammarSpec
 from .protocol import ChatMessage, OpenModel, ToolCall, ToolCallFunction, neutral_only
 from .tools import constraint
 
@@ -228,7 +228,7 @@ class ResponsesRequest(OpenModel):
             return {"type": "function", "function": {"name": self.tool_choice.name}}
         return self.tool_choice
 
-    def structured(self) -> StructuredOutput | None:
+    def structured(self) -> GrammarSpec | None:
         """The grammar on the output: a forced tool choice's, or text.format's (ValueError for both)."""
         found = []
         if self.uses_tools():
@@ -237,9 +237,9 @@ class ResponsesRequest(OpenModel):
                 found.append(("tool_choice", forced))
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type == "json_object":
-            found.append(("text.format", StructuredOutput("json")))
+            found.append(("text.format", GrammarSpec("json")))
         elif fmt is not None and fmt.type == "json_schema":
-            found.append(("text.format", StructuredOutput("json_schema", json.dumps(fmt.schema_))))
+            found.append(("text.format", GrammarSpec("json_schema", json.dumps(fmt.schema_))))
         if len(found) > 1:
             raise ValueError("tool_choice and text.format both constrain the output; send one")
         return found[0][1] if found else None

@@ -1,6 +1,6 @@
 """TensorFlow Serving's REST API for predict services: :predict (row and columnar bodies), model
 status and metadata, with and without /versions/N. Handlers read their service from `request.app.state`;
-the servable semantics are tf_serving_protocol's, shared with the gRPC API."""
+the servable semantics and the body <-> array conversion are server/predict.py's, shared with the gRPC API."""
 from __future__ import annotations
 
 import json
@@ -8,12 +8,12 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from ..predict import PredictRequestError, check_servable, decode_predict_request, encode_predict_response
+from ..predict import model_metadata as metadata_of
+from ..predict import model_status as status_of
+from ..predict import run_predict
 from ..services import PredictService
 from .errors import ApiError
-from .tf_serving_protocol import PredictRequestError, check_servable, decode_predict_request, encode_predict_response
-from .tf_serving_protocol import model_metadata as metadata_of
-from .tf_serving_protocol import model_status as status_of
-from .tf_serving_protocol import run_predict
 
 router = APIRouter(tags=["tf-serving"])   # the tag gives its routes TF Serving's error body in /openapi.json
 

@@ -25,7 +25,7 @@ import re
 import uuid
 from typing import Any, Sequence
 
-from ..text.structured import StructuredOutput
+from ..text.grammar import GrammarSpec
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
@@ -64,19 +64,19 @@ def _parameters(fn: dict) -> dict:
     return fn.get("parameters") or {"type": "object", "properties": {}}
 
 
-def constraint(tools: Sequence[dict], tool_choice: Any, parallel: bool | None = None) -> StructuredOutput | None:
+def constraint(tools: Sequence[dict], tool_choice: Any, parallel: bool | None = None) -> GrammarSpec | None:
     """The grammar a forced tool choice puts on the output (None for 'auto' and 'none'); with
     `parallel` False (parallel_tool_calls) "required" makes exactly one call."""
     fns = {t["function"]["name"]: t["function"] for t in tools}
     if isinstance(tool_choice, dict):
-        return StructuredOutput("json_schema", json.dumps(_parameters(fns[tool_choice["function"]["name"]])))
+        return GrammarSpec("json_schema", json.dumps(_parameters(fns[tool_choice["function"]["name"]])))
     if tool_choice == "required":
         one = [{"type": "object", "properties": {"name": {"const": n}, "parameters": _parameters(f)},
                 "required": ["name", "parameters"], "additionalProperties": False} for n, f in fns.items()]
         schema = {"type": "array", "minItems": 1, "items": one[0] if len(one) == 1 else {"anyOf": one}}
         if parallel is False:
             schema["maxItems"] = 1
-        return StructuredOutput("json_schema", json.dumps(schema))
+        return GrammarSpec("json_schema", json.dumps(schema))
     return None
 
 

@@ -178,7 +178,7 @@ def test_minilm_saved_model_cli_show_and_run(tmp_path, minilm_savedmodel, minilm
 def test_minilm_rest_bodies_decode_and_run(tf, minilm_artifact, minilm_savedmodel, minilm_runtime):
     """deploy/tf_serving/requests/*.json: both forms give the same arrays and the same outputs."""
     from hloserve.runtime import artifact
-    from hloserve.server.http.tf_serving_protocol import decode_predict_request, encode_predict_response
+    from hloserve.server.predict import decode_predict_request, encode_predict_response
     manifest = artifact.read_manifest(minilm_artifact)
     loaded = tf.saved_model.load(minilm_savedmodel.path)
     responses = {}

@@ -292,11 +292,11 @@ class _Grammars:
 def test_grammar_masks_reach_the_sampler_and_a_complete_grammar_stops_and_frees():
     """Masks are filled between schedule() and execute() for the rows that sample, tokens are accepted
     after update(), and the grammar's completion finishes the request through the one release path."""
-    from hloserve.server.text.structured import StructuredOutput
+    from hloserve.server.text.grammar import GrammarSpec
     plain = make_engine()
     grammars = _Grammars()
     eng = Engine(plain.scheduler, plain.runner, vocab_size=VOCAB, grammars=grammars)
-    stream = eng.add_request([1, 2, 3], SamplingParams(max_tokens=10, structured=StructuredOutput("json"), **GREEDY))
+    stream = eng.add_request([1, 2, 3], SamplingParams(max_tokens=10, structured=GrammarSpec("json"), **GREEDY))
     free = eng.add_request([1, 2, 3], SamplingParams(max_tokens=3, **GREEDY))
     for _ in range(5):
         eng.run_once()

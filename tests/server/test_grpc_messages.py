@@ -11,7 +11,7 @@ from hloserve.runtime.artifact.errors import HloserveError
 from hloserve.server.config import DEFAULT_GRPC_PORT, ServeConfig
 from hloserve.server.grpc.messages import messages
 from hloserve.server.grpc.tensors import from_array, to_array
-from hloserve.server.http.tf_serving_protocol import TF_TYPES, PredictRequestError
+from hloserve.server.predict import TF_TYPES, PredictRequestError
 
 LIMIT = 1 << 20
 

@@ -1,4 +1,7 @@
-"""TensorFlow Serving REST predict bodies <-> input/output arrays (no HTTP, no TensorFlow).
+"""TensorFlow Serving's predict semantics, shared by its REST API (server/http/tf_serving.py) and its
+gRPC API (server/grpc/): request bodies <-> input/output arrays, the servable check, model status and
+metadata, and `run_predict`. No HTTP, no gRPC, no TensorFlow: errors are `PredictRequestError` (a bad
+body) and `ApiError` (server/http/errors.py, the status each API translates into its own answer).
 
     POST /v1/models/{name}:predict          (TF Serving's REST API, served by hloserve too)
     {"signature_name": "serving_default", "instances": [{"input_ids": [101, 7592, 102], ...}, ...]}   row form
@@ -25,10 +28,9 @@ Values convert to the artifact's dtypes: integers must be integral and in range 
 were narrowed to int32 at export), booleans are true/false. Every problem raises
 PredictRequestError, whose message the server returns as {"error": message} with status 400.
 
-The servable semantics below the bodies are shared with the gRPC API (server/grpc/): the servable
-check, model status and metadata (as TF Serving's JSON, which is the proto3 JSON of the gRPC
-messages), typed arrays (gRPC's TensorProto) cast to the inputs' dtypes, and `run_predict`
-(admission, then the batcher).
+Below the bodies: the servable check, model status and metadata (as TF Serving's JSON, which is the
+proto3 JSON of the gRPC messages), typed arrays (gRPC's TensorProto) cast to the inputs' dtypes, and
+`run_predict` (admission, then the batcher).
 """
 from __future__ import annotations
 
@@ -42,10 +44,10 @@ import numpy as np
 from hloserve.runtime import artifact
 from hloserve.runtime.artifact.errors import HloserveError
 
-from .errors import ApiError, admit
+from .http.errors import ApiError, admit
 
 if TYPE_CHECKING:
-    from ..services import PredictService
+    from .services import PredictService
 
 SERVING_DEFAULT = "serving_default"
 PREDICT_METHOD = "tensorflow/serving/predict"

@@ -1,16 +1,20 @@
-"""Structured output: a request's grammar, compiled against the model's tokenizer (llguidance).
+"""Grammars for structured output: what a request's output must match (`GrammarSpec`), compiled
+against the model's tokenizer (`Grammars`, llguidance) into one matcher per request (`Matcher`).
 
     grammars = Grammars(tokenizer_json, vocab_size, eos_ids)     # one per server
-    matcher = grammars.matcher(StructuredOutput("json_schema", schema_text))   # per request; ValueError if bad
+    matcher = grammars.matcher(GrammarSpec("json_schema", schema_text))   # per request; ValueError if bad
     matcher.allowed()      # bool[vocab]: the tokens that keep the output inside the grammar
     matcher.accept(token)  # after sampling
     matcher.done           # the grammar is complete (only EOS remains)
 
 llguidance computes a step's mask in tens of microseconds (an Earley parser over the token trie,
-no per-vocabulary Python loop), so masks are computed per step on the engine's loop thread
-(server/core/grammar.py, between scheduling and execution) and applied to that row only: the other rows of the batch are not held up. Chosen over xgrammar (its wheel
-requires torch, which the server never imports) and outlines-core (compiles a regex index per
-schema up front: seconds for a nested schema on a 49k vocabulary, against llguidance's lazy masks).
+no per-vocabulary Python loop), so masks are computed per step on the engine's loop thread by
+its structured-output manager (server/core/structured_output.py, between scheduling and
+execution) and applied to that row only: the other rows of the batch are not held up. The
+request side names the spec, the engine side the manager (vLLM's StructuredOutputManager), so the
+two never share a name. Chosen over xgrammar (its wheel requires torch, which the server never
+imports) and outlines-core (compiles a regex index per schema up front: seconds for a nested
+schema on a 49k vocabulary, against llguidance's lazy masks).
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 
 @dataclasses.dataclass(frozen=True)
-class StructuredOutput:
+class GrammarSpec:
     """What a request's output must match.
 
     kind: "json" (any JSON object: response_format json_object), "json_schema" (spec: the schema
@@ -100,7 +104,7 @@ class Grammars:
             return str(e)
         return None
 
-    def grammar(self, spec: StructuredOutput) -> str:
+    def grammar(self, spec: GrammarSpec) -> str:
         """The llguidance grammar of `spec`; ValueError naming the problem."""
         import llguidance
         m = llguidance.LLMatcher
@@ -126,7 +130,7 @@ class Grammars:
         except Exception as e:  # noqa: BLE001 - llguidance raises its own errors for bad grammars
             raise ValueError(f"{spec.kind}: {e}") from None
 
-    def matcher(self, spec: StructuredOutput) -> Matcher:
+    def matcher(self, spec: GrammarSpec) -> Matcher:
         """A fresh matcher for one request; ValueError when the spec is not a valid grammar."""
         import llguidance
         grammar = self.grammar(spec)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from hloserve.runtime import artifact
-from hloserve.server.http.tf_serving_protocol import (PredictRequest, PredictRequestError, decode_predict_request,
-                                                 encode_predict_response, resolve_signature)
+from hloserve.server.predict import (PredictRequest, PredictRequestError, decode_predict_request,
+                                     encode_predict_response, resolve_signature)
 
 REQUESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "deploy", "tf_serving", "requests")

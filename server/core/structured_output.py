@@ -1,13 +1,13 @@
-"""Structured output as an engine component between scheduling and execution (vLLM's
-StructuredOutputManager): one place compiles a request's grammar, one builds the step's masks, one
-advances the grammars with the sampled tokens.
+"""`StructuredOutputManager`: structured output as an engine component between scheduling and
+execution (vLLM's name and role): one place compiles a request's grammar (its `GrammarSpec`, from
+server/text/grammar.py), one builds the step's masks, one advances the grammars with the sampled tokens.
 
     matcher = structured.matcher(params)          # at admission: ValueError (a 400) for a bad grammar
     plan = structured.masks(plan, matcher_of)     # between schedule() and execute(): rows that sample
     out = structured.accept(matcher, out)         # after update(): "stop" once the grammar is complete
 
 The scheduler stays token policy: it never sees a grammar. Masks come from llguidance in tens of
-microseconds per row (server/text/structured.py), so they are computed on the engine's loop thread.
+microseconds per row (server/text/grammar.py), so they are computed on the engine's loop thread.
 """
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ from .outputs import FinishReason, RequestOutput, SchedulerPlan
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from ..text.structured import Grammars, Matcher
+    from ..text.grammar import Grammars, Matcher
 
 
-class StructuredOutputs:
-    """The engine's structured-output component over one model's Grammars (None: no tokenizer)."""
+class StructuredOutputManager:
+    """The engine's structured-output component over one model's Grammars (None: no tokenizer).
+    The engine holds it as `engine.structured`."""
 
     def __init__(self, grammars: "Grammars | None"):
         self.grammars = grammars
