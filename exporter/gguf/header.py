@@ -79,6 +79,7 @@ class TensorInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Header:
+    """A checked GGUF header: see the module docstring."""
     path: str
     size: int
     version: int

@@ -1,14 +1,16 @@
 """Damaged GGUF files are refused in one line, in bounded time, before anything is built from them.
 
-A structure-aware fuzzer (tests/support/gguf_mutants.py) rewrites the header, key-values and tensor
-infos of the real SmolLM2-135M-Instruct Q4_1 file: SEED's first N_MUTANTS mutants (the same ones every
-run, every mutation kind in turn) plus three named cases, each loaded in a worker process through
-load_gguf, the transformers config, the tokenizer and the HF model built on the meta device. Each must
-end within LIMIT seconds as either a one-line SourceError naming the file and no Python exception, or
-a load that builds. `benchmarks/fuzz_files.py` runs more of them (docs/reliability.md).
+A structure-aware fuzzer (tests/support/gguf_mutants.py, run by tests/support/gguf_fuzz.py) rewrites
+the header, key-values and tensor infos of the real SmolLM2-135M-Instruct Q4_1 file: SEED's first
+N_MUTANTS mutants (the same ones every run, every mutation kind in turn) plus three named cases, each
+loaded in a worker process through load_gguf, the transformers config, the tokenizer and the HF model
+built on the meta device. Each must end within LIMIT seconds as either a one-line SourceError naming
+the file and no Python exception, or a load that builds. `benchmarks/fuzz_files.py` runs more of them
+(docs/reliability.md).
 """
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -17,7 +19,8 @@ import sys
 
 import pytest
 
-from ..support import gguf_mutants
+from ..support import gguf_fuzz, gguf_mutants
+from ..support.launch import free_port
 
 SEED = 0
 N_MUTANTS = 2 * len(gguf_mutants.KINDS)          # every kind twice
@@ -34,17 +37,17 @@ def smollm2_gguf() -> str:
 
 
 @pytest.fixture(scope="module")
-def results(smollm2_gguf, tmp_path_factory) -> dict[str, gguf_mutants.Result]:
+def results(smollm2_gguf, tmp_path_factory) -> dict[str, gguf_fuzz.Result]:
     work = str(tmp_path_factory.mktemp("gguf-fuzz"))
     try:
-        got = gguf_mutants.run_mutants(smollm2_gguf, SEED, [str(i) for i in range(N_MUTANTS)] + NAMED, work,
+        got = gguf_fuzz.run_mutants(smollm2_gguf, SEED, [str(i) for i in range(N_MUTANTS)] + NAMED, work,
                                        limit=LIMIT)
     finally:
         shutil.rmtree(work, ignore_errors=True)   # the last mutant is a 98 MB file
     return {r.spec: r for r in got}
 
 
-def _problem(r: gguf_mutants.Result) -> str | None:
+def _problem(r: gguf_fuzz.Result) -> str | None:
     """What is wrong with one mutant's outcome, or None."""
     if r.outcome not in ("refused", "loaded"):
         return f"{r.outcome}: {r.message}"
@@ -95,7 +98,7 @@ def damaged_files(smollm2_gguf, tmp_path_factory) -> dict[str, str]:
         _, layout = gguf_mutants.make(base, SEED, spec)
         files[spec] = str(out / f"{spec.split(':')[1]}.gguf")
         layout.write(files[spec])
-    layout = gguf_mutants.Base.parse(smollm2_gguf).layout
+    layout = copy.deepcopy(base.layout)
     layout.tensor_count = 2**63
     files["tensor_count"] = str(out / "tensor_count.gguf")
     layout.write(files["tensor_count"])
@@ -120,3 +123,18 @@ def test_export_cli_refuses_a_damaged_file_in_one_line(damaged_files, tmp_path, 
     assert errors[0].startswith(f"hloserve: error: {fragment}"), errors[0]
     assert not EXCEPTION_NAME.search(errors[0])
     assert not out.exists()
+
+
+def test_serve_refuses_a_damaged_file_instead_of_never_becoming_ready(damaged_files, tmp_path):
+    """`hloserve serve FILE.gguf` with block_count = 1000000 used to build a million-layer model and
+    never become ready; now its export refuses the file and the command exits (no server starts)."""
+    env = {**os.environ, "HLOSERVE_CACHE": str(tmp_path / "cache")}
+    p = subprocess.run([sys.executable, "-m", "hloserve.server.cli", "serve", damaged_files["named:block_count"],
+                        "--port", str(free_port())], capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("hloserve: error: ")]
+    assert p.returncode == 1 and errors, p.stderr[-3000:]
+    assert errors[0].startswith("hloserve: error: block_count.gguf: llama.block_count = 1000000 but the file has "
+                                "tensors for 30 layers"), errors
+    assert not any(EXCEPTION_NAME.search(ln) for ln in errors), errors
+    artifacts = tmp_path / "cache" / "artifacts"
+    assert not (artifacts.exists() and os.listdir(artifacts))          # no half-written export left behind
