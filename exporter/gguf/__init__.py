@@ -2,6 +2,10 @@
 
     checkpoint.py   load_gguf: metadata, tensor infos and tokenizer -> GGUFCheckpoint (config, tensors,
                     tokenizer.json, chat template); hf_config, write_hf_directory
+    header.py       read_header: the container (key-values, tensor infos) with every count, length and
+                    offset checked against the file before it is used
+    validate.py     typed metadata (Metadata) and the model's checks against itself: block_count vs the
+                    layers present, heads, each tensor's shape vs the config, the vocabulary's arrays
     tensor.py       GGUFTensor: one tensor's stored blocks, their fields and exact dequantization
     quant.py        a file's own blocks as hloserve's quantized layout (no float round trip)
     tokenizer.py    a GGUF vocabulary -> a `tokenizers` tokenizer.json; chat-template rendering

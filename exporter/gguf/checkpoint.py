@@ -48,9 +48,12 @@ import re
 import types
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
+import gguf
 import numpy as np
 
 from ..errors import SourceError
+from . import validate
+from .header import ARRAY, STRING, TensorInfo, read_header, show
 from .tensor import GGUFTensor
 from .tokenizer import GGUFVocab, gguf_tokenizer_json
 
@@ -167,81 +170,60 @@ class GGUFCheckpoint:
 
 
 def load_gguf(path: str) -> GGUFCheckpoint:
-    """Read a GGUF file's metadata, tensor table and tokenizer; tensors stay memory-mapped."""
-    import gguf
+    """Read a GGUF file's metadata, tensor table and tokenizer; tensors stay memory-mapped.
 
+    The header is read with its counts checked against the file (header.py), and the config, the
+    tensors and the vocabulary are checked against each other (validate.py) before anything is built
+    from them: a damaged or mislabelled file is a one-line SourceError naming the field."""
     if not os.path.isfile(path):
         raise SourceError(f"{path}: no such GGUF file")
-    try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # noqa: BLE001 - the reader raises bare ValueError/struct errors
-        raise SourceError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from e
+    header = read_header(path)
     where = os.path.basename(path)
-    fields = reader.fields
-
-    def field(key: str, default: Any = None) -> Any:
-        f = fields.get(key)
-        if f is None:
-            return default
-        return f.contents()
-
-    arch = field("general.architecture")
+    meta = validate.Metadata(header.fields, where)
+    arch = meta.text("general.architecture", validate.REQUIRED)
     if arch not in ARCHITECTURES:
-        raise SourceError(f"{where}: general.architecture is {arch!r}; supported GGUF architectures are "
+        raise SourceError(f"{where}: general.architecture is {show(arch)}; supported GGUF architectures are "
                           f"{sorted(ARCHITECTURES)} (Mistral files use 'llama'). Add the mapping in "
                           f"exporter/gguf/checkpoint.py ARCHITECTURES")
     model_type, hf_arch, permuted = ARCHITECTURES[arch]
+    infos = {t.name: t for t in header.tensors}
+    _check_names(infos, hf_arch, where)
+    config = _config(meta, arch, model_type, hf_arch, infos, where)
+    validate.check_layers(config, header.tensors, arch, where)
+    validate.check_shapes(config, header.tensors, arch, where)
+    validate.check_weight_types([t for t in header.tensors if t.name not in _CONFIG_TENSORS], _dequantizable(), where)
+    vocab = _vocab(meta)
+    validate.check_vocab(vocab, config, where, meta.array("tokenizer.ggml.scores", validate.FLOATS, "numbers"))
+    config.update(bos_token_id=vocab.bos_token_id, eos_token_id=vocab.eos_token_id, pad_token_id=vocab.pad_token_id,
+                  unk_token_id=vocab.unk_token_id)
 
-    raw_tensors = {t.name: t for t in reader.tensors}
-    config = _config(field, arch, model_type, hf_arch, raw_tensors, where)
+    data = np.memmap(path, mode="r")
+    if "rope_freqs.weight" in infos:
+        config["rope_freq_factors"] = _rope_freq_factors(infos["rope_freqs.weight"], data, where)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-
     tensors: dict[str, GGUFTensor] = {}
-    unknown = []
-    for t in reader.tensors:
-        if t.name in _CONFIG_TENSORS:
-            continue
+    for t in header.tensors:
         hf_name = _hf_name(t.name)
-        if hf_name is None:
-            unknown.append(t.name)
+        if hf_name is None:   # a config tensor (rope_freqs)
             continue
-        qtype = gguf.GGMLQuantizationType(int(t.tensor_type))
-        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists ne0 (the contiguous dim) first
+        shape = tuple(reversed(t.dims))  # GGUF lists ne0 (the contiguous dim) first
         perm = None
         if permuted and re.search(r"\.attn_[qk]\.(weight|bias)$", t.name):
-            n = heads if ".attn_q." in t.name else kv_heads
-            perm = _unpermute_rows(shape[0], n, where, t.name)
-        tensors[hf_name] = GGUFTensor(hf_name, t.name, qtype.name, int(qtype), shape, block_size, type_size,
-                                      t.data, perm, int(t.data_offset))
-    if unknown:
-        raise SourceError(f"{where}: {len(unknown)} tensor(s) have no Hugging Face {hf_arch} name: "
-                          f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}. Mixture-of-experts and "
-                          f"other variants are not supported; extend _LAYER_NAMES in exporter/gguf/checkpoint.py")
-    for required in ("model.embed_tokens.weight", "model.norm.weight"):
-        if required not in tensors:
-            raise SourceError(f"{where}: tensor {required} ({_gguf_name_of(required)}) is missing; the file is "
-                              f"incomplete or not a {hf_arch} checkpoint")
-
-    vocab = _vocab(field)
+            perm = _unpermute_rows(shape[0], heads if ".attn_q." in t.name else kv_heads, where, t.name)
+        tensors[hf_name] = GGUFTensor(hf_name, t.name, t.type_name, t.ggml_type, shape, t.block_size, t.type_size,
+                                      _raw(data, t, shape), perm, t.start)
     special = SpecialTokens(
         vocab.bos_token_id, vocab.eos_token_id, vocab.unk_token_id, vocab.pad_token_id,
-        *(vocab.tokens[i] if i is not None and 0 <= i < len(vocab.tokens) else None
+        *(None if i is None else vocab.tokens[i]
           for i in (vocab.bos_token_id, vocab.eos_token_id, vocab.unk_token_id, vocab.pad_token_id)),
         vocab.add_bos_token, vocab.add_eos_token)
-    if config["vocab_size"] != len(vocab.tokens):
-        raise SourceError(f"{where}: {len(vocab.tokens)} tokenizer tokens but vocab_size {config['vocab_size']}")
-    metadata = {}
-    for key, f in fields.items():
-        if key.startswith("GGUF.") or key.startswith("tokenizer."):
-            continue
-        if f.types and f.types[0] != gguf.GGUFValueType.ARRAY:
-            metadata[key] = f.contents()
+    metadata = {key: f.value for key, f in header.fields.items()
+                if not key.startswith("tokenizer.") and f.type != ARRAY}
     metadata["tensor_types"] = dict(collections.Counter(t.ggml_type for t in tensors.values()))
     return GGUFCheckpoint(
         path=os.path.abspath(path), architecture=arch, config=config,
         tensors=types.MappingProxyType(tensors), tokenizer_json=gguf_tokenizer_json(vocab, where=where),
-        chat_template=field("tokenizer.chat_template"), special_tokens=special, metadata=metadata)
+        chat_template=meta.text("tokenizer.chat_template"), special_tokens=special, metadata=metadata)
 
 
 def hf_config(ckpt: "GGUFCheckpoint") -> dict:
@@ -279,108 +261,139 @@ def write_hf_directory(ckpt: "GGUFCheckpoint", out: str) -> str:
     return out
 
 
-def _config(field, arch: str, model_type: str, hf_arch: str, raw_tensors: dict, where: str) -> dict:
-    def need(key: str):
-        value = field(f"{arch}.{key}")
-        if value is None:
-            raise SourceError(f"{where}: metadata {arch}.{key} is missing; the file is not a complete {arch} GGUF")
-        return value
+def _check_names(infos: Mapping[str, TensorInfo], hf_arch: str, where: str) -> None:
+    """Every tensor has an HF name (or is a config tensor); the embedding and final norm are there."""
+    unknown = [show(n) for n in infos if n not in _CONFIG_TENSORS and _hf_name(n) is None]
+    if unknown:
+        raise SourceError(f"{where}: {len(unknown)} tensor(s) have no Hugging Face {hf_arch} name: "
+                          f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}. Mixture-of-experts and "
+                          f"other variants are not supported; extend _LAYER_NAMES in exporter/gguf/checkpoint.py")
+    for required in ("token_embd.weight", "output_norm.weight"):
+        if required not in infos:
+            raise SourceError(f"{where}: tensor {required} ({_GLOBAL_NAMES[required]}) is missing; the file is "
+                              f"incomplete or not a {hf_arch} checkpoint: download or convert it again")
 
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    kv_heads = field(f"{arch}.attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):  # per-layer counts
-        if len(set(kv_heads)) != 1:
-            raise SourceError(f"{where}: {arch}.attention.head_count_kv differs between layers ({kv_heads}); "
-                              f"only uniform attention is supported")
-        kv_heads = kv_heads[0]
-    head_dim = int(field(f"{arch}.attention.key_length", hidden // heads))
-    rope_dim = int(field(f"{arch}.rope.dimension_count", head_dim))
+
+def _config(meta: validate.Metadata, arch: str, model_type: str, hf_arch: str, infos: Mapping[str, TensorInfo],
+            where: str) -> dict:
+    """The transformers config from the file's {arch}.* metadata, each value typed and in range
+    (validate.py); the vocabulary is token_embd's rows ({arch}.vocab_size, when given, must agree)."""
+    hidden = meta.integer(f"{arch}.embedding_length", lo=1)
+    heads = meta.integer(f"{arch}.attention.head_count", lo=1)
+    kv_heads = validate.kv_head_count(meta, arch, heads)
+    head_dim = validate.head_dim(meta, arch, hidden, heads)
+    rope_dim = meta.integer(f"{arch}.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
-        raise SourceError(f"{where}: rope.dimension_count {rope_dim} != head_dim {head_dim} (partial rotary "
-                          f"embeddings) is not supported for {arch}")
-    embed = raw_tensors.get("token_embd.weight")
-    vocab_size = field(f"{arch}.vocab_size") or (int(embed.shape[-1]) if embed is not None else 0)
-    config: dict[str, Any] = {
+        raise SourceError(f"{where}: {arch}.rope.dimension_count = {rope_dim} but the head size is {head_dim}; "
+                          f"partial rotary embeddings are not supported for {arch} (or the file is mislabelled: "
+                          f"re-convert it)")
+    vocab_size = infos["token_embd.weight"].dims[-1]
+    stated = meta.integer(f"{arch}.vocab_size", None, lo=1)
+    if stated is not None and stated != vocab_size:
+        raise SourceError(f"{where}: {arch}.vocab_size = {stated} but token_embd.weight has {vocab_size} rows; "
+                          f"{validate.MISLABELLED}")
+    return {
         "model_type": model_type,
         "architectures": [hf_arch],
         "hidden_size": hidden,
-        "num_hidden_layers": int(need("block_count")),
+        "num_hidden_layers": meta.integer(f"{arch}.block_count", lo=1),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(kv_heads),
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "intermediate_size": int(need("feed_forward_length")),
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(field(f"{arch}.rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(field, arch),
-        "vocab_size": int(vocab_size),
-        "max_position_embeddings": int(field(f"{arch}.context_length", 2048)),
-        "tie_word_embeddings": "output.weight" not in raw_tensors,
-        "attention_bias": "blk.0.attn_q.bias" in raw_tensors,
+        "intermediate_size": meta.integer(f"{arch}.feed_forward_length", lo=1),
+        "rms_norm_eps": meta.number(f"{arch}.attention.layer_norm_rms_epsilon", hi=1.0),
+        "rope_theta": meta.number(f"{arch}.rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(meta, arch),
+        "vocab_size": vocab_size,
+        "max_position_embeddings": meta.integer(f"{arch}.context_length", 2048, lo=1, hi=validate.MAX_CONTEXT,
+                                                why=" tokens"),
+        "tie_word_embeddings": "output.weight" not in infos,
+        "attention_bias": "blk.0.attn_q.bias" in infos,
         "mlp_bias": False,
         "hidden_act": "silu",
-        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": field("tokenizer.ggml.padding_token_id"),
-        "unk_token_id": field("tokenizer.ggml.unknown_token_id"),
     }
-    freqs = raw_tensors.get("rope_freqs.weight")
-    if freqs is not None:
-        config["rope_freq_factors"] = [float(x) for x in np.asarray(freqs.data, dtype=np.float32).reshape(-1)]
-    return config
 
 
-def _rope_scaling(field, arch: str) -> dict | None:
-    kind = field(f"{arch}.rope.scaling.type")
-    factor = field(f"{arch}.rope.scaling.factor")
-    if kind is None and field(f"{arch}.rope.scale_linear") is not None:  # older files
-        kind, factor = "linear", field(f"{arch}.rope.scale_linear")
+def _rope_scaling(meta: validate.Metadata, arch: str) -> dict | None:
+    kind = meta.text(f"{arch}.rope.scaling.type")
+    factor = meta.number(f"{arch}.rope.scaling.factor", None)
+    if kind is None and meta.fields.get(f"{arch}.rope.scale_linear") is not None:  # older files
+        kind, factor = "linear", meta.number(f"{arch}.rope.scale_linear")
     if kind in (None, "none"):
         return None
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor if factor is not None else 1.0)}
-    original = field(f"{arch}.rope.scaling.original_context_length")
+    if kind not in ("linear", "yarn"):
+        raise SourceError(f"{meta.where}: {arch}.rope.scaling.type = {show(kind)}; the supported GGUF RoPE scalings "
+                          f"are none, linear and yarn")
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": factor if factor is not None else 1.0}
+    original = meta.integer(f"{arch}.rope.scaling.original_context_length", None, lo=1, hi=validate.MAX_CONTEXT)
     if original is not None:
-        scaling["original_max_position_embeddings"] = int(original)
-    attn = field(f"{arch}.rope.scaling.attn_factor")
+        scaling["original_max_position_embeddings"] = original
+    attn = meta.number(f"{arch}.rope.scaling.attn_factor", None)
     if attn is not None:
-        scaling["attention_factor"] = float(attn)
+        scaling["attention_factor"] = attn
     for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-        value = field(f"{arch}.rope.scaling.{key}")
+        value = meta.number(f"{arch}.rope.scaling.{key}", None)
         if value is not None:
-            scaling[hf_key] = float(value)
+            scaling[hf_key] = value
     return scaling
 
 
-def _vocab(field) -> GGUFVocab:
-    def opt_int(key):
-        v = field(key)
-        return None if v is None else int(v)
-    tokens = field("tokenizer.ggml.tokens") or []
+def _vocab(meta: validate.Metadata) -> GGUFVocab:
+    """tokenizer.ggml.*, typed (the lengths and ids are checked against each other in validate.check_vocab)."""
+    tokens = meta.array("tokenizer.ggml.tokens", (STRING,), "strings") or []
+    types = meta.integers("tokenizer.ggml.token_type")
     return GGUFVocab(
-        model=field("tokenizer.ggml.model", "none"),
-        pre=field("tokenizer.ggml.pre"),
+        model=meta.text("tokenizer.ggml.model", "none"),
+        pre=meta.text("tokenizer.ggml.pre"),
         tokens=tuple(tokens),
-        token_types=tuple(int(x) for x in (field("tokenizer.ggml.token_type") or [1] * len(tokens))),
-        merges=tuple(field("tokenizer.ggml.merges") or ()),
-        add_bos_token=bool(field("tokenizer.ggml.add_bos_token", False)),
-        add_eos_token=bool(field("tokenizer.ggml.add_eos_token", False)),
-        bos_token_id=opt_int("tokenizer.ggml.bos_token_id"),
-        eos_token_id=opt_int("tokenizer.ggml.eos_token_id"),
-        unk_token_id=opt_int("tokenizer.ggml.unknown_token_id"),
-        pad_token_id=opt_int("tokenizer.ggml.padding_token_id"),
+        token_types=tuple([1] * len(tokens) if types is None else types),
+        merges=tuple(meta.array("tokenizer.ggml.merges", (STRING,), "strings") or ()),
+        add_bos_token=meta.flag("tokenizer.ggml.add_bos_token", False),
+        add_eos_token=meta.flag("tokenizer.ggml.add_eos_token", False),
+        bos_token_id=meta.integer("tokenizer.ggml.bos_token_id", None),
+        eos_token_id=meta.integer("tokenizer.ggml.eos_token_id", None),
+        unk_token_id=meta.integer("tokenizer.ggml.unknown_token_id", None),
+        pad_token_id=meta.integer("tokenizer.ggml.padding_token_id", None),
     )
+
+
+# element types the tensor data is read as (as gguf.GGUFReader does); other types are uint8 blocks
+_ELEMENT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                   "I32": np.int32, "I64": np.int64}
+
+
+def _raw(data: np.memmap, t: TensorInfo, shape: tuple[int, ...]) -> np.ndarray:
+    """The tensor's data in the mapped file: elements of `shape`, or uint8 [..., row bytes] for block types."""
+    view = data[t.start:t.start + t.nbytes]
+    if t.type_name in _ELEMENT_DTYPES:
+        return view.view(_ELEMENT_DTYPES[t.type_name]).reshape(shape)
+    return view.reshape(*shape[:-1], shape[-1] // t.block_size * t.type_size)
+
+
+def _dequantizable() -> list[str]:
+    """ggml types gguf.quants.dequantize reads: F32, F16 and those with a block type registered."""
+    return ["F32", "F16", *(q.name for q in getattr(gguf.quants, "_type_traits", {}))]
+
+
+def _rope_freq_factors(t: TensorInfo, data: np.memmap, where: str) -> list[float]:
+    """rope_freqs.weight (F32, head_dim / 2 positive divisors of the RoPE inverse frequencies)."""
+    if t.type_name != "F32":
+        raise SourceError(f"{where}: rope_freqs.weight is {t.type_name}; llama.cpp stores it as F32; "
+                          f"{validate.MISLABELLED}")
+    values = _raw(data, t, tuple(reversed(t.dims))).reshape(-1)
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise SourceError(f"{where}: rope_freqs.weight holds values that are not finite and positive; "
+                          f"{validate.MISLABELLED}")
+    return [float(x) for x in values]
 
 
 def _hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    at = validate.layer_of(gguf_name)
+    if at is not None and at[1] in _LAYER_NAMES:
+        return f"model.layers.{at[0]}.{_LAYER_NAMES[at[1]]}"
     return None
-
-
-def _gguf_name_of(hf_name: str) -> str:
-    return next((g for g, h in _GLOBAL_NAMES.items() if h == hf_name), hf_name)
 
 
 def _unpermute_rows(rows: int, n_head: int, where: str, name: str) -> np.ndarray:

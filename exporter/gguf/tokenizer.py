@@ -94,14 +94,9 @@ def gguf_tokenizer_json(vocab: GGUFVocab, *, where: str = "the GGUF file") -> st
     ids: dict[str, int] = {}
     for i, token in enumerate(vocab.tokens):
         ids.setdefault(token, i)  # a duplicated token string keeps its first id, as llama.cpp's lookup does
-    merges = []
-    for m in vocab.merges:
-        left, sep, right = m.partition(" ")
-        if not sep:
-            raise SourceError(f"{where}: BPE merge {m!r} is not 'left right'")
-        merges.append((left, right))
-    bpe = models.BPE(vocab=ids, merges=merges, dropout=None, unk_token=None, continuing_subword_prefix="",
-                     end_of_word_suffix="", fuse_unk=False, byte_fallback=False, ignore_merges=pre in IGNORE_MERGES)
+    bpe = models.BPE(vocab=ids, merges=_merges(vocab.merges, ids, where), dropout=None, unk_token=None,
+                     continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False,
+                     ignore_merges=pre in IGNORE_MERGES)
     tok = Tokenizer(bpe)
     split = PRE_TOKENIZER_SPLITS[pre]
     if split == _GPT2:
@@ -139,6 +134,27 @@ def gguf_tokenizer_json(vocab: GGUFVocab, *, where: str = "the GGUF file") -> st
     if wrong:  # would mean the added-token table renumbered a file token
         raise SourceError(f"{where}: added tokens got ids that differ from the file: {wrong[:5]}")
     return text
+
+
+def _merges(merges: Sequence[str], ids: Mapping[str, int], where: str) -> list[tuple[str, str]]:
+    """tokenizer.ggml.merges as (left, right) pairs, each joining two tokens of the vocabulary into a
+    third, as `tokenizers` requires (it panics on a merge whose result is not a token)."""
+    if not merges:
+        raise SourceError(f"{where}: tokenizer.ggml.merges is missing or empty, and a byte-level BPE tokenizer needs "
+                          f"its merges; the file is incomplete or mislabelled: re-convert it")
+    out = []
+    for i, m in enumerate(merges):
+        left, sep, right = m.partition(" ")
+        if not sep:
+            raise SourceError(f"{where}: tokenizer.ggml.merges[{i}] = {repr(m)[:60]} is not 'left right'; the file is "
+                              f"damaged or mislabelled: re-convert it")
+        if left not in ids or right not in ids or left + right not in ids:
+            missing = next(t for t in (left, right, left + right) if t not in ids)
+            raise SourceError(f"{where}: tokenizer.ggml.merges[{i}] = {repr(m)[:60]} needs the token "
+                              f"{repr(missing)[:40]}, which tokenizer.ggml.tokens lacks; the file is damaged or "
+                              f"mislabelled: re-convert it")
+        out.append((left, right))
+    return out
 
 
 def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], *,

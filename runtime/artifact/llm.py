@@ -41,6 +41,7 @@ STEP_INPUTS = ("tokens", "positions", "seq_ids", "slot_mapping", "block_tables",
                "kv_cache")
 STEP_OUTPUTS = ("logits", "kv_cache")
 NULL_BLOCK = 0                       # block 0 is never allocated: padding writes land there
+MAX_I32 = 2**31 - 1                  # the step's inputs are int32: no count, id or position of the contract is larger
 # the step functions' symbolic dims: T, S, B (padded to buckets by the server) and N (the cache's blocks,
 # fixed at load from a memory budget)
 NUM_TOKENS, NUM_SEQS, MAX_BLOCKS, NUM_BLOCKS = "num_tokens", "num_seqs", "max_blocks", "num_blocks"
@@ -125,6 +126,21 @@ def _field(raw: Mapping[str, Any], key: str, where: str) -> Any:
     return raw[key]
 
 
+def _mapping(raw: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise ArtifactError(f"{where} is {type(raw).__name__ if raw is not None else 'null'}, not an object; the "
+                            f"artifact is corrupted, re-export it ({DOC})")
+    return raw
+
+
+def _count(value: Any, where: str, lo: int = 0) -> int:
+    """An int in [lo, 2**31 - 1]: the step's inputs are int32, so no count or id of the contract is larger."""
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= MAX_I32:
+        raise ArtifactError(f"{where} = {str(value)[:40]} must be an integer in [{lo}, {MAX_I32}]; the artifact is "
+                            f"corrupted, re-export it ({DOC})")
+    return value
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KVCacheSpec:
     """The paged KV cache: an explicit input and output of every step function.
@@ -158,15 +174,21 @@ class KVCacheSpec:
                 "shape": list(self.shape), "donated": True}
 
     @classmethod
-    def from_json(cls, raw: Mapping[str, Any], where: str) -> "KVCacheSpec":
-        shape = tuple(_field(raw, "shape", where))
-        dtype = _field(raw, "dtype", where)
-        if dtype not in dtypes.NUMPY or shape.count(NUM_BLOCKS) != 1 or not all(
-                isinstance(d, int) or d == NUM_BLOCKS for d in shape):
-            raise ArtifactError(f"{where}: dtype {dtype!r} / shape {list(shape)} is not a KV cache this reader "
-                                f"understands (one {NUM_BLOCKS!r} dim, the rest ints); re-export it ({DOC})")
-        return cls(input=raw.get("input", "kv_cache"), output=raw.get("output", "kv_cache"), dtype=dtype,
-                   holds=raw.get("holds"), shape=shape)
+    def from_json(cls, raw: Any, where: str) -> "KVCacheSpec":
+        raw = _mapping(raw, where)
+        shape, dtype = _field(raw, "shape", where), _field(raw, "dtype", where)
+        dims_ok = isinstance(shape, list) and shape.count(NUM_BLOCKS) == 1 and all(
+            d == NUM_BLOCKS or isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= MAX_I32 for d in shape)
+        if not dims_ok or not isinstance(dtype, str) or dtype not in dtypes.NUMPY:
+            raise ArtifactError(f"{where}: dtype {str(dtype)[:20]!r} / shape {str(shape)[:60]} is not a KV cache this "
+                                f"reader understands (one {NUM_BLOCKS!r} dim, the rest positive ints); re-export it ({DOC})")
+        names = {k: raw.get(k, "kv_cache") for k in ("input", "output")}
+        holds = raw.get("holds")
+        if not all(isinstance(v, str) for v in names.values()) or holds is not None and (
+                not isinstance(holds, str) or holds not in dtypes.NUMPY):
+            raise ArtifactError(f"{where}: input/output {list(names.values())} must be names and holds "
+                                f"{str(holds)[:20]!r} a dtype or null; re-export it ({DOC})")
+        return cls(**names, dtype=dtype, holds=holds, shape=tuple(shape))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -199,12 +221,14 @@ class TensorParallelSpec:
         return {"weights": dict(self.weights), "kv_heads": self.kv_heads, "kv_cache_dim": self.kv_cache_dim}
 
     @classmethod
-    def from_json(cls, raw: Mapping[str, Any], where: str) -> "TensorParallelSpec":
+    def from_json(cls, raw: Any, where: str) -> "TensorParallelSpec":
+        raw = _mapping(raw, where)
         weights = _field(raw, "weights", where)
-        if not isinstance(weights, Mapping) or not all(isinstance(d, int) and d >= 0 for d in weights.values()):
+        if not isinstance(weights, Mapping) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 64
+                                                       for d in weights.values()):   # 64: numpy's largest rank
             raise ArtifactError(f"{where}.weights must map weight names to dims; re-export it ({DOC})")
-        return cls(weights=dict(weights), kv_heads=int(_field(raw, "kv_heads", where)),
-                   kv_cache_dim=int(_field(raw, "kv_cache_dim", where)))
+        return cls(weights=dict(weights), kv_heads=_count(_field(raw, "kv_heads", where), f"{where}.kv_heads", 1),
+                   kv_cache_dim=_count(_field(raw, "kv_cache_dim", where), f"{where}.kv_cache_dim"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -297,22 +321,28 @@ class LLMSpec:
             raise ArtifactError(f"{where} is not an LLM step contract; serve the artifact with the predict API "
                                 f"or export an LLM with `hloserve export`")
         version = raw.get("version", 1)
-        if version not in LLM_VERSIONS:
+        if not isinstance(version, int) or isinstance(version, bool) or version not in LLM_VERSIONS:
             raise ArtifactError(
                 f"{where}: LLM step contract version {version} is outside the supported range "
                 f"[{LLM_VERSIONS.start}..{LLM_VERSIONS.stop - 1}]; upgrade hloserve or re-export ({DOC})")
-        ints = {k: _field(raw, k, where) for k in ("block_size", "max_blocks", "max_seqs", "max_tokens", "vocab_size")}
-        for k, v in ints.items():
-            if not isinstance(v, int) or v < 1:
-                raise ArtifactError(f"{where}.{k} = {v!r} must be a positive integer; re-export it ({DOC})")
+        ints = {k: _count(_field(raw, k, where), f"{where}.{k}", 1)
+                for k in ("block_size", "max_blocks", "max_seqs", "max_tokens", "vocab_size")}
         known = {"version", "vocab_size", "block_size", "max_context", "max_blocks", "max_tokens", "max_seqs",
                  "bos_token_id", "eos_token_ids", "null_block", "kv_cache", "step", "tensor_parallel"}
-        step = raw.get("step") or {}
+        if ints["max_blocks"] * ints["block_size"] > MAX_I32:
+            raise ArtifactError(f"{where}: max_blocks {ints['max_blocks']} x block_size {ints['block_size']} tokens "
+                                f"exceeds the int32 positions of the step; the artifact is corrupted, re-export it ({DOC})")
+        step = _mapping(raw.get("step") or {}, f"{where}.step")
         tp = raw.get("tensor_parallel")
-        return cls(version=version, **ints, bos_token_id=raw.get("bos_token_id"),
-                   eos_token_ids=tuple(int(t) for t in raw.get("eos_token_ids") or ()),
+        bos = raw.get("bos_token_id")
+        eos = raw.get("eos_token_ids") or []
+        if not isinstance(eos, list):
+            raise ArtifactError(f"{where}.eos_token_ids = {str(eos)[:40]} must be a list of token ids; re-export it ({DOC})")
+        return cls(version=version, **ints,
+                   bos_token_id=None if bos is None else _count(bos, f"{where}.bos_token_id"),
+                   eos_token_ids=tuple(_count(t, f"{where}.eos_token_ids[{i}]") for i, t in enumerate(eos)),
                    kv_cache=KVCacheSpec.from_json(_field(raw, "kv_cache", where), f"{where}.kv_cache"),
-                   functions={f: lay for f, text in (step.get("functions") or {}).items()
+                   functions={f: lay for f, text in _mapping(step.get("functions") or {}, f"{where}.step.functions").items()
                               if (lay := Layout.parse(text)) is not None},
                    tensor_parallel=None if tp is None else TensorParallelSpec.from_json(tp, f"{where}.tensor_parallel"),
                    model=ModelFacts.from_json({k: v for k, v in raw.items() if k not in known}))

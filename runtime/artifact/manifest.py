@@ -12,10 +12,12 @@ them. Reading never needs torch. See docs/artifact-format.md.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import json
 import os
+import re
 from typing import Any, Mapping
 
 import numpy as np
@@ -202,16 +204,129 @@ def read_manifest(path: str) -> Manifest:
     except ValueError as e:
         raise ArtifactError(f"{mpath} is not valid JSON ({e}); the artifact is corrupted, re-export it") from e
     version = raw.get("format_version") if isinstance(raw, dict) else None
-    if not isinstance(version, int):
-        raise ArtifactError(f"{mpath} has no integer format_version; the artifact is corrupted, re-export it")
+    if not _is_int(version) or version < 1:
+        raise ArtifactError(f"{mpath} has no integer format_version >= 1; the artifact is corrupted, re-export it")
     if version > FORMAT_VERSION:
         raise ArtifactError(
             f"artifact {path} has format_version {version}, but this hloserve reads up to {FORMAT_VERSION}; "
             f"upgrade hloserve (pip install -U hloserve)")
+    check_manifest_json(raw, mpath)
+    return Manifest.from_json(raw)
+
+
+# -- manifest.json checked field by field before Manifest.from_json builds on it ---------------------
+_MAX_INT = 2**63 - 1
+_DIM_FUNCTIONS = ("floordiv", "mod", "max", "min", "non_negative")
+_DIM_NODES = (ast.Expression, ast.Constant, ast.Name, ast.Load, ast.UnaryOp, ast.USub, ast.BinOp, ast.Add, ast.Sub,
+              ast.Mult, ast.FloorDiv, ast.Mod, ast.Call)
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+class _Check:
+    """Refuses a field of manifest.json with one line: where it is, what it holds, what it should."""
+
+    def __init__(self, mpath: str):
+        self.mpath = mpath
+
+    def __call__(self, ok: bool, at: str, value: Any, want: str) -> None:
+        if not ok:
+            shown = json.dumps(value, default=str)
+            shown = shown if len(shown) <= 60 else shown[:56] + " ..."
+            raise ArtifactError(f"{self.mpath}: {at} is {shown}, not {want}; the artifact is corrupted, re-export it")
+
+
+def _is_int(v: Any, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= _MAX_INT
+
+
+def _is_dtype(v: Any) -> bool:
+    return isinstance(v, str) and v in dtypes.NUMPY
+
+
+def _is_strs(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _is_dim(d: Any) -> bool:
+    """An int >= 0, or a symbolic dim in jax syntax: names, ints, + - * // %, and the functions
+    runtime/artifact/symbols.py evaluates."""
+    if _is_int(d):
+        return True
+    if not isinstance(d, str) or not d or len(d) > 200:
+        return False
     try:
-        return Manifest.from_json(raw)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ArtifactError(f"{mpath} is missing field {e}; the artifact is corrupted, re-export it") from e
+        tree = ast.parse(d, mode="eval")
+    except (SyntaxError, ValueError):
+        return False
+    for n in ast.walk(tree):
+        if not isinstance(n, _DIM_NODES) or isinstance(n, ast.Constant) and not _is_int(n.value):
+            return False
+        if isinstance(n, ast.Call) and (not isinstance(n.func, ast.Name) or n.func.id not in _DIM_FUNCTIONS
+                                        or n.keywords):
+            return False
+    return True
+
+
+def check_manifest_json(raw: dict, mpath: str) -> None:
+    """Every field of manifest.json has its type and range, and every name refers to something the
+    manifest declares, so that what reads it later meets no surprise; ArtifactError (one line) if not."""
+    check = _Check(mpath)
+    for key, kind, want in (("producer", dict, "an object"), ("source", str, "a string"),
+                            ("functions", dict, "an object"), ("weights", dict, "an object"),
+                            ("symbols", dict, "an object"), ("model", dict, "an object")):
+        check(isinstance(raw.get(key, {} if key == "model" else None), kind), key, raw.get(key), want)
+    check(all(isinstance(v, str) for v in raw["producer"].values()), "producer", raw["producer"], "names of versions")
+    for name, sym in raw["symbols"].items():
+        at = f"symbols.{name}"
+        check(name.isidentifier() and isinstance(sym, dict), at, sym, "an object {min, max} named by an identifier")
+        check(_is_int(sym.get("min")), f"{at}.min", sym.get("min"), "an int >= 0")
+        check("max" in sym and (sym["max"] is None or _is_int(sym["max"], sym["min"])), f"{at}.max", sym.get("max"),
+              "null or an int >= min")
+    for name, w in raw["weights"].items():
+        at = f"weights.{name}"
+        check(isinstance(w, dict), at, w, "an object")
+        check(_is_dtype(w.get("dtype")), f"{at}.dtype", w.get("dtype"), f"one of {sorted(dtypes.NUMPY)}")
+        check(isinstance(w.get("shape"), list) and all(_is_int(d) for d in w["shape"]), f"{at}.shape", w.get("shape"),
+              "a list of ints >= 0")
+        check(isinstance(w.get("sha256"), str), f"{at}.sha256", w.get("sha256"), "a hex digest")
+        check(w.get("quant") is None or isinstance(w["quant"], dict), f"{at}.quant", w.get("quant"), "null or an object")
+    for name, fn in raw["functions"].items():
+        _check_function(check, name, fn, raw)
+
+
+def _check_function(check: _Check, name: str, fn: Any, raw: dict) -> None:
+    at = f"functions.{name}"
+    check(bool(_PLAIN_NAME.fullmatch(name)) and isinstance(fn, dict), at, fn,
+          "an object named by a plain file name (it names functions/NAME.jax_exported)")
+    for key in ("weights", "donated", "paddable", "platforms"):
+        check(_is_strs(fn.get(key, [])), f"{at}.{key}", fn.get(key), "a list of strings")
+    check(isinstance(fn.get("weights"), list), f"{at}.weights", fn.get("weights"), "a list of weight names")
+    missing = [w for w in fn["weights"] if w not in raw["weights"]]
+    check(not missing, f"{at}.weights", missing[:3], "names of weights the manifest declares")
+    names = []
+    for key in ("inputs", "outputs"):
+        check(isinstance(fn.get(key), list), f"{at}.{key}", fn.get(key), "a list of tensors")
+        for i, t in enumerate(fn[key]):
+            _check_tensor(check, f"{at}.{key}[{i}]", t)
+        names += [t["name"] for t in fn[key]] if key == "inputs" else []
+    undonatable = [n for n in fn.get("donated", []) if n not in names]
+    check(not undonatable, f"{at}.donated", undonatable[:3], "names of the function's inputs")
+    unknown = [s for s in fn.get("paddable", []) if s not in raw["symbols"]]
+    check(not unknown, f"{at}.paddable", unknown[:3], "names of symbols the manifest declares")
+    check(isinstance(fn.get("mutations", {}), dict) and all(isinstance(v, str) for v in fn.get("mutations", {}).values()),
+          f"{at}.mutations", fn.get("mutations"), "an object of names")
+    files = fn.get("files")
+    check(isinstance(files, dict) and all(_PLAIN_NAME.fullmatch(f) and isinstance(d, str) for f, d in files.items()),
+          f"{at}.files", files, "an object of plain file names (in functions/) and their sha256")
+    check(isinstance(fn.get("stablehlo_version"), str), f"{at}.stablehlo_version", fn.get("stablehlo_version"),
+          "a version string")
+
+
+def _check_tensor(check: _Check, at: str, t: Any) -> None:
+    check(isinstance(t, dict) and isinstance(t.get("name"), str), at, t, "an object {name, dtype, shape}")
+    check(_is_dtype(t.get("dtype")), f"{at}.dtype", t.get("dtype"), f"one of {sorted(dtypes.NUMPY)}")
+    check(isinstance(t.get("shape"), list) and all(_is_dim(d) for d in t["shape"]), f"{at}.shape", t.get("shape"),
+          "a list of dims (ints >= 0 or symbolic expressions)")
 
 
 def verify_files(path: str, manifest: Manifest) -> None:

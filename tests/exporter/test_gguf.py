@@ -201,6 +201,22 @@ def test_chat_template_matches_transformers(ckpt, hf_tokenizer):
     assert got.startswith("<|im_start|>system\nYou are terse.<|im_end|>\n")
 
 
+def test_header_reader_reads_what_gguf_reader_reads(smollm2_gguf, reader):
+    """exporter/gguf/header.py against the gguf package's own reader: every key-value (type and
+    value) and every tensor info (name, dims, type, data offset and size), in file order."""
+    from hloserve.exporter.gguf.header import read_header
+    header = read_header(smollm2_gguf)
+    theirs = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert list(header.fields) == list(theirs)
+    for key, f in theirs.items():
+        ours = header.fields[key]
+        assert [ours.type] + ([ours.item_type] if ours.item_type is not None else []) == [int(t) for t in f.types]
+        assert ours.value == f.contents(), key
+    assert header.data_start == reader.data_offset and header.alignment == reader.alignment
+    assert [(t.name, t.dims, t.ggml_type, t.start, t.nbytes) for t in header.tensors] == \
+        [(t.name, tuple(t.shape.tolist()), int(t.tensor_type), t.data_offset, t.n_bytes) for t in reader.tensors]
+
+
 def test_non_gguf_file_is_a_clear_error(tmp_path):
     from hloserve.exporter.errors import SourceError
     from hloserve.exporter.gguf.checkpoint import load_gguf
