@@ -30,7 +30,7 @@ All measured in one run, on jax's default backend (CPU here):
     dequantization formulations (f32, dequantize-then-dot, scale after the dot, unrolled int8,
     int8 x int8 dot with dynamic activation quantization, int4 g32 interleaved vs even/odd
     halves), and the 49152 x 576 LM head GEMV (f32, int8 whole, int8 in row blocks). "ours" is
-    the lowering in exporter/lowerings/quantized.py called directly.
+    the lowering in exporter/composites/quant_linear.py called directly.
 """
 from __future__ import annotations
 
@@ -219,7 +219,7 @@ def micro(steps: int = 30) -> dict:
     import jax.numpy as jnp
     from jax import lax
 
-    from hloserve.exporter.lowerings.quantized import _quantized_linear, dequantize
+    from hloserve.exporter.composites.quant_linear import _lower_quantized_linear as _quantized_linear, dequantize
     from hloserve.quantization import primitives
     from hloserve.quantization.schemes import INT8, WeightScheme
 
@@ -250,7 +250,7 @@ def micro(steps: int = 30) -> dict:
     def f32(x, w):
         return lax.dot_general(x, w, dn)
 
-    def deq_dot(x, w):          # what lowerings/quantized.py emits
+    def deq_dot(x, w):          # what composites/quant_linear.py emits
         q, s = w
         return lax.dot_general(x, dequantize(q, s, None, 8, 0), dn)
 

@@ -670,6 +670,33 @@ def write_docs(section: str) -> None:
         f.write(text)
 
 
+def step_breakdown(metrics: str) -> str:
+    """One line from a server's /metrics: per engine step, the mean host and device seconds
+    (hloserve:step_host_seconds, hloserve:step_device_seconds) and the device's share of the steps."""
+    from prometheus_client.parser import text_string_to_metric_families
+    got = {}
+    for fam in text_string_to_metric_families(metrics):
+        if fam.name in ("hloserve:step_host_seconds", "hloserve:step_device_seconds"):
+            got[fam.name.split("_")[1]] = {x.name.rsplit("_", 1)[-1]: x.value for x in fam.samples}
+    if len(got) < 2 or not got["device"].get("count"):
+        return "no step breakdown in /metrics"
+    host, dev = (got[k]["sum"] / got[k]["count"] for k in ("host", "device"))
+    return (f"per step ({int(got['device']['count'])} steps): host {1e3 * host:.2f} ms, device {1e3 * dev:.2f} ms "
+            f"(device busy {100 * dev / (host + dev):.0f}% of the steps)")
+
+
+def baseline_path(root: str, work: str) -> str:
+    """A PYTHONPATH entry under which `hloserve` is the checkout at `root` (its package-dir folders
+    linked as hloserve/<package>), for serving a second revision beside the installed one."""
+    shim = os.path.join(work, "baseline", "hloserve")
+    os.makedirs(shim, exist_ok=True)
+    for package in ("exporter", "runtime", "server", "quantization"):
+        link = os.path.join(shim, package)
+        if not os.path.islink(link):
+            os.symlink(os.path.abspath(os.path.join(root, package)), link)
+    return os.path.dirname(shim)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--concurrency", default="1,16", help="main workload: max concurrency levels")
@@ -687,6 +714,10 @@ def main() -> int:
                    help="smollm2 (the default model), or a random-init shape of another family (SHAPES)")
     p.add_argument("--artifact", help="hloserve artifact (default: the smollm2-135m-instruct preset's, exported once)")
     p.add_argument("--serve-args", default="", help="extra `hloserve serve` flags")
+    p.add_argument("--baseline", default="",
+                   help="another hloserve checkout (its repository root, e.g. a `git worktree` of the commit before a "
+                        "change): served too, first, on the same artifact and workloads, as `hloserve (baseline)`, "
+                        "so one run holds the before and the after")
     p.add_argument("--no-cold-start", action="store_true",
                    help="start hloserve and vLLM once each, on their default compile caches (no empty-cache starts)")
     p.add_argument("--vllm", default=os.path.join(os.environ.get("VLLM_VENV", "/work/vllm-venv"), "bin", "vllm"),
@@ -778,6 +809,12 @@ def main() -> int:
         def cmd():
             return [sys.executable, "-m", HLOSERVE_CLI, "serve", art, "--port", str(free_port()), "--model-name", MODEL,
                     *serve_args]
+        if args.baseline:
+            name = "hloserve (baseline)"
+            env = {"PYTHONPATH": baseline_path(args.baseline, logs)}
+            with server(name, cmd(), "/ready", os.path.join(logs, "hloserve-baseline.log"), env=env) as (base, secs):
+                starts[f"{name}, default cache"] = secs
+                levels += bench_server(name, base, workloads, {"ignore_eos": True})
         cache = None if args.no_cold_start else tempfile.mkdtemp(prefix="hloserve-bench-cache-")
         env = {"HLOSERVE_CACHE": cache} if cache else {}
         with cold_then_warm("hloserve", cmd, "/ready", logs, env, cache, starts) as base:
@@ -785,6 +822,7 @@ def main() -> int:
             metrics = httpx.get(base + "/metrics").text
             rec = [ln for ln in metrics.splitlines() if ln.startswith("hloserve:compiles_after_warmup_total")]
             print(f"  {rec[0] if rec else 'no recompile metric'}", flush=True)
+            print(f"  {step_breakdown(metrics)}", flush=True)
 
     for spec in [q for q in args.quantize.split(",") if q] if "hloserve" not in skip else []:
         source = PRESET if args.model == "smollm2" else hf_dir

@@ -23,14 +23,10 @@ class Source:
       model: manifest "model" metadata (task, tokenizer files, config).
       files: extra files of the artifact (tokenizer.json, ...), name -> the path copied or the bytes written.
       weight_quant: (artifact weight name, tensor) -> the manifest's WeightSpec.quant or None
-        (set by exporter.quantize.quantize_source).
-      quantized_weights: model -> {module name: (stored tensors, scheme)}, the weights the checkpoint
-        already holds quantized (a GGUF's own blocks under --quantize gguf), which quantize_source
-        hands the module swap instead of requantizing them; None: there are none.
+        (the QuantRecord of --quantize's module swap).
     """
     description: str
     entries: list["EntryPoint"]
     model: dict = dataclasses.field(default_factory=dict)
     files: dict[str, str | bytes] = dataclasses.field(default_factory=dict)
     weight_quant: Callable[[str, "torch.Tensor"], Any] | None = None
-    quantized_weights: Callable[["torch.nn.Module"], Any] | None = None

@@ -147,28 +147,8 @@ def trace_entry(entry: EntryPoint, *, platforms: Sequence[str] = DEFAULT_PLATFOR
     if len(input_names) != len(user):
         raise HloserveError(f"{entry.name}: {len(input_names)} input names for {len(user)} inputs")
 
-    outputs: list[tuple[str, Any]] = []
-    mutations: dict[str, str] = {}
-    out_node = next(n for n in ep.graph.nodes if n.op == "output")
-    user_outs = [o for o in sig.output_specs if o.kind.name == "USER_OUTPUT"]
-    out_names = list(entry.output_names or [f"output_{i}" if len(user_outs) > 1 else "output" for i in range(len(user_outs))])
-    k = 0
     input_of_placeholder = {n: input_names[i] for i, (n, _) in enumerate(user)}
-    for o, val_node in zip(sig.output_specs, out_node.args[0]):
-        val = val_node.meta["val"] if isinstance(val_node, torch.fx.Node) else val_node
-        kind = o.kind.name
-        if kind == "USER_OUTPUT":
-            outputs.append((out_names[k], val))
-            k += 1
-        elif kind == "BUFFER_MUTATION":
-            outputs.append((f"updated:{o.target}", val))
-            mutations[f"updated:{o.target}"] = o.target
-        elif kind == "USER_INPUT_MUTATION":
-            target = input_of_placeholder.get(o.target, o.target)
-            outputs.append((f"updated:{target}", val))
-            mutations[f"updated:{target}"] = target
-        else:
-            raise HloserveError(f"{entry.name}: output kind {kind} is not supported")
+    outputs, mutations = _outputs(entry, ep, input_of_placeholder)
 
     def avals(fake):
         return jax.ShapeDtypeStruct(symbols.shape(fake), dtypes.jax_of_torch(fake.dtype))
@@ -187,6 +167,35 @@ def trace_entry(entry: EntryPoint, *, platforms: Sequence[str] = DEFAULT_PLATFOR
     return Traced(exp, symbols, tuple(weight_names), weight_values,
                   tuple((n, v) for n, (_, v) in zip(input_names, user)), tuple(outputs), mutations,
                   frozenset(constants))
+
+
+def _outputs(entry: EntryPoint, ep: Any, input_of_placeholder: Mapping[str, str]
+             ) -> tuple[list[tuple[str, Any]], dict[str, str]]:
+    """The entry point's outputs (name, fake value) in the program's order, and the mutations among
+    them (output name -> the buffer or input it updates: `updated:<name>`)."""
+    sig = ep.graph_signature
+    outputs: list[tuple[str, Any]] = []
+    mutations: dict[str, str] = {}
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    user_outs = [o for o in sig.output_specs if o.kind.name == "USER_OUTPUT"]
+    out_names = list(entry.output_names or [f"output_{i}" if len(user_outs) > 1 else "output" for i in range(len(user_outs))])
+    k = 0
+    for o, val_node in zip(sig.output_specs, out_node.args[0]):
+        val = val_node.meta["val"] if isinstance(val_node, torch.fx.Node) else val_node
+        kind = o.kind.name
+        if kind == "USER_OUTPUT":
+            outputs.append((out_names[k], val))
+            k += 1
+        elif kind == "BUFFER_MUTATION":
+            outputs.append((f"updated:{o.target}", val))
+            mutations[f"updated:{o.target}"] = o.target
+        elif kind == "USER_INPUT_MUTATION":
+            target = input_of_placeholder.get(o.target, o.target)
+            outputs.append((f"updated:{target}", val))
+            mutations[f"updated:{target}"] = target
+        else:
+            raise HloserveError(f"{entry.name}: output kind {kind} is not supported")
+    return outputs, mutations
 
 
 def lower_entry(entry: EntryPoint, out_dir: str, *, platforms: Sequence[str] = DEFAULT_PLATFORMS,
@@ -291,15 +300,19 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
     return manifest
 
 
-def _split_only_stored(model: dict, stored: Mapping[str, Any]) -> dict:
-    """`model` with its LLM tensor-parallel spec naming only weights the artifact stores: the spec is
-    made from the model's modules, which name a tied table twice (embedding and head); the writer
-    keeps one name."""
-    tp = (model.get("llm") or {}).get("tensor_parallel")
-    if not tp or set(tp["weights"]) <= set(stored):
-        return model
-    weights = {n: d for n, d in tp["weights"].items() if n in stored}
-    return {**model, "llm": {**model["llm"], "tensor_parallel": {**tp, "weights": weights}}}
+def _model_json(model: Mapping[str, Any], stored: Mapping[str, Any]) -> dict:
+    """The manifest's `model` metadata: an LLM step's contract (a typed LLMSpec until here) written as
+    JSON, its tensor-parallel split naming only weights the artifact stores (the spec is made from
+    the model's modules, which name a tied table twice, embedding and head; the writer keeps one)."""
+    out = dict(model)
+    llm = out.get("llm")
+    if isinstance(llm, artifact.LLMSpec):
+        tp = llm.tensor_parallel
+        if tp is not None and not set(tp.weights) <= set(stored):
+            tp = dataclasses.replace(tp, weights={n: d for n, d in tp.weights.items() if n in stored})
+            llm = dataclasses.replace(llm, tensor_parallel=tp)
+        out["llm"] = llm.to_json()
+    return out
 
 
 def _write_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str, model: Mapping[str, Any] | None,
@@ -358,7 +371,7 @@ def _write_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
             return "unknown"
 
     specs = _specs(arrays)
-    model = _split_only_stored(dict(model or {}), specs)
+    model = _model_json(model or {}, specs)
     if files:
         for name, content in files.items():
             if isinstance(content, bytes):

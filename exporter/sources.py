@@ -9,6 +9,7 @@ SOURCE may be:
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -17,6 +18,7 @@ import sys
 from typing import Any, Sequence
 
 import torch
+from hloserve.runtime.artifact.generation import GENERATION_CONFIG
 
 from . import presets
 from .entry import Source  # noqa: F401  (re-exported: sources return it)
@@ -24,6 +26,15 @@ from .errors import SourceError
 from .export import EntryPoint
 from .dynamic_spec import parse_dynamic_spec
 from .shapes import AUTO_NAME
+from hloserve.quantization.convert import QuantRequest
+from hloserve.quantization.schemes import QuantConfig
+from .quantize import quantize_source
+from .llm import hf_causal
+from .llm.hf_files import with_recommended
+from .gguf.checkpoint import load_gguf, write_hf_directory
+from .gguf.quant import stored_by_module
+from .capture import decompose
+from ._private import drop_derived_ranges
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --llm-step: how a causal LM is exported ("none": its plain forward, served with the predict API)
@@ -87,12 +98,9 @@ def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = Non
     if quantize and "weight_dtype" in llm:
         raise SourceError("--weight-dtype and --quantize both choose how weights are stored; use one of them")
     if quantize:
-        from hloserve.quantization.schemes import QuantConfig
 
-        from .quantize import quantize_source
-        config = QuantConfig.parse(quantize, tuple(quantize_skip))
-        src = _load_source(spec, dtype, config, llm)
-        return quantize_source(src, config)
+        request = QuantRequest(QuantConfig.parse(quantize, tuple(quantize_skip)))
+        return quantize_source(_load_source(spec, dtype, request, llm), request)
     return _load_source(spec, dtype, None, llm)
 
 
@@ -100,7 +108,7 @@ def _load_source(spec: str, dtype: str, quant, llm: dict) -> Source:
     if dtype not in DTYPES:
         raise SourceError(f"--dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     tdtype = DTYPES[dtype]
-    if quant is not None and quant.native and not spec.endswith(".gguf") and \
+    if quant is not None and quant.config.native and not spec.endswith(".gguf") and \
             not (spec in presets.PRESETS and presets.resolve(spec).endswith(".gguf")):
         raise SourceError(f"--quantize gguf keeps a GGUF file's blocks, but {spec} is not a .gguf; "
                           f"use --quantize int8 or int4[:GROUP[:sym]]")
@@ -108,6 +116,8 @@ def _load_source(spec: str, dtype: str, quant, llm: dict) -> Source:
         path = presets.resolve(spec)
         src = _load_path(path, tdtype, quant, llm)
         src.model["preset"] = spec
+        if presets.PRESETS[spec].generation:   # its model card's sampling, for the server's defaults
+            src.files = {**src.files, GENERATION_CONFIG: with_recommended(src.files, presets.PRESETS[spec].generation)}
         return src
     if os.path.exists(spec):
         return _load_path(spec, tdtype, quant, llm)
@@ -130,7 +140,7 @@ def _load_path(path: str, tdtype, quant=None, llm: dict | None = None) -> Source
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
             raise SourceError(f"{path} is a directory without config.json; expected a Hugging Face model directory")
-        src = hf_directory(path, tdtype, llm)
+        src = hf_directory(path, tdtype, llm, quant)
         if src.model.get("task") != "causal-lm":
             _llm_only(path, llm)
         return src
@@ -145,45 +155,43 @@ def _load_path(path: str, tdtype, quant=None, llm: dict | None = None) -> Source
     raise SourceError(f"{path}: unknown checkpoint type; expected a HF directory, a .pt2 or a .gguf file")
 
 
-def _gguf(path: str, tdtype, quant, llm: dict) -> Source:
+def _gguf(path: str, tdtype, quant: QuantRequest | None, llm: dict) -> Source:
     """A GGUF through the generic step: its config and tokenizer as a Hugging Face directory (a private
     temp dir, removed once loaded; the source holds its tokenizer files' bytes), its weights
-    dequantized in memory, exported like a directory; with `--quantize gguf` it offers the file's own blocks (Source.quantized_weights)
-    to quantize_source's module swap."""
+    dequantized in memory, exported like a directory; with `--quantize gguf` the module swap at load
+    takes the file's own blocks (QuantRequest.stored)."""
     import pathlib
     import shutil
     import tempfile
 
-    from .models import hf_causal
-    from .models.gguf import load_gguf, write_hf_directory
     ckpt = load_gguf(path)
+    native = quant is not None and quant.config.native
+    if native:
+        quant = dataclasses.replace(quant, stored=lambda model: stored_by_module(model, ckpt, quant.config))
     out = tempfile.mkdtemp(prefix="hloserve-gguf-hf-")
     try:
-        src = hf_causal.from_hf_directory(write_hf_directory(ckpt, out), tdtype, state_dict=ckpt.materialize(), **llm)
+        src = hf_causal.from_hf_directory(write_hf_directory(ckpt, out), tdtype, state_dict=ckpt.materialize(),
+                                          quantize=quant, **llm)
         src.files = {name: pathlib.Path(p).read_bytes() for name, p in src.files.items()}   # the directory goes now
     finally:
         shutil.rmtree(out, ignore_errors=True)
     if ckpt.config.get("rope_freq_factors"):   # llama.cpp's form of Llama 3 RoPE scaling
         for model in {id(e.module.model): e.module.model for e in src.entries}.values():
             hf_causal.divide_rope_frequencies(model, ckpt.config["rope_freq_factors"], path)
-    if quant is not None and quant.native:   # --quantize gguf: quantize_source swaps in the file's own blocks
-        from .models.gguf_quant import stored_by_module
-        src.quantized_weights = lambda model: stored_by_module(model, ckpt, quant)
-        src.description = f"GGUF {os.path.basename(path)} ({quant.spec}: its own blocks), {src.description}"
+    if native:
+        src.description = f"GGUF {os.path.basename(path)} ({quant.config.spec}: its own blocks), {src.description}"
         return src
     src.description = f"GGUF {os.path.basename(path)} dequantized, {src.description}"
     return src
 
 
 def _load_pt2(path: str, tdtype) -> Source:
-    from .capture import decompose
     try:
         ep = torch.export.load(path)
     except Exception as e:  # noqa: BLE001
         raise SourceError(f"{path} is not a readable torch.export .pt2 file: {type(e).__name__}: {e}") from e
     if tdtype != torch.float32:
         raise SourceError(f"{path}: --dtype applies before capture; re-save the .pt2 in {tdtype}")
-    from ._private import drop_derived_ranges
     drop_derived_ranges(ep)
     # A .pt2 keeps no Dim names (torch names its symbols s0, s77, ...): each root dim is named after
     # the first input and axis it appears in (x_0); `--dynamic x:0=batch` names it otherwise.
@@ -349,7 +357,7 @@ def hf_entry(model: torch.nn.Module, config, *, batch=(1, 64), seq=(1, 512),
     return entry, {"task": task, "architecture": archs[0], "config": config.to_dict()}
 
 
-def hf_directory(path: str, tdtype, llm: dict | None = None) -> Source:
+def hf_directory(path: str, tdtype, llm: dict | None = None, quant: QuantRequest | None = None) -> Source:
     import transformers
     try:
         config = transformers.AutoConfig.from_pretrained(path)
@@ -366,7 +374,6 @@ def hf_directory(path: str, tdtype, llm: dict | None = None) -> Source:
     causal = _is_causal_lm(cls, config) and step != "none"
     why_not = None
     if causal or step == "generic":
-        from .models import hf_causal      # any causal LM through transformers' attention interface
         try:
             hf_causal.check_supported(cls, config)
         except SourceError as e:
@@ -374,7 +381,7 @@ def hf_directory(path: str, tdtype, llm: dict | None = None) -> Source:
                 raise
             why_not = str(e)
         else:
-            return hf_causal.from_hf_directory(path, tdtype, **llm)
+            return hf_causal.from_hf_directory(path, tdtype, quantize=quant, **llm)
     if not any(f.endswith(".safetensors") for f in os.listdir(path)):
         raise SourceError(f"{path} has no *.safetensors weights; convert the checkpoint to safetensors first")
     model = cls.from_pretrained(path, dtype=tdtype, attn_implementation="sdpa")

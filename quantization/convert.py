@@ -6,11 +6,12 @@
 Every stored tensor is registered in a `QuantRecord` by its storage identity, so the exporter
 can write each weight's scheme into the manifest (WeightSpec.quant) whatever name torch.export
 gives it. This package knows no model: model-specific quantization (the stacked Llama weights,
-GGUF blocks) lives next to the model in hloserve.exporter.models and uses these pieces.
+GGUF blocks) lives next to the model in hloserve.exporter.llm and uses these pieces.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -92,13 +93,27 @@ def quantize_tensor(w: torch.Tensor, scheme: WeightScheme, where: str, *, linear
     return to_torch(qa, scheme.rows), scheme
 
 
+@dataclasses.dataclass(frozen=True)
+class QuantRequest:
+    """`--quantize` as a loader applies it: the config, the record the exporter reads the manifest's
+    WeightSpec.quant from, and the weights the checkpoint already holds quantized (`stored(module)`:
+    {module name: (stored tensors, scheme)}, a GGUF's own blocks), used as they are."""
+    config: QuantConfig
+    record: QuantRecord = dataclasses.field(default_factory=lambda: QuantRecord())
+    stored: Callable[[torch.nn.Module], Mapping[str, tuple[dict[str, torch.Tensor], WeightScheme]]] | None = None
+
+    def apply(self, module: torch.nn.Module) -> None:
+        """The module swap on `module` (its real, unscanned layers)."""
+        quantize_module(module, self.config, self.record, self.stored(module) if self.stored is not None else None)
+
+
 # -- generic modules --------------------------------------------------------------
 def quantize_module(module: torch.nn.Module, config: QuantConfig, record: QuantRecord | None = None,
                     given: Mapping[str, tuple[dict[str, torch.Tensor], WeightScheme]] | None = None) -> QuantRecord:
     """Swap every nn.Linear / nn.Embedding of `module` (not matched by config.skip) in place.
 
     `given` maps module names to weights already stored (row by row) in a scheme, e.g. a GGUF file's
-    own blocks (exporter/models/gguf_quant.py): those are used as they are, not requantized.
+    own blocks (exporter/gguf/quant.py): those are used as they are, not requantized.
 
     Module names are the dotted paths of named_modules() ("encoder.layer.0.attention.self.query").
     A weight whose input dim does not fit the scheme's group raises (skip it or pick a group).

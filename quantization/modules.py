@@ -11,7 +11,7 @@ WeightScheme.rows) and uses matrix `layer` (a 0-dim int32):
 a scanned layer loop reads its layer where the stack lies (the `hloserve.quant_linear` composite,
 runtime/artifact/kernels.py), and a single matrix is a stack of one. The ops keep the quantized tensors whole through
 torch.export (a q/dq pattern in ATen would be decomposed and re-fused by chance); the lowering
-in exporter/lowerings/quantized.py decides how XLA sees the dequantization. Their eager
+in exporter/composites/quant_linear.py decides how XLA sees the dequantization. Their eager
 implementations (dequantize in float32, then F.linear on x quantized to int8 per block of 32 as
 the `hloserve.quant_linear` contract says, or F.embedding) are the torch reference.
 
@@ -132,7 +132,7 @@ def _register(module: torch.nn.Module, name: str, tensors: dict[str, torch.Tenso
 class QuantizedLinear(torch.nn.Module):
     """A Linear whose weight is stored quantized: buffers weight, weight_scale, weight_min (asym).
 
-    A layer loop that scans stacked layers (exporter/models/hf_layers.py) substitutes stacks
+    A layer loop that scans stacked layers (exporter/llm/hf_layers.py) substitutes stacks
     [L, ...] of the tensors named in IN_PLACE and sets `layer`: the matrix is then read where it
     lies in the stack, not sliced out of it."""
 

@@ -1,6 +1,6 @@
 """Reference quantize / dequantize / pack functions in NumPy (schemes.py defines the layout).
 
-These are the definition the in-graph lowering (exporter/lowerings/quantized.py) and the
+These are the definition the in-graph lowering (exporter/composites/quant_linear.py) and the
 tests are checked against. Quantization rules:
 
   * int8 symmetric:   scale = amax / 127, q = clip(round(w / scale), -127, 127)

@@ -55,17 +55,17 @@ def _inspect_platform(path: str, m, platform: str) -> int:
     platform (at its dims' smallest sizes) with the kernels linked in, naming the custom calls."""
     import jax
     from hloserve.runtime import artifact
-    from hloserve.runtime.kernels import accelerators
+    from hloserve.runtime.kernels import pallas
     from hloserve.runtime.model import read_exported
 
     platform = "cuda" if platform == "gpu" else platform
     env = {name: max(s.min, 1) for name, s in m.symbols.items()}
     for fn in m.functions.values():
         exported = read_exported(path, fn.name)
-        if accelerators.LOWERING[platform] not in exported.platforms:
+        if pallas.LOWERING[platform] not in exported.platforms:
             raise HloserveError(f"function {fn.name!r} was lowered for {','.join(exported.platforms)}, not "
                                 f"{platform}; re-export with --platforms {','.join([*exported.platforms, platform])}")
-        pending, plans = accelerators.specialize(exported, platform)
+        pending, plans = pallas.specialize(exported, platform)
         dims = ", ".join(f"{k}={v}" for k, v in sorted(env.items()) if k in artifact.names_in(
             [d for t in fn.inputs for d in t.shape]))
         print(f"on {platform}: function {fn.name}" + (f" (lowered at {dims})" if dims else ""))
@@ -75,8 +75,8 @@ def _inspect_platform(path: str, m, platform: str) -> int:
             print("  no composites: XLA compiles the whole function")
         avals = [jax.ShapeDtypeStruct(m.weights[w].shape, artifact.numpy_dtype(m.weights[w].dtype)) for w in fn.weights]
         avals += [jax.ShapeDtypeStruct(artifact.concrete_shape(t, env), artifact.numpy_dtype(t.dtype)) for t in fn.inputs]
-        static = accelerators.for_shapes(pending, platform, avals)
-        calls = accelerators.kernels_in(static)
+        static = pallas.for_shapes(pending, platform, avals)
+        calls = pallas.kernels_in(static)
         listed = ", ".join(f"{k} x{n}" for k, n in sorted(calls.items())) or "none"
         print(f"  lowered for {platform} with its kernels: custom calls {listed}")
     return 0

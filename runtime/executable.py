@@ -141,7 +141,7 @@ class Function:
             out_shardings = tuple(self._in_shardings.get(t.name, input_sharding) for t in spec.outputs)
         self._jit = jax.jit(exported.call, donate_argnums=donate, out_shardings=out_shardings)
         # accelerator kernels: the function re-exported at each compiled shape with its kernels linked
-        # in (runtime/kernels/accelerators.py)
+        # in (runtime/kernels/pallas/)
         self._per_shape = per_shape
         self._jit_options = {"donate_argnums": donate, "out_shardings": out_shardings}
         self._executables: dict[Env, Any] = {}

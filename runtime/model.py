@@ -11,7 +11,6 @@ calls pass those device arrays, never re-transfer them. Nothing here imports tor
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -26,7 +25,6 @@ from jax import export as jax_export
 
 from . import buckets as buckets_mod
 from . import kernels
-from .kernels import accelerators
 from . import sharding as sharding_mod
 from .client import DEFAULT_CACHE, Client, PlatformError, connect, platform_devices
 from .exec_cache import ExecutableCache
@@ -99,7 +97,7 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
          partition_rules: sharding_mod.Rules | None = None, cache_dir: str | None = DEFAULT_CACHE,
          buckets: Mapping[str, Sequence[int]] | None = None, strict: bool = False, *, verify: bool | str = True,
          functions: Sequence[str] | None = None, input_rules: sharding_mod.Rules | None = None,
-         manifest: artifact.Manifest | None = None, kernel_support: kernels.KernelSupport | None = None,
+         manifest: artifact.Manifest | None = None, kernel_support: kernels.KernelBackend | None = None,
          pallas_interpret: str | None = None) -> LoadedModel:
     """Load the artifact at `path` onto devices.
 
@@ -122,7 +120,7 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
       manifest: the artifact's manifest when the caller has read it already (read from `path` otherwise).
       kernel_support: the kernels to substitute, when the caller asked `kernel_support()` before the load
         (default: this platform's).
-      pallas_interpret: "tpu" or "cuda": run that platform's Pallas kernels (runtime/kernels/accelerators.py)
+      pallas_interpret: "tpu" or "cuda": run that platform's Pallas kernels (runtime/kernels/pallas/)
         in Pallas interpret mode on this device instead of its own kernels: the accelerator path,
         substitution included, checked where no accelerator is (slow: for tests).
     """
@@ -143,33 +141,14 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
     exported = {n: read_exported(path, n) for n in names}
     for n, exp in exported.items():
         _check_platform(n, exp, client, path)
-    # composites this runtime has a kernel for run it (CPU: runtime/kernels/); the rest, and
-    # every composite over a mesh, run the decomposition the artifact carries (a kernel is one
-    # device's code: XLA cannot partition a custom call, so over a mesh the decomposition runs and is
-    # partitioned with the rest); TPU and GPU run their Pallas kernels (runtime/kernels/accelerators.py)
+    # each composite runs this platform's kernel where it has one (runtime/kernels/), else the
+    # decomposition the artifact carries
     if kernel_support is None:
-        kernel_support = kernels.support(pallas_interpret or client.platform, mesh=jmesh is not None, report=_stderr)
-    library, accelerator = kernel_support.library, kernel_support.accelerator
-    specialized, per_shape, kernel_digest = {}, {}, library.digest if library else None
-    for n in names:
-        if accelerator and jmesh is None:
-            # Pallas kernels compile for static shapes: placeholders now, kernels per compiled shape
-            pending, plans = accelerators.specialize(exported[n], accelerator)
-            specialized[n] = sum(p.kernel is not None for p in plans)
-            if specialized[n]:
-                per_shape[n] = functools.partial(accelerators.for_shapes, pending, accelerator,
-                                                 interpret=bool(pallas_interpret))
-                kernel_digest = accelerators.digest(accelerator)
-            exported[n] = pending if specialized[n] else kernels.specialize(exported[n], None)[0]
-        else:
-            exported[n], specialized[n] = kernels.specialize(exported[n], library)
-    used = list(dict.fromkeys(w for n in names for w in manifest.functions[n].weights))
-    for w in used:
-        if w not in reader:
-            raise ArtifactError(f"artifact {path}: weight {w!r} is missing from {artifact.WEIGHTS}; re-export it")
-    shardings = sharding_mod.weight_shardings({w: reader[w].shape for w in used}, partition_rules, jmesh, device)
-    # memory-mapped views go to the device once; with a mesh each device receives only its shard
-    on_device = {w: sharding_mod.place(reader[w], shardings[w]) for w in used}
+        kernel_support = kernels.support(pallas_interpret or client.platform, mesh=jmesh is not None,
+                                         report=_stderr, interpret=bool(pallas_interpret))
+    specialized = {n: kernel_support.specialize(exported[n]) for n in names}
+    on_device, shardings = _place_weights(path, reader, [manifest.functions[n] for n in names], partition_rules,
+                                          jmesh, device)
     in_sharding = sharding_mod.input_sharding(jmesh, device)
 
     # (a multi-host run compiles on every process: executables are not shared through the cache)
@@ -182,18 +161,30 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
         bks = buckets_mod.Buckets.build(manifest.symbols, spec.paddable,
                                         {k: v for k, v in (buckets or {}).items() if k in spec.paddable
                                          or k not in _paddable_anywhere(manifest)})
-        fns[n] = Function(spec, manifest.symbols, exported[n], [on_device[w] for w in spec.weights],
+        fns[n] = Function(spec, manifest.symbols, specialized[n].exported, [on_device[w] for w in spec.weights],
                           [shardings[w] for w in spec.weights], in_sharding, bks, strict=strict,
                           exec_cache=cache, devices=exec_devices,
                           cache_identity={**_identity(spec, shardings, in_sharding, exec_devices),
                                           "split_inputs": {k: repr(v.spec) for k, v in split_inputs.items()},
-                                          "kernels": kernel_digest if specialized[n] else None},
+                                          "kernels": specialized[n].digest},
                           compiler_options=client.compiler_options, input_shardings=split_inputs,
-                          kernels=specialized[n], per_shape=per_shape.get(n))
+                          kernels=specialized[n].kernels, per_shape=specialized[n].per_shape)
     return LoadedModel(path, manifest, client, jmesh, on_device, fns)
 
 
-def kernel_support(platform: str | None = None, *, mesh: bool = False) -> kernels.KernelSupport:
+def _place_weights(path: str, reader: weights_io.Reader, specs: Sequence[artifact.FunctionSpec],
+                   partition_rules: sharding_mod.Rules | None, jmesh: Any, device: Any) -> tuple[dict, dict]:
+    """(weight name -> device array, weight name -> sharding) for the weights `specs` read: the
+    memory-mapped views go to the device once; with a mesh each device receives only its shard."""
+    used = list(dict.fromkeys(w for spec in specs for w in spec.weights))
+    for w in used:
+        if w not in reader:
+            raise ArtifactError(f"artifact {path}: weight {w!r} is missing from {artifact.WEIGHTS}; re-export it")
+    shardings = sharding_mod.weight_shardings({w: reader[w].shape for w in used}, partition_rules, jmesh, device)
+    return {w: sharding_mod.place(reader[w], shardings[w]) for w in used}, shardings
+
+
+def kernel_support(platform: str | None = None, *, mesh: bool = False) -> kernels.KernelBackend:
     """The composites a `load(platform=..., mesh=...)` would run as kernels, known before it loads
     (builds the CPU kernels on first use); pass it on as load's `kernel_support`."""
     return kernels.support(platform_devices(platform)[0].platform, mesh=mesh, report=_stderr)

@@ -18,7 +18,8 @@ def _serve(args: argparse.Namespace) -> int:
              "shutdown_grace_s": args.shutdown_grace, "verify_weights": args.verify_weights,
              "max_output_tokens": args.max_output_tokens, "tensor_parallel_size": args.tensor_parallel_size,
              "batch_timeout_s": None if args.batch_timeout_ms is None else args.batch_timeout_ms / 1000,
-             "grpc_port": args.grpc_port}
+             "grpc_port": args.grpc_port, "generation_config": args.generation_config,
+             "override_generation_config": _json_object(args.override_generation_config)}
     config = ServeConfig(**{k: v for k, v in given.items() if v is not None})   # the rest: ServeConfig's defaults
     hosts = int(os.environ.get("JAX_NUM_PROCESSES") or 1) if args.distributed else 1
     if config.tensor_parallel_size > 1 and (config.platform or "cpu") == "cpu":
@@ -34,6 +35,24 @@ def _serve(args: argparse.Namespace) -> int:
     serve(args.artifact, host=args.host, port=args.port, config=config, log_level=args.log_level,
           quantize=args.quantize)
     return 0
+
+
+def _json_object(text: str | None) -> dict | None:
+    """--override-generation-config's JSON object (None: not given)."""
+    import json
+
+    from hloserve.runtime.artifact.errors import HloserveError
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise HloserveError(f"--override-generation-config {text!r} is not JSON ({e}); pass an object such as "
+                            f"'{{\"temperature\": 0.7}}'") from None
+    if not isinstance(value, dict):
+        raise HloserveError(f"--override-generation-config {text!r} is a JSON {type(value).__name__}; pass an "
+                            f"object such as '{{\"temperature\": 0.7}}'")
+    return value
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
@@ -80,5 +99,13 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
                          "JAX_PROCESS_ID, or a detected TPU slice / SLURM / Kubernetes job): process 0 serves "
                          "HTTP and schedules, the others run its steps; --tensor-parallel-size counts every "
                          "host's devices")
+    sv.add_argument("--generation-config", metavar="auto|none|PATH",
+                    help="LLM: sampling defaults for the fields a request leaves out (temperature, top_p, top_k, "
+                         "min_p, repetition_penalty, max_new_tokens as max_tokens): auto (default) the artifact's "
+                         "generation_config.json, none hloserve's neutral ones (temperature 1), or a directory "
+                         "holding generation_config.json, or the file")
+    sv.add_argument("--override-generation-config", metavar="JSON",
+                    help="LLM: a JSON object of those fields merged over the generation config, e.g. "
+                         "'{\"temperature\": 0.7}'; a request's own fields still win")
     sv.add_argument("--log-level", default="warning", help="uvicorn log level")
     sv.set_defaults(fn=_serve)

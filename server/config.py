@@ -8,11 +8,16 @@ so, so `hloserve serve`, tests and benchmarks run with the same numbers.
 from __future__ import annotations
 
 import dataclasses
+import os
+from typing import Any, Mapping
 
 from hloserve.runtime.artifact.errors import HloserveError
+from hloserve.runtime.artifact.generation import (GENERATION_CONFIG, SAMPLING_FIELDS, read_generation_config,
+                                                  sampling_fields)
 from hloserve.runtime.artifact.llm import LLMSpec
 
 from .core.model_runner import RunnerConfig
+from .core.sampling import SamplingParams
 from .core.scheduler import SchedulerConfig
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -25,6 +30,9 @@ SERVE_QUANTIZE = "auto"
 # Prompt text longer than this many characters per token of context is refused before tokenizing:
 # no tokenizer packs that much into the tokens a context holds, and tokenizing it would stall.
 MAX_PROMPT_CHARS_PER_TOKEN = 64
+# --generation-config besides a PATH: "auto" the artifact's own generation_config.json, "none" (or
+# vLLM's name for it, "vllm") hloserve's neutral defaults (temperature 1, top_p 1, no top-k or min-p)
+GENERATION_AUTO, GENERATION_NEUTRAL = "auto", ("none", "vllm")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,6 +69,11 @@ class ServeConfig:
       strict: refuse to compile a shape outside the warmed buckets while serving.
       verify_weights: "stamp" re-hashes the weights only when the file changed since its last full
         check (runtime.load's default); "full" re-hashes them on every start.
+      generation_config: where an LLM's sampling defaults come from (vLLM's --generation-config):
+        "auto" the artifact's generation_config.json, "none" neutral, else a directory holding
+        generation_config.json or the file itself.
+      override_generation_config: generation_config.json fields merged over those (vLLM's
+        --override-generation-config); a request's own fields win over both.
     """
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
@@ -86,12 +99,21 @@ class ServeConfig:
     tensor_parallel_size: int = 1
     strict: bool = True
     verify_weights: str = "stamp"
+    generation_config: str = GENERATION_AUTO
+    override_generation_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.verify_weights not in ("stamp", "full"):
             raise HloserveError(f"verify_weights={self.verify_weights!r}: use 'stamp' or 'full'")
         if self.tensor_parallel_size < 1:
             raise HloserveError(f"tensor_parallel_size={self.tensor_parallel_size}: use 1 (one device) or more")
+        unknown = sorted(set(self.override_generation_config) - set(SAMPLING_FIELDS))
+        if unknown:
+            raise HloserveError(f"--override-generation-config: unknown field(s) {', '.join(map(repr, unknown))}; "
+                                f"the fields are {', '.join(SAMPLING_FIELDS)}")
+        checked_defaults(sampling_fields(self.override_generation_config), "--override-generation-config")
+        if self.generation_config != GENERATION_AUTO:   # a PATH that cannot be read fails before anything loads
+            self.generation_defaults("")
 
     def grpc_port_for(self, *, llm: bool) -> int:
         """The port the gRPC API listens on for this kind of artifact (0: none)."""
@@ -101,6 +123,23 @@ class ServeConfig:
             raise HloserveError(f"--grpc-port {self.grpc_port}: the gRPC API is TF Serving's, for predict artifacts; "
                                 f"an LLM artifact is served through the OpenAI API over HTTP (leave --grpc-port out)")
         return self.grpc_port
+
+    def generation_defaults(self, artifact_dir: str) -> tuple[dict[str, Any], str]:
+        """(the sampling defaults of an LLM served from `artifact_dir`, under a request's field names;
+        where they come from). Precedence, as vLLM's: a request's own fields > the override > the
+        generation config > hloserve's neutral defaults (SamplingParams')."""
+        if self.generation_config in GENERATION_NEUTRAL:
+            config, where = {}, f"--generation-config {self.generation_config}"
+        else:
+            path = artifact_dir if self.generation_config == GENERATION_AUTO else self.generation_config
+            config = read_generation_config(path, required=self.generation_config != GENERATION_AUTO)
+            where = os.path.join(path, GENERATION_CONFIG) if os.path.isdir(path) else path
+            if not config:
+                where = f"{artifact_dir} has no {GENERATION_CONFIG}"
+        if self.override_generation_config:
+            where += ", --override-generation-config"
+        defaults = {**sampling_fields(config), **sampling_fields(self.override_generation_config)}
+        return checked_defaults(defaults, where), where
 
     @property
     def load_verify(self) -> bool | str:
@@ -130,3 +169,13 @@ class ServeConfig:
             num_blocks=self.num_blocks, kv_cache_bytes=self.kv_cache_bytes, min_tokens=self.min_token_bucket,
             block_buckets=self.block_buckets, prefill_growth=self.prefill_growth, block_growth=self.block_growth)
         return sched, runner, notes
+
+
+def checked_defaults(defaults: dict[str, Any], where: str) -> dict[str, Any]:
+    """`defaults` (request field names), refused with the reason when SamplingParams would refuse them."""
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as e:
+        msg = str(e).replace("max_tokens=", "max_new_tokens=")   # generation_config.json's name for it
+        raise HloserveError(f"{where}: {msg}; fix the value or leave the field out") from None
+    return defaults

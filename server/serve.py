@@ -33,12 +33,13 @@ from .wiring import load_runner
 
 DEFAULT_PRESET = "smollm2-135m-instruct"
 # How the default model is exported, and the cache directory's suffix naming it (a cache
-# written with other flags, or by an exporter whose step has changed since, is never mistaken
-# for this one: "s5" = decode attention as the hloserve.paged_attention composite, version 1,
-# fused rows grouped for tensor parallelism, and the 16-bit matrices read in place through the
-# hloserve.layer_linear composite, version 1).
+# written with other flags, or by an exporter whose step or files have changed since, is never
+# mistaken for this one: "s6" = decode attention as the hloserve.paged_attention composite, version 1,
+# fused rows grouped for tensor parallelism, the 16-bit matrices read in place through the
+# hloserve.layer_linear composite, version 1, and a preset's recommended sampling in the artifact's
+# generation_config.json).
 DEFAULT_EXPORT_FLAGS = ("--weight-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16")
-EXPORT_STEP = "s5"
+EXPORT_STEP = "s6"
 DEFAULT_EXPORT_TAG = f"bf16-{EXPORT_STEP}"
 log = logging.getLogger("hloserve.server")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -98,7 +99,8 @@ class LLMService:
     max_model_len: int
     readiness: Readiness
     admission: Admission
-    generation_defaults: dict = dataclasses.field(default_factory=dict)   # sampling the checkpoint recommends
+    # sampling where a request is silent (request field names; ServeConfig.generation_defaults)
+    generation_defaults: dict = dataclasses.field(default_factory=dict)
     max_output_tokens: int | None = None   # the operator's cap per request (ServeConfig)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     kind: str = "llm"
@@ -293,6 +295,9 @@ def build_service(artifact_path: str, config: ServeConfig) -> LLMService | Predi
         return PredictService(model, names[0], PredictBatcher(model, config.max_batch_size, config.batch_timeout_s),
                               readiness, admission, embedder=Embedder.from_artifact(artifact_path, manifest))
     art = LLMArtifact.read(artifact_path, manifest)   # a malformed contract fails here, before anything loads
+    defaults, where = config.generation_defaults(artifact_path)
+    log.info("generation defaults: %s (%s); a request's own fields win",
+             json.dumps(defaults) if defaults else "neutral, temperature 1 and top_p 1", where)
     try:
         engine, tokenizer = build_engine(art, config)
     except ValueError as e:
@@ -302,5 +307,5 @@ def build_service(artifact_path: str, config: ServeConfig) -> LLMService | Predi
                             f"tokenizer.json to serve text")
     max_len = engine.scheduler.config.max_model_len
     return LLMService(engine, tokenizer, engine.runner, names, max_len, readiness, admission,
-                      generation_defaults=dict(manifest.model.get("generation_defaults") or {}),
+                      generation_defaults=defaults,
                       max_output_tokens=config.max_output_tokens)

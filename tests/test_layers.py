@@ -66,9 +66,13 @@ MODULES = modules()
 
 def imports(name: str, path: pathlib.Path) -> list[tuple[int, str]]:
     """(line, absolute module) for every import statement in the file, anywhere in it."""
+    return _imports_of(name, path, ast.parse(path.read_text()))
+
+
+def _imports_of(name: str, path: pathlib.Path, tree: ast.AST) -> list[tuple[int, str]]:
     is_pkg = path.name == "__init__.py"
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -115,7 +119,7 @@ def test_package_graph_is_one_directional():
 
 @pytest.mark.parametrize("importer, target", [
     ("hloserve.runtime.model", "hloserve.exporter.export"),
-    ("hloserve.quantization.convert", "hloserve.exporter.models.hf_causal"),
+    ("hloserve.quantization.convert", "hloserve.exporter.llm.hf_causal"),
     ("hloserve.server.services", "hloserve.exporter.presets"),
     ("hloserve.runtime.artifact.manifest", "hloserve.runtime.client"),
     ("hloserve.server.http.chat_protocol", "hloserve.server.http.prepare"),
@@ -127,6 +131,67 @@ def test_the_checker_sees_a_forbidden_edge(importer, target, monkeypatch, tmp_pa
     fake.write_text(MODULES[importer].read_text() + f"\n\ndef _sneaky():\n    import {target}\n")
     monkeypatch.setitem(MODULES, importer, fake)
     assert any(f"imports {target}" in v for v in violations())
+
+
+def _module_level_imports(name: str, path: pathlib.Path) -> set[str]:
+    """The hloserve modules `name` imports when it is imported (its top-level statements, not
+    function bodies, not `if TYPE_CHECKING:` blocks)."""
+    tree = ast.parse(path.read_text())
+    body, out = list(tree.body), set()
+    while body:
+        node = body.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            wrapper = ast.Module(body=[node], type_ignores=[])
+            out |= {m for _, m in _imports_of(name, path, wrapper) if m in MODULES and m != name}
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            body += [n for part in ("body", "orelse", "finalbody", "handlers") for n in getattr(node, part, [])]
+        elif isinstance(node, ast.ExceptHandler):
+            body += node.body
+    return out
+
+
+def test_no_module_level_import_loop():
+    """Importing any module never re-enters a module that is still being imported (no cycle in the
+    graph of top-level imports, Tarjan's strongly connected components)."""
+    graph = {n: _module_level_imports(n, p) for n, p in MODULES.items()}
+    index, low, stack, on, loops, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                loops.append(sorted(scc))
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not loops, f"module-level import loops: {loops}"
+
+
+def test_kernel_backends_never_import_the_face():
+    """runtime/kernels/__init__.py picks a backend; the backends (cpu/, pallas/, backend.py, rewrite.py)
+    never import it back, at any level."""
+    face = "hloserve.runtime.kernels"
+    bad = [f"{n} imports {m}" for n, p in MODULES.items() if n.startswith(face + ".")
+           for _, m in imports(n, p) if m == face]
+    assert not bad, bad
 
 
 def test_runtime_artifact_imports_neither_jax_nor_torch():

@@ -18,7 +18,7 @@ from jax import lax
 
 from .. import dtypes
 from ..registry import lower
-from ._util import from_bits, to_bits
+from ..bits import from_bits, to_bits
 
 hop = torch.ops.higher_order
 
@@ -90,7 +90,7 @@ def _scan(ctx, combine_gm, init, xs, additional):
     x_dtypes = [x.dtype for x in xs]
 
     def step(carry, x):
-        # xs cross the loop boundary as bits (_util.to_bits: XLA:CPU would widen a 16-bit float
+        # xs cross the loop boundary as bits (exporter/bits.py: XLA:CPU would widen a 16-bit float
         # stack to f32 before slicing it)
         out = fn(*carry, *(from_bits(v, d) for v, d in zip(x, x_dtypes)), *additional)
         next_carry = tuple(jnp.asarray(o).astype(c.dtype) for o, c in zip(out[:n_carry], carry))

@@ -2,7 +2,7 @@
 
 torch indices may be negative (Python-style); jax's `mode="fill"`/clip modes
 differ, so indices are wrapped explicitly where torch allows negatives.
-Gathers and plain scatters of bf16/f16 move the bits as uint16 (_util.to_bits): XLA:CPU would
+Gathers and plain scatters of bf16/f16 move the bits as uint16 (exporter/bits.py): XLA:CPU would
 otherwise widen the whole operand (an embedding table, a KV cache) to f32 on every call.
 Row gathers (embedding, index_select) clamp their indices (torch requires them in bounds):
 jnp.take's default NaN fill adds a bounds check and a select to every gathered element;
@@ -16,7 +16,8 @@ import torch
 from jax import lax
 
 from ..registry import lower
-from ._util import canon_dim, from_bits, to_bits
+from ..bits import from_bits, to_bits
+from ._util import canon_dim
 
 # torch errors on an out-of-range row index; clamping it costs nothing per gathered element
 _IN_BOUNDS = "clip"

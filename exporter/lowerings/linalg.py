@@ -9,12 +9,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from hloserve.runtime.artifact.kernels import LAYER_LINEAR
-
-from .. import _private
-from .. import custom_ops as _custom_ops  # noqa: F401 - defines torch.ops.hloserve.mixed_linear
 from ..registry import lower
-from ._util import HOLDS, from_bits, to_bits
 
 aten = torch.ops.aten
 _HIGHEST = lax.Precision.HIGHEST
@@ -54,55 +49,6 @@ def _addmm(ctx, bias, a, b, *, beta=1, alpha=1):
 @lower(aten.addmv)
 def _addmv(ctx, bias, a, v, *, beta=1, alpha=1):
     return _addmm(ctx, bias, a, v, beta=beta, alpha=alpha)
-
-
-def mixed_dot(x, weight):
-    """x [M, in] (any float) . weight [out, in] (16-bit float) -> f32 [M, out]: x rounded to the
-    weight's dtype, products summed in f32.
-
-    XLA:CPU runs 16-bit dots on its bf16 kernels only as a matrix product whose operands it does
-    not have to move: so the weight's dim 1 is contracted in place (a transposed bf16 operand is
-    widened to f32 first, 1.8x slower), and a single row is padded to two (a one-row dot becomes
-    a vector product computed in f32 on a widened weight: 13x slower for a 49152 x 576 LM head).
-    """
-    rows, k = x.shape
-    x2 = x.astype(weight.dtype)                                           # [M, in]
-    pad = max(2 - rows, 0) if isinstance(rows, int) else jax.core.max_dim(rows, 2) - rows   # 0 for M >= 2
-    if not isinstance(pad, int) or pad:
-        x2 = jnp.concatenate([x2, jnp.zeros((pad, k), x2.dtype)])          # [max(M, 2), in]
-    y = lax.dot_general(x2, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return y[:rows]                                                       # [M, out]
-
-
-# hloserve::mixed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor
-@lower(torch.ops.hloserve.mixed_linear)
-def _mixed_linear(ctx, x, weight, bias=None):
-    *lead, k = x.shape
-    y = mixed_dot(x.reshape(math.prod(lead), k), weight)
-    y = y.reshape(*lead, weight.shape[0]).astype(x.dtype)                 # [..., out]
-    return y if bias is None else y + bias.astype(x.dtype)
-
-
-def layer_linear_reference(x, weights, layer, *, holds):
-    """The `hloserve.layer_linear` composite's decomposition: x f32[M, K], weights [L, N, K]
-    (16-bit floats or their bits), layer s32[] -> f32[M, N]. The layer is sliced as bits: XLA:CPU
-    would widen a 16-bit float stack to f32 before slicing it (_util.to_bits)."""
-    dtype = HOLDS[int(holds)]
-    if weights.shape[0] == 1:                                             # one matrix (an LM head)
-        w = weights.reshape(weights.shape[1:])
-    else:
-        w = lax.dynamic_index_in_dim(to_bits(weights), layer, 0, keepdims=False)
-    return mixed_dot(x, from_bits(w, dtype))
-
-
-# hloserve::layer_linear(Tensor x, Tensor weights, Tensor layer, int holds) -> Tensor
-@lower(torch.ops.hloserve.layer_linear)
-def _layer_linear(ctx, x, weights, layer, holds):
-    *lead, k = x.shape
-    composite = _private.composite(layer_linear_reference, LAYER_LINEAR.name, LAYER_LINEAR.version)
-    y = composite(x.reshape(math.prod(lead), k).astype(jnp.float32), weights,
-                  jnp.asarray(layer, jnp.int32).reshape(()), holds=int(holds))
-    return y.reshape(*lead, weights.shape[1]).astype(x.dtype)             # [..., out]
 
 
 # aten::dot(Tensor self, Tensor tensor) -> Tensor

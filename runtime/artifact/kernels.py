@@ -3,8 +3,8 @@
 An exported function may contain `stablehlo.composite` ops. Each carries a name, a version, its
 attributes and a decomposition: a private function computing the same thing in plain StableHLO.
 Every platform can run the decomposition (XLA inlines it); a runtime that has a kernel for the
-composite's name and version may call that instead (hloserve's CPU runtime does, see
-runtime/kernels/). So the artifact stays portable: nothing platform-specific is in it.
+composite's name and version may call that instead (see runtime/kernels/: C++ on CPU, Pallas on
+TPU and GPU). So the artifact stays portable: nothing platform-specific is in it.
 
 The contracts below are what a kernel must compute; the decomposition is the reference.
 """
@@ -16,16 +16,30 @@ import enum
 
 class Holds(enum.IntEnum):
     """What the elements of a cache or weight stack are: the composites' `holds` attribute, also the
-    C++ kernels' `Kind` (runtime/kernels/cpu_kernels.cc; a test checks the two agree). 16-bit floats
+    C++ kernels' `Kind` (runtime/kernels/cpu/common.h; a test checks the two agree). 16-bit floats
     may be stored as their bits in an int16 buffer (an LLM step's KVCacheSpec.holds names them)."""
     OWN = 0     # the buffer's own dtype (f32)
     BF16 = 1    # bfloat16
     F16 = 2     # float16
 
+    @property
+    def dtype_name(self) -> str | None:
+        """The float type held, as numpy/jax/torch name it ("bfloat16", "float16"); None for OWN.
+        Every `holds` -> dtype table derives from this (jnp.dtype(h.dtype_name), getattr(torch, ...))."""
+        return _DTYPE_NAMES[self]
+
     @classmethod
     def named(cls, name: str | None) -> "Holds":
         """The code of a manifest dtype name ("bf16", "f16"; None: the buffer's own dtype)."""
         return {None: cls.OWN, "bf16": cls.BF16, "f16": cls.F16}[name]
+
+    @classmethod
+    def of_dtype(cls, dtype_name: str) -> "Holds":
+        """The code for an array of `dtype_name` ("bfloat16", "torch.float16", ...): OWN unless a 16-bit float."""
+        return next((h for h, n in _DTYPE_NAMES.items() if n == dtype_name.removeprefix("torch.")), cls.OWN)
+
+
+_DTYPE_NAMES = {Holds.OWN: None, Holds.BF16: "bfloat16", Holds.F16: "float16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +54,11 @@ class Composite:
     operands: tuple[str, ...]
     attributes: tuple[str, ...]
     result: str
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """(name, version): what a kernel table's row is keyed by."""
+        return self.name, self.version
 
 
 # Attention of each token over its own sequence's paged context (the LLM step's decode layout).

@@ -28,7 +28,7 @@ import traceback
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
 from .detokenizer import Detokenizer, TextState
-from .metrics import Histogram, MetricsSnapshot
+from .metrics import STEP_BUCKETS, Histogram, MetricsSnapshot
 from .outputs import FinishReason, RequestOutput, RunnerOutput, SchedulerPlan
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -143,6 +143,8 @@ class Engine:
         self._steps = 0
         self._finished: collections.Counter[str] = collections.Counter()
         self._ttft, self._itl, self._e2e = Histogram(), Histogram(), Histogram()
+        self._step_host, self._step_device = Histogram(STEP_BUCKETS), Histogram(STEP_BUCKETS)
+        self._device_seconds: float | None = None   # the running step's, from its RunnerOutput
         self._device_memory = dict(runner.device_memory())   # fixed after construction: read once
         self._snapshot_lock = threading.Lock()
         self._snapshot = self._take_snapshot()
@@ -152,6 +154,7 @@ class Engine:
         plan = self.scheduler.schedule()
         plan = self.structured.masks(plan, self._matcher_of)
         out = self.runner.execute(plan)
+        self._device_seconds = out.device_seconds
         return self.scheduler.update(plan, out)
 
     # -- API for handlers (any thread) -----------------------------------------------------
@@ -275,6 +278,7 @@ class Engine:
         for msg in messages:
             self._handle(msg)
         if self.scheduler.has_unfinished():
+            t0, self._device_seconds = time.perf_counter(), None
             try:
                 outputs = self.step()
                 self._steps += 1
@@ -282,6 +286,9 @@ class Engine:
                 log.error("engine step failed; failing all in-flight requests:\n%s", traceback.format_exc())
                 outputs = self.scheduler.fail_all(f"engine step failed: {type(e).__name__}: {e}")
             self._emit(outputs)
+            if self._device_seconds:   # a step that ran the model: its time, split host / device
+                self._step_device.observe(self._device_seconds)
+                self._step_host.observe(time.perf_counter() - t0 - self._device_seconds)
             if not self.scheduler.num_running and self.scheduler.num_waiting:
                 time.sleep(0.001)  # nothing could be admitted; don't spin (cannot persist: a lone request fits)
         with self._snapshot_lock:
@@ -361,4 +368,5 @@ class Engine:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
             finished=dict(self._finished), steps=self._steps, ttft=self._ttft.copy(), itl=self._itl.copy(),
-            e2e=self._e2e.copy(), runner=dict(self.runner.stats()), device_memory=self._device_memory)
+            e2e=self._e2e.copy(), runner=dict(self.runner.stats()), device_memory=self._device_memory,
+            step_host=self._step_host.copy(), step_device=self._step_device.copy())

@@ -13,6 +13,8 @@ from typing import Mapping
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0)
+# an engine step's parts: from a tenth of a millisecond (a small model's host work) to seconds (a long chunk)
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 @dataclasses.dataclass
@@ -52,6 +54,10 @@ class MetricsSnapshot:
       runner: counters the runner reports (e.g. compiles), if it has `stats()`.
       device_memory: (device, "weights" | "kv_cache") -> bytes held there, if the runner has
         `device_memory()` (a tensor-parallel step holds 1/N of each split array per device).
+      step_host / step_device: per engine step that ran the model, the seconds the host waited on the
+        device (the step functions' calls until their logits were on the host) and the rest of the
+        step (scheduling, building inputs, sampling, detokenizing, streaming: the engine's own work,
+        which nothing overlaps with the device today).
     """
     num_running: int
     num_waiting: int
@@ -70,6 +76,8 @@ class MetricsSnapshot:
     e2e: Histogram
     runner: dict[str, float]
     device_memory: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    step_host: Histogram = dataclasses.field(default_factory=lambda: Histogram(STEP_BUCKETS))
+    step_device: Histogram = dataclasses.field(default_factory=lambda: Histogram(STEP_BUCKETS))
 
 
 # What the runner's stats() keys mean (a key without an entry is exported with a generic help line).
@@ -144,6 +152,10 @@ def engine_families(exp: Exposition, m: MetricsSnapshot) -> None:
     exp.histogram("vllm:time_to_first_token_seconds", "Time to first token.", m.ttft)
     exp.histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", m.itl)
     exp.histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", m.e2e)
+    exp.histogram("hloserve:step_host_seconds", "Per engine step, the engine's own work the device does not "
+                  "overlap: scheduling, inputs, sampling, detokenizing, streaming.", m.step_host)
+    exp.histogram("hloserve:step_device_seconds", "Per engine step, the time the host waited on the device: "
+                  "the step functions' calls, input and output transfers included.", m.step_device)
     runner_families(exp, m.runner)
     if m.device_memory:
         exp.gauge("hloserve:device_memory_bytes", "Bytes of weights and KV cache held on each device.",

@@ -43,7 +43,7 @@ from .sampling import sample, token_logprobs
 log = logging.getLogger("hloserve.server.runner")
 
 if TYPE_CHECKING:
-    from hloserve.runtime.kernels import KernelSupport
+    from hloserve.runtime.kernels import KernelBackend
     from hloserve.runtime.model import LoadedModel
 
 
@@ -180,7 +180,7 @@ class StepPolicy:
     one_call: bool          # a mixed step is one call of decode_fn
 
     @classmethod
-    def choose(cls, llm: LLMSpec, functions: Sequence[str], kernels: "KernelSupport", path: str) -> "StepPolicy":
+    def choose(cls, llm: LLMSpec, functions: Sequence[str], kernels: "KernelBackend", path: str) -> "StepPolicy":
         layouts = {f: llm.layout(f) for f in functions}
         per_token = [f for f, lay in layouts.items() if lay is not None and lay.per_token]
         flat = [f for f, lay in layouts.items() if lay is Layout.FLAT]
@@ -335,18 +335,20 @@ class ModelRunner:
         chunks = tuple(s for s in plan.seqs if len(s.token_ids) > 1)
         parts = [plan] if self.one_call or not decodes or not chunks else [
             SchedulerPlan.of(rows) for rows in (decodes, chunks)]
-        sampled, logprobs = {}, {}
+        sampled, logprobs, device = {}, {}, 0.0
         for part in parts:   # the parts write disjoint cache slots, so their order does not matter
             step = build_step(part, self.cfg, self.block_size, decode_fn=self.decode_fn, prefill_fn=self.prefill_fn)
+            t = time.perf_counter()
             out = self._call(step.function, step.inputs)
             logits = _host(out["logits"])[:step.num_seqs]               # [S, vocab]
+            device += time.perf_counter() - t
             result = sample_plan(part, logits)
             sampled.update(result.sampled)
             logprobs.update(result.logprobs)
         scored = {s.request_id: self._score(s) for s in plan.seqs if s.score_prompt}
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
-        return RunnerOutput(sampled, logprobs, scored)
+        return RunnerOutput(sampled, logprobs, scored, device_seconds=device)
 
     def _score(self, seq) -> tuple:
         """Logprobs of each prompt token after the first, its whole prompt being in the cache now.

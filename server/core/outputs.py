@@ -63,6 +63,9 @@ class RunnerOutput:
     logprobs: Mapping[str, TokenLogprobs] = dataclasses.field(default_factory=dict)  # for requests that asked
     # request id -> one entry per prompt token after the first (its logprob given the tokens before)
     prompt_logprobs: Mapping[str, tuple[TokenLogprobs, ...]] = dataclasses.field(default_factory=dict)
+    # seconds the host waited on the device: the step functions' calls until their logits were on the host
+    # (input transfer, execution and output transfer; what the host cannot use for its own work)
+    device_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -106,15 +106,16 @@ def warn_ignored(req: OpenModel) -> dict[str, str]:
 def output_budget(svc: LLMService, prompt_len: int, asked: int | None, *, default: int | None, prompt_param: str,
                   name: str = "max_tokens") -> int:
     """The most tokens a prompt's answer may have: `asked` (the request's `name` field), or when the
-    request is silent `default` (None: all the room the context leaves), never past the operator's
-    cap (--max-output-tokens) or the context rule."""
+    request is silent the smaller of the route's `default` (None: all the room the context leaves)
+    and the generation defaults' max_tokens (as vLLM's), never past the operator's cap
+    (--max-output-tokens) or the context rule."""
     try:
         room = context_room(prompt_len, svc.max_model_len)
     except ValueError as e:
         raise ApiError(400, str(e), param=prompt_param) from None
     cap = svc.max_output_tokens
     if asked is None:
-        return min(room, default or room, cap or room)
+        return min(room, default or room, svc.generation_defaults.get("max_tokens") or room, cap or room)
     if cap is not None and asked > cap:
         raise ApiError(400, f"{name}={asked} exceeds this server's limit of {cap} tokens per request; "
                             f"lower {name}", param=name)
@@ -125,19 +126,20 @@ def output_budget(svc: LLMService, prompt_len: int, asked: int | None, *, defaul
     return asked
 
 
-def sampling_params(svc: LLMService, *, temperature: float | None, top_p: float | None, top_k: int | None = None,
-                    repetition_penalty: float | None = None, **fields: Any) -> SamplingParams:
-    """SamplingParams with the model's generation defaults where the request is silent (400 for
-    values SamplingParams refuses)."""
-    defaults = svc.generation_defaults
-    top_k = top_k if top_k is not None else defaults.get("top_k")
+# the request fields whose omission takes the server's generation defaults (SamplingParams' names)
+DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_params(svc: LLMService, **fields: Any) -> SamplingParams:
+    """SamplingParams from a request's fields, with the server's generation defaults
+    (svc.generation_defaults) where a DEFAULTED field is None, and SamplingParams' neutral ones where
+    neither says (400 for values SamplingParams refuses). A request's explicit value always wins:
+    `temperature: 0` is greedy whatever the defaults."""
+    for name in DEFAULTED:
+        if fields.get(name) is None:
+            fields[name] = svc.generation_defaults.get(name)
     try:
-        return SamplingParams(
-            temperature=temperature if temperature is not None else defaults.get("temperature", 1.0),
-            top_p=top_p if top_p is not None else defaults.get("top_p", 1.0),
-            top_k=None if top_k in (None, -1, 0) else top_k,
-            repetition_penalty=repetition_penalty if repetition_penalty is not None
-            else defaults.get("repetition_penalty", 1.0), **fields)
+        return SamplingParams(**{k: v for k, v in fields.items() if v is not None or k not in DEFAULTED})
     except ValueError as e:
         raise ApiError(400, str(e)) from None
 

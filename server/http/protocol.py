@@ -98,7 +98,7 @@ class SamplingRequest(OpenModel):
     service_tier: str | None = None
     # vLLM's sampling extensions
     top_k: int | None = Field(default=None, ge=-1)          # -1, 0 or None: off
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None

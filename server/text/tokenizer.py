@@ -141,7 +141,7 @@ class Tokenizer:
     def from_artifact(cls, artifact_dir: str, model: Mapping[str, Any], llm: LLMSpec | None = None) -> "Tokenizer":
         """Build from the artifact's tokenizer file, its manifest `model` metadata and its LLMSpec.
 
-        Reads (exporter/models/hf_causal.py writes them): model["tokenizer"] (file name in the
+        Reads (exporter/llm/hf_causal.py writes them): model["tokenizer"] (file name in the
         artifact, default "tokenizer.json"), model["chat_template"], model["add_bos_token"]; the BOS and
         EOS ids from the LLM contract (`llm`, an LLMSpec), else from model["bos_token_id"] /
         model["eos_token_ids"].

@@ -122,7 +122,7 @@ class MixedLinear(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.randn(48, generator=g), requires_grad=False) if bias else None
 
     def forward(self, x):                         # (B, S, 32) f32 -> (B, S, 48) f32
-        from hloserve.exporter import custom_ops  # noqa: F401
+        from hloserve.exporter.composites import layer_linear  # noqa: F401
         return torch.ops.hloserve.mixed_linear(x, self.weight, self.bias)
 
 

@@ -1,4 +1,4 @@
-"""GGUF loading (exporter/models/gguf.py) on the real SmolLM2-135M-Instruct Q4_1 file.
+"""GGUF loading (exporter/gguf/checkpoint.py) on the real SmolLM2-135M-Instruct Q4_1 file.
 
 References: the gguf package's own dequantization (bit-exact), transformers' GGUF loader (same file,
 its own q/k un-permutation; exact) and transformers' GGUF tokenizer (identical ids, text, template).
@@ -35,7 +35,7 @@ def smollm2_gguf() -> str:
 
 @pytest.fixture(scope="module")
 def ckpt(smollm2_gguf):
-    from hloserve.exporter.models.gguf import load_gguf
+    from hloserve.exporter.gguf.checkpoint import load_gguf
     return load_gguf(smollm2_gguf)
 
 
@@ -187,7 +187,7 @@ def test_tokenizer_matches_transformers(ckpt, hf_tokenizer):
 def test_chat_template_matches_transformers(ckpt, hf_tokenizer):
     import tokenizers
 
-    from hloserve.exporter.models.tokenizer import render_chat_template
+    from hloserve.exporter.gguf.tokenizer import render_chat_template
     tok = tokenizers.Tokenizer.from_str(ckpt.tokenizer_json)
     assert ckpt.chat_template and ckpt.chat_template == hf_tokenizer.chat_template
     s = ckpt.special_tokens
@@ -203,7 +203,7 @@ def test_chat_template_matches_transformers(ckpt, hf_tokenizer):
 
 def test_non_gguf_file_is_a_clear_error(tmp_path):
     from hloserve.exporter.errors import SourceError
-    from hloserve.exporter.models.gguf import load_gguf
+    from hloserve.exporter.gguf.checkpoint import load_gguf
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(SourceError, match="not a readable GGUF file"):
@@ -288,7 +288,7 @@ def test_synthetic_gguf_round_trip(tmp_path, arch):
     import tokenizers
     import transformers
 
-    from hloserve.exporter.models.gguf import load_gguf
+    from hloserve.exporter.gguf.checkpoint import load_gguf
     from hloserve.runtime.progress import QUIET
     torch.manual_seed(0)
     common = dict(vocab_size=258, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -367,7 +367,7 @@ def test_block_fields_reconstruct_dequantize(ckpt):
     """Q4_0 / Q4_1 / Q8_0 block fields give gguf's dequantization bit-exactly with the documented formulas."""
     import gguf
 
-    from hloserve.exporter.models.gguf import GGUFTensor
+    from hloserve.exporter.gguf.tensor import GGUFTensor
     rng = np.random.default_rng(0)
     values = rng.standard_normal((8, 64)).astype(np.float32)
     q4_0 = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_0)  # uint8 [8, 2 * 18]

@@ -1,4 +1,4 @@
-"""The generic LLM step (exporter/models/hf_causal.py): a transformers causal LM's own code under
+"""The generic LLM step (exporter/llm/hf_causal.py): a transformers causal LM's own code under
 torch.export with hloserve's paged attention plugged into transformers' attention interface.
 
 Each architecture is a small random-init model saved to a directory and exported by `load_source`,
@@ -120,7 +120,7 @@ def test_what_the_generic_path_cannot_serve_is_named():
     import transformers
 
     from hloserve.exporter.errors import SourceError
-    from hloserve.exporter.models.hf_causal import check_supported
+    from hloserve.exporter.llm.hf_causal import check_supported
     t5 = transformers.T5Config()
     with pytest.raises(SourceError, match="encoder-decoder"):
         check_supported(transformers.T5ForConditionalGeneration, t5)
@@ -218,8 +218,8 @@ def test_paged_layout_is_reachable_on_the_generic_step(tmp_path):
     """The online-softmax block loop (bounded memory for long contexts) as a function of a generic
     artifact: Gemma 2's soft-capping and sliding window carried through it."""
     from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.models import hf_causal
-    from hloserve.exporter.models.step import StepExportOptions
+    from hloserve.exporter.llm import hf_causal
+    from hloserve.exporter.llm.step import StepExportOptions
     from hloserve.runtime import load
 
     hf = _hf("gemma2")

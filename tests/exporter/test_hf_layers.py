@@ -1,4 +1,4 @@
-"""The generic step's scanned layers and 16-bit linears (exporter/models/hf_layers.py).
+"""The generic step's scanned layers and 16-bit linears (exporter/llm/hf_layers.py).
 
 A scanned step must compute what the model's own layer loop computes: last-token logits of f32
 models within 1e-4 of transformers (as tests/exporter/test_hf_causal.py, whose two-layer models
@@ -61,15 +61,15 @@ def test_a_model_that_branches_on_its_window_is_scanned_by_period(tmp_path):
     """Cohere 2 rotates q/k only in its sliding layers (`if self.sliding_window is not None`): one
     body carrying the window as data would rotate every layer's, which the export's check (the
     scanned step against the unrolled one, eager) sees, so the layers are scanned by period."""
-    from hloserve.exporter.models import hf_layers
-    from hloserve.exporter.models.hf_causal import WINDOW, from_hf_directory
+    from hloserve.exporter.llm import hf_layers
+    from hloserve.exporter.llm.hf_causal import WINDOW, from_hf_directory
     hf = _model("Cohere2ForCausalLM", "Cohere2Config", num_hidden_layers=4, sliding_window=8,
                 layer_types=["sliding_attention", "full_attention"] * 2)
     # the layers differ in nothing but their window: the period comes from the check
     assert len({hf_layers._static_signature(m, WINDOW.names) for m in hf.model.layers}) == 1
     hf.save_pretrained(str(tmp_path / "hf"))
     src = from_hf_directory(str(tmp_path / "hf"))
-    assert src.model["llm"]["layers"] == "scan (a period of 2 layers)"
+    assert src.model["llm"].model.layers == "scan (a period of 2 layers)"
 
 
 def test_bf16_checkpoint_exports_as_the_serving_step(tmp_path):
@@ -106,7 +106,7 @@ def test_a_16_bit_checkpoint_loads_in_its_dtype_as_the_wide_load_would(tmp_path)
     tensor and bit for bit, ties kept; its embedding scale (a non-persistent buffer computed in the
     default dtype, bf16 in a bf16 load) is the f32 load's."""
     import transformers
-    from hloserve.exporter.models import hf_causal, hf_layers
+    from hloserve.exporter.llm import hf_causal, hf_layers
     hf = _model("Gemma3ForCausalLM", "Gemma3TextConfig", num_hidden_layers=2, sliding_window=8,
                 query_pre_attn_scalar=20, hidden_size=72, layer_types=["sliding_attention", "full_attention"])
     hf.to(torch.bfloat16).save_pretrained(str(tmp_path / "hf"))

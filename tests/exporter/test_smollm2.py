@@ -71,7 +71,7 @@ def _prompts(art: str) -> list[list[int]]:
     """The chats rendered with the artifact's chat template and encoded with its tokenizer.json."""
     import tokenizers
 
-    from hloserve.exporter.models.tokenizer import render_chat_template
+    from hloserve.exporter.gguf.tokenizer import render_chat_template
     with open(os.path.join(art, "manifest.json")) as f:
         model = json.load(f)["model"]
     assert model["chat_template"], "the artifact must carry the GGUF chat template"

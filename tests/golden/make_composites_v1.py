@@ -42,7 +42,7 @@ def write(out: str, stored: dict) -> None:
     """Each case's module, inputs and decomposition outputs into directory `out`."""
     os.makedirs(out, exist_ok=True)
     for name, (exp, args) in stored.items():
-        portable, _ = kernels.specialize(exp, None)
+        portable = kernels.Decompositions().specialize(exp).exported
         want = np.asarray(jax.jit(portable.call)(*args))
         with open(os.path.join(out, f"{name}.jax_exported"), "wb") as f:
             f.write(bytes(exp.serialize()))

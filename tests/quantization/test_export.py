@@ -84,7 +84,7 @@ def test_module_swap_exports_and_matches_eager(spec, tmp_path):
 @pytest.mark.parametrize("spec", ["int8", "int4:32:asym"])
 def test_large_weight_runs_in_row_blocks(spec, tmp_path):
     """A 66000 x 64 head (> BLOCK_ABOVE) is dequantized block by block inside a loop."""
-    from hloserve.exporter.lowerings.quantized import BLOCK_ABOVE, _block_rows
+    from hloserve.exporter.composites.quant_linear import BLOCK_ABOVE, _block_rows
 
     assert 66000 * 64 > BLOCK_ABOVE and _block_rows(66000, 64) == 13200   # 5 blocks
     torch.manual_seed(0)

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from hloserve.exporter.lowerings import quantized as lowering
-from hloserve.exporter.models.gguf import GGUFTensor, load_gguf
-from hloserve.exporter.models import gguf_quant
+from hloserve.exporter.composites import quant_linear as lowering
+from hloserve.exporter.gguf.checkpoint import load_gguf
+from hloserve.exporter.gguf.tensor import GGUFTensor
+from hloserve.exporter.gguf import quant as gguf_quant
 from hloserve.quantization import modules, primitives
 from hloserve.quantization.schemes import QuantConfig, WeightScheme
 from hloserve.runtime.artifact.llm import LLMSpec, pack_step
@@ -111,7 +112,7 @@ def test_stored_by_module_keeps_the_files_blocks(ckpt):
     the table's blocks."""
     import transformers
 
-    from hloserve.exporter.models.gguf import hf_config
+    from hloserve.exporter.gguf.checkpoint import hf_config
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(ckpt)))
     given = gguf_quant.stored_by_module(model, ckpt, QuantConfig.parse("gguf"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from hloserve.exporter.lowerings import quantized as lowering
+from hloserve.exporter.composites import quant_linear as lowering
 from hloserve.quantization import modules, primitives
 from hloserve.quantization.schemes import INT8, QuantConfig, QuantizationError, WeightScheme
 

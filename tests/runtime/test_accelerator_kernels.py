@@ -1,5 +1,5 @@
 """The TPU (Mosaic) and GPU (Triton) Pallas kernels behind `hloserve.paged_attention`
-(runtime/kernels/pallas_tpu.py, pallas_gpu.py), run in Pallas interpret mode on this CPU against the
+(runtime/kernels/pallas/tpu.py, gpu.py), run in Pallas interpret mode on this CPU against the
 composite's decomposition, and lowered for their platforms without the device.
 
 Tolerance: as tests/runtime/test_kernels.py (softmax-weighted averages of O(1) values, f32 sums in
@@ -17,12 +17,14 @@ import pytest
 from jax import export
 
 from hloserve.exporter import _private
-from hloserve.exporter.lowerings.attention import paged_attention_reference, paged_attention_reference_v2
-from hloserve.exporter.lowerings.linalg import layer_linear_reference
-from hloserve.exporter.lowerings.quantized import quant_linear_reference
+from hloserve.exporter.composites.paged_attention import paged_attention_reference, paged_attention_reference_v2
+from hloserve.exporter.composites.layer_linear import layer_linear_reference
+from hloserve.exporter.composites.quant_linear import quant_linear_reference
 from hloserve.runtime.artifact.kernels import LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2, QUANT_LINEAR
-from hloserve.runtime.kernels import accelerators, pallas_gpu, pallas_tpu
-from hloserve.runtime.kernels.paged import PagedParams
+from hloserve.runtime.kernels import pallas as accelerators
+from hloserve.runtime.kernels.pallas import gpu as pallas_gpu
+from hloserve.runtime.kernels.pallas import tpu as pallas_tpu
+from hloserve.runtime.kernels.pallas.paged import PagedParams
 from tests.runtime.test_kernels import _case
 
 KERNELS = {"tpu": pallas_tpu, "cuda": pallas_gpu}
@@ -76,7 +78,7 @@ def test_version_2_window_operand_through_the_load_time_substitution(platform):
     planned onto the platform's kernel, substituted at static shapes (accelerators.for_shapes, the
     kernel in interpret mode) and called with several windows: each equals version 1's
     decomposition with that window as its attribute."""
-    from hloserve.runtime.kernels import accelerators as acc
+    from hloserve.runtime.kernels import pallas as acc
     args, pad = _case(np.random.default_rng(3), 2, 16, 1, chunk=True)
     kw = dict(holds=1, scale=np.float32(0.25), softcap=np.float32(0))
     composite = _private.composite(paged_attention_reference_v2, PAGED_ATTENTION_V2.name, PAGED_ATTENTION_V2.version)
@@ -175,8 +177,8 @@ def test_every_composite_lowers_for_every_platform_and_keeps_its_kernel_on_cpu()
             (p,) = accelerators.plan(exp, platform)
             assert p.composite == name and (p.kernel is not None) == (name == PAGED_ATTENTION.name)
     args, pad = _case(np.random.default_rng(1), 3, 16, 1)
-    from hloserve.runtime.kernels import specialize
-    fn, _ = specialize(exports[PAGED_ATTENTION.name], None)
+    from hloserve.runtime.kernels import Decompositions
+    fn = Decompositions().specialize(exports[PAGED_ATTENTION.name]).exported
     params = PagedParams(window=0, holds=1, scale=0.25, softcap=0.0)
     np.testing.assert_allclose(np.asarray(fn.call(*map(jnp.asarray, args)))[:pad], _reference(args, params)[:pad],
                                atol=1e-6, rtol=0)

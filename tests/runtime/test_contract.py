@@ -10,16 +10,16 @@ from hloserve.runtime.artifact import LLMSpec
 from hloserve.runtime.artifact.kernels import PAGED_ATTENTION, Holds
 from hloserve.runtime.artifact.llm import Layout
 
-CC = os.path.join(os.path.dirname(__file__), "..", "..", "runtime", "kernels", "cpu_kernels.cc")
+CC = os.path.join(os.path.dirname(__file__), "..", "..", "runtime", "kernels", "cpu", "common.h")
 
 
 def test_the_kernels_holds_codes_are_the_python_enum():
-    """cpu_kernels.cc's `Kind` enumerators carry Holds' values, in the same order (the C++ side is
+    """common.h's `Kind` enumerators carry Holds' values, in the same order (the C++ side is
     read from the source the runtime builds)."""
     with open(CC) as f:
         source = f.read()
     body = re.search(r"enum class Kind : int64_t \{([^}]*)\}", source)
-    assert body, "cpu_kernels.cc no longer declares `enum class Kind : int64_t {...}`"
+    assert body, "common.h no longer declares `enum class Kind : int64_t {...}`"
     kinds = dict((name, int(value)) for name, value in re.findall(r"k(\w+)\s*=\s*(\d+)", body.group(1)))
     assert kinds == {"F32": Holds.OWN, "BF16": Holds.BF16, "F16": Holds.F16}
     assert [Holds.named(n) for n in (None, "bf16", "f16")] == [Holds.OWN, Holds.BF16, Holds.F16]

@@ -117,6 +117,7 @@ def test_stored_composite_computes_what_it_did_through_kernel_and_decomposition(
     from jax import export
 
     from hloserve.runtime import kernels
+    from hloserve.runtime.kernels.cpu import build
     from hloserve.runtime.artifact.kernels import COMPOSITES
 
     folder, name = name.split("/")
@@ -129,10 +130,12 @@ def test_stored_composite_computes_what_it_did_through_kernel_and_decomposition(
     want = stored["want"]
     assert f'"{composite.name}"' in exp.mlir_module() and f"version = {composite.version}" in exp.mlir_module()
     bound = _bound(name, version, args, want)
-    library = kernels.cpu_library()
-    for lib in (None, library) if library is not None else (None,):
-        fn, n_kernels = kernels.specialize(exp, lib)
-        assert n_kernels == (lib is not None)
-        got = np.asarray(jax.jit(fn.call)(*args))
+    library = build.library()
+    backends = (kernels.Decompositions(),) + ((kernels.CpuBackend(library),) if library is not None else ())
+    for backend in backends:
+        s = backend.specialize(exp)
+        lib = backend if s.kernels else None
+        assert s.kernels == (backend.name == "cpu")
+        got = np.asarray(jax.jit(s.exported.call)(*args))
         assert got.shape == want.shape and (np.abs(got - want) <= bound).all(), \
             (name, lib is not None, np.abs(got - want).max())

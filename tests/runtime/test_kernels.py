@@ -19,9 +19,13 @@ import pytest
 import torch
 from jax import export
 
-from hloserve.exporter import _private, custom_ops
-from hloserve.exporter.lowerings.attention import paged_attention_reference, paged_attention_reference_v2
+from hloserve.exporter import _private
+from hloserve.exporter.composites import layer_linear as layer_linear_ops
+from hloserve.exporter.composites import paged_attention as paged_attention_ops
+from hloserve.exporter.composites.paged_attention import paged_attention_reference, paged_attention_reference_v2
 from hloserve.runtime import kernels
+from hloserve.runtime.kernels.cpu import build
+from hloserve.runtime.kernels.cpu.targets import TARGETS
 from hloserve.runtime.artifact.kernels import PAGED_ATTENTION, PAGED_ATTENTION_V2
 
 BS = 8
@@ -82,10 +86,22 @@ def _exported_v2(args, holds, scale=None, softcap=0.0):
 
 @pytest.fixture(scope="module")
 def library():
-    lib = kernels.cpu_library()
+    """The CPU backend (its library built for this machine)."""
+    lib = build.library()
     if lib is None:
         pytest.skip("no C++ compiler here: the CPU kernels are off (the portable path is tested elsewhere)")
-    return lib
+    return kernels.CpuBackend(lib)
+
+
+def specialize(exp, backend):
+    """(function, composites run as kernels) through `backend` (None: every decomposition)."""
+    s = (backend or kernels.Decompositions()).specialize(exp)
+    return s.exported, s.kernels
+
+
+def max_rows(symbol: str) -> int | None:
+    """The row limit this CPU's row of the targets table gives the kernel `symbol`."""
+    return next(t for t in TARGETS.values() if t.symbol == symbol).max_rows(build.cpu())
 
 
 @pytest.mark.parametrize("G,D", [(3, 64), (4, 128), (4, 256), (1, 96), (5, 32)])   # specialized x4, generic
@@ -95,14 +111,14 @@ def library():
 def test_paged_attention_kernel_matches_decomposition_and_torch(library, G, D, holds, window, scale, softcap, chunk):
     args, pad = _case(np.random.default_rng(G * 10 + holds), G, D, holds, chunk=chunk)
     exp = _exported(args, window, holds, scale, softcap)
-    portable_fn, n_portable = kernels.specialize(exp, None)
-    kernel_fn, n_kernel = kernels.specialize(exp, library)
+    portable_fn, n_portable = specialize(exp, None)
+    kernel_fn, n_kernel = specialize(exp, library)
     assert (n_portable, n_kernel) == (0, 1)
     assert "custom_call @hloserve_paged_attention" in kernel_fn.mlir_module()
     assert "stablehlo.composite" in exp.mlir_module() and "stablehlo.composite" not in kernel_fn.mlir_module()
     portable = np.asarray(jax.jit(portable_fn.call)(*args))
     kernel = np.asarray(jax.jit(kernel_fn.call)(*args))
-    ref = custom_ops.paged_attention(*[torch.from_numpy(np.array(a)) for a in args], window, holds,
+    ref = paged_attention_ops.paged_attention(*[torch.from_numpy(np.array(a)) for a in args], window, holds,
                                      D ** -0.5 if scale is None else scale, softcap).numpy()
     real = np.arange(len(args[4])) != pad                             # padding rows are unspecified
     np.testing.assert_allclose(portable[real], ref[real], atol=1e-5, rtol=0)
@@ -119,16 +135,16 @@ def test_paged_attention_v2_reads_its_window_as_data(library, holds, chunk):
     args, pad = _case(np.random.default_rng(7 + holds), 4, 64, holds, chunk=chunk)
     D = 64
     exp = _exported_v2(args, holds)
-    portable_fn, n_portable = kernels.specialize(exp, None)
-    kernel_fn, n_kernel = kernels.specialize(exp, library)
+    portable_fn, n_portable = specialize(exp, None)
+    kernel_fn, n_kernel = specialize(exp, library)
     assert (n_portable, n_kernel) == (0, 1)
     assert "custom_call @hloserve_paged_attention_v2" in kernel_fn.mlir_module()
     portable, kernel = jax.jit(portable_fn.call), jax.jit(kernel_fn.call)
     real = np.arange(len(args[4])) != pad
     for window in (0, 5, 8, 100):
-        ref = custom_ops.paged_attention_windowed(*[torch.from_numpy(np.array(a)) for a in args],
+        ref = paged_attention_ops.paged_attention_windowed(*[torch.from_numpy(np.array(a)) for a in args],
                                                   torch.tensor(window, dtype=torch.int32), holds, D ** -0.5, 0.0)
-        want = custom_ops.paged_attention(*[torch.from_numpy(np.array(a)) for a in args], window, holds, D ** -0.5,
+        want = paged_attention_ops.paged_attention(*[torch.from_numpy(np.array(a)) for a in args], window, holds, D ** -0.5,
                                           0.0).numpy()
         np.testing.assert_array_equal(ref.numpy(), want)                 # the two torch forms agree
         for fn in (portable, kernel):
@@ -139,7 +155,7 @@ def test_paged_attention_v2_reads_its_window_as_data(library, holds, chunk):
 def test_kernel_sees_only_its_sequence(library):
     """Changing a block another sequence owns changes nothing; changing one of its own does."""
     args, pad = _case(np.random.default_rng(1), 3, 64, 0)
-    fn = jax.jit(kernels.specialize(_exported(args, 0, 0), library)[0].call)
+    fn = jax.jit(specialize(_exported(args, 0, 0), library)[0].call)
     base = np.asarray(fn(*args))
     cache = args[1].copy()
     cache[1, :, :, args[3][1, 0]] += 1.0                              # sequence 1's first block, layer 1
@@ -152,8 +168,8 @@ def test_kernel_sees_only_its_sequence(library):
 
 def test_no_compiler_means_portable_path(tmp_path):
     """A machine without a working C++ compiler runs the decompositions, with one warning."""
-    code = ("from hloserve.runtime import kernels; import logging; logging.basicConfig(); "
-            "print('LIB', kernels.cpu_library())")
+    code = ("from hloserve.runtime.kernels.cpu import build; import logging; logging.basicConfig(); "
+            "print('LIB', build.library())")
     env = {**os.environ, "HLOSERVE_CACHE": str(tmp_path), "CXX": "/bin/false"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -167,7 +183,7 @@ def test_no_compiler_means_portable_path(tmp_path):
 
 
 def _linear_exported(weights, holds):
-    from hloserve.exporter.lowerings.linalg import layer_linear_reference
+    from hloserve.exporter.composites.layer_linear import layer_linear_reference
     from hloserve.runtime.artifact.kernels import LAYER_LINEAR
 
     def f(x, w, layer):
@@ -182,7 +198,7 @@ def _linear_exported(weights, holds):
 @pytest.mark.parametrize("holds,storage", [(1, "bits"), (1, "float"), (2, "bits")])
 @pytest.mark.parametrize("K,N", [(64, 70), (72, 33)])               # K a whole vector or not; N % 4 != 0
 def test_layer_linear_kernel_matches_decomposition_and_torch(library, holds, storage, K, N):
-    """Up to kernels.max_rows rows run the kernel, more rows the decomposition (one exported
+    """Up to the targets table's max_rows rows run the kernel, more rows the decomposition (one exported
     function, the branch chosen per compiled shape); both agree with torch's mixed_linear.
 
     Tolerance: x is rounded to the weights' 16-bit type on every side (exactly), so each product
@@ -192,11 +208,11 @@ def test_layer_linear_kernel_matches_decomposition_and_torch(library, holds, sto
     values = jnp.asarray(rng.standard_normal((3, N, K)).astype(np.float32)).astype(dtype)
     weights = np.asarray(values.view(jnp.int16) if storage == "bits" else values)
     exp = _linear_exported(weights, holds)
-    portable_fn, _ = kernels.specialize(exp, None)
-    kernel_fn, n_kernel = kernels.specialize(exp, library)
+    portable_fn, _ = specialize(exp, None)
+    kernel_fn, n_kernel = specialize(exp, library)
     assert n_kernel == 1 and "custom_call @hloserve_layer_linear" in kernel_fn.mlir_module()
     w32 = np.asarray(values.astype(jnp.float32))
-    limit = kernels.max_rows("hloserve_layer_linear")
+    limit = max_rows("hloserve_layer_linear")
     for rows in (1, 3, 5, limit, limit + 1, 2 * limit + 3):
         x = rng.standard_normal((rows, K)).astype(np.float32)
         layer = np.int32(rows % 3)
@@ -204,7 +220,7 @@ def test_layer_linear_kernel_matches_decomposition_and_torch(library, holds, sto
         portable = np.asarray(jax.jit(portable_fn.call)(x, weights, layer))
         wt = torch.from_numpy(np.array(weights).view(np.int16))
         wt = wt if storage == "bits" else wt.view(torch.bfloat16)
-        ref = custom_ops.layer_linear(torch.from_numpy(x), wt, torch.tensor(layer), holds).numpy()
+        ref = layer_linear_ops.layer_linear(torch.from_numpy(x), wt, torch.tensor(layer), holds).numpy()
         xr = np.asarray(jnp.asarray(x).astype(dtype).astype(jnp.float32))
         bound = K * 2.0 ** -24 * (np.abs(xr) @ np.abs(w32[layer]).T) + 1e-30
         for got in (kernel, portable):
@@ -217,7 +233,7 @@ def test_layer_linear_kernel_reads_only_its_layer(library):
     rng = np.random.default_rng(3)
     weights = np.asarray(jnp.asarray(rng.standard_normal((3, 8, 64)).astype(np.float32)).astype(jnp.bfloat16)
                          .view(jnp.int16))
-    fn = jax.jit(kernels.specialize(_linear_exported(weights, 1), library)[0].call)
+    fn = jax.jit(specialize(_linear_exported(weights, 1), library)[0].call)
     x = rng.standard_normal((2, 64)).astype(np.float32)
     base = np.asarray(fn(x, weights, np.int32(1)))
     other = weights.copy()
@@ -229,7 +245,7 @@ def test_layer_linear_kernel_reads_only_its_layer(library):
 
 
 def _quant_exported(q, bits, group, version=1):
-    from hloserve.exporter.lowerings.quantized import quant_linear_reference, quant_linear_v2_reference
+    from hloserve.exporter.composites.quant_linear import quant_linear_reference, quant_linear_v2_reference
     from hloserve.runtime.artifact.kernels import QUANT_LINEAR
 
     reference = quant_linear_reference if version == 1 else quant_linear_v2_reference
@@ -265,7 +281,7 @@ QUANT_SPECS = ["int8:channel", "int8", "int4:32:sym", "int4:32", "int4:64"]   # 
                                          (64, 48, 2), (96, 16, 2), (576, 64, 2)])  # 16 interleaved rows
 def test_quant_linear_kernel_matches_decomposition_and_torch(library, spec, K, N, version):
     """The quantized linear kernel, the decomposition and the torch op (dequantize in f32, then a
-    matmul with x quantized to int8 per block of 32) agree, up to kernels.max_rows rows through the
+    matmul with x quantized to int8 per block of 32) agree, up to the targets table's max_rows rows through the
     kernel and past it through the decomposition, on the layer asked for.
 
     Tolerance: every side quantizes x identically (the same f32 divisions and rounding) and the
@@ -282,15 +298,15 @@ def test_quant_linear_kernel_matches_decomposition_and_torch(library, spec, K, N
         qw, sc, mn = primitives.interleave_rows(q["qweight"], q["scale"], q["min"] if q["min"].size else None, scheme.bits)
         stored = {"qweight": qw, "scale": sc, "min": q["min"] if mn is None else mn}
     exp = _quant_exported(stored, scheme.bits, group, version)
-    portable_fn, _ = kernels.specialize(exp, None)
-    kernel_fn, n_kernel = kernels.specialize(exp, library)
+    portable_fn, _ = specialize(exp, None)
+    kernel_fn, n_kernel = specialize(exp, library)
     target = "hloserve_quant_linear" if version == 1 else "hloserve_quant_linear_v2"
     assert n_kernel == 1 and f"custom_call @{target}(" in kernel_fn.mlir_module()
     ints = (primitives.unpack_int4(q["qweight"], signed=scheme.symmetric) if scheme.bits == 4
             else q["qweight"]).astype(np.float32)                                       # [L, N, K]
     s = np.repeat(q["scale"].astype(np.float32), group, axis=2)                         # [L, N, K]
     m = np.repeat(q["min"].astype(np.float32), group, axis=2) if q["min"].size else np.zeros_like(s)
-    limit = kernels.max_rows(target) or 64
+    limit = max_rows(target) or 64
     args = [stored["qweight"], stored["scale"], stored["min"]]
     for rows in (1, 3, 5, limit, limit + 1, 2 * limit + 3):
         x = rng.standard_normal((rows, K)).astype(np.float32)
@@ -319,7 +335,7 @@ def test_quant_linear_kernel_reads_only_its_layer_and_needs_whole_vectors(librar
     are not a multiple of 32 elements run the decomposition."""
     rng = np.random.default_rng(4)
     q, scheme, group = _quantized_stack(rng, "int4:32", 3, 8, 64)
-    fn = jax.jit(kernels.specialize(_quant_exported(q, scheme.bits, group), library)[0].call)
+    fn = jax.jit(specialize(_quant_exported(q, scheme.bits, group), library)[0].call)
     x = rng.standard_normal((2, 64)).astype(np.float32)
     base = np.asarray(fn(x, q["qweight"], q["scale"], q["min"], np.int32(1)))
     other = {r: a.copy() for r, a in q.items()}
@@ -330,14 +346,14 @@ def test_quant_linear_kernel_reads_only_its_layer_and_needs_whole_vectors(librar
     mine["scale"][1], mine["min"][1] = 0, 0
     assert np.abs(np.asarray(fn(x, mine["qweight"], mine["scale"], mine["min"], np.int32(1)))).max() == 0
     q16, scheme16, _ = _quantized_stack(rng, "int4:16", 3, 8, 64)
-    assert kernels.specialize(_quant_exported(q16, 4, 16), library)[1] == 0
+    assert specialize(_quant_exported(q16, 4, 16), library)[1] == 0
 
 
 def test_block_table_entries_outside_the_cache_are_an_error_not_a_read(library):
     """A table entry >= the cache's block count (or negative) in a block a token reads answers an
     error naming it; the same entry in a block no token reads (past its context) is not read."""
     args, _ = _case(np.random.default_rng(2), 3, 64, 0)
-    fn = jax.jit(kernels.specialize(_exported(args, 0, 0), library)[0].call)
+    fn = jax.jit(specialize(_exported(args, 0, 0), library)[0].call)
     N = args[1].shape[3]
     tables = args[3].copy()
     tables[0, 1:] = N + 5                        # sequence 0 has one block in use: the rest are never read
@@ -363,7 +379,7 @@ def test_fallback_builds_pass_the_kernel_tests(library, march, tmp_path):
     if FALLBACKS[march] not in flags:
         pytest.skip(f"this CPU cannot run a -march={march} build")
     # the child's conftest points HLOSERVE_CACHE at HLOSERVE_TEST_CACHE (else a fresh directory)
-    env = {**os.environ, "HLOSERVE_TEST_CACHE": str(tmp_path), kernels.MARCH_ENV: march}
+    env = {**os.environ, "HLOSERVE_TEST_CACHE": str(tmp_path), build.MARCH_ENV: march}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                           "layer_linear_kernel_matches or quant_linear_kernel_matches or (paged_attention_kernel_matches and 3-64)"],
                          env=env, capture_output=True, text=True, timeout=900)
@@ -376,7 +392,9 @@ LOAD_LIBRARY = """
 import logging, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
 from hloserve.runtime import kernels
-lib = kernels.cpu_library()
+from hloserve.runtime.kernels.cpu import build
+from hloserve.runtime.kernels.cpu.targets import TARGETS
+lib = build.library()
 print("LOADED", lib.path if lib else None)
 """
 
@@ -398,7 +416,7 @@ def test_the_kernel_library_is_loaded_only_as_built(tmp_path):
     assert "sha256 mismatch" in out and f"LOADED {path}" in out, out
     rebuilt = open(path, "rb").read()
     assert rebuilt != noise and len(rebuilt) > 0.5 * len(good)   # rebuilt, and its record names these bytes
-    assert kernels._check_built(path, json.load(open(path + ".json"))["key"]) is None
+    assert build._check_built(path, json.load(open(path + ".json"))["key"]) is None
     os.remove(path + ".json")
     out = run_python(LOAD_LIBRARY, env=env)
     assert "build record is unreadable" in out and f"LOADED {path}" in out, out

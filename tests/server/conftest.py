@@ -16,8 +16,8 @@ def export_tiny_llama(root, name: str, vocab: int, files: dict[str, str] | None 
     import transformers
 
     from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.models import hf_causal
-    from hloserve.exporter.models.step import StepExportOptions
+    from hloserve.exporter.llm import hf_causal
+    from hloserve.exporter.llm.step import StepExportOptions
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -43,7 +43,7 @@ def tiny_chat_llm(tmp_path_factory):
     Exported once per session (export_tiny_llama).
     """
     from hloserve.exporter import presets
-    from hloserve.exporter.models.gguf import load_gguf
+    from hloserve.exporter.gguf.checkpoint import load_gguf
 
     ckpt = load_gguf(presets.resolve("smollm2-135m-instruct", quiet=True))
     files = {"tokenizer.json": ckpt.tokenizer_json,

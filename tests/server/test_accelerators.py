@@ -1,4 +1,4 @@
-"""The served LLM step on accelerators, checked from this CPU (runtime/kernels/accelerators.py).
+"""The served LLM step on accelerators, checked from this CPU (runtime/kernels/pallas/).
 
 * The step is lowered for cpu, cuda and tpu by default, and the multi-platform artifact still loads
   and runs its CPU kernel here (the server tests serve this same artifact).
@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 
 from hloserve.runtime import artifact, load
-from hloserve.runtime.kernels import accelerators, pallas_gpu, pallas_tpu
+from hloserve.runtime.kernels import pallas as accelerators
+from hloserve.runtime.kernels.pallas import gpu as pallas_gpu
+from hloserve.runtime.kernels.pallas import tpu as pallas_tpu
 from hloserve.runtime.model import read_exported
 
 from .conftest import BLOCK, export_tiny_llama

@@ -120,6 +120,33 @@ def test_health_ready_metrics(server):
     assert all(s.labels["model_name"] for f in families.values() for s in f.samples)
 
 
+def test_metrics_split_each_step_into_host_and_device(server):
+    """Every engine step that runs the model adds one observation to hloserve:step_device_seconds (the
+    host waiting on the step functions) and one to hloserve:step_host_seconds (the rest of the step);
+    the device part is inside the runner's own step time."""
+    base, _ = server
+
+    def read():
+        fams = parse_metrics(httpx.get(f"{base}/metrics").text)
+        out = {}
+        for name in ("hloserve:step_host_seconds", "hloserve:step_device_seconds"):
+            assert fams[name].type == "histogram", name
+            out[name] = {s.name.rsplit("_", 1)[-1]: s.value for s in fams[name].samples if not s.name.endswith("_bucket")}
+        out["runner"] = next(s.value for s in fams["hloserve:runner_step_seconds"].samples)
+        return out
+
+    before = read()
+    r = client(base).completions.create(model="tiny-chat", prompt="hi there", max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 8
+    after = read()
+    host = {k: after["hloserve:step_host_seconds"][k] - before["hloserve:step_host_seconds"][k] for k in ("count", "sum")}
+    dev = {k: after["hloserve:step_device_seconds"][k] - before["hloserve:step_device_seconds"][k] for k in ("count", "sum")}
+    assert dev["count"] >= 8 and host["count"] == dev["count"]      # the prompt's step and 7 decodes, at least
+    assert dev["sum"] > 0 and host["sum"] > 0
+    assert dev["sum"] <= after["runner"] - before["runner"] + 1e-9   # measured inside the runner's step
+
+
 def parse_metrics(text: str) -> dict:
     """/metrics through prometheus_client's own parser: it raises on a malformed exposition
     (a family typed twice, a sample without its family, a bad label)."""

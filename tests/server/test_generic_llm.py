@@ -28,7 +28,7 @@ def gemma(tmp_path_factory):
 
     from hloserve.exporter import presets
     from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.models.gguf import load_gguf
+    from hloserve.exporter.gguf.checkpoint import load_gguf
     from hloserve.exporter.sources import load_source
 
     ckpt = load_gguf(presets.resolve("smollm2-135m-instruct", quiet=True))
@@ -91,7 +91,7 @@ def test_generic_model_serves_greedy_equal_to_transformers_under_pressure(gemma)
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
     from hloserve.exporter import presets
-    from hloserve.exporter.models.gguf import load_gguf
+    from hloserve.exporter.gguf.checkpoint import load_gguf
     return load_gguf(presets.resolve("smollm2-135m-instruct", quiet=True))
 
 

@@ -1,6 +1,6 @@
 """ModelRunner on a real exported artifact: a tiny random-init Llama, greedy tokens vs transformers.
 
-The artifact is exported with hloserve.exporter.models.hf_causal (2 layers,
+The artifact is exported with hloserve.exporter.llm.hf_causal (2 layers,
 hidden 64, vocab 256, block size 8, f32) and run through hloserve.runtime in
 strict mode (any compile after warm-up raises). The scheduler runs it with
 chunked prefill, prefix-cache hits and a pool small enough to force
@@ -95,13 +95,14 @@ def test_step_policy_is_chosen_by_layout_and_kernel_support_before_load(monkeypa
     makes every step one call only where the runtime will run the per-token layout's composite."""
     from hloserve.runtime.artifact import LLMSpec
     from hloserve.runtime import kernels as runtime_kernels
-    from hloserve.runtime.kernels import KernelSupport, Library, accelerators
+    from hloserve.runtime.kernels import CpuBackend, Decompositions, pallas
+    from hloserve.runtime.kernels.cpu.build import Library
     from hloserve.server.core.model_runner import StepPolicy
     raw = {"block_size": 8, "max_blocks": 8, "max_seqs": 4, "max_tokens": 32, "vocab_size": VOCAB,
            "kv_cache": {"dtype": "f32", "shape": [2, 2, 2, "num_blocks", 8, 8]},
            "step": {"functions": {"wide": "flat: ...", "narrow": "gather: ..."}}}
     llm = LLMSpec.from_json(raw)
-    kernels, none = KernelSupport(Library("libhloserve_cpu.so", "digest")), KernelSupport(None)
+    kernels, none = CpuBackend(Library("libhloserve_cpu.so", "digest")), Decompositions()
     assert StepPolicy.choose(llm, ["wide", "narrow"], kernels, "a") == StepPolicy(
         decode_fn="narrow", prefill_fn="narrow", one_call=True)
     assert StepPolicy.choose(llm, ["wide", "narrow"], none, "a") == StepPolicy(
@@ -113,10 +114,10 @@ def test_step_policy_is_chosen_by_layout_and_kernel_support_before_load(monkeypa
     # a GPU or TPU whose Pallas kernel runs the attention composite: one call, one width (20
     # executables, not 100: an H200 compiled each in ~3.4 s), as on the CPU
     for platform in ("gpu", "tpu"):
-        pallas = runtime_kernels.support(platform, mesh=False)
-        assert StepPolicy.choose(llm, ["wide", "narrow"], pallas, "a").buckets(cfg).block_buckets == (8,)
+        backend = runtime_kernels.support(platform, mesh=False)
+        assert StepPolicy.choose(llm, ["wide", "narrow"], backend, "a").buckets(cfg).block_buckets == (8,)
         assert runtime_kernels.support(platform, mesh=True).composites == frozenset()
-    monkeypatch.setenv(accelerators.ENV, "0")
+    monkeypatch.setenv(pallas.ENV, "0")
     assert not StepPolicy.choose(llm, ["wide", "narrow"], runtime_kernels.support("gpu", mesh=False), "a").one_call
     paged = LLMSpec.from_json({**raw, "step": {"functions": {"decode": "paged: ...", "prefill": "flat: ..."}}})
     assert not StepPolicy.choose(paged, ["prefill", "decode"], kernels, "a").one_call   # no composite to run
@@ -133,7 +134,7 @@ def portable_runner(tiny_llm):
     runs the decomposition the artifact carries, and decode and prefill are separate calls."""
     import os
 
-    from hloserve.runtime import kernels
+    from hloserve.runtime.kernels.cpu import build as kernels
     _, art = tiny_llm
     cfg = RunnerConfig(token_buckets=(16, 32), seq_buckets=(4,), block_buckets=(16,), num_blocks=14,
                        kv_cache_bytes=0)

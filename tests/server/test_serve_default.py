@@ -63,7 +63,7 @@ def test_default_model_answers_the_capital_of_france(default_server):
 
     from hloserve.exporter import presets
     from hloserve.runtime import artifact
-    from hloserve.exporter.models.gguf import load_gguf
+    from hloserve.exporter.gguf.checkpoint import load_gguf
     from hloserve.server.serve import default_artifact
     from hloserve.server.text.tokenizer import Tokenizer
 
@@ -103,7 +103,35 @@ def test_readme_openai_example_runs_verbatim(default_server, capsys):
     assert printed.strip(), "the example printed no answer"
 
 
-def test_default_model_is_listed_under_its_preset_name(default_server):
+@pytest.mark.xfail(strict=True, reason=(
+    "the model card's temperature 0.2 / top_p 0.9 name Paris in 8 of these 10 draws (22 of 30 over seeds "
+    "0-29): on the Q4_1 file the answer's first token is a near-tie ('The' 0.155, 'L' 0.140 at "
+    "temperature 1), top_p 0.9 keeps both, and an answer opening 'L' is \"L'Étoile, la Marseillaise, ...\"; "
+    "top_p 0.5 keeps 'The' alone (30 of 30)"))
+def test_readme_example_names_paris_at_the_presets_sampling(default_server):
+    """The README's example leaves temperature out: the server samples with the preset's model-card
+    defaults (temperature 0.2, top_p 0.9, in the artifact's generation_config.json); issue 38 asks
+    for Paris in at least 9 of 10 draws (the example as written, each run given its own seed; at
+    temperature 1 with no top_p the answers were gibberish)."""
+    import concurrent.futures
+
+    (example,) = [b for b in readme_python_examples() if "OpenAI(" in b]
+    assert "temperature" not in example and "create(" in example
+
+    def run(seed: int) -> str:
+        code = example.replace("http://127.0.0.1:8000/v1", f"{default_server}/v1").replace(
+            "create(", f"create(seed={seed}, ")
+        scope: dict = {}
+        exec(compile(code, "README.md", "exec"), scope)
+        return scope["r"].choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(run, range(10)))
+    assert sum("Paris" in a for a in answers) >= 9, answers
+
+
+def test_default_model_is_listed_under_its_preset_name_with_its_defaults(default_server):
     import httpx
-    names = [m["id"] for m in httpx.get(f"{default_server}/v1/models").json()["data"]]
-    assert names == ["smollm2-135m-instruct"]
+    models = httpx.get(f"{default_server}/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["smollm2-135m-instruct"]
+    assert models[0]["generation_defaults"] == {"temperature": 0.2, "top_p": 0.9}

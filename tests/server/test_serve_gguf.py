@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from hloserve.server.serve import DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG, export_choice, serve_target
+from hloserve.server.serve import DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG, EXPORT_STEP, export_choice, serve_target
 
 from ..quantization.test_gguf_import import write_k_gguf
 from .servers import running_server
@@ -20,10 +20,10 @@ from .servers import running_server
 
 def test_export_choice_table():
     """auto: the file's blocks for a GGUF named on the command line, bf16 for the default model."""
-    assert export_choice("auto", default_model=False) == (("--quantize", "gguf"), "gguf-s5")
+    assert export_choice("auto", default_model=False) == (("--quantize", "gguf"), f"gguf-{EXPORT_STEP}")
     assert export_choice("auto", default_model=True) == (DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG)
     assert export_choice("bf16", default_model=False) == (DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG)
-    assert export_choice("int4:32:sym", default_model=False) == (("--quantize", "int4:32:sym"), "int4_32_sym-s5")
+    assert export_choice("int4:32:sym", default_model=False) == (("--quantize", "int4:32:sym"), f"int4_32_sym-{EXPORT_STEP}")
 
 
 def test_quantize_is_refused_for_an_exported_artifact(tmp_path):
@@ -51,7 +51,7 @@ def test_serve_gguf_file_serves_its_own_blocks(tmp_path):
         r = client.completions.create(model=model, prompt="t t", max_tokens=4, temperature=0)
         assert r.usage.completion_tokens == 4
     art, name = serve_target(path)                        # already exported: found, not exported again
-    assert name == "tiny-k" and art.endswith("-gguf-s5")
+    assert name == "tiny-k" and art.endswith(f"-gguf-{EXPORT_STEP}")
     with open(os.path.join(art, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["model"]["quantization"]["native"] is True

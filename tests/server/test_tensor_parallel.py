@@ -81,8 +81,8 @@ def test_the_generic_step_splits_by_heads(tmp_path_factory, family, weights):
     import transformers
 
     from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.models import hf_causal
-    from hloserve.exporter.models.step import StepExportOptions
+    from hloserve.exporter.llm import hf_causal
+    from hloserve.exporter.llm.step import StepExportOptions
 
     root = str(tmp_path_factory.mktemp(f"generic-tp-{family}"))
     torch.manual_seed(0)
@@ -98,14 +98,13 @@ def test_the_generic_step_splits_by_heads(tmp_path_factory, family, weights):
             if not name.endswith("norm.weight"):
                 p.mul_(3.0)
     hf.save_pretrained(f"{root}/hf")
+    from hloserve.quantization.convert import QuantRequest
+    from hloserve.quantization.schemes import QuantConfig
     src = hf_causal.from_hf_directory(f"{root}/hf", opts=StepExportOptions(block_size=16, max_context=256, max_tokens=64,
                                                                            max_seqs=8),
-                                      weight_dtype=torch.bfloat16 if weights == "bf16" else None)
-    assert src.model["llm"]["layers"] == "scan"
-    if weights == "int8":
-        from hloserve.exporter.quantize import quantize_source
-        from hloserve.quantization.schemes import QuantConfig
-        quantize_source(src, QuantConfig.parse("int8"))
+                                      weight_dtype=torch.bfloat16 if weights == "bf16" else None,
+                                      quantize=QuantRequest(QuantConfig.parse("int8")) if weights == "int8" else None)
+    assert src.model["llm"].model.layers == "scan"
     export_artifact(f"{root}/art", src.entries, source=f"tiny-{family}", model=src.model, weight_quant=src.weight_quant)
     prompts = [[5, 6, 7], list(range(10, 90)), [42] * 20]          # 80 tokens: chunked
     report = tp_report(f"{root}/art", [1, 2], prompts, NEW)

@@ -15,7 +15,7 @@ from hloserve.server.text.tokenizer import ChatTemplateError, IncrementalDetoken
 def smollm_files(tmp_path_factory):
     """SmolLM2-135M-Instruct's tokenizer.json and chat template, rebuilt from the GGUF preset."""
     from hloserve.exporter import presets
-    from hloserve.exporter.models.gguf import load_gguf
+    from hloserve.exporter.gguf.checkpoint import load_gguf
     ckpt = load_gguf(presets.resolve("smollm2-135m-instruct", quiet=True))
     d = tmp_path_factory.mktemp("smollm-tok")
     with open(d / "tokenizer.json", "w") as f:

@@ -16,8 +16,8 @@ def tiny_llama(root: str, *, heads: int, kv_heads: int, max_position: int, block
     import transformers
 
     from hloserve.exporter.export import export_artifact
-    from hloserve.exporter.models import hf_causal
-    from hloserve.exporter.models.step import StepExportOptions
+    from hloserve.exporter.llm import hf_causal
+    from hloserve.exporter.llm.step import StepExportOptions
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

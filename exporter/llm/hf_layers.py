@@ -32,8 +32,11 @@ from typing import Any
 
 import torch
 
-from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.* (the composites)
-from .step import HOLDS
+from ..composites import layer_linear, paged_attention  # noqa: F401 - registers torch.ops.hloserve.*
+from .step import holds_of
+from .hf_experts import is_experts, sixteen_bit_experts
+from .hf_experts import expert_matrices
+from .._private import scan_lifted
 
 
 class LayerLinear(torch.nn.Module):
@@ -47,7 +50,7 @@ class LayerLinear(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
-        self.holds = HOLDS[dtype]
+        self.holds = holds_of(dtype)
         self.in_features, self.out_features = weight.shape[-1], weight.shape[-2]
         self.weight = torch.nn.Parameter(weight, requires_grad=False)      # [out, in] int16 bits
         self.bias = bias
@@ -81,7 +84,7 @@ class TableHead(torch.nn.Module):
     def forward(self, h):
         zero = torch.zeros((), dtype=torch.int32, device=h.device)
         table = self.embedding.weight
-        return torch.ops.hloserve.layer_linear(h.float(), table[None], zero, HOLDS[table.dtype])   # [.., V]
+        return torch.ops.hloserve.layer_linear(h.float(), table[None], zero, holds_of(table.dtype))   # [.., V]
 
 
 def sixteen_bit(model: torch.nn.Module, dtype: torch.dtype, act: torch.dtype | None = None) -> int:
@@ -97,7 +100,6 @@ def sixteen_bit(model: torch.nn.Module, dtype: torch.dtype, act: torch.dtype | N
     emb.register_forward_hook(lambda module, args, out: out.to(act))
     if tied:
         _replace(model, head, TableHead(emb))
-    from .hf_experts import is_experts, sixteen_bit_experts
     swapped = 0
     for m in list(model.modules()):
         if is_experts(m):
@@ -127,7 +129,6 @@ def widen_all_but_matrices(model: torch.nn.Module, dtype: torch.dtype) -> None:
     shared), except the tensors sixteen_bit stores in 16 bits (the linear matrices and the input
     embedding table): a model loaded in its 16-bit checkpoint dtype then holds what loading it in
     `dtype` and sixteen_bit give (widening is exact)."""
-    from .hf_experts import expert_matrices
     keep = {id(m.weight) for m in model.modules() if _is_matrix_module(m)}
     keep |= {id(t) for m in model.modules() for t in expert_matrices(m)}
     keep.add(id(model.get_input_embeddings().weight))
@@ -319,7 +320,6 @@ class ScannedLayers(torch.nn.Module):
         return self._run(calls)
 
     def _run(self, calls: list[_Call]):
-        from .._private import scan_lifted
         p, n = self.period, self.iterations
         outer = calls[0].kwargs[self.step_kwarg]
         positions, lifted = [], {"step": outer.tensors()}

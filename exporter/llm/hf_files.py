@@ -3,14 +3,21 @@ the tokenizer files, the chat template, the recommended sampling.
 
     files = {f: os.path.join(path, f) for f in TOKENIZER_FILES if os.path.exists(os.path.join(path, f))}
     template = chat_template(path)          # chat_template.jinja, or tokenizer_config.json's
-    defaults = generation_defaults(path)    # generation_config.json's sampling, when it samples
+    files[GENERATION_CONFIG] = with_recommended(files, {"temperature": 0.2})   # a preset's model card
+
+generation_config.json travels into the artifact as it is; the server reads its sampling fields
+(runtime/artifact/generation.py), so every source's defaults reach the server by that one file.
 """
 from __future__ import annotations
 
 import json
 import os
+import pathlib
+from typing import Any, Mapping
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+from hloserve.runtime.artifact.generation import GENERATION_CONFIG
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", GENERATION_CONFIG,
                    "chat_template.jinja")
 
 
@@ -30,17 +37,12 @@ def chat_template(path: str) -> str | None:
     return None
 
 
-# sampling fields of generation_config.json a server applies when a request leaves them out (vLLM does the same)
-GENERATION_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
-
-
-def generation_defaults(path: str) -> dict[str, float]:
-    """The checkpoint's recommended sampling (generation_config.json), only when it samples (do_sample)."""
-    try:
-        with open(os.path.join(path, "generation_config.json")) as f:
-            gen = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return {}
-    if not gen.get("do_sample", False):
-        return {}
-    return {k: gen[k] for k in GENERATION_FIELDS if isinstance(gen.get(k), (int, float))}
+def with_recommended(files: Mapping[str, str | bytes], recommended: Mapping[str, Any]) -> bytes:
+    """generation_config.json for an artifact whose `files` (name -> path or bytes) may hold the
+    checkpoint's own: the checkpoint's fields, with `recommended` sampling (a preset's, from its model
+    card) where they are silent."""
+    own = files.get(GENERATION_CONFIG)
+    if isinstance(own, str):
+        own = pathlib.Path(own).read_bytes()
+    config = json.loads(own) if own else {}
+    return json.dumps({"do_sample": True, **recommended, **config}, indent=2).encode()

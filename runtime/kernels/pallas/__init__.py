@@ -1,8 +1,9 @@
-"""hloserve's TPU and GPU kernels for the artifact's composites, substituted as the CPU kernels are.
+"""hloserve's TPU and GPU kernels (Pallas) for the artifact's composites, as a kernel backend.
 
-    plans = accelerators.plan(exported, "tpu")                     # which composite -> which kernel
-    pending, n = accelerators.specialize(exported, "tpu")          # at load
-    static = accelerators.for_shapes(pending, "tpu", avals)        # per compiled shape
+    backend = PallasBackend("tpu")                          # runtime/kernels/__init__.py's support()
+    s = backend.specialize(exported)                        # at load: placeholders, s.per_shape below
+    plans = pallas.plan(exported, "tpu")                    # which composite -> which kernel (inspect)
+    static = pallas.for_shapes(pending, "tpu", avals)       # per compiled shape (s.per_shape)
 
 A Pallas kernel is compiled for one static shape (its grid and tiles are Python integers), while the
 artifact's step is symbolic in its tokens, sequences and blocks. So the substitution has two
@@ -15,8 +16,8 @@ static operand shapes and links it in. The artifact stays portable: nothing of t
 
 What runs where (docs/deploy.md):
 * `hloserve.paged_attention` (version 1, and version 2 with the window an operand, read by the
-  kernels as data): TPU -> `pallas_tpu.ragged_paged_attention`, GPU (cuda) ->
-  `pallas_triton.paged_attention`; over a mesh, or with HLOSERVE_PALLAS_KERNELS=0, the decomposition.
+  kernels as data): TPU -> `pallas_tpu.ragged_paged_attention` (tpu.py), GPU (cuda) ->
+  `pallas_triton.paged_attention` (gpu.py); over a mesh, or with HLOSERVE_PALLAS_KERNELS=0, the decomposition.
 * `hloserve.layer_linear` and `hloserve.quant_linear`: XLA's dot on both (the decomposition). A
   TPU's MXU takes the bf16 operands and accumulates in f32, which is the composite's contract, and
   XLA:TPU/GPU read the stacked layer's slice in place inside the layer loop; the CPU kernels exist
@@ -32,16 +33,17 @@ from typing import Any, Sequence
 
 from hloserve.runtime.artifact.kernels import COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2, QUANT_LINEAR
 
-from .. import _private
-from . import attribute_value, attribute_values, custom_call
+from ... import _private
+from ..backend import Specialized
+from ..rewrite import attribute_value, composite_of, custom_call, decomposition_call, rewrite, swap
 from .paged import PagedParams
 
 ENV = "HLOSERVE_PALLAS_KERNELS"   # "0": the accelerators run every composite's decomposition
 PENDING = "hloserve_pallas_paged_attention"   # placeholder custom call, replaced once shapes are static
 # jax's platform names for lowering (a GPU device reports "gpu")
 LOWERING = {"tpu": "tpu", "gpu": "cuda", "cuda": "cuda"}
-# the composites a Pallas kernel runs (where the cache shape suits it: `choose`), as KernelSupport names them
-SERVED = frozenset({(PAGED_ATTENTION.name, PAGED_ATTENTION.version), (PAGED_ATTENTION_V2.name, PAGED_ATTENTION_V2.version)})
+# the composites a Pallas kernel runs (where the cache shape suits it: `choose`)
+SERVED = frozenset({PAGED_ATTENTION.key, PAGED_ATTENTION_V2.key})
 # what the linear composites run on an accelerator, and why (see the module docstring)
 XLA_DOT = "XLA's dot (the decomposition): the MXU / cuBLAS take the 16-bit operands with f32 sums, as the contract asks"
 
@@ -67,20 +69,46 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") not in ("0", "false", "no", "off")
 
 
+@dataclasses.dataclass(frozen=True)
+class PallasBackend:
+    """The Pallas kernels of `platform` ("tpu" or "cuda"); with `interpret`, run in Pallas interpret
+    mode on the device in use (the accelerator path, substitution included, checked on a CPU)."""
+    platform: str
+    interpret: bool = False
+    composites: frozenset[tuple[str, int]] = SERVED
+
+    @property
+    def name(self) -> str:
+        return f"pallas-{self.platform}"
+
+    def runs(self, name: str, version: int) -> bool:
+        return (name, version) in self.composites
+
+    def specialize(self, exported: Any) -> Specialized:
+        """Pallas kernels compile for static shapes: placeholders now, the kernels per compiled shape."""
+        pending, plans = specialize(exported, self.platform)
+        n = sum(p.kernel is not None for p in plans)
+        if not n:
+            return Specialized(pending)
+        return Specialized(pending, n, functools.partial(for_shapes, pending, self.platform, interpret=self.interpret),
+                           digest(self.platform))
+
+
 def _module(platform: str):
-    """The kernel module serving paged attention on `platform` (imported on use)."""
+    """The kernel module serving paged attention on `platform` (imported on use: each imports its
+    Pallas lowering)."""
     if LOWERING[platform] == "tpu":
-        from . import pallas_tpu
-        return pallas_tpu
-    from . import pallas_gpu
-    return pallas_gpu
+        from . import tpu
+        return tpu
+    from . import gpu
+    return gpu
 
 
 def digest(platform: str) -> str:
     """Identifies the kernels' code for `platform` (executable-cache keys)."""
     import jax
     h = hashlib.sha256(jax.__version__.encode())
-    for name in ("paged.py", _module(platform).__name__.rsplit(".", 1)[1] + ".py", "accelerators.py"):
+    for name in ("paged.py", _module(platform).__name__.rsplit(".", 1)[1] + ".py", "__init__.py"):
         with open(os.path.join(os.path.dirname(__file__), name), "rb") as f:
             h.update(f.read())
     return h.hexdigest()
@@ -107,19 +135,10 @@ def choose(platform: str, name: str, version: int, attrs: dict[str, Any], kv_sha
                       "reads each sequence's blocks in place from the paged cache")
 
 
-def _operands(api, op) -> list:
-    """A composite op's operands of its contract (leading ones beyond it are its decomposition's
-    dimension variables)."""
-    key = (api.ir.StringAttr(op.attributes["name"]).value, api.ir.IntegerAttr(op.attributes["version"]).value)
-    contract = COMPOSITES.get(key)
-    return list(op.operands)[-len(contract.operands):] if contract else list(op.operands)
-
-
 def _plan_of(api, op, platform: str) -> KernelPlan:
-    info = attribute_values(api, op)
-    operands = _operands(api, op)
-    kv = api.ir.RankedTensorType(operands[1].type).shape if info["name"] == PAGED_ATTENTION.name else ()
-    return choose(platform, info["name"], info["version"], info["attributes"], kv)
+    info = composite_of(api, op)
+    kv = api.ir.RankedTensorType(info.operands[1].type).shape if info.name == PAGED_ATTENTION.name else ()
+    return choose(platform, info.name, info.version, info.attributes, kv)
 
 
 def plan(exported: Any, platform: str) -> list[KernelPlan]:
@@ -143,22 +162,15 @@ def specialize(exported: Any, platform: str) -> tuple[Any, list[KernelPlan]]:
     def replace(op, api) -> bool:
         p = _plan_of(api, op, platform)
         plans.append(p)
-        result_types = [r.type for r in op.results]
         with api.ir.InsertionPoint(op):
             if p.kernel is None:
-                new = api.func.CallOp(result_types, api.ir.FlatSymbolRefAttr(op.attributes["decomposition"]),
-                                      list(op.operands))
+                swap(op, decomposition_call(api, op))
             else:
-                operands = _operands(api, op)
-                config = {a.name: a.attr for a in api.ir.DictAttr(op.attributes["composite_attributes"])}
-                new = custom_call(api, PENDING, result_types, operands, config)
-        for old, res in zip(op.results, new.results):
-            old.replace_all_uses_with(res)
-        op.erase()
+                info = composite_of(api, op)
+                swap(op, custom_call(api, PENDING, [r.type for r in op.results], info.operands, info.config))
         return True
 
-    body, n = _private.rewrite_composites(exported.mlir_module_serialized, replace)
-    return (dataclasses.replace(exported, mlir_module_serialized=body) if n else exported), plans
+    return rewrite(exported, replace)[0], plans
 
 
 def for_shapes(pending: Any, platform: str, avals: Sequence[Any], *, interpret: bool = False) -> Any:

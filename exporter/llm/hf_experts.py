@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.layer_linear
+from ..composites import layer_linear  # noqa: F401 - registers torch.ops.hloserve.layer_linear
 from ..errors import SourceError
-from .step import HOLDS
+from .step import holds_of
+from .._private import scan_lifted
 
 EXPERTS_NAME = "hloserve_experts"
 
@@ -65,7 +66,7 @@ def sixteen_bit_experts(module: torch.nn.Module, dtype: torch.dtype) -> None:
         w = getattr(module, name, None)
         if isinstance(w, torch.Tensor):     # [E, out, in] -> its int16 bits
             setattr(module, name, torch.nn.Parameter(w.detach().to(dtype).view(torch.int16), requires_grad=False))
-    module.holds = HOLDS[dtype]
+    module.holds = holds_of(dtype)
     module.IN_PLACE = tuple(n for n in _MATRICES if isinstance(getattr(module, n, None), torch.Tensor))
     module.register_buffer("layer", torch.zeros((), dtype=torch.int32), persistent=False)
 
@@ -88,7 +89,6 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     e's output when the step routes a token to it."""
     from torch._higher_order_ops.cond import cond_op
 
-    from .._private import scan_lifted
 
     first = "gate_up_proj" if self.has_gate else "up_proj"
     holds = getattr(self, "holds", None)

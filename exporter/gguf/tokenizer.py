@@ -90,7 +90,7 @@ def gguf_tokenizer_json(vocab: GGUFVocab, *, where: str = "the GGUF file") -> st
     if pre not in PRE_TOKENIZER_SPLITS:
         raise SourceError(f"{where}: tokenizer.ggml.pre {pre!r} names a pre-tokenizer split we do not know "
                           f"(known: {', '.join(sorted(PRE_TOKENIZER_SPLITS))}); add its regex from llama.cpp's "
-                          f"llama-vocab.cpp to PRE_TOKENIZER_SPLITS in exporter/models/tokenizer.py")
+                          f"llama-vocab.cpp to PRE_TOKENIZER_SPLITS in exporter/gguf/tokenizer.py")
     ids: dict[str, int] = {}
     for i, token in enumerate(vocab.tokens):
         ids.setdefault(token, i)  # a duplicated token string keeps its first id, as llama.cpp's lookup does

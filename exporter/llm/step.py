@@ -20,7 +20,7 @@ padding tokens write there and padding rows of block_tables point there; it is n
 unmasked. Masked scores use a finite minimum, so padded rows give finite garbage, never NaN.
 
 Three attention layouts share that contract (all exact for any mix of sequences; they differ in
-cost, see ATTENTION_COST):
+cost, see runtime/artifact/llm.py's Layout.cost):
   * "gather" (entry point `decode`): every token attends over its own sequence's context,
     [T, B*block_size]; best when T ~ S (one token per sequence). It is the
     `hloserve.paged_attention` composite (runtime/artifact/kernels.py): its portable decomposition
@@ -39,35 +39,26 @@ from typing import Callable
 
 import torch
 from hloserve.runtime.artifact.kernels import Holds
-from hloserve.runtime.artifact.llm import (DONATED, MAX_BLOCKS, NUM_BLOCKS, NUM_SEQS, NUM_TOKENS, PADDABLE, STEP_INPUTS,
-                                           STEP_OUTPUTS, KVCacheSpec, Layout, LLMSpec, ModelFacts,
-                                           TensorParallelSpec)
+from hloserve.runtime.artifact.llm import (DONATED, EXAMPLE_CACHE_BLOCKS, MAX_BLOCKS, NUM_BLOCKS, NUM_SEQS, NUM_TOKENS,
+                                           PADDABLE, STEP_INPUTS, STEP_OUTPUTS, KVCacheSpec, Layout, LLMSpec,
+                                           ModelFacts, TensorParallelSpec, example_step, step_dims)
 
 from .. import dtypes
-from ..custom_ops import within_window
+from ..composites.paged_attention import within_window
+from ..export import EntryPoint
+from .._private import torch_scan
 
 # Finite "minus infinity" for masked attention scores (f32): fully masked rows
 # (padding) softmax to uniform instead of NaN.
 _MASKED = -1e30
 
-# what a 16-bit cache or weight stack holds, as the hloserve.paged_attention and
-# hloserve.layer_linear composites' `holds` says it
-# (plain ints: what torch.ops and the traced graph carry)
-HOLDS = {torch.bfloat16: int(Holds.BF16), torch.float16: int(Holds.F16)}
-OWN = int(Holds.OWN)   # an f32 cache: its own dtype
 
-ATTENTION = tuple(layout.value for layout in Layout)   # the contract's layouts (runtime/artifact/llm.py)
-# What each layout costs per layer (T tokens, S sequences, C = max_blocks * block_size), and
-# measured on SmolLM2-135M, CPU: one 512-token prompt: flat 2.2 s, paged 10.0 s, gather 13.1 s;
-# 31 decodes at context 1000 + one 256-token chunk (S=32, T=287): flat 40.5 s, paged 9.6 s,
-# gather 9.0 s. Pick flat when S is small, gather/paged when many sequences share a step.
-ATTENTION_COST = {   # keyed by Layout value; LLMSpec.functions stores "<layout>: <cost>"
-    "flat": "scores T x S*C, K/V gathered once per sequence (S*C): best for few sequences, long chunks",
-    "gather": "K/V gathered per token (T*C), scores T x C: best for one token per sequence",
-    "paged": "per-token K/V one block at a time with an online softmax (a loop over max_blocks): "
-             "like gather, but peak memory O(T*block_size) for long contexts",
-}
 
+def holds_of(dtype: torch.dtype) -> int:
+    """What a cache or weight stack of `dtype` holds, as the hloserve.paged_attention and
+    hloserve.layer_linear composites' `holds` says it (Holds.OWN for an f32 cache); a plain int:
+    what torch.ops and the traced graph carry."""
+    return int(Holds.of_dtype(str(dtype)))
 
 @dataclasses.dataclass(frozen=True)
 class StepExportOptions:
@@ -80,7 +71,7 @@ class StepExportOptions:
       max_num_blocks: upper bound of the cache's block count (fixed at load time from memory).
       scan: decoder layers as one scanned body (default) or unrolled.
       functions: entry point name -> attention layout ("flat", "gather" or "paged"); every one
-        takes the full step contract and is exact for any mix of sequences (see ATTENTION_COST).
+        takes the full step contract and is exact for any mix of sequences (see Layout.cost).
       kv_dtype: bfloat16/float16 K and V under float32 activations (LlamaStep), None: the model dtype.
     """
     block_size: int = 16
@@ -101,27 +92,15 @@ def contract_entries(make_step: Callable[[str], torch.nn.Module], opts: StepExpo
                      num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> list:
     """One EntryPoint per `opts.functions` (name, attention layout) over the LLM step contract's
     inputs and dims; `make_step(layout)` builds the module (models/llama.py, models/hf_causal.py)."""
-    from ..export import EntryPoint
 
-    Dim = torch.export.Dim
-    T = Dim(NUM_TOKENS, min=1, max=opts.max_tokens)
-    S = Dim(NUM_SEQS, min=1, max=opts.max_seqs)
-    N = Dim(NUM_BLOCKS, min=2, max=opts.max_num_blocks)
-    B = Dim(MAX_BLOCKS, min=1, max=opts.max_blocks)
-    # example: 2 sequences, 5 tokens, 3 blocks of table, 7 blocks of cache (sizes distinct and >= 2)
-    bs = opts.block_size
-    ex = dict(
-        tokens=torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32),
-        positions=torch.tensor([0, 1, 2, 0, 1], dtype=torch.int32),
-        seq_ids=torch.tensor([0, 0, 0, 1, 1], dtype=torch.int32),
-        slot_mapping=torch.tensor([bs, bs + 1, bs + 2, 2 * bs, 2 * bs + 1], dtype=torch.int32),
-        block_tables=torch.tensor([[1, 0, 0], [2, 0, 0]], dtype=torch.int32),
-        context_lens=torch.tensor([3, 2], dtype=torch.int32),
-        last_token=torch.tensor([2, 4], dtype=torch.int32),
-        kv_cache=torch.zeros(num_layers, 2, num_kv_heads, 7, bs, head_dim,
-                             dtype=torch.int16 if opts.kv_dtype is not None else dtype),
-    )
-    dyn = ({0: T}, {0: T}, {0: T}, {0: T}, {0: S, 1: B}, {0: S}, {0: S}, {3: N})
+    # the contract's dims (runtime/artifact/llm.py step_dims) with the ranges these options export
+    ranges = {NUM_TOKENS: (1, opts.max_tokens), NUM_SEQS: (1, opts.max_seqs), MAX_BLOCKS: (1, opts.max_blocks),
+              NUM_BLOCKS: (2, opts.max_num_blocks)}
+    dim = {name: torch.export.Dim(name, min=lo, max=hi) for name, (lo, hi) in ranges.items()}
+    dyn = tuple({axis: dim[name] for axis, name in step_dims()[n].items()} for n in STEP_INPUTS)
+    ex = {name: torch.from_numpy(a) for name, a in example_step(opts.block_size).items()}
+    ex["kv_cache"] = torch.zeros(num_layers, 2, num_kv_heads, EXAMPLE_CACHE_BLOCKS, opts.block_size, head_dim,
+                                 dtype=torch.int16 if opts.kv_dtype is not None else dtype)
     args = tuple(ex[n] for n in STEP_INPUTS)
     return [EntryPoint(name, make_step(att), args, dyn, input_names=STEP_INPUTS, output_names=STEP_OUTPUTS,
                        donated=DONATED, paddable=PADDABLE)
@@ -131,7 +110,7 @@ def contract_entries(make_step: Callable[[str], torch.nn.Module], opts: StepExpo
 def contract_spec(opts: StepExportOptions, dtype: torch.dtype, *, num_layers: int, num_kv_heads: int, head_dim: int,
                   vocab_size: int, bos_token_id: int | None, eos_token_ids, model: ModelFacts,
                   tensor_parallel: TensorParallelSpec | None = None) -> LLMSpec:
-    """The manifest's model["llm"] of a step built with `opts` (the cache holds int16 bits of
+    """The step's contract (the manifest's model["llm"], written by export_artifact) built with `opts` (the cache holds int16 bits of
     opts.kv_dtype when set, else `dtype`); `model` adds the architecture facts."""
     stored = torch.int16 if opts.kv_dtype is not None else dtype
     kv = KVCacheSpec(dtype=dtypes.artifact_name_of_torch(stored),
@@ -140,7 +119,7 @@ def contract_spec(opts: StepExportOptions, dtype: torch.dtype, *, num_layers: in
     return LLMSpec(block_size=opts.block_size, max_blocks=opts.max_blocks, max_seqs=opts.max_seqs,
                    max_tokens=opts.max_tokens, vocab_size=vocab_size, bos_token_id=bos_token_id,
                    eos_token_ids=tuple(eos_token_ids), kv_cache=kv,
-                   functions={name: f"{att}: {ATTENTION_COST[att]}" for name, att in opts.functions},
+                   functions={name: Layout(att) for name, att in opts.functions},
                    model=model, tensor_parallel=tensor_parallel)
 
 
@@ -176,7 +155,6 @@ def paged_attention(qg: torch.Tensor, cache: torch.Tensor, layer: torch.Tensor, 
     the number of sequences or the context length. Scores are `scale` (default 1/sqrt(D)) times
     q.k, soft-capped (softcap * tanh(s / softcap)) when softcap > 0. Returns [T, KV, G, D] in qg's dtype.
     """
-    from .._private import torch_scan
     scan = torch_scan()
 
     T, KV, G, D = qg.shape

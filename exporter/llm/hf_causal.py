@@ -36,25 +36,26 @@ from typing import Any, Mapping
 
 import torch
 
+from hloserve.quantization.convert import QuantRecord, QuantRequest
+from hloserve.quantization.schemes import MIN_SUFFIX, SCALE_SUFFIX
 from hloserve.runtime.artifact.llm import LLMSpec, ModelFacts, TensorParallelSpec
 
-from .. import custom_ops  # noqa: F401 - registers torch.ops.hloserve.* (the composites)
-from ..custom_ops import within_window
 from .. import dtypes
+from ..composites import layer_linear  # noqa: F401 - registers torch.ops.hloserve.layer_linear
 from ..entry import Source
 from ..errors import SourceError
-from . import hf_layers
-from .step import _MASKED, HOLDS, OWN, StepExportOptions, contract_entries, contract_spec, write_kv
+from . import hf_experts, hf_layers
+from .attention import ATTN_NAME, STEP_KWARG, StepState, register_attention
+from .hf_files import TOKENIZER_FILES, chat_template
+from .step import StepExportOptions, contract_entries, contract_spec
 
 log = logging.getLogger("hloserve.export")
 
-ATTN_NAME = "hloserve_paged"
-STEP_KWARG = "hloserve_step"
 # layer kinds (config.layer_types) whose attention is full or windowed softmax attention
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
 # a transformers attention's sliding window (None on its global layers), the one static attribute in
 # which Gemma's sliding and global layers differ: per-layer data of one scanned body, which reaches
-# `_Step.attend` as the layer's window (the other names say the same and are not read by the step)
+# `StepState.attend` (attention.py) as the layer's window (the other names say the same and are not read by the step)
 WINDOW = hf_layers.PerLayer("sliding_window", "window", labels=("is_sliding", "layer_type", "attention_type"))
 
 
@@ -102,7 +103,7 @@ def check_supported(cls, config) -> None:
     if not getattr(cls, "_supports_attention_backend", False):
         raise SourceError(f"{name} does not route its attention through transformers' attention interface "
                           f"(_supports_attention_backend is False), so its attention cannot be replaced by a "
-                          f"paged one; it needs a hand-written step in exporter/models/")
+                          f"paged one; it needs a hand-written step in exporter/llm/")
     c = _text_config(config)
     kinds = set(getattr(c, "layer_types", None) or ())
     other = sorted(kinds - set(_ATTENTION_LAYERS))
@@ -126,7 +127,6 @@ _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_n
 def route_experts(model: torch.nn.Module) -> None:
     """A mixture-of-experts model's experts through hloserve's implementation (models/hf_experts.py);
     SourceError for one whose experts it cannot compute."""
-    from . import hf_experts
     name = type(model).__name__
     if hf_experts.use_ours(model):
         for path, m in model.named_modules():
@@ -139,115 +139,6 @@ def route_experts(model: torch.nn.Module) -> None:
     if experts:
         raise SourceError(f"{name} is a mixture-of-experts model ({experts}) whose experts are not a transformers "
                           f"experts module (use_experts_implementation), which the generic step computes")
-
-
-def register_attention() -> None:
-    """Register `hloserve_paged` with transformers (idempotent; a process-wide table of transformers')."""
-    from transformers import AttentionInterface
-    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
-
-
-def paged_attention_forward(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
-                            sliding_window=None, softcap=None, **kwargs):
-    """transformers' attention-interface signature: query [1, H, T, D], key/value [1, KV, T, D]
-    -> ([1, T, H, D], None). Writes this step's K/V into the cache and attends over it."""
-    step = kwargs.get(STEP_KWARG)
-    if step is None:
-        raise SourceError(f"{type(module).__name__} is called without the step's paging inputs ({STEP_KWARG}=...): "
-                          f"the model's decoder layers do not hand transformers' attention keyword arguments on to "
-                          f"their attention, so the generic step cannot serve this family")
-    return step.attend(module, query, key, value, scaling, sliding_window, softcap), None
-
-
-class _Step:
-    """The paging inputs of one step and the cache as it is updated, layer by layer (tracing state)."""
-
-    def __init__(self, layout: str, inputs: Mapping[str, torch.Tensor], kv_dtype: torch.dtype | None,
-                 dtype: torch.dtype, *, cache: torch.Tensor | None = None, layer: torch.Tensor | None = None,
-                 window: torch.Tensor | None = None):
-        self.layout = layout
-        self.x = inputs
-        self.cache = inputs["kv_cache"] if cache is None else cache
-        self.kv_dtype = kv_dtype
-        self.dtype = dtype
-        self.layer = layer          # 0-dim int32 (a scanned layer's index); None: the module's layer_idx
-        self.window = window        # 0-dim int32 (a scanned layer's own window, 0: none); None: the module's
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The paging inputs a layer's attention reads (the cache aside): a scanned body's inputs."""
-        return {k: v for k, v in self.x.items() if k != "kv_cache"}
-
-    def at(self, layer: torch.Tensor, cache: torch.Tensor, window: torch.Tensor | None = None, *,
-           tensors: Mapping[str, torch.Tensor] | None = None) -> "_Step":
-        """The step as layer `layer` sees it, over `cache` (hf_layers.ScannedLayers); `window`: the
-        layer's sliding window as data, where the layers of one scanned body differ in it (WINDOW);
-        `tensors`: `tensors()` as the scanned body receives them."""
-        x = self.x if tensors is None else {**self.x, **tensors}
-        return _Step(self.layout, x, self.kv_dtype, self.dtype, cache=cache, layer=layer, window=window)
-
-    def attend(self, module, query, key, value, scaling, window, softcap) -> torch.Tensor:
-        layer = self.layer if self.layer is not None else torch.tensor(module.layer_idx, dtype=torch.int32)
-        _, H, T, D = query.shape
-        KV = key.shape[1]
-        q = query[0].transpose(0, 1)                                      # [T, H, D]
-        k = key[0].transpose(0, 1)                                        # [T, KV, D]
-        v = value[0].transpose(0, 1)                                      # [T, KV, D]
-        x = self.x
-        scale = float(scaling) if scaling is not None else D ** -0.5
-        window = int(window or 0) if self.window is None else self.window    # an int, or the layer's 0-dim tensor
-        softcap = float(softcap or 0.0)
-        self.cache = write_kv(self.cache, layer.to(torch.int64), k.to(self.dtype), v.to(self.dtype),
-                              x["slot_mapping"].to(torch.int64), self.kv_dtype)
-
-        qg = q.reshape(T, KV, H // KV, D)                                 # [T, KV, G, D]
-        holds = HOLDS.get(self.kv_dtype or self.cache.dtype, OWN)
-        if self.layout == "gather":
-            # version 2 of the composite where the window is the layer's data, version 1 otherwise
-            windowed = isinstance(window, torch.Tensor)
-            op = torch.ops.hloserve.paged_attention_windowed if windowed else torch.ops.hloserve.paged_attention
-            out = op(qg.float(), self.cache, layer, x["block_tables"], x["seq_ids"], x["positions"],
-                     x["context_lens"], window, holds, scale, softcap)      # [T, KV, G, D]
-        elif self.layout == "paged":
-            if holds:
-                raise ValueError("the paged layout reads an f32 cache; export it without --kv-cache-dtype")
-            from .step import paged_attention
-            blocks = x["block_tables"][x["seq_ids"]].transpose(0, 1)      # [B, T]: scanned over B
-            out = paged_attention(qg.float(), self.cache, layer, blocks, x["positions"].to(torch.int64),
-                                  x["context_lens"][x["seq_ids"]].to(torch.int64), window, scale=scale,
-                                  softcap=softcap)
-        else:
-            out = _flat_attention(qg.float(), self.cache, layer, x, window, holds, scale, softcap)
-        return out.to(query.dtype).reshape(1, T, H, D)                   # [1, T, H, D]
-
-
-def _flat_attention(qg, cache, layer: torch.Tensor, x, window, holds: int, scale: float, softcap: float):
-    """Every token scores the contexts of all S sequences of the step, masked to its own (prefill)."""
-    T, KV, G, D = qg.shape
-    BS = cache.shape[4]
-    tables = x["block_tables"]                                            # [S, B]
-    S, B = tables.shape
-    C = B * BS
-    k = torch.ops.hloserve.gather_blocks(cache, layer, 0, tables)         # [KV, S*C, D]
-    v = torch.ops.hloserve.gather_blocks(cache, layer, 1, tables)         # [KV, S*C, D]
-    if holds:
-        kind = torch.bfloat16 if holds == 1 else torch.float16
-        k, v = k.view(kind) if k.dtype == torch.int16 else k, v.view(kind) if v.dtype == torch.int16 else v
-    k, v = k.float(), v.float()
-    c = torch.arange(C, device=qg.device)
-    pos = x["positions"].to(torch.int64)[:, None]                         # [T, 1]
-    own = x["seq_ids"].to(torch.int64)[:, None] == torch.arange(S, device=qg.device)[None, :]   # [T, S]
-    causal = c[None, :] <= pos                                            # [T, C]
-    windowed = within_window(c[None, :], pos, window)
-    if windowed is not None:
-        causal = causal & windowed
-    filled = c[None, :] < x["context_lens"].to(torch.int64)[:, None]      # [S, C]
-    seen = (own[:, :, None] & causal[:, None, :] & filled[None, :, :]).reshape(T, S * C)   # [T, S*C]
-    scores = torch.einsum("tkgd,kcd->ktgc", qg, k) * scale                # [KV, T, G, S*C]
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    scores = torch.where(seen[None, :, None, :], scores, _MASKED)
-    out = torch.einsum("ktgc,kcd->tkgd", torch.softmax(scores, dim=-1), v)   # [T, KV, G, D]
-    return out
 
 
 class HFStep(torch.nn.Module):
@@ -263,7 +154,7 @@ class HFStep(torch.nn.Module):
         inputs = dict(positions=positions, seq_ids=seq_ids, slot_mapping=slot_mapping, block_tables=block_tables,
                       context_lens=context_lens, kv_cache=kv_cache)
         dtype = activation_dtype(self.model)
-        step = _Step(self.layout, inputs, self.opts.kv_dtype, dtype)
+        step = StepState(self.layout, inputs, self.opts.kv_dtype, dtype)
         out = self.model(input_ids=tokens[None].to(torch.int64), position_ids=positions[None].to(torch.int64),
                          use_cache=False, logits_to_keep=last_token.to(torch.int64), **{STEP_KWARG: step})
         logits = out.logits[0].float()                                  # [S, V]
@@ -313,22 +204,12 @@ def _same_as_unrolled(model: torch.nn.Module, entry, got) -> bool:
                for g, w in zip(got, want))
 
 
-def quantize_layers(model: torch.nn.Module, opts: StepExportOptions, config, record, stored=None) -> None:
-    """--quantize on a generic step: the module swap on the real layers, then scanned again as before.
-    `stored(model)`, if given, returns weights already quantized by module name (quantize_module's
-    `given`: a GGUF's own blocks), read from the unscanned layers."""
-    from hloserve.quantization.convert import quantize_module
-    before = next((m for m in model.modules() if isinstance(m, hf_layers.ScannedLayers)), None)
-    hf_layers.unscan(model)
-    quantize_module(model, config, record, stored(model) if stored is not None else None)
-    if before is not None:
-        # scanned as the load decided (and checked against the unrolled layers): the swap changes
-        # the layers' linears, not how the model's forward calls them or reads their windows
-        hf_layers.scan(model, STEP_KWARG, before.carried)
-        for m in model.modules():   # the stacks the scan made of the quantized layers keep their manifest entries
-            if isinstance(m, hf_layers.ScannedLayers):
-                for parts, stacked in m.stacked_from:
-                    record.add_stack(parts, stacked)
+def record_stacks(model: torch.nn.Module, record: QuantRecord) -> None:
+    """The stacks the scan made of quantized layers keep their manifest entries (WeightSpec.quant)."""
+    for m in model.modules():
+        if isinstance(m, hf_layers.ScannedLayers):
+            for parts, stacked in m.stacked_from:
+                record.add_stack(parts, stacked)
 
 
 def divide_rope_frequencies(model: torch.nn.Module, factors, where: str) -> None:
@@ -363,7 +244,6 @@ def tensor_parallel_dims(model: torch.nn.Module) -> dict[str, int]:
     vocabulary rows. A scanned layer's stacks carry the layers as dim 0. Others are replicated.
     A tied table is listed under both its names (embedding and head): which one the artifact stores
     is decided when it is written, and export_artifact drops the other from the spec."""
-    from hloserve.quantization.schemes import MIN_SUFFIX, SCALE_SUFFIX
 
     out = {}
     for name, t in model.state_dict().items():
@@ -454,12 +334,16 @@ def _initialized_buffers(cls, config, dtype: torch.dtype) -> dict[str, torch.Ten
 
 def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExportOptions | None = None,
                       kv_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
-                      state_dict: Mapping[str, torch.Tensor] | None = None) -> Source:
+                      state_dict: Mapping[str, torch.Tensor] | None = None,
+                      quantize: QuantRequest | None = None) -> Source:
     """Any supported HF causal-LM directory -> Source with the prefill/decode step functions
-    (`state_dict`: its float32 weights, in place of the directory's *.safetensors: a GGUF's)."""
+    (`state_dict`: its float32 weights, in place of the directory's *.safetensors: a GGUF's).
+
+    In one pass: load -> quantize (`quantize`: --quantize's module swap on the real layers) -> scan
+    the layers (checked against the unrolled ones) -> the step's LLMSpec, built once from the final
+    weights (its tensor-parallel split names the quantized tensors)."""
     import transformers
 
-    from .hf_files import TOKENIZER_FILES, chat_template, generation_defaults
 
     try:
         config = transformers.AutoConfig.from_pretrained(path)
@@ -476,11 +360,15 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
     route_experts(model)
     if sixteen is not None:
         hf_layers.sixteen_bit(model, sixteen, tdtype)
+    if quantize is not None:
+        quantize.apply(model)
     c = _text_config(model.config)
     g = geometry(model.config)
     max_pos = int(getattr(c, "max_position_embeddings", 4096) or 4096)
     opts = opts or StepExportOptions(max_context=min(max_pos, 32768), kv_dtype=kv_dtype)
     layers = scan_layers(model, opts) if opts.scan else "unrolled"
+    if quantize is not None:
+        record_stacks(model, quantize.record)
     eos = getattr(model.generation_config, "eos_token_id", None) or getattr(c, "eos_token_id", None)
     eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
     bos = getattr(c, "bos_token_id", None)
@@ -493,7 +381,7 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
         "task": "causal-lm", "architecture": cls.__name__,
         "config": {"model_type": c.model_type, "num_hidden_layers": g.num_layers, "num_key_value_heads": g.num_kv_heads,
                    "head_dim": g.head_dim, "vocab_size": int(c.vocab_size)},
-        "llm": llm_spec(model, opts, eos_ids, None if bos is None else int(bos), layers).to_json(),
+        "llm": llm_spec(model, opts, eos_ids, None if bos is None else int(bos), layers),   # JSON once written
         "tokenizer": "tokenizer.json" if "tokenizer.json" in files else None,
         "chat_template": chat_template(path),
     }
@@ -501,8 +389,8 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
         meta["add_bos_token"] = add_bos
     if weight_dtype is not None and weight_dtype != tdtype:
         meta["weight_dtype"] = dtypes.artifact_name_of_torch(weight_dtype)
-    gen = generation_defaults(path)
-    if gen:
-        meta["generation_defaults"] = gen
+    if quantize is not None:
+        meta["quantization"] = quantize.config.to_json()
     return Source(f"Hugging Face {cls.__name__} from {path} (paged-cache step through transformers' attention "
-                  f"interface)", step_entries(model, opts), meta, files)
+                  f"interface)", step_entries(model, opts), meta, files,
+                  weight_quant=quantize.record if quantize is not None else None)

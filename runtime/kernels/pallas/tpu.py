@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .paged import MASKED, PagedParams, block_range, cap, seen, widen, window_operand
+from .paged import MASKED, PagedParams, block_range, cap, scalar_operands, seen, widen
 
 NAME = "pallas_tpu.ragged_paged_attention"
 
@@ -80,7 +80,6 @@ def paged_attention(q, kv_cache, layer, block_tables, seq_ids, positions, contex
     T, KV, G, D = q.shape
     L, _, _, N, BS, _ = kv_cache.shape
     S, B = block_tables.shape
-    tables = jnp.clip(block_tables.astype(jnp.int32), 0, N - 1).reshape(-1)   # CLIP, as the decomposition's gather
 
     def kv_map(which):
         def index(t, h, j, layer, window, tables, seqs, pos, lens):
@@ -104,6 +103,5 @@ def paged_attention(q, kv_cache, layer, block_tables, seq_ids, positions, contex
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="hloserve_paged_attention",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), window_operand(window, params), tables, seq_ids.astype(jnp.int32),
-      positions.astype(jnp.int32),
-      context_lens.astype(jnp.int32), q.astype(jnp.float32), kv_cache, kv_cache)
+    )(*scalar_operands(layer, window, block_tables, seq_ids, positions, context_lens, params=params, blocks=N),
+      q.astype(jnp.float32), kv_cache, kv_cache)

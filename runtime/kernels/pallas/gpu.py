@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .paged import MASKED, PagedParams, block_range, cap, seen, widen, window_operand
+from .paged import MASKED, PagedParams, block_range, cap, scalar_operands, seen, widen
 
 NAME = "pallas_triton.paged_attention"
 
@@ -77,9 +77,7 @@ def paged_attention(q, kv_cache, layer, block_tables, seq_ids, positions, contex
         raise ValueError(f"the Triton paged-attention kernel cannot serve this cache: {why}")
     Gp = 1 << max(G - 1, 0).bit_length()                                 # G padded to a power of two
     qp = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, 0), (0, Gp - G), (0, 0))) if Gp != G else q.astype(jnp.float32)
-    tables = jnp.clip(block_tables.astype(jnp.int32), 0, N - 1).reshape(-1)   # CLIP, as the decomposition's gather
-    scalars = [jnp.reshape(layer, (1,)).astype(jnp.int32), window_operand(window, params), tables, seq_ids.astype(jnp.int32),
-               positions.astype(jnp.int32), context_lens.astype(jnp.int32)]
+    scalars = scalar_operands(layer, window, block_tables, seq_ids, positions, context_lens, params=params, blocks=N)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         functools.partial(_kernel, params=params, block_size=BS, max_blocks=B),

@@ -2,7 +2,7 @@
 range of cache blocks a token reads, the mask inside a block, and the widening of stored K/V.
 
 The contract is runtime/artifact/kernels.py's PAGED_ATTENTION; the reference is its decomposition
-(exporter/lowerings/attention.py). Both kernels walk only the blocks a token can see, with an online
+(exporter/composites/paged_attention.py). Both kernels walk only the blocks a token can see, with an online
 softmax over them, and read each block where it lies in the cache `[L, 2, KV, N, BS, D]`.
 """
 from __future__ import annotations
@@ -10,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+from hloserve.runtime.artifact.kernels import Holds
 from jax import lax
 
 # Finite "minus infinity" for masked scores, as the decomposition uses: no NaN from a row that sees nothing.
 MASKED = -1e30
-# `holds` attribute -> the float type the stored bits are (0: the cache's own dtype)
-HOLDS = {1: jnp.bfloat16, 2: jnp.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +64,21 @@ def window_operand(window, params: PagedParams):
     return jnp.reshape(jnp.asarray(params.window if window is None else window, jnp.int32), (1,))
 
 
+def scalar_operands(layer, window, block_tables, seq_ids, positions, context_lens, *, params: PagedParams,
+                    blocks: int) -> list:
+    """The six s32 operands both kernels read as scalars: layer[1], window[1], the block tables
+    flattened (entries clipped to the cache's `blocks`, as the decomposition's gather clips), the
+    sequence ids, positions and context lengths."""
+    tables = jnp.clip(block_tables.astype(jnp.int32), 0, blocks - 1).reshape(-1)
+    return [jnp.reshape(layer, (1,)).astype(jnp.int32), window_operand(window, params), tables,
+            seq_ids.astype(jnp.int32), positions.astype(jnp.int32), context_lens.astype(jnp.int32)]
+
+
 def widen(x, holds: int):
     """Stored K/V -> f32 (bits of a 16-bit float are reinterpreted first)."""
-    if holds and x.dtype != HOLDS[holds]:
-        x = lax.bitcast_convert_type(x, HOLDS[holds])
+    held = jnp.dtype(Holds(holds).dtype_name) if holds else None
+    if held is not None and x.dtype != held:
+        x = lax.bitcast_convert_type(x, held)
     return x.astype(jnp.float32)
 
 

@@ -1,22 +1,108 @@
-"""Attention ops of the exporter's own models, lowered to the composites of runtime/artifact/kernels.py.
+"""The `hloserve.paged_attention` composite, export side: attention of each token over its own
+sequence's paged context (the LLM step's KV cache `[L, 2, KV, N, BS, D]`).
 
-Each lowering emits a `stablehlo.composite` whose decomposition is the portable StableHLO
-formulation: every platform can run it, and a runtime with a kernel for the composite (the CPU
-runtime, runtime/kernels/) runs that instead.
+    torch side   hloserve::paged_attention (v1: window an attribute), hloserve::paged_attention_windowed
+                 (v2: window an operand), hloserve::gather_blocks; eager forms = the torch reference
+    jax side     paged_attention_reference: the portable decomposition (every platform runs it)
+    lowerings    each op -> a `stablehlo.composite` carrying that decomposition
+
+The contract is runtime/artifact/kernels.py's PAGED_ATTENTION / PAGED_ATTENTION_V2; the kernels that
+replace it at load are runtime/kernels/cpu/paged_attention.cc and runtime/kernels/pallas/{gpu,tpu}.py.
+The torch ops are registered with torch's dispatcher when this module is first imported
+(idempotent per process).
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 import torch
-from hloserve.runtime.artifact.kernels import PAGED_ATTENTION, PAGED_ATTENTION_V2
+from hloserve.runtime.artifact.kernels import PAGED_ATTENTION, PAGED_ATTENTION_V2, Holds
 from jax import lax
 
 from .. import _private
-from .. import custom_ops as _custom_ops  # noqa: F401 - defines torch.ops.hloserve.paged_attention
+from ..bits import held
 from ..registry import lower
-from ._util import HOLDS
 
+# -- the torch side: ops the step's model calls; their eager forms are the torch reference ----------
+# hloserve::paged_attention: version 1, the window an int attribute; hloserve::paged_attention_windowed:
+# version 2, the window a 0-dim int32 operand (a scanned layer's own window).
+@torch.library.custom_op("hloserve::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: torch.Tensor, block_tables: torch.Tensor,
+                    seq_ids: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
+                    window: int, holds: int, scale: float, softcap: float) -> torch.Tensor:
+    return _eager(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds, scale, softcap)
+
+
+@paged_attention.register_fake
+def _(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds, scale, softcap):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("hloserve::paged_attention_windowed", mutates_args=())
+def paged_attention_windowed(q: torch.Tensor, kv_cache: torch.Tensor, layer: torch.Tensor, block_tables: torch.Tensor,
+                             seq_ids: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
+                             window: torch.Tensor, holds: int, scale: float, softcap: float) -> torch.Tensor:
+    return _eager(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds, scale, softcap)
+
+
+@paged_attention_windowed.register_fake
+def _(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds, scale, softcap):
+    return torch.empty_like(q)
+
+
+def within_window(c: torch.Tensor, pos: torch.Tensor, window) -> torch.Tensor | None:
+    """Which positions `c` a token at `pos` sees through a sliding window (c > pos - window), where
+    `window` is an int or a 0-dim integer tensor (a scanned layer's; 0 or less: no window); None
+    when an int window is 0 (nothing to mask)."""
+    if isinstance(window, torch.Tensor):
+        return (window <= 0) | (c > pos - window)
+    return c > pos - window if window else None
+
+
+def _eager(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds, scale, softcap):
+    T, KV, G, D = q.shape
+    L, _, _, N, BS, _ = kv_cache.shape
+    B = block_tables.shape[1]
+    cache = kv_cache
+    if holds:
+        cache = cache.view(getattr(torch, Holds(holds).dtype_name))
+    cache = cache.float()
+    blocks = block_tables[seq_ids].long()                                  # [T, B]
+    k = cache[layer.long(), 0][:, blocks].reshape(KV, T, B * BS, D)       # [KV, T, C, D]
+    v = cache[layer.long(), 1][:, blocks].reshape(KV, T, B * BS, D)       # [KV, T, C, D]
+    c = torch.arange(B * BS)
+    pos = positions.long()[:, None]
+    seen = (c[None, :] <= pos) & (c[None, :] < context_lens[seq_ids].long()[:, None])   # [T, C]
+    windowed = within_window(c[None, :], pos, window)
+    if windowed is not None:
+        seen = seen & windowed
+    scores = torch.einsum("tkgd,ktcd->ktgc", q.float(), k) * scale        # [KV, T, G, C]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = torch.where(seen[None, :, None, :], scores, -1e30)
+    out = torch.einsum("ktgc,ktcd->tkgd", torch.softmax(scores, dim=-1), v)   # [T, KV, G, D]
+    return out.to(q.dtype)
+
+
+# hloserve::gather_blocks: the K (kv=0) or V (kv=1) blocks `blocks` [R, B] of layer `layer` (0-dim)
+# from a paged cache [L, 2, KV, N, BS, D], as [KV, R*B*BS, D]: each sequence's padded context, kv
+# heads first (the layout attention's batched dots read). Lowered to ONE gather whose kv-head dim
+# is a slice of every index (below), so a cache split by heads over
+# devices is read where it lies.
+@torch.library.custom_op("hloserve::gather_blocks", mutates_args=())
+def gather_blocks_op(cache: torch.Tensor, layer: torch.Tensor, kv: int, blocks: torch.Tensor) -> torch.Tensor:
+    L, _, KV, N, BS, D = cache.shape
+    picked = cache[layer.long(), kv][:, blocks.reshape(-1).long()]       # [KV, R*B, BS, D]
+    return picked.reshape(KV, -1, D).clone()                              # [KV, R*B*BS, D]
+
+
+@gather_blocks_op.register_fake
+def _(cache, layer, kv, blocks):
+    L, _, KV, N, BS, D = cache.shape
+    return cache.new_empty((KV, blocks.numel() * BS, D))
+
+
+# -- the jax side: the decomposition and the lowerings --------------------------------------------
 # Finite "minus infinity" for masked scores: a token that sees nothing gets finite values.
 _MASKED = -1e30
 
@@ -39,7 +125,7 @@ def gather_blocks(cache, layer, kv: int, blocks):
 
 # hloserve::gather_blocks(Tensor cache, Tensor layer, int kv, Tensor blocks) -> Tensor
 @lower(torch.ops.hloserve.gather_blocks)
-def _gather_blocks(ctx, cache, layer, kv, blocks):
+def _lower_gather_blocks(ctx, cache, layer, kv, blocks):
     return gather_blocks(cache, jnp.asarray(layer).reshape(()), int(kv), blocks)
 
 
@@ -60,8 +146,8 @@ def paged_attention_reference(q, kv_cache, layer, block_tables, seq_ids, positio
     k = gather_blocks(kv_cache, layer, 0, blk).reshape(KV, T, C, D)       # [KV, T, C, D]
     v = gather_blocks(kv_cache, layer, 1, blk).reshape(KV, T, C, D)       # [KV, T, C, D]
     if holds:   # widened inside the gather: half the bytes read
-        k = lax.bitcast_convert_type(k, HOLDS[holds]) if k.dtype != HOLDS[holds] else k
-        v = lax.bitcast_convert_type(v, HOLDS[holds]) if v.dtype != HOLDS[holds] else v
+        k = lax.bitcast_convert_type(k, held(holds)) if k.dtype != held(holds) else k
+        v = lax.bitcast_convert_type(v, held(holds)) if v.dtype != held(holds) else v
     k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     qk = q.transpose(1, 0, 2, 3)                                          # [KV, T, G, D]
     # scores as K @ q^T: the big operand K is the dot's row-major left side
@@ -105,7 +191,7 @@ def _operands(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens
 #                           Tensor positions, Tensor context_lens, int window, int holds, float scale,
 #                           float softcap) -> Tensor: version 1, the window an attribute
 @lower(torch.ops.hloserve.paged_attention)
-def _paged_attention(ctx, q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds,
+def _lower_paged_attention(ctx, q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds,
                      scale, softcap):
     composite = _private.composite(paged_attention_reference, PAGED_ATTENTION.name, PAGED_ATTENTION.version)
     out = composite(*_operands(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens),
@@ -117,7 +203,7 @@ def _paged_attention(ctx, q, kv_cache, layer, block_tables, seq_ids, positions, 
 # hloserve::paged_attention_windowed(..., Tensor window, int holds, float scale, float softcap) -> Tensor:
 # version 2, the window an s32[] operand
 @lower(torch.ops.hloserve.paged_attention_windowed)
-def _paged_attention_windowed(ctx, q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds,
+def _lower_paged_attention_windowed(ctx, q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds,
                               scale, softcap):
     composite = _private.composite(paged_attention_reference_v2, PAGED_ATTENTION_V2.name, PAGED_ATTENTION_V2.version)
     out = composite(*_operands(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens),

@@ -1,0 +1,17 @@
+"""The composites' export side, one module per composite: its torch op(s) with their fakes and eager
+references, its portable decomposition in jax, and the lowering that wraps the decomposition in a
+`stablehlo.composite` (the contract: runtime/artifact/kernels.py; the kernels: runtime/kernels/).
+
+    paged_attention   hloserve.paged_attention v1, v2 (+ hloserve::gather_blocks)
+    layer_linear      hloserve.layer_linear v1 (+ hloserve::mixed_linear)
+    quant_linear      hloserve.quant_linear v1, v2 (its torch op lives in quantization/modules.py)
+
+Adding a composite: a module here, its contract in runtime/artifact/kernels.py, and its row in
+MODULES below (the registry collects the lowerings from it); a kernel is then one module per
+platform under runtime/kernels/ plus one row in its backend's table (docs/architecture.md).
+"""
+from __future__ import annotations
+
+from . import layer_linear, paged_attention, quant_linear
+
+MODULES = (paged_attention, layer_linear, quant_linear)

@@ -1,0 +1,83 @@
+"""hloserve's CPU kernels (C++, one file per composite: paged_attention.cc, linear.cc,
+quant_linear.cc over common.h) as a kernel backend.
+
+    backend = CpuBackend(build.library(report))       # built once per machine (build.py)
+    s = backend.specialize(exported)                  # each composite with a row in targets.py -> its FFI call
+
+`specialize` replaces each composite the library has a kernel for by an FFI custom call to it, in
+this process's copy of the function only, and every other composite by a call of its
+decomposition: the artifact keeps the portable decomposition, which a CPU without a compiler (or
+with HLOSERVE_CPU_KERNELS=0) runs. Where a kernel beats XLA only up to a number of rows
+(targets.py) and the rows are symbolic, both are emitted under a predicate that is constant once
+the function is compiled for a shape (XLA keeps only the branch taken).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..backend import Specialized
+from ..rewrite import composite_of, custom_call, decomposition_call, rewrite, swap
+from . import build
+from .build import Library
+from .targets import TARGETS
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuBackend:
+    library: Library
+    name: str = "cpu"
+
+    @property
+    def composites(self) -> frozenset[tuple[str, int]]:
+        return frozenset(TARGETS)
+
+    def runs(self, name: str, version: int) -> bool:
+        return (name, version) in TARGETS
+
+    def specialize(self, exported: Any) -> Specialized:
+        used = 0
+        cpu = build.cpu()
+
+        def replace(op, api) -> bool:
+            nonlocal used
+            info = composite_of(api, op)
+            target = TARGETS.get(info.key)
+            with api.ir.InsertionPoint(op):
+                if target is None or not target.accepts(info.attributes):
+                    swap(op, decomposition_call(api, op))
+                    return True
+                new, ran = _kernel_or_decomposition(api, op, info.operands, info.config, target, target.max_rows(cpu))
+            used += ran
+            swap(op, new)
+            return True
+
+        fn, _ = rewrite(exported, replace)
+        return Specialized(fn, used, digest=self.library.digest if used else None)
+
+
+def _kernel_or_decomposition(api, op, operands, config, target, limit: int | None):
+    """(the op replacing the composite, 1 if it may run the kernel else 0): the kernel up to `limit`
+    rows of the first operand (None: any), the decomposition above it; with symbolic rows, both
+    under a predicate on the rows."""
+    ir, hlo = api.ir, api.hlo
+    result_types = [r.type for r in op.results]
+
+    def kernel():
+        return custom_call(api, target.symbol, result_types, operands, config, target.result_dims)
+
+    rows = ir.RankedTensorType(operands[0].type).shape[0]
+    static = not ir.ShapedType.is_dynamic_size(rows)
+    if limit is not None and static and rows > limit:
+        return decomposition_call(api, op), 0
+    if limit is None or static:
+        return kernel(), 1
+    i32 = ir.IntegerType.get_signless(32)
+    n = hlo.get_dimension_size(operands[0], 0)
+    bound = hlo.constant(ir.DenseElementsAttr.get_splat(ir.RankedTensorType.get([], i32), ir.IntegerAttr.get(i32, limit)))
+    new = hlo.IfOp(result_types, hlo.compare(n, bound, hlo.ComparisonDirectionAttr.get("LE")))
+    with ir.InsertionPoint(new.true_branch.blocks.append()):
+        hlo.return_(list(kernel().results))
+    with ir.InsertionPoint(new.false_branch.blocks.append()):
+        hlo.return_(list(decomposition_call(api, op).results))
+    return new, 1

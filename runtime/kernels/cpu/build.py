@@ -1,0 +1,218 @@
+"""Building the CPU kernels once per machine and registering them with XLA.
+
+    library = build.library(report)     # <cache>/kernels/<key>/libhloserve_cpu.so, or None
+
+The .cc files beside this module are compiled with the system C++ compiler for this CPU
+(-march=native) against jaxlib's XLA FFI headers, one process per file, and linked into one
+library, keyed by the sources, compiler, flags, jaxlib and CPU. A build record (key, sha256) is
+written beside the library; a library whose record is missing or names other bytes is rebuilt,
+never loaded. The library's FFI targets (targets.py) are registered for the CPU platform only.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import glob
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+from typing import Callable
+
+from ...paths import cache_dir, untrusted
+from .targets import TARGETS, Cpu
+
+LOG = logging.getLogger("hloserve.runtime")
+HERE = os.path.dirname(__file__)
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-fPIC")
+# -march=native, unless HLOSERVE_CPU_KERNEL_MARCH names another target (tests build the fallbacks a
+# CPU without AMX or AVX512-BF16 runs, e.g. x86-64-v3, on a CPU that has them)
+MARCH_ENV = "HLOSERVE_CPU_KERNEL_MARCH"
+ENV = "HLOSERVE_CPU_KERNELS"     # "0" turns the kernels off (the portable decompositions run)
+
+
+@dataclasses.dataclass(frozen=True)
+class Library:
+    """A built kernel library: its file and the digest that identifies the code (cache keys)."""
+    path: str
+    digest: str
+
+
+def sources() -> list[str]:
+    """The kernels' C++ files (and the header they share), in a stable order."""
+    return sorted(glob.glob(os.path.join(HERE, "*.cc")) + glob.glob(os.path.join(HERE, "*.h")))
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") not in ("0", "false", "no", "off")
+
+
+def library(report: Callable[[str], None] | None = None) -> Library | None:
+    """The CPU kernels, built on first use on this machine and registered with XLA; None when
+    they are turned off or cannot be built (then the composites run their decompositions)."""
+    if not enabled():
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if compiler is None:
+        LOG.warning("no C++ compiler (g++/clang++, or $CXX): the CPU kernels are off, "
+                    "attention runs its portable formulation")
+        return None
+    key = _key(compiler)
+    root = _root()
+    path = os.path.join(root, key[:24], "libhloserve_cpu.so")
+    shared = [cache_dir()] if root == os.path.join(cache_dir(), "kernels") else []   # not our private directory
+    refused = untrusted(*shared, root, os.path.dirname(path))
+    if refused:
+        LOG.warning("the CPU kernels in %s are not loaded: %s (the library runs in this process); fix the "
+                    "permissions or point HLOSERVE_CACHE elsewhere. The portable formulations run.", root, refused)
+        return None
+    problem = _check_built(path, key) if os.path.exists(path) else "not built yet"
+    if problem:
+        if problem != "not built yet":
+            LOG.warning("rebuilding the CPU kernel library %s: %s", path, problem)
+        if report:
+            report("building hloserve's CPU kernels for this machine (once; about 15 s)")
+        err = _build(compiler, path, key)
+        if err:
+            LOG.warning("the CPU kernels could not be built (%s); attention runs its portable formulation", err)
+            return None
+    _register(path)
+    return Library(path, key)
+
+
+def _key(compiler: str) -> str:
+    import jax
+    parts = [pathlib.Path(f).read_bytes() for f in sources()]
+    parts += [_compiler_version(compiler).encode(), " ".join(flags()).encode(), jax.__version__.encode(),
+              cpu_identity().encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()
+
+
+def _root() -> str:
+    root = os.path.join(cache_dir(), "kernels")
+    try:
+        os.makedirs(root, exist_ok=True)
+        return root
+    except OSError as e:   # a read-only or full cache volume: built for this process only, in a private directory
+        LOG.warning("the CPU kernels cannot be kept in %s (%s); building them for this process only", root,
+                    e.strerror or e)
+        return _private_dir()
+
+
+@functools.cache
+def _private_dir() -> str:
+    return tempfile.mkdtemp(prefix="hloserve-kernels-")   # 0700, this process's own
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _check_built(path: str, key: str) -> str | None:
+    """Why the library at `path` must not be loaded (its record is missing, or names another build
+    or other bytes), or None. The record (`path`.json) is written with the library when it is built."""
+    try:
+        with open(path + ".json") as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"its build record is unreadable ({type(e).__name__})"
+    if not isinstance(record, dict) or record.get("key") != key:
+        return "its build record names another build"
+    if record.get("sha256") != _digest(path):
+        return "its bytes differ from the ones built (sha256 mismatch)"
+    return None
+
+
+def march() -> str:
+    return os.environ.get(MARCH_ENV, "native")
+
+
+def flags() -> tuple[str, ...]:
+    return tuple(f"-march={march()}" if f == "-march=native" else f for f in FLAGS)
+
+
+def cpu() -> Cpu:
+    """What the built code may use: this CPU's flags when built for it (-march=native)."""
+    text = cpu_identity()
+    listed = [ln.split(":", 1)[1] for ln in text.splitlines() if ln.startswith("flags") and ":" in ln]
+    return Cpu(native=march() == "native", flags=frozenset(" ".join(listed).split()))
+
+
+def _compile(compiler: str, out_dir: str) -> str | None:
+    """Each .cc to an object file in `out_dir` (in parallel), then linked into out_dir/lib.so;
+    returns an error line or None."""
+    import jax
+    objects, procs = [], []
+    for src in (s for s in sources() if s.endswith(".cc")):
+        obj = os.path.join(out_dir, os.path.basename(src) + ".o")
+        objects.append(obj)
+        procs.append(subprocess.Popen([compiler, *flags(), "-c", "-I", jax.ffi.include_dir(), src, "-o", obj],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    link = [compiler, "-shared", *objects, "-o", os.path.join(out_dir, "lib.so")]
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            return _failure(compiler, proc.returncode, err)
+    proc = subprocess.run(link, capture_output=True, text=True, timeout=600)
+    return _failure(compiler, proc.returncode, proc.stderr) if proc.returncode else None
+
+
+def _failure(compiler: str, code: int, stderr: str) -> str:
+    errors = [ln for ln in stderr.splitlines() if "error" in ln] or stderr.splitlines() or ["?"]
+    return f"{os.path.basename(compiler)} exited {code}: {errors[0][:300]}"
+
+
+def _build(compiler: str, path: str, key: str) -> str | None:
+    """Compile the library into `path` (atomically) with its build record (key, sha256); returns
+    an error line or None."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as work:
+            err = _compile(compiler, work)
+            if err:
+                return err
+            built = os.path.join(work, "lib.so")
+            with open(built + ".json", "w") as f:
+                f.write(json.dumps({"key": key, "sha256": _digest(built)}))
+            os.replace(built + ".json", path + ".json")   # the record first: a library without it is never loaded
+            os.replace(built, path)
+    except subprocess.TimeoutExpired as e:
+        return f"{os.path.basename(compiler)}: {e}"
+    except OSError as e:   # no compiler to run, or a full disk: nothing half-written is left to trust
+        return f"{os.path.basename(compiler)}: {e.strerror or e}"
+    return None
+
+
+@functools.cache
+def _register(path: str) -> None:
+    """Load the library and register its targets with XLA (once per process and file)."""
+    import jax
+    lib = ctypes.CDLL(path)
+    for target in TARGETS.values():
+        jax.ffi.register_ffi_target(target.symbol, jax.ffi.pycapsule(getattr(lib, target.symbol)), platform="cpu")
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return compiler
+
+
+@functools.cache
+def cpu_identity() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        import platform
+        return platform.processor()

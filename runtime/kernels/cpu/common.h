@@ -1,0 +1,135 @@
+// What every hloserve CPU kernel shares: the FFI, widening of 16-bit floats, the thread-pool loop,
+// the `Kind` of a buffer (the composites' `holds` attribute) and 16-lane vector helpers.
+//
+// The kernels, one file per composite (runtime/kernels/cpu/targets.py lists their FFI targets):
+//   paged_attention.cc  hloserve.paged_attention v1, v2
+//   linear.cc           hloserve.layer_linear v1
+//   quant_linear.cc     hloserve.quant_linear v1, v2
+// Each computes exactly what the composite's decomposition in the artifact computes (contracts:
+// runtime/artifact/kernels.py; decompositions: exporter/composites/). They exist because XLA:CPU
+// materializes what these read in place. Work is split over XLA's intra-op thread pool; the
+// calling thread takes a share and never waits on a task that has not started.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace hloserve {
+namespace ffi = xla::ffi;
+
+// bf16 / f16 bits -> f32
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float f16_to_f32(uint16_t h) { return static_cast<float>(*reinterpret_cast<const _Float16*>(&h)); }
+
+// Runs fn(i) for i in [0, n) over the pool's threads and the calling thread.
+template <typename F>
+inline void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t grain, F fn) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  if (n <= 0) return;
+  int64_t chunks = (n + grain - 1) / grain;
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
+  if (helpers <= 0) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  auto shared = std::make_shared<Shared>();
+  auto work = [shared, chunks, grain, n, fn]() {
+    for (;;) {
+      int64_t c = shared->next.fetch_add(1);
+      if (c >= chunks) return;
+      int64_t end = std::min(n, (c + 1) * grain);
+      for (int64_t i = c * grain; i < end; ++i) fn(i);
+      shared->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t h = 0; h < helpers; ++h) {
+    auto task = work;  // each task owns a copy; a late one finds no chunk left and returns
+    pool.Schedule(std::move(task));
+  }
+  work();
+  // every chunk is claimed; the ones still running belong to started helpers
+  while (shared->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
+
+// What a cache or weight buffer holds: the composites' `holds` attribute. The values are
+// hloserve.runtime.artifact.kernels.Holds (OWN, BF16, F16); tests/runtime/test_contract.py checks them.
+enum class Kind : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+inline bool valid_kind(int64_t holds) { return holds >= 0 && holds <= static_cast<int64_t>(Kind::kF16); }
+
+
+// Calls fn(std::integral_constant<Kind, K>{}) for the runtime `kind`.
+template <typename F>
+void with_kind(Kind kind, F fn) {
+  switch (kind) {
+    case Kind::kF32: return fn(std::integral_constant<Kind, Kind::kF32>{});
+    case Kind::kBF16: return fn(std::integral_constant<Kind, Kind::kBF16>{});
+    case Kind::kF16: return fn(std::integral_constant<Kind, Kind::kF16>{});
+  }
+}
+
+template <Kind K>
+inline float load(const void* base, int64_t i) {
+  if constexpr (K == Kind::kF32) return static_cast<const float*>(base)[i];
+  if constexpr (K == Kind::kBF16) return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
+  return f16_to_f32(static_cast<const uint16_t*>(base)[i]);
+}
+
+#if defined(__AVX512F__)
+// Lane k of the result: the sum of v[k]'s 16 lanes. A transpose-and-add tree: pairs of vectors,
+// then pairs of pairs (within each 128-bit segment), then the four segments.
+inline __m512 sum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int p = 0; p < 8; ++p)  // per segment: [x0+x2, y0+y2, x1+x3, y1+y3] of x = v[2p], y = v[2p+1]
+    a[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+  for (int p = 0; p < 4; ++p) {  // per segment: [sum x, sum y, sum z, sum w] of v[4p..4p+3] over the segment
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(a[2 * p]), _mm512_castps_pd(a[2 * p + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(a[2 * p]), _mm512_castps_pd(a[2 * p + 1]));
+    b[p] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  // b[p] segment s: partial sums of v[4p..4p+3] over segment s; add the four segments
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
+}
+
+// 16 consecutive elements of a K or V row, as f32
+template <Kind K>
+inline __m512 load16(const void* base, int64_t i) {
+  if constexpr (K == Kind::kF32) return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
+  if constexpr (K == Kind::kBF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);
+}
+#endif
+
+
+// output rows (matrix rows) per task of the linear kernels (layer_linear, quant_linear)
+constexpr int64_t kLinearRows = 64;
+
+}  // namespace hloserve

@@ -1,0 +1,407 @@
+// hloserve_paged_attention (v1) and hloserve_paged_attention_v2: attention of each token over its own
+// sequence's paged context, read block by block straight from the KV cache (16-bit float bits or
+// f32), only the blocks in use; XLA gathers every sequence's padded context, widened to f32, before
+// its dots. Version 2 takes the window as an operand (composite version 2).
+#include "common.h"
+
+namespace {
+using namespace hloserve;
+
+// ---- paged attention ----------------------------------------------------------------------
+// q f32[T, KV, G, D]; cache [L, 2, KV, N, BS, D]; layer s32[]; block_tables s32[S, B];
+// seq_ids, positions s32[T]; context_lens s32[S] -> out f32[T, KV, G, D].
+// Token t sees positions c of its sequence with c <= positions[t], c < context_len and, with a
+// window w > 0, c > positions[t] - w; scores are scale * q.k, then softcap * tanh(s / softcap)
+// when softcap > 0. A token that sees nothing (padding) gets zeros.
+
+// e^x for x <= 0 (softmax arguments), vectorizable: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2;
+// relative error < 2e-7 (degree-6 Taylor polynomial of e^r); x below -87 gives 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // Cody-Waite: ln2 split in two
+  float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// D and G known at compile time: the per-position loops unroll and the accumulators stay in
+// registers; a K or V row is widened once and used by every query head of its group.
+template <Kind K, int G, int D>
+void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbase, const int32_t* table,
+                  int64_t begin, int64_t end, int64_t BS, float scale, float softcap, float* scores, float* out) {
+  const int64_t n = end - begin;
+  float qs[G][D];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) qs[g][d] = q[g * D + d] * scale;
+#if defined(__AVX512F__)
+  if constexpr (D % 16 == 0) {
+    // 16 positions at a time: per position and head one vector of partial products, then the
+    // 16 positions' sums in one transpose-and-add tree (not a horizontal sum each)
+    constexpr int V = D / 16;
+    __m512 part[G][16];
+    for (int64_t c0 = begin; c0 < end; c0 += 16) {
+      const int nb = static_cast<int>(std::min<int64_t>(16, end - c0));
+      for (int p = 0; p < 16; ++p) {
+        if (p >= nb) {
+          for (int g = 0; g < G; ++g) part[g][p] = _mm512_setzero_ps();
+          continue;
+        }
+        const int64_t c = c0 + p;
+        const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * D;
+        __m512 kv[V];
+        for (int v = 0; v < V; ++v) kv[v] = load16<K>(cache, off + 16 * v);
+        for (int g = 0; g < G; ++g) {
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qs[g]), kv[0]);
+          for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qs[g] + 16 * v), kv[v], a);
+          part[g][p] = a;
+        }
+      }
+      const __mmask16 mask = static_cast<__mmask16>((1u << nb) - 1);
+      for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(scores + g * n + (c0 - begin), mask, sum16(part[g]));
+    }
+  } else
+#endif
+  {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * D;
+      float kf[D];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) kf[d] = load<K>(cache, off + d);
+      for (int g = 0; g < G; ++g) {
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int d = 0; d < D; ++d) acc += qs[g][d] * kf[d];
+        scores[g * n + (c - begin)] = acc;
+      }
+    }
+  }
+  if (softcap > 0.f)
+    for (int64_t i = 0; i < G * n; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* s = scores + g * n;
+    float m = s[0];
+    for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = exp_nonpositive(s[i] - m);
+      sum += s[i];
+    }
+    inv[g] = 1.f / sum;
+  }
+  float acc[G][D] = {};
+  for (int64_t c = begin; c < end; ++c) {
+    const int64_t off = vbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * D;
+    float vf[D];
+#pragma omp simd
+    for (int d = 0; d < D; ++d) vf[d] = load<K>(cache, off + d);
+    for (int g = 0; g < G; ++g) {
+      const float p = scores[g * n + (c - begin)];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) acc[g][d] += p * vf[d];
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) out[g * D + d] = acc[g][d] * inv[g];
+}
+
+// Any G and D: one query head at a time.
+template <Kind K>
+void attend_any(const float* q, const void* cache, int64_t kbase, int64_t vbase, const int32_t* table,
+                int64_t begin, int64_t end, int64_t BS, int64_t D, int64_t G, float scale, float softcap, float* scores,
+                float* out) {
+  const int64_t n = end - begin;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * D;
+    float* og = out + g * D;
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * D;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t d = 0; d < D; ++d) acc += qg[d] * load<K>(cache, off + d);
+      scores[c - begin] = softcap > 0.f ? softcap * std::tanh(acc * scale / softcap) : acc * scale;
+    }
+    float m = scores[0];
+    for (int64_t i = 1; i < n; ++i) m = std::max(m, scores[i]);
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) sum += (scores[i] = exp_nonpositive(scores[i] - m));
+    std::fill(og, og + D, 0.f);
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t off = vbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * D;
+      const float p = scores[c - begin] / sum;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) og[d] += p * load<K>(cache, off + d);
+    }
+  }
+}
+
+template <Kind K>
+void attend(const float* q, const void* cache, int64_t kbase, int64_t vbase, const int32_t* table, int64_t begin,
+            int64_t end, int64_t BS, int64_t D, int64_t G, float scale, float softcap, float* scores, float* out) {
+#define HLOSERVE_ATTEND(g, d)                                                                      \
+  if (G == g && D == d)                                                                            \
+    return attend_fixed<K, g, d>(q, cache, kbase, vbase, table, begin, end, BS, scale, softcap, scores, out);
+  HLOSERVE_ATTEND(1, 64) HLOSERVE_ATTEND(2, 64) HLOSERVE_ATTEND(3, 64) HLOSERVE_ATTEND(4, 64)
+  HLOSERVE_ATTEND(5, 64) HLOSERVE_ATTEND(6, 64) HLOSERVE_ATTEND(7, 64) HLOSERVE_ATTEND(8, 64)
+  HLOSERVE_ATTEND(1, 128) HLOSERVE_ATTEND(2, 128) HLOSERVE_ATTEND(3, 128) HLOSERVE_ATTEND(4, 128)
+  HLOSERVE_ATTEND(5, 128) HLOSERVE_ATTEND(6, 128) HLOSERVE_ATTEND(7, 128) HLOSERVE_ATTEND(8, 128)
+  HLOSERVE_ATTEND(1, 96) HLOSERVE_ATTEND(2, 96) HLOSERVE_ATTEND(4, 96)              // Phi-3
+  HLOSERVE_ATTEND(1, 256) HLOSERVE_ATTEND(2, 256) HLOSERVE_ATTEND(4, 256) HLOSERVE_ATTEND(8, 256)   // Gemma 2/3
+#undef HLOSERVE_ATTEND
+  attend_any<K>(q, cache, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores, out);
+}
+
+// Several consecutive tokens of one sequence (a prompt chunk): they share every K and V row, so
+// the tile's rows r = (token, query head) are computed together. Scores are held transposed,
+// s[c][r], with the rows across vector lanes: each K element is broadcast against a vector of
+// query rows (no horizontal sums), and the softmax over positions c is vertical. K and V rows are
+// widened once per tile instead of once per token.
+constexpr int kTileTokens = 16;  // query tokens per work item
+constexpr int kLanes = 16;       // rows per score vector
+constexpr int kPosBlock = 8;     // positions per score register block
+constexpr int kRowBlock = 4;     // rows per output register block
+constexpr int kDimBlock = 32;    // head dims per output register block
+
+struct TileScratch {
+  std::vector<float> k, v, qt, s, inv;
+  std::vector<int32_t> lo, hi;
+};
+
+// q and out: the tile's first token's heads, `stride` apart from one token to the next.
+template <Kind K>
+void attend_tile(const float* q, float* out, int64_t stride, int64_t ntok, const int64_t* begins, const int64_t* ends,
+                 const void* cache, int64_t kbase, int64_t vbase, const int32_t* table, int64_t BS, int64_t D,
+                 int64_t G, float scale, float softcap) {
+  thread_local TileScratch w;
+  int64_t lo = INT64_MAX, hi = 0;                                        // over tokens that see something
+  for (int64_t i = 0; i < ntok; ++i)
+    if (ends[i] > begins[i]) lo = std::min(lo, begins[i]), hi = std::max(hi, ends[i]);
+  const int64_t rows = ntok * G;
+  const int64_t RP = (rows + kLanes - 1) / kLanes * kLanes;              // rows padded to whole vectors
+  const int64_t n = hi - lo;
+  const int64_t NP = (n + kPosBlock - 1) / kPosBlock * kPosBlock;       // positions padded to blocks
+  const int64_t DP = (D + kDimBlock - 1) / kDimBlock * kDimBlock;       // V rows padded to dim blocks
+  w.k.assign(NP * D, 0.f);
+  w.v.assign(n * DP, 0.f);
+  w.qt.assign(D * RP, 0.f);
+  w.s.resize(NP * RP);
+  w.inv.assign(RP, 0.f);
+  w.lo.assign(RP, 0);
+  w.hi.assign(RP, 0);                                                    // padded rows see nothing
+  float* kf = w.k.data();
+  float* vf = w.v.data();
+  for (int64_t c = lo; c < hi; ++c) {                                   // widen each row once
+    const int64_t slot = static_cast<int64_t>(table[c / BS]) * BS + c % BS;
+    float* kr = kf + (c - lo) * D;
+    float* vr = vf + (c - lo) * DP;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) kr[d] = load<K>(cache, kbase + slot * D + d);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) vr[d] = load<K>(cache, vbase + slot * D + d);
+  }
+  for (int64_t t = 0; t < ntok; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = t * G + g;
+      for (int64_t d = 0; d < D; ++d) w.qt[d * RP + r] = q[t * stride + g * D + d] * scale;
+      w.lo[r] = static_cast<int32_t>(std::max<int64_t>(begins[t] - lo, 0));
+      w.hi[r] = static_cast<int32_t>(std::max<int64_t>(ends[t] - lo, 0));
+    }
+  // s[c][r] = sum_d k[c][d] * qt[d][r]: kPosBlock x kLanes accumulators
+  float* st = w.s.data();
+  for (int64_t r0 = 0; r0 < RP; r0 += kLanes)
+    for (int64_t c0 = 0; c0 < NP; c0 += kPosBlock) {
+      float acc[kPosBlock][kLanes] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const float* qv = w.qt.data() + d * RP + r0;
+        for (int i = 0; i < kPosBlock; ++i) {
+          const float kv = kf[(c0 + i) * D + d];
+#pragma omp simd
+          for (int l = 0; l < kLanes; ++l) acc[i][l] += kv * qv[l];
+        }
+      }
+      for (int i = 0; i < kPosBlock; ++i)
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) st[(c0 + i) * RP + r0 + l] = acc[i][l];
+    }
+  // softcap, mask, softmax over c: vertical, one lane per row
+  const int32_t* rlo = w.lo.data();
+  const int32_t* rhi = w.hi.data();
+  for (int64_t r0 = 0; r0 < RP; r0 += kLanes) {
+    float m[kLanes], sum[kLanes] = {};
+    for (int l = 0; l < kLanes; ++l) m[l] = -INFINITY;
+    for (int64_t c = 0; c < n; ++c) {
+      float* sc = st + c * RP + r0;
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) {
+        float x = softcap > 0.f ? softcap * std::tanh(sc[l] / softcap) : sc[l];
+        const bool seen = c >= rlo[r0 + l] && c < rhi[r0 + l];
+        sc[l] = x;
+        m[l] = seen ? std::max(m[l], x) : m[l];
+      }
+    }
+    for (int64_t c = 0; c < n; ++c) {
+      float* sc = st + c * RP + r0;
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) {
+        const bool seen = c >= rlo[r0 + l] && c < rhi[r0 + l];
+        const float p = seen ? exp_nonpositive(std::min(sc[l] - m[l], 0.f)) : 0.f;
+        sc[l] = p;
+        sum[l] += p;
+      }
+    }
+    for (int l = 0; l < kLanes; ++l) w.inv[r0 + l] = sum[l] > 0.f ? 1.f / sum[l] : 0.f;
+  }
+  // out[r][d] = inv[r] * sum_c p[c][r] * v[c][d]: kRowBlock x kDimBlock accumulators
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
+    for (int64_t d0 = 0; d0 < DP; d0 += kDimBlock) {
+      float acc[kRowBlock][kDimBlock] = {};
+      for (int64_t c = 0; c < n; ++c) {
+        const float* vr = vf + c * DP + d0;
+        const float* pc = st + c * RP + r0;                              // rows past `rows` are 0
+        for (int i = 0; i < kRowBlock; ++i) {
+          const float p = pc[i];
+#pragma omp simd
+          for (int l = 0; l < kDimBlock; ++l) acc[i][l] += p * vr[l];
+        }
+      }
+      for (int i = 0; i < kRowBlock && r0 + i < rows; ++i) {
+        const int64_t r = r0 + i, t = r / G, g = r % G;
+        float* o = out + t * stride + g * D;
+        for (int l = 0; l < kDimBlock && d0 + l < D; ++l) o[d0 + l] = acc[i][l] * w.inv[r];
+      }
+    }
+}
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
+                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
+                          ffi::Buffer<ffi::S32> seq_ids, ffi::Buffer<ffi::S32> positions,
+                          ffi::Buffer<ffi::S32> context_lens, int64_t window, int64_t holds, float scale,
+                          float softcap, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions();
+  auto cd = cache.dimensions();
+  auto bd = block_tables.dimensions();
+  if (qd.size() != 4 || cd.size() != 6 || bd.size() != 2)
+    return ffi::Error::InvalidArgument("hloserve_paged_attention: q must be [T,KV,G,D], cache [L,2,KV,N,BS,D]");
+  const int64_t T = qd[0], KV = qd[1], G = qd[2], D = qd[3];
+  const int64_t L = cd[0], N = cd[3], BS = cd[4];
+  const int64_t S = bd[0], B = bd[1];
+  if (cd[1] != 2 || cd[2] != KV || cd[5] != D)
+    return ffi::Error::InvalidArgument("hloserve_paged_attention: cache shape does not match q");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("hloserve_paged_attention: layer out of range");
+  // holds: the cache's own dtype (f32), or bf16 / f16 bits (in an s16/u16 buffer)
+  if (!valid_kind(holds)) return ffi::Error::InvalidArgument("hloserve_paged_attention: holds must be 0, 1 or 2");
+  const Kind kind = static_cast<Kind>(holds);
+  if ((kind == Kind::kF32) != (cache.element_type() == ffi::F32))
+    return ffi::Error::InvalidArgument("hloserve_paged_attention: cache dtype does not match `holds`");
+  const void* cdata = cache.untyped_data();
+  const float* qp = q.typed_data();
+  float* op = out->typed_data();
+  const int32_t* tables = block_tables.typed_data();
+  const int32_t* seqs = seq_ids.typed_data();
+  const int32_t* pos = positions.typed_data();
+  const int32_t* lens = context_lens.typed_data();
+  const int64_t head_stride = N * BS * D;  // one (layer, K|V, kv head) plane
+
+  // each token's visible positions [begin, end): empty for padding (no sequence, or context 0)
+  std::vector<int64_t> begins(T), ends(T);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = seqs[t];
+    int64_t e = s >= 0 && s < S ? std::min<int64_t>(static_cast<int64_t>(pos[t]) + 1, lens[s]) : 0;
+    e = std::min(e, B * BS);
+    const int64_t b = window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(pos[t]) - window + 1) : 0;
+    begins[t] = b;
+    ends[t] = std::max(e, b);
+  }
+  // every block a token will read is in the cache, checked before any is read: a table entry
+  // outside [0, N) (a scheduler bug) is an error, not a read out of bounds. One pass over the
+  // visible blocks' ids: T * (context / BS) int compares, against the BS * D * KV elements each
+  // of those blocks makes the kernel read.
+  for (int64_t t = 0; t < T; ++t) {
+    if (ends[t] <= begins[t]) continue;
+    const int32_t* row = tables + static_cast<int64_t>(seqs[t]) * B;
+    for (int64_t b = begins[t] / BS, last = (ends[t] - 1) / BS; b <= last; ++b)
+      if (row[b] < 0 || row[b] >= N)
+        return ffi::Error::InvalidArgument("hloserve_paged_attention: block table entry " + std::to_string(row[b]) +
+                                           " (sequence " + std::to_string(seqs[t]) + ", block " + std::to_string(b) +
+                                           ") is outside the cache's " + std::to_string(N) + " blocks");
+  }
+  // work items: (tile, kv head); a tile is up to kTileTokens consecutive tokens of one sequence
+  std::vector<int64_t> starts;
+  for (int64_t t = 0; t < T; ++t)
+    if (t == 0 || seqs[t] != seqs[t - 1] || t - starts.back() >= kTileTokens) starts.push_back(t);
+  starts.push_back(T);
+  const int64_t tiles = static_cast<int64_t>(starts.size()) - 1;
+  const int64_t token_stride = KV * G * D;  // q and out, from one token to the next
+
+  parallel_for(pool, tiles * KV, 1, [&, kind](int64_t i) {
+    const int64_t tile = i / KV, h = i % KV;
+    const int64_t t0 = starts[tile], ntok = starts[tile + 1] - t0;
+    const int64_t s = seqs[t0];
+    const int64_t kbase = ((l * 2 + 0) * KV + h) * head_stride;
+    const int64_t vbase = ((l * 2 + 1) * KV + h) * head_stride;
+    const float* qi = qp + (t0 * KV + h) * G * D;
+    float* o = op + (t0 * KV + h) * G * D;
+    bool any = false;
+    for (int64_t t = t0; t < t0 + ntok; ++t) any = any || ends[t] > begins[t];
+    if (!any) {
+      for (int64_t t = 0; t < ntok; ++t) std::fill(o + t * token_stride, o + t * token_stride + G * D, 0.f);
+      return;
+    }
+    const int32_t* table = tables + s * B;
+    with_kind(kind, [&](auto k) {
+      constexpr Kind K = decltype(k)::value;
+      if (ntok > 1) {
+        attend_tile<K>(qi, o, token_stride, ntok, &begins[t0], &ends[t0], cdata, kbase, vbase, table, BS, D, G, scale,
+                       softcap);
+        return;
+      }
+      const int64_t begin = begins[t0], end = ends[t0];
+      thread_local std::vector<float> scores;
+      if (static_cast<int64_t>(scores.size()) < G * (end - begin)) scores.resize(G * (end - begin));
+      attend<K>(qi, cdata, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores.data(), o);
+    });
+  });
+  return ffi::Error::Success();
+}
+
+// The operands both versions take: q, cache, layer, block_tables, seq_ids, positions, context_lens.
+auto PagedAttentionOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>();
+}
+
+// Version 2: the window an s32[] operand (a scanned layer's own), not an attribute.
+ffi::Error PagedAttentionV2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
+                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
+                            ffi::Buffer<ffi::S32> seq_ids, ffi::Buffer<ffi::S32> positions,
+                            ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> window, int64_t holds,
+                            float scale, float softcap, ffi::ResultBuffer<ffi::F32> out) {
+  return PagedAttention(pool, q, cache, layer, block_tables, seq_ids, positions, context_lens,
+                        window.typed_data()[0], holds, scale, softcap, out);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_paged_attention, PagedAttention,
+                              PagedAttentionOperands().Attr<int64_t>("window").Attr<int64_t>("holds")
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_paged_attention_v2, PagedAttentionV2,
+                              PagedAttentionOperands().Arg<ffi::Buffer<ffi::S32>>().Attr<int64_t>("holds")
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

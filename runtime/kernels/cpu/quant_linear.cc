@@ -1,0 +1,590 @@
+// hloserve_quant_linear (v1) and hloserve_quant_linear_v2 (rows interleaved by 16): an int8 / int4
+// matrix multiplied as integers (int8 activations, VNNI); XLA writes the dequantized f32 layer to
+// memory and reads it back.
+#include "common.h"
+
+namespace {
+using namespace hloserve;
+
+// -- hloserve_quant_linear: weight-only int8 / int4 matrices times int8 activations -------------
+//
+// W = q * scale (+ min) per group of `group` elements of a row (quantization/schemes.py); x is
+// quantized per block of 32 elements as llama.cpp's Q8_0 (d = max|x| / 127, x8 = round(x / d)).
+// Each block's integer dot product is exact in int32; it is then scaled by d * scale in f32.
+// With AVX512-VNNI one vpdpbusd multiplies 64 unsigned weight bytes by 64 signed activation
+// bytes and adds them in fours: the weights are made unsigned (int8: q + 128; int4 two's
+// complement: q + 8; int4 with a min: q as is) and each lane's integer sum starts at -offset
+// times the sum of its activations (computed once per call), so it comes out exact; a min adds
+// min_g * (x summed over group g) per matrix row. The weights are read from memory once, 1 or
+// 1/2 byte each, and never widened.
+constexpr int64_t kXBlock = 32;
+
+struct QuantMatrix {
+  const void* q;      // layer's qweight [N, K] s8 or [N, K/2] u8
+  const void* scale;  // [N, G] f16 or f32
+  const void* min;    // like scale, or nullptr (symmetric)
+  bool f16;           // scale / min dtype
+  int bits;
+  int64_t N, K, G, group;
+};
+
+inline float scalar_of(const void* base, bool f16, int64_t i) {
+  return f16 ? f16_to_f32(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
+}
+
+// count scales (or mins) from element `start` of base, widened to f32 into dst
+inline void widen(const void* base, bool f16, int64_t start, int64_t count, float* dst) {
+  if (!f16) {
+    std::memcpy(dst, static_cast<const float*>(base) + start, count * sizeof(float));
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(base) + start;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= count; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+#endif
+  for (; i < count; ++i) dst[i] = f16_to_f32(h[i]);
+}
+
+// Activations quantized once per call: xq [M, K] int8 (int4 weights: each row as its even then its
+// odd elements, the order the packed nibbles hold them), d [M, K/32], and xsum [M, G]: the sum of
+// x8 = xq * d over each weight group.
+struct QuantizedX {
+  std::vector<int8_t> xq;
+  std::vector<float> d, xsum;
+  std::vector<float> lanes;   // d per vpdpbusd lane: [M, chunks, 16] (filled by the VNNI path)
+  std::vector<int32_t> start; // per lane, -offset * (sum of the xq the lane multiplies): [M, chunks, 16]
+};
+
+// (xq and d are padded with zeros: a row's last, half chunk is read whole, against zero weights)
+QuantizedX quantize_x(const float* x, int64_t M, const QuantMatrix& w) {
+  const int64_t K = w.K, B = K / kXBlock;
+  QuantizedX r{std::vector<int8_t>(M * K + 64, 0), std::vector<float>(M * B + 4, 0.f),
+               std::vector<float>(M * w.G, 0.f), {}, {}};
+  std::vector<int8_t> row(K);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = x + m * K + b * kXBlock;
+      float amax = 0.f;
+      for (int64_t k = 0; k < kXBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float d = amax / 127.f;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < kXBlock; ++k) {
+        const int v = d > 0.f ? static_cast<int>(std::nearbyint(xb[k] / d)) : 0;
+        row[b * kXBlock + k] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      r.d[m * B + b] = d;
+      r.xsum[m * w.G + b * kXBlock / w.group] += d * static_cast<float>(sum);
+    }
+    int8_t* dst = r.xq.data() + m * K;
+    if (w.bits == 8) {
+      std::memcpy(dst, row.data(), K);
+    } else {
+      for (int64_t k = 0; k < K / 2; ++k) dst[k] = row[2 * k], dst[K / 2 + k] = row[2 * k + 1];
+    }
+  }
+  return r;
+}
+
+// the integer value q of element k of matrix row n (element 2j of a byte pair is the low nibble)
+inline int int_of(const QuantMatrix& w, int64_t n, int64_t k) {
+  if (w.bits == 8) return static_cast<const int8_t*>(w.q)[n * w.K + k];
+  const uint8_t b = static_cast<const uint8_t*>(w.q)[n * (w.K / 2) + k / 2];
+  const int v = (k % 2) ? (b >> 4) : (b & 0xF);
+  return w.min == nullptr && v > 7 ? v - 16 : v;
+}
+
+// the activation value xq of element k of row m (in quantize_x's order)
+inline int x_of(const QuantizedX& x, const QuantMatrix& w, int64_t m, int64_t k) {
+  const int8_t* row = x.xq.data() + m * w.K;
+  return w.bits == 8 ? row[k] : row[(k % 2) * (w.K / 2) + k / 2];
+}
+
+// rows [n0, n1): the same integer block sums and f32 scaling, portably (CPUs without AVX512-VNNI)
+void quant_portable(const QuantMatrix& w, const QuantizedX& x, int64_t M, int64_t n0, int64_t n1, float* out) {
+  const int64_t B = w.K / kXBlock;
+  std::vector<int32_t> row(w.K);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t k = 0; k < w.K; ++k) row[k] = int_of(w, n, k);
+    for (int64_t m = 0; m < M; ++m) {
+      float total = 0.f;
+      for (int64_t b = 0; b < B; ++b) {
+        int32_t dot = 0;
+        for (int64_t k = b * kXBlock; k < (b + 1) * kXBlock; ++k) dot += x_of(x, w, m, k) * row[k];
+        total += static_cast<float>(dot) * (x.d[m * B + b] * scalar_of(w.scale, w.f16, n * w.G + b * kXBlock / w.group));
+      }
+      for (int64_t g = 0; w.min != nullptr && g < w.G; ++g)
+        total += scalar_of(w.min, w.f16, n * w.G + g) * x.xsum[m * w.G + g];
+      out[m * w.N + n] = total;
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__)
+// Lanes of a vpdpbusd result per 64 weight bytes: int8, 8 lanes per x block (2 blocks); int4, the
+// low and the high nibbles of 64 bytes are 128 elements, 4 lanes per block (4 blocks).
+template <int BITS>
+struct Layout {
+  static constexpr int64_t kElems = BITS == 8 ? 64 : 128;   // elements per 64 weight bytes
+  static constexpr int kLanesPerBlock = BITS == 8 ? 8 : 4;
+};
+
+// 16 lanes: lane l holds v[block of lane l] (v: the chunk's 2 or 4 per-block values)
+template <int BITS>
+inline __m512 per_lane(const float* v) {
+  if constexpr (BITS == 8) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(v[0])), _mm256_set1_ps(v[1]), 1);
+  } else {
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(v)));
+  }
+}
+
+// NR matrix rows x MR x rows, chunk by chunk of 64 weight bytes: exact int32 block sums, scaled
+// in f32 by (weight scale x activation d) per lane; `ws` holds each matrix row's scale per x block
+template <int BITS, int NR, int MR>
+inline void vnni_tile(const uint8_t* q, int64_t qstride, const float* ws, const QuantizedX& x, int64_t m0,
+                      int64_t K, int64_t B, bool sym4, float* out, int64_t N) {
+  const bool offset = BITS == 8 || sym4;
+  using Lay = Layout<BITS>;
+  __m512 acc[NR][MR];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i flip = _mm512_set1_epi8(BITS == 8 ? static_cast<char>(0x80) : 0x08);
+  const int64_t blocks = Lay::kElems / kXBlock, chunks = (K + Lay::kElems - 1) / Lay::kElems;
+  for (int64_t c = 0, e = 0; e < K; ++c, e += Lay::kElems) {
+    // the last chunk of a row may be half a chunk (32 bytes): its other lanes get zero weights
+    const int64_t bytes = std::min<int64_t>(64, (K - e) * BITS / 8);
+    const __mmask64 valid = bytes == 64 ? ~__mmask64(0) : (__mmask64(1) << bytes) - 1;
+    __m512i lo[NR], hi[NR];
+    for (int i = 0; i < NR; ++i) {
+      const __m512i v = _mm512_maskz_loadu_epi8(valid, q + i * qstride + c * 64);
+      if constexpr (BITS == 8) {
+        lo[i] = _mm512_maskz_mov_epi8(valid, _mm512_xor_si512(v, flip));   // q + 128
+      } else {
+        lo[i] = _mm512_and_si512(v, low);
+        hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if (sym4) {                                                          // q + 8
+          lo[i] = _mm512_maskz_mov_epi8(valid, _mm512_xor_si512(lo[i], flip));
+          hi[i] = _mm512_maskz_mov_epi8(valid, _mm512_xor_si512(hi[i], flip));
+        }
+      }
+    }
+    __m512 wsv[NR];
+    for (int i = 0; i < NR; ++i) wsv[i] = per_lane<BITS>(ws + i * B + c * blocks);
+    for (int j = 0; j < MR; ++j) {
+      const int8_t* xr = x.xq.data() + (m0 + j) * K;
+      const __m512 dv = _mm512_loadu_ps(x.lanes.data() + ((m0 + j) * chunks + c) * 16);
+      const __m512i sv = offset ? _mm512_loadu_si512(x.start.data() + ((m0 + j) * chunks + c) * 16)
+                                : _mm512_setzero_si512();
+      __m512i xa, xb;
+      if constexpr (BITS == 8) {
+        xa = _mm512_loadu_si512(xr + e);
+      } else {
+        xa = _mm512_loadu_si512(xr + e / 2);            // even elements
+        xb = _mm512_loadu_si512(xr + K / 2 + e / 2);    // odd elements
+      }
+      for (int i = 0; i < NR; ++i) {
+        __m512i part = _mm512_dpbusd_epi32(sv, lo[i], xa);
+        if constexpr (BITS == 4) part = _mm512_dpbusd_epi32(part, hi[i], xb);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part), _mm512_mul_ps(wsv[i], dv), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j) out[(m0 + j) * N + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int BITS, int NR>
+inline void vnni_rows(const uint8_t* q, int64_t qstride, const float* ws, const QuantizedX& x, int64_t M, int64_t K,
+                      int64_t B, bool sym4, float* out, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) vnni_tile<BITS, NR, 4>(q, qstride, ws, x, m, K, B, sym4, out, N);
+  switch (M - m) {
+    case 3: vnni_tile<BITS, NR, 3>(q, qstride, ws, x, m, K, B, sym4, out, N); break;
+    case 2: vnni_tile<BITS, NR, 2>(q, qstride, ws, x, m, K, B, sym4, out, N); break;
+    case 1: vnni_tile<BITS, NR, 1>(q, qstride, ws, x, m, K, B, sym4, out, N); break;
+  }
+}
+
+// rows [n0, n1) with VNNI: the weights' per-block scales of NR rows at a time, then the tiles, then
+// (asymmetric int4) the mins' term
+template <int BITS>
+void quant_vnni(const QuantMatrix& w, const QuantizedX& x, int64_t M, int64_t n0, int64_t n1, float* out) {
+  constexpr int NR = 2;
+  const int64_t K = w.K, B = K / kXBlock, qstride = BITS == 8 ? K : K / 2;
+  const bool sym4 = BITS == 4 && w.min == nullptr;
+  const int64_t per_group = w.group / kXBlock;
+  std::vector<float> ws(NR * B + 4, 0.f), corr(w.G);   // padded: a half chunk reads 4 blocks' scales
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int64_t rows = std::min<int64_t>(NR, n1 - n);
+    for (int64_t i = 0; i < rows; ++i) {               // each group's scale, repeated for its x blocks
+      float* wi = ws.data() + i * B;
+      if (per_group == 1) {
+        widen(w.scale, w.f16, (n + i) * w.G, w.G, wi);
+      } else {
+        widen(w.scale, w.f16, (n + i) * w.G, w.G, corr.data());
+        for (int64_t g = 0, b = 0; g < w.G; ++g)
+          for (int64_t e = 0; e < per_group; ++e) wi[b++] = corr[g];
+      }
+    }
+    const uint8_t* q = static_cast<const uint8_t*>(w.q) + n * qstride;
+    if (rows == NR) vnni_rows<BITS, NR>(q, qstride, ws.data(), x, M, K, B, sym4, out + n, w.N);
+    else vnni_rows<BITS, 1>(q, qstride, ws.data(), x, M, K, B, sym4, out + n, w.N);
+    for (int64_t i = 0; w.min != nullptr && i < rows; ++i) {   // the mins: sum_g min_g * (x summed over g)
+      const int64_t r = (n + i) * w.G;
+      widen(w.min, w.f16, r, w.G, corr.data());
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xs = x.xsum.data() + m * w.G;
+        float extra = 0.f;
+#pragma omp simd reduction(+ : extra)
+        for (int64_t g = 0; g < w.G; ++g) extra += corr[g] * xs[g];
+        out[m * w.N + n + i] += extra;
+      }
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512VNNI__)
+// x.lanes: each row's block scales d laid out per vpdpbusd lane, read with one load per chunk
+// x.start: where the unsigned weights carry an offset (int8: q + 128; symmetric int4: q + 8), each
+// lane's sum starts at -offset * (its activations' sum), so the integer sums come out exact
+template <int BITS>
+void spread_lanes(QuantizedX& x, int64_t M, int64_t K, int offset) {
+  using Lay = Layout<BITS>;
+  const int64_t B = K / kXBlock, chunks = (K + Lay::kElems - 1) / Lay::kElems, blocks = Lay::kElems / kXBlock;
+  x.lanes.assign(M * chunks * 16, 0.f);
+  x.start.assign(M * chunks * 16, 0);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* xr = x.xq.data() + m * K;
+    for (int64_t c = 0; c < chunks; ++c) {
+      _mm512_storeu_ps(x.lanes.data() + (m * chunks + c) * 16, per_lane<BITS>(x.d.data() + m * B + c * blocks));
+      if (offset == 0) continue;
+      __m512i sum;
+      if constexpr (BITS == 8) {
+        sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(xr + c * 64));
+      } else {
+        sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(xr + c * 64));
+        sum = _mm512_dpbusd_epi32(sum, ones, _mm512_loadu_si512(xr + K / 2 + c * 64));
+      }
+      // a row's last, half chunk: the lanes past it multiply zero weights and must start at zero too
+      const int64_t bytes = std::min<int64_t>(64, (K - c * Lay::kElems) * BITS / 8);
+      const __mmask16 valid = static_cast<__mmask16>((1u << (bytes / 4)) - 1);
+      _mm512_storeu_si512(x.start.data() + (m * chunks + c) * 16,
+                          _mm512_maskz_mullo_epi32(valid, sum, _mm512_set1_epi32(-offset)));
+    }
+  }
+}
+#endif
+
+// What both quant_linear versions refuse beyond their shapes (nullptr: nothing): min, bits, layer
+const char* quant_operands_error(int64_t bits, const ffi::AnyBuffer& scale, const ffi::AnyBuffer& min, int64_t l,
+                                 int64_t L) {
+  const bool asym = min.element_count() != 0;
+  if (asym && (min.element_type() != scale.element_type() || min.element_count() != scale.element_count()))
+    return "min must have scale's dtype and shape, or no elements";
+  if (asym && bits == 8) return "int8 weights have no min";
+  if (l < 0 || l >= L) return "layer out of range";
+  return nullptr;
+}
+
+ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qweight, ffi::AnyBuffer scale,
+                       ffi::AnyBuffer min, ffi::Buffer<ffi::S32> layer, int64_t bits, int64_t group,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions();
+  auto qd = qweight.dimensions();
+  auto sd = scale.dimensions();
+  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3)
+    return ffi::Error::InvalidArgument("hloserve_quant_linear: x must be [M, K], qweight [L, N, K | K/2], scale [L, N, G]");
+  const int64_t M = xd[0], K = xd[1], L = qd[0], N = qd[1];
+  if (bits != 8 && bits != 4) return ffi::Error::InvalidArgument("hloserve_quant_linear: bits must be 8 or 4");
+  const ffi::DataType want = bits == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
+  if (qweight.element_type() != want || qd[2] != (bits == 8 ? K : K / 2))
+    return ffi::Error::InvalidArgument("hloserve_quant_linear: qweight must be s8 [L, N, K] (bits 8) or u8 [L, N, K/2] (bits 4)");
+  if (group <= 0 || group % kXBlock || K % group)
+    return ffi::Error::InvalidArgument("hloserve_quant_linear: group must be a multiple of 32 dividing K");
+  const int64_t G = K / group;
+  const bool f16 = scale.element_type() == ffi::DataType::F16;
+  if ((!f16 && scale.element_type() != ffi::DataType::F32) || sd[0] != L || sd[1] != N || sd[2] != G)
+    return ffi::Error::InvalidArgument("hloserve_quant_linear: scale must be f16 or f32 [L, N, K / group]");
+  const bool asym = min.element_count() != 0;
+  const int64_t l = layer.typed_data()[0];
+  if (const char* why = quant_operands_error(bits, scale, min, l, L))
+    return ffi::Error::InvalidArgument(std::string("hloserve_quant_linear: ") + why);
+  const int64_t qrow = bits == 8 ? K : K / 2, ssize = f16 ? 2 : 4;
+  QuantMatrix w{static_cast<const char*>(qweight.untyped_data()) + l * N * qrow,
+                static_cast<const char*>(scale.untyped_data()) + l * N * G * ssize,
+                asym ? static_cast<const char*>(min.untyped_data()) + l * N * G * ssize : nullptr,
+                f16, static_cast<int>(bits), N, K, G, group};
+  QuantizedX xq = quantize_x(x.typed_data(), M, w);
+#if defined(__AVX512VNNI__)
+  if (bits == 8) spread_lanes<8>(xq, M, K, 128);
+  else spread_lanes<4>(xq, M, K, asym ? 0 : 8);
+#endif
+  float* op = out->typed_data();
+  const int64_t tasks = (N + kLinearRows - 1) / kLinearRows;
+  parallel_for(pool, tasks, 1, [&](int64_t task) {
+    const int64_t n0 = task * kLinearRows, n1 = std::min(N, n0 + kLinearRows);
+#if defined(__AVX512VNNI__)
+    if (bits == 8) quant_vnni<8>(w, xq, M, n0, n1, op);
+    else quant_vnni<4>(w, xq, M, n0, n1, op);
+#else
+    quant_portable(w, xq, M, n0, n1, op);
+#endif
+  });
+  return ffi::Error::Success();
+}
+
+
+// -- hloserve_quant_linear_v2: the same product, matrices interleaved by 16 rows ---------------
+//
+// Version 2 of the composite stores each layer's matrix 16 rows at a time, k-step by k-step
+// (runtime/artifact/kernels.py QUANT_LINEAR_V2): int8, element (n, k) at byte
+// ((n / 16) * K/4 + k / 4) * 64 + (n % 16) * 4 + k % 4; int4, k-steps of 8 elements, byte
+// ((n / 16) * K/8 + k / 8) * 64 + (n % 16) * 4 + k % 4 holding element k in its low nibble
+// (k % 8 < 4) or k - 4 in its high one; scales and mins [N / 16, G, 16]. One 64-byte load is then
+// 16 matrix rows x 4 elements: vpdpbusd against 4 activation bytes broadcast gives each lane (a
+// matrix row) its exact integer sum, kept in int32 over the whole 32-element block, so the block
+// is scaled once (cvt, mul, fma per 16 rows x 32 elements, where version 1 does it per 64
+// elements of one row) and 16 outputs are stored at once, with no horizontal sums.
+struct QuantX2 {
+  std::vector<int8_t> xq;      // [M, K] (+ padding)
+  std::vector<float> d;        // [M, B] block scales
+  std::vector<int32_t> start;  // [M, B] -offset * (sum of the block's xq): the unsigned weights' correction
+  std::vector<float> xsum;     // [M, G] x8 summed over each weight group (the mins' term)
+};
+
+// x quantized per 32-element block as Q8_0 (d = max|x| / 127, xq = round_half_even(x / d)), like quantize_x
+QuantX2 quantize_x2(const float* x, int64_t M, int64_t K, int64_t G, int64_t group, int offset) {
+  const int64_t B = K / kXBlock;
+  QuantX2 r{std::vector<int8_t>(M * K + 64, 0), std::vector<float>(M * B, 0.f), std::vector<int32_t>(M * B, 0),
+            std::vector<float>(M * G, 0.f)};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = x + m * K + b * kXBlock;
+      int8_t* dst = r.xq.data() + m * K + b * kXBlock;
+      int32_t sum = 0;
+      float d = 0.f;
+#if defined(__AVX512F__)
+      const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+      d = amax / 127.f;
+      if (d > 0.f) {
+        const __m512 dv = _mm512_set1_ps(d);   // true division and round-to-nearest-even, as the reference
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_div_ps(a, dv)), qc = _mm512_cvtps_epi32(_mm512_div_ps(c, dv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qc));
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+      }
+#else
+      float amax = 0.f;
+      for (int64_t k = 0; k < kXBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      d = amax / 127.f;
+      for (int64_t k = 0; k < kXBlock; ++k) {
+        const int v = d > 0.f ? static_cast<int>(std::nearbyint(xb[k] / d)) : 0;
+        dst[k] = static_cast<int8_t>(v);
+        sum += v;
+      }
+#endif
+      r.d[m * B + b] = d;
+      r.start[m * B + b] = -offset * sum;
+      r.xsum[m * G + b * kXBlock / group] += d * static_cast<float>(sum);
+    }
+  return r;
+}
+
+struct QuantMatrix2 {
+  const uint8_t* q;     // the layer's interleaved bytes
+  const void* scale;    // [N / 16, G, 16], f16 or f32
+  const void* min;      // like scale, or nullptr
+  bool f16;
+  int bits;
+  int64_t N, K, G, group;
+};
+
+// row group g's scales (or mins) [G, 16] as f32: in place for f32, else widened into `buf`
+inline const float* group_scalars(const void* base, bool f16, int64_t g, int64_t G, std::vector<float>& buf) {
+  if (!f16) return static_cast<const float*>(base) + g * G * 16;
+  buf.resize(G * 16);
+  widen(base, true, g * G * 16, G * 16, buf.data());
+  return buf.data();
+}
+
+// the integer value of element k of matrix row n in the interleaved layout (portable path)
+inline int int_of2(const QuantMatrix2& w, int64_t n, int64_t k) {
+  if (w.bits == 8)
+    return static_cast<const int8_t*>(static_cast<const void*>(w.q))[((n / 16) * (w.K / 4) + k / 4) * 64 + (n % 16) * 4 + k % 4];
+  const uint8_t b = w.q[((n / 16) * (w.K / 8) + k / 8) * 64 + (n % 16) * 4 + k % 4];
+  const int v = (k % 8) < 4 ? (b & 0xF) : (b >> 4);
+  return w.min == nullptr && v > 7 ? v - 16 : v;
+}
+
+// row groups [g0, g1), portably: the integer block sums (the weights as they are, signed), then f32
+void quant2_portable(const QuantMatrix2& w, const QuantX2& x, int64_t M, int64_t g0, int64_t g1, float* out) {
+  const int64_t B = w.K / kXBlock, per_group = w.group / kXBlock;
+  std::vector<float> sbuf, mbuf;
+  for (int64_t rg = g0; rg < g1; ++rg) {
+    const float* ws = group_scalars(w.scale, w.f16, rg, w.G, sbuf);
+    const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, rg, w.G, mbuf) : nullptr;
+    for (int64_t n = rg * 16; n < (rg + 1) * 16; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        float total = 0.f;
+        const int8_t* xr = x.xq.data() + m * w.K;
+        for (int64_t b = 0; b < B; ++b) {
+          int32_t dot = 0;
+          for (int64_t k = b * kXBlock; k < (b + 1) * kXBlock; ++k) dot += xr[k] * int_of2(w, n, k);
+          total += static_cast<float>(dot) * (ws[(b / per_group) * 16 + n % 16] * x.d[m * B + b]);
+        }
+        for (int64_t g = 0; wm != nullptr && g < w.G; ++g) total += wm[g * 16 + n % 16] * x.xsum[m * w.G + g];
+        out[m * w.N + n] = total;
+      }
+  }
+}
+
+#if defined(__AVX512VNNI__)
+// one group of 16 matrix rows times MR rows of x (from m0): per block, int32 sums started at the
+// offset correction, then one f32 scaling per row of x; outputs 16 contiguous floats per row of x
+template <int BITS, bool SYM4, int MR>
+inline void quant2_tile(const uint8_t* q, const float* ws, const float* wm, const QuantX2& x, int64_t m0, int64_t K,
+                        int64_t G, int64_t per_group, float* out, int64_t N) {
+  const int64_t B = K / kXBlock;
+  constexpr int64_t kBlockBytes = BITS == 8 ? 16 * 32 : 16 * 16;
+  const __m512i flip = _mm512_set1_epi8(BITS == 8 ? static_cast<char>(0x80) : static_cast<char>(0x88));
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 facc[MR];
+  for (int j = 0; j < MR; ++j) facc[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    __m512i iacc[MR];
+    for (int j = 0; j < MR; ++j) iacc[j] = _mm512_set1_epi32(x.start[(m0 + j) * B + b]);
+    const uint8_t* qb = q + b * kBlockBytes;
+    const int8_t* xb = x.xq.data() + m0 * K + b * kXBlock;
+    if constexpr (BITS == 8) {
+      for (int s = 0; s < 8; ++s) {
+        const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(qb + s * 64), flip);   // q + 128
+        for (int j = 0; j < MR; ++j) {
+          int32_t four;
+          std::memcpy(&four, xb + j * K + s * 4, 4);
+          iacc[j] = _mm512_dpbusd_epi32(iacc[j], w, _mm512_set1_epi32(four));
+        }
+      }
+    } else {
+      for (int s = 0; s < 4; ++s) {
+        __m512i v = _mm512_loadu_si512(qb + s * 64);
+        if constexpr (SYM4) v = _mm512_xor_si512(v, flip);                          // q + 8, both nibbles
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int j = 0; j < MR; ++j) {
+          int32_t a, c;
+          std::memcpy(&a, xb + j * K + s * 8, 4);
+          std::memcpy(&c, xb + j * K + s * 8 + 4, 4);
+          iacc[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[j], lo, _mm512_set1_epi32(a)), hi,
+                                        _mm512_set1_epi32(c));
+        }
+      }
+    }
+    const __m512 sv = _mm512_loadu_ps(ws + (b / per_group) * 16);
+    for (int j = 0; j < MR; ++j)
+      facc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[j]), _mm512_mul_ps(sv, _mm512_set1_ps(x.d[(m0 + j) * B + b])),
+                                facc[j]);
+  }
+  for (int64_t g = 0; wm != nullptr && g < G; ++g) {
+    const __m512 mv = _mm512_loadu_ps(wm + g * 16);
+    for (int j = 0; j < MR; ++j) facc[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.xsum[(m0 + j) * G + g]), facc[j]);
+  }
+  for (int j = 0; j < MR; ++j) _mm512_storeu_ps(out + (m0 + j) * N, facc[j]);
+}
+
+template <int BITS, bool SYM4>
+void quant2_vnni(const QuantMatrix2& w, const QuantX2& x, int64_t M, int64_t g0, int64_t g1, float* out) {
+  const int64_t per_group = w.group / kXBlock;
+  const int64_t gbytes = BITS == 8 ? 16 * w.K : 8 * w.K;   // bytes per group of 16 rows
+  std::vector<float> sbuf, mbuf;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* q = w.q + g * gbytes;
+    const float* ws = group_scalars(w.scale, w.f16, g, w.G, sbuf);
+    const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, g, w.G, mbuf) : nullptr;
+    float* o = out + g * 16;
+    int64_t m = 0;
+    for (; m + 6 <= M; m += 6) quant2_tile<BITS, SYM4, 6>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N);
+    switch (M - m) {
+      case 5: quant2_tile<BITS, SYM4, 5>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+      case 4: quant2_tile<BITS, SYM4, 4>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+      case 3: quant2_tile<BITS, SYM4, 3>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+      case 2: quant2_tile<BITS, SYM4, 2>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+      case 1: quant2_tile<BITS, SYM4, 1>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+    }
+  }
+}
+#endif
+
+ffi::Error QuantLinear2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qweight, ffi::AnyBuffer scale,
+                        ffi::AnyBuffer min, ffi::Buffer<ffi::S32> layer, int64_t bits, int64_t group,
+                        ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions();
+  auto qd = qweight.dimensions();
+  auto sd = scale.dimensions();
+  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 4)
+    return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: x must be [M, K], qweight [L, N/16, 16 K | 8 K], "
+                                       "scale [L, N/16, G, 16]");
+  if (bits != 8 && bits != 4) return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: bits must be 8 or 4");
+  const int64_t M = xd[0], K = xd[1], L = qd[0], NG = qd[1], N = NG * 16;
+  const ffi::DataType want = bits == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
+  if (qweight.element_type() != want || qd[2] != (bits == 8 ? 16 * K : 8 * K))
+    return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: qweight must be s8 [L, N/16, 16 K] (bits 8) or "
+                                       "u8 [L, N/16, 8 K] (bits 4)");
+  if (group <= 0 || group % kXBlock || K % group)
+    return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: group must be a multiple of 32 dividing K");
+  const int64_t G = K / group;
+  const bool f16 = scale.element_type() == ffi::DataType::F16;
+  if ((!f16 && scale.element_type() != ffi::DataType::F32) || sd[0] != L || sd[1] != NG || sd[2] != G || sd[3] != 16)
+    return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: scale must be f16 or f32 [L, N/16, K / group, 16]");
+  const bool asym = min.element_count() != 0;
+  const int64_t l = layer.typed_data()[0];
+  if (const char* why = quant_operands_error(bits, scale, min, l, L))
+    return ffi::Error::InvalidArgument(std::string("hloserve_quant_linear_v2: ") + why);
+  const int64_t ssize = f16 ? 2 : 4, per_layer = N * G, qlayer = bits == 8 ? N * K : N * K / 2;
+  QuantMatrix2 w{static_cast<const uint8_t*>(qweight.untyped_data()) + l * qlayer,
+                 static_cast<const char*>(scale.untyped_data()) + l * per_layer * ssize,
+                 asym ? static_cast<const char*>(min.untyped_data()) + l * per_layer * ssize : nullptr, f16,
+                 static_cast<int>(bits), N, K, G, group};
+  const bool sym4 = bits == 4 && !asym;
+  const QuantX2 xq = quantize_x2(x.typed_data(), M, K, G, group, bits == 8 ? 128 : sym4 ? 8 : 0);
+  float* op = out->typed_data();
+  constexpr int64_t kGroupsPerTask = kLinearRows / 16;
+  const int64_t tasks = (NG + kGroupsPerTask - 1) / kGroupsPerTask;
+  parallel_for(pool, tasks, 1, [&](int64_t task) {
+    const int64_t g0 = task * kGroupsPerTask, g1 = std::min(NG, g0 + kGroupsPerTask);
+#if defined(__AVX512VNNI__)
+    if (bits == 8) quant2_vnni<8, false>(w, xq, M, g0, g1, op);
+    else if (sym4) quant2_vnni<4, true>(w, xq, M, g0, g1, op);
+    else quant2_vnni<4, false>(w, xq, M, g0, g1, op);
+#else
+    quant2_portable(w, xq, M, g0, g1, op);
+#endif
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// x, qweight, scale, min, layer; bits, group: both versions of hloserve.quant_linear
+static auto QuantLinearBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Attr<int64_t>("bits")
+      .Attr<int64_t>("group")
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear, QuantLinear, QuantLinearBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v2, QuantLinear2, QuantLinearBinding());

@@ -1,0 +1,70 @@
+"""The CPU kernels' table: one row per composite (name, version) they serve.
+
+Adding a CPU kernel = its .cc file here (or a handler in its composite's file) + one row below.
+A row names the FFI symbol, which attributes the kernel accepts (the others run the
+decomposition), up to how many rows it beats XLA on this CPU (above it the decomposition runs)
+and where a result's dims come from when they are not the first operand's.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from hloserve.runtime.artifact.kernels import (LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2, QUANT_LINEAR,
+                                               QUANT_LINEAR_V2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cpu:
+    """What a row's limits depend on: the code was built for this CPU (-march=native) and its flags."""
+    native: bool
+    flags: frozenset[str]
+
+    def has(self, flag: str) -> bool:
+        return self.native and flag in self.flags
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    symbol: str                                        # the XLA_FFI_DEFINE_HANDLER_SYMBOL name
+    accepts: Callable[[dict[str, Any]], bool] = lambda attrs: True
+    max_rows: Callable[[Cpu], int | None] = lambda cpu: None   # None: every row count
+    result_dims: tuple | None = None                   # (operand, dim) per result dim; None: the first operand's
+
+
+def _whole_vectors(attrs: dict[str, Any]) -> bool:
+    return attrs["group"] % 32 == 0
+
+
+# layer_linear reads each weight once where XLA's dot copies and packs the layer, which pays off
+# once enough rows share the packed copy. Measured (AMD EPYC, AVX512-BF16, docs/performance.md):
+# the kernel is 2.8x faster at 1 row, 1.3x at 32, even from 128 on; with AMX it is bandwidth-bound
+# to 64 rows too, and XLA's dot still the faster at 256 (prompt chunks: 355 against 418 ms per
+# 256-token chunk of a Qwen3-0.6B shape, 2026-11-25); without AVX512-BF16 it widens each product
+# to f32, so only decode-sized row counts stay with it.
+def _layer_linear_rows(cpu: Cpu) -> int:
+    return 64 if cpu.has("avx512_bf16") else 4
+
+
+# int8 x int8 (VNNI) against XLA dequantizing the layer to f32 for its dot: the kernel is the faster
+# to 64 rows and even at 256 (1B Llama MLP shape, 2026-11-25, docs/quantization.md); the portable
+# integer loop only at decode-sized row counts
+def _quant_linear_rows(cpu: Cpu) -> int:
+    return 64 if cpu.has("avx512_vnni") else 4
+
+
+# 16 interleaved rows per vpdpbusd: 4-5x XLA's dequantize-then-dot at 256 rows and more
+# (docs/quantization.md, "Version 2"), so every row count runs it
+def _quant_linear_v2_rows(cpu: Cpu) -> int | None:
+    return None if cpu.has("avx512_vnni") else 4
+
+
+TARGETS = {
+    PAGED_ATTENTION.key: Target("hloserve_paged_attention"),
+    PAGED_ATTENTION_V2.key: Target("hloserve_paged_attention_v2"),
+    LAYER_LINEAR.key: Target("hloserve_layer_linear", max_rows=_layer_linear_rows, result_dims=((0, 0), (1, 1))),
+    QUANT_LINEAR.key: Target("hloserve_quant_linear", accepts=_whole_vectors, max_rows=_quant_linear_rows,
+                             result_dims=((0, 0), (1, 1))),
+    QUANT_LINEAR_V2.key: Target("hloserve_quant_linear_v2", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
+                                result_dims=((0, 0), None)),
+}
