@@ -20,6 +20,9 @@ PACKAGES = {"exporter": "hloserve.exporter", "runtime": "hloserve.runtime", "ser
 HEAVY = {"torch", "transformers", "tensorflow", "gguf"}
 WEB = {"fastapi", "starlette", "uvicorn"}
 
+# the OpenAI wire models: shared (protocol), then one module per API (docs/architecture.md, "Where a new API goes")
+WIRE = tuple(f"hloserve.server.http.{m}" for m in ("protocol", "completions_protocol", "chat_protocol",
+                                                     "responses_protocol", "tokenization_protocol", "embeddings_protocol"))
 # importer prefix (most specific first) -> (hloserve modules it may import, third-party tops it may not)
 RULES = [
     ("hloserve.server.cli", ("hloserve",), set()),
@@ -36,6 +39,9 @@ RULES = [
     # TF Serving's predict semantics: shared by http/ and grpc/, so it may use neither the web stack nor a route
     ("hloserve.server.predict", ("hloserve.server.http.errors", "hloserve.server.services", "hloserve.runtime"),
      HEAVY | WEB | {"grpc"}),
+    # an API's wire models (pydantic): no web framework, nothing of the serving path below them
+    *[(m, WIRE + ("hloserve.server.http.tools", "hloserve.server.text.grammar"), HEAVY | WEB)
+      for m in WIRE],
     ("hloserve.server.http", ("hloserve.server", "hloserve.runtime"), HEAVY),
     ("hloserve.server.grpc", ("hloserve.server", "hloserve.runtime"), HEAVY | WEB),
     ("hloserve.server.serve", ("hloserve.server", "hloserve.runtime"), HEAVY),
@@ -116,6 +122,8 @@ def test_package_graph_is_one_directional():
     ("hloserve.quantization.convert", "hloserve.exporter.llm.hf_causal"),
     ("hloserve.server.services", "hloserve.exporter.presets"),
     ("hloserve.runtime.artifact.manifest", "hloserve.runtime.client"),
+    ("hloserve.server.http.chat_protocol", "hloserve.server.http.prepare"),
+    ("hloserve.server.predict", "hloserve.server.http.app"),
 ])
 def test_the_checker_sees_a_forbidden_edge(importer, target, monkeypatch, tmp_path):
     """A function-level import of a forbidden module is reported (the rule cannot be dodged)."""

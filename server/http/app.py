@@ -1,6 +1,10 @@
-"""`create_app(service) -> FastAPI`: the OpenAI routes (http/openai.py, http/responses.py) for LLM artifacts, TF
-Serving's REST predict API (http/tf_serving.py) for the others, /health, /ready, /metrics for both,
+"""`create_app(service) -> FastAPI`: the OpenAI APIs (`LLM_APIS`) for LLM artifacts, TF Serving's REST predict
+API (http/tf_serving.py, and /v1/embeddings for encoders) for the others, /health, /ready, /metrics for both,
 and the error handlers that answer in each API's own format.
+
+Each API is one module with its `router` (its route handlers, preparation and renderer beside them) and,
+for /openapi.json, `BODIES` (the bodies its routes parse themselves) and `ANSWERS` (their typed answers);
+its wire models are in its `<api>_protocol.py`. Serving a new API is one more module in a tuple below.
 
 Handlers never touch the device: LLM requests go to the engine's loop thread
 (`engine.add_request` returns a stream), predict requests to the batcher's
@@ -19,9 +23,20 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..services import LLMService, PredictService
-from . import embeddings, openai, responses, schema, tf_serving
+from . import chat, completions, embeddings, models, responses, schema, tf_serving, tokenization
 from .errors import RETRY_AFTER, ApiError
 from .protocol import error_body
+
+
+# the API modules each service serves, in route order
+LLM_APIS = (models, completions, chat, tokenization, responses)
+PREDICT_APIS = (tf_serving,)        # + embeddings when the encoder has a pooling config
+
+
+def _apis(service: LLMService | PredictService) -> tuple:
+    if isinstance(service, LLMService):
+        return LLM_APIS
+    return PREDICT_APIS + ((embeddings,) if service.embedder is not None else ())
 
 
 def _is_predict_path(path: str) -> bool:
@@ -102,14 +117,10 @@ def create_app(service: LLMService | PredictService, *, api_key: str | None = No
     async def metrics():
         return PlainTextResponse(service.metrics_text(), media_type="text/plain; version=0.0.4")
 
-    if isinstance(service, LLMService):
-        app.include_router(openai.router)
-        app.include_router(responses.router)
-    else:
-        app.include_router(tf_serving.router)
-        if service.embedder is not None:
-            app.include_router(embeddings.router)
-    app.openapi = lambda: app.openapi_schema or _published(app, api_key is not None)
+    apis = _apis(service)
+    for api in apis:
+        app.include_router(api.router)
+    app.openapi = lambda: app.openapi_schema or _published(app, apis, api_key is not None)
     return app
 
 
@@ -118,10 +129,10 @@ ADMITTED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/emb
             "/v1/models/{name}/versions/{version}:predict")
 
 
-def _published(app: FastAPI, api_key: bool) -> dict:
-    app.openapi_schema = schema.document(app, {**openai.BODIES, **responses.BODIES},
-                                         answers={**openai.ANSWERS, **responses.ANSWERS}, admitted=ADMITTED,
-                                         api_key=api_key)
+def _published(app: FastAPI, apis: tuple, api_key: bool) -> dict:
+    app.openapi_schema = schema.document(app, {p: m for api in apis for p, m in api.BODIES.items()},
+                                         answers={p: m for api in apis for p, m in api.ANSWERS.items()},
+                                         admitted=ADMITTED, api_key=api_key)
     return app.openapi_schema
 
 

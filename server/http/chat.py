@@ -1,25 +1,43 @@
-"""The chat completions API (/v1/chat/completions): its preparation and its renderer.
+"""The chat completions API (POST /v1/chat/completions) for LLM services: its route, preparation and
+renderer (wire models: http/chat_protocol.py).
 
-Preparation renders the messages (and the tools) through the model's chat template. Rendering:
-with tools, each choice's text is parsed for calls when it ends (http/tools.py), so a streamed
-answer with tools sends its content and calls as one delta at the end; without, text streams as
-it comes.
+The route parses the body off the event loop (its messages counted first) and runs the generation
+path (http/generate.py: admit, prepare, submit, render). Preparation renders the messages (and
+the tools) through the model's chat template. Rendering: with tools, each choice's text is parsed
+for calls when it ends (http/tools.py), so a streamed answer with tools sends its content and
+calls as one delta at the end; without, text streams as it comes.
 """
 from __future__ import annotations
 
 from typing import Iterator
 
+from fastapi import APIRouter, Request
+
 from ..core.outputs import FinishReason, RequestOutput
 from ..core.sampling import TokenLogprobs
 from ..services import LLMService
 from . import tools
+from .chat_protocol import (AssistantMessage, CalledFunction, CalledTool, ChatChoice, ChatChunkChoice, ChatCompletion,
+                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatLogprobs, ChatTokenLogprob,
+                            ChatTopLogprob)
 from .chunks import ChunkStream, token_str, usage
-from .errors import ApiError
+from .errors import ApiError, check_model
 from .fanin import Choices, Finished
-from .prepare import Generation, encode_chat, openai_generation
-from .protocol import (AssistantMessage, CalledFunction, CalledTool, ChatChoice, ChatChunkChoice, ChatCompletion,
-                       ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatLogprobs, ChatTokenLogprob,
-                       ChatTopLogprob)
+from .generate import generate
+from .prepare import Generation, encode_chat, openai_generation, parse_body
+
+router = APIRouter()
+BODIES = {"/v1/chat/completions": ChatCompletionRequest}   # the body its route parses itself, for /openapi.json
+ANSWERS = {"/v1/chat/completions": ChatCompletion}          # its answer (not streamed), for /openapi.json
+
+
+@router.post("/v1/chat/completions")
+async def chat(request: Request):
+    req = await parse_body(request, ChatCompletionRequest, counted=b'"role"')
+    svc: LLMService = request.app.state.service
+    check_model(svc, req.model)
+    return await generate(svc, request, req, prepare=lambda: prepare(svc, req), stream=req.stream,
+                          renderer=lambda gen, choices: ChatRenderer(svc, req, gen, choices))
 
 
 def prepare(svc: LLMService, req: ChatCompletionRequest) -> Generation:

@@ -1,6 +1,8 @@
-"""The completions API (/v1/completions): its preparation and its renderer.
+"""The completions API (POST /v1/completions) for LLM services: its route, preparation and renderer
+(wire models: http/completions_protocol.py).
 
-Preparation: every prompt (text, or token ids) tokenized; `best_of` generates that many candidates
+The route parses the body off the event loop and runs the generation path (http/generate.py:
+admit, prepare, submit, render). Preparation: every prompt (text, or token ids) tokenized; `best_of` generates that many candidates
 per prompt (with logprobs, to rank them) and answers the `n` most likely. Rendering: `echo` puts
 each prompt's text first (and, with logprobs, its tokens' logprobs, the first one None as
 OpenAI's); choice i of the answer belongs to prompt i // n.
@@ -10,15 +12,32 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
+from fastapi import APIRouter, Request
+
 from ..core.outputs import FinishReason, RequestOutput
 from ..core.sampling import TokenLogprobs
 from ..services import LLMService
 from .chunks import ChunkStream, token_str, usage
+from .completions_protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
+from .errors import check_model
 from .fanin import Choices, Finished
-from .prepare import Generation, checked_text, openai_generation
-from .protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
+from .generate import generate
+from .prepare import Generation, checked_text, openai_generation, parse_body
 
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default for completions (chat's is the room left in the context)
+
+router = APIRouter()
+BODIES = {"/v1/completions": CompletionRequest}   # the body its route parses itself, for /openapi.json
+ANSWERS = {"/v1/completions": Completion}          # its answer (not streamed), for /openapi.json
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    req = await parse_body(request, CompletionRequest)
+    svc: LLMService = request.app.state.service
+    check_model(svc, req.model)
+    return await generate(svc, request, req, prepare=lambda: prepare(svc, req), stream=req.stream,
+                          renderer=lambda gen, choices: CompletionRenderer(svc, req, gen, choices))
 
 
 def prepare(svc: LLMService, req: CompletionRequest) -> Generation:

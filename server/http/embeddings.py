@@ -1,4 +1,6 @@
-"""OpenAI's /v1/embeddings for encoder artifacts with a sentence-transformers pooling config."""
+"""OpenAI's embeddings API (POST /v1/embeddings) for encoder artifacts with a sentence-transformers
+pooling config: its route (wire model: http/embeddings_protocol.py). Tokenizing and pooling are
+server/embeddings.py's; the encoder runs through the predict batcher."""
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +11,12 @@ from fastapi import APIRouter, Request
 
 from ..services import PredictService
 from .errors import ApiError, admit, check_model
-from .protocol import EmbeddingRequest, now
+from .embeddings_protocol import EmbeddingRequest
+from .protocol import now
 
 router = APIRouter()
+BODIES: dict = {}    # FastAPI parses and documents its body itself
+ANSWERS: dict = {}
 
 
 @router.post("/v1/embeddings")

@@ -1,4 +1,5 @@
-"""OpenAI's Responses API (POST /v1/responses) for LLM artifacts: its route, preparation and renderer.
+"""OpenAI's Responses API (POST /v1/responses) for LLM services: its route, preparation and renderer
+(wire models: http/responses_protocol.py).
 
 A response is a chat underneath, through the same path as /v1/chat/completions: `instructions` and
 `input` become the conversation the model's chat template renders (so the same greedy request gives
@@ -39,8 +40,8 @@ from .responses_protocol import (ArgumentsDeltaEvent, ArgumentsDoneEvent, Conten
                                  TextConfig, TextDeltaEvent, TextDoneEvent, TextFormat)
 
 router = APIRouter()
-BODIES = {"/v1/responses": ResponsesRequest}
-ANSWERS = {"/v1/responses": Response}
+BODIES = {"/v1/responses": ResponsesRequest}   # the body its route parses itself, for /openapi.json
+ANSWERS = {"/v1/responses": Response}          # its answer (not streamed), for /openapi.json
 
 
 @router.post("/v1/responses")

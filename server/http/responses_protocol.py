@@ -22,7 +22,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from ..text.grammar import GrammarSpec
-from .protocol import ChatMessage, OpenModel, ToolCall, ToolCallFunction, neutral_only
+from .chat_protocol import ChatMessage, ToolCall, ToolCallFunction
+from .protocol import OpenModel, neutral_only
 from .tools import constraint
 
 # fields accepted only at a value that does not change the result: field -> (neutral?, the fix)

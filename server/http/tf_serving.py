@@ -16,6 +16,8 @@ from ..services import PredictService
 from .errors import ApiError
 
 router = APIRouter(tags=["tf-serving"])   # the tag gives its routes TF Serving's error body in /openapi.json
+BODIES: dict = {}    # its bodies are TF Serving's JSON (server/predict.py), not a pydantic model
+ANSWERS: dict = {}
 
 
 def _checked(request: Request, name: str, version: str | None) -> PredictService:

@@ -479,7 +479,8 @@ def test_published_schema_describes_the_real_bodies_and_answers(server):
                    timeout=30)
     assert r.status_code == 400
     jsonschema.validate(r.json(), schema_of("#/components/schemas/OpenAIError"))
-    # the answers (typed models, http/protocol.py) validate against the published 200 schemas
+    # the answers (typed models, http/completions_protocol.py, chat_protocol.py) validate against the published 200
+    # schemas
     answered = {"/v1/completions": {**sent["/v1/completions"], "stream": False, "echo": True, "n": 2, "seed": 1},
                 "/v1/chat/completions": {**sent["/v1/chat/completions"], "logprobs": True, "top_logprobs": 2}}
     for path, body in answered.items():

@@ -255,7 +255,7 @@ def tokens(outs):
 
 
 class _Grammar:
-    """A matcher over MockRunner's vocabulary (the interface of server/text/structured.Matcher): it allows
+    """A matcher over MockRunner's vocabulary (the interface of server/text/grammar.Matcher): it allows
     only the token 50 + (tokens accepted), for 3 tokens, then is done."""
 
     def __init__(self):

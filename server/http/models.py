@@ -1,0 +1,34 @@
+"""The model list (GET /v1/models, /v1/models/{name}) for LLM services: the names the model is served
+under (--served-model-name), each as OpenAI's model object with vLLM's `root` and `max_model_len` and the
+server's generation defaults."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from ..services import LLMService
+from .errors import check_model
+
+router = APIRouter()
+BODIES: dict = {}    # FastAPI documents these routes itself (no body, untyped answers)
+ANSWERS: dict = {}
+
+
+def model_card(svc: LLMService, name: str) -> dict:
+    """OpenAI's Model object, with vLLM's `root` and `max_model_len` and the sampling defaults a
+    request gets for the fields it leaves out (`generation_defaults`; {}: neutral)."""
+    return {"id": name, "object": "model", "created": svc.created, "owned_by": "hloserve",
+            "root": svc.model_names[0], "max_model_len": svc.max_model_len,
+            "generation_defaults": svc.generation_defaults}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    svc: LLMService = request.app.state.service
+    return {"object": "list", "data": [model_card(svc, n) for n in svc.model_names]}
+
+
+@router.get("/v1/models/{name}")
+async def model(name: str, request: Request):
+    svc: LLMService = request.app.state.service
+    check_model(svc, name)
+    return model_card(svc, name)
