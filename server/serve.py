@@ -13,6 +13,7 @@ to pick on a CPU").
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import logging
 import os
@@ -70,11 +71,20 @@ def exported_artifact(source: str, path: str, flags: tuple[str, ...]) -> str:
     A start killed mid-export (SIGKILL, OOM, a node going away) leaves no half-written artifact
     where the next start looks: the export is written into `PATH.partial-PID` and renamed into
     place when complete, and the next start removes a directory without a manifest and what dead
-    processes left. Replicas sharing one cache may export at once; the first rename wins and the
-    others use its artifact."""
-    from hloserve.runtime.paths import partial_dir, remove_partials
+    processes left. Replicas sharing one cache export once: the others wait on a lock beside it and
+    use its artifact (where locks do not reach, e.g. some network filesystems, the first rename wins)."""
     if os.path.exists(os.path.join(path, "manifest.json")):
         return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(os.path.join(path, "manifest.json")):
+            return path
+        return _export_into(source, path, flags)
+
+
+def _export_into(source: str, path: str, flags: tuple[str, ...]) -> str:
+    from hloserve.runtime.paths import partial_dir, remove_partials
     shutil.rmtree(path, ignore_errors=True)
     remove_partials(path)
     partial = partial_dir(path)

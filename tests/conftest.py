@@ -25,12 +25,16 @@ def minilm_artifact(tmp_path_factory, minilm_dir) -> str:
 def pytest_configure(config):
     """Tests never read or write the user's cache root: HLOSERVE_CACHE points at a fresh directory
     for this run (or at $HLOSERVE_TEST_CACHE, a cache kept for tests only, to skip the downloads and
-    the default model's export between local runs). Subprocesses inherit it."""
+    the default model's export between local runs). Subprocesses inherit it, and so do pytest-xdist's
+    workers: the run's one fresh directory is made by the controller (or a run without workers), so
+    the workers download, export and compile the default model once between them, as replicas
+    sharing a cache do."""
     import os
     import tempfile
     root = os.environ.get("HLOSERVE_TEST_CACHE")
     if not root:
         root = config._hloserve_fresh_cache = tempfile.mkdtemp(prefix="hloserve-test-cache-")
+        os.environ["HLOSERVE_TEST_CACHE"] = root     # the workers, started after this, share it
     os.environ["HLOSERVE_CACHE"] = root
 
 
@@ -49,7 +53,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_unconfigure(config):
+    import os
     import shutil
     fresh = getattr(config, "_hloserve_fresh_cache", None)
     if fresh:
+        os.environ.pop("HLOSERVE_TEST_CACHE", None)
         shutil.rmtree(fresh, ignore_errors=True)

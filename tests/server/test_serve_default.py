@@ -26,26 +26,33 @@ def default_server(tmp_path_factory):
     every later start): a directory at the artifact's path with no manifest, a dead process's
     `.partial-PID` export and its export child's `.partial-PID.partial-PID2`; the start must remove
     them all and export."""
+    import fcntl
     import os
-    import subprocess
-    import sys
 
     from hloserve.server.serve import default_artifact_path
     path = default_artifact_path()
-    planted = []
-    if not os.path.exists(os.path.join(path, "manifest.json")):
-        dead = subprocess.Popen([sys.executable, "-c", "pass"])
-        dead.wait()
-        planted = [path, f"{path}.partial-{dead.pid}", f"{path}.partial-{dead.pid}.partial-{dead.pid + 1}"]
-        for d in planted:
-            os.makedirs(os.path.join(d, "weights"), exist_ok=True)
-            with open(os.path.join(d, "weights", "half.safetensors"), "wb") as f:
-                f.write(b"\0" * 1024)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "a") as lock:     # not while a worker sharing the cache exports it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(path, "manifest.json")):
+            _plant_a_killed_export(path)
     with running_server(None, "--max-num-seqs", "4", ready_timeout=1200,
                         log_dir=str(tmp_path_factory.mktemp("serve-default"))) as (base, _):
         assert os.path.exists(os.path.join(path, "manifest.json"))
         assert not any(".partial-" in name for name in os.listdir(os.path.dirname(path)))
         yield base
+
+
+def _plant_a_killed_export(path: str) -> None:
+    import os
+    import subprocess
+    import sys
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for d in (path, f"{path}.partial-{dead.pid}", f"{path}.partial-{dead.pid}.partial-{dead.pid + 1}"):
+        os.makedirs(os.path.join(d, "weights"), exist_ok=True)
+        with open(os.path.join(d, "weights", "half.safetensors"), "wb") as f:
+            f.write(b"\0" * 1024)
 
 
 def test_default_model_answers_the_capital_of_france(default_server):
