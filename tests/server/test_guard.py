@@ -131,6 +131,8 @@ def test_three_million_one_byte_chunks_are_refused_while_health_answers(llm_serv
         time.sleep(0.5)
         status, headers, payload, elapsed = raw_post(llm_server, path, CHUNKED, one_byte_chunks(3_000_000))
         time.sleep(1.0)
+    print(f"\n{path}: {status} after {elapsed:.2f} s; /health at most {max(probe.latencies):.3f} s "
+          f"over {len(probe.latencies)} asks")
     assert status == 400 and elapsed < 5, (status, elapsed, payload[:300])
     assert headers.get("connection") == "close"
     error = json.loads(payload)["error"]                 # OpenAI's error object
