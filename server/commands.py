@@ -15,6 +15,8 @@ def _serve(args: argparse.Namespace) -> int:
              "api_key": args.api_key or os.environ.get("HLOSERVE_API_KEY"),
              "kv_cache_bytes": None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
              "max_body_bytes": None if args.max_body_mib is None else int(args.max_body_mib * 2**20),
+             "max_body_chunks": args.max_body_chunks, "body_timeout_s": args.body_timeout,
+             "metrics_require_key": args.metrics_require_key or None,
              "shutdown_grace_s": args.shutdown_grace, "verify_weights": args.verify_weights,
              "max_output_tokens": args.max_output_tokens, "tensor_parallel_size": args.tensor_parallel_size,
              "batch_timeout_s": None if args.batch_timeout_ms is None else args.batch_timeout_ms / 1000,
@@ -70,7 +72,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     sv.add_argument("--grpc-port", type=int, metavar="N",
                     help="TF Serving's gRPC API (PredictionService, ModelService) on port N, 0: off (default: "
                          "%d for predict artifacts, off for LLMs)" % DEFAULT_GRPC_PORT)
-    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set HLOSERVE_API_KEY)")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health, /ready and "
+                    "/metrics, and the metadata 'authorization: Bearer KEY' on every gRPC call (or set HLOSERVE_API_KEY)")
+    sv.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
     sv.add_argument("--served-model-name", "--model-name", nargs="+", metavar="NAME",
                     help="name(s) clients use for the model, the first one reported (default: the artifact "
                          "directory's name; the preset's name for the default model)")
@@ -84,6 +88,10 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     sv.add_argument("--batch-timeout-ms", type=float, help="predict: wait for a batch to fill (default %g ms)" % (d.batch_timeout_s * 1000))
     sv.add_argument("--max-body-mib", type=float, help="request bodies larger than this answer 413 (default %g MiB)"
                     % (d.max_body_bytes / 2**20))
+    sv.add_argument("--max-body-chunks", type=int, metavar="N", help="a chunked request body in more chunks than "
+                    "this answers 400 (default %d)" % d.max_body_chunks)
+    sv.add_argument("--body-timeout", type=float, metavar="S", help="a request body not complete S seconds after "
+                    "its headers answers 408 (default %g)" % d.body_timeout_s)
     sv.add_argument("--shutdown-grace", type=float, metavar="S", help="on SIGTERM/SIGINT, seconds running requests "
                     "may still finish before they are ended (default %g)" % d.shutdown_grace_s)
     sv.add_argument("--max-output-tokens", type=int, metavar="N",

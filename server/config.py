@@ -56,8 +56,15 @@ class ServeConfig:
       max_batch_size / batch_timeout_s: predict batching (TF Serving's batching_parameters).
       served_model_names: the names clients use, the first one reported (default: the artifact
         directory's name; `hloserve serve` with no artifact: the preset's name).
-      api_key: when set, /v1/* requires `Authorization: Bearer KEY`.
-      max_body_bytes: request bodies above it answer 413 before they are read whole.
+      api_key: when set, every route but /health, /ready and /metrics requires `Authorization: Bearer KEY`
+        (and every gRPC call the metadata `authorization: Bearer KEY`).
+      metrics_require_key: /metrics needs the API key too.
+      max_body_bytes: a request body above it answers 413 (from Content-Length before it is read, or as
+        soon as a chunked body passes it).
+      max_body_chunks: a chunked request body in more chunks than this answers 400 (each chunk costs
+        parsing on the event loop; 16 MiB in 1 KiB chunks is 16,384).
+      body_timeout_s: a request body not complete this long after its headers answers 408 (a client
+        dripping a body cannot hold a connection and its handler for ever).
       max_output_tokens: the operator's cap on tokens generated per request (None: the context); a
         request without max_tokens gets at most this many, one asking for more answers 400.
       shutdown_grace_s: on SIGTERM/SIGINT, how long running requests may still finish.
@@ -91,7 +98,10 @@ class ServeConfig:
     batch_timeout_s: float = 0.005
     served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
+    metrics_require_key: bool = False
     max_body_bytes: int = 16 << 20
+    max_body_chunks: int = 16384
+    body_timeout_s: float = 60.0
     max_output_tokens: int | None = None
     shutdown_grace_s: float = 10.0
     grpc_port: int | None = None
@@ -107,6 +117,10 @@ class ServeConfig:
             raise HloserveError(f"verify_weights={self.verify_weights!r}: use 'stamp' or 'full'")
         if self.tensor_parallel_size < 1:
             raise HloserveError(f"tensor_parallel_size={self.tensor_parallel_size}: use 1 (one device) or more")
+        for flag, value in (("--max-body-mib", self.max_body_bytes / 2**20), ("--max-body-chunks", self.max_body_chunks),
+                            ("--body-timeout", self.body_timeout_s)):
+            if not value > 0:
+                raise HloserveError(f"{flag} {value:g}: give a positive limit")
         unknown = sorted(set(self.override_generation_config) - set(SAMPLING_FIELDS))
         if unknown:
             raise HloserveError(f"--override-generation-config: unknown field(s) {', '.join(map(repr, unknown))}; "

@@ -127,9 +127,12 @@ def serve_target(target: str | None, quantize: str = SERVE_QUANTIZE) -> tuple[st
 
 def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 8000, config: ServeConfig | None = None,
           log_level: str = "info", quantize: str = SERVE_QUANTIZE) -> None:
+    import functools
+
     import uvicorn
 
     from .http.app import create_app
+    from .http.bodies import BodyLimits, BoundedH11Protocol
 
     logging.basicConfig(level=logging.INFO, format="[hloserve] %(message)s")
     for noisy in ("jax", "absl"):   # jax's backend probing (libtpu) and cache chatter: warnings only
@@ -141,7 +144,8 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
     print(f"[hloserve] loading {path}", file=sys.stderr, flush=True)
     service = build_service(path, config)
     grpc_port = config.grpc_port_for(llm=isinstance(service, LLMService))   # refused before anything compiles
-    app = create_app(service, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    limits = BodyLimits(config.max_body_bytes, config.max_body_chunks, config.body_timeout_s)
+    app = create_app(service, api_key=config.api_key, limits=limits, metrics_require_key=config.metrics_require_key)
     grpc = None
     if grpc_port:
         from .grpc.tf_serving import GrpcServer
@@ -165,7 +169,8 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
     failed: list[str] = []
     warming = threading.Thread(target=warm, name="hloserve-warmup", daemon=True)
     server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                            timeout_graceful_shutdown=config.shutdown_grace_s + 5),
+                                            timeout_graceful_shutdown=config.shutdown_grace_s + 5,
+                                            http=functools.partial(BoundedH11Protocol, max_chunks=limits.max_chunks)),
                              service, config.shutdown_grace_s, grpc=grpc, on_listening=warming.start)
     api = "the OpenAI API (/v1/completions, /v1/chat/completions)" if isinstance(service, LLMService) else \
         f"TensorFlow Serving's REST API (/v1/models/{service.model_name}:predict)"

@@ -11,9 +11,12 @@ the inputs by name, rank and dtype, admission and the predict batcher (an HTTP a
 a batch), and the same status and metadata. Errors answer with gRPC status codes and TF Serving's messages
 where it has one: NOT_FOUND for another servable, INVALID_ARGUMENT for a bad request, FAILED_PRECONDITION
 for an unknown signature (as TF Serving's Predict), UNAVAILABLE while warming up or shutting down,
-RESOURCE_EXHAUSTED past --max-pending or the message size bound (--max-body-mib), UNAUTHENTICATED without
-the API key (metadata `authorization: Bearer KEY`). MultiInference and HandleReloadConfigRequest are
-UNIMPLEMENTED.
+RESOURCE_EXHAUSTED past --max-pending or the message size bound (--max-body-mib). MultiInference and
+HandleReloadConfigRequest are UNIMPLEMENTED.
+
+With an API key, one server interceptor (`ApiKeyInterceptor`) stands in front of every method, the
+unknown ones included, as the HTTP app's middleware does for every route: a call without the
+metadata `authorization: Bearer KEY` answers UNAUTHENTICATED before any handler runs.
 """
 from __future__ import annotations
 
@@ -51,35 +54,35 @@ class _Abort(Exception):
 class TFServingServicer:
     """The handlers, for one predict service."""
 
-    def __init__(self, service: "PredictService", *, api_key: str | None, max_message_bytes: int):
+    def __init__(self, service: "PredictService", *, max_message_bytes: int):
         self.service = service
-        self.key = f"Bearer {api_key}".encode() if api_key else None
         self.max_message_bytes = max_message_bytes
 
-    def handlers(self) -> list[grpc.GenericRpcHandler]:
+    def methods(self) -> dict[str, dict[str, grpc.RpcMethodHandler]]:
+        """Every method served, by service name."""
         m = messages()
 
         def unary(handler, request, response):
             return grpc.unary_unary_rpc_method_handler(self._answering(handler), request_deserializer=request.FromString,
                                                        response_serializer=response.SerializeToString)
-        return [grpc.method_handlers_generic_handler(PREDICTION_SERVICE, {
+        return {PREDICTION_SERVICE: {
                     "Predict": unary(self.predict, m.PredictRequest, m.PredictResponse),
                     "GetModelMetadata": unary(self.get_model_metadata, m.GetModelMetadataRequest,
                                               m.GetModelMetadataResponse),
                     # Classify and Regress always answer an error: no response message is ever built
                     "Classify": unary(self.classify, m.ClassificationRequest, m.ClassificationRequest),
-                    "Regress": unary(self.regress, m.RegressionRequest, m.RegressionRequest)}),
-                grpc.method_handlers_generic_handler(MODEL_SERVICE, {
-                    "GetModelStatus": unary(self.get_model_status, m.GetModelStatusRequest, m.GetModelStatusResponse)})]
+                    "Regress": unary(self.regress, m.RegressionRequest, m.RegressionRequest)},
+                MODEL_SERVICE: {
+                    "GetModelStatus": unary(self.get_model_status, m.GetModelStatusRequest, m.GetModelStatusResponse)}}
 
-    def _answering(self, handler: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
-        """The handler behind the API key check, its errors answered as gRPC statuses."""
+    def handlers(self) -> list[grpc.GenericRpcHandler]:
+        return [grpc.method_handlers_generic_handler(service, methods) for service, methods in self.methods().items()]
+
+    @staticmethod
+    def _answering(handler: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
+        """The handler with its errors answered as gRPC statuses."""
         async def call(request, context: grpc.aio.ServicerContext):
             try:
-                if self.key is not None:
-                    sent = dict(context.invocation_metadata() or ()).get("authorization", "")
-                    if not secrets.compare_digest(sent.encode(), self.key):
-                        raise ApiError(401, "missing or wrong API key: send the metadata 'authorization: Bearer KEY'")
                 return await handler(request)
             except ApiError as e:
                 await context.abort(_CODES.get(e.status, grpc.StatusCode.UNKNOWN), e.message)
@@ -163,13 +166,36 @@ class TFServingServicer:
                             f"(hloserve signatures take tensors: use Predict)")
 
 
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Every call, whatever its method, needs the metadata `authorization: Bearer KEY` (compared as
+    bytes in constant time); without it the call answers UNAUTHENTICATED and no handler runs (the
+    request is never parsed)."""
+
+    def __init__(self, api_key: str):
+        self.key = f"Bearer {api_key}".encode()
+
+        async def deny(request, context: grpc.aio.ServicerContext):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or wrong API key: send the metadata 'authorization: Bearer KEY'")
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        sent = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if isinstance(sent, str):
+            sent = sent.encode("utf-8", "surrogateescape")
+        if secrets.compare_digest(sent, self.key):
+            return await continuation(handler_call_details)
+        return self._deny
+
+
 class GrpcServer:
     """The gRPC server for one predict service: `await start()` and `await stop()` in the HTTP server's loop."""
 
     def __init__(self, service: "PredictService", host: str, port: int, *, api_key: str | None = None,
                  max_message_bytes: int, stop_grace_s: float = 2.0):
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.servicer = TFServingServicer(service, api_key=api_key, max_message_bytes=max_message_bytes)
+        self.servicer = TFServingServicer(service, max_message_bytes=max_message_bytes)
+        self.interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
         self.max_message_bytes = max_message_bytes
         self.stop_grace_s = stop_grace_s
         self._server: grpc.aio.Server | None = None
@@ -177,7 +203,8 @@ class GrpcServer:
     async def start(self) -> None:
         """Listen (one line naming the port and the fix if it is taken) and start answering."""
         # so_reuseport off: a second server on the same port fails here instead of sharing its calls
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+        server = grpc.aio.server(interceptors=self.interceptors,
+                                 options=[("grpc.so_reuseport", 0),
                                           ("grpc.max_receive_message_length", self.max_message_bytes)])
         server.add_generic_rpc_handlers(self.servicer.handlers())
         try:

@@ -2,6 +2,11 @@
 API (http/tf_serving.py, and /v1/embeddings for encoders) for the others, /health, /ready, /metrics for both,
 and the error handlers that answer in each API's own format.
 
+One middleware (`_Guard`) stands in front of every route, so a route added later is covered without
+doing anything: with an API key, every path but `open_paths()` answers 401 without it (unknown paths
+included: nothing about the routes is told to a client without the key), and every request body is
+read within its budgets (http/bodies.py).
+
 Each API is one module with its `router` (its route handlers, preparation and renderer beside them) and,
 for /openapi.json, `BODIES` (the bodies its routes parse themselves) and `ANSWERS` (their typed answers);
 its wire models are in its `<api>_protocol.py`. Serving a new API is one more module in a tuple below.
@@ -24,9 +29,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..services import LLMService, PredictService
 from . import chat, completions, embeddings, models, responses, schema, tf_serving, tokenization
+from .bodies import BodyLimits, BodyReader, too_large
 from .errors import RETRY_AFTER, ApiError
 from .protocol import error_body
 
+# answered without the API key: load balancers' and orchestrators' probes, and the metrics scraper
+# (unless --metrics-require-key)
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 # the API modules each service serves, in route order
 LLM_APIS = (models, completions, chat, tokenization, responses)
@@ -69,10 +78,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"invalid value for '{field}': {msg}" if field else msg), (loc[-1] if loc else None)
 
 
+def open_paths(*, metrics_require_key: bool = False) -> frozenset[str]:
+    """The paths answered without the API key: the probes, and /metrics unless `metrics_require_key`."""
+    return OPEN_PATHS - {"/metrics"} if metrics_require_key else OPEN_PATHS
+
+
 def create_app(service: LLMService | PredictService, *, api_key: str | None = None,
-               max_body_bytes: int = 16 << 20) -> FastAPI:
-    """The HTTP app for one service; `api_key` guards /v1/* when given; bodies over `max_body_bytes`
-    answer 413 before they are read whole."""
+               limits: BodyLimits = BodyLimits(), metrics_require_key: bool = False) -> FastAPI:
+    """The HTTP app for one service. With `api_key`, every route but `open_paths()` needs it; request
+    bodies are read within `limits` (http/bodies.py)."""
     app = FastAPI(title="hloserve", docs_url=None, redoc_url=None)
     app.state.service = service
 
@@ -97,7 +111,8 @@ def create_app(service: LLMService | PredictService, *, api_key: str | None = No
         return _error_response(request, 500, f"internal error: {type(exc).__name__}: {exc}", type_="internal_error")
 
     # pure ASGI middleware (no BaseHTTPMiddleware: behind it a handler never sees the client leave)
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    public = open_paths(metrics_require_key=metrics_require_key)
+    app.add_middleware(_Guard, api_key=api_key, open_paths=public, limits=limits)
 
     # -- operations ------------------------------------------------------------------
     @app.get("/health")
@@ -120,7 +135,7 @@ def create_app(service: LLMService | PredictService, *, api_key: str | None = No
     apis = _apis(service)
     for api in apis:
         app.include_router(api.router)
-    app.openapi = lambda: app.openapi_schema or _published(app, apis, api_key is not None)
+    app.openapi = lambda: app.openapi_schema or _published(app, apis, public if api_key is not None else None)
     return app
 
 
@@ -129,50 +144,41 @@ ADMITTED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/emb
             "/v1/models/{name}/versions/{version}:predict")
 
 
-def _published(app: FastAPI, apis: tuple, api_key: bool) -> dict:
+def _published(app: FastAPI, apis: tuple, public: frozenset[str] | None) -> dict:
     app.openapi_schema = schema.document(app, {p: m for api in apis for p, m in api.BODIES.items()},
                                          answers={p: m for api in apis for p, m in api.ANSWERS.items()},
-                                         admitted=ADMITTED, api_key=api_key)
+                                         admitted=ADMITTED, open_paths=public)
     return app.openapi_schema
 
 
 class _Guard:
-    """ASGI middleware: the API key on /v1/* (compared as bytes, so any header answers 401, never 500)
-    and the request body bound (413 from Content-Length, or once a chunked body passes the bound)."""
+    """ASGI middleware, the one rule every route passes: the API key on every path but the open ones
+    (compared as bytes, so any header answers 401, never 500), then the body budgets (413 from
+    Content-Length before anything is read; bytes, chunks and the deadline as the body arrives,
+    http/bodies.py)."""
 
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, *, api_key: str | None, open_paths: frozenset[str], limits: BodyLimits):
         self.app = app
         self.key = f"Bearer {api_key}".encode() if api_key else None
-        self.max_body = max_body_bytes
+        self.open_paths = open_paths
+        self.limits = limits
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        reader = BodyReader(scope, receive, send, self.limits)
         headers = dict(scope.get("headers") or ())
-        if self.key is not None and scope["path"].startswith("/v1/") and \
+        if self.key is not None and scope["path"] not in self.open_paths and \
                 not secrets.compare_digest(headers.get(b"authorization", b""), self.key):
-            return await self._reject(scope, receive, send, 401,
-                                      "missing or wrong API key: send 'Authorization: Bearer KEY'", "authentication_error")
+            return await self._reject(scope, reader, 401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                                      "authentication_error", {"WWW-Authenticate": "Bearer"})
         length = headers.get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_body:
-            return await self._reject(scope, receive, send, 413, self._too_large(), "invalid_request_error")
-        seen = 0
+        if length.isdigit() and int(length) > self.limits.max_bytes:
+            return await self._reject(scope, reader, 413, too_large(self.limits.max_bytes), "invalid_request_error")
+        return await self.app(scope, reader.receive, reader.send)
 
-        async def bounded_receive():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body:
-                    raise ApiError(413, self._too_large())
-            return message
-
-        return await self.app(scope, bounded_receive, send)
-
-    def _too_large(self) -> str:
-        return (f"request body is larger than {self.max_body} bytes; send a shorter prompt "
-                f"(the server's limit is --max-body-mib)")
-
-    async def _reject(self, scope, receive, send, status: int, message: str, type_: str) -> None:
-        response = _error_response(Request(scope, receive), status, message, type_=type_)
-        await response(scope, receive, send)
+    @staticmethod
+    async def _reject(scope, reader: BodyReader, status: int, message: str, type_: str,
+                      headers: dict | None = None) -> None:
+        response = _error_response(Request(scope, reader.receive), status, message, type_=type_, headers=headers)
+        await response(scope, reader.receive, reader.send)

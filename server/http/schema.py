@@ -7,7 +7,7 @@ starts from FastAPI's and fixes both: every route in `bodies` gets its pydantic 
 required JSON body, and every answer FastAPI lists as 422 is listed as 400; every route in
 `answers` gets its answer's model as its 200 JSON body (and text/event-stream, what it sends
 with `stream: true`); each route also lists
-the errors it really gives (401 with an API key, 404 for a model not served, 413, 429 and 503 with
+the errors it really gives (401 with an API key, 404 for a model not served, 408, 413, 429 and 503 with
 Retry-After) with the error body its API sends (OpenAI's error object, or TF Serving's
 {"error": message} for the routes tagged "tf-serving"); /metrics is text, /ready's 503 is listed.
 """
@@ -34,11 +34,12 @@ _TF_SERVING_ERROR = {"type": "object", "required": ["error"], "properties": {"er
 
 
 def document(app: FastAPI, bodies: Mapping[str, type[BaseModel]], *, answers: Mapping[str, type[BaseModel]] = {},
-             admitted: Collection[str] = (), api_key: bool = False) -> dict[str, Any]:
+             admitted: Collection[str] = (), open_paths: Collection[str] | None = None) -> dict[str, Any]:
     """The app's OpenAPI document; `bodies` maps a POST path to the model its handler parses,
     `answers` a POST path to the model of its (non-streamed) answer, `admitted` lists the paths that
-    count against the admission bound (429, and 503 while warming up or shutting down), `api_key`
-    whether /v1/* needs one (401)."""
+    count against the admission bound (429, and 503 while warming up or shutting down), `open_paths`
+    the paths answered without the API key (None: the server has no key; every other path answers
+    401 without it)."""
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas["OpenAIError"] = _OPENAI_ERROR
@@ -63,7 +64,7 @@ def document(app: FastAPI, bodies: Mapping[str, type[BaseModel]], *, answers: Ma
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
             names_model = "model" in _body_properties(schemas, op)
-            for status, description in _answers(path, method, op, names_model, admitted, api_key):
+            for status, description in _answers(path, method, op, names_model, admitted, open_paths):
                 responses[status] = {"description": description, "content": {
                     "application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}}}
                 if status in ("429", "503"):
@@ -96,17 +97,18 @@ def _component(schemas: dict, model: type[BaseModel], mode: str) -> dict:
 
 
 def _answers(path: str, method: str, op: dict, names_model: bool, admitted: Collection[str],
-             api_key: bool) -> list[tuple[str, str]]:
+             open_paths: Collection[str] | None) -> list[tuple[str, str]]:
     """The error answers an operation can give besides FastAPI's, as (status, description)."""
     out = []
     if op.get("requestBody") or op.get("parameters"):
         out.append(("400", "a malformed or invalid request"))
-    if path.startswith("/v1/") and api_key:
+    if open_paths is not None and path not in open_paths:
         out.append(("401", "a missing or wrong API key"))
     if path.startswith("/v1/models/{") or names_model:
         out.append(("404", "the model named is not served here"))
     if method == "post":
-        out.append(("413", "the body is larger than --max-body-bytes"))
+        out += [("408", "the body did not arrive within --body-timeout"),
+                ("413", "the body is larger than --max-body-mib")]
     if path in admitted:
         out += [("429", "overloaded: more requests in flight than --max-pending"),
                 ("503", "warming up, failed, or shutting down")]

@@ -140,3 +140,20 @@ def test_an_interrupted_export_leaves_no_artifact_and_the_rerun_succeeds(tmp_pat
     assert (out / "manifest.json").exists() and sorted(os.listdir(tmp_path)) == ["art"]
     proc = hloserve("export", "factories:exotic", "-o", str(tmp_path / "bad"), "-q", check=False)
     assert proc.returncode != 0 and sorted(os.listdir(tmp_path)) == ["art"]
+
+
+def test_a_full_disk_while_exporting_leaves_no_artifact_and_says_so_in_one_line(tmp_path):
+    """The disk fills up partway through the export (8 KiB free on a small tmpfs): one error line
+    naming the output and what to do, exit 1, and nothing left on the disk, no partial directory
+    either; with room the same export succeeds."""
+    from tests.support.disk import fill, files_under, small_disk
+    with small_disk(str(tmp_path / "disk"), "2m") as disk:
+        out = os.path.join(disk, "art")
+        filler = fill(disk, leave=8 << 10)
+        proc = hloserve("export", "factories:mlp", "-o", out, "-q", check=False)
+        assert_one_line_error(proc, f"{out}: the disk is full (No space left on device); nothing was written there")
+        assert proc.returncode == 1
+        assert os.listdir(disk) == ["filler"] and files_under(disk) == []
+        os.remove(filler)
+        hloserve("export", "factories:mlp", "-o", out, "-q")
+        assert os.path.exists(os.path.join(out, "manifest.json")) and sorted(os.listdir(disk)) == ["art"]

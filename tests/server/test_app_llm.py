@@ -454,8 +454,11 @@ def test_published_schema_describes_the_real_bodies_and_answers(server):
     it, and the server's own 400 answers validate against the error schema."""
     import jsonschema
     base, _ = server
-    doc = httpx.get(f"{base}/openapi.json", timeout=30).json()
+    doc = httpx.get(f"{base}/openapi.json", headers={"Authorization": "Bearer sk-test"}, timeout=30).json()
     assert "422" not in json.dumps(doc)
+    # the API key's 401 is documented where the rule applies: every route but the probes
+    assert "401" in doc["paths"]["/tokenize"]["post"]["responses"]
+    assert "401" not in doc["paths"]["/health"]["get"]["responses"]
 
     def schema_of(ref):
         return {"$ref": ref, "components": doc["components"]}

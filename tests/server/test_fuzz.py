@@ -71,7 +71,7 @@ def fuzz(base: str, model: str) -> tuple[collections.Counter, list[str], dict]:
     Returns (answers per (operation, status), failing answers, the prober's counts)."""
     examples = int(os.environ.get("HLOSERVE_FUZZ_EXAMPLES", "25"))
     derandomize = "HLOSERVE_FUZZ_EXAMPLES" not in os.environ   # the suite's bounded run draws the same cases
-    schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json", headers={"Authorization": f"Bearer {KEY}"})
     prober = subprocess.Popen([sys.executable, "-c", _PROBE, f"{base}/health"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     assert prober.stdout.readline().strip() == "ready"

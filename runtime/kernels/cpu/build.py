@@ -7,9 +7,15 @@ The .cc files beside this module are compiled with the system C++ compiler for t
 library, keyed by the sources, compiler, flags, jaxlib and CPU. A build record (key, sha256) is
 written beside the library; a library whose record is missing or names other bytes is rebuilt,
 never loaded. The library's FFI targets (targets.py) are registered for the CPU platform only.
+
+The build runs in a temporary directory; the library and its record are then kept in the cache,
+each written whole or not at all. Where the cache cannot keep them (a full or read-only disk) the
+library is kept in this process's private directory instead, with one warning: the kernels run,
+and the next start builds them again.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -24,7 +30,7 @@ import subprocess
 import tempfile
 from typing import Callable
 
-from ...paths import cache_dir, untrusted
+from ...paths import cache_dir, untrusted, write_atomically
 from .targets import TARGETS, Cpu
 
 LOG = logging.getLogger("hloserve.runtime")
@@ -73,11 +79,7 @@ def library(report: Callable[[str], None] | None = None) -> Library | None:
         return None
     problem = _check_built(path, key) if os.path.exists(path) else "not built yet"
     if problem:
-        if problem != "not built yet":
-            LOG.warning("rebuilding the CPU kernel library %s: %s", path, problem)
-        if report:
-            report("building hloserve's CPU kernels for this machine (once; about 15 s)")
-        err = _build(compiler, path, key)
+        path, err = _built(compiler, path, key, problem, report)
         if err:
             LOG.warning("the CPU kernels could not be built (%s); attention runs its portable formulation", err)
             return None
@@ -168,25 +170,46 @@ def _failure(compiler: str, code: int, stderr: str) -> str:
     return f"{os.path.basename(compiler)} exited {code}: {errors[0][:300]}"
 
 
-def _build(compiler: str, path: str, key: str) -> str | None:
-    """Compile the library into `path` (atomically) with its build record (key, sha256); returns
-    an error line or None."""
+def _built(compiler: str, path: str, key: str, problem: str,
+           report: Callable[[str], None] | None) -> tuple[str | None, str | None]:
+    """Build the library that belongs at `path` (see the module docstring): (where it is, None), or
+    (None, an error line)."""
+    private = os.path.join(_private_dir(), f"{key[:24]}.so")
+    if os.path.exists(private):     # this process built it before, and the cache could not keep it
+        return private, None
+    if problem != "not built yet":
+        LOG.warning("rebuilding the CPU kernel library %s: %s", path, problem)
+    if report:
+        report("building hloserve's CPU kernels for this machine (once; about 15 s)")
+    try:
+        with tempfile.TemporaryDirectory(prefix="hloserve-kernels-build-") as work:
+            err = _compile(compiler, work)
+            return (None, err) if err else (_keep(os.path.join(work, "lib.so"), path, key, private), None)
+    except subprocess.TimeoutExpired as e:
+        return None, f"{os.path.basename(compiler)}: {e}"
+    except OSError as e:   # no compiler to run, or no room to build in
+        return None, f"{os.path.basename(compiler)}: {e.strerror or e}"
+
+
+def _keep(built: str, path: str, key: str, private: str) -> str:
+    """Keep the library `built` at `path` with its build record, each written whole or not at all
+    (the record first: a library without one is never loaded); where that fails (a full or read-only
+    disk), at `private`, this process's own, with one warning. Returns where it is kept."""
+    data = pathlib.Path(built).read_bytes()
+    record = json.dumps({"key": key, "sha256": hashlib.sha256(data).hexdigest()}).encode()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as work:
-            err = _compile(compiler, work)
-            if err:
-                return err
-            built = os.path.join(work, "lib.so")
-            with open(built + ".json", "w") as f:
-                f.write(json.dumps({"key": key, "sha256": _digest(built)}))
-            os.replace(built + ".json", path + ".json")   # the record first: a library without it is never loaded
-            os.replace(built, path)
-    except subprocess.TimeoutExpired as e:
-        return f"{os.path.basename(compiler)}: {e}"
-    except OSError as e:   # no compiler to run, or a full disk: nothing half-written is left to trust
-        return f"{os.path.basename(compiler)}: {e.strerror or e}"
-    return None
+        write_atomically(path + ".json", [record])
+        write_atomically(path, [data])
+        return path
+    except OSError as e:
+        with contextlib.suppress(OSError):   # a record naming a library that is not there: kept nowhere either
+            os.remove(path + ".json")
+        LOG.warning("the CPU kernels cannot be kept in %s (%s): built for this process only, the next start builds "
+                    "them again; free space there or point HLOSERVE_CACHE at a disk with room",
+                    os.path.dirname(path), e.strerror or e)
+        shutil.move(built, private)
+        return private
 
 
 @functools.cache

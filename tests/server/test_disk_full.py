@@ -1,0 +1,70 @@
+"""`hloserve serve` with its cache root on a full disk (a small tmpfs, tests/support/disk.py): it builds
+the CPU kernels for itself, compiles without caching, says so in one warning line each, and serves
+transformers' greedy text; it leaves nothing half-written that a later start would read; the next
+start on the same cache root, now with room, serves the same text and fills the caches.
+
+(`hloserve export` on a full disk: tests/exporter/test_cli.py; the runtime's write points one by one:
+tests/runtime/test_disk_full.py.)
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import httpx
+import pytest
+
+from hloserve.runtime._private import unreadable_compile_cache_entries
+from tests.support.disk import fill, files_under, small_disk
+
+from .servers import hf_greedy, running_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-chat"
+SERVER_ARGS = ("--model-name", MODEL, "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "64")
+PROMPT = "The capital of France is"
+TOKENS = 12
+
+
+def greedy_text(base: str) -> str:
+    r = httpx.post(f"{base}/v1/completions", timeout=300, json={
+        "model": MODEL, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def serve_once(art: str, cache: str, log_dir: str) -> tuple[str, str]:
+    """(the greedy text, the server's log) of one start of `hloserve serve` on `cache`."""
+    os.makedirs(log_dir)
+    with running_server(art, *SERVER_ARGS, env={"HLOSERVE_CACHE": cache}, log_dir=log_dir) as (base, _):
+        text = greedy_text(base)
+    (log,) = glob.glob(os.path.join(log_dir, "server-*.log"))
+    with open(log) as f:
+        return text, f.read()
+
+
+def test_serving_on_a_full_cache_disk_then_with_room_gives_the_same_greedy_text(tiny_chat_llm, tmp_path):
+    from hloserve.runtime import artifact
+    from hloserve.server.text.tokenizer import Tokenizer
+    hf, art = tiny_chat_llm
+    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    want = tok.decode(hf_greedy(hf, tok.encode(PROMPT), TOKENS))
+    with small_disk(str(tmp_path / "disk"), "64m") as cache:
+        filler = fill(cache, leave=64 << 10)       # room for a few small files; no kernel library, no executable
+        text, log = serve_once(art, cache, str(tmp_path / "full"))
+        assert text == want
+        assert "Traceback" not in log, log[-3000:]
+        assert log.count("the CPU kernels cannot be kept in") == 1, log[-3000:]
+        assert log.count("compiled executables are not cached for the rest of this process") == 1, log[-3000:]
+        left = files_under(cache)
+        assert not [f for f in left if "partial" in f or f.startswith(("kernels/", "xla/executables/"))], left
+        assert unreadable_compile_cache_entries(os.path.join(cache, "xla"), 0) == [], left
+
+        os.remove(filler)
+        text, log = serve_once(art, cache, str(tmp_path / "room"))
+        assert text == want
+        assert "cannot be kept" not in log and "is full" not in log, log[-3000:]
+        written = files_under(cache)
+        assert [f for f in written if f.startswith("kernels/") and f.endswith((".so", ".so.json"))], written
+        assert [f for f in written if f.startswith("xla/executables/")], written
