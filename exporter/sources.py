@@ -18,24 +18,24 @@ import sys
 from typing import Any, Sequence
 
 import torch
+from hloserve.quantization.convert import QuantRequest
+from hloserve.quantization.schemes import QuantConfig
 from hloserve.runtime.artifact.generation import GENERATION_CONFIG
 from hloserve.runtime.artifact.text import TOKENIZER
 
 from . import presets
+from ._private import drop_derived_ranges
+from .capture import decompose
+from .dynamic_spec import parse_dynamic_spec
 from .entry import Source  # noqa: F401  (re-exported: sources return it)
 from .errors import SourceError
 from .export import EntryPoint
-from .dynamic_spec import parse_dynamic_spec
-from .shapes import AUTO_NAME
-from hloserve.quantization.convert import QuantRequest
-from hloserve.quantization.schemes import QuantConfig
-from .quantize import quantize_source
-from .llm import hf_causal
-from .llm.hf_files import text_spec, with_recommended
 from .gguf.checkpoint import load_gguf, write_hf_directory
 from .gguf.quant import stored_by_module
-from .capture import decompose
-from ._private import drop_derived_ranges
+from .llm import hf_causal
+from .llm.hf_files import text_spec, with_recommended
+from .quantize import quantize_source
+from .shapes import AUTO_NAME
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --llm-step: how a causal LM is exported ("none": its plain forward, served with the predict API)

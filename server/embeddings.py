@@ -12,7 +12,6 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-
 from hloserve.runtime.artifact.manifest import Manifest
 from hloserve.runtime.artifact.text import TextSpec
 

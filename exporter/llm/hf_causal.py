@@ -35,7 +35,6 @@ import os
 from typing import Any, Mapping
 
 import torch
-
 from hloserve.quantization.convert import QuantRecord, QuantRequest
 from hloserve.quantization.schemes import MIN_SUFFIX, SCALE_SUFFIX
 from hloserve.runtime.artifact.llm import LLMSpec, ModelFacts, TensorParallelSpec

@@ -44,9 +44,9 @@ from hloserve.runtime.artifact.llm import (DONATED, EXAMPLE_CACHE_BLOCKS, MAX_BL
                                            ModelFacts, TensorParallelSpec, example_step, step_dims)
 
 from .. import dtypes
+from .._private import torch_scan
 from ..composites.paged_attention import within_window
 from ..export import EntryPoint
-from .._private import torch_scan
 
 # Finite "minus infinity" for masked attention scores (f32): fully masked rows
 # (padding) softmax to uniform instead of NaN.

@@ -24,8 +24,8 @@ Versions of the contract (a reader must understand every field of the versions i
 from __future__ import annotations
 
 import dataclasses
-import functools
 import enum
+import functools
 from typing import Any, Mapping, Sequence
 
 import numpy as np
