@@ -60,6 +60,7 @@ def holds_of(dtype: torch.dtype) -> int:
     what torch.ops and the traced graph carry."""
     return int(Holds.of_dtype(str(dtype)))
 
+
 @dataclasses.dataclass(frozen=True)
 class StepExportOptions:
     """Cache geometry and dim ranges of the exported step functions.
