@@ -44,6 +44,8 @@ import time
 import numpy as np
 
 from hloserve.runtime.artifact.llm import LLMSpec, pack_step
+from hloserve.runtime.artifact.manifest import read_manifest
+from hloserve.runtime.artifact.text import TextSpec
 
 # variant -> load_source options
 VARIANTS = {"f32": {}, "bf16w": {"weight_dtype": "bfloat16"}, "int8": {"quantize": "int8"},
@@ -78,9 +80,7 @@ def artifact_bytes(path: str) -> int:
 
 def text_tokens(path: str) -> list[int]:
     import tokenizers
-    with open(os.path.join(path, "manifest.json")) as f:
-        tok_file = json.load(f)["model"]["tokenizer"]
-    tok = tokenizers.Tokenizer.from_file(os.path.join(path, tok_file))
+    tok = tokenizers.Tokenizer.from_file(TextSpec.of(read_manifest(path), path).tokenizer_path(path))
     with open(TEXT) as f:
         return tok.encode(f.read()).ids
 

@@ -305,17 +305,20 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
 
 
 def _model_json(model: Mapping[str, Any], stored: Mapping[str, Any]) -> dict:
-    """The manifest's `model` metadata: an LLM step's contract (a typed LLMSpec until here) written as
-    JSON, its tensor-parallel split naming only weights the artifact stores (the spec is made from
-    the model's modules, which name a tied table twice, embedding and head; the writer keeps one)."""
+    """The manifest's `model` metadata, its typed specs (typed until here) written as JSON: an LLM
+    step's contract, its tensor-parallel split naming only weights the artifact stores (the spec is
+    made from the model's modules, which name a tied table twice, embedding and head; the writer keeps
+    one), and the text spec."""
     out = dict(model)
-    llm = out.get("llm")
+    llm, text = out.get("llm"), out.get("text")
     if isinstance(llm, artifact.LLMSpec):
         tp = llm.tensor_parallel
         if tp is not None and not set(tp.weights) <= set(stored):
             tp = dataclasses.replace(tp, weights={n: d for n, d in tp.weights.items() if n in stored})
             llm = dataclasses.replace(llm, tensor_parallel=tp)
         out["llm"] = llm.to_json()
+    if isinstance(text, artifact.TextSpec):
+        out["text"] = text.to_json()
     return out
 
 

@@ -18,23 +18,24 @@ import sys
 from typing import Any, Sequence
 
 import torch
+from hloserve.quantization.convert import QuantRequest
+from hloserve.quantization.schemes import QuantConfig
 from hloserve.runtime.artifact.generation import GENERATION_CONFIG
+from hloserve.runtime.artifact.text import TOKENIZER
 
 from . import presets
+from ._private import drop_derived_ranges
+from .capture import decompose
+from .dynamic_spec import parse_dynamic_spec
 from .entry import Source  # noqa: F401  (re-exported: sources return it)
 from .errors import SourceError
 from .export import EntryPoint
-from .dynamic_spec import parse_dynamic_spec
-from .shapes import AUTO_NAME
-from hloserve.quantization.convert import QuantRequest
-from hloserve.quantization.schemes import QuantConfig
-from .quantize import quantize_source
-from .llm import hf_causal
-from .llm.hf_files import with_recommended
 from .gguf.checkpoint import load_gguf, write_hf_directory
 from .gguf.quant import stored_by_module
-from .capture import decompose
-from ._private import drop_derived_ranges
+from .llm import hf_causal
+from .llm.hf_files import text_spec, with_recommended
+from .quantize import quantize_source
+from .shapes import AUTO_NAME
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --llm-step: how a causal LM is exported ("none": its plain forward, served with the predict API)
@@ -389,8 +390,9 @@ def hf_directory(path: str, tdtype, llm: dict | None = None, quant: QuantRequest
     if why_not:
         meta["llm_note"] = (f"exported as a plain forward (TF Serving predict API), not an LLM step with a paged "
                             f"KV cache: {why_not}")
-    files = {f: os.path.join(path, f) for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    files = {f: os.path.join(path, f) for f in (TOKENIZER, "tokenizer_config.json", "special_tokens_map.json",
                                                "vocab.txt") if os.path.exists(os.path.join(path, f))}
+    meta["text"] = text_spec(path)
     pooling = os.path.join(path, "1_Pooling", "config.json")
     if os.path.exists(pooling):   # a sentence-transformers checkpoint: how its embeddings are made
         with open(pooling) as f:

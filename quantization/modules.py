@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import primitives
 from .schemes import MIN_SUFFIX, SCALE_SUFFIX, WeightScheme
 
 _FLOAT_SCALE = {"f32": torch.float32, "f16": torch.float16}
@@ -72,22 +74,10 @@ def quantize_blocks(x: torch.Tensor) -> torch.Tensor:
 
 def rows_in_order(qweight: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor], bits: int):
     """One matrix interleaved by 16 rows (qweight [N/16, 16 K | 8 K], scale/min [N/16, G, 16]) -> its
-    integer values int8 [N, K] and scale/min [N, G] (the torch twin of the lowering's _rows_in_order)."""
-    ng, width = qweight.shape
-    if bits == 8:
-        K = width // 16
-        q = qweight.reshape(ng, K // 4, 16, 4).permute(0, 2, 1, 3).reshape(16 * ng, K)        # [N, K]
-    else:
-        K = width // 8
-        b = qweight.reshape(ng, K // 8, 16, 4)
-        lo, hi = (b & 0xF).to(torch.int8), (b >> 4).to(torch.int8)
-        if min is None:
-            lo, hi = torch.where(lo > 7, lo - 16, lo), torch.where(hi > 7, hi - 16, hi)
-        q = torch.stack([lo, hi], dim=3).permute(0, 2, 1, 3, 4).reshape(16 * ng, K)            # [N, K]
-
-    def rows(a):
-        return None if a is None else a.permute(0, 2, 1).reshape(16 * ng, a.shape[1])        # [N, G]
-    return q, rows(scale), rows(min)
+    integer values int8 [N, K] and scale/min [N, G]: primitives.rows_in_order, the one definition the
+    composite's decomposition also traces, run on the tensors' memory."""
+    out = primitives.rows_in_order(*(None if t is None else t.numpy() for t in (qweight, scale, min)), bits)
+    return tuple(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in out)
 
 
 @torch.library.custom_op("hloserve::quantized_linear", mutates_args=())

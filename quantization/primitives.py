@@ -97,6 +97,28 @@ def interleave_rows(qweight: np.ndarray, scale: np.ndarray, min_: np.ndarray | N
     return np.ascontiguousarray(q), rows_last(scale), rows_last(min_)
 
 
+def rows_in_order(qweight, scale, min_, bits: int, xp=np):
+    """One matrix in version 2's layout (qweight [N/16, 16 K | 8 K], scale/min [N/16, G, 16]) -> its
+    integer values int8 [N, K] (int4: two's complement nibbles, or unsigned ones [0, 15] when there is
+    a min) and scale/min [N, G]: interleave_rows undone. `xp` is the arrays' library, numpy or
+    jax.numpy: the composite's decomposition (exporter/composites/quant_linear.py) traces this same
+    function with jax.numpy (this package imports no jax), the torch op (modules.py) runs it on its
+    tensors' memory. Only reshapes, transposes, shifts and masks, which both libraries spell alike."""
+    ng, width = qweight.shape
+    if bits == 8:
+        K = width // INTERLEAVE
+        q = qweight.reshape(ng, K // 4, INTERLEAVE, 4).transpose(0, 2, 1, 3)              # [n/16, 16, K/4, 4]
+    else:
+        K = width // 8
+        b = qweight.view(xp.int8).reshape(ng, K // 8, INTERLEAVE, 4)                      # [n/16, K/8, 16, 4]
+        lo, hi = ((b << 4) >> 4, b >> 4) if min_ is None else (b & 0xF, (b >> 4) & 0xF)   # signed | unsigned
+        q = xp.stack([lo, hi], axis=3).transpose(0, 2, 1, 3, 4)                           # [n/16, 16, K/8, 2, 4]
+
+    def rows(a):
+        return None if a is None else a.transpose(0, 2, 1).reshape(INTERLEAVE * ng, a.shape[1])   # [N, G]
+    return q.reshape(INTERLEAVE * ng, K), rows(scale), rows(min_)
+
+
 def _outward(x: np.ndarray, dtype, *, down: bool = False) -> np.ndarray:
     """Round float32 `x` to `dtype`, away from zero (or toward -inf with down=True)."""
     r = x.astype(dtype)

@@ -3,16 +3,17 @@
 The artifact's `model["pooling"]` (1_Pooling/config.json of the checkpoint, plus `normalize` from its
 modules.json and `max_seq_length` from sentence_bert_config.json) picks the pooling: mean over the
 attention mask, CLS token, max, or mean scaled by sqrt(length); then L2 normalization when the
-checkpoint has a Normalize module. Texts are tokenized with the artifact's tokenizer.json,
+checkpoint has a Normalize module. Texts are tokenized with the artifact's tokenizer (its TextSpec's),
 truncated to max_seq_length, padded to the request's longest, and run through the predict batcher.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from hloserve.runtime.artifact.manifest import Manifest
+from hloserve.runtime.artifact.text import TextSpec
 
 MODES = ("pooling_mode_mean_tokens", "pooling_mode_cls_token", "pooling_mode_max_tokens",
          "pooling_mode_mean_sqrt_len_tokens")
@@ -28,12 +29,14 @@ class Embedder:
     input_names: tuple[str, ...]
 
     @classmethod
-    def from_artifact(cls, artifact_dir: str, manifest: Any) -> "Embedder | None":
+    def from_artifact(cls, artifact_dir: str, manifest: Manifest) -> "Embedder | None":
         """The embedder an artifact supports, or None (no pooling config or no tokenizer)."""
         import tokenizers
         pooling = manifest.model.get("pooling")
-        tok_path = os.path.join(artifact_dir, "tokenizer.json")
-        if not isinstance(pooling, Mapping) or not os.path.exists(tok_path):
+        if not isinstance(pooling, Mapping):
+            return None
+        tok_path = TextSpec.of(manifest, artifact_dir).tokenizer_path(artifact_dir)
+        if tok_path is None:
             return None
         modes = [m for m in MODES if pooling.get(m)]
         fn = next((f for f in manifest.functions.values()

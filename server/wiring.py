@@ -1,10 +1,10 @@
 """One served LLM, assembled in order from one read of its artifact (as nano-vllm's LLMEngine.__init__).
 
-    art = LLMArtifact.read(path)                  manifest.json and the typed LLMSpec, read once
+    art = LLMArtifact.read(path)                  manifest.json, the typed LLMSpec and TextSpec, read once
     sched_cfg, runner_cfg = config.resolve(llm)   every limit from ServeConfig, clamped to the artifact
     runner = ModelRunner.from_artifact(art, ...)  step policy, buckets, weights and KV cache on the device
-    tokenizer = Tokenizer.from_artifact(...)      the artifact's tokenizer.json, BOS/EOS from the LLMSpec
-    grammars = Grammars(...)                      structured output over the same vocabulary
+    tokenizer = Tokenizer.from_artifact(art)      the TextSpec's tokenizer.json (read once), BOS/EOS from the LLMSpec
+    grammars = Grammars(...)                      structured output over the same tokenizer.json text
     scheduler = Scheduler(sched_cfg, BlockManager(runner.num_blocks, ...))
     engine = Engine(scheduler, runner, ...)
 
@@ -15,7 +15,6 @@ other processes (serve.follow).
 from __future__ import annotations
 
 import logging
-import os
 
 from hloserve.runtime.artifact.llm import LLMArtifact
 
@@ -52,13 +51,8 @@ def build_engine(artifact: LLMArtifact | str, config: ServeConfig | None = None)
         log.info("%s", note)
     runner = load_runner(art, runner_cfg, config, strict=config.strict)
     _log_device_memory(runner)
-    tok_file = art.manifest.model.get("tokenizer")
-    tok_path = os.path.join(art.path, tok_file) if tok_file else None
-    tokenizer = grammars = None
-    if tok_path and os.path.exists(tok_path):
-        tokenizer = Tokenizer.from_artifact(art.path, art.manifest.model, llm)
-        with open(tok_path, encoding="utf-8") as f:
-            grammars = Grammars(f.read(), llm.vocab_size, tokenizer.eos_token_ids)
+    tokenizer = Tokenizer.from_artifact(art)
+    grammars = Grammars(tokenizer.tokenizer_json, llm.vocab_size, tokenizer.eos_token_ids) if tokenizer else None
     eos = tokenizer.eos_token_ids if tokenizer else llm.eos_token_ids
     blocks = BlockManager(runner.num_blocks, llm.block_size, enable_prefix_caching=sched_cfg.enable_prefix_caching)
     scheduler = Scheduler(sched_cfg, blocks, eos_token_ids=eos)

@@ -234,17 +234,17 @@ def test_the_server_reads_an_artifact_once():
             site = f"{name}.{where}"
             if called.endswith("read_manifest"):
                 reads.append(site)
-            if called in ("LLMSpec.of", "LLMSpec.from_json", "LLMArtifact.read"):
+            if called in ("LLMSpec.of", "LLMSpec.from_json", "LLMArtifact.read", "TextSpec.of", "TextSpec.from_json"):
                 parses.append((site, called))
             if called == "runtime.load":
                 loads.append((site, {k.arg for k in call.keywords}))
     assert reads == ["hloserve.server.services.build_service"]
-    # the contract is typed where a path comes in: the service, a follower process, and the
-    # conveniences that also take a path or a bare manifest (build_engine, ModelRunner.from_artifact,
-    # Tokenizer.from_artifact); handed the typed objects, as the wiring hands them, they read nothing
+    # the contract and text spec are typed where a path comes in: the service, a follower process,
+    # the conveniences that also take a path (build_engine, ModelRunner.from_artifact), and a predict
+    # artifact's embedder; handed the typed objects, as the wiring hands them, they read nothing
     assert sorted(parses) == [("hloserve.server.core.model_runner.from_artifact", "LLMArtifact.read"),
+                              ("hloserve.server.embeddings.from_artifact", "TextSpec.of"),
                               ("hloserve.server.serve.follow", "LLMArtifact.read"),
                               ("hloserve.server.services.build_service", "LLMArtifact.read"),
-                              ("hloserve.server.text.tokenizer.from_artifact", "LLMSpec.from_json"),
                               ("hloserve.server.wiring.build_engine", "LLMArtifact.read")]
     assert loads and all("manifest" in kw for _, kw in loads), loads       # runtime.load gets the manifest read

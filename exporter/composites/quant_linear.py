@@ -6,7 +6,9 @@ dequantized where they are read.
                  quantization/modules.py (quantization may not import the exporter); their eager
                  forms are the torch reference
     jax side     dequantize / unpack_int4 (the layout's jax twin of quantization/primitives.py);
-                 quant_linear_reference (version 1), quant_linear_v2_reference (rows interleaved by 16)
+                 quant_linear_reference (version 1), quant_linear_v2_reference (rows interleaved by 16,
+                 put back in order by primitives.rows_in_order traced with jax.numpy: one definition
+                 for numpy, jax and the torch op)
     lowering     hloserve::quantized_linear -> a `stablehlo.composite` carrying its decomposition
 
 The contract is runtime/artifact/kernels.py's QUANT_LINEAR / QUANT_LINEAR_V2; the kernel that replaces
@@ -45,6 +47,7 @@ import math
 import jax.numpy as jnp
 import torch
 from hloserve.quantization import modules as _qmodules  # defines torch.ops.hloserve.quantized_linear
+from hloserve.quantization import primitives
 from hloserve.runtime.artifact.kernels import QUANT_LINEAR, QUANT_LINEAR_V2
 from jax import lax
 
@@ -172,34 +175,10 @@ def quant_linear_reference(x, qweight, scale, min_, layer, *, bits: int, group: 
     return _layer_product(x, *_picked(qweight, scale, min_, layer), bits, group)
 
 
-def _rows_in_order(qw, s, mn, bits: int):
-    """One layer in version 2's layout (qweight [N/16, 16 K | 8 K], scale/min [N/16, G, 16]) -> its
-    integer values [N, K] (int8; int4 nibbles sign-extended when there is no min) and scale/min
-    [N, G]: the interleaving undone (primitives.interleave_rows is the inverse)."""
-    ng, width = qw.shape
-    if bits == 8:
-        K = width // 16
-        q = qw.reshape(ng, K // 4, 16, 4).transpose(0, 2, 1, 3).reshape(16 * ng, K)           # [N, K]
-    else:
-        K = width // 8
-        b = lax.bitcast_convert_type(qw, jnp.int8).reshape(ng, K // 8, 16, 4)                 # [n/16, K/8, 16, 4]
-        if mn is None:
-            lo = lax.shift_right_arithmetic(lax.shift_left(b, jnp.int8(4)), jnp.int8(4))
-            hi = lax.shift_right_arithmetic(b, jnp.int8(4))
-        else:
-            lo, hi = b & jnp.int8(0xF), lax.shift_right_logical(b, jnp.int8(4))
-        q = jnp.stack([lo, hi], axis=3)                                                        # [n/16, K/8, 16, 2, 4]
-        q = q.transpose(0, 2, 1, 3, 4).reshape(16 * ng, K)                                     # [N, K]
-
-    def rows(a):
-        return None if a is None else a.transpose(0, 2, 1).reshape(16 * ng, a.shape[1])      # [N, G]
-    return q, rows(s), rows(mn)
-
-
 def quant_linear_v2_reference(x, qweight, scale, min_, layer, *, bits: int, group: int):
     """The `hloserve.quant_linear` version 2 composite's decomposition: the layer's matrix put back in
     row order, then version 1's arithmetic (x quantized per block as Q8_0, W = q * scale + min)."""
-    q, s, mn = _rows_in_order(*_picked(qweight, scale, min_, layer), bits)
+    q, s, mn = primitives.rows_in_order(*_picked(qweight, scale, min_, layer), bits, xp=jnp)
     return _layer_product(x, q, s, mn, 8, group)                         # int values: bits 8's dequantize
 
 

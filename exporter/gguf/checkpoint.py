@@ -50,14 +50,13 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import gguf
 import numpy as np
+from hloserve.runtime.progress import Reporter
 
 from ..errors import SourceError
 from . import validate
 from .header import ARRAY, STRING, TensorInfo, read_header, show
 from .tensor import GGUFTensor
 from .tokenizer import GGUFVocab, gguf_tokenizer_json
-
-from hloserve.runtime.progress import Reporter
 
 if TYPE_CHECKING:
     import torch

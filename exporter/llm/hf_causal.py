@@ -35,7 +35,6 @@ import os
 from typing import Any, Mapping
 
 import torch
-
 from hloserve.quantization.convert import QuantRecord, QuantRequest
 from hloserve.quantization.schemes import MIN_SUFFIX, SCALE_SUFFIX
 from hloserve.runtime.artifact.llm import LLMSpec, ModelFacts, TensorParallelSpec
@@ -46,7 +45,7 @@ from ..entry import Source
 from ..errors import SourceError
 from . import hf_experts, hf_layers
 from .attention import ATTN_NAME, STEP_KWARG, StepState, register_attention
-from .hf_files import TOKENIZER_FILES, chat_template
+from .hf_files import TOKENIZER_FILES, text_spec
 from .step import StepExportOptions, contract_entries, contract_spec
 
 log = logging.getLogger("hloserve.export")
@@ -373,20 +372,13 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
     eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
     bos = getattr(c, "bos_token_id", None)
     files = {f: os.path.join(path, f) for f in TOKENIZER_FILES if os.path.exists(os.path.join(path, f))}
-    add_bos = None
-    if os.path.exists(os.path.join(path, "tokenizer_config.json")):
-        with open(os.path.join(path, "tokenizer_config.json")) as f:
-            add_bos = json.load(f).get("add_bos_token")
-    meta: dict[str, Any] = {
+    meta: dict[str, Any] = {   # the typed specs become JSON when the artifact is written (export._model_json)
         "task": "causal-lm", "architecture": cls.__name__,
         "config": {"model_type": c.model_type, "num_hidden_layers": g.num_layers, "num_key_value_heads": g.num_kv_heads,
                    "head_dim": g.head_dim, "vocab_size": int(c.vocab_size)},
-        "llm": llm_spec(model, opts, eos_ids, None if bos is None else int(bos), layers),   # JSON once written
-        "tokenizer": "tokenizer.json" if "tokenizer.json" in files else None,
-        "chat_template": chat_template(path),
+        "llm": llm_spec(model, opts, eos_ids, None if bos is None else int(bos), layers),
+        "text": text_spec(path),
     }
-    if add_bos is not None:
-        meta["add_bos_token"] = add_bos
     if weight_dtype is not None and weight_dtype != tdtype:
         meta["weight_dtype"] = dtypes.artifact_name_of_torch(weight_dtype)
     if quantize is not None:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from .._private import scan_lifted
 from ..composites import layer_linear  # noqa: F401 - registers torch.ops.hloserve.layer_linear
 from ..errors import SourceError
 from .step import holds_of
-from .._private import scan_lifted
 
 EXPERTS_NAME = "hloserve_experts"
 

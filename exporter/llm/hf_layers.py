@@ -32,11 +32,10 @@ from typing import Any
 
 import torch
 
-from ..composites import layer_linear, paged_attention  # noqa: F401 - registers torch.ops.hloserve.*
-from .step import holds_of
-from .hf_experts import is_experts, sixteen_bit_experts
-from .hf_experts import expert_matrices
 from .._private import scan_lifted
+from ..composites import layer_linear, paged_attention  # noqa: F401 - registers torch.ops.hloserve.*
+from .hf_experts import expert_matrices, is_experts, sixteen_bit_experts
+from .step import holds_of
 
 
 class LayerLinear(torch.nn.Module):

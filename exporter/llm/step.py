@@ -44,9 +44,9 @@ from hloserve.runtime.artifact.llm import (DONATED, EXAMPLE_CACHE_BLOCKS, MAX_BL
                                            ModelFacts, TensorParallelSpec, example_step, step_dims)
 
 from .. import dtypes
+from .._private import torch_scan
 from ..composites.paged_attention import within_window
 from ..export import EntryPoint
-from .._private import torch_scan
 
 # Finite "minus infinity" for masked attention scores (f32): fully masked rows
 # (padding) softmax to uniform instead of NaN.
@@ -59,6 +59,7 @@ def holds_of(dtype: torch.dtype) -> int:
     hloserve.layer_linear composites' `holds` says it (Holds.OWN for an f32 cache); a plain int:
     what torch.ops and the traced graph carry."""
     return int(Holds.of_dtype(str(dtype)))
+
 
 @dataclasses.dataclass(frozen=True)
 class StepExportOptions:

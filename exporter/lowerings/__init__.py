@@ -6,8 +6,7 @@ import functools
 
 from .. import composites
 from ..registry import Registry
-from . import (control_flow, creation, elementwise, indexing, linalg, nn, quantized, reduction, shape,
-               symbolic)
+from . import control_flow, creation, elementwise, indexing, linalg, nn, quantized, reduction, shape, symbolic
 
 FAMILIES = (elementwise, reduction, shape, creation, indexing, linalg, nn, control_flow, symbolic, quantized,
             *composites.MODULES)

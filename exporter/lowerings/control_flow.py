@@ -17,8 +17,8 @@ import torch
 from jax import lax
 
 from .. import dtypes
-from ..registry import lower
 from ..bits import from_bits, to_bits
+from ..registry import lower
 
 hop = torch.ops.higher_order
 

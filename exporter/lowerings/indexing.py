@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from jax import lax
 
-from ..registry import lower
 from ..bits import from_bits, to_bits
+from ..registry import lower
 from ._util import canon_dim
 
 # torch errors on an out-of-range row index; clamping it costs nothing per gathered element

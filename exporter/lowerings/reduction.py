@@ -66,24 +66,25 @@ def _min(ctx, x, dim=None, keepdim=False):
     return jnp.min(x, axis=d, keepdims=keepdim), jnp.argmin(x, axis=d, keepdims=keepdim)
 
 
-# aten::argmax(Tensor self, int? dim=None, bool keepdim=False) -> Tensor
-@lower(aten.argmax)
-def _argmax(ctx, x, dim=None, keepdim=False):
+def _arg_reduce(fn, x, dim, keepdim):
+    """argmax/argmin as torch has them: a 0-dim input is index 0, no dim means the flattened index."""
     if x.ndim == 0:
         return jnp.zeros((), jnp.int32)
     if dim is None:
-        return jnp.argmax(x.reshape(-1)).reshape((1,) * x.ndim if keepdim else ())
-    return jnp.argmax(x, axis=canon_dim(dim, x.ndim), keepdims=keepdim)
+        return fn(x.reshape(-1)).reshape((1,) * x.ndim if keepdim else ())
+    return fn(x, axis=canon_dim(dim, x.ndim), keepdims=keepdim)
+
+
+# aten::argmax(Tensor self, int? dim=None, bool keepdim=False) -> Tensor
+@lower(aten.argmax)
+def _argmax(ctx, x, dim=None, keepdim=False):
+    return _arg_reduce(jnp.argmax, x, dim, keepdim)
 
 
 # aten::argmin(Tensor self, int? dim=None, bool keepdim=False) -> Tensor
 @lower(aten.argmin)
 def _argmin(ctx, x, dim=None, keepdim=False):
-    if x.ndim == 0:
-        return jnp.zeros((), jnp.int32)
-    if dim is None:
-        return jnp.argmin(x.reshape(-1)).reshape((1,) * x.ndim if keepdim else ())
-    return jnp.argmin(x, axis=canon_dim(dim, x.ndim), keepdims=keepdim)
+    return _arg_reduce(jnp.argmin, x, dim, keepdim)
 
 
 # aten::any.dims(Tensor self, int[]? dim=None, bool keepdim=False) -> Tensor

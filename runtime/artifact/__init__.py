@@ -8,7 +8,8 @@
       functions/NAME.jax_exported   jax.export serialization (calling convention, shape assertions)
 
 An LLM step artifact also carries a typed, versioned step contract under manifest.model["llm"]
-(llm.py: LLMSpec, KVCacheSpec, and the one step packer). This package needs only the standard library,
+(llm.py: LLMSpec, KVCacheSpec, and the one step packer); an artifact that ships a tokenizer, a typed,
+versioned text spec under manifest.model["text"] (text.py: TextSpec). This package needs only the standard library,
 numpy and ml_dtypes: the exporter writes through it, the runtime and the server read through it, and
 neither torch nor jax is imported to do so. See docs/artifact-format.md.
 """
@@ -32,10 +33,11 @@ from .manifest import (
                        write_manifest,
 )
 from .symbols import bind_symbols, concrete_shape, names_in
+from .text import TEXT_VERSIONS, TextSpec
 
 __all__ = [
     "ArtifactError", "FORMAT_VERSION", "FunctionSpec", "HloserveError", "KVCacheSpec", "LLMArtifact", "LLMSpec", "LLM_VERSIONS",
-    "MANIFEST", "Manifest", "STEP_INPUTS", "ShapeConstraintError", "StepBatch", "SymbolSpec", "TensorSpec", "WEIGHTS",
-    "WeightSpec", "bind_symbols", "concrete_shape", "dtypes", "errors", "file_digest", "names_in", "numpy_dtype",
-    "pack_step", "read_manifest", "verify_files", "verify_weights", "weights", "write_manifest",
+    "MANIFEST", "Manifest", "STEP_INPUTS", "ShapeConstraintError", "StepBatch", "SymbolSpec", "TEXT_VERSIONS", "TensorSpec",
+    "TextSpec", "WEIGHTS", "WeightSpec", "bind_symbols", "concrete_shape", "dtypes", "errors", "file_digest", "names_in",
+    "numpy_dtype", "pack_step", "read_manifest", "verify_files", "verify_weights", "weights", "write_manifest",
 ]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from . import dtypes
+
 
 class Holds(enum.IntEnum):
     """What the elements of a cache or weight stack are: the composites' `holds` attribute, also the
@@ -31,7 +33,7 @@ class Holds(enum.IntEnum):
     @classmethod
     def named(cls, name: str | None) -> "Holds":
         """The code of a manifest dtype name ("bf16", "f16"; None: the buffer's own dtype)."""
-        return {None: cls.OWN, "bf16": cls.BF16, "f16": cls.F16}[name]
+        return cls.OWN if name is None else cls.of_dtype(dtypes.NUMPY[name].name)
 
     @classmethod
     def of_dtype(cls, dtype_name: str) -> "Holds":

@@ -24,8 +24,8 @@ Versions of the contract (a reader must understand every field of the versions i
 from __future__ import annotations
 
 import dataclasses
-import functools
 import enum
+import functools
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -34,6 +34,7 @@ from . import dtypes
 from .errors import ArtifactError
 from .kernels import PAGED_ATTENTION, PAGED_ATTENTION_V2
 from .manifest import Manifest, read_manifest
+from .text import TextSpec
 
 LLM_VERSIONS = range(1, 3)          # the contract versions this reader accepts
 LLM_VERSION = LLM_VERSIONS.stop - 1  # the version writers produce
@@ -382,20 +383,23 @@ class LLMSpec:
 
 @dataclasses.dataclass(frozen=True)
 class LLMArtifact:
-    """An LLM step artifact read once: its directory, manifest and typed contract. A server reads
-    one of these per start and hands it down (server/wiring.py); nothing below reads the files again."""
+    """An LLM step artifact read once: its directory, manifest, typed step contract and text spec. A
+    server reads one of these per start and hands it down (server/wiring.py); nothing below reads
+    the manifest again."""
     path: str
     manifest: Manifest
     llm: LLMSpec
+    text: TextSpec
 
     @classmethod
     def read(cls, path: str, manifest: Manifest | None = None) -> "LLMArtifact":
-        """Read manifest.json (unless given), type its contract and check the step functions against it;
-        ArtifactError if it is not an LLM or its functions do not follow the contract."""
+        """Read manifest.json (unless given), type its contract and text spec and check the step
+        functions against the contract; ArtifactError if it is not an LLM, its functions do not follow
+        the contract or its text spec is malformed."""
         manifest = manifest if manifest is not None else read_manifest(path)
         llm = LLMSpec.of(manifest, path)
         llm.check(manifest, path)
-        return cls(path, manifest, llm)
+        return cls(path, manifest, llm, TextSpec.of(manifest, path))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 from hloserve import runtime
 from hloserve.runtime.artifact.errors import ArtifactError
-from hloserve.runtime.artifact.llm import (MAX_BLOCKS, NULL_BLOCK, NUM_BLOCKS, NUM_SEQS, NUM_TOKENS, Layout, LLMArtifact,
-                                           LLMSpec, StepBatch, pack_step)
+from hloserve.runtime.artifact.llm import (MAX_BLOCKS, NULL_BLOCK, NUM_BLOCKS, NUM_SEQS, NUM_TOKENS, STEP_DIMS, Layout,
+                                           LLMArtifact, LLMSpec, StepBatch, pack_step)
 from hloserve.runtime.buckets import geometric
 
 from .outputs import RunnerOutput, SchedulerPlan
@@ -316,10 +316,9 @@ class ModelRunner:
                 # a multi-host run still runs each shape once: the processes meet in its collectives,
                 # so no process starts serving while another is still compiling (a first step that
                 # waits on a compiling peer fails its collective's connect timeout)
-                z = np.zeros
-                _host(self._call(fn, dict(tokens=z(t, np.int32), positions=z(t, np.int32), seq_ids=z(t, np.int32),
-                                          slot_mapping=z(t, np.int32), block_tables=z((s, b), np.int32),
-                                          context_lens=z(s, np.int32), last_token=z(s, np.int32)))["logits"])
+                # (all-zero inputs are a valid step: padding tokens of padding rows, into the null block)
+                zeros = {n: np.zeros([env[d] for d in dims], np.int32) for n, dims in STEP_DIMS.items()}
+                _host(self._call(fn, zeros)["logits"])
             if progress is not None:
                 how = ("read from the executable cache" if function.from_executable_cache(env)
                        else f"in {time.perf_counter() - t0:.1f} s")

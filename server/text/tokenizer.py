@@ -1,8 +1,8 @@
 """Tokenizer for serving: encode, incremental detokenization, chat templates.
 
 Text comes from the artifact: `tokenizer.json` (the `tokenizers` library,
-no transformers) and the chat template string in the manifest's model
-metadata, rendered with jinja2 in a sandbox the way HF renders it.
+no transformers) and the chat template of its TextSpec (manifest.model["text"],
+runtime/artifact/text.py), rendered with jinja2 in a sandbox the way HF renders it.
 
 Incremental detokenization: a token can be part of a character (byte-level
 BPE splits UTF-8 sequences) and a token's leading space depends on the token
@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
 from typing import Any, Mapping, Protocol, Sequence
 
-from hloserve.runtime.artifact.llm import LLMSpec
+from hloserve.runtime.artifact.llm import LLMArtifact
+from hloserve.runtime.artifact.text import TextSpec
 
 _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 5  # prompt tokens kept as left context for the first decode
@@ -102,7 +102,7 @@ def _render_env():
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerConfig:
-    """What the server needs besides tokenizer.json, from the manifest's model metadata.
+    """What the server needs besides tokenizer.json: the artifact's TextSpec and its special tokens.
 
     Attributes:
       chat_template: jinja2 source (HF convention), or None if the model has none.
@@ -118,11 +118,17 @@ class TokenizerConfig:
 
 
 class Tokenizer:
-    """tokenizers.Tokenizer + chat template + EOS ids."""
+    """tokenizers.Tokenizer + chat template + EOS ids.
 
-    def __init__(self, tokenizer, config: TokenizerConfig = TokenizerConfig()):
+    Attributes:
+      tokenizer_json: the tokenizer.json text it was built from (structured output's grammars are
+        compiled against the same text, so the file is read once), or None.
+    """
+
+    def __init__(self, tokenizer, config: TokenizerConfig = TokenizerConfig(), *, tokenizer_json: str | None = None):
         self._tok = tokenizer
         self.config = config
+        self.tokenizer_json = tokenizer_json
         self._template = None
         if config.chat_template:
             try:
@@ -131,39 +137,30 @@ class Tokenizer:
                 raise ChatTemplateError(f"the model's chat template does not parse: {e}") from e
 
     @classmethod
-    def from_file(cls, tokenizer_json: str, config: TokenizerConfig = TokenizerConfig()) -> "Tokenizer":
+    def from_json(cls, tokenizer_json: str, text: TextSpec, *, bos_token_id: int | None = None,
+                  eos_token_ids: Sequence[int] = ()) -> "Tokenizer":
+        """Build from a tokenizer.json's text, the artifact's TextSpec (chat template, add_bos_token)
+        and the special ids (an LLM's: LLMSpec.bos_token_id and eos_token_ids)."""
         import tokenizers
-        if not os.path.exists(tokenizer_json):
-            raise FileNotFoundError(f"{tokenizer_json} does not exist; the artifact must ship tokenizer.json to serve text")
-        return cls(tokenizers.Tokenizer.from_file(tokenizer_json), config)
+        tok = tokenizers.Tokenizer.from_str(tokenizer_json)
+        eos = tuple(int(e) for e in eos_token_ids)
+        config = TokenizerConfig(
+            chat_template=text.chat_template,
+            bos_token=tok.id_to_token(int(bos_token_id)) if bos_token_id is not None else None,
+            eos_token=tok.id_to_token(eos[0]) if eos else None,
+            eos_token_ids=eos, add_bos=text.add_bos_token)
+        return cls(tok, config, tokenizer_json=tokenizer_json)
 
     @classmethod
-    def from_artifact(cls, artifact_dir: str, model: Mapping[str, Any], llm: LLMSpec | None = None) -> "Tokenizer":
-        """Build from the artifact's tokenizer file, its manifest `model` metadata and its LLMSpec.
-
-        Reads (exporter/llm/hf_causal.py writes them): model["tokenizer"] (file name in the
-        artifact, default "tokenizer.json"), model["chat_template"], model["add_bos_token"]; the BOS and
-        EOS ids from the LLM contract (`llm`, an LLMSpec), else from model["bos_token_id"] /
-        model["eos_token_ids"].
-        """
-        fname = model.get("tokenizer") or "tokenizer.json"
-        if not isinstance(fname, str):
-            raise ValueError(f"artifact {artifact_dir}: model['tokenizer'] must be a file name, got {fname!r}")
-        tok = cls.from_file(os.path.join(artifact_dir, fname))
-        if llm is None and model.get("llm") is not None:
-            llm = LLMSpec.from_json(model["llm"], f"{artifact_dir}: model.llm")
-        if llm is not None:
-            eos, bos_id = tuple(llm.eos_token_ids), llm.bos_token_id
-        else:
-            eos = model.get("eos_token_ids", ())
-            eos = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
-            bos_id = model.get("bos_token_id")
-        config = TokenizerConfig(
-            chat_template=model.get("chat_template"),
-            bos_token=tok._tok.id_to_token(int(bos_id)) if bos_id is not None else None,
-            eos_token=tok._tok.id_to_token(eos[0]) if eos else None,
-            eos_token_ids=eos, add_bos=bool(model.get("add_bos_token", True)))
-        return cls(tok._tok, config)
+    def from_artifact(cls, art: LLMArtifact) -> "Tokenizer | None":
+        """The tokenizer of an LLM artifact read once (its TextSpec names the file; BOS and EOS ids are
+        its LLMSpec's), or None when it ships none; ArtifactError when the named file is missing."""
+        path = art.text.tokenizer_path(art.path)
+        if path is None:
+            return None
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read(), art.text, bos_token_id=art.llm.bos_token_id,
+                                 eos_token_ids=art.llm.eos_token_ids)
 
     @property
     def vocab_size(self) -> int:

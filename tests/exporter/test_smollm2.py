@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from hloserve.runtime.artifact import TextSpec, read_manifest
 from hloserve.runtime.artifact.llm import LLMSpec, pack_step
 
 pytestmark = pytest.mark.slow
@@ -72,13 +73,16 @@ def _prompts(art: str) -> list[list[int]]:
     import tokenizers
 
     from hloserve.exporter.gguf.tokenizer import render_chat_template
-    with open(os.path.join(art, "manifest.json")) as f:
-        model = json.load(f)["model"]
-    assert model["chat_template"], "the artifact must carry the GGUF chat template"
-    tok = tokenizers.Tokenizer.from_file(os.path.join(art, model.get("tokenizer") or "tokenizer.json"))
-    texts = [render_chat_template(model["chat_template"], chat, add_generation_prompt=True) for chat in CHATS]
+    text = _text(art)
+    assert text.chat_template, "the artifact must carry the GGUF chat template"
+    tok = tokenizers.Tokenizer.from_file(text.tokenizer_path(art))
+    texts = [render_chat_template(text.chat_template, chat, add_generation_prompt=True) for chat in CHATS]
     assert texts[0].endswith("<|im_start|>assistant\n")
-    return [tok.encode(t, add_special_tokens=bool(model.get("add_bos_token", False))).ids for t in texts]
+    return [tok.encode(t, add_special_tokens=text.add_bos_token).ids for t in texts]
+
+
+def _text(art: str) -> TextSpec:
+    return TextSpec.of(read_manifest(art), art)
 
 
 def _runtime_greedy(art: str, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], np.ndarray]:
@@ -136,14 +140,16 @@ def test_smollm2_hf_directory_through_the_generic_step(tmp_path_factory, smollm2
     if hasattr(hf_model.config, "quantization_config"):
         delattr(hf_model.config, "quantization_config")
     hf_model.save_pretrained(str(hf_dir))
-    with open(os.path.join(smollm2_artifact, "manifest.json")) as f:
-        model = json.load(f)["model"]
-    shutil.copy(os.path.join(smollm2_artifact, "tokenizer.json"), hf_dir / "tokenizer.json")
-    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": model["chat_template"],
-                                                               "add_bos_token": model.get("add_bos_token", False)}))
+    text = _text(smollm2_artifact)
+    shutil.copy(text.tokenizer_path(smollm2_artifact), hf_dir / "tokenizer.json")
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": text.chat_template,
+                                                               "add_bos_token": text.add_bos_token}))
     assert main(["export", str(hf_dir), "--llm-step", "generic", "-o", out, "-q"]) == 0
     with open(os.path.join(out, "manifest.json")) as f:
-        assert "attention interface" in json.load(f)["model"]["llm"]["attention"]
+        model = json.load(f)["model"]
+    assert "attention interface" in model["llm"]["attention"]
+    assert model["text"]["version"] == 1 and "chat_template" not in model   # the text spec, typed, in one place
+    assert _text(out) == _text(smollm2_artifact)         # the text spec travels through the directory
     prompts = _prompts(out)
     assert prompts == _prompts(smollm2_artifact)
     got, prefill_logits = _runtime_greedy(out, prompts, NEW_TOKENS)

@@ -161,6 +161,32 @@ def test_torch_and_jax_dequantize_bit_exact(scheme, data):
         np.testing.assert_allclose(got_j, ref, rtol=0, atol=16 * 2.0 ** -23 * float(np.abs(qa.scale).max()))
 
 
+@pytest.mark.parametrize("scheme", [WeightScheme(8, 32, True, "f16"), WeightScheme(4, 32, True, "f16"),
+                                    WeightScheme(4, 64, False, "f32")], ids=lambda s: s.describe())
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_interleaved_rows_come_back_in_order_from_numpy_jax_and_torch(scheme, data):
+    """rows_in_order undoes interleave_rows, one definition three ways: run by numpy, traced by jax
+    (the version 2 composite's decomposition) and run by the torch op (modules.rows_in_order): each
+    gives every row's integer values (int4: signed, or unsigned with a min) and scales, exactly."""
+    shape = (16 * data.draw(st.integers(1, 3)), scheme.group * data.draw(st.integers(1, 3)))
+    w = data.draw(hnp.arrays(np.float32, shape, elements=st.floats(-1, 1, width=32)))
+    qa = primitives.quantize(w, scheme)
+    stored = primitives.interleave_rows(qa.qweight, qa.scale, qa.min, scheme.bits)
+    assert stored[0].shape == (shape[0] // 16, 16 * shape[1] * scheme.bits // 8)
+    want = (primitives.int_values(qa), qa.scale, qa.min)
+    traced = jax.jit(lambda q, s, m: primitives.rows_in_order(q, s, m, scheme.bits, xp=jax.numpy))
+    ways = {"numpy": primitives.rows_in_order(*stored, scheme.bits),
+            "jax": traced(*stored),
+            "torch": modules.rows_in_order(*(None if a is None else torch.from_numpy(a) for a in stored), scheme.bits)}
+    for way, got in ways.items():
+        for g, x in zip(got, want):
+            assert (g is None) == (x is None), way
+            if x is not None:
+                np.testing.assert_array_equal(np.asarray(g), x, err_msg=way)
+        assert np.asarray(got[0]).dtype == np.int8, way
+
+
 @pytest.mark.parametrize("spec, want", [
     ("int8", WeightScheme(8, 32, True, "f16")),
     ("int8:channel", WeightScheme(8, None, True, "f32")),

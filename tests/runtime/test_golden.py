@@ -9,6 +9,7 @@ keep reading the old one.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -17,7 +18,7 @@ import pytest
 
 from hloserve import runtime
 from hloserve.runtime import artifact
-from hloserve.runtime.artifact import ArtifactError, LLMSpec, pack_step
+from hloserve.runtime.artifact import ArtifactError, LLMArtifact, LLMSpec, TextSpec, pack_step
 
 GOLDEN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "golden")
 ART = os.path.join(GOLDEN, "tiny_llama_v1")
@@ -63,6 +64,36 @@ def test_newer_or_broken_llm_contract_is_refused(tmp_path):
         LLMSpec.from_json(broken)
     with pytest.raises(ArtifactError, match="not an LLM step artifact"):
         LLMSpec.of(artifact.Manifest.from_json({**raw, "model": {}}), "x")
+
+
+def test_v1_text_fields_read_as_text_spec_version_1():
+    """The golden artifact predates model["text"]: its text fields sit at the top of `model`
+    (tokenizer null, chat_template null, no add_bos_token) and read as a version 1 TextSpec."""
+    m = artifact.read_manifest(ART)
+    assert "text" not in m.model and m.model["tokenizer"] is None
+    text = TextSpec.of(m, ART)
+    assert text == TextSpec(version=1, tokenizer=None, chat_template=None, add_bos_token=True)
+    assert text.tokenizer_path(ART) is None and LLMArtifact.read(ART).text == text
+    # an encoder written then named no tokenizer: the tokenizer.json its files list
+    encoder = dataclasses.replace(m, model={"task": "text-encoder", "files": {"tokenizer.json": "9f2c"}})
+    assert TextSpec.of(encoder, "enc").tokenizer == "tokenizer.json"
+
+
+@pytest.mark.parametrize("stored, match", [
+    ({"version": 2}, r"text spec version 2 is outside the supported range \[1..1\]; upgrade hloserve or re-export"),
+    ({"tokenizer": "tokenizer.json"}, r"model.text has no 'version'"),
+    ({"version": 1, "tokenizer": "../etc/passwd"}, r"model.text.tokenizer = '../etc/passwd' must be a file name"),
+    ({"version": 1, "chat_template": ["a"]}, r"model.text.chat_template must be a jinja2 template"),
+    ({"version": 1, "add_bos_token": "yes"}, r"model.text.add_bos_token = yes must be true or false"),
+    ({"version": 1, "eos_token_ids": [2]}, r"fields \['eos_token_ids'\] that text spec version 1 does not define"),
+    ("tokenizer.json", r"model.text is str, not an object")])
+def test_a_newer_or_broken_text_spec_is_refused_naming_the_field(stored, match):
+    with pytest.raises(ArtifactError, match=match) as e:
+        TextSpec.from_json(stored)
+    assert "re-export" in str(e.value) and "\n" not in str(e.value)
+    m = artifact.read_manifest(ART)
+    with pytest.raises(ArtifactError, match=match):   # as the server reads it, the artifact named first
+        LLMArtifact.read(ART, dataclasses.replace(m, model={**m.model, "text": stored}))
 
 
 # composites_v<version>/<case>.npz: modules with composites of that version

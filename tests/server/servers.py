@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -31,12 +32,15 @@ def running_server(artifact: str | None, *args: str, ready_timeout: float = 600.
 
 
 def with_chat_template(artifact: str, template: str, directory: str) -> str:
-    """A copy of `artifact` under `directory` whose manifest carries `template` as its chat template."""
+    """A copy of `artifact` under `directory` whose manifest carries `template` as its chat template
+    (in its text spec, model["text"])."""
+    from hloserve.runtime.artifact import Manifest, TextSpec
     copy = os.path.join(directory, "art")
     shutil.copytree(artifact, copy)
     with open(f"{copy}/manifest.json") as f:
         manifest = json.load(f)
-    manifest["model"]["chat_template"] = template
+    text = TextSpec.of(Manifest.from_json(manifest), copy)
+    manifest["model"]["text"] = dataclasses.replace(text, chat_template=template).to_json()
     with open(f"{copy}/manifest.json", "w") as f:
         json.dump(manifest, f)
     return copy

@@ -35,7 +35,7 @@ def test_completion_matches_transformers_greedy(server, tiny_chat_llm):
     base, _ = server
     from hloserve.server.text.tokenizer import Tokenizer
     from hloserve.runtime import artifact
-    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    tok = Tokenizer.from_artifact(artifact.LLMArtifact.read(art))
     prompt = "The capital of France is"
     ids = tok.encode(prompt)
     want = hf_greedy(hf, ids, 12)
@@ -256,7 +256,7 @@ def test_logit_bias_and_penalties_change_the_greedy_tokens(server, tiny_chat_llm
     hf, art = tiny_chat_llm
     from hloserve.runtime import artifact
     from hloserve.server.text.tokenizer import Tokenizer
-    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    tok = Tokenizer.from_artifact(artifact.LLMArtifact.read(art))
     c = client(server[0])
     forced = tok.encode(" blue")[0]
     kw = dict(model="tiny-chat", prompt=[5, 6, 7], max_tokens=6, temperature=0, logprobs=0,
@@ -300,7 +300,7 @@ def test_tokenize_and_detokenize_round_trip(server, tiny_chat_llm):
     _, art = tiny_chat_llm
     from hloserve.runtime import artifact
     from hloserve.server.text.tokenizer import Tokenizer
-    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    tok = Tokenizer.from_artifact(artifact.LLMArtifact.read(art))
     base, _ = server
     auth = {"Authorization": "Bearer sk-test"}
     r = httpx.post(f"{base}/tokenize", json={"model": "tiny-chat", "prompt": "The capital of France"}, headers=auth)
@@ -398,7 +398,7 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(server, tiny_cha
     from hloserve.runtime import artifact
     from hloserve.server.text.tokenizer import Tokenizer
     hf, art = tiny_chat_llm
-    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    tok = Tokenizer.from_artifact(artifact.LLMArtifact.read(art))
     prompt = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat by the door"
     ids = tok.encode(prompt)
     assert len(ids) > 12

@@ -41,7 +41,7 @@ def llm(tmp_path_factory):
              "generation_config.json": json.dumps({**CHECKPOINT, "eos_token_id": st.eos_token_id})}
     hf, art = export_tiny_llama(tmp_path_factory.mktemp("gen-llm"), "tiny-gen", ckpt.config["vocab_size"], files,
                                 bos_token_id=st.bos_token_id, eos_token_id=st.eos_token_id)
-    ids = Tokenizer.from_artifact(art, artifact.read_manifest(art).model).encode(PROMPT)
+    ids = Tokenizer.from_artifact(artifact.LLMArtifact.read(art)).encode(PROMPT)
     return hf, art, ids
 
 
@@ -61,7 +61,7 @@ def greedy_text(llm, n):
     from hloserve.runtime import artifact
     from hloserve.server.text.tokenizer import Tokenizer
     hf, art, ids = llm
-    return Tokenizer.from_artifact(art, artifact.read_manifest(art).model).decode(hf_greedy(hf, ids, n))
+    return Tokenizer.from_artifact(artifact.LLMArtifact.read(art)).decode(hf_greedy(hf, ids, n))
 
 
 def defaults_listed(base) -> list[dict]:

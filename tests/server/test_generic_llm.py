@@ -59,7 +59,7 @@ def test_generic_model_serves_greedy_equal_to_transformers_under_pressure(gemma)
     from hloserve.server.text.tokenizer import Tokenizer
 
     hf, art = gemma
-    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    tok = Tokenizer.from_artifact(artifact.LLMArtifact.read(art))
     texts = [f"Story {i}: once upon a time there was a little robot who wanted to learn how to paint the sea."
              for i in range(6)]
     prompts = [tok.encode(t) for t in texts] * 2                          # repeats: prefix-cache hits
@@ -116,7 +116,7 @@ def test_every_verified_architecture_serves_greedy_equal_to_transformers(arch, s
     src = load_source(str(tmp_path / "hf"), llm_step="generic")
     art = str(tmp_path / "art")
     export_artifact(art, src.entries, source=arch, model=src.model, files=src.files)
-    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    tok = Tokenizer.from_artifact(artifact.LLMArtifact.read(art))
     prompts = ["The capital of France is", "Once upon a time, a robot", "1, 2, 3, 4,"]
     with running_server(art, "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "64",
                         "--served-model-name", arch) as (base, _):

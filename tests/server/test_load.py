@@ -159,7 +159,7 @@ def test_load_with_disconnects_frees_every_block_and_never_recompiles(load_serve
     hf, art = tiny_chat_llm
     from hloserve.runtime import artifact
     from hloserve.server.text.tokenizer import Tokenizer
-    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    tok = Tokenizer.from_artifact(artifact.LLMArtifact.read(art))
     for p, n in [pn for pn in ref if pn[1] <= 12][:3]:
         assert ref[p, n] == tok.decode(hf_greedy(hf, tok.encode(p), n)), p
 

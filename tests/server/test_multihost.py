@@ -27,7 +27,7 @@ def test_two_processes_serve_one_split_model(tiny_chat_llm, tmp_path):
     from hloserve.server.text.tokenizer import Tokenizer
 
     hf, art = tiny_chat_llm          # 4 query heads over 2 KV heads: one KV head per process
-    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    tok = Tokenizer.from_artifact(artifact.LLMArtifact.read(art))
     opts = ["--tensor-parallel-size", "2", "--distributed", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
             "--max-model-len", "128"]
     run = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "2"}

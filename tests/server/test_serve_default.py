@@ -83,7 +83,7 @@ def test_default_model_answers_the_capital_of_france(default_server):
     model = artifact.read_manifest(art).model
     assert model["weight_dtype"] == "bf16" and model["llm"]["kv_cache"]["holds"] == "bf16"
     hf_with_mixed_linears(hf, kv_dtype=torch.bfloat16)
-    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    tok = Tokenizer.from_artifact(artifact.LLMArtifact.read(art))
     want = hf_greedy(hf, tok.encode_chat(QUESTION), r.usage.completion_tokens)
     assert r.usage.prompt_tokens == len(tok.encode_chat(QUESTION))
     assert answer == tok.decode(want, skip_special_tokens=True), (answer, tok.decode(want))

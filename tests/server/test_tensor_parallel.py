@@ -149,7 +149,7 @@ def test_serve_with_tensor_parallel_2_over_http(tiny_chat_llm):
     from hloserve.server.text.tokenizer import Tokenizer
 
     hf, art = tiny_chat_llm          # 4 query heads over 2 KV heads
-    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    tok = Tokenizer.from_artifact(artifact.LLMArtifact.read(art))
     prompts = [tok.encode(t) for t in ("Once upon a time", "The capital of France is a city where")]
     with running_server(art, "--tensor-parallel-size", "2", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
                         "--max-model-len", "128") as (base, _):

@@ -1,6 +1,7 @@
 """Tokenizer: incremental detokenization on SmolLM2's real byte-level BPE, chat templates vs transformers."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -8,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hloserve.runtime.artifact import ArtifactError, TextSpec
 from hloserve.server.text.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 
@@ -20,14 +22,19 @@ def smollm_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("smollm-tok")
     with open(d / "tokenizer.json", "w") as f:
         f.write(ckpt.tokenizer_json)
-    model = {"tokenizer": "tokenizer.json", "chat_template": ckpt.chat_template, "add_bos_token": False,
-             "eos_token_ids": [ckpt.special_tokens.eos_token_id], "bos_token_id": ckpt.special_tokens.bos_token_id}
-    return str(d), model
+    text = TextSpec(tokenizer="tokenizer.json", chat_template=ckpt.chat_template, add_bos_token=False)
+    return str(d), text, {"bos_token_id": ckpt.special_tokens.bos_token_id,
+                          "eos_token_ids": (ckpt.special_tokens.eos_token_id,)}
+
+
+def _tokenizer(path: str, text: TextSpec, ids: dict) -> Tokenizer:
+    with open(text.tokenizer_path(path), encoding="utf-8") as f:
+        return Tokenizer.from_json(f.read(), text, **ids)
 
 
 @pytest.fixture(scope="module")
 def tok(smollm_files):
-    return Tokenizer.from_artifact(*smollm_files)
+    return _tokenizer(*smollm_files)
 
 
 TEXTS = [
@@ -89,10 +96,10 @@ def test_incremental_matches_full_decode_on_random_text(tok, text):
 def test_chat_template_matches_transformers(tok, smollm_files):
     import tokenizers
     from transformers import PreTrainedTokenizerFast
-    path, model = smollm_files
+    path, text, _ = smollm_files
     ref = PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json")),
                                   bos_token=tok.config.bos_token, eos_token=tok.config.eos_token)
-    ref.chat_template = model["chat_template"]
+    ref.chat_template = text.chat_template
     for msgs in ([{"role": "user", "content": "What is 2+2?"}],
                  [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                   {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye ☃"}]):
@@ -104,26 +111,26 @@ def test_chat_template_matches_transformers(tok, smollm_files):
                                           return_dict=False)
 
 
-def test_from_artifact_reads_manifest_metadata(tok):
+def test_special_tokens_come_from_the_ids_and_the_text_spec(tok):
     assert tok.eos_token_ids == (2,)
     assert tok.config.eos_token == "<|im_end|>" and tok.config.bos_token == "<|im_start|>"
     assert tok.config.add_bos is False and tok.vocab_size == 49152
 
 
 def test_chat_template_errors(tmp_path, smollm_files):
-    path, model = smollm_files
-    plain = Tokenizer.from_artifact(path, {**model, "chat_template": None})
+    path, text, ids = smollm_files
+    plain = _tokenizer(path, dataclasses.replace(text, chat_template=None), ids)
     with pytest.raises(ChatTemplateError, match="no chat template"):
         plain.render_chat([{"role": "user", "content": "x"}])
-    strict = Tokenizer.from_artifact(path, {**model, "chat_template":
-                                            "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}"
-                                            "{% endif %}{{ messages[0]['content'] }}"})
+    strict = _tokenizer(path, dataclasses.replace(text, chat_template=
+                        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}"
+                        "{% endif %}{{ messages[0]['content'] }}"), ids)
     with pytest.raises(ChatTemplateError, match="first must be user"):
         strict.render_chat([{"role": "system", "content": "x"}])
     with pytest.raises(ChatTemplateError, match=r"messages\[0\] must be an object with a 'role'"):
         strict.render_chat([{"content": "x"}])
     with pytest.raises(ChatTemplateError, match="does not parse"):
-        Tokenizer.from_artifact(path, {**model, "chat_template": "{% for %}"})
-    with pytest.raises(FileNotFoundError, match="must ship tokenizer.json"):
-        Tokenizer.from_artifact(str(tmp_path), model)
-    json.dumps(model)   # the metadata the tests use is plain JSON, as in a manifest
+        _tokenizer(path, dataclasses.replace(text, chat_template="{% for %}"), ids)
+    with pytest.raises(ArtifactError, match=r"its tokenizer tokenizer.json \(model.text.tokenizer\) is missing; re-export"):
+        text.tokenizer_path(str(tmp_path))
+    assert TextSpec.from_json(json.loads(json.dumps(text.to_json()))) == text   # the spec is plain JSON, as stored

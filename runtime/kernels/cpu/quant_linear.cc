@@ -19,9 +19,10 @@ using namespace hloserve;
 // 1/2 byte each, and never widened.
 constexpr int64_t kXBlock = 32;
 
+// One layer's matrix, in either version's layout (read_operands below fills it for both)
 struct QuantMatrix {
-  const void* q;      // layer's qweight [N, K] s8 or [N, K/2] u8
-  const void* scale;  // [N, G] f16 or f32
+  const uint8_t* q;   // the layer's qweight bytes: v1 [N, K] s8 or [N, K/2] u8, v2 interleaved by 16 rows
+  const void* scale;  // v1 [N, G], v2 [N / 16, G, 16]; f16 or f32
   const void* min;    // like scale, or nullptr (symmetric)
   bool f16;           // scale / min dtype
   int bits;
@@ -90,8 +91,8 @@ QuantizedX quantize_x(const float* x, int64_t M, const QuantMatrix& w) {
 
 // the integer value q of element k of matrix row n (element 2j of a byte pair is the low nibble)
 inline int int_of(const QuantMatrix& w, int64_t n, int64_t k) {
-  if (w.bits == 8) return static_cast<const int8_t*>(w.q)[n * w.K + k];
-  const uint8_t b = static_cast<const uint8_t*>(w.q)[n * (w.K / 2) + k / 2];
+  if (w.bits == 8) return reinterpret_cast<const int8_t*>(w.q)[n * w.K + k];
+  const uint8_t b = w.q[n * (w.K / 2) + k / 2];
   const int v = (k % 2) ? (b >> 4) : (b & 0xF);
   return w.min == nullptr && v > 7 ? v - 16 : v;
 }
@@ -231,7 +232,7 @@ void quant_vnni(const QuantMatrix& w, const QuantizedX& x, int64_t M, int64_t n0
           for (int64_t e = 0; e < per_group; ++e) wi[b++] = corr[g];
       }
     }
-    const uint8_t* q = static_cast<const uint8_t*>(w.q) + n * qstride;
+    const uint8_t* q = w.q + n * qstride;
     if (rows == NR) vnni_rows<BITS, NR>(q, qstride, ws.data(), x, M, K, B, sym4, out + n, w.N);
     else vnni_rows<BITS, 1>(q, qstride, ws.data(), x, M, K, B, sym4, out + n, w.N);
     for (int64_t i = 0; w.min != nullptr && i < rows; ++i) {   // the mins: sum_g min_g * (x summed over g)
@@ -282,62 +283,66 @@ void spread_lanes(QuantizedX& x, int64_t M, int64_t K, int offset) {
 }
 #endif
 
-// What both quant_linear versions refuse beyond their shapes (nullptr: nothing): min, bits, layer
-const char* quant_operands_error(int64_t bits, const ffi::AnyBuffer& scale, const ffi::AnyBuffer& min, int64_t l,
-                                 int64_t L) {
-  const bool asym = min.element_count() != 0;
-  if (asym && (min.element_type() != scale.element_type() || min.element_count() != scale.element_count()))
-    return "min must have scale's dtype and shape, or no elements";
-  if (asym && bits == 8) return "int8 weights have no min";
-  if (l < 0 || l >= L) return "layer out of range";
-  return nullptr;
-}
-
-ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qweight, ffi::AnyBuffer scale,
-                       ffi::AnyBuffer min, ffi::Buffer<ffi::S32> layer, int64_t bits, int64_t group,
-                       ffi::ResultBuffer<ffi::F32> out) {
+// The operands both versions take, checked alike and read at the layer: x [M, K]; qweight, scale
+// (and min) in the version's layout, `rows` 1 (version 1: qweight [L, N, K | K/2], scale [L, N, G])
+// or 16 (version 2: [L, N/16, 16 K | 8 K], [L, N/16, G, 16]). Fills `w` and `M`, or returns an
+// InvalidArgument naming `target` and what is wrong.
+ffi::Error read_operands(const char* target, int64_t rows, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& qweight,
+                         ffi::AnyBuffer& scale, ffi::AnyBuffer& min, ffi::Buffer<ffi::S32>& layer, int64_t bits,
+                         int64_t group, QuantMatrix& w, int64_t& M) {
+  auto fail = [target](const char* why) { return ffi::Error::InvalidArgument(std::string(target) + ": " + why); };
+  const bool v2 = rows > 1;
   auto xd = x.dimensions();
   auto qd = qweight.dimensions();
   auto sd = scale.dimensions();
-  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3)
-    return ffi::Error::InvalidArgument("hloserve_quant_linear: x must be [M, K], qweight [L, N, K | K/2], scale [L, N, G]");
-  const int64_t M = xd[0], K = xd[1], L = qd[0], N = qd[1];
-  if (bits != 8 && bits != 4) return ffi::Error::InvalidArgument("hloserve_quant_linear: bits must be 8 or 4");
+  if (xd.size() != 2 || qd.size() != 3 || sd.size() != (v2 ? 4u : 3u))
+    return fail(v2 ? "x must be [M, K], qweight [L, N/16, 16 K | 8 K], scale [L, N/16, G, 16]"
+                   : "x must be [M, K], qweight [L, N, K | K/2], scale [L, N, G]");
+  if (bits != 8 && bits != 4) return fail("bits must be 8 or 4");
+  M = xd[0];
+  const int64_t K = xd[1], L = qd[0], N = qd[1] * rows, qrow = bits == 8 ? K : K / 2;   // qrow: bytes a row
   const ffi::DataType want = bits == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
-  if (qweight.element_type() != want || qd[2] != (bits == 8 ? K : K / 2))
-    return ffi::Error::InvalidArgument("hloserve_quant_linear: qweight must be s8 [L, N, K] (bits 8) or u8 [L, N, K/2] (bits 4)");
-  if (group <= 0 || group % kXBlock || K % group)
-    return ffi::Error::InvalidArgument("hloserve_quant_linear: group must be a multiple of 32 dividing K");
+  if (qweight.element_type() != want || qd[2] != rows * qrow)
+    return fail(v2 ? "qweight must be s8 [L, N/16, 16 K] (bits 8) or u8 [L, N/16, 8 K] (bits 4)"
+                   : "qweight must be s8 [L, N, K] (bits 8) or u8 [L, N, K/2] (bits 4)");
+  if (group <= 0 || group % kXBlock || K % group) return fail("group must be a multiple of 32 dividing K");
   const int64_t G = K / group;
   const bool f16 = scale.element_type() == ffi::DataType::F16;
-  if ((!f16 && scale.element_type() != ffi::DataType::F32) || sd[0] != L || sd[1] != N || sd[2] != G)
-    return ffi::Error::InvalidArgument("hloserve_quant_linear: scale must be f16 or f32 [L, N, K / group]");
+  if ((!f16 && scale.element_type() != ffi::DataType::F32) || sd[0] != L || sd[1] != qd[1] || sd[2] != G ||
+      (v2 && sd[3] != 16))
+    return fail(v2 ? "scale must be f16 or f32 [L, N/16, K / group, 16]" : "scale must be f16 or f32 [L, N, K / group]");
   const bool asym = min.element_count() != 0;
+  if (asym && (min.element_type() != scale.element_type() || min.element_count() != scale.element_count()))
+    return fail("min must have scale's dtype and shape, or no elements");
+  if (asym && bits == 8) return fail("int8 weights have no min");
   const int64_t l = layer.typed_data()[0];
-  if (const char* why = quant_operands_error(bits, scale, min, l, L))
-    return ffi::Error::InvalidArgument(std::string("hloserve_quant_linear: ") + why);
-  const int64_t qrow = bits == 8 ? K : K / 2, ssize = f16 ? 2 : 4;
-  QuantMatrix w{static_cast<const char*>(qweight.untyped_data()) + l * N * qrow,
-                static_cast<const char*>(scale.untyped_data()) + l * N * G * ssize,
-                asym ? static_cast<const char*>(min.untyped_data()) + l * N * G * ssize : nullptr,
-                f16, static_cast<int>(bits), N, K, G, group};
-  QuantizedX xq = quantize_x(x.typed_data(), M, w);
+  if (l < 0 || l >= L) return fail("layer out of range");
+  const int64_t per_layer = N * G * (f16 ? 2 : 4);   // bytes of a layer's scales (or mins)
+  w = QuantMatrix{static_cast<const uint8_t*>(qweight.untyped_data()) + l * N * qrow,
+                  static_cast<const char*>(scale.untyped_data()) + l * per_layer,
+                  asym ? static_cast<const char*>(min.untyped_data()) + l * per_layer : nullptr,
+                  f16, static_cast<int>(bits), N, K, G, group};
+  return ffi::Error::Success();
+}
+
+// version 1: x [M, K] times the layer's matrix (read by read_operands) into op [M, N]
+void quant_linear_v1(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, float* op) {
+  const int64_t N = w.N;
+  QuantizedX xq = quantize_x(x, M, w);
 #if defined(__AVX512VNNI__)
-  if (bits == 8) spread_lanes<8>(xq, M, K, 128);
-  else spread_lanes<4>(xq, M, K, asym ? 0 : 8);
+  if (w.bits == 8) spread_lanes<8>(xq, M, w.K, 128);
+  else spread_lanes<4>(xq, M, w.K, w.min != nullptr ? 0 : 8);
 #endif
-  float* op = out->typed_data();
   const int64_t tasks = (N + kLinearRows - 1) / kLinearRows;
   parallel_for(pool, tasks, 1, [&](int64_t task) {
     const int64_t n0 = task * kLinearRows, n1 = std::min(N, n0 + kLinearRows);
 #if defined(__AVX512VNNI__)
-    if (bits == 8) quant_vnni<8>(w, xq, M, n0, n1, op);
+    if (w.bits == 8) quant_vnni<8>(w, xq, M, n0, n1, op);
     else quant_vnni<4>(w, xq, M, n0, n1, op);
 #else
     quant_portable(w, xq, M, n0, n1, op);
 #endif
   });
-  return ffi::Error::Success();
 }
 
 
@@ -398,15 +403,6 @@ QuantX2 quantize_x2(const float* x, int64_t M, int64_t K, int64_t G, int64_t gro
   return r;
 }
 
-struct QuantMatrix2 {
-  const uint8_t* q;     // the layer's interleaved bytes
-  const void* scale;    // [N / 16, G, 16], f16 or f32
-  const void* min;      // like scale, or nullptr
-  bool f16;
-  int bits;
-  int64_t N, K, G, group;
-};
-
 // row group g's scales (or mins) [G, 16] as f32: in place for f32, else widened into `buf`
 inline const float* group_scalars(const void* base, bool f16, int64_t g, int64_t G, std::vector<float>& buf) {
   if (!f16) return static_cast<const float*>(base) + g * G * 16;
@@ -416,16 +412,16 @@ inline const float* group_scalars(const void* base, bool f16, int64_t g, int64_t
 }
 
 // the integer value of element k of matrix row n in the interleaved layout (portable path)
-inline int int_of2(const QuantMatrix2& w, int64_t n, int64_t k) {
+inline int int_of2(const QuantMatrix& w, int64_t n, int64_t k) {
   if (w.bits == 8)
-    return static_cast<const int8_t*>(static_cast<const void*>(w.q))[((n / 16) * (w.K / 4) + k / 4) * 64 + (n % 16) * 4 + k % 4];
+    return reinterpret_cast<const int8_t*>(w.q)[((n / 16) * (w.K / 4) + k / 4) * 64 + (n % 16) * 4 + k % 4];
   const uint8_t b = w.q[((n / 16) * (w.K / 8) + k / 8) * 64 + (n % 16) * 4 + k % 4];
   const int v = (k % 8) < 4 ? (b & 0xF) : (b >> 4);
   return w.min == nullptr && v > 7 ? v - 16 : v;
 }
 
 // row groups [g0, g1), portably: the integer block sums (the weights as they are, signed), then f32
-void quant2_portable(const QuantMatrix2& w, const QuantX2& x, int64_t M, int64_t g0, int64_t g1, float* out) {
+void quant2_portable(const QuantMatrix& w, const QuantX2& x, int64_t M, int64_t g0, int64_t g1, float* out) {
   const int64_t B = w.K / kXBlock, per_group = w.group / kXBlock;
   std::vector<float> sbuf, mbuf;
   for (int64_t rg = g0; rg < g1; ++rg) {
@@ -499,7 +495,7 @@ inline void quant2_tile(const uint8_t* q, const float* ws, const float* wm, cons
 }
 
 template <int BITS, bool SYM4>
-void quant2_vnni(const QuantMatrix2& w, const QuantX2& x, int64_t M, int64_t g0, int64_t g1, float* out) {
+void quant2_vnni(const QuantMatrix& w, const QuantX2& x, int64_t M, int64_t g0, int64_t g1, float* out) {
   const int64_t per_group = w.group / kXBlock;
   const int64_t gbytes = BITS == 8 ? 16 * w.K : 8 * w.K;   // bytes per group of 16 rows
   std::vector<float> sbuf, mbuf;
@@ -521,51 +517,37 @@ void quant2_vnni(const QuantMatrix2& w, const QuantX2& x, int64_t M, int64_t g0,
 }
 #endif
 
-ffi::Error QuantLinear2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qweight, ffi::AnyBuffer scale,
-                        ffi::AnyBuffer min, ffi::Buffer<ffi::S32> layer, int64_t bits, int64_t group,
-                        ffi::ResultBuffer<ffi::F32> out) {
-  auto xd = x.dimensions();
-  auto qd = qweight.dimensions();
-  auto sd = scale.dimensions();
-  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 4)
-    return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: x must be [M, K], qweight [L, N/16, 16 K | 8 K], "
-                                       "scale [L, N/16, G, 16]");
-  if (bits != 8 && bits != 4) return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: bits must be 8 or 4");
-  const int64_t M = xd[0], K = xd[1], L = qd[0], NG = qd[1], N = NG * 16;
-  const ffi::DataType want = bits == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
-  if (qweight.element_type() != want || qd[2] != (bits == 8 ? 16 * K : 8 * K))
-    return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: qweight must be s8 [L, N/16, 16 K] (bits 8) or "
-                                       "u8 [L, N/16, 8 K] (bits 4)");
-  if (group <= 0 || group % kXBlock || K % group)
-    return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: group must be a multiple of 32 dividing K");
-  const int64_t G = K / group;
-  const bool f16 = scale.element_type() == ffi::DataType::F16;
-  if ((!f16 && scale.element_type() != ffi::DataType::F32) || sd[0] != L || sd[1] != NG || sd[2] != G || sd[3] != 16)
-    return ffi::Error::InvalidArgument("hloserve_quant_linear_v2: scale must be f16 or f32 [L, N/16, K / group, 16]");
-  const bool asym = min.element_count() != 0;
-  const int64_t l = layer.typed_data()[0];
-  if (const char* why = quant_operands_error(bits, scale, min, l, L))
-    return ffi::Error::InvalidArgument(std::string("hloserve_quant_linear_v2: ") + why);
-  const int64_t ssize = f16 ? 2 : 4, per_layer = N * G, qlayer = bits == 8 ? N * K : N * K / 2;
-  QuantMatrix2 w{static_cast<const uint8_t*>(qweight.untyped_data()) + l * qlayer,
-                 static_cast<const char*>(scale.untyped_data()) + l * per_layer * ssize,
-                 asym ? static_cast<const char*>(min.untyped_data()) + l * per_layer * ssize : nullptr, f16,
-                 static_cast<int>(bits), N, K, G, group};
-  const bool sym4 = bits == 4 && !asym;
-  const QuantX2 xq = quantize_x2(x.typed_data(), M, K, G, group, bits == 8 ? 128 : sym4 ? 8 : 0);
-  float* op = out->typed_data();
+// version 2: the same product, the layer's matrix interleaved by 16 rows
+void quant_linear_v2(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, float* op) {
+  const int64_t NG = w.N / 16;
+  const bool sym4 = w.bits == 4 && w.min == nullptr;
+  const QuantX2 xq = quantize_x2(x, M, w.K, w.G, w.group, w.bits == 8 ? 128 : sym4 ? 8 : 0);
   constexpr int64_t kGroupsPerTask = kLinearRows / 16;
   const int64_t tasks = (NG + kGroupsPerTask - 1) / kGroupsPerTask;
   parallel_for(pool, tasks, 1, [&](int64_t task) {
     const int64_t g0 = task * kGroupsPerTask, g1 = std::min(NG, g0 + kGroupsPerTask);
 #if defined(__AVX512VNNI__)
-    if (bits == 8) quant2_vnni<8, false>(w, xq, M, g0, g1, op);
+    if (w.bits == 8) quant2_vnni<8, false>(w, xq, M, g0, g1, op);
     else if (sym4) quant2_vnni<4, true>(w, xq, M, g0, g1, op);
     else quant2_vnni<4, false>(w, xq, M, g0, g1, op);
 #else
     quant2_portable(w, xq, M, g0, g1, op);
 #endif
   });
+}
+
+// Both versions' FFI handler: kRows 1 (version 1) or 16 (version 2, rows interleaved by 16)
+template <int64_t kRows>
+ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qweight, ffi::AnyBuffer scale,
+                       ffi::AnyBuffer min, ffi::Buffer<ffi::S32> layer, int64_t bits, int64_t group,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  QuantMatrix w;
+  int64_t M;
+  const char* target = kRows == 1 ? "hloserve_quant_linear" : "hloserve_quant_linear_v2";
+  if (ffi::Error e = read_operands(target, kRows, x, qweight, scale, min, layer, bits, group, w, M); e.failure())
+    return e;
+  if constexpr (kRows == 1) quant_linear_v1(pool, x.typed_data(), w, M, out->typed_data());
+  else quant_linear_v2(pool, x.typed_data(), w, M, out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -585,6 +567,6 @@ static auto QuantLinearBinding() {
       .Ret<ffi::Buffer<ffi::F32>>();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear, QuantLinear, QuantLinearBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear, QuantLinear<1>, QuantLinearBinding());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v2, QuantLinear2, QuantLinearBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v2, QuantLinear<16>, QuantLinearBinding());

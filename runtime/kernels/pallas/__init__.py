@@ -35,7 +35,7 @@ from hloserve.runtime.artifact.kernels import COMPOSITES, LAYER_LINEAR, PAGED_AT
 
 from ... import _private
 from ..backend import Specialized
-from ..rewrite import attribute_value, composite_of, custom_call, decomposition_call, rewrite, swap
+from ..rewrite import CompositeOp, attribute_value, composite_of, custom_call, decomposition_call, rewrite, swap
 from .paged import PagedParams
 
 ENV = "HLOSERVE_PALLAS_KERNELS"   # "0": the accelerators run every composite's decomposition
@@ -135,8 +135,8 @@ def choose(platform: str, name: str, version: int, attrs: dict[str, Any], kv_sha
                       "reads each sequence's blocks in place from the paged cache")
 
 
-def _plan_of(api, op, platform: str) -> KernelPlan:
-    info = composite_of(api, op)
+def _plan_of(api, info: CompositeOp, platform: str) -> KernelPlan:
+    """The plan for one composite op read by `composite_of` (its cache's shape from its operands)."""
     kv = api.ir.RankedTensorType(info.operands[1].type).shape if info.name == PAGED_ATTENTION.name else ()
     return choose(platform, info.name, info.version, info.attributes, kv)
 
@@ -146,7 +146,7 @@ def plan(exported: Any, platform: str) -> list[KernelPlan]:
     plans = []
 
     def look(op, api) -> bool:
-        plans.append(_plan_of(api, op, platform))
+        plans.append(_plan_of(api, composite_of(api, op), platform))
         return False
 
     _private.rewrite_composites(exported.mlir_module_serialized, look)
@@ -160,13 +160,13 @@ def specialize(exported: Any, platform: str) -> tuple[Any, list[KernelPlan]]:
     plans = []
 
     def replace(op, api) -> bool:
-        p = _plan_of(api, op, platform)
+        info = composite_of(api, op)
+        p = _plan_of(api, info, platform)
         plans.append(p)
         with api.ir.InsertionPoint(op):
             if p.kernel is None:
                 swap(op, decomposition_call(api, op))
             else:
-                info = composite_of(api, op)
                 swap(op, custom_call(api, PENDING, [r.type for r in op.results], info.operands, info.config))
         return True
 
