@@ -74,11 +74,17 @@ def made_once(path: str) -> Iterator[None]:
     """Held while this process makes `path` (an export, a download) in a cache other processes may
     share (replicas mounting one directory, the suite's workers): the others wait here, then find it
     made. An exclusive lock on a file under the root's locks/ (never beside `path`, whose directory
-    holds only what was made); a process that dies releases it."""
+    holds only what was made); a process that dies releases it. Where no lock file can be made (a
+    read-only or full cache), it makes `path` unlocked, as a lone process would."""
     locks = os.path.join(cache_dir(), "locks")
-    os.makedirs(locks, exist_ok=True)
     name = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
-    with open(os.path.join(locks, f"{os.path.basename(path)}-{name}.lock"), "a") as lock:
+    try:
+        os.makedirs(locks, exist_ok=True)
+        lock = open(os.path.join(locks, f"{os.path.basename(path)}-{name}.lock"), "a")
+    except OSError:        # a read-only or full cache: no lock to share; the making says what is wrong
+        yield
+        return
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
