@@ -48,7 +48,7 @@ def test_serving_on_a_full_cache_disk_then_with_room_gives_the_same_greedy_text(
     from hloserve.runtime import artifact
     from hloserve.server.text.tokenizer import Tokenizer
     hf, art = tiny_chat_llm
-    tok = Tokenizer.from_artifact(art, artifact.read_manifest(art).model)
+    tok = Tokenizer.from_artifact(artifact.LLMArtifact.read(art))
     want = tok.decode(hf_greedy(hf, tok.encode(PROMPT), TOKENS))
     with small_disk(str(tmp_path / "disk"), "64m") as cache:
         filler = fill(cache, leave=64 << 10)       # room for a few small files; no kernel library, no executable
