@@ -66,7 +66,7 @@ def _export_checked(args: argparse.Namespace) -> int:
     dtype, weight_dtype, kv_cache_dtype = auto_dtypes(args.source, args.dtype, args.weight_dtype,
                                                       args.kv_cache_dtype, args.quantize)
     if (weight_dtype, kv_cache_dtype) != (args.weight_dtype, args.kv_cache_dtype):
-        what = "KV cache is" if args.quantize else "weight matrices and KV cache are"
+        what = "KV cache is" if args.quantize else "unquantized weight matrices and KV cache are"
         reporter.stage(f"  the checkpoint is stored in {kv_cache_dtype}: its {what} exported in {kv_cache_dtype} "
                        f"under float32 activations (--dtype float32 for float32 throughout)")
     source = load_source(args.source, dtype=dtype, quantize=args.quantize,

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 from hloserve.quantization.convert import QuantRequest
-from hloserve.quantization.schemes import QuantConfig
+from hloserve.quantization.schemes import INT8, QuantConfig
 from hloserve.runtime.artifact.generation import GENERATION_CONFIG
 from hloserve.runtime.artifact.text import TOKENIZER
 
@@ -30,6 +30,8 @@ from .dynamic_spec import parse_dynamic_spec
 from .entry import Source  # noqa: F401  (re-exported: sources return it)
 from .errors import SourceError
 from .export import EntryPoint
+from .compressed_tensors.checkpoint import open_checkpoint
+from .compressed_tensors.config import is_compressed_tensors
 from .gguf.checkpoint import load_gguf, write_hf_directory
 from .gguf.quant import stored_by_module
 from .llm import hf_causal
@@ -141,6 +143,8 @@ def _load_path(path: str, tdtype, quant=None, llm: dict | None = None) -> Source
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
             raise SourceError(f"{path} is a directory without config.json; expected a Hugging Face model directory")
+        if is_compressed_tensors(_read_json(os.path.join(path, "config.json")) or {}):
+            return _compressed(path, tdtype, quant, llm)
         src = hf_directory(path, tdtype, llm, quant)
         if src.model.get("task") != "causal-lm":
             _llm_only(path, llm)
@@ -183,6 +187,33 @@ def _gguf(path: str, tdtype, quant: QuantRequest | None, llm: dict) -> Source:
         src.description = f"GGUF {os.path.basename(path)} ({quant.config.spec}: its own blocks), {src.description}"
         return src
     src.description = f"GGUF {os.path.basename(path)} dequantized, {src.description}"
+    return src
+
+
+def _compressed(path: str, tdtype, quant: QuantRequest | None, llm: dict) -> Source:
+    """A compressed-tensors directory (llm-compressor's W4A16, W8A16, W8A8, ...) through the generic
+    step: its quantized modules keep their integers and scales (exporter/compressed_tensors), its other
+    weights load as floats; `--quantize SPEC` quantizes those others too (the embedding, the head)."""
+    ckpt = open_checkpoint(path)
+    if llm.get("step", "auto") not in ("auto", "generic"):
+        raise SourceError(f"--llm-step {llm['step']}: {path} is a compressed-tensors checkpoint, which exports as an "
+                          f"LLM step (auto or generic)")
+    llm = {k: v for k, v in llm.items() if k != "step"}
+    if quant is None:
+        quant = QuantRequest(QuantConfig(INT8, spec="compressed-tensors", native=True), only_stored=True)
+    quant = dataclasses.replace(quant, stored=lambda model: ckpt.stored_by_module(model, quant.config))
+    import transformers
+    config = transformers.AutoConfig.from_pretrained(path)
+    cls = next((getattr(transformers, a) for a in config.architectures or [] if hasattr(transformers, a)), None)
+    if cls is None or not _is_causal_lm(cls, config):
+        raise SourceError(f"{path}: a compressed-tensors checkpoint of {config.architectures or config.model_type}; "
+                          f"hloserve imports compressed-tensors causal LMs (the LLM step) only")
+    src = hf_causal.from_hf_directory(path, tdtype, state_dict=ckpt.float_state_dict(tdtype), quantize=quant, **llm)
+    kept = {"format": "compressed-tensors", "groups": ckpt.plan.describe(), "modules": len(ckpt.quantized)}
+    rest = {"spec": "compressed-tensors", "native": True} if quant.only_stored else src.model["quantization"]
+    src.model["quantization"] = {**rest, "checkpoint": kept}
+    src.description = (f"compressed-tensors {os.path.basename(os.path.normpath(path))} ({'; '.join(ckpt.plan.describe())}: "
+                       f"its own integers and scales), {src.description}")
     return src
 
 

@@ -97,23 +97,29 @@ def quantize_tensor(w: torch.Tensor, scheme: WeightScheme, where: str, *, linear
 class QuantRequest:
     """`--quantize` as a loader applies it: the config, the record the exporter reads the manifest's
     WeightSpec.quant from, and the weights the checkpoint already holds quantized (`stored(module)`:
-    {module name: (stored tensors, scheme)}, a GGUF's own blocks), used as they are."""
+    {module name: (stored tensors, scheme)}, a GGUF's own blocks, a compressed-tensors checkpoint's
+    integers), used as they are. `only_stored`: the other modules stay float (a compressed-tensors
+    checkpoint exported without --quantize)."""
     config: QuantConfig
     record: QuantRecord = dataclasses.field(default_factory=lambda: QuantRecord())
     stored: Callable[[torch.nn.Module], Mapping[str, tuple[dict[str, torch.Tensor], WeightScheme]]] | None = None
+    only_stored: bool = False
 
     def apply(self, module: torch.nn.Module) -> None:
         """The module swap on `module` (its real, unscanned layers)."""
-        quantize_module(module, self.config, self.record, self.stored(module) if self.stored is not None else None)
+        quantize_module(module, self.config, self.record, self.stored(module) if self.stored is not None else None,
+                        only_given=self.only_stored)
 
 
 # -- generic modules --------------------------------------------------------------
 def quantize_module(module: torch.nn.Module, config: QuantConfig, record: QuantRecord | None = None,
-                    given: Mapping[str, tuple[dict[str, torch.Tensor], WeightScheme]] | None = None) -> QuantRecord:
+                    given: Mapping[str, tuple[dict[str, torch.Tensor], WeightScheme]] | None = None, *,
+                    only_given: bool = False) -> QuantRecord:
     """Swap every nn.Linear / nn.Embedding of `module` (not matched by config.skip) in place.
 
     `given` maps module names to weights already stored (row by row) in a scheme, e.g. a GGUF file's
-    own blocks (exporter/gguf/quant.py): those are used as they are, not requantized.
+    own blocks (exporter/gguf/quant.py): those are used as they are, not requantized. With
+    `only_given`, only those are swapped.
 
     Module names are the dotted paths of named_modules() ("encoder.layer.0.attention.self.query").
     A weight whose input dim does not fit the scheme's group raises (skip it or pick a group).
@@ -123,7 +129,8 @@ def quantize_module(module: torch.nn.Module, config: QuantConfig, record: QuantR
     record = record if record is not None else QuantRecord()
     shared: dict[tuple, tuple[dict[str, torch.Tensor], WeightScheme]] = {}
     heads: dict[tuple, tuple[dict[str, torch.Tensor], WeightScheme]] = {}     # tied heads' interleaved copies
-    targets = [(n, m) for n, m in module.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+    targets = [(n, m) for n, m in module.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
+               and (not only_given or n in (given or {}))]
     embedded = {_identity(m.weight) for n, m in targets if isinstance(m, torch.nn.Embedding) and not config.skipped(n)}
     for name, child in targets:
         if config.skipped(name):

@@ -287,6 +287,8 @@ def load_model(cls, path: str, tdtype: torch.dtype, sixteen: torch.dtype | None,
     non-persistent buffers (rotary tables, embedding scales) computed by a `tdtype` model, config.dtype."""
     if state_dict is not None:
         config = cls.config_class.from_pretrained(path)
+        if getattr(config, "quantization_config", None) is not None:   # it describes the files, not `state_dict`
+            del config.quantization_config
         model = cls.from_pretrained(None, config=config, state_dict=dict(state_dict), dtype=tdtype,
                                     attn_implementation=ATTN_NAME)
         return model.eval().requires_grad_(False)
@@ -357,9 +359,12 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
     sixteen = weight_dtype if weight_dtype is not None else tdtype if tdtype.itemsize == 2 else None
     model = load_model(cls, path, tdtype, sixteen, state_dict)
     route_experts(model)
+    stored_first = quantize is not None and quantize.only_stored   # the checkpoint's own; the rest in `sixteen`
+    if stored_first:
+        quantize.apply(model)
     if sixteen is not None:
         hf_layers.sixteen_bit(model, sixteen, tdtype)
-    if quantize is not None:
+    if quantize is not None and not stored_first:
         quantize.apply(model)
     c = _text_config(model.config)
     g = geometry(model.config)
