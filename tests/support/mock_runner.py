@@ -45,7 +45,8 @@ class MockRunner:
             return RunnerOutput({})
         self.steps += 1
         bs = self.block_size
-        logits = np.zeros((len(plan.seqs), self.vocab_size), np.float32)
+        logits = np.zeros((plan.num_rows, self.vocab_size), np.float32)
+        readout = len(plan.seqs)          # a drafted row's earlier positions: readout rows (pack_step's order)
         for i, s in enumerate(plan.seqs):
             for slot, tok in zip(slots(s.start, len(s.token_ids), s.block_table, bs), s.token_ids):
                 if slot // bs == NULL_BLOCK:
@@ -56,6 +57,10 @@ class MockRunner:
             ctx = [int(self.cache[s.block_table[p // bs] * bs + p % bs]) for p in range(s.context_len)]
             self.contexts[s.request_id] = ctx
             logits[i, (ctx[-1] + 1) % self.vocab_size] = self.peak
+            k = len(s.draft_token_ids)
+            for j, p in enumerate(range(s.context_len - 1 - k, s.context_len - 1)):
+                logits[readout + j, (ctx[p] + 1) % self.vocab_size] = self.peak
+            readout += k
         return sample_plan(plan, logits)
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> int:
