@@ -46,7 +46,7 @@ from typing import Sequence
 from .block_manager import BlockManager
 from .outputs import FinishReason, RequestOutput, RunnerOutput, ScheduledSeq, SchedulerPlan
 from .sampling import RowContext, SamplingParams, TokenLogprobs
-from .spec_decode import NgramProposer, SpecDecodeStats, SpeculativeConfig, speculates
+from .spec_decode import DraftLength, NgramProposer, SpecDecodeStats, SpeculativeConfig, speculates
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,6 +102,7 @@ class Request:
     num_computed_tokens: int = 0         # tokens whose K/V is in the cache
     num_cached_tokens: int = 0           # of the prompt, tokens served by the prefix cache (last admission)
     num_preemptions: int = 0
+    draft: DraftLength | None = None     # speculative decoding: its proposal length (None: off)
 
     @property
     def num_output_tokens(self) -> int:
@@ -176,8 +177,10 @@ class Scheduler:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
+        spec = self.config.speculative
         req = Request(request_id, list(prompt_token_ids), len(prompt_token_ids), params, seed, self._arrivals,
-                      self.stop_token_ids(params))
+                      self.stop_token_ids(params),
+                      draft=DraftLength(spec.num_speculative_tokens) if spec is not None else None)
         self._arrivals += 1
         self._requests[request_id] = req
         self.waiting.append(req)
@@ -318,11 +321,7 @@ class Scheduler:
         out = []
         for seq in decodes:
             req = self._requests[seq.request_id]
-            # room: the draft plus the token drawn after it stay within max_tokens and the context
-            room = min(req.params.max_tokens - req.num_output_tokens, self.config.max_model_len - len(req.token_ids)) - 1
-            k = min(spec.num_speculative_tokens, budget, rows, room)
-            draft = self.proposer.propose(req.token_ids, k) if k > 0 and speculates(
-                req.params, req.num_output_tokens) else ()
+            draft = self._propose(req, min(spec.num_speculative_tokens, budget, rows))
             total = req.num_computed_tokens + 1 + len(draft)
             if draft and self.blocks.new_blocks_needed(req.request_id, total) <= self.blocks.num_free_blocks - watermark:
                 table = self.blocks.allocate(req.request_id, total).block_ids
@@ -331,6 +330,16 @@ class Scheduler:
                 rows -= len(draft)
             out.append(seq)
         return out
+
+    def _propose(self, req: Request, k: int) -> tuple[int, ...]:
+        """Up to k proposed tokens for a decoding request: within its room (the draft and the token drawn
+        after it stay within max_tokens and the context) and its adaptive length (DraftLength)."""
+        room = min(req.params.max_tokens - req.num_output_tokens, self.config.max_model_len - len(req.token_ids)) - 1
+        k = min(k, room)
+        if k <= 0 or not speculates(req.params, req.num_output_tokens):
+            return ()
+        k = min(k, req.draft.take())
+        return self.proposer.propose(req.token_ids, k) if k > 0 else ()
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         """The plan row running tokens [num_computed, num_computed + n) of `req` (blocks already allocated)."""
@@ -372,6 +381,7 @@ class Scheduler:
             accepted = len(tokens) - 1           # drafted tokens kept: their K/V, computed this step, is valid
             if seq.draft_token_ids:
                 self.stats.spec.observe(len(seq.draft_token_ids), accepted)
+                req.draft.observe(len(seq.draft_token_ids), accepted, self.config.speculative.num_speculative_tokens)
             # the rejected drafts' slots lie past the computed length: a later step writes them again
             req.num_computed_tokens += len(seq.token_ids) - len(seq.draft_token_ids) + accepted
             known = req.token_ids + list(tokens[:accepted]) if accepted else req.token_ids

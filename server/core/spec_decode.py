@@ -163,6 +163,39 @@ class NgramProposer:
         return ()
 
 
+MAX_WAIT = 64   # steps a request whose proposals keep missing waits at most before proposing again
+
+
+@dataclasses.dataclass
+class DraftLength:
+    """One request's proposal length, adapted to its own acceptance (hloserve's, not vLLM's: on a CPU a
+    verifying row costs a sizeable part of a decode step, so proposals that keep missing must stop
+    costing). A proposal accepted whole doubles the length, up to K; one accepted in part sets it to
+    the accepted tokens + 1; one rejected outright halves it and makes the request wait 2, 4, ...
+    MAX_WAIT of its steps before it proposes again (reset by the next proposal that is accepted in part).
+    The tokens do not depend on it: each position draws what it draws without speculation."""
+    limit: int
+    wait: int = 0
+    misses: int = 0
+
+    def take(self) -> int:
+        """Tokens the request may propose this step (0 while it waits; each call is one of its steps)."""
+        if self.wait:
+            self.wait -= 1
+            return 0
+        return self.limit
+
+    def observe(self, drafted: int, accepted: int, k_max: int) -> None:
+        if accepted == drafted:
+            self.limit, self.misses = min(k_max, 2 * self.limit), 0
+        elif accepted:
+            self.limit, self.misses = accepted + 1, 0
+        else:
+            self.misses += 1
+            self.limit = max(1, self.limit // 2)
+            self.wait = min(2 ** self.misses, MAX_WAIT)
+
+
 @dataclasses.dataclass
 class SpecDecodeStats:
     """Counters with vLLM's meaning: a draft is one request's proposal verified in one step; its

@@ -16,7 +16,7 @@ from hloserve.server.core.block_manager import BlockManager
 from hloserve.server.core.metrics import prometheus_text
 from hloserve.server.core.sampling import SamplingParams, sample_row, verify_draft
 from hloserve.server.core.scheduler import Scheduler, SchedulerConfig
-from hloserve.server.core.spec_decode import NgramProposer, SpeculativeConfig
+from hloserve.server.core.spec_decode import DraftLength, NgramProposer, SpeculativeConfig
 from tests.support.mock_runner import MockRunner
 
 VOCAB = 100
@@ -164,21 +164,13 @@ def make(spec: SpeculativeConfig | None, *, max_num_seqs=4, budget=32, num_block
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3)
 
 
-def run(sched, runner, requests, max_steps=300):
-    """Add (id, prompt, params) requests, step until idle: {id: [outputs]}, and the plans' shapes checked."""
+def run(sched, runner, requests):
+    """Add (id, prompt, params) requests and step until idle (test_scheduler.run: the plans' shapes and
+    the block invariants checked each step): {id: [outputs]}; every block is free again."""
+    from tests.server.test_scheduler import run as run_all
     for rid, prompt, params in requests:
         sched.add_request(rid, prompt, params)
-    outs: dict[str, list] = {}
-    for _ in range(max_steps):
-        if not sched.has_unfinished():
-            break
-        plan = sched.schedule()
-        assert plan.num_tokens <= sched.config.max_num_batched_tokens
-        assert plan.num_rows <= sched.config.max_num_seqs              # readout rows included
-        for o in sched.update(plan, runner.execute(plan)):
-            outs.setdefault(o.request_id, []).append(o)
-        sched.blocks.check_invariants()
-    assert not sched.has_unfinished()
+    outs = run_all(sched, runner, max_steps=300)
     assert sched.blocks.num_free_blocks == sched.blocks.total_blocks
     return outs
 
@@ -285,3 +277,31 @@ def test_requests_whose_positions_depend_on_each_other_do_not_speculate():
     run(sched, runner, [("pen", COUNTING, SamplingParams(temperature=0, max_tokens=6, presence_penalty=0.5)),
                         ("min", COUNTING, SamplingParams(temperature=0, max_tokens=6, min_tokens=6))])
     assert sched.stats.spec.num_drafts == 0
+
+
+def test_draft_length_adapts_to_each_requests_acceptance():
+    d = DraftLength(4)
+    assert d.take() == 4
+    d.observe(4, 2, 4)
+    assert d.take() == 3                       # accepted in part: the accepted tokens + 1
+    d.observe(3, 3, 4)
+    assert d.take() == 4                       # accepted whole: doubled, up to K
+    d.observe(4, 0, 4)                         # rejected outright: half as long, after waiting 2 steps
+    assert [d.take() for _ in range(3)] == [0, 0, 2]
+    d.observe(2, 0, 4)
+    assert [d.take() for _ in range(5)] == [0, 0, 0, 0, 1]
+    d.observe(1, 1, 4)
+    assert d.take() == 2 and d.misses == 0
+
+
+def test_proposals_that_keep_missing_cost_few_steps():
+    """Every suffix "t t+1" of the output was followed by 99 in the prompt, and the model counts on:
+    each proposal is wrong. The request proposes less and less often (waits 2, 4, 8 steps), so the 19
+    decoding steps of 20 tokens verify 4 proposals (at steps 1, 4, 9, 18), not 19; the tokens are the
+    model's."""
+    prompt = [x for t in range(50, 70) for x in (t, t + 1, 99)] + [50]
+    sched, runner = make(NGRAM)
+    outs = run(sched, runner, [("r", prompt, SamplingParams(temperature=0, max_tokens=20))])
+    assert tokens(outs["r"]) == list(range(51, 71))
+    s = sched.stats.spec
+    assert s.num_accepted_tokens == 0 and s.num_drafts == 4, s
