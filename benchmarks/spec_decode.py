@@ -4,7 +4,7 @@
                                      [--artifact DIR] [--json PATH]
 
 Two `hloserve serve` processes on the default artifact (SmolLM2-135M-Instruct, bf16 weights and KV
-cache), one plain and one with --spec (default: n-gram, 4 tokens, lookup 4..2; its
+cache), one plain and one with --spec (default: n-gram, 7 tokens, lookup 4..2; its
 disable_by_batch_size is the server's default unless the JSON names it), both started before any
 level runs and idle while the other is measured; each level runs on the plain server, then on the
 speculating one, so load drift hits both alike. Workloads, greedy:
@@ -13,7 +13,11 @@ speculating one, so load drift hits both alike. Workloads, greedy:
     replaced (passages of 4..6 sentences drawn from SENTENCES, seeded, distinct per request), up to
     192 output tokens, ending at EOS: answers that copy from their prompts;
   * random: random-token prompts of 128..384 tokens (benchmarks/serve.py's random_prompt), 128 output
-    tokens, EOS ignored: answers that owe nothing to their prompts.
+    tokens, EOS ignored: prompts that give nothing to copy (the model's answers to them, though, tend
+    to repeat themselves, which prompt lookup catches);
+  * open (--workloads copy,random,open): chat requests for new text (a short story, an explanation,
+    a poem, facts about one of TOPICS), up to 128 output tokens, ending at EOS: little to copy, so
+    most proposals miss: what speculation costs.
 
 Levels: CONCURRENCY:REQUESTS pairs (default 1:8 and 16:32), c clients sending back to back. Per level
 and server: output tok/s (completion tokens over the level's wall time), and for the speculating one the
@@ -38,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve import cpu_description, free_port, random_prompt, server  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPEC = {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 SENTENCES = [
     "The old lighthouse stood at the edge of the cliff for nearly two hundred years.",
     "Every night its keeper climbed the narrow spiral stairs and trimmed the wick.",
@@ -66,6 +70,12 @@ SENTENCES = [
     "Bicycles may be taken on board outside the morning and evening rush hours.",
 ]
 SWAPS = [("the", "a"), ("and", "or"), ("is", "was"), ("every", "each"), ("in", "inside")]
+TOPICS = ["a lighthouse keeper", "the water cycle", "a city bus network", "how bread is baked", "a chess club",
+          "the moon landing", "a mountain village", "how a compiler works", "a lost umbrella", "bees in winter",
+          "a night train", "the history of maps", "a robot gardener", "how vaccines work", "a rainy market day",
+          "the first computers"]
+ASKS = ["Write a short story about {}.", "Explain {} to a ten-year-old.", "Write a short poem about {}.",
+        "Give three interesting facts about {}."]
 
 
 def copy_requests(n: int, rng: random.Random) -> list[dict]:
@@ -85,6 +95,12 @@ def copy_requests(n: int, rng: random.Random) -> list[dict]:
                    f"nothing else:\n\n{passage}")
         bodies.append({"messages": [{"role": "user", "content": ask}], "max_tokens": 192})
     return bodies
+
+
+def open_requests(n: int, rng: random.Random) -> list[dict]:
+    """n chat bodies asking for new text (a story, an explanation): answers that owe little to their prompts."""
+    asks = [a.format(t) for a in ASKS for t in TOPICS]
+    return [{"messages": [{"role": "user", "content": ask}], "max_tokens": 128} for ask in rng.sample(asks, n)]
 
 
 def random_requests(n: int, rng: random.Random, tok) -> list[dict]:
@@ -137,11 +153,44 @@ def measure(base: str, bodies: list[dict], c: int, spec: bool) -> dict:
     return row
 
 
+def compare(plain: str, spec: str, w: str, c: int, bodies: list[dict], spec_first: bool) -> dict:
+    """One level on both servers (in the order given), printed as one line."""
+    if spec_first:
+        s = measure(spec, bodies, c, True)
+        p = measure(plain, bodies, c, False)
+    else:
+        p = measure(plain, bodies, c, False)
+        s = measure(spec, bodies, c, True)
+    same = sum(a == b for a, b in zip(p["texts"], s["texts"]))
+    print(f"{w:6s} c={c:2d} ({len(bodies)} requests{', spec first' if spec_first else ''}): plain {p['tok_s']:6.1f} "
+          f"tok/s, spec {s['tok_s']:6.1f} tok/s, ratio {s['tok_s'] / p['tok_s']:.2f}; acceptance "
+          f"{s['acceptance']:.2f}, {s['tokens_per_verify']:.2f} tokens per verifying step ({s['drafts']:.0f} drafts); "
+          f"same greedy text {same}/{len(bodies)}", flush=True)
+    return {"workload": w, "concurrency": c, "requests": len(bodies), "spec_first": spec_first, "plain": p, "spec": s,
+            "ratio": s["tok_s"] / p["tok_s"], "same_text": same}
+
+
+def batching_baseline(plain: str, results: list[dict], c: int) -> None:
+    """The plain server alone: each c=1 level's requests again at concurrency c, its greedy texts against
+    its own c=1 texts (how much batching alone moves greedy text on this machine)."""
+    for r in results:
+        if r["concurrency"] != 1 or r.get("spec_first"):
+            continue
+        bodies = r["bodies"]
+        texts = [t for t, _ in asyncio.run(level(plain, bodies, c))[0]]
+        same = sum(a == b for a, b in zip(texts, r["plain"]["texts"]))
+        print(f"{r['workload']:6s} plain alone, c={c} against c=1: same greedy text {same}/{len(bodies)}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--levels", default="1:8,16:32", help="CONCURRENCY:REQUESTS,... (default 1:8,16:32)")
     ap.add_argument("--spec", default=json.dumps(SPEC), help="the --speculative-config JSON of the second server")
     ap.add_argument("--workloads", default="copy,random")
+    ap.add_argument("--rounds", type=int, default=1, help="each level this many times, the servers' order "
+                    "swapped every other round")
+    ap.add_argument("--batching", type=int, default=0, metavar="C", help="also run each c=1 level on the plain "
+                    "server at concurrency C and compare its greedy texts with its own c=1 ones")
     ap.add_argument("--artifact", help="LLM artifact (default: the default model's)")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--json", help="write the results here")
@@ -155,8 +204,9 @@ def main() -> int:
     from hloserve.server.serve import default_artifact
     art = args.artifact or default_artifact()
     tok = Tokenizer.from_file(os.path.join(art, "tokenizer.json"))
-    sets = {(w, c): copy_requests(n, rng) if w == "copy" else random_requests(n, rng, tok)
-            for w in workloads for c, n in levels}
+    make = {"copy": lambda n: copy_requests(n, rng), "open": lambda n: open_requests(n, rng),
+            "random": lambda n: random_requests(n, rng, tok)}
+    sets = {(w, c): make[w](n) for w in workloads for c, n in levels}
     common = [sys.executable, "-m", "hloserve.server.cli", "serve", art, "--served-model-name", MODEL,
               "--max-num-seqs", str(args.max_num_seqs)]
     results = []
@@ -166,19 +216,15 @@ def main() -> int:
         for base in (plain, spec):   # one untimed request of each shape
             for w in workloads:
                 asyncio.run(level(base, sets[(w, levels[0][0])][:1], 1))
-        for (w, c), bodies in sets.items():
-            p = measure(plain, bodies, c, False)
-            s = measure(spec, bodies, c, True)
-            same = sum(a == b for a, b in zip(p["texts"], s["texts"]))
-            print(f"{w:6s} c={c:2d} ({len(bodies)} requests): plain {p['tok_s']:6.1f} tok/s, spec {s['tok_s']:6.1f} "
-                  f"tok/s, ratio {s['tok_s'] / p['tok_s']:.2f}; acceptance {s['acceptance']:.2f}, "
-                  f"{s['tokens_per_verify']:.2f} tokens per verifying step ({s['drafts']:.0f} drafts); "
-                  f"same greedy text {same}/{len(bodies)}", flush=True)
-            results.append({"workload": w, "concurrency": c, "requests": len(bodies), "plain": p, "spec": s,
-                            "ratio": s["tok_s"] / p["tok_s"], "same_text": same})
+        for rnd in range(args.rounds):
+            for (w, c), bodies in sets.items():
+                results.append({**compare(plain, spec, w, c, bodies, spec_first=rnd % 2 == 1), "bodies": bodies})
+        if args.batching:
+            batching_baseline(plain, results, args.batching)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": cpu_description(), "spec": args.spec, "results": results}, f, indent=1)
+            json.dump({"machine": cpu_description(), "spec": args.spec,
+                       "results": [{k: v for k, v in r.items() if k != "bodies"} for r in results]}, f, indent=1)
     return 0
 
 

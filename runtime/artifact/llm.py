@@ -400,18 +400,10 @@ class LLMArtifact:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepRow:
-    """One sequence's share of a step: `token_ids` at positions start, start+1, ... with its block table.
-
-    `logits`: how many of its last tokens the step returns logits for. 1: its last token's, in its own
-    row. n > 1 (speculative decoding verifies n - 1 proposed tokens): also the n - 1 tokens before
-    it, each through a readout row, a row that owns no token (null block table, empty context) and
-    whose `last_token` points at that token; `pack_step` puts every readout row after all sequences'
-    own rows, in row order and within a row in token order.
-    """
+    """One sequence's share of a step: `token_ids` at positions start, start+1, ... with its block table."""
     token_ids: Sequence[int]
     start: int
     block_table: Sequence[int]
-    logits: int = 1
 
     @property
     def context_len(self) -> int:
@@ -432,7 +424,7 @@ def pack_step(rows: Sequence[StepRow | tuple[Sequence[int], int, Sequence[int]]]
     last padding row (row 0 when there is none), writing into the null block.
     """
     rows = [r if isinstance(r, StepRow) else StepRow(token_ids=r[0], start=r[1], block_table=r[2]) for r in rows]
-    T, S = sum(len(r.token_ids) for r in rows), len(rows) + sum(r.logits - 1 for r in rows)
+    T, S = sum(len(r.token_ids) for r in rows), len(rows)
     Tp, Sp = max(pad_tokens or T, T), max(pad_seqs or S, S)
     Bp = max([pad_blocks or 1] + [len(r.block_table) for r in rows])
     tokens = np.zeros(Tp, np.int32)
@@ -442,11 +434,9 @@ def pack_step(rows: Sequence[StepRow | tuple[Sequence[int], int, Sequence[int]]]
     block_tables = np.full((Sp, Bp), NULL_BLOCK, np.int32)
     context_lens = np.zeros(Sp, np.int32)
     last_token = np.zeros(Sp, np.int32)
-    t, readout = 0, len(rows)
+    t = 0
     for i, r in enumerate(rows):
         n = len(r.token_ids)
-        if not 1 <= r.logits <= n:
-            raise ValueError(f"row {i}: logits={r.logits} must be in [1, {n}] (its tokens)")
         tokens[t:t + n] = r.token_ids
         positions[t:t + n] = np.arange(r.start, r.start + n)
         seq_ids[t:t + n] = i
@@ -455,8 +445,6 @@ def pack_step(rows: Sequence[StepRow | tuple[Sequence[int], int, Sequence[int]]]
         context_lens[i] = r.context_len
         t += n
         last_token[i] = t - 1
-        last_token[readout:readout + r.logits - 1] = np.arange(t - r.logits, t - 1)
-        readout += r.logits - 1
     return dict(tokens=tokens, positions=positions, seq_ids=seq_ids, slot_mapping=slot_mapping,
                 block_tables=block_tables, context_lens=context_lens, last_token=last_token)
 

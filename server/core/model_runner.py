@@ -34,7 +34,7 @@ import numpy as np
 from hloserve import runtime
 from hloserve.runtime.artifact.errors import ArtifactError
 from hloserve.runtime.artifact.llm import (MAX_BLOCKS, NULL_BLOCK, NUM_BLOCKS, NUM_SEQS, NUM_TOKENS, Layout, LLMArtifact,
-                                           LLMSpec, StepBatch, StepRow, pack_step)
+                                           LLMSpec, StepBatch, pack_step)
 from hloserve.runtime.buckets import geometric
 
 from .outputs import RunnerOutput, SchedulerPlan
@@ -100,12 +100,11 @@ def build_step(plan: SchedulerPlan, cfg: RunnerConfig, block_size: int, *, decod
     to cfg's buckets by the contract's packer (which also computes each token's cache slot)."""
     seqs = plan.seqs
     S, T = plan.num_rows, plan.num_tokens
-    is_decode = T == S   # one token per row: decodes, and verifying rows with their readout rows
+    is_decode = T == S   # one token per row: decodes, and the rows of verified drafts
     Sp = _bucket(cfg.seq_buckets, S, "num_seqs")
     Tp = Sp if is_decode else _bucket(cfg.token_buckets, T, "num_tokens")
     Bp = _bucket(cfg.block_buckets, max(len(s.block_table) for s in seqs), "max_blocks")
-    inputs = pack_step([StepRow(token_ids=s.token_ids, start=s.start, block_table=s.block_table,
-                                logits=1 + len(s.draft_token_ids)) for s in seqs], block_size,
+    inputs = pack_step([(tokens, start, s.block_table) for s in seqs for tokens, start in s.step_rows()], block_size,
                        pad_tokens=Tp, pad_seqs=Sp, pad_blocks=Bp)
     return StepBatch(function=decode_fn if is_decode else prefill_fn, inputs=inputs, num_seqs=S)
 
@@ -152,28 +151,24 @@ def tensor_parallel_rules(llm: LLMSpec, path: str, size: int) -> dict:
 
 
 def sample_plan(plan: SchedulerPlan, logits: np.ndarray) -> RunnerOutput:
-    """Sample the rows of `logits` (f32[>= plan.num_rows, vocab]: row i = plan.seqs[i]'s last token, then
-    the readout rows of drafted rows, pack_step's order) that need a token; a row with a draft is
-    verified (sampling.verify_draft) on its readout rows' logits and its own."""
+    """Sample the rows of `logits` (f32[>= plan.num_rows, vocab], the plan's rows in order: one per
+    sequence, one per token of a verified draft) that need a token; a drafted sequence's rows are
+    verified together (sampling.verify_draft)."""
     logits = np.asarray(logits)
+    first = np.cumsum([0] + [1 + len(s.draft_token_ids) for s in plan.seqs])   # each sequence's first row
     rows = [i for i, s in enumerate(plan.seqs) if s.needs_logits and not s.draft_token_ids]
     sampled: dict[str, tuple[int, ...]] = {}
     logprobs: dict[str, tuple] = {}
     if rows:
         seqs = [plan.seqs[i] for i in rows]
-        tokens, lps = sample(logits[rows], [s.sampling for s in seqs], [s.seed for s in seqs],
+        tokens, lps = sample(logits[first[rows]], [s.sampling for s in seqs], [s.seed for s in seqs],
                              [s.sample_index for s in seqs], [s.context for s in seqs])
         sampled.update((s.request_id, (t,)) for s, t in zip(seqs, tokens))
         logprobs.update((s.request_id, (lp,)) for s, lp in zip(seqs, lps) if lp is not None)
-    readout = len(plan.seqs)
     for i, s in enumerate(plan.seqs):
-        k = len(s.draft_token_ids)
-        if not k:
-            continue
-        at = np.concatenate([np.arange(readout, readout + k), [i]])    # positions x0, d1, ..., dk in order
-        readout += k
-        if s.needs_logits:
-            tokens, lps = verify_draft(logits[at], s.draft_token_ids, s.sampling, s.seed, s.sample_index, s.context)
+        if s.draft_token_ids and s.needs_logits:
+            tokens, lps = verify_draft(logits[first[i]:first[i + 1]], s.draft_token_ids, s.sampling, s.seed,
+                                       s.sample_index, s.context)
             sampled[s.request_id] = tuple(tokens)
             if lps[0] is not None:
                 logprobs[s.request_id] = tuple(lps)
@@ -349,7 +344,7 @@ class ModelRunner:
         if plan.is_empty:
             return RunnerOutput({})
         t0 = time.perf_counter()
-        # one token per row: decodes, and verifying rows (each drafted token gets a readout row)
+        # one token per row: decodes, and verified drafts (a row per token)
         decodes = tuple(s for s in plan.seqs if len(s.token_ids) == 1 + len(s.draft_token_ids))
         chunks = tuple(s for s in plan.seqs if len(s.token_ids) > 1 + len(s.draft_token_ids))
         parts = [plan] if self.one_call or not decodes or not chunks else [
@@ -359,7 +354,7 @@ class ModelRunner:
             step = build_step(part, self.cfg, self.block_size, decode_fn=self.decode_fn, prefill_fn=self.prefill_fn)
             t = time.perf_counter()
             out = self._call(step.function, step.inputs)
-            logits = _host(out["logits"])[:step.num_seqs]               # [S, vocab], readout rows included
+            logits = _host(out["logits"])[:step.num_seqs]               # [S, vocab]
             device += time.perf_counter() - t
             result = sample_plan(part, logits)
             sampled.update(result.sampled)

@@ -34,13 +34,17 @@ class ScheduledSeq:
     context: RowContext = RowContext()  # what penalties and min_tokens read (empty unless the request uses them)
     score_prompt: tuple[int, ...] = ()  # the whole prompt, on the step that completes it, when its logprobs are asked
     # speculative decoding (core/spec_decode.py): the last len(draft_token_ids) of token_ids are proposed
-    # tokens to verify; the step returns logits at each of the row's last 1 + len(draft) positions
+    # tokens to verify; each token of a verifying share runs in a row of its own (step_rows)
     draft_token_ids: tuple[int, ...] = ()
 
-    @property
-    def num_logits(self) -> int:
-        """Positions whose logits the step returns for this row (0 when it samples nothing)."""
-        return 1 + len(self.draft_token_ids) if self.needs_logits else 0
+    def step_rows(self) -> list[tuple[tuple[int, ...], int]]:
+        """(token ids, start) of each row of the step this share takes: one row; or, verifying a draft,
+        one row per token, all over the request's block table, row j attending to the positions up
+        to start + j (the step writes every token's K/V before any token attends), so each token
+        is computed as a decode's token is and its row returns its logits."""
+        if not self.draft_token_ids:
+            return [(self.token_ids, self.start)]
+        return [((t,), self.start + j) for j, t in enumerate(self.token_ids)]
 
     @property
     def context_len(self) -> int:
@@ -61,7 +65,7 @@ class SchedulerPlan:
 
     @property
     def num_rows(self) -> int:
-        """Rows of the step (S): one per sequence, plus a readout row per drafted token."""
+        """Rows of the step (S): one per sequence, plus one per drafted token (ScheduledSeq.step_rows)."""
         return len(self.seqs) + sum(len(s.draft_token_ids) for s in self.seqs)
 
     @classmethod

@@ -4,12 +4,11 @@ its counters.
 How a step speculates (the scheduler plans, the runner verifies, the scheduler accepts):
 
     schedule():  a decoding request whose last sampled token x0 is not yet in the cache gets up to K
-                 proposed tokens d1..dk (NgramProposer: prompt lookup), planned as one row of k+1
-                 tokens x0, d1..dk (`ScheduledSeq.draft_token_ids`), their KV blocks included, within
-                 the step's token budget and rows (each drafted token is one more row of the step: the
-                 step returns the logits of each row's last token, so a verifying row reads the
-                 logits of its earlier tokens through "readout rows", runtime/artifact/llm.py
-                 `StepRow.logits`).
+                 proposed tokens d1..dk (NgramProposer: prompt lookup), planned as k+1 tokens x0,
+                 d1..dk (`ScheduledSeq.draft_token_ids`), their KV blocks included, within the step's
+                 token budget and rows: each token runs in a row of its own over the request's block
+                 table, as a decode's token does, and the step returns one row of logits per row
+                 (`ScheduledSeq.step_rows`).
     execute():   one step call computes the logits at every position x0, d1..dk; the sampler draws the
                  token each position would have drawn without speculation and keeps the drafts while
                  they equal those draws, plus the first draw that differs (or the bonus draw after dk)

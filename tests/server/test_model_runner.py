@@ -192,8 +192,8 @@ def greedy_tokens_match_transformers(tiny_llm, runner):
 
 @pytest.mark.parametrize("which", ["runner", "portable_runner"])
 def test_greedy_tokens_match_transformers_with_speculation(tiny_llm, which, request):
-    """Speculative decoding on the real step (one call with readout rows where the kernels run, the
-    decode call otherwise): prompts that repeat themselves, so the n-gram proposer drafts and the
+    """Speculative decoding on the real step (a row per verified token; one call where the kernels
+    run, the decode call otherwise): prompts that repeat themselves, so the n-gram proposer drafts and the
     model accepts some drafts and rejects others; every token equals transformers' greedy one."""
     from hloserve.server.core.spec_decode import SpeculativeConfig
     runner = request.getfixturevalue(which)

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from hloserve.runtime.artifact.errors import HloserveError
-from hloserve.runtime.artifact.llm import StepRow, pack_step
 from hloserve.server.core.block_manager import BlockManager
 from hloserve.server.core.metrics import prometheus_text
 from hloserve.server.core.sampling import SamplingParams, sample_row, verify_draft
@@ -144,13 +143,24 @@ def test_verification_draws_what_the_request_draws_without_speculation():
     assert toks == plain
 
 
-# -- the step's readout rows ---------------------------------------------------------------------
-def test_pack_step_puts_readout_rows_after_every_sequence():
-    x = pack_step([StepRow(token_ids=(5, 6, 7), start=4, block_table=(1,), logits=3),
-                   StepRow(token_ids=(9,), start=2, block_table=(2,))], 8, pad_seqs=8)
-    assert x["last_token"].tolist()[:4] == [2, 3, 0, 1]      # own rows, then readouts of tokens 5 and 6
-    assert x["context_lens"].tolist()[:4] == [7, 3, 0, 0] and x["block_tables"][2:4].tolist() == [[0], [0]]
-    assert x["seq_ids"].tolist()[:4] == [0, 0, 0, 1]
+# -- the step's rows ---------------------------------------------------------------------------
+def test_a_verified_draft_takes_a_row_per_token():
+    """Each token of the draft runs as a decode's token runs: a row of its own over the request's
+    block table, attending up to its own position; the plan's rows in order."""
+    from hloserve.server.core.model_runner import RunnerConfig, build_step
+    from hloserve.server.core.outputs import ScheduledSeq, SchedulerPlan
+    cfg = RunnerConfig(token_buckets=(16,), seq_buckets=(8,), block_buckets=(4,), num_blocks=None, kv_cache_bytes=0)
+    g = dict(needs_logits=True, sampling=SamplingParams(temperature=0), seed=0, sample_index=0)
+    plan = SchedulerPlan.of((ScheduledSeq(request_id="a", token_ids=(9,), start=2, block_table=(2,), **g),
+                             ScheduledSeq(request_id="b", token_ids=(5, 6, 7), start=6, block_table=(1, 3, 5),
+                                          draft_token_ids=(6, 7), **g)))
+    assert plan.num_rows == 4
+    step = build_step(plan, cfg, 4)
+    x = step.inputs
+    assert step.function == "decode" and step.num_seqs == 4                  # T = S: a decode-shaped call
+    assert x["tokens"].tolist()[:4] == [9, 5, 6, 7] and x["seq_ids"].tolist()[:4] == [0, 1, 2, 3]
+    assert x["positions"].tolist()[:4] == [2, 6, 7, 8] and x["context_lens"].tolist()[:4] == [3, 7, 8, 9]
+    assert x["slot_mapping"].tolist()[:4] == [10, 14, 15, 20] and x["block_tables"][1:4, :3].tolist() == [[1, 3, 5]] * 3
 
 
 # -- scheduler and engine with MockRunner -------------------------------------------------------
