@@ -21,7 +21,8 @@ def _serve(args: argparse.Namespace) -> int:
              "max_output_tokens": args.max_output_tokens, "tensor_parallel_size": args.tensor_parallel_size,
              "batch_timeout_s": None if args.batch_timeout_ms is None else args.batch_timeout_ms / 1000,
              "grpc_port": args.grpc_port, "generation_config": args.generation_config,
-             "override_generation_config": _json_object(args.override_generation_config)}
+             "override_generation_config": _json_object(args.override_generation_config),
+             "speculative_config": _speculative(args.speculative_config)}
     config = ServeConfig(**{k: v for k, v in given.items() if v is not None})   # the rest: ServeConfig's defaults
     hosts = int(os.environ.get("JAX_NUM_PROCESSES") or 1) if args.distributed else 1
     if config.tensor_parallel_size > 1 and (config.platform or "cpu") == "cpu":
@@ -57,8 +58,17 @@ def _json_object(text: str | None) -> dict | None:
     return value
 
 
+def _speculative(text: str | None):
+    """--speculative-config's typed config (None: not given)."""
+    if text is None:
+        return None
+    from .core.spec_decode import SpeculativeConfig
+    return SpeculativeConfig.from_json(text)
+
+
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     from .config import DEFAULT_GRPC_PORT, SERVE_QUANTIZE, ServeConfig
+    from .core.spec_decode import DEFAULT_DISABLE_BY_BATCH_SIZE
     d = ServeConfig()   # the defaults shown in --help are ServeConfig's, not copies
     sv = sub.add_parser(name, help="serve an artifact over HTTP (OpenAI API for LLMs, TF Serving predict otherwise)")
     sv.add_argument("artifact", nargs="?", help="artifact directory, or a GGUF file or preset exported into the cache "
@@ -115,5 +125,11 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     sv.add_argument("--override-generation-config", metavar="JSON",
                     help="LLM: a JSON object of those fields merged over the generation config, e.g. "
                          "'{\"temperature\": 0.7}'; a request's own fields still win")
+    sv.add_argument("--speculative-config", metavar="JSON",
+                    help="LLM: speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": "
+                         "K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M}' proposes up to K tokens a step "
+                         "by prompt lookup (the context's last N..M tokens found earlier in it) and verifies them "
+                         "in one step; \"disable_by_batch_size\": B (default %d) turns it off in steps with more "
+                         "than B requests running (default: off)" % DEFAULT_DISABLE_BY_BATCH_SIZE)
     sv.add_argument("--log-level", default="warning", help="uvicorn log level")
     sv.set_defaults(fn=_serve)

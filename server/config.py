@@ -19,6 +19,7 @@ from hloserve.runtime.artifact.llm import LLMSpec
 from .core.model_runner import RunnerConfig
 from .core.sampling import SamplingParams
 from .core.scheduler import SchedulerConfig
+from .core.spec_decode import SpeculativeConfig
 
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_GRPC_PORT = 8500   # TF Serving's
@@ -81,6 +82,9 @@ class ServeConfig:
         generation_config.json or the file itself.
       override_generation_config: generation_config.json fields merged over those (vLLM's
         --override-generation-config); a request's own fields win over both.
+      speculative_config: LLM: speculative decoding (vLLM's --speculative-config, the n-gram method;
+        server/core/spec_decode.py), None: off. Each drafted token is a row of the step, so
+        num_speculative_tokens is clamped to max_num_seqs - 1.
     """
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
@@ -111,6 +115,7 @@ class ServeConfig:
     verify_weights: str = "stamp"
     generation_config: str = GENERATION_AUTO
     override_generation_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if self.verify_weights not in ("stamp", "full"):
@@ -175,9 +180,17 @@ class ServeConfig:
             raise HloserveError(f"max_model_len={self.max_model_len} exceeds the artifact's max_context "
                                 f"{llm.max_context}; re-export with a longer context or lower --max-model-len")
         max_len = self.max_model_len or min(llm.max_context, DEFAULT_MAX_MODEL_LEN)
+        spec = self.speculative_config
+        if spec is not None:
+            if seqs < 2:
+                raise HloserveError(f"--speculative-config needs at least 2 sequences a step (max_num_seqs is {seqs}): "
+                                    f"each proposed token is verified in a row of the step; raise --max-num-seqs")
+            k = clamp("num_speculative_tokens", spec.num_speculative_tokens, seqs - 1,
+                      "max_num_seqs - 1: each proposed token is a row of the step")
+            spec = dataclasses.replace(spec, num_speculative_tokens=k)
         sched = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=max_len,
                                 admission_watermark=self.admission_watermark,
-                                enable_prefix_caching=self.enable_prefix_caching)
+                                enable_prefix_caching=self.enable_prefix_caching, speculative=spec)
         runner = RunnerConfig.for_limits(
             max_num_seqs=seqs, max_num_batched_tokens=tokens, max_blocks=-(-max_len // llm.block_size),
             num_blocks=self.num_blocks, kv_cache_bytes=self.kv_cache_bytes, min_tokens=self.min_token_bucket,

@@ -32,7 +32,11 @@ RULES = [
     ("hloserve.exporter", ("hloserve.exporter", "hloserve.quantization", "hloserve.runtime.artifact",
                            "hloserve.runtime.progress", "hloserve.runtime.paths"), WEB),
     ("hloserve.server.core.scheduler", ("hloserve.server.core.outputs", "hloserve.server.core.sampling",
-                                        "hloserve.server.core.block_manager"), HEAVY | WEB | {"jax"}),
+                                        "hloserve.server.core.block_manager", "hloserve.server.core.spec_decode"),
+     HEAVY | WEB | {"jax"}),
+    # speculative decoding's config, proposer and counters: policy the scheduler reads, host-only
+    ("hloserve.server.core.spec_decode", ("hloserve.server.core.sampling", "hloserve.runtime.artifact.errors"),
+     HEAVY | WEB | {"jax"}),
     ("hloserve.server.core.block_manager", (), HEAVY | WEB | {"jax"}),
     ("hloserve.server.core", ("hloserve.server.core", "hloserve.server.text", "hloserve.runtime"), HEAVY | WEB),
     ("hloserve.server.text", ("hloserve.server.text", "hloserve.runtime.artifact"), HEAVY | WEB | {"jax"}),

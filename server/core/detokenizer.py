@@ -53,11 +53,17 @@ class Detokenizer:
             tuple(params.stop), stop_token_ids, params.include_stop_str_in_output)
 
     def process(self, st: TextState, out: RequestOutput) -> RequestOutput:
-        """`out` with its new text; finished with "stop" when a stop string ended the text here."""
-        for token in out.new_token_ids:
+        """`out` with its new text; finished with "stop" when a stop string ended the text here. Tokens
+        are read one at a time: when several came in one step (speculative decoding) and a stop string
+        ends the text at one of them, the tokens after it are dropped from the output."""
+        hit = False
+        for i, token in enumerate(out.new_token_ids):
             if token not in st.stop_token_ids:
                 st.text += st.detok.step(token)
-        hit = bool(st.stop) and self._cut_at_stop(st)
+            if st.stop and self._cut_at_stop(st):
+                hit = True
+                out = _keep_tokens(out, i + 1)
+                break
         reason = FinishReason.STOP if hit else out.finish_reason
         if reason is None:
             hold = max((len(s) for s in st.stop), default=1) - 1   # a stop string may be starting
@@ -80,3 +86,13 @@ class Detokenizer:
         begin, end = min(hits)
         st.text = st.text[:end if st.include_stop else begin]
         return True
+
+
+def _keep_tokens(out: RequestOutput, n: int) -> RequestOutput:
+    """`out` with only its first n new tokens (and their logprobs), its output count lowered to match."""
+    dropped = len(out.new_token_ids) - n
+    if not dropped:
+        return out
+    lps = out.logprobs[:n] if out.logprobs else out.logprobs
+    return dataclasses.replace(out, new_token_ids=out.new_token_ids[:n], logprobs=lps,
+                               num_output_tokens=out.num_output_tokens - dropped)

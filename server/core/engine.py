@@ -369,4 +369,5 @@ class Engine:
             num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
             finished=dict(self._finished), steps=self._steps, ttft=self._ttft.copy(), itl=self._itl.copy(),
             e2e=self._e2e.copy(), runner=dict(self.runner.stats()), device_memory=self._device_memory,
-            step_host=self._step_host.copy(), step_device=self._step_device.copy())
+            step_host=self._step_host.copy(), step_device=self._step_device.copy(),
+            spec=s.spec.copy() if s.spec is not None else None)

@@ -9,7 +9,10 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    from .spec_decode import SpecDecodeStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0)
@@ -58,6 +61,8 @@ class MetricsSnapshot:
         device (the step functions' calls until their logits were on the host) and the rest of the
         step (scheduling, building inputs, sampling, detokenizing, streaming: the engine's own work,
         which nothing overlaps with the device today).
+      spec: speculative decoding's counters (drafts, drafted and accepted tokens, accepted per
+        position), None when it is off.
     """
     num_running: int
     num_waiting: int
@@ -78,6 +83,7 @@ class MetricsSnapshot:
     device_memory: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     step_host: Histogram = dataclasses.field(default_factory=lambda: Histogram(STEP_BUCKETS))
     step_device: Histogram = dataclasses.field(default_factory=lambda: Histogram(STEP_BUCKETS))
+    spec: "SpecDecodeStats | None" = None
 
 
 # What the runner's stats() keys mean (a key without an entry is exported with a generic help line).
@@ -156,10 +162,23 @@ def engine_families(exp: Exposition, m: MetricsSnapshot) -> None:
                   "overlap: scheduling, inputs, sampling, detokenizing, streaming.", m.step_host)
     exp.histogram("hloserve:step_device_seconds", "Per engine step, the time the host waited on the device: "
                   "the step functions' calls, input and output transfers included.", m.step_device)
+    if m.spec is not None:
+        spec_decode_families(exp, m.spec)
     runner_families(exp, m.runner)
     if m.device_memory:
         exp.gauge("hloserve:device_memory_bytes", "Bytes of weights and KV cache held on each device.",
                    {(("device", d), ("kind", k)): v for (d, k), v in sorted(m.device_memory.items())})
+
+
+def spec_decode_families(exp: Exposition, spec: "SpecDecodeStats") -> None:
+    """vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py, whose prometheus_client
+    Counters are exposed with `_total`). Acceptance rate: accepted / draft tokens; mean tokens per
+    verifying step: 1 + accepted / drafts; per position: accepted_per_pos / drafts."""
+    exp.counter("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.", spec.num_drafts)
+    exp.counter("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.", spec.num_draft_tokens)
+    exp.counter("vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.", spec.num_accepted_tokens)
+    exp.counter("vllm:spec_decode_num_accepted_tokens_per_pos_total", "Accepted tokens per draft position.",
+                {(("position", str(i)),): n for i, n in enumerate(spec.accepted_per_pos)})
 
 
 def runner_families(exp: Exposition, stats: Mapping[str, float]) -> None:

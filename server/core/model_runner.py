@@ -38,7 +38,7 @@ from hloserve.runtime.artifact.llm import (MAX_BLOCKS, NULL_BLOCK, NUM_BLOCKS, N
 from hloserve.runtime.buckets import geometric
 
 from .outputs import RunnerOutput, SchedulerPlan
-from .sampling import sample, token_logprobs
+from .sampling import sample, token_logprobs, verify_draft
 
 log = logging.getLogger("hloserve.server.runner")
 
@@ -99,12 +99,12 @@ def build_step(plan: SchedulerPlan, cfg: RunnerConfig, block_size: int, *, decod
     """A plan as one call: the function (decode when every row runs one token) and its inputs padded
     to cfg's buckets by the contract's packer (which also computes each token's cache slot)."""
     seqs = plan.seqs
-    S, T = len(seqs), plan.num_tokens
-    is_decode = T == S   # one token per sequence
+    S, T = plan.num_rows, plan.num_tokens
+    is_decode = T == S   # one token per row: decodes, and the rows of verified drafts
     Sp = _bucket(cfg.seq_buckets, S, "num_seqs")
     Tp = Sp if is_decode else _bucket(cfg.token_buckets, T, "num_tokens")
     Bp = _bucket(cfg.block_buckets, max(len(s.block_table) for s in seqs), "max_blocks")
-    inputs = pack_step([(s.token_ids, s.start, s.block_table) for s in seqs], block_size,
+    inputs = pack_step([(tokens, start, s.block_table) for s in seqs for tokens, start in s.step_rows()], block_size,
                        pad_tokens=Tp, pad_seqs=Sp, pad_blocks=Bp)
     return StepBatch(function=decode_fn if is_decode else prefill_fn, inputs=inputs, num_seqs=S)
 
@@ -151,15 +151,28 @@ def tensor_parallel_rules(llm: LLMSpec, path: str, size: int) -> dict:
 
 
 def sample_plan(plan: SchedulerPlan, logits: np.ndarray) -> RunnerOutput:
-    """Sample the rows of `logits` (f32[>=S, vocab], row i = plan.seqs[i]) that need a token."""
-    rows = [i for i, s in enumerate(plan.seqs) if s.needs_logits]
-    if not rows:
-        return RunnerOutput({})
-    seqs = [plan.seqs[i] for i in rows]
-    tokens, lps = sample(np.asarray(logits)[rows], [s.sampling for s in seqs], [s.seed for s in seqs],
-                         [s.sample_index for s in seqs], [s.context for s in seqs])
-    return RunnerOutput({s.request_id: t for s, t in zip(seqs, tokens)},
-                        {s.request_id: lp for s, lp in zip(seqs, lps) if lp is not None})
+    """Sample the rows of `logits` (f32[>= plan.num_rows, vocab], the plan's rows in order: one per
+    sequence, one per token of a verified draft) that need a token; a drafted sequence's rows are
+    verified together (sampling.verify_draft)."""
+    logits = np.asarray(logits)
+    first = np.cumsum([0] + [1 + len(s.draft_token_ids) for s in plan.seqs])   # each sequence's first row
+    rows = [i for i, s in enumerate(plan.seqs) if s.needs_logits and not s.draft_token_ids]
+    sampled: dict[str, tuple[int, ...]] = {}
+    logprobs: dict[str, tuple] = {}
+    if rows:
+        seqs = [plan.seqs[i] for i in rows]
+        tokens, lps = sample(logits[first[rows]], [s.sampling for s in seqs], [s.seed for s in seqs],
+                             [s.sample_index for s in seqs], [s.context for s in seqs])
+        sampled.update((s.request_id, (t,)) for s, t in zip(seqs, tokens))
+        logprobs.update((s.request_id, (lp,)) for s, lp in zip(seqs, lps) if lp is not None)
+    for i, s in enumerate(plan.seqs):
+        if s.draft_token_ids and s.needs_logits:
+            tokens, lps = verify_draft(logits[first[i]:first[i + 1]], s.draft_token_ids, s.sampling, s.seed,
+                                       s.sample_index, s.context)
+            sampled[s.request_id] = tuple(tokens)
+            if lps[0] is not None:
+                logprobs[s.request_id] = tuple(lps)
+    return RunnerOutput(sampled, logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,8 +343,9 @@ class ModelRunner:
         if plan.is_empty:
             return RunnerOutput({})
         t0 = time.perf_counter()
-        decodes = tuple(s for s in plan.seqs if len(s.token_ids) == 1)
-        chunks = tuple(s for s in plan.seqs if len(s.token_ids) > 1)
+        # one token per row: decodes, and verified drafts (a row per token)
+        decodes = tuple(s for s in plan.seqs if len(s.token_ids) == 1 + len(s.draft_token_ids))
+        chunks = tuple(s for s in plan.seqs if len(s.token_ids) > 1 + len(s.draft_token_ids))
         parts = [plan] if self.one_call or not decodes or not chunks else [
             SchedulerPlan.of(rows) for rows in (decodes, chunks)]
         sampled, logprobs, device = {}, {}, 0.0

@@ -24,7 +24,7 @@ class FinishReason(str, enum.Enum):
 class ScheduledSeq:
     """One request's share of a step; one row of the runner's block tables."""
     request_id: str
-    token_ids: tuple[int, ...]      # tokens to run this step: a prefill chunk, or one token for a decode
+    token_ids: tuple[int, ...]      # tokens to run this step: a prefill chunk, or one token for a decode (+ its draft)
     start: int                      # position of token_ids[0] in the sequence (= num_computed_tokens)
     block_table: tuple[int, ...]    # the request's blocks, unpadded (the runner pads with the null block 0)
     needs_logits: bool              # the chunk reaches the end of the known tokens: sample the next one
@@ -33,6 +33,18 @@ class ScheduledSeq:
     sample_index: int               # index of the token to sample among the outputs; (seed, index) picks the draw
     context: RowContext = RowContext()  # what penalties and min_tokens read (empty unless the request uses them)
     score_prompt: tuple[int, ...] = ()  # the whole prompt, on the step that completes it, when its logprobs are asked
+    # speculative decoding (core/spec_decode.py): the last len(draft_token_ids) of token_ids are proposed
+    # tokens to verify; each token of a verifying share runs in a row of its own (step_rows)
+    draft_token_ids: tuple[int, ...] = ()
+
+    def step_rows(self) -> list[tuple[tuple[int, ...], int]]:
+        """(token ids, start) of each row of the step this share takes: one row; or, verifying a draft,
+        one row per token, all over the request's block table, row j attending to the positions up
+        to start + j (the step writes every token's K/V before any token attends), so each token
+        is computed as a decode's token is and its row returns its logits."""
+        if not self.draft_token_ids:
+            return [(self.token_ids, self.start)]
+        return [((t,), self.start + j) for j, t in enumerate(self.token_ids)]
 
     @property
     def context_len(self) -> int:
@@ -51,6 +63,11 @@ class SchedulerPlan:
     def is_empty(self) -> bool:
         return not self.seqs
 
+    @property
+    def num_rows(self) -> int:
+        """Rows of the step (S): one per sequence, plus one per drafted token (ScheduledSeq.step_rows)."""
+        return len(self.seqs) + sum(len(s.draft_token_ids) for s in self.seqs)
+
     @classmethod
     def of(cls, seqs: tuple[ScheduledSeq, ...]) -> "SchedulerPlan":
         return cls(seqs=seqs, num_tokens=sum(len(s.token_ids) for s in seqs))
@@ -59,8 +76,11 @@ class SchedulerPlan:
 @dataclasses.dataclass(frozen=True)
 class RunnerOutput:
     """What the runner returns for a plan."""
-    sampled: Mapping[str, int]                   # request id -> sampled token, for seqs with needs_logits
-    logprobs: Mapping[str, TokenLogprobs] = dataclasses.field(default_factory=dict)  # for requests that asked
+    # request id -> the tokens the step produced for it, for seqs with needs_logits: one sampled token, or
+    # with a draft, the draft tokens accepted and then the token drawn after them
+    sampled: Mapping[str, tuple[int, ...]]
+    # for requests that asked: one entry per token of `sampled`
+    logprobs: Mapping[str, tuple[TokenLogprobs, ...]] = dataclasses.field(default_factory=dict)
     # request id -> one entry per prompt token after the first (its logprob given the tokens before)
     prompt_logprobs: Mapping[str, tuple[TokenLogprobs, ...]] = dataclasses.field(default_factory=dict)
     # seconds the host waited on the device: the step functions' calls until their logits were on the host

@@ -276,6 +276,33 @@ def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, index: int
     return token, (token_logprobs(raw, token, params.logprobs) if params.logprobs is not None else None)
 
 
+def verify_draft(logits: np.ndarray, draft: Sequence[int], params: SamplingParams, seed: int, index: int,
+                 ctx: RowContext = RowContext()) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Speculative decoding's acceptance for a point-mass draft (a proposed token, no draft
+    distribution): logits f32[len(draft) + 1, vocab], row j the logits after the draft's first j tokens.
+
+    Row j draws the token the request would draw at that position without speculation (draw number
+    index + j of its seed); the draft's token j is accepted while it equals that draw, and the first
+    draw that differs (or the draw after the whole draft) ends the tokens returned. Greedy: the
+    accepted tokens are the argmax ones, so the text is the same as without speculation. Sampling:
+    the draft token t is accepted with probability p(t), and when it is not, the token returned is
+    distributed as p with t removed and renormalized: the rejection sampling of Leviathan et al. for a
+    draft q that is a point mass on t (min(1, p(t)/q(t)) = p(t); the residual max(0, p - q) is p off
+    t), so each token keeps the target distribution; and since the draw is the one made without
+    speculation, a seeded request draws the same tokens whether or not a step speculated.
+    Returns (tokens, their logprobs or Nones), 1..len(draft)+1 tokens.
+    """
+    tokens: list[int] = []
+    lps: list[TokenLogprobs | None] = []
+    for j in range(len(draft) + 1):
+        token, lp = sample_row(logits[j], params, seed, index + j, ctx)
+        tokens.append(token)
+        lps.append(lp)
+        if j == len(draft) or token != draft[j]:
+            break
+    return tokens, lps
+
+
 def token_logprobs(logits: np.ndarray, token: int, k: int) -> TokenLogprobs:
     lp = _log_softmax(logits)
     top: tuple[tuple[int, float], ...] = ()

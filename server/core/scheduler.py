@@ -46,6 +46,7 @@ from typing import Sequence
 from .block_manager import BlockManager
 from .outputs import FinishReason, RequestOutput, RunnerOutput, ScheduledSeq, SchedulerPlan
 from .sampling import RowContext, SamplingParams, TokenLogprobs
+from .spec_decode import DraftLength, NgramProposer, SpecDecodeStats, SpeculativeConfig, speculates
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,12 +60,15 @@ class SchedulerConfig:
       max_model_len: prompt + generated tokens per request (the model's context).
       admission_watermark: fraction of blocks kept free when admitting a new request,
         so running decodes can grow without preempting at once.
+      speculative: speculative decoding (core/spec_decode.py), None: off. Each drafted token takes one
+        token of the budget and one row of the step (rows stay <= max_num_seqs).
     """
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     admission_watermark: float
     enable_prefix_caching: bool        # read by build_engine for the BlockManager
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -98,6 +102,7 @@ class Request:
     num_computed_tokens: int = 0         # tokens whose K/V is in the cache
     num_cached_tokens: int = 0           # of the prompt, tokens served by the prefix cache (last admission)
     num_preemptions: int = 0
+    draft: DraftLength | None = None     # speculative decoding: its proposal length (None: off)
 
     @property
     def num_output_tokens(self) -> int:
@@ -117,6 +122,7 @@ class SchedulerStats:
     prefix_cache_hits: int = 0      # of those, tokens found cached
     prompt_tokens: int = 0          # prompt tokens of admitted requests (recomputation not counted)
     generation_tokens: int = 0
+    spec: SpecDecodeStats | None = None   # speculative decoding's counters, when it is on
 
 
 def context_room(prompt_len: int, max_model_len: int) -> int:
@@ -150,7 +156,9 @@ class Scheduler:
         self.running: list[Request] = []               # sorted by arrival (oldest first)
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
-        self.stats = SchedulerStats()
+        spec = config.speculative
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.stats = SchedulerStats(spec=SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None)
 
     # -- admission ----------------------------------------------------------------
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -169,8 +177,10 @@ class Scheduler:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
+        spec = self.config.speculative
         req = Request(request_id, list(prompt_token_ids), len(prompt_token_ids), params, seed, self._arrivals,
-                      self.stop_token_ids(params))
+                      self.stop_token_ids(params),
+                      draft=DraftLength(spec.num_speculative_tokens) if spec is not None else None)
         self._arrivals += 1
         self._requests[request_id] = req
         self.waiting.append(req)
@@ -234,6 +244,8 @@ class Scheduler:
             i += 1
         if not preempted:
             budget = self._admit(budget, prefills)
+        if self.proposer is not None and decodes:
+            decodes = self._speculate(decodes, budget, self.config.max_num_seqs - len(decodes) - len(prefills))
         seqs = tuple(decodes + prefills)
         return SchedulerPlan(seqs=seqs, num_tokens=sum(len(s.token_ids) for s in seqs), preempted=tuple(preempted))
 
@@ -298,6 +310,37 @@ class Scheduler:
             prefills.append(self._seq(req, n))
         return budget
 
+    def _speculate(self, decodes: list[ScheduledSeq], budget: int, rows: int) -> list[ScheduledSeq]:
+        """The decode rows with proposed tokens to verify, oldest first, while the step's token budget
+        and rows last; none when more requests run than `disable_by_batch_size`. A draft never takes
+        blocks below the admission watermark, and never preempts."""
+        spec = self.config.speculative
+        if len(self.running) > spec.disable_by_batch_size:
+            return decodes
+        watermark = int(self.config.admission_watermark * self.blocks.total_blocks)
+        out = []
+        for seq in decodes:
+            req = self._requests[seq.request_id]
+            draft = self._propose(req, min(spec.num_speculative_tokens, budget, rows))
+            total = req.num_computed_tokens + 1 + len(draft)
+            if draft and self.blocks.new_blocks_needed(req.request_id, total) <= self.blocks.num_free_blocks - watermark:
+                table = self.blocks.allocate(req.request_id, total).block_ids
+                seq = dataclasses.replace(seq, token_ids=seq.token_ids + draft, block_table=table, draft_token_ids=draft)
+                budget -= len(draft)
+                rows -= len(draft)
+            out.append(seq)
+        return out
+
+    def _propose(self, req: Request, k: int) -> tuple[int, ...]:
+        """Up to k proposed tokens for a decoding request: within its room (the draft and the token drawn
+        after it stay within max_tokens and the context) and its adaptive length (DraftLength)."""
+        room = min(req.params.max_tokens - req.num_output_tokens, self.config.max_model_len - len(req.token_ids)) - 1
+        k = min(k, room)
+        if k <= 0 or not speculates(req.params, req.num_output_tokens):
+            return ()
+        k = min(k, req.draft.take())
+        return self.proposer.propose(req.token_ids, k) if k > 0 else ()
+
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         """The plan row running tokens [num_computed, num_computed + n) of `req` (blocks already allocated)."""
         start = req.num_computed_tokens
@@ -330,33 +373,49 @@ class Scheduler:
             req = self._requests.get(seq.request_id)
             if req is None or req.status is not RequestStatus.RUNNING or req.num_computed_tokens != seq.start:
                 continue  # aborted or preempted since the plan was made
-            req.num_computed_tokens += len(seq.token_ids)
-            self.blocks.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
             if not seq.needs_logits:
+                req.num_computed_tokens += len(seq.token_ids)
+                self.blocks.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
                 continue
-            token = int(output.sampled[seq.request_id])
-            lp = output.logprobs.get(seq.request_id)
-            req.token_ids.append(token)
-            self.stats.generation_tokens += 1
-            out = self._after_token(req, token, lp)
+            tokens = tuple(int(t) for t in output.sampled[seq.request_id])
+            accepted = len(tokens) - 1           # drafted tokens kept: their K/V, computed this step, is valid
+            if seq.draft_token_ids:
+                self.stats.spec.observe(len(seq.draft_token_ids), accepted)
+                req.draft.observe(len(seq.draft_token_ids), accepted, self.config.speculative.num_speculative_tokens)
+            # the rejected drafts' slots lie past the computed length: a later step writes them again
+            req.num_computed_tokens += len(seq.token_ids) - len(seq.draft_token_ids) + accepted
+            known = req.token_ids + list(tokens[:accepted]) if accepted else req.token_ids
+            self.blocks.cache_full_blocks(req.request_id, known, req.num_computed_tokens)
+            out = self._after_tokens(req, tokens, output.logprobs.get(seq.request_id))
             if seq.score_prompt:
                 out = dataclasses.replace(out, prompt_logprobs=tuple(output.prompt_logprobs.get(seq.request_id, ())))
             outputs.append(out)
         return outputs
 
-    def _after_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
-        """Token-level stop rules (vLLM's check_stop): EOS / stop token ids, max_tokens, the context.
-        Stop strings (core/detokenizer.py) and grammars (core/structured_output.py) are the engine's."""
+    def _after_tokens(self, req: Request, tokens: tuple[int, ...],
+                      lps: tuple[TokenLogprobs, ...] | None) -> RequestOutput:
+        """Append a step's tokens one at a time under the token-level stop rules (vLLM's check_stop:
+        EOS / stop token ids, max_tokens, the context); the first that stops ends the request and the
+        tokens after it are dropped. Stop strings (core/detokenizer.py) and grammars
+        (core/structured_output.py) are the engine's."""
         params = req.params
         reason = None
-        if token in req.eos_token_ids and req.num_output_tokens >= params.min_tokens:
-            reason = FinishReason.STOP
-        elif req.num_output_tokens >= params.max_tokens or len(req.token_ids) >= self.config.max_model_len:
-            reason = FinishReason.LENGTH
-        lps = (lp,) if lp is not None else (() if params.logprobs is not None else None)
+        kept = 0
+        for token in tokens:
+            req.token_ids.append(token)
+            self.stats.generation_tokens += 1
+            kept += 1
+            if token in req.eos_token_ids and req.num_output_tokens >= params.min_tokens:
+                reason = FinishReason.STOP
+            elif req.num_output_tokens >= params.max_tokens or len(req.token_ids) >= self.config.max_model_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                break
+        new = tokens[:kept]
+        lps = tuple(lps[:kept]) if lps else (() if params.logprobs is not None else None)
         if reason is not None:
-            return self._finish(req, reason, (token,), lps)
-        return RequestOutput(request_id=req.request_id, new_token_ids=(token,), logprobs=lps,
+            return self._finish(req, reason, new, lps)
+        return RequestOutput(request_id=req.request_id, new_token_ids=new, logprobs=lps,
                              num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
                              num_cached_tokens=req.num_cached_tokens)
 

@@ -190,6 +190,37 @@ def greedy_tokens_match_transformers(tiny_llm, runner):
     assert sched.blocks.num_free_blocks == sched.blocks.total_blocks
 
 
+@pytest.mark.parametrize("which", ["runner", "portable_runner"])
+def test_greedy_tokens_match_transformers_with_speculation(tiny_llm, which, request):
+    """Speculative decoding on the real step (a row per verified token; one call where the kernels
+    run, the decode call otherwise): prompts that repeat themselves, so the n-gram proposer drafts and the
+    model accepts some drafts and rejects others; every token equals transformers' greedy one."""
+    from hloserve.server.core.spec_decode import SpeculativeConfig
+    runner = request.getfixturevalue(which)
+    hf, _ = tiny_llm
+    rng = random.Random(5)
+    motif = [rng.randrange(3, VOCAB) for _ in range(6)]
+    prompts = [motif * 3 + motif[:2], [rng.randrange(3, VOCAB) for _ in range(9)]]
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                                      admission_watermark=0.0, enable_prefix_caching=True, speculative=spec),
+                      BlockManager(runner.num_blocks, runner.block_size))
+    n = 24
+    for i, p in enumerate(prompts):
+        sched.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    got: dict[str, list] = {}
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        for o in sched.update(plan, runner.execute(plan)):
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == hf_greedy(hf, p, n), f"request r{i}"
+    s = sched.stats.spec
+    assert s.num_drafts > 0 and 0 < s.num_accepted_tokens < s.num_draft_tokens, s
+    assert runner.stats()["compiles_after_warmup_total"] == 0
+    assert sched.blocks.num_free_blocks == sched.blocks.total_blocks
+
+
 @pytest.mark.slow
 def test_engine_thread_on_the_real_artifact(tiny_llm, runner):
     hf, _ = tiny_llm

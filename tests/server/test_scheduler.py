@@ -37,7 +37,7 @@ def run(sched, runner, max_steps=200):
             break
         plan = sched.schedule()
         assert plan.num_tokens <= sched.config.max_num_batched_tokens
-        assert len(plan.seqs) <= sched.config.max_num_seqs
+        assert len(plan.seqs) <= plan.num_rows <= sched.config.max_num_seqs   # a verified draft: a row per token
         for o in sched.update(plan, runner.execute(plan)):
             outs.setdefault(o.request_id, []).append(o)
         sched.blocks.check_invariants()

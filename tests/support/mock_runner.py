@@ -45,8 +45,10 @@ class MockRunner:
             return RunnerOutput({})
         self.steps += 1
         bs = self.block_size
-        logits = np.zeros((len(plan.seqs), self.vocab_size), np.float32)
-        for i, s in enumerate(plan.seqs):
+        logits = np.zeros((plan.num_rows, self.vocab_size), np.float32)
+        row = 0                           # a verified draft takes a row per token (ScheduledSeq.step_rows)
+        for s in plan.seqs:
+            i, row = row, row + 1 + len(s.draft_token_ids)
             for slot, tok in zip(slots(s.start, len(s.token_ids), s.block_table, bs), s.token_ids):
                 if slot // bs == NULL_BLOCK:
                     raise AssertionError(f"{s.request_id}: a real token was written into the null block")
@@ -55,7 +57,8 @@ class MockRunner:
                 continue
             ctx = [int(self.cache[s.block_table[p // bs] * bs + p % bs]) for p in range(s.context_len)]
             self.contexts[s.request_id] = ctx
-            logits[i, (ctx[-1] + 1) % self.vocab_size] = self.peak
+            for j, p in enumerate(range(s.context_len - 1 - len(s.draft_token_ids), s.context_len)):
+                logits[i + j, (ctx[p] + 1) % self.vocab_size] = self.peak
         return sample_plan(plan, logits)
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> int:
