@@ -2,25 +2,29 @@
 interface (`ExpertsInterface`, what `AttentionInterface` is to attention).
 
 transformers' own implementations sort the step's (token, expert) pairs by expert and multiply
-ragged groups (`grouped_mm`), whose sizes are data: no static shape to export. Here a loop over
-the experts (a scan, so one expert is traced and compiled, not E) adds each expert's output in a
-conditional branch, taken when the step routes any token to it:
+ragged groups (`grouped_mm`), whose sizes are data: no static shape to export. Here:
+
+* 16-bit experts with the gated SiLU MLP (Mixtral, Qwen-MoE, OLMoE, ...) are one
+  `hloserve.grouped_experts` composite per layer (exporter/composites/grouped_experts.py): its
+  decomposition loops over the experts, each one taken multiplying every row of the step; the
+  CPU kernel sorts the pairs by expert and reads each expert's matrices once for its own rows.
+  The stacks [E, out, in] (or a scanned layer's [L, E, out, in]) are passed whole, with the layer.
+* any other experts (f32 stacks, other activations or gates) run a loop over the experts (a scan,
+  so one expert is traced and compiled, not E) that adds each expert's output in a conditional
+  branch, taken when the step routes any token to it:
 
     y = sum_e  cond(any token routed to e,  w_e * down_e(act(gate_e(x)) * up_e(x)),  0)
 
-where w_e [T] is each token's routing weight for expert e (0 for the tokens not routed to it). The
-branch multiplies all T rows; the condition is what a step pays for: a decode step of a few
-sequences reads only the experts its tokens chose, a long prompt chunk usually all of them.
-A 16-bit stack of experts' matrices [E, out, in] is read in place through the layer_linear
-composite (expert e of a scanned layer's [L, E, out, in] stack at row layer * E + e), as every
-other 16-bit linear of the generic step (hf_layers.sixteen_bit); an f32 one by slicing.
+  where w_e [T] is each token's routing weight for expert e (0 for the tokens not routed to it).
+  The branch multiplies all T rows; a 16-bit matrix is read through the layer_linear composite
+  (expert e of a scanned layer's [L, E, out, in] stack at row layer * E + e), an f32 one sliced.
 """
 from __future__ import annotations
 
 import torch
 
 from .._private import scan_lifted
-from ..composites import layer_linear  # noqa: F401 - registers torch.ops.hloserve.layer_linear
+from ..composites import grouped_experts, layer_linear  # noqa: F401 - register torch.ops.hloserve.*
 from ..errors import SourceError
 from .step import holds_of
 
@@ -94,6 +98,11 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     holds = getattr(self, "holds", None)
     layer = getattr(self, "layer", None)
     layer = torch.zeros((), dtype=torch.int32) if layer is None else layer
+    if holds is not None and _grouped(self):
+        stacks = [w if w.dim() == 4 else w[None] for w in (self.gate_up_proj, self.down_proj)]   # [L, E, out, in]
+        out = torch.ops.hloserve.grouped_experts(hidden_states.float(), top_k_index.to(torch.int32),
+                                                 top_k_weights.float(), *stacks, layer, holds)
+        return out.to(hidden_states.dtype)
     run = _expert(self, holds)
 
     def body(out, xs, lifted):
@@ -110,6 +119,18 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     out, _ = scan_lifted(body, torch.zeros_like(x), (experts,),
                          (x, top_k_index, top_k_weights.float(), getattr(self, first), self.down_proj, layer))
     return out.to(hidden_states.dtype)
+
+
+def _grouped(module) -> bool:
+    """Whether the module computes what the grouped_experts composite does: [gate; up] concatenated,
+    the default gating act(gate) * up, and SiLU."""
+    from transformers.activations import SiLUActivation
+    from transformers.integrations.moe import _default_apply_gate
+
+    act = module.act_fn
+    silu = isinstance(act, (torch.nn.SiLU, SiLUActivation)) or act is torch.nn.functional.silu
+    return (module.has_gate and silu and getattr(module, "gate_up_proj", None) is not None
+            and getattr(type(module), "_apply_gate", _default_apply_gate) is _default_apply_gate)
 
 
 def _expert(module, holds: int | None):

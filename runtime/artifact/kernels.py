@@ -149,6 +149,26 @@ PAGED_ATTENTION_V2 = Composite(
     result=PAGED_ATTENTION.result + "; with a window w > 0 also c > positions[t] - w",
 )
 
+# A mixture-of-experts layer's experts over 16-bit matrix stacks: each token's chosen experts' gated
+# MLPs, weighted. The decomposition multiplies every row by each expert a token chose; a kernel may
+# group the (token, slot) pairs by expert and read each expert's matrices once for its rows.
+GROUPED_EXPERTS = Composite(
+    name="hloserve.grouped_experts",
+    version=1,
+    operands=(
+        "x f32[T, D]: activations",
+        "index s32[T, k]: each token's experts, in [0, E)",
+        "weights f32[T, k]: each token's routing weights",
+        "gate_up [L, E, 2F, D]: 16-bit floats, or their bits in s16: rows [0, F) the gate, [F, 2F) the up projection",
+        "down [L, E, D, F]: like gate_up",
+        "layer s32[]: the layer whose experts are used",
+    ),
+    attributes=("holds i64: what the matrices are (Holds): 1 bfloat16, 2 float16",),
+    result="f32[T, D]: sum over j of weights[t, j] * down[layer, e] . r(silu(g) * u), [g; u] = gate_up[layer, e] . "
+           "r(x[t]), e = index[t, j], where r rounds to the matrices' dtype (to nearest even) and silu(g) = g "
+           "sigmoid(g) in f32; products exact in f32, summed in f32 in any order",
+)
+
 # (name, version) -> contract
 COMPOSITES = {(c.name, c.version): c for c in (PAGED_ATTENTION, PAGED_ATTENTION_V2, LAYER_LINEAR, QUANT_LINEAR,
-                                                 QUANT_LINEAR_V2)}
+                                                 QUANT_LINEAR_V2, GROUPED_EXPERTS)}

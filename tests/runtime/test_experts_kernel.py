@@ -1,0 +1,120 @@
+"""The grouped experts kernel (runtime/kernels/cpu/experts.cc) against the composite's portable
+decomposition and the torch reference (exporter/composites/grouped_experts.py).
+
+Tolerance: x and the activation are rounded to the matrices' 16-bit type on every side, so the
+products are exact and the sums differ only in order, except that silu is computed by different
+code (torch, XLA, the kernel's expf: a few f32 ulps apart), which can move an activation across a
+16-bit rounding boundary: one ulp of the 16-bit type (2^-8 relative for bf16, 2^-11 for f16) of
+that activation's product. So each output element is bounded by 2^-8 times the sum of its
+products' magnitudes, |weights| |down| |a|, plus the f32 summation bound; a wrong expert, slot or
+row moves an element by the size of its products (O(1) relative).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax import export
+
+from hloserve.exporter import _private
+from hloserve.exporter.composites import grouped_experts as ops
+from hloserve.runtime.artifact.kernels import GROUPED_EXPERTS
+
+from .test_kernels import library, specialize  # noqa: F401 - the module's fixture
+
+L, E, D, F = 2, 6, 64, 40          # F: not a whole number of 32-element vectors
+
+
+def _exported(gate_up, down, k, holds):
+    def f(*a):
+        return _private.composite(ops.grouped_experts_reference, GROUPED_EXPERTS.name, GROUPED_EXPERTS.version)(
+            *a, holds=holds)
+    (t,) = export.symbolic_shape("T")
+    shapes = [jax.ShapeDtypeStruct((t, D), np.float32), jax.ShapeDtypeStruct((t, k), np.int32),
+              jax.ShapeDtypeStruct((t, k), np.float32), jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype),
+              jax.ShapeDtypeStruct(down.shape, down.dtype), jax.ShapeDtypeStruct((), np.int32)]
+    return export.export(jax.jit(f), platforms=("cpu",))(*shapes)
+
+
+def _stacks(rng, holds, storage):
+    dtype = jnp.bfloat16 if holds == 1 else jnp.float16
+    values = [jnp.asarray(rng.standard_normal(s).astype(np.float32) / np.sqrt(s[-1])).astype(dtype)
+              for s in ((L, E, 2 * F, D), (L, E, D, F))]
+    stored = [np.asarray(v.view(jnp.int16) if storage == "bits" else v) for v in values]
+    return stored, [np.asarray(v.astype(jnp.float32)) for v in values]
+
+
+def _routing(rng, T, k, unused):
+    """Each token's k distinct experts among the first E - unused (the others get no rows)."""
+    index = np.stack([rng.permutation(E - unused)[:k] for _ in range(T)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    return index, weights
+
+
+def _bound(x, index, weights, gu, dn, layer, holds):
+    """Per output element, over each token's slots: |w| |down| . (ulp |a| + 2 da) plus the f32
+    summation bound of the down product, where a = silu(g) u and da bounds what the f32 sums of
+    the gate_up product move it by (|silu'| <= 1.1, |silu(g)| <= |g|). x is taken as rounded."""
+    ulp = 2.0 ** (-8 if holds == 1 else -11)
+    xr = np.asarray(jnp.asarray(x).astype(jnp.bfloat16 if holds == 1 else jnp.float16).astype(jnp.float32))
+    total = np.zeros_like(x)
+    for j in range(index.shape[1]):
+        g = gu[layer][index[:, j]]                                          # [T, 2F, D]
+        h = np.einsum("tnd,td->tn", g, xr)
+        s = D * 2.0 ** -24 * np.einsum("tnd,td->tn", np.abs(g), np.abs(xr))
+        a = np.abs(h[:, :F] / (1 + np.exp(-h[:, :F])) * h[:, F:])
+        da = 1.1 * np.abs(h[:, F:]) * s[:, :F] + np.abs(h[:, :F]) * s[:, F:]
+        total += np.abs(weights[:, [j]]) * np.einsum("tdf,tf->td", np.abs(dn[layer][index[:, j]]),
+                                                     (ulp + F * 2.0 ** -24) * a + 2 * da)
+    return total + 1e-6
+
+
+@pytest.mark.parametrize("holds,storage", [(1, "bits"), (1, "float"), (2, "bits")])
+@pytest.mark.parametrize("k", [1, 2])
+def test_grouped_experts_kernel_matches_decomposition_and_torch(library, holds, storage, k):  # noqa: F811
+    """At 1, 16 and 100 tokens (decode rows to a prompt chunk), with experts no token chose, the kernel,
+    the decomposition and torch's eager reference agree within the bound above."""
+    rng = np.random.default_rng(holds * 10 + k)
+    (gate_up, down), (gu32, dn32) = _stacks(rng, holds, storage)
+    exp = _exported(gate_up, down, k, holds)
+    portable_fn, _ = specialize(exp, None)
+    kernel_fn, n_kernel = specialize(exp, library)
+    assert n_kernel == 1 and "custom_call @hloserve_grouped_experts" in kernel_fn.mlir_module()
+    for T, unused in ((1, 0), (16, 2), (100, 3)):
+        x = rng.standard_normal((T, D)).astype(np.float32)
+        index, weights = _routing(rng, T, k, unused)
+        layer = np.int32(T % L)
+        args = (x, index, weights, gate_up, down, layer)
+        kernel = np.asarray(jax.jit(kernel_fn.call)(*args))
+        portable = np.asarray(jax.jit(portable_fn.call)(*args))
+        stored = [torch.from_numpy(np.array(w).view(np.int16)) for w in (gate_up, down)]
+        stored = stored if storage == "bits" else [w.view(torch.bfloat16) for w in stored]
+        ref = ops.grouped_experts(torch.from_numpy(x), torch.from_numpy(index), torch.from_numpy(weights), *stored,
+                                  torch.tensor(layer), holds).numpy()
+        bound = _bound(x, index, weights, gu32, dn32, layer, holds)
+        assert np.abs(ref).max() > 0.1                                      # O(1) outputs: the bound is relative
+        for name, got in (("kernel", kernel), ("decomposition", portable)):
+            assert got.shape == (T, D)
+            assert (np.abs(got - ref) <= bound).all(), (name, T, np.abs(got - ref).max(), bound.min())
+
+
+def test_grouped_experts_kernel_reads_only_the_chosen_experts_of_its_layer(library):  # noqa: F811
+    """Zeroing other layers' experts and the experts no token chose changes nothing; zeroing a chosen
+    expert changes exactly the rows routed to it."""
+    rng = np.random.default_rng(7)
+    (gate_up, down), _ = _stacks(rng, 1, "bits")
+    fn = jax.jit(specialize(_exported(gate_up, down, 2, 1), library)[0].call)
+    x = rng.standard_normal((5, D)).astype(np.float32)
+    index = np.array([[0, 1], [1, 2], [2, 0], [0, 1], [1, 0]], np.int32)
+    weights = rng.uniform(0.1, 1.0, (5, 2)).astype(np.float32)
+    base = np.asarray(fn(x, index, weights, gate_up, down, np.int32(1)))
+    other_gu, other_dn = gate_up.copy(), down.copy()
+    other_gu[0], other_dn[0] = 0, 0
+    other_gu[1, 3:], other_dn[1, 3:] = 0, 0
+    np.testing.assert_array_equal(np.asarray(fn(x, index, weights, other_gu, other_dn, np.int32(1))), base)
+    mine = down.copy()
+    mine[1, 2] = 0
+    changed = np.abs(np.asarray(fn(x, index, weights, gate_up, mine, np.int32(1))) - base).max(-1) > 0
+    np.testing.assert_array_equal(changed, (index == 2).any(-1))
