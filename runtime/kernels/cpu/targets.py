@@ -40,10 +40,14 @@ def _whole_vectors(attrs: dict[str, Any]) -> bool:
 # once enough rows share the packed copy. Measured (AMD EPYC, AVX512-BF16, docs/performance.md):
 # the kernel is 2.8x faster at 1 row, 1.3x at 32, even from 128 on; with AMX it is bandwidth-bound
 # to 64 rows too, and XLA's dot still the faster at 256 (prompt chunks: 355 against 418 ms per
-# 256-token chunk of a Qwen3-0.6B shape, 2026-11-25); without AVX512-BF16 it widens each product
-# to f32, so only decode-sized row counts stay with it.
+# 256-token chunk of a Qwen3-0.6B shape, 2026-11-25). Without AVX512-BF16 it widens the products to
+# f32: with AVX-512 in 4 x 4 tiles, 1.4-2.5x XLA's dot from 8 to 32 rows and slower from 48 (SmolLM2
+# MLP shape, Xeon without AVX512-BF16, 2026-11-28, docs/performance.md); with AVX2 only one output
+# at a time, so only decode-sized row counts stay with it.
 def _layer_linear_rows(cpu: Cpu) -> int:
-    return 64 if cpu.has("avx512_bf16") else 4
+    if cpu.has("avx512_bf16"):
+        return 64
+    return 32 if cpu.has("avx512f") and cpu.has("avx512bw") else 4
 
 
 # int8 x int8 (VNNI) against XLA dequantizing the layer to f32 for its dot: the kernel is the faster
