@@ -26,7 +26,7 @@ import dataclasses
 
 import numpy as np
 
-from .schemes import BLOCKS, INTERLEAVE, SUPER_BLOCK, QuantizationError, WeightScheme
+from .schemes import BLOCKS, INTERLEAVE, QuantizationError, WeightScheme
 
 _NP_SCALE = {"f32": np.float32, "f16": np.float16}
 
