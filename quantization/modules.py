@@ -2,6 +2,8 @@
 
     hloserve::quantized_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? min, Tensor? bias,
                                Tensor layer, int bits, int group, int rows=0) -> Tensor   # x [..., in] -> [..., out]
+    hloserve::kquant_linear(Tensor x, Tensor qweight, Tensor blocks, Tensor? bias, Tensor layer,
+                            int kind) -> Tensor   # GGUF K-quant blocks kept (WeightScheme.block)
     hloserve::quantized_embedding(Tensor qweight, Tensor scale, Tensor? min, Tensor indices,
                                   int bits, int group, ScalarType dtype) -> Tensor   # [*idx, hidden]
 
@@ -28,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from . import primitives
+from hloserve.runtime.artifact.kernels import Block
+
 from .schemes import MIN_SUFFIX, SCALE_SUFFIX, WeightScheme
 
 _FLOAT_SCALE = {"f32": torch.float32, "f16": torch.float16}
@@ -99,6 +103,21 @@ def _(x, qweight, scale, min, bias, layer, bits, group, rows=0):
     return x.new_empty((*x.shape[:-1], qweight.shape[-2] * (rows or 1)))
 
 
+@torch.library.custom_op("hloserve::kquant_linear", mutates_args=())
+def kquant_linear(x: torch.Tensor, qweight: torch.Tensor, blocks: torch.Tensor, bias: Optional[torch.Tensor],
+                  layer: torch.Tensor, kind: int) -> torch.Tensor:
+    i = int(layer)
+    scheme = WeightScheme.of_block(Block(kind).name)
+    w = torch.from_numpy(primitives.dequantize_blocks(qweight[i].numpy(), blocks[i].numpy(), scheme))
+    y = F.linear(quantize_blocks(x.float()), w).to(x.dtype)
+    return y if bias is None else y + bias
+
+
+@kquant_linear.register_fake
+def _(x, qweight, blocks, bias, layer, kind):
+    return x.new_empty((*x.shape[:-1], qweight.shape[-2]))
+
+
 @torch.library.custom_op("hloserve::quantized_embedding", mutates_args=())
 def quantized_embedding(qweight: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor],
                         indices: torch.Tensor, bits: int, group: int, dtype: torch.dtype) -> torch.Tensor:
@@ -140,6 +159,8 @@ class QuantizedLinear(torch.nn.Module):
         w, s, m = self.weight, self.weight_scale, self.weight_min
         if w.dim() == 2:                                                 # one matrix: a stack of one
             w, s, m = w[None], s[None], None if m is None else m[None]
+        if self.scheme.block:                                            # GGUF K-quant blocks, kept
+            return torch.ops.hloserve.kquant_linear(x, w, s, self.bias, self.layer, int(Block[self.scheme.block]))
         return torch.ops.hloserve.quantized_linear(x, w, s, m, self.bias, self.layer, self.scheme.bits,
                                                    self.scheme.group or 0, self.scheme.rows)
 

@@ -19,6 +19,20 @@ All arithmetic is float32 (scale and min are widened first), which is exactly wh
 package computes for Q8_0 / Q4_0 / Q4_1, so an imported GGUF tensor dequantizes bit-identically.
 The scheme of each stored tensor is recorded in the artifact manifest (WeightSpec.quant, see
 `WeightScheme.manifest_entry`), never inferred from names.
+
+GGUF K-quant blocks (`block` "Q4_K", "Q5_K", "Q6_K": super-blocks of 256 elements) are kept as
+they are, in two tensors (a lossless repack of each block's bytes, exporter/gguf/quant.py):
+
+    NAME          qweight  Q4_K: uint8 [..., out, in // 2], int4 unsigned packed as above
+                           Q5_K: int8 [..., out, in], q in [0, 31]; Q6_K: int8, q in [-32, 31]
+    NAME_scale    blocks   uint8 [..., out, in // 256 * BLOCKS[block][3]]: each super-block's own
+                           header bytes: Q4_K / Q5_K [d f16 | dmin f16 | 12 bytes of 6-bit sub-block
+                           scales sc and mins m], Q6_K [16 int8 sub-block scales sc | d f16]
+
+    W = q * (d * sc_j) - dmin * m_j        per sub-block j (`group`: 32, Q6_K 16; no min for Q6_K)
+
+with d * sc and dmin * m exact in float32, which is gguf's own arithmetic (bit-identical values);
+primitives.block_scales decodes the headers.
 """
 from __future__ import annotations
 
@@ -41,6 +55,10 @@ ROUNDINGS = ("minmax", "mse")
 
 INTERLEAVE = 16   # rows of a matrix interleaved for the quant_linear version 2 kernel
 
+# GGUF K-quant block type -> (bits of its stored q, sub-block size, symmetric, header bytes per 256 elements)
+BLOCKS = {"Q4_K": (4, 32, False, 16), "Q5_K": (8, 32, False, 16), "Q6_K": (8, 16, True, 18)}
+SUPER_BLOCK = 256
+
 
 @dataclasses.dataclass(frozen=True)
 class WeightScheme:
@@ -58,6 +76,8 @@ class WeightScheme:
       rows: 0, the matrix stored row by row ([out, in | in/2], scales [out, G]), or 16: interleaved
         by 16 rows for the `hloserve.quant_linear` version 2 kernel (primitives.interleave_rows;
         linear layers only, see `for_linear`).
+      block: "" (the layouts above), or a GGUF K-quant block type kept as it is ("Q4_K", "Q5_K",
+        "Q6_K"; see the module docstring; `bits`, `group` and `symmetric` are then BLOCKS' entry).
     """
     bits: int = 8
     group: int | None = None
@@ -65,8 +85,22 @@ class WeightScheme:
     scale_dtype: str = "f32"
     rounding: str = "minmax"
     rows: int = 0
+    block: str = ""
+
+    @classmethod
+    def of_block(cls, block: str) -> "WeightScheme":
+        """The scheme of a GGUF K-quant block type kept as it is."""
+        if block not in BLOCKS:
+            raise QuantizationError(f"block {block!r}: K-quant blocks kept are {sorted(BLOCKS)}")
+        bits, group, symmetric, _ = BLOCKS[block]
+        return cls(bits, group, symmetric, "f16", block=block)
 
     def __post_init__(self):
+        if self.block:
+            if self.block not in BLOCKS or BLOCKS[self.block][:3] != (self.bits, self.group, self.symmetric) \
+                    or self.rows:
+                raise QuantizationError(f"block {self.block!r}: use WeightScheme.of_block (blocks kept: {sorted(BLOCKS)})")
+            return
         if self.bits not in (4, 8):
             raise QuantizationError(f"bits={self.bits} is not supported; use 8 (int8) or 4 (int4)")
         if self.group is not None and (self.group < 2 or self.group % 2):
@@ -89,14 +123,18 @@ class WeightScheme:
         quant_linear version 2 kernel) where out is a multiple of 16 and each group (or the row)
         whole 32-element blocks; else row by row."""
         *_, n_out, n_in = shape
+        if self.block:
+            return self
         whole = (self.group or n_in) % 32 == 0
         return dataclasses.replace(self, rows=INTERLEAVE if n_out % INTERLEAVE == 0 and whole else 0)
 
     @property
     def name(self) -> str:
-        return f"int{self.bits}"
+        return self.block or f"int{self.bits}"
 
     def describe(self) -> str:
+        if self.block:
+            return self.block
         parts = [self.name] + ([str(self.group)] if self.group else [])
         if not self.symmetric:
             parts.append("asym")
@@ -108,7 +146,7 @@ class WeightScheme:
         """This scheme for an input dim of n_in: a group that does not divide n_in is replaced by
         the largest power of two that does and is smaller (576 with group 128 -> 64). The
         manifest records the group each weight actually uses."""
-        if not self.group or n_in % self.group == 0:
+        if self.block or not self.group or n_in % self.group == 0:
             return self
         g = self.group
         while g > 2 and n_in % g:
@@ -120,6 +158,8 @@ class WeightScheme:
         if len(shape) < 2:
             raise QuantizationError(f"{where}: shape {list(shape)} has no [out, in] dims to quantize")
         n_in = shape[-1]
+        if self.block and n_in % SUPER_BLOCK:
+            raise QuantizationError(f"{where}: input dim {n_in} is not a multiple of {SUPER_BLOCK} ({self.block} super-blocks)")
         if self.group and n_in % self.group:
             raise QuantizationError(f"{where}: input dim {n_in} is not a multiple of group {self.group}; "
                                     f"use a group dividing {n_in} or skip this module")
@@ -134,6 +174,8 @@ class WeightScheme:
         """role -> shape of the stored tensors of a float weight of `shape`."""
         *lead, n_in = shape
         q = (*lead, n_in // 2) if self.bits == 4 else tuple(shape)
+        if self.block:
+            return {"qweight": q, "scale": (*lead, n_in // SUPER_BLOCK * BLOCKS[self.block][3])}
         s = (*lead, n_in // self.group) if self.group else tuple(lead)
         if self.rows:
             *lead, n_out = lead
@@ -147,10 +189,14 @@ class WeightScheme:
     def to_json(self) -> dict[str, Any]:
         d = {"scheme": self.name, "group": self.group, "symmetric": self.symmetric,
              "scale_dtype": self.scale_dtype, "rounding": self.rounding}
+        if self.block:
+            return {**d, "block": self.block}
         return {**d, "rows": self.rows} if self.rows else d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "WeightScheme":
+        if d.get("block"):
+            return cls.of_block(str(d["block"]))
         return cls(int(str(d["scheme"]).removeprefix("int")), d.get("group"), bool(d.get("symmetric", True)),
                    d.get("scale_dtype", "f32"), d.get("rounding", "minmax"), int(d.get("rows", 0)))
 
@@ -171,7 +217,7 @@ class QuantConfig:
       skip: fnmatch patterns of module / weight names left in float (e.g. "*embed*", "lm_head").
       spec: the user's spelling, for messages and the manifest.
       native: keep a GGUF file's own blocks (Q8_0, Q5_0 -> int8 g32, Q4_0 -> int4 g32, Q4_1 -> int4 g32
-        asym; K-quants converted: Q4_K -> int4 g32 asym, Q6_K -> int8 g32) instead of requantizing;
+        asym; Q4_K / Q5_K / Q6_K linears kept as K-quant blocks, embeddings converted) instead of requantizing;
         `scheme` then applies to tensors of other ggml types.
     """
     scheme: WeightScheme
@@ -199,7 +245,7 @@ class QuantConfig:
         +7% perplexity at g32 against +41% symmetric; docs/quantization.md) for 0.5 bit more a weight.
         """
         usage = ("use int8[:GROUP|:channel], int4[:GROUP[:asym|sym[:mse|minmax]]] (GROUP 32, 64, 128, ...) or gguf "
-                 "(keep a GGUF file's own blocks: Q8_0/Q5_0/Q4_0/Q4_1, Q4_K/Q6_K converted)")
+                 "(keep a GGUF file's own blocks: Q8_0/Q5_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K)")
         parts = [p.strip().lower() for p in spec.split(":")]
         kind = parts[0]
         if kind == "gguf" and len(parts) == 1:

@@ -27,6 +27,8 @@ def _inspect(args: argparse.Namespace) -> int:
     schemes = collections.Counter(w.quant["scheme"] for w in m.weights.values() if w.quant)
     stored = "".join(f", {n} stored as {k}" for k, n in sorted(schemes.items()))
     print(f"weights: {total} tensors, {nbytes / 2**20:.1f} MiB{stored}")
+    for line in _quantized(m):
+        print(line)
     if m.is_llm:
         llm = artifact.LLMSpec.of(m, args.artifact)
         kv = llm.kv_cache
@@ -48,6 +50,20 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.platform:
         return _inspect_platform(args.artifact, m, args.platform)
     return 0
+
+
+def _quantized(m) -> list[str]:
+    """One line per quantized weight: its name, shape and format (a GGUF K-quant block type kept as the
+    file had it, e.g. Q4_K, or our int8 / int4 layout with its group), from the manifest's WeightSpec.quant."""
+    lines = []
+    for w in m.weights.values():
+        q = w.quant
+        if not q or q.get("role") != "qweight":
+            continue
+        fmt = q.get("block") or " ".join([str(q["scheme"]), f"g{q['group']}" if q.get("group") else "per row",
+                                          *([] if q.get("symmetric", True) else ["asym"])])
+        lines.append(f"  {q.get('of', w.name)} {list(q.get('shape', w.shape))}: {fmt}")
+    return ["quantized weights:", *sorted(lines)] if lines else []
 
 
 def _inspect_platform(path: str, m, platform: str) -> int:

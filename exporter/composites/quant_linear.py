@@ -1,6 +1,6 @@
 """The `hloserve.quant_linear` composite, export side: one layer's matrix product with weight-only
-quantized matrices (int8 / int4, group-wise; GGUF Q8_0 / Q4_0 / Q4_1 blocks as they are),
-dequantized where they are read.
+quantized matrices (int8 / int4, group-wise; GGUF Q8_0 / Q4_0 / Q4_1 blocks as they are; version 3:
+GGUF Q4_K / Q5_K / Q6_K super-blocks kept, hloserve::kquant_linear), dequantized where they are read.
 
     torch side   hloserve::quantized_linear and hloserve::quantized_embedding live in
                  quantization/modules.py (quantization may not import the exporter); their eager
@@ -48,7 +48,8 @@ import jax.numpy as jnp
 import torch
 from hloserve.quantization import modules as _qmodules  # defines torch.ops.hloserve.quantized_linear
 from hloserve.quantization import primitives
-from hloserve.runtime.artifact.kernels import QUANT_LINEAR, QUANT_LINEAR_V2
+from hloserve.runtime.artifact.kernels import QUANT_LINEAR, QUANT_LINEAR_V2, QUANT_LINEAR_V3, Block
+from hloserve.quantization.schemes import WeightScheme
 from jax import lax
 
 from .. import _private
@@ -180,6 +181,29 @@ def quant_linear_v2_reference(x, qweight, scale, min_, layer, *, bits: int, grou
     row order, then version 1's arithmetic (x quantized per block as Q8_0, W = q * scale + min)."""
     q, s, mn = primitives.rows_in_order(*_picked(qweight, scale, min_, layer), bits, xp=jnp)
     return _layer_product(x, q, s, mn, 8, group)                         # int values: bits 8's dequantize
+
+
+def quant_linear_v3_reference(x, qweight, blocks, layer, *, kind: int):
+    """The `hloserve.quant_linear` version 3 composite's decomposition: the layer's K-quant headers
+    decoded into per-sub-block scales and mins (primitives.block_scales traced with jax.numpy, exact
+    in f32), then version 1's arithmetic on the quants (int4 unsigned for Q4_K, int8 for Q5_K / Q6_K)."""
+    scheme = WeightScheme.of_block(Block(kind).name)
+    pick = (lambda a: a[0]) if qweight.shape[0] == 1 else (lambda a: lax.dynamic_index_in_dim(a, layer, 0, False))
+    scale, mn = primitives.block_scales(pick(blocks), scheme.block, xp=jnp)             # [N, K/g]
+    return _layer_product(x, pick(qweight), scale, mn, scheme.bits, scheme.group)
+
+
+# hloserve::kquant_linear(Tensor x, Tensor qweight, Tensor blocks, Tensor? bias, Tensor layer, int kind) -> Tensor
+@lower(torch.ops.hloserve.kquant_linear.default)
+def _lower_kquant_linear(ctx, x, qweight, blocks, bias, layer, kind):
+    *lead, k = x.shape
+    composite = _private.composite(quant_linear_v3_reference, QUANT_LINEAR_V3.name, QUANT_LINEAR_V3.version)
+    y = composite(x.reshape(math.prod(lead), k).astype(jnp.float32), qweight, blocks,
+                  jnp.asarray(layer, jnp.int32).reshape(()), kind=int(kind))
+    y = y.reshape(*lead, qweight.shape[1])                               # [..., N]
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    return y.astype(ctx.out_dtype)
 
 
 # hloserve::quantized_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? min, Tensor? bias,

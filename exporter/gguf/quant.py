@@ -1,13 +1,17 @@
 """GGUF blocks imported without a float round trip into the LLM step's quantized linears.
 
     stored, scheme = gguf_blocks(ckpt.tensors[name])    # one tensor's blocks in our layout
+    stored, scheme = kept_blocks(ckpt.tensors[name])    # a K-quant tensor's blocks kept as they are
     given = stored_by_module(model, ckpt, config)       # `hloserve export X.gguf --quantize gguf`: every
                                                         # linear's blocks, for quantize_module's `given`
 
-Each ggml type in GGUF_SCHEMES converts to one of our schemes from its integer fields
-(GGUFTensor.block_fields), never through floats: Q8_0 / Q4_0 / Q4_1 / Q5_0 exactly, Q4_K with
-its sub-block scales rounded to f16, Q6_K with sub-blocks of 16 paired into groups of 32 (exact
-on the pair's larger scale). Bounds in docs/quantization.md ("GGUF import").
+K-quant linears (Q4_K, Q5_K, Q6_K) keep their super-blocks (WeightScheme.of_block): the quants
+repacked into element order, each super-block's header bytes as they are (quantization/schemes.py).
+Each other ggml type in GGUF_SCHEMES converts to one of our schemes from its integer fields
+(GGUFTensor.block_fields), never through floats: Q8_0 / Q4_0 / Q4_1 / Q5_0 exactly; K-quant
+embedding tables are converted too, Q4_K with its sub-block scales rounded to f16, Q6_K with
+sub-blocks of 16 paired into groups of 32 (exact on the pair's larger scale). Bounds in
+docs/quantization.md ("GGUF import").
 """
 from __future__ import annotations
 
@@ -20,6 +24,10 @@ import torch
 from hloserve.quantization import primitives
 from hloserve.quantization.convert import quantize_tensor
 from hloserve.quantization.schemes import QuantConfig, QuantizationError, WeightScheme
+
+# K-quant types a linear keeps as blocks (the `hloserve.quant_linear` version 3 composite); the header
+# bytes of each super-block in the file's block (the rest are its quants)
+KEPT_BLOCKS: Mapping[str, slice] = {"Q4_K": slice(0, 16), "Q5_K": slice(0, 16), "Q6_K": slice(192, 210)}
 
 # ggml type -> the scheme its blocks convert to (group 32 throughout)
 GGUF_SCHEMES: Mapping[str, WeightScheme] = {
@@ -103,7 +111,29 @@ def gguf_blocks(t) -> tuple[dict[str, np.ndarray], WeightScheme]:
     return stored, scheme
 
 
-def _parts(ts: list, target: WeightScheme, where: str) -> tuple[list[dict[str, np.ndarray]], WeightScheme]:
+def kept_blocks(t) -> tuple[dict[str, np.ndarray], WeightScheme]:
+    """A Q4_K / Q5_K / Q6_K GGUFTensor -> (qweight: its quants in element order, Q4_K packed two a
+    byte, Q5_K / Q6_K int8; scale: each super-block's header bytes as stored, uint8 [..., out,
+    in / 256 * 16 | 18]), its block scheme: a lossless repack (quantization/schemes.py)."""
+    scheme = WeightScheme.of_block(t.ggml_type)
+    lead = t.shape[:-1]
+    head = t.blocks()[..., KEPT_BLOCKS[t.ggml_type]].reshape(*lead, -1)            # [..., out, nb * 16 | 18]
+    q = t.block_fields()["q"].reshape(*lead, t.shape[-1]).astype(np.int8)          # [..., out, in]
+    qweight = primitives.pack_int4(q) if scheme.bits == 4 else q
+    return {"qweight": np.ascontiguousarray(qweight), "scale": np.ascontiguousarray(head)}, scheme
+
+
+def _parts(ts: list, target: WeightScheme, where: str, *, linear: bool) -> list[tuple[dict[str, np.ndarray], WeightScheme]]:
+    """Tensors that are one role's weights (every layer's q_proj, ...) -> each one's (stored tensors,
+    scheme): a linear's K-quant parts keep their blocks (kept_blocks; where a role mixes block types,
+    e.g. a Q4_K_M file's Q4_K and Q6_K down matrices, the layers differ and the scan's period says
+    how they are traced), the others as _converted makes them."""
+    kept = [linear and t.ggml_type in KEPT_BLOCKS for t in ts]
+    rest = iter(_converted([t for t, k in zip(ts, kept) if not k], target, where) if not all(kept) else ())
+    return [kept_blocks(t) if k else next(rest) for t, k in zip(ts, kept)]
+
+
+def _converted(ts: list, target: WeightScheme, where: str) -> list[tuple[dict[str, np.ndarray], WeightScheme]]:
     """Tensors that are one stored weight (a scanned stack's layers) -> their stored tensors
     in one scheme: each part's own blocks where its GGUF_SCHEMES entry has the scheme's bits and
     symmetry, requantized from its float values with `target` otherwise; f16 scales are widened
@@ -126,8 +156,8 @@ def _parts(ts: list, target: WeightScheme, where: str) -> tuple[list[dict[str, n
                                 f"--quantize-skip it")
     if any(s.scale_dtype == "f32" for s in schemes):
         out = [{r: a.astype(np.float32) if r != "qweight" else a for r, a in st.items()} for st in out]
-        return out, dataclasses.replace(schemes[0], scale_dtype="f32")
-    return out, schemes[0]
+        schemes = [dataclasses.replace(schemes[0], scale_dtype="f32")] * len(out)
+    return [(st, schemes[0]) for st in out]
 
 
 def stored_by_module(module: torch.nn.Module, ckpt, config: QuantConfig
@@ -135,8 +165,9 @@ def stored_by_module(module: torch.nn.Module, ckpt, config: QuantConfig
     """The generic step's share of `--quantize gguf`: each nn.Linear / nn.Embedding of `module` (a
     transformers model loaded from the GGUF's Hugging Face directory, layers unscanned) whose weight
     the file holds, as stored tensors from the file's blocks (row by row, HF row order), by module
-    name: quantization.convert.quantize_module's `given`. One scheme per role across the layers
-    (model.layers.*.self_attn.q_proj, ...), as a scanned stack needs, chosen as _parts does."""
+    name: quantization.convert.quantize_module's `given`. K-quant linears keep their blocks; the other
+    tensors of a role across the layers (model.layers.*.self_attn.q_proj, ...) get one scheme, as a
+    scanned stack needs, chosen as _converted does (_parts)."""
     roles: dict[str, list[str]] = {}
     for name, m in module.named_modules():
         if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and f"{name}.weight" in ckpt.tensors \
@@ -144,7 +175,8 @@ def stored_by_module(module: torch.nn.Module, ckpt, config: QuantConfig
             roles.setdefault(re.sub(r"\.\d+\.", ".*.", name), []).append(name)
     out = {}
     for role, names in roles.items():
-        parts, scheme = _parts([ckpt.tensors[f"{n}.weight"] for n in names], config.scheme, role)
-        for name, stored in zip(names, parts):
+        linear = isinstance(module.get_submodule(names[0]), torch.nn.Linear)
+        parts = _parts([ckpt.tensors[f"{n}.weight"] for n in names], config.scheme, role, linear=linear)
+        for name, (stored, scheme) in zip(names, parts):
             out[name] = {r: torch.from_numpy(a) for r, a in stored.items()}, scheme
     return out

@@ -18,8 +18,8 @@ their exact dequantization. exporter/gguf/checkpoint.py builds these from the fi
                            q * d (Q8_0). Q5_0: {"d", "q": uint8 0..31 [..., nb, 32]}, value (q - 16) * d.
                            Q4_K (super-blocks of 256): {"d", "dmin": f16 [..., nb], "sc", "m": uint8 0..63
                            [..., nb, 8] per sub-block of 32, "q": uint8 0..15 [..., nb, 256]}; value
-                           (d * sc) * q - dmin * m. Q6_K: {"d": f16 [..., nb], "sc": int8 [..., nb, 16] per
-                           sub-block of 16, "q": int8 -32..31 [..., nb, 256]}; value (d * sc) * q. Each
+                           (d * sc) * q - dmin * m. Q5_K: Q4_K's fields, q uint8 0..31. Q6_K: {"d": f16
+                           [..., nb], "sc": int8 [..., nb, 16] per sub-block of 16, "q": int8 -32..31 [..., nb, 256]}; value (d * sc) * q. Each
                            formula, computed in float32 in that order, gives `dequantize()` exactly
     t.dequantize()         np.float32 array of t.shape, HF row order; bit-identical to
                            gguf.quants.dequantize(t.raw, type)[t.row_perm]
@@ -86,6 +86,16 @@ def _q4_k_fields(kind: str, b: np.ndarray) -> dict[str, np.ndarray]:
     return {"d": _f16(b, 0), "dmin": _f16(b, 2), "sc": sc, "m": m, "q": q.reshape(*b.shape[:-1], 256)}
 
 
+def _q5_k_fields(kind: str, b: np.ndarray) -> dict[str, np.ndarray]:
+    """Q5_K [d f16 | dmin f16 | 12 bytes of sc, m (as Q4_K) | qh 32 bytes | 128 bytes]: the low 4 bits
+    as Q4_K's quants, bit 4 of element 32 i + j is bit i of qh byte j; value (d * sc) * q - dmin * m."""
+    fields = _q4_k_fields(kind, np.concatenate([b[..., :16], b[..., 48:]], axis=-1))
+    qh = b[..., 16:48][..., None, :]                                     # [..., nb, 1, 32]
+    high = (qh >> np.arange(8, dtype=np.uint8)[:, None]) & 0x01          # [..., nb, 8, 32]
+    fields["q"] = fields["q"] | (high.reshape(*b.shape[:-1], 256) << 4)  # [..., nb, 256] 0..31
+    return fields
+
+
 def _q6_k_fields(kind: str, b: np.ndarray) -> dict[str, np.ndarray]:
     """Q6_K [ql 128 bytes | qh 64 bytes | 16 int8 sc | d f16], two halves of 128 elements: half h's
     low 4 bits are ql bytes 64h..64h+63 (elements 0-63 of the half in the low nibbles, 64-127 in the
@@ -102,7 +112,7 @@ def _q6_k_fields(kind: str, b: np.ndarray) -> dict[str, np.ndarray]:
 
 # ggml block type -> its field decoder (uint8 blocks [..., nb, type_size] -> fields; GGUFTensor.block_fields)
 _BLOCK_FIELDS = {"Q4_0": _q4_fields, "Q4_1": _q4_fields, "Q8_0": _q8_0_fields, "Q5_0": _q5_0_fields,
-                 "Q4_K": _q4_k_fields, "Q6_K": _q6_k_fields}
+                 "Q4_K": _q4_k_fields, "Q5_K": _q5_k_fields, "Q6_K": _q6_k_fields}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -130,7 +140,7 @@ class GGUFTensor:
         return data[self.row_perm] if self.row_perm is not None else data.copy()
 
     def block_fields(self) -> dict[str, np.ndarray]:
-        """The blocks of a Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q6_K tensor split into their fields, HF row order.
+        """The blocks of a Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K tensor split into their fields, HF row order.
 
         See the module docstring for each type's fields and the formula that gives `dequantize()`
         exactly; quantized values come in element order (nibble and bit-plane packing undone).

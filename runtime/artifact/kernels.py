@@ -41,6 +41,14 @@ class Holds(enum.IntEnum):
         return next((h for h, n in _DTYPE_NAMES.items() if n == dtype_name.removeprefix("torch.")), cls.OWN)
 
 
+class Block(enum.IntEnum):
+    """A GGUF K-quant block type kept as it is: the quant_linear version 3 composite's `kind`
+    attribute, ggml's own type ids (also the C++ kernel's `Block`, runtime/kernels/cpu/quant_linear.cc)."""
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+
+
 _DTYPE_NAMES = {Holds.OWN: None, Holds.BF16: "bfloat16", Holds.F16: "float16"}
 
 
@@ -137,6 +145,26 @@ QUANT_LINEAR_V2 = Composite(
     result=QUANT_LINEAR.result,
 )
 
+# Version 3: the same product with each layer's matrix in a GGUF K-quant's super-blocks of 256, kept
+# as the file has them (quantization/schemes.py "K-quant blocks"; docs/quantization.md).
+QUANT_LINEAR_V3 = Composite(
+    name="hloserve.quant_linear",
+    version=3,
+    operands=(
+        "x f32[M, K]: activations (K a multiple of 256)",
+        "qweight [L, N, K/2] u8 (Q4_K: element 2k in the low nibble, 2k+1 in the high one, unsigned [0, 15]), "
+        "or [L, N, K] s8 (Q5_K: [0, 31]; Q6_K: [-32, 31])",
+        "blocks [L, N, K/256 * H] u8: each super-block's header as the file stores it; Q4_K / Q5_K (H 16): "
+        "[d f16 | dmin f16 | 12 bytes: 6-bit sc_j, m_j of 8 sub-blocks of 32, ggml's packing], Q6_K (H 18): "
+        "[16 s8 sc_j of sub-blocks of 16 | d f16]",
+        "layer s32[]: the matrix used",
+    ),
+    attributes=("kind i64: the block type (Block): 12 Q4_K, 13 Q5_K, 14 Q6_K",),
+    result="f32[M, N]: x8 (as version 1) times W[layer] transposed, where W = q * (d * sc_j) - dmin * m_j per "
+           "sub-block j (Q6_K: no min), each product of an f16 and an integer exact in f32; computed in f32 "
+           "in any association",
+)
+
 # Version 2 of paged attention: the window is an operand, so layers that differ only in their
 # window (Gemma's sliding and global layers) are one scanned body, each layer's window a row of the
 # scan's per-layer data. Version 1 stays for everything else (and the artifacts that have it).
@@ -171,4 +199,4 @@ GROUPED_EXPERTS = Composite(
 
 # (name, version) -> contract
 COMPOSITES = {(c.name, c.version): c for c in (PAGED_ATTENTION, PAGED_ATTENTION_V2, LAYER_LINEAR, QUANT_LINEAR,
-                                                 QUANT_LINEAR_V2, GROUPED_EXPERTS)}
+                                                 QUANT_LINEAR_V2, QUANT_LINEAR_V3, GROUPED_EXPERTS)}

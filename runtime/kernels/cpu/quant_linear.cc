@@ -1,6 +1,6 @@
-// hloserve_quant_linear (v1) and hloserve_quant_linear_v2 (rows interleaved by 16): an int8 / int4
-// matrix multiplied as integers (int8 activations, VNNI); XLA writes the dequantized f32 layer to
-// memory and reads it back.
+// hloserve_quant_linear (v1), hloserve_quant_linear_v2 (rows interleaved by 16) and
+// hloserve_quant_linear_v3 (GGUF K-quant super-blocks kept): an int8 / int4 matrix multiplied as
+// integers (int8 activations, VNNI); XLA writes the dequantized f32 layer to memory and reads it back.
 #include "common.h"
 
 namespace {
@@ -19,19 +19,19 @@ using namespace hloserve;
 // 1/2 byte each, and never widened.
 constexpr int64_t kXBlock = 32;
 
-// One layer's matrix, in either version's layout (read_operands below fills it for both)
+// GGUF K-quant block types (runtime/artifact/kernels.py Block: ggml's type ids); 0: none
+enum Block : int64_t { kPlain = 0, kQ4K = 12, kQ5K = 13, kQ6K = 14 };
+
+// One layer's matrix, in any version's layout (read_operands / read_blocks below fill it)
 struct QuantMatrix {
   const uint8_t* q;   // the layer's qweight bytes: v1 [N, K] s8 or [N, K/2] u8, v2 interleaved by 16 rows
-  const void* scale;  // v1 [N, G], v2 [N / 16, G, 16]; f16 or f32
-  const void* min;    // like scale, or nullptr (symmetric)
+  const void* scale;  // v1 [N, G], v2 [N / 16, G, 16]; f16 or f32; v3: the super-block headers [N, K/256 * H] u8
+  const void* min;    // like scale, or nullptr (symmetric); v3: the headers too where the blocks have mins
   bool f16;           // scale / min dtype
   int bits;
   int64_t N, K, G, group;
+  int64_t block = kPlain;
 };
-
-inline float scalar_of(const void* base, bool f16, int64_t i) {
-  return f16 ? f16_to_f32(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
-}
 
 // count scales (or mins) from element `start` of base, widened to f32 into dst
 inline void widen(const void* base, bool f16, int64_t start, int64_t count, float* dst) {
@@ -46,6 +46,37 @@ inline void widen(const void* base, bool f16, int64_t start, int64_t count, floa
     _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
 #endif
   for (; i < count; ++i) dst[i] = f16_to_f32(h[i]);
+}
+
+// row n's sub-block scales d * sc_j (and mins -(dmin * m_j), when `min` is given) of a K-quant
+// matrix, decoded from its super-block headers (Q4_K / Q5_K: [d | dmin | 12 bytes of 6-bit sc, m];
+// Q6_K: [16 s8 sc | d]); exact in f32, as the composite's decomposition computes them
+inline void block_row(const QuantMatrix& w, int64_t n, float* scale, float* min) {
+  const int64_t nb = w.K / 256, head = w.block == kQ6K ? 18 : 16;
+  const uint8_t* h = static_cast<const uint8_t*>(w.scale) + n * nb * head;
+  auto half = [](const uint8_t* p) { return f16_to_f32(static_cast<uint16_t>(p[0] | (p[1] << 8))); };
+  for (int64_t b = 0; b < nb; ++b, h += head) {
+    if (w.block == kQ6K) {
+      const float d = half(h + 16);
+      for (int j = 0; j < 16; ++j) scale[b * 16 + j] = d * static_cast<float>(static_cast<int8_t>(h[j]));
+      continue;
+    }
+    const float d = half(h), dmin = half(h + 2);
+    const uint8_t* s = h + 4;
+    for (int j = 0; j < 8; ++j) {
+      const int sc = j < 4 ? (s[j] & 63) : ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+      const int m = j < 4 ? (s[j + 4] & 63) : ((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+      scale[b * 8 + j] = d * static_cast<float>(sc);
+      if (min != nullptr) min[b * 8 + j] = -(dmin * static_cast<float>(m));
+    }
+  }
+}
+
+// row n's G scales (and mins, where the matrix has them and `min` is given) as f32, any layout but v2's
+inline void row_scalars(const QuantMatrix& w, int64_t n, float* scale, float* min) {
+  if (w.block != kPlain) return block_row(w, n, scale, w.min != nullptr ? min : nullptr);
+  if (scale != nullptr) widen(w.scale, w.f16, n * w.G, w.G, scale);
+  if (min != nullptr && w.min != nullptr) widen(w.min, w.f16, n * w.G, w.G, min);
 }
 
 // Activations quantized once per call: xq [M, K] int8 (int4 weights: each row as its even then its
@@ -104,20 +135,23 @@ inline int x_of(const QuantizedX& x, const QuantMatrix& w, int64_t m, int64_t k)
 }
 
 // rows [n0, n1): the same integer block sums and f32 scaling, portably (CPUs without AVX512-VNNI)
+// (a group of 16, Q6_K's sub-blocks: each x block's sum split in two)
 void quant_portable(const QuantMatrix& w, const QuantizedX& x, int64_t M, int64_t n0, int64_t n1, float* out) {
-  const int64_t B = w.K / kXBlock;
+  const int64_t B = w.K / kXBlock, piece = std::min<int64_t>(w.group, kXBlock);
   std::vector<int32_t> row(w.K);
+  std::vector<float> sc(w.G), mn(w.G);
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t k = 0; k < w.K; ++k) row[k] = int_of(w, n, k);
+    row_scalars(w, n, sc.data(), mn.data());
     for (int64_t m = 0; m < M; ++m) {
       float total = 0.f;
-      for (int64_t b = 0; b < B; ++b) {
-        int32_t dot = 0;
-        for (int64_t k = b * kXBlock; k < (b + 1) * kXBlock; ++k) dot += x_of(x, w, m, k) * row[k];
-        total += static_cast<float>(dot) * (x.d[m * B + b] * scalar_of(w.scale, w.f16, n * w.G + b * kXBlock / w.group));
-      }
-      for (int64_t g = 0; w.min != nullptr && g < w.G; ++g)
-        total += scalar_of(w.min, w.f16, n * w.G + g) * x.xsum[m * w.G + g];
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t k0 = b * kXBlock; k0 < (b + 1) * kXBlock; k0 += piece) {
+          int32_t dot = 0;
+          for (int64_t k = k0; k < k0 + piece; ++k) dot += x_of(x, w, m, k) * row[k];
+          total += static_cast<float>(dot) * (x.d[m * B + b] * sc[k0 / w.group]);
+        }
+      for (int64_t g = 0; w.min != nullptr && g < w.G; ++g) total += mn[g] * x.xsum[m * w.G + g];
       out[m * w.N + n] = total;
     }
   }
@@ -145,9 +179,10 @@ inline __m512 per_lane(const float* v) {
 
 // NR matrix rows x MR x rows, chunk by chunk of 64 weight bytes: exact int32 block sums, scaled
 // in f32 by (weight scale x activation d) per lane; `ws` holds each matrix row's scale per x block
+// (B a row), or with `sub16` (int8, groups of 16: Q6_K) per 16 elements (B = K / 16 a row)
 template <int BITS, int NR, int MR>
 inline void vnni_tile(const uint8_t* q, int64_t qstride, const float* ws, const QuantizedX& x, int64_t m0,
-                      int64_t K, int64_t B, bool sym4, float* out, int64_t N) {
+                      int64_t K, int64_t B, bool sym4, bool sub16, float* out, int64_t N) {
   const bool offset = BITS == 8 || sym4;
   using Lay = Layout<BITS>;
   __m512 acc[NR][MR];
@@ -175,7 +210,8 @@ inline void vnni_tile(const uint8_t* q, int64_t qstride, const float* ws, const 
       }
     }
     __m512 wsv[NR];
-    for (int i = 0; i < NR; ++i) wsv[i] = per_lane<BITS>(ws + i * B + c * blocks);
+    for (int i = 0; i < NR; ++i)   // groups of 16: 4 lanes (16 int8 elements) each, per_lane<4>'s spread
+      wsv[i] = sub16 ? per_lane<4>(ws + i * B + c * 4) : per_lane<BITS>(ws + i * B + c * blocks);
     for (int j = 0; j < MR; ++j) {
       const int8_t* xr = x.xq.data() + (m0 + j) * K;
       const __m512 dv = _mm512_loadu_ps(x.lanes.data() + ((m0 + j) * chunks + c) * 16);
@@ -201,13 +237,13 @@ inline void vnni_tile(const uint8_t* q, int64_t qstride, const float* ws, const 
 
 template <int BITS, int NR>
 inline void vnni_rows(const uint8_t* q, int64_t qstride, const float* ws, const QuantizedX& x, int64_t M, int64_t K,
-                      int64_t B, bool sym4, float* out, int64_t N) {
+                      int64_t B, bool sym4, bool sub16, float* out, int64_t N) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) vnni_tile<BITS, NR, 4>(q, qstride, ws, x, m, K, B, sym4, out, N);
+  for (; m + 4 <= M; m += 4) vnni_tile<BITS, NR, 4>(q, qstride, ws, x, m, K, B, sym4, sub16, out, N);
   switch (M - m) {
-    case 3: vnni_tile<BITS, NR, 3>(q, qstride, ws, x, m, K, B, sym4, out, N); break;
-    case 2: vnni_tile<BITS, NR, 2>(q, qstride, ws, x, m, K, B, sym4, out, N); break;
-    case 1: vnni_tile<BITS, NR, 1>(q, qstride, ws, x, m, K, B, sym4, out, N); break;
+    case 3: vnni_tile<BITS, NR, 3>(q, qstride, ws, x, m, K, B, sym4, sub16, out, N); break;
+    case 2: vnni_tile<BITS, NR, 2>(q, qstride, ws, x, m, K, B, sym4, sub16, out, N); break;
+    case 1: vnni_tile<BITS, NR, 1>(q, qstride, ws, x, m, K, B, sym4, sub16, out, N); break;
   }
 }
 
@@ -216,15 +252,18 @@ inline void vnni_rows(const uint8_t* q, int64_t qstride, const float* ws, const 
 template <int BITS>
 void quant_vnni(const QuantMatrix& w, const QuantizedX& x, int64_t M, int64_t n0, int64_t n1, float* out) {
   constexpr int NR = 2;
-  const int64_t K = w.K, B = K / kXBlock, qstride = BITS == 8 ? K : K / 2;
-  const bool sym4 = BITS == 4 && w.min == nullptr;
+  const int64_t K = w.K, qstride = BITS == 8 ? K : K / 2;
+  const bool sym4 = BITS == 4 && w.min == nullptr, sub16 = w.group == 16;
+  const int64_t B = sub16 ? K / 16 : K / kXBlock;      // scales a row in `ws`
   const int64_t per_group = w.group / kXBlock;
-  std::vector<float> ws(NR * B + 4, 0.f), corr(w.G);   // padded: a half chunk reads 4 blocks' scales
+  std::vector<float> ws(NR * B + 4, 0.f), corr(w.G), scratch(w.G);   // padded: a half chunk reads 4 scales
   for (int64_t n = n0; n < n1; n += NR) {
     const int64_t rows = std::min<int64_t>(NR, n1 - n);
     for (int64_t i = 0; i < rows; ++i) {               // each group's scale, repeated for its x blocks
       float* wi = ws.data() + i * B;
-      if (per_group == 1) {
+      if (w.block != kPlain) {                         // K-quants: groups of 32 (one per x block) or 16
+        row_scalars(w, n + i, wi, nullptr);
+      } else if (per_group == 1) {
         widen(w.scale, w.f16, (n + i) * w.G, w.G, wi);
       } else {
         widen(w.scale, w.f16, (n + i) * w.G, w.G, corr.data());
@@ -233,11 +272,10 @@ void quant_vnni(const QuantMatrix& w, const QuantizedX& x, int64_t M, int64_t n0
       }
     }
     const uint8_t* q = w.q + n * qstride;
-    if (rows == NR) vnni_rows<BITS, NR>(q, qstride, ws.data(), x, M, K, B, sym4, out + n, w.N);
-    else vnni_rows<BITS, 1>(q, qstride, ws.data(), x, M, K, B, sym4, out + n, w.N);
+    if (rows == NR) vnni_rows<BITS, NR>(q, qstride, ws.data(), x, M, K, B, sym4, sub16, out + n, w.N);
+    else vnni_rows<BITS, 1>(q, qstride, ws.data(), x, M, K, B, sym4, sub16, out + n, w.N);
     for (int64_t i = 0; w.min != nullptr && i < rows; ++i) {   // the mins: sum_g min_g * (x summed over g)
-      const int64_t r = (n + i) * w.G;
-      widen(w.min, w.f16, r, w.G, corr.data());
+      row_scalars(w, n + i, w.block != kPlain ? scratch.data() : nullptr, corr.data());
       for (int64_t m = 0; m < M; ++m) {
         const float* xs = x.xsum.data() + m * w.G;
         float extra = 0.f;
@@ -322,6 +360,35 @@ ffi::Error read_operands(const char* target, int64_t rows, ffi::Buffer<ffi::F32>
                   static_cast<const char*>(scale.untyped_data()) + l * per_layer,
                   asym ? static_cast<const char*>(min.untyped_data()) + l * per_layer : nullptr,
                   f16, static_cast<int>(bits), N, K, G, group};
+  return ffi::Error::Success();
+}
+
+// Version 3's operands: x [M, K] (K a multiple of 256), qweight [L, N, K/2] u8 (Q4_K) or [L, N, K] s8
+// (Q5_K, Q6_K), blocks [L, N, K/256 * H] u8 (H: 16, Q6_K 18), read at the layer into `w` (its scale
+// and, where the blocks have mins, its min: the headers), or an InvalidArgument naming what is wrong.
+ffi::Error read_blocks(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& qweight, ffi::AnyBuffer& blocks,
+                       ffi::Buffer<ffi::S32>& layer, int64_t kind, QuantMatrix& w, int64_t& M) {
+  auto fail = [](const char* why) { return ffi::Error::InvalidArgument(std::string("hloserve_quant_linear_v3: ") + why); };
+  if (kind != kQ4K && kind != kQ5K && kind != kQ6K) return fail("kind must be 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K)");
+  auto xd = x.dimensions();
+  auto qd = qweight.dimensions();
+  auto bd = blocks.dimensions();
+  if (xd.size() != 2 || qd.size() != 3 || bd.size() != 3)
+    return fail("x must be [M, K], qweight [L, N, K/2 | K], blocks [L, N, K/256 * H]");
+  M = xd[0];
+  const int64_t K = xd[1], L = qd[0], N = qd[1], bits = kind == kQ4K ? 4 : 8, head = kind == kQ6K ? 18 : 16;
+  const int64_t qrow = bits == 8 ? K : K / 2;
+  if (K % 256) return fail("K must be a multiple of 256 (super-blocks)");
+  const ffi::DataType want = bits == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
+  if (qweight.element_type() != want || qd[2] != qrow) return fail("qweight must be u8 [L, N, K/2] (Q4_K) or s8 [L, N, K]");
+  if (blocks.element_type() != ffi::DataType::U8 || bd[0] != L || bd[1] != N || bd[2] != K / 256 * head)
+    return fail("blocks must be u8 [L, N, K/256 * 16] (Q4_K, Q5_K) or [L, N, K/256 * 18] (Q6_K)");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return fail("layer out of range");
+  const int64_t group = kind == kQ6K ? 16 : 32;
+  const uint8_t* h = static_cast<const uint8_t*>(blocks.untyped_data()) + l * N * (K / 256 * head);
+  w = QuantMatrix{static_cast<const uint8_t*>(qweight.untyped_data()) + l * N * qrow, h,
+                  kind == kQ6K ? nullptr : h, false, static_cast<int>(bits), N, K, K / group, group, kind};
   return ffi::Error::Success();
 }
 
@@ -551,6 +618,17 @@ ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// version 3: K-quant super-blocks kept, version 1's arithmetic with the sub-block scales (and mins)
+// decoded from each row's headers as its rows are reached
+ffi::Error QuantLinearK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qweight, ffi::AnyBuffer blocks,
+                        ffi::Buffer<ffi::S32> layer, int64_t kind, ffi::ResultBuffer<ffi::F32> out) {
+  QuantMatrix w;
+  int64_t M;
+  if (ffi::Error e = read_blocks(x, qweight, blocks, layer, kind, w, M); e.failure()) return e;
+  quant_linear_v1(pool, x.typed_data(), w, M, out->typed_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // x, qweight, scale, min, layer; bits, group: both versions of hloserve.quant_linear
@@ -570,3 +648,14 @@ static auto QuantLinearBinding() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear, QuantLinear<1>, QuantLinearBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v2, QuantLinear<16>, QuantLinearBinding());
+
+// x, qweight, blocks, layer; kind: version 3 (GGUF K-quant blocks)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v3, QuantLinearK,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("kind")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, Callable
 
 from hloserve.runtime.artifact.kernels import (GROUPED_EXPERTS, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2,
-                                               QUANT_LINEAR, QUANT_LINEAR_V2)
+                                               QUANT_LINEAR, QUANT_LINEAR_V2, QUANT_LINEAR_V3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +71,8 @@ TARGETS = {
                              result_dims=((0, 0), (1, 1))),
     QUANT_LINEAR_V2.key: Target("hloserve_quant_linear_v2", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
                                 result_dims=((0, 0), None)),
+    # K-quant blocks: version 1's row-by-row VNNI loop, each row's sub-block scales decoded as it is reached
+    QUANT_LINEAR_V3.key: Target("hloserve_quant_linear_v3", max_rows=_quant_linear_rows, result_dims=((0, 0), (1, 1))),
     # every row count: the kernel computes T k rows' products where the decomposition computes T per
     # expert taken (up to E/k times as many), reading each matrix once either way
     GROUPED_EXPERTS.key: Target("hloserve_grouped_experts"),
