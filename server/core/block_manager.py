@@ -36,12 +36,19 @@ import array
 import collections
 import dataclasses
 import hashlib
-from typing import TYPE_CHECKING, Any, Sequence
-
-if TYPE_CHECKING:
-    from .kv_tiers import KVTiers
+from typing import Any, Protocol, Sequence
 
 NULL_BLOCK = 0  # reserved: padding rows of block tables point here; never allocated
+
+
+class Tiers(Protocol):
+    """What the block manager asks of the tiers below the device (core/kv_tiers.py's KVTiers)."""
+
+    def holds(self, h: bytes) -> bool:
+        """Whether the block hashed `h` is kept (a save would be redundant)."""
+
+    def get(self, h: bytes) -> tuple[Any, str] | None:
+        """(the block's K/V, its tier's name) or None."""
 
 
 class BlockManagerError(RuntimeError):
@@ -107,7 +114,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 tiers: "KVTiers | None" = None):
+                 tiers: Tiers | None = None):
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: need at least 2 (block 0 is the reserved null block)")
         if block_size < 1:

@@ -386,7 +386,8 @@ class ModelRunner:
             ids = np.zeros(pad, np.int32)
             ids[:hi - lo] = [b for b, _ in saves[lo:hi]]
             data = np.asarray(self._gather(self.kv_cache, ids))
-            self.tiers.put_all([h for _, h in saves[lo:hi]], list(data[:hi - lo]))
+            # each block its own copy: a view would keep the whole padded gather alive past the host bound
+            self.tiers.put_all([h for _, h in saves[lo:hi]], [np.array(a) for a in data[:hi - lo]])
         for lo, hi, pad in self._copy_chunks(len(loads)):
             ids = np.zeros(pad, np.int32)
             ids[:hi - lo] = [b for b, _ in loads[lo:hi]]
