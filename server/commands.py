@@ -14,6 +14,9 @@ def _serve(args: argparse.Namespace) -> int:
              "max_batch_size": args.max_batch_size, "served_model_names": tuple(args.served_model_name or ()) or None, "platform": args.platform,
              "api_key": args.api_key or os.environ.get("HLOSERVE_API_KEY"),
              "kv_cache_bytes": None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
+             "kv_host_cache_bytes": None if args.kv_host_cache_mib is None else args.kv_host_cache_mib << 20,
+             "kv_disk_cache_bytes": None if args.kv_disk_cache_mib is None else args.kv_disk_cache_mib << 20,
+             "kv_disk_dir": args.kv_disk_dir,
              "max_body_bytes": None if args.max_body_mib is None else int(args.max_body_mib * 2**20),
              "max_body_chunks": args.max_body_chunks, "body_timeout_s": args.body_timeout,
              "metrics_require_key": args.metrics_require_key or None,
@@ -93,6 +96,15 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     sv.add_argument("--max-model-len", type=int, help="LLM: context per request (default: the artifact's, at most 2048)")
     sv.add_argument("--kv-cache-mib", type=int, help="LLM: device memory for the paged KV cache (default %d MiB)" % (d.kv_cache_bytes >> 20))
     sv.add_argument("--num-blocks", type=int, help="LLM: KV blocks (overrides --kv-cache-mib)")
+    sv.add_argument("--kv-host-cache-mib", type=int, metavar="N",
+                    help="LLM: host RAM keeping full KV blocks of cached prefixes past the device's; preempted "
+                         "requests come back from it (default %d MiB; 0: off)" % (d.kv_host_cache_bytes >> 20))
+    sv.add_argument("--kv-disk-cache-mib", type=int, metavar="N",
+                    help="LLM: disk keeping full KV blocks of cached prefixes, so a restart or a replica sharing "
+                         "--kv-disk-dir serves a known prefix from it (default %d MiB; 0: off)"
+                         % (d.kv_disk_cache_bytes >> 20))
+    sv.add_argument("--kv-disk-dir", metavar="DIR",
+                    help="LLM: the KV disk tier's directory (default: kv/ under the cache root, $HLOSERVE_CACHE)")
     sv.add_argument("--max-pending", type=int, help="requests in flight before answering 429 (default %d)" % d.max_pending)
     sv.add_argument("--max-batch-size", type=int, help="predict: rows batched per call (default %d)" % d.max_batch_size)
     sv.add_argument("--batch-timeout-ms", type=float, help="predict: wait for a batch to fill (default %g ms)" % (d.batch_timeout_s * 1000))

@@ -51,6 +51,12 @@ class ServeConfig:
         (widths 8..128 blocks x2 apart for a 2048-token context) where attention pays for the
         table's width; where the CPU attention kernel runs it reads only the blocks in use and
         the runner compiles the widest alone (20 shapes for the defaults instead of 100).
+      kv_host_cache_bytes / kv_disk_cache_bytes: LLM: prefix-cache tiers below the device
+        (core/kv_tiers.py): host RAM and disk kept for full KV blocks, least recently used out
+        past the bound; 0 turns a tier off. A preempted request's blocks come back from host RAM;
+        a restart, or a replica sharing the directory, serves a known prefix from disk.
+      kv_disk_dir: the disk tier's directory (None: kv/ under the cache root, $HLOSERVE_CACHE);
+        blocks are kept under a subdirectory per artifact digest.
       enable_prefix_caching / admission_watermark: scheduler policy (fraction of blocks kept free
         when admitting, so running decodes can grow without preempting at once).
       max_pending: requests admitted at once (queued + running); more answer 429 with Retry-After.
@@ -96,6 +102,9 @@ class ServeConfig:
     block_buckets: int = 5
     block_growth: int = 2
     enable_prefix_caching: bool = True
+    kv_host_cache_bytes: int = 2 << 30      # twice the device's default, as SGLang's hierarchical cache
+    kv_disk_cache_bytes: int = 8 << 30
+    kv_disk_dir: str | None = None
     admission_watermark: float = 0.01
     max_pending: int = 256
     max_batch_size: int = 32
@@ -122,6 +131,10 @@ class ServeConfig:
             raise HloserveError(f"verify_weights={self.verify_weights!r}: use 'stamp' or 'full'")
         if self.tensor_parallel_size < 1:
             raise HloserveError(f"tensor_parallel_size={self.tensor_parallel_size}: use 1 (one device) or more")
+        for flag, value in (("--kv-host-cache-mib", self.kv_host_cache_bytes), ("--kv-disk-cache-mib",
+                                                                                 self.kv_disk_cache_bytes)):
+            if value < 0:
+                raise HloserveError(f"{flag} {value >> 20}: give a size in MiB, or 0 to turn the tier off")
         for flag, value in (("--max-body-mib", self.max_body_bytes / 2**20), ("--max-body-chunks", self.max_body_chunks),
                             ("--body-timeout", self.body_timeout_s)):
             if not value > 0:

@@ -15,12 +15,15 @@ other processes (serve.follow).
 from __future__ import annotations
 
 import logging
+import os
 
 from hloserve.runtime.artifact.llm import LLMArtifact
+from hloserve.runtime.paths import cache_dir
 
 from .config import ServeConfig
 from .core.block_manager import BlockManager
 from .core.engine import Engine
+from .core.kv_tiers import BlockLayout, KVTiers, artifact_digest, make_tiers
 from .core.model_runner import ModelRunner, RunnerConfig
 from .core.scheduler import Scheduler
 from .text.grammar import Grammars
@@ -54,10 +57,27 @@ def build_engine(artifact: LLMArtifact | str, config: ServeConfig | None = None)
     tokenizer = Tokenizer.from_artifact(art)
     grammars = Grammars(tokenizer.tokenizer_json, llm.vocab_size, tokenizer.eos_token_ids) if tokenizer else None
     eos = tokenizer.eos_token_ids if tokenizer else llm.eos_token_ids
-    blocks = BlockManager(runner.num_blocks, llm.block_size, enable_prefix_caching=sched_cfg.enable_prefix_caching)
+    tiers = _tiers(art, runner, config) if sched_cfg.enable_prefix_caching else None
+    blocks = BlockManager(runner.num_blocks, llm.block_size, enable_prefix_caching=sched_cfg.enable_prefix_caching,
+                          tiers=tiers)
     scheduler = Scheduler(sched_cfg, blocks, eos_token_ids=eos)
     engine = Engine(scheduler, runner, vocab_size=llm.vocab_size, decoder=tokenizer, grammars=grammars)
     return engine, tokenizer
+
+
+def _tiers(art: LLMArtifact, runner: ModelRunner, config: ServeConfig) -> KVTiers | None:
+    """The prefix-cache tiers below the device (host RAM, disk) the config asks for, attached to the
+    runner; none in a multi-host run (its followers could not replay the copies)."""
+    if runner.multi_host:
+        log.info("prefix-cache tiers are off in a multi-host run")
+        return None
+    shape, dtype = runner.block_layout()
+    tiers = make_tiers(host_bytes=config.kv_host_cache_bytes, disk_bytes=config.kv_disk_cache_bytes,
+                       disk_root=config.kv_disk_dir or os.path.join(cache_dir(), "kv"),
+                       digest=artifact_digest(art.manifest.to_json()), layout=BlockLayout(shape, dtype))
+    if tiers is not None:
+        runner.attach_tiers(tiers)
+    return tiers
 
 
 def _log_device_memory(runner: ModelRunner) -> None:

@@ -38,6 +38,8 @@ RULES = [
     ("hloserve.server.core.spec_decode", ("hloserve.server.core.sampling", "hloserve.runtime.artifact.errors"),
      HEAVY | WEB | {"jax"}),
     ("hloserve.server.core.block_manager", (), HEAVY | WEB | {"jax"}),
+    # the prefix cache's host and disk tiers: numpy and files, no device
+    ("hloserve.server.core.kv_tiers", ("hloserve.runtime.paths",), HEAVY | WEB | {"jax"}),
     ("hloserve.server.core", ("hloserve.server.core", "hloserve.server.text", "hloserve.runtime"), HEAVY | WEB),
     ("hloserve.server.text", ("hloserve.server.text", "hloserve.runtime.artifact"), HEAVY | WEB | {"jax"}),
     # TF Serving's predict semantics: shared by http/ and grpc/, so it may use neither the web stack nor a route

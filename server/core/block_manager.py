@@ -20,6 +20,13 @@ queue and, if that block was cached, evicts its hash first. Freed blocks of a
 request are queued tail-first, so the end of a prefix is evicted before its
 start (the start is the part most likely shared).
 
+Tiers (core/kv_tiers.py): with a `KVTiers`, a block that becomes full is also
+recorded to be saved to host RAM and disk (`take_transfers`: (block, hash) pairs
+the runner copies before the next step, while the block still holds them), and a
+prefix lookup that runs out of device blocks goes on through host, then disk;
+the blocks found there take fresh device blocks at `allocate`, hashed at once,
+with their data recorded to be loaded before the step that reads them.
+
 The scheduler sees only `KVBlocks` values (opaque allocation results) and a
 few counts; the free queue and the hash table never leave this module.
 """
@@ -29,9 +36,19 @@ import array
 import collections
 import dataclasses
 import hashlib
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
 NULL_BLOCK = 0  # reserved: padding rows of block tables point here; never allocated
+
+
+class Tiers(Protocol):
+    """What the block manager asks of the tiers below the device (core/kv_tiers.py's KVTiers)."""
+
+    def holds(self, h: bytes) -> bool:
+        """Whether the block hashed `h` is kept (a save would be redundant)."""
+
+    def get(self, h: bytes) -> tuple[Any, str] | None:
+        """(the block's K/V, its tier's name) or None."""
 
 
 class BlockManagerError(RuntimeError):
@@ -49,9 +66,19 @@ class KVBlocks:
       block_ids: blocks in block-table order.
       num_cached_tokens: tokens already computed in these blocks (prefix-cache
         hits; always a multiple of block_size). 0 for freshly allocated blocks.
+      lower: prefix-cache hits past the device's, from find_cached_prefix: (hash, the block's
+        K/V, its tier) each, in order after block_ids; `allocate` gives them fresh blocks.
     """
     block_ids: tuple[int, ...] = ()
     num_cached_tokens: int = 0
+    lower: tuple[tuple[bytes, Any, str], ...] = dataclasses.field(default=(), compare=False)
+
+    def tokens_by_tier(self, block_size: int) -> dict[str, int]:
+        """Cached tokens per tier ("device", "host", "disk")."""
+        out = {"device": len(self.block_ids) * block_size}
+        for _, _, tier in self.lower:
+            out[tier] = out.get(tier, 0) + block_size
+        return out
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
@@ -86,7 +113,8 @@ class BlockManager:
       _reqs          request id -> its block table (append-only) and block hashes.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 tiers: Tiers | None = None):
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: need at least 2 (block 0 is the reserved null block)")
         if block_size < 1:
@@ -99,6 +127,9 @@ class BlockManager:
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(1, num_blocks))
         self._cached: dict[bytes, int] = {}
         self._reqs: dict[str, _ReqState] = {}
+        self.tiers = tiers if enable_prefix_caching else None
+        self._saves: list[tuple[int, bytes]] = []    # full blocks to copy to the tiers before the next step
+        self._loads: list[tuple[int, Any]] = []      # (fresh block, K/V from a tier) to copy in before it
 
     # -- counts ---------------------------------------------------------------
     @property
@@ -133,14 +164,18 @@ class BlockManager:
         bs = self.block_size
         if not self.enable_prefix_caching:
             return KVBlocks()
-        ids, parent = [], b""
+        ids, lower, parent = [], [], b""
         for i in range((len(token_ids) - 1) // bs):
             parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
-            b = self._cached.get(parent)
-            if b is None:
+            b = self._cached.get(parent) if not lower else None
+            if b is not None:
+                ids.append(b)
+                continue
+            got = self.tiers.get(parent) if self.tiers is not None else None
+            if got is None:
                 break
-            ids.append(b)
-        return KVBlocks(tuple(ids), len(ids) * bs)
+            lower.append((parent, *got))
+        return KVBlocks(tuple(ids), (len(ids) + len(lower)) * bs, tuple(lower))
 
     # -- allocation -------------------------------------------------------------
     def can_allocate(self, request_id: str, num_tokens: int, cached: KVBlocks = KVBlocks()) -> bool:
@@ -176,15 +211,39 @@ class BlockManager:
             self._ref[b] += 1
             st.blocks.append(b)
             st.hashes.append(self._hash_of[b])
-        while len(st.blocks) < self.num_blocks_needed(num_tokens):
-            b, _ = self._free.popitem(last=False)   # least recently freed
-            h = self._hash_of[b]
-            if h is not None:                        # evict: un-hash before reuse
-                del self._cached[h]
-                self._hash_of[b] = None
-            self._ref[b] = 1
+        for h, data, _ in cached.lower:              # hits of the lower tiers: fresh blocks, loaded before the step
+            b = self._take_free()
+            if h not in self._cached:
+                self._cached[h] = b
+                self._hash_of[b] = h
             st.blocks.append(b)
+            st.hashes.append(h)
+            self._loads.append((b, data))
+        while len(st.blocks) < self.num_blocks_needed(num_tokens):
+            st.blocks.append(self._take_free())
         return KVBlocks(tuple(st.blocks), cached.num_cached_tokens)
+
+    def _take_free(self) -> int:
+        """The least recently freed block, un-hashed (evicted from the prefix cache) and referenced once."""
+        b, _ = self._free.popitem(last=False)
+        h = self._hash_of[b]
+        if h is not None:
+            del self._cached[h]
+            self._hash_of[b] = None
+        self._ref[b] = 1
+        return b
+
+    def take_transfers(self) -> tuple[tuple[tuple[int, bytes], ...], tuple[tuple[int, Any], ...]]:
+        """(saves, loads) recorded since the last call, for the next step's plan: the runner copies each
+        saved (block, hash) to the tiers, then each loaded (block, K/V) into its block, before the step."""
+        saves, loads = tuple(self._saves), tuple(self._loads)
+        self._saves.clear()
+        self._loads.clear()
+        return saves, loads
+
+    @property
+    def has_transfers(self) -> bool:
+        return bool(self._saves or self._loads)
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Hash the request's blocks that became full (first `num_computed_tokens` of `token_ids` are in the cache).
@@ -205,6 +264,8 @@ class BlockManager:
             if parent not in self._cached and self._hash_of[b] is None:
                 self._cached[parent] = b
                 self._hash_of[b] = parent
+            if self.tiers is not None and not self.tiers.holds(parent):
+                self._saves.append((b, parent))
 
     def free(self, request_id: str) -> int:
         """Release the request's blocks at once; returns how many reached ref count 0."""

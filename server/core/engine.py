@@ -259,7 +259,7 @@ class Engine:
         try:
             while True:
                 with self._cv:
-                    while not self._inbox and not self.scheduler.has_unfinished() and not self._stopping:
+                    while not self._inbox and not self.scheduler.has_work() and not self._stopping:
                         self._cv.wait()
                     if self._stopping:
                         break
@@ -279,7 +279,7 @@ class Engine:
             self._inbox.clear()
         for msg in messages:
             self._handle(msg)
-        if self.scheduler.has_unfinished():
+        if self.scheduler.has_work():
             t0, self._device_seconds = time.perf_counter(), None
             try:
                 outputs = self.step()
@@ -375,4 +375,5 @@ class Engine:
             e2e=self._e2e.copy(), runner=dict(self.runner.stats()), device_memory=self._device_memory,
             step_host=self._step_host.copy(), step_device=self._step_device.copy(),
             step_seconds=dict(self._step_seconds),
-            spec=s.spec.copy() if s.spec is not None else None)
+            spec=s.spec.copy() if s.spec is not None else None,
+            prefix_cache_hits_by_tier=dict(s.prefix_cache_hits_by_tier))

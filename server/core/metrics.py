@@ -48,6 +48,7 @@ class MetricsSnapshot:
       num_running / num_waiting: requests in each queue.
       kv_usage: fraction of KV blocks in use; kv_free_blocks / kv_total_blocks: counts.
       prefix_cache_queries / prefix_cache_hits: prompt tokens looked up / found cached.
+      prefix_cache_hits_by_tier: of the hits, tokens per tier ("device", "host", "disk").
       num_preemptions: requests preempted (recomputed later).
       prompt_tokens / generation_tokens: totals.
       finished: finish reason -> count.
@@ -87,6 +88,7 @@ class MetricsSnapshot:
     step_device: Histogram = dataclasses.field(default_factory=lambda: Histogram(STEP_BUCKETS))
     step_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     spec: "SpecDecodeStats | None" = None
+    prefix_cache_hits_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 # What the runner's stats() keys mean (a key without an entry is exported with a generic help line).
@@ -95,6 +97,13 @@ RUNNER_HELP = {
     "compiles_after_warmup_total": "Compiles after warm-up (should stay 0: every serving shape is warmed).",
     "runner_steps_total": "Engine steps the runner executed.",
     "runner_step_seconds_total": "Seconds the runner spent executing steps.",
+    "kv_tier_saved_blocks_total": "Full KV blocks copied from the device to the prefix-cache tiers.",
+    "kv_tier_loaded_blocks_total": "KV blocks copied from the prefix-cache tiers into the device's cache.",
+    "kv_host_cache_blocks": "KV blocks kept in host RAM.",
+    "kv_host_cache_bytes": "Bytes of KV blocks kept in host RAM.",
+    "kv_disk_cache_writes_total": "KV blocks this process wrote to the disk tier.",
+    "kv_disk_cache_rejected_total": "Disk-tier entries found damaged, truncated or foreign (removed, recomputed).",
+    "kv_disk_cache_dropped_total": "KV blocks not written to disk because the writer's queue was full.",
 }
 
 
@@ -153,7 +162,11 @@ def engine_families(exp: Exposition, m: MetricsSnapshot) -> None:
     exp.gauge("hloserve:kv_cache_total_blocks", "Allocatable KV blocks (the null block excluded).", m.kv_total_blocks)
     exp.counter("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", m.prefix_cache_queries)
     exp.counter("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", m.prefix_cache_hits)
-    exp.counter("vllm:num_preemptions_total", "Requests preempted (recomputed later).", m.num_preemptions)
+    exp.counter("hloserve:prefix_cache_hits_by_tier_total", "Prompt tokens found in the prefix cache, by the "
+                "tier they came from (device, host, disk).",
+                {(("tier", t),): m.prefix_cache_hits_by_tier.get(t, 0) for t in ("device", "host", "disk")})
+    exp.counter("vllm:num_preemptions_total", "Requests preempted (their full blocks reloaded from the host "
+                "tier when it is on, the rest recomputed).", m.num_preemptions)
     exp.counter("vllm:prompt_tokens_total", "Prompt tokens processed.", m.prompt_tokens)
     exp.counter("vllm:generation_tokens_total", "Tokens generated.", m.generation_tokens)
     exp.counter("vllm:request_success_total", "Finished requests by finish reason.",

@@ -21,6 +21,11 @@ along one 128-token chunk would cost several times the two separate calls
 row whose context is empty; padding rows are never sampled. The KV cache
 lives on the device for the runner's lifetime: each call donates it and keeps
 the returned one. N (num_blocks) is fixed at construction from a memory budget.
+
+With prefix-cache tiers (core/kv_tiers.py) a plan also carries block copies, made before its step:
+`kv_saves` gathered off the device into the tiers, then `kv_loads` scattered into their fresh blocks,
+each a jitted gather/scatter over the cache's block dim padded to a few bucket sizes (compiled at
+warm-up; pads read and write the null block).
 """
 from __future__ import annotations
 
@@ -45,6 +50,8 @@ log = logging.getLogger("hloserve.server.runner")
 if TYPE_CHECKING:
     from hloserve.runtime.kernels import KernelBackend
     from hloserve.runtime.model import LoadedModel
+
+    from .kv_tiers import KVTiers
 
 
 def _bucket(buckets: Sequence[int], n: int, what: str) -> int:
@@ -263,6 +270,30 @@ class ModelRunner:
         self.is_leader = jax.process_index() == 0
         self.steps = 0
         self.step_seconds = 0.0
+        self.tiers: "KVTiers | None" = None     # attach_tiers
+        self._copy_buckets = geometric(1, self.max_blocks, 4)
+        axis = list(kv.shape).index(NUM_BLOCKS)
+        self._gather = jax.jit(lambda cache, ids: jnp.moveaxis(jnp.take(cache, ids, axis=axis), axis, 0))
+        self._scatter = jax.jit(      # the cache keeps the sharding the step reads it with
+            lambda cache, ids, data: cache.at[(slice(None),) * axis + (ids,)].set(jnp.moveaxis(data, 0, axis)),
+            donate_argnums=0, out_shardings=split)
+
+    @property
+    def multi_host(self) -> bool:
+        """Whether this runner's calls are replayed by other processes (runtime/distributed.py)."""
+        return self._calls is not None
+
+    def attach_tiers(self, tiers: "KVTiers") -> None:
+        """Keep full blocks in `tiers` (the plans' kv_saves / kv_loads); one process only (a multi-host
+        run's followers could not replay the copies)."""
+        if self.multi_host:
+            raise ValueError("prefix-cache tiers serve one process; a multi-host run keeps its KV on the devices")
+        self.tiers = tiers
+
+    def block_layout(self) -> tuple[tuple[int, ...], str]:
+        """One block's K/V: the cache's shape without its num_blocks dim, and its numpy dtype."""
+        kv = self.llm.kv_cache
+        return tuple(int(d) for d in kv.shape if d != NUM_BLOCKS), kv.numpy_dtype.name
 
     @property
     def one_call(self) -> bool:
@@ -337,9 +368,47 @@ class ModelRunner:
                        else f"in {time.perf_counter() - t0:.1f} s")
                 progress(f"warm-up {i}/{len(shapes)}: {fn} T={t} S={s} B={b} {how} "
                          f"({time.perf_counter() - t_start:.0f} s so far)")
+        self._warm_copies()
         return done
 
+    def _copy_chunks(self, n: int):
+        """(start, end, padded size) pieces of n block copies, each padded to a copy bucket."""
+        top = self._copy_buckets[-1]
+        for lo in range(0, n, top):
+            m = min(top, n - lo)
+            yield lo, lo + m, _bucket(self._copy_buckets, m, "blocks copied")
+
+    def _transfer(self, plan: SchedulerPlan) -> None:
+        """The plan's block copies: saves off the device first (their blocks may be reused by a load),
+        then loads into their blocks; pads copy the null block."""
+        saves, loads = plan.kv_saves, plan.kv_loads
+        for lo, hi, pad in self._copy_chunks(len(saves)):
+            ids = np.zeros(pad, np.int32)
+            ids[:hi - lo] = [b for b, _ in saves[lo:hi]]
+            data = np.asarray(self._gather(self.kv_cache, ids))
+            # each block its own copy: a view would keep the whole padded gather alive past the host bound
+            self.tiers.put_all([h for _, h in saves[lo:hi]], [np.array(a) for a in data[:hi - lo]])
+        for lo, hi, pad in self._copy_chunks(len(loads)):
+            ids = np.zeros(pad, np.int32)
+            ids[:hi - lo] = [b for b, _ in loads[lo:hi]]
+            data = np.zeros((pad, *loads[0][1].shape), loads[0][1].dtype)
+            data[:hi - lo] = [a for _, a in loads[lo:hi]]
+            self.kv_cache = self._scatter(self.kv_cache, ids, data)
+        self.tiers.loaded += len(loads)
+
+    def _warm_copies(self) -> None:
+        """Compile the block copies at every bucket (a first load must not pay a compile)."""
+        if self.tiers is None:
+            return
+        shape, dtype = self.block_layout()
+        for pad in self._copy_buckets:
+            ids = np.zeros(pad, np.int32)
+            np.asarray(self._gather(self.kv_cache, ids))
+            self.kv_cache = self._scatter(self.kv_cache, ids, np.zeros((pad, *shape), dtype))
+
     def execute(self, plan: SchedulerPlan) -> RunnerOutput:
+        if self.tiers is not None and (plan.kv_saves or plan.kv_loads):
+            self._transfer(plan)
         if plan.is_empty:
             return RunnerOutput({})
         t0 = time.perf_counter()
@@ -404,13 +473,17 @@ class ModelRunner:
         return n
 
     def close(self) -> None:
-        """Release the followers of a multi-host run (no-op otherwise)."""
+        """Release the followers of a multi-host run; write the blocks still queued for the disk tier."""
         if self._calls is not None and self.is_leader:
             self._calls.stop()
             self._calls = None
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
 
     def stats(self) -> dict[str, float]:
         fs = [f.stats for f in self.model.functions.values()]
         return {"compiles_total": sum(s.compiles for s in fs),
                 "compiles_after_warmup_total": sum(s.compiles_after_warmup for s in fs),
-                "runner_steps_total": self.steps, "runner_step_seconds_total": self.step_seconds}
+                "runner_steps_total": self.steps, "runner_step_seconds_total": self.step_seconds,
+                **(self.tiers.stats() if self.tiers is not None else {})}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Mapping
+from typing import Any, Mapping
 
 from .sampling import RowContext, SamplingParams, TokenLogprobs
 
@@ -65,6 +65,11 @@ class SchedulerPlan:
     seqs: tuple[ScheduledSeq, ...]  # rows of the step: decodes first, then prefill chunks
     num_tokens: int                 # total tokens (sum of len(token_ids)), the T the runner pads to a bucket
     preempted: tuple[str, ...] = ()  # requests preempted while planning this step (blocks already freed)
+    # prefix-cache tiers (core/kv_tiers.py), copied by the runner before the step, in this order: each
+    # (block, hash) of kv_saves from the device to the tiers (full blocks, read before any write), then
+    # each (block, K/V) of kv_loads from the host into its fresh block
+    kv_saves: tuple[tuple[int, bytes], ...] = ()
+    kv_loads: tuple[tuple[int, Any], ...] = dataclasses.field(default=(), compare=False)
 
     @property
     def is_empty(self) -> bool:

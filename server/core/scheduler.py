@@ -17,7 +17,9 @@ a prefill chunk is any larger run.
    Blocks come from the block manager; if none are free, a prefill chunk
    shrinks to the slots available, and otherwise the NEWEST running request is
    preempted (its blocks freed, its computed tokens forgotten, back to the
-   front of the waiting queue: preempt-and-recompute). If the newest is the
+   front of the waiting queue: preempt-and-recompute; with prefix-cache tiers its
+   full blocks were saved to host RAM as they filled, so its readmission loads them
+   back and recomputes only its last, partial block). If the newest is the
    request itself, it preempts itself. Oldest-first means the oldest request
    always makes progress, so preemption cannot livelock.
 2. Waiting requests, FIFO, while fewer than `max_num_seqs` run, budget is
@@ -120,6 +122,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0   # prompt tokens looked up at admission
     prefix_cache_hits: int = 0      # of those, tokens found cached
+    prefix_cache_hits_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)   # device / host / disk
     prompt_tokens: int = 0          # prompt tokens of admitted requests (recomputation not counted)
     generation_tokens: int = 0
     spec: SpecDecodeStats | None = None   # speculative decoding's counters, when it is on
@@ -207,6 +210,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_work(self) -> bool:
+        """Requests to run, or full blocks still to save to the prefix-cache tiers (a step with no rows)."""
+        return self.has_unfinished() or self.blocks.has_transfers
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -247,7 +254,9 @@ class Scheduler:
         if self.proposer is not None and decodes:
             decodes = self._speculate(decodes, budget, self.config.max_num_seqs - len(decodes) - len(prefills))
         seqs = tuple(decodes + prefills)
-        return SchedulerPlan(seqs=seqs, num_tokens=sum(len(s.token_ids) for s in seqs), preempted=tuple(preempted))
+        saves, loads = self.blocks.take_transfers()
+        return SchedulerPlan(seqs=seqs, num_tokens=sum(len(s.token_ids) for s in seqs), preempted=tuple(preempted),
+                             kv_saves=saves, kv_loads=loads)
 
     def _grow(self, req: Request, want: int, *, partial_ok: bool) -> tuple[int, list[str], int]:
         """Get blocks for `want` more tokens of a running request, shrinking or preempting as needed.
@@ -303,6 +312,8 @@ class Scheduler:
             req.num_computed_tokens = req.num_cached_tokens = hit.num_cached_tokens
             self.stats.prefix_cache_queries += len(req.token_ids)
             self.stats.prefix_cache_hits += hit.num_cached_tokens
+            for tier, hits in hit.tokens_by_tier(self.blocks.block_size).items():
+                self.stats.prefix_cache_hits_by_tier[tier] = self.stats.prefix_cache_hits_by_tier.get(tier, 0) + hits
             if req.num_preemptions == 0:
                 self.stats.prompt_tokens += req.num_prompt_tokens
             self.running.append(req)   # the newest arrival among the running (admission is FIFO)

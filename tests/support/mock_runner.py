@@ -23,11 +23,12 @@ class MockRunner:
     real sampler as logits with `peak` at that token. A prompt [5, 6] therefore
     generates 7, 8, 9, ... greedily. `contexts[request_id]` records the last
     context read, so tests can check that prefix-cache hits and slot mappings
-    put the right tokens in the right places.
+    put the right tokens in the right places. With `tiers` (core/kv_tiers.py) it makes the plan's
+    block copies as the ModelRunner does: saves (a block's token ids) first, then loads.
     """
 
     def __init__(self, vocab_size: int, num_blocks: int, block_size: int, *, peak: float = 20.0,
-                 on_execute: Callable[[SchedulerPlan], None] | None = None):
+                 on_execute: Callable[[SchedulerPlan], None] | None = None, tiers=None):
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.peak = peak
@@ -35,16 +36,22 @@ class MockRunner:
         self.contexts: dict[str, list[int]] = {}
         self.plans: list[SchedulerPlan] = []
         self.on_execute = on_execute
+        self.tiers = tiers
         self.steps = 0
 
     def execute(self, plan: SchedulerPlan) -> RunnerOutput:
         self.plans.append(plan)
         if self.on_execute is not None:
             self.on_execute(plan)
+        bs = self.block_size
+        if self.tiers is not None:
+            self.tiers.put_all([h for _, h in plan.kv_saves], [self.cache[b * bs:(b + 1) * bs].copy() for b, _ in plan.kv_saves])
+            for b, data in plan.kv_loads:
+                self.cache[b * bs:(b + 1) * bs] = data
+            self.tiers.loaded += len(plan.kv_loads)
         if plan.is_empty:
             return RunnerOutput({})
         self.steps += 1
-        bs = self.block_size
         logits = np.zeros((plan.num_rows, self.vocab_size), np.float32)
         row = 0                           # a verified draft takes a row per token (ScheduledSeq.step_rows)
         for s in plan.seqs:
