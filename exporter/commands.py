@@ -36,6 +36,8 @@ def _check_export_options(args: argparse.Namespace) -> None:
         if bad and args.pad != "none":
             raise HloserveError(f"--pad {args.pad!r}: give dim names separated by commas (e.g. --pad batch,seq), "
                                 f"or 'none'")
+    if args.lora_slots is None and (args.max_lora_rank is not None or args.lora_targets):
+        raise HloserveError("--max-lora-rank and --lora-targets need --lora-slots N (adapters served at once)")
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise HloserveError(f"-o {args.output} is a file; give a directory to write the artifact into")
     if os.path.isdir(args.output) and os.listdir(args.output) and \
@@ -102,8 +104,6 @@ def _export_checked(args: argparse.Namespace) -> int:
 def _lora_request(args: argparse.Namespace):
     """--lora-slots / --max-lora-rank / --lora-targets as a LoraRequest (None without slots)."""
     if args.lora_slots is None:
-        if args.max_lora_rank is not None or args.lora_targets:
-            raise SourceError("--max-lora-rank and --lora-targets need --lora-slots N (adapters served at once)")
         return None
     from .llm.lora import ALL_LINEAR, LoraRequest
     targets = None if args.lora_targets in (None, ALL_LINEAR) else tuple(args.lora_targets.split(","))

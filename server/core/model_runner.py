@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import threading
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -258,6 +259,7 @@ class ModelRunner:
         # adapter slots (LoraSpec): the table's stacks, placed on the device after each change
         self.adapters = AdapterTable(llm.lora) if llm.lora is not None else None
         self._lora: dict = {}
+        self._adapter_lock = threading.Lock()     # loads come from HTTP worker threads
         if self.adapters is not None:
             self._place_adapters()
         # several hosts (runtime/distributed.py): the leader's calls are replayed by the others
@@ -267,6 +269,9 @@ class ModelRunner:
             if self.tensor_parallel_size != jax.device_count():
                 raise ValueError(f"a multi-host run needs the step split over every device: "
                                  f"--tensor-parallel-size {jax.device_count()} (got {self.tensor_parallel_size})")
+            if self.adapters is not None:   # the followers would not see the adapters' loads
+                raise ValueError(f"{model.path} has adapter slots, which a multi-host run does not serve yet; "
+                                 f"serve it on one host")
             self._calls = CallChannel(fns, state=(kv.input,))
         self.is_leader = jax.process_index() == 0
         self.steps = 0
@@ -275,13 +280,15 @@ class ModelRunner:
     def load_adapter(self, name: str, path: str) -> Adapter:
         """Read a PEFT LoRA directory into a free slot (AdapterError when it cannot be served; the
         steps already running see the new stacks from their next call)."""
-        adapter = self._adapter_table(name).load(name, path)
-        self._place_adapters()
+        with self._adapter_lock:
+            adapter = self._adapter_table(name).load(name, path)
+            self._place_adapters()
         return adapter
 
     def unload_adapter(self, name: str) -> Adapter:
-        adapter = self._adapter_table(name).unload(name)
-        self._place_adapters()
+        with self._adapter_lock:
+            adapter = self._adapter_table(name).unload(name)
+            self._place_adapters()
         return adapter
 
     def _adapter_table(self, name: str) -> AdapterTable:
