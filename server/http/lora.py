@@ -40,7 +40,12 @@ async def load_lora_adapter(request: Request):
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+# an unknown name to unload answers 404 (vLLM's), documented here: the schema adds 404 only to routes naming a model
+_NOT_LOADED = {404: {"description": "no adapter of that name is loaded", "content": {
+    "application/json": {"schema": {"$ref": "#/components/schemas/OpenAIError"}}}}}
+
+
+@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_NOT_LOADED)
 async def unload_lora_adapter(request: Request):
     req = await parse_body(request, UnloadLoRAAdapterRequest)
     svc: LLMService = request.app.state.service
