@@ -84,8 +84,17 @@ def main(argv=None) -> int:
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--starts", type=int, default=3)
     ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--only", choices=("start", "level"), help="measure only the start or only the level")
     args = ap.parse_args(argv)
     adapters = write_adapters(args.slots, args.adapters)
+    if args.only != "level":
+        measure_start(args, adapters)
+    if args.only != "start":
+        measure_level(args, adapters)
+    return 0
+
+
+def measure_start(args, adapters) -> None:
     modules = ["--lora-modules", *(f"{n}={p}" for n, p in adapters)]
     start_seconds(args.slots, *modules)          # fills the executable cache
     times: dict[str, list[float]] = {"without": [], "with": []}
@@ -96,6 +105,9 @@ def main(argv=None) -> int:
     print(f"start to /ready (median of {args.starts}): without adapters {med['without']:.2f} s, with "
           f"{args.adapters} {med['with']:.2f} s: {med['with'] / med['without']:.2f}x "
           f"({json.dumps({k: [round(x, 2) for x in v] for k, v in times.items()})})", flush=True)
+
+
+def measure_level(args, adapters) -> None:
     sys.path.insert(0, HERE)
     import engine_level
     level = ["--requests", str(args.requests), "--concurrency", "16"]
@@ -104,7 +116,6 @@ def main(argv=None) -> int:
                                                     *(f"{n}={p}" for n, p in adapters)])):
         print(f"== {what}", flush=True)
         engine_level.main(level + extra)
-    return 0
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ Per token, with its slot s (0: no adapter):
     y += ((x @ A_all) * onehot_R(s)) @ B_all         A_all = [A_1^T | ... | A_n^T], B_all = [B_1^T*scale_1; ...]
 
 two dense products over every slot's rank, no gather: at R = 16 and 4 slots on SmolLM2-135M the
-A/B products add ~23% of a decoder layer's matmul work (docs/performance.md, "LoRA").
+A/B products add ~18% of a decoder layer's matmul work (docs/performance.md, "LoRA adapter slots").
 """
 from __future__ import annotations
 

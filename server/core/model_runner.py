@@ -280,10 +280,16 @@ class ModelRunner:
     def load_adapter(self, name: str, path: str) -> Adapter:
         """Read a PEFT LoRA directory into a free slot (AdapterError when it cannot be served; the
         steps already running see the new stacks from their next call)."""
+        return self.load_adapters([(name, path)])[0]
+
+    def load_adapters(self, pairs) -> list[Adapter]:
+        """load_adapter for each (name, path), the stacks placed on the device once at the end."""
         with self._adapter_lock:
-            adapter = self._adapter_table(name).load(name, path)
-            self._place_adapters()
-        return adapter
+            try:
+                return [self._adapter_table(name).load(name, path) for name, path in pairs]
+            finally:
+                if self.adapters is not None:
+                    self._place_adapters()
 
     def unload_adapter(self, name: str) -> Adapter:
         with self._adapter_lock:
