@@ -450,10 +450,47 @@ def bench_server(name: str, base: str, workloads: list[Workload], extra: dict) -
     levels = []
     for wl in workloads:
         for c, reqs in wl.sets.items():
+            before = engine_counters(base)
             results, secs = asyncio.run(run_level_http(base, reqs, c, extra, f"{name} {wl.name} c={c}"))
             levels.append(Level(name, wl.name, c, results, secs))
             report_level(levels[-1])
+            print(f"    {token_rates(before, engine_counters(base), secs)}", flush=True)
     return levels
+
+
+COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "hloserve:step_seconds_total")
+
+
+def engine_counters(base: str) -> dict[str, float]:
+    """The server's token and step-time counters from /metrics (vLLM's names, which hloserve and vLLM
+    both export; hloserve's step seconds by kind), keyed `name` or `name{kind}`; {} without /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        text = httpx.get(base + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return {}
+    got = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in COUNTERS:
+                key = s.name + (f"{{{s.labels['kind']}}}" if "kind" in s.labels else "")
+                got[key] = got.get(key, 0.0) + s.value
+    return got
+
+
+def token_rates(before: dict[str, float], after: dict[str, float], seconds: float) -> str:
+    """A level's prompt and generated tokens a second, as the server counted them, and the share of
+    its step time spent in steps that compute prompt chunks (where the server reports it)."""
+    def rate(name):
+        return (after.get(name, 0.0) - before.get(name, 0.0)) / seconds
+    if COUNTERS[0] not in after:
+        return "no token counters in /metrics"
+    line = f"server counted: prompt {rate(COUNTERS[0]):.0f} tok/s, generated {rate(COUNTERS[1]):.1f} tok/s"
+    chunk, decode = (rate(f"{COUNTERS[2]}{{{k}}}") for k in ("chunk", "decode"))
+    if chunk + decode > 0:
+        line += (f"; steps busy {100 * (chunk + decode):.0f}% of the level, {100 * chunk / (chunk + decode):.0f}% "
+                 f"of step time in steps with prompt chunks")
+    return line
 
 
 # -- transformers eager, static batches -----------------------------------------------------------

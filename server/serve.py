@@ -88,9 +88,12 @@ def _export_into(source: str, path: str, flags: tuple[str, ...]) -> str:
     print(f"[hloserve] first run: exporting {source} ({' '.join(flags)}) to {path} (once; later starts reuse it)",
           file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "hloserve.server.cli", "export", source, "-o", partial, *flags]
-    if subprocess.run(cmd).returncode != 0:
+    child = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    error = _pass_stderr_through(child.stderr)
+    if child.wait() != 0:
         shutil.rmtree(partial, ignore_errors=True)
-        raise HloserveError(f"exporting {source} failed (see above); run `hloserve serve` again to retry")
+        why = error or "failed (see above)"
+        raise HloserveError(f"exporting {source}: {why}; run `hloserve serve` again to retry")
     try:
         os.replace(partial, path)
     except OSError:                         # another replica renamed its export into place first
@@ -98,6 +101,32 @@ def _export_into(source: str, path: str, flags: tuple[str, ...]) -> str:
             raise
         shutil.rmtree(partial, ignore_errors=True)
     return path
+
+
+def _pass_stderr_through(stream) -> str | None:
+    """Copies the export child's stderr (its progress) to ours as it comes, except its one-line
+    `hloserve: error: ...`, which is returned: `serve` then says what went wrong in one line, its own."""
+    error, held = None, b""
+    while chunk := stream.read1(65536):
+        *lines, held = (held + chunk).split(b"\n")
+        out = []
+        for line in lines:
+            if line.startswith(_ERROR):
+                error = line[len(_ERROR):].decode(errors="replace").strip()
+            else:
+                out.append(line + b"\n")
+        if not (_ERROR.startswith(held) or held.startswith(_ERROR)):   # a partial line (a progress bar): now
+            out.append(held)
+            held = b""
+        sys.stderr.buffer.write(b"".join(out))
+        sys.stderr.flush()
+    if held.startswith(_ERROR):
+        return held[len(_ERROR):].decode(errors="replace").strip()
+    sys.stderr.buffer.write(held)
+    return error
+
+
+_ERROR = b"hloserve: error: "
 
 
 def serve_target(target: str | None, quantize: str = SERVE_QUANTIZE) -> tuple[str, str | None]:

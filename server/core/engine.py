@@ -145,6 +145,8 @@ class Engine:
         self._ttft, self._itl, self._e2e = Histogram(), Histogram(), Histogram()
         self._step_host, self._step_device = Histogram(STEP_BUCKETS), Histogram(STEP_BUCKETS)
         self._device_seconds: float | None = None   # the running step's, from its RunnerOutput
+        self._step_chunks = False                    # whether the running step computes a chunk
+        self._step_seconds = {"chunk": 0.0, "decode": 0.0}   # steps' wall seconds, by what they run
         self._device_memory = dict(runner.device_memory())   # fixed after construction: read once
         self._snapshot_lock = threading.Lock()
         self._snapshot = self._take_snapshot()
@@ -154,7 +156,7 @@ class Engine:
         plan = self.scheduler.schedule()
         plan = self.structured.masks(plan, self._matcher_of)
         out = self.runner.execute(plan)
-        self._device_seconds = out.device_seconds
+        self._device_seconds, self._step_chunks = out.device_seconds, any(s.is_chunk for s in plan.seqs)
         return self.scheduler.update(plan, out)
 
     # -- API for handlers (any thread) -----------------------------------------------------
@@ -287,8 +289,10 @@ class Engine:
                 outputs = self.scheduler.fail_all(f"engine step failed: {type(e).__name__}: {e}")
             self._emit(outputs)
             if self._device_seconds:   # a step that ran the model: its time, split host / device
+                seconds = time.perf_counter() - t0
                 self._step_device.observe(self._device_seconds)
-                self._step_host.observe(time.perf_counter() - t0 - self._device_seconds)
+                self._step_host.observe(seconds - self._device_seconds)
+                self._step_seconds["chunk" if self._step_chunks else "decode"] += seconds
             if not self.scheduler.num_running and self.scheduler.num_waiting:
                 time.sleep(0.001)  # nothing could be admitted; don't spin (cannot persist: a lone request fits)
         with self._snapshot_lock:
@@ -370,4 +374,5 @@ class Engine:
             finished=dict(self._finished), steps=self._steps, ttft=self._ttft.copy(), itl=self._itl.copy(),
             e2e=self._e2e.copy(), runner=dict(self.runner.stats()), device_memory=self._device_memory,
             step_host=self._step_host.copy(), step_device=self._step_device.copy(),
+            step_seconds=dict(self._step_seconds),
             spec=s.spec.copy() if s.spec is not None else None)

@@ -61,6 +61,8 @@ class MetricsSnapshot:
         device (the step functions' calls until their logits were on the host) and the rest of the
         step (scheduling, building inputs, sampling, detokenizing, streaming: the engine's own work,
         which nothing overlaps with the device today).
+      step_seconds: "chunk" | "decode" -> wall seconds of the steps that computed a prompt chunk (decodes
+        beside it or not) and of those that ran decodes only (benchmarks/serve.py: the chunks' share).
       spec: speculative decoding's counters (drafts, drafted and accepted tokens, accepted per
         position), None when it is off.
     """
@@ -83,6 +85,7 @@ class MetricsSnapshot:
     device_memory: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     step_host: Histogram = dataclasses.field(default_factory=lambda: Histogram(STEP_BUCKETS))
     step_device: Histogram = dataclasses.field(default_factory=lambda: Histogram(STEP_BUCKETS))
+    step_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     spec: "SpecDecodeStats | None" = None
 
 
@@ -162,6 +165,10 @@ def engine_families(exp: Exposition, m: MetricsSnapshot) -> None:
                   "overlap: scheduling, inputs, sampling, detokenizing, streaming.", m.step_host)
     exp.histogram("hloserve:step_device_seconds", "Per engine step, the time the host waited on the device: "
                   "the step functions' calls, input and output transfers included.", m.step_device)
+    exp.counter("hloserve:step_seconds_total", "Engine steps' wall seconds by what they run: kind=\"chunk\", "
+                "steps that compute a prompt chunk (or a preempted request's tokens again), decodes or not beside "
+                "it; kind=\"decode\", steps of decodes only.",
+                {(("kind", k),): v for k, v in sorted(m.step_seconds.items())})
     if m.spec is not None:
         spec_decode_families(exp, m.spec)
     runner_families(exp, m.runner)

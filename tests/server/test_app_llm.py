@@ -147,6 +147,29 @@ def test_metrics_split_each_step_into_host_and_device(server):
     assert dev["sum"] <= after["runner"] - before["runner"] + 1e-9   # measured inside the runner's step
 
 
+def test_metrics_split_step_time_into_chunk_and_decode_steps(server):
+    """hloserve:step_seconds_total{kind}: a request's prompt runs in steps of kind "chunk", its later
+    tokens in steps of kind "decode"; together they are the steps' wall time (host + device)."""
+    base, _ = server
+
+    def read():
+        fams = parse_metrics(httpx.get(f"{base}/metrics").text)
+        got = {s.labels["kind"]: s.value for s in fams["hloserve:step_seconds"].samples}
+        assert fams["hloserve:step_seconds"].type == "counter" and set(got) == {"chunk", "decode"}
+        steps = sum(next(s.value for s in fams[n].samples if s.name.endswith("_sum"))
+                    for n in ("hloserve:step_host_seconds", "hloserve:step_device_seconds"))
+        return got, steps
+
+    (before, steps_before) = read()
+    r = client(base).completions.create(model="tiny-chat", prompt="hi there, how are you today?", max_tokens=6,
+                                        temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 6
+    after, steps_after = read()
+    chunk, decode = (after[k] - before[k] for k in ("chunk", "decode"))
+    assert chunk > 0 and decode > 0            # the prompt's step(s), then 5 decodes
+    assert abs(chunk + decode - (steps_after - steps_before)) <= 1e-6 * max(1.0, steps_after)
+
+
 def parse_metrics(text: str) -> dict:
     """/metrics through prometheus_client's own parser: it raises on a malformed exposition
     (a family typed twice, a sample without its family, a bad label)."""

@@ -68,3 +68,22 @@ def test_serving_on_a_full_cache_disk_then_with_room_gives_the_same_greedy_text(
         written = files_under(cache)
         assert [f for f in written if f.startswith("kernels/") and f.endswith((".so", ".so.json"))], written
         assert [f for f in written if f.startswith("xla/executables/")], written
+
+
+def test_serving_a_gguf_file_on_a_full_cache_disk_says_so_in_one_line(tmp_path):
+    """`hloserve serve FILE.gguf` exports the file into the cache first; on a full disk the export
+    fails and `serve` says why in one line, its own (the export's error, not "see above"), exit 1."""
+    import subprocess
+    import sys
+
+    from hloserve.exporter import presets
+    gguf = presets.resolve("smollm2-135m-instruct")
+    with small_disk(str(tmp_path / "disk"), "16m") as cache:
+        fill(cache, leave=64 << 10)
+        env = dict(os.environ, HLOSERVE_CACHE=cache)
+        proc = subprocess.run([sys.executable, "-m", "hloserve.server.cli", "serve", gguf, "--port", "0"],
+                              capture_output=True, text=True, env=env, timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hloserve: error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+    assert "the disk is full" in errors[0] and "see above" not in errors[0], errors[0]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

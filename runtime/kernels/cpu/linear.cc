@@ -194,6 +194,66 @@ inline void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t K
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HLOSERVE_WIDENED_AVX512 1
+#endif
+
+#if defined(HLOSERVE_WIDENED_AVX512)
+// Without vdpbf16ps (AVX-512 CPUs before Cooper Lake; every f16 matrix): NR matrix rows x MR x
+// rows in NR * MR f32 accumulators, 16 products each per k-step. The matrix rows are widened once
+// per step and reused by every x row; x was widened once for the call (xf, rows KP apart, zeros
+// past K). Each output's sums run in the same order whatever M is (one accumulator per output,
+// the same reduction tree), so a row gets the same value alone or in a batch.
+template <Kind K16, int NR, int MR>
+inline void widened_tile(const uint16_t* w, int64_t K, const float* xf, int64_t KP, float* out, int64_t N) {
+  __m512 acc[NR * MR];
+  for (int i = 0; i < NR * MR; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[NR];
+    for (int i = 0; i < NR; ++i) wv[i] = load16<K16>(w + i * K, k);
+    for (int j = 0; j < MR; ++j) {
+      const __m512 xv = _mm512_loadu_ps(xf + j * KP + k);
+      for (int i = 0; i < NR; ++i) acc[i * MR + j] = _mm512_fmadd_ps(wv[i], xv, acc[i * MR + j]);
+    }
+  }
+  if (k < K) {  // the last partial 16: the matrix rows' tail masked (x is zero-padded past K)
+    const __mmask16 tail = static_cast<__mmask16>((1u << (K - k)) - 1);
+    for (int i = 0; i < NR; ++i) {
+      const __m256i h = _mm256_maskz_loadu_epi16(tail, w + i * K + k);
+      const __m512 wv = K16 == Kind::kBF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                           : _mm512_cvtph_ps(h);
+      for (int j = 0; j < MR; ++j) acc[i * MR + j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + j * KP + k), acc[i * MR + j]);
+    }
+  }
+  __m512 v[16];
+  for (int i = 0; i < 16; ++i) v[i] = i < NR * MR ? acc[i] : _mm512_setzero_ps();
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, sum16(v));
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j) out[j * N + i] = sums[i * MR + j];
+}
+
+template <Kind K16, int NR>
+inline void widened_group(const uint16_t* w, int64_t K, const float* xf, int64_t KP, int64_t M, float* out, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) widened_tile<K16, NR, 4>(w, K, xf + m * KP, KP, out + m * N, N);
+  switch (M - m) {
+    case 3: widened_tile<K16, NR, 3>(w, K, xf + m * KP, KP, out + m * N, N); break;
+    case 2: widened_tile<K16, NR, 2>(w, K, xf + m * KP, KP, out + m * N, N); break;
+    case 1: widened_tile<K16, NR, 1>(w, K, xf + m * KP, KP, out + m * N, N); break;
+  }
+}
+
+// matrix rows [0, rows) of w times every row of x, in tiles of 4 matrix rows (then single rows)
+template <Kind K16>
+void widened_rows(const uint16_t* w, int64_t K, const float* xf, int64_t KP, int64_t M, int64_t rows, float* out,
+                  int64_t N) {
+  int64_t n = 0;
+  for (; n + 4 <= rows; n += 4) widened_group<K16, 4>(w + n * K, K, xf, KP, M, out + n, N);
+  for (; n < rows; ++n) widened_group<K16, 1>(w + n * K, K, xf, KP, M, out + n, N);
+}
+#else
 // Any 16-bit float: widen and multiply-add in f32 (the same products and f32 sums).
 template <Kind K16>
 void widened_rows(const uint16_t* w, int64_t K, const uint16_t* x, int64_t KP, int64_t M, int64_t rows, float* out,
@@ -206,6 +266,7 @@ void widened_rows(const uint16_t* w, int64_t K, const uint16_t* x, int64_t KP, i
       out[m * N + n] = acc;
     }
 }
+#endif
 
 ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer weights,
                        ffi::Buffer<ffi::S32> layer, int64_t holds, ffi::ResultBuffer<ffi::F32> out) {
@@ -228,6 +289,22 @@ ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) xr[m * KP + k] = kind == Kind::kBF16 ? f32_to_bf16(xp[m * K + k]) : f32_to_f16(xp[m * K + k]);
   const uint16_t* xb = xr.data();
+#if defined(HLOSERVE_WIDENED_AVX512)
+  // the widened path's x: the rounded rows as f32, zeros past K (AVX-512 without vdpbf16ps, or f16)
+  std::vector<float> xw;
+#if defined(__AVX512BF16__)
+  const bool widen = kind == Kind::kF16;
+#else
+  const bool widen = true;
+#endif
+  if (widen) {
+    xw.assign(M * KP, 0.f);
+    for (int64_t i = 0; i < M * KP; ++i) xw[i] = kind == Kind::kBF16 ? bf16_to_f32(xb[i]) : f16_to_f32(xb[i]);
+  }
+  const float* xwide = xw.data();
+#else
+  const uint16_t* xwide = xb;
+#endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   // AMX for bf16 matrices whose rows are whole 32-element tiles (the tail of 16-row tiles below)
   const bool amx = kind == Kind::kBF16 && K % 32 == 0 && amx_usable();
@@ -237,7 +314,7 @@ ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   parallel_for(pool, tasks, 1, [&](int64_t task) {
     const int64_t n0 = task * kLinearRows, n1 = std::min(N, n0 + kLinearRows);
     if (kind == Kind::kF16) {
-      widened_rows<Kind::kF16>(w + n0 * K, K, xb, KP, M, n1 - n0, op + n0, N);
+      widened_rows<Kind::kF16>(w + n0 * K, K, xwide, KP, M, n1 - n0, op + n0, N);
       return;
     }
     int64_t n = n0;
@@ -252,7 +329,7 @@ ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
     for (; n + 4 <= n1; n += 4) bf16_rows<4>(w + n * K, K, xb, KP, M, op + n, N);
     for (; n < n1; ++n) bf16_rows<1>(w + n * K, K, xb, KP, M, op + n, N);
 #else
-    widened_rows<Kind::kBF16>(w + n * K, K, xb, KP, M, n1 - n, op + n, N);
+    widened_rows<Kind::kBF16>(w + n * K, K, xwide, KP, M, n1 - n, op + n, N);
 #endif
   });
   return ffi::Error::Success();
