@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-input", type=int, default=35)
     ap.add_argument("--max-input", type=int, default=414)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                    help="LoRA adapters to load (an artifact with --lora-slots); the requests take them in turn")
     ap.add_argument("--serve", action="append", default=[], metavar="FIELD=VALUE",
                     help="a ServeConfig field to change, e.g. --serve prefill_growth=2 (repeatable)")
     args = ap.parse_args(argv)
@@ -64,7 +66,8 @@ def main(argv=None) -> int:
         return 2
 
     fields = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.serve)}
-    engine, _ = build_engine(args.artifact, dataclasses.replace(ServeConfig(), **fields))
+    modules = tuple(tuple(m.split("=", 1)) for m in args.lora_modules)
+    engine, _ = build_engine(args.artifact, dataclasses.replace(ServeConfig(), lora_modules=modules, **fields))
     t0 = time.perf_counter()
     engine.warmup(lambda line: print(f"  {line}", end="\r", flush=True))
     print(f"\nwarm-up {time.perf_counter() - t0:.1f} s", flush=True)
@@ -78,11 +81,13 @@ def main(argv=None) -> int:
     prompts = [[rng.randrange(1000, 40000) for _ in range(rng.randint(args.min_input, args.max_input))]
                for _ in range(args.requests)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    refs = [engine.runner.adapters.get(name).ref for name, _ in modules] or [None]
     pending, live, done, tokens = list(prompts), [], 0, 0
     t0 = time.perf_counter()
     while done < args.requests:
         while pending and len(live) < args.concurrency:
-            live.append(engine.add_request(pending.pop(0), params))
+            adapter = refs[len(pending) % len(refs)]
+            live.append(engine.add_request(pending.pop(0), dataclasses.replace(params, adapter=adapter)))
         engine.run_once()
         for stream in list(live):
             for out in stream.drain():

@@ -36,6 +36,8 @@ def _check_export_options(args: argparse.Namespace) -> None:
         if bad and args.pad != "none":
             raise HloserveError(f"--pad {args.pad!r}: give dim names separated by commas (e.g. --pad batch,seq), "
                                 f"or 'none'")
+    if args.lora_slots is None and (args.max_lora_rank is not None or args.lora_targets):
+        raise HloserveError("--max-lora-rank and --lora-targets need --lora-slots N (adapters served at once)")
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise HloserveError(f"-o {args.output} is a file; give a directory to write the artifact into")
     if os.path.isdir(args.output) and os.listdir(args.output) and \
@@ -71,7 +73,8 @@ def _export_checked(args: argparse.Namespace) -> int:
                        f"under float32 activations (--dtype float32 for float32 throughout)")
     source = load_source(args.source, dtype=dtype, quantize=args.quantize,
                          quantize_skip=args.quantize_skip.split(",") if args.quantize_skip else (),
-                         weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, llm_step=args.llm_step)
+                         weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, llm_step=args.llm_step,
+                         lora=_lora_request(args))
     entries = source.entries
     if args.function:
         known = {e.name for e in entries}
@@ -96,6 +99,15 @@ def _export_checked(args: argparse.Namespace) -> int:
     if args.savedmodel:
         _write_savedmodel(args.output, args.savedmodel, reporter=reporter)
     return 0
+
+
+def _lora_request(args: argparse.Namespace):
+    """--lora-slots / --max-lora-rank / --lora-targets as a LoraRequest (None without slots)."""
+    if args.lora_slots is None:
+        return None
+    from .llm.lora import ALL_LINEAR, LoraRequest
+    targets = None if args.lora_targets in (None, ALL_LINEAR) else tuple(args.lora_targets.split(","))
+    return LoraRequest(args.lora_slots, args.max_lora_rank or 16, targets)
 
 
 def _write_savedmodel(artifact_dir: str, out: str, *, reporter, **options) -> None:
@@ -144,6 +156,14 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
                        help="how a HF causal LM or a GGUF is exported: 'auto'/'generic' (the paged-cache step: the "
                             "model's own code through transformers' attention interface, layers scanned), 'none' "
                             "(a causal LM's plain forward, served with TF Serving's predict API)")
+        e.add_argument("--lora-slots", type=int, metavar="N",
+                       help="LLMs: the step takes LoRA adapters in N slots (served at once, mixed in a batch), "
+                            "loaded by `hloserve serve --lora-modules` or /v1/load_lora_adapter (docs/api.md)")
+        e.add_argument("--max-lora-rank", type=int, metavar="R",
+                       help="with --lora-slots: the largest adapter rank a slot holds (default 16)")
+        e.add_argument("--lora-targets", metavar="NAMES",
+                       help="with --lora-slots: the decoder layers' projections adapters may target, comma-separated "
+                            "(e.g. q_proj,v_proj), or all-linear (default)")
         e.add_argument("--function", action="append", help="entry point(s) to export (default: all the source provides)")
         e.add_argument("--pad", help="symbolic dims the runtime may pad to buckets, comma-separated ('none' for none)")
         e.add_argument("--platforms", help="comma-separated lowering platforms (default: cpu,cuda,tpu for an LLM "

@@ -78,13 +78,14 @@ def _checkpoint_dtype(spec: str) -> str | None:
 
 def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = None,
                 quantize_skip: Sequence[str] = (), weight_dtype: str | None = None,
-                kv_cache_dtype: str | None = None, llm_step: str = "auto") -> Source:
+                kv_cache_dtype: str | None = None, llm_step: str = "auto", lora=None) -> Source:
     """Load SOURCE; with `quantize` (--quantize, see quantization.schemes.QuantConfig.parse) its
     Linear/Embedding weights are swapped for quantized ones (a GGUF with `gguf` keeps its blocks).
     `weight_dtype` / `kv_cache_dtype` (--weight-dtype, --kv-cache-dtype) store an LLM's weight
     matrices / K and V in a 16-bit float under float32 activations. `llm_step` (--llm-step): "auto"
     or "generic" export a Hugging Face causal LM or a GGUF as the paged-cache step
-    (models/hf_causal.py), "none" a causal LM as its plain forward (for the predict API)."""
+    (models/hf_causal.py), "none" a causal LM as its plain forward (for the predict API). `lora`
+    (--lora-slots, a llm.lora.LoraRequest): the step takes adapters in that many slots."""
     llm = {}
     for flag, value, key in (("--weight-dtype", weight_dtype, "weight_dtype"),
                              ("--kv-cache-dtype", kv_cache_dtype, "kv_dtype")):
@@ -98,6 +99,10 @@ def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = Non
         raise SourceError(f"--llm-step {llm_step!r}: use {', '.join(LLM_STEPS)}")
     if llm_step != "auto":
         llm["step"] = llm_step
+    if lora is not None:
+        if llm_step == "none":
+            raise SourceError("--lora-slots applies to the LLM step; leave out --llm-step none")
+        llm["lora"] = lora
     if quantize and "weight_dtype" in llm:
         raise SourceError("--weight-dtype and --quantize both choose how weights are stored; use one of them")
     if quantize:
@@ -134,7 +139,7 @@ def _load_source(spec: str, dtype: str, quant, llm: dict) -> Source:
 def _llm_only(spec: str, llm: dict) -> None:
     """--weight-dtype / --kv-cache-dtype / --llm-step are options of the LLM step export only."""
     if llm and llm != {"step": "none"}:
-        raise SourceError(f"--weight-dtype, --kv-cache-dtype and --llm-step apply to LLMs exported as step functions "
+        raise SourceError(f"--weight-dtype, --kv-cache-dtype, --llm-step and --lora-slots apply to LLMs exported as step functions "
                           f"(a GGUF, or a Hugging Face causal-LM directory); {spec} is not one: use --dtype instead")
 
 

@@ -25,7 +25,8 @@ def _serve(args: argparse.Namespace) -> int:
              "batch_timeout_s": None if args.batch_timeout_ms is None else args.batch_timeout_ms / 1000,
              "grpc_port": args.grpc_port, "generation_config": args.generation_config,
              "override_generation_config": _json_object(args.override_generation_config),
-             "speculative_config": _speculative(args.speculative_config)}
+             "speculative_config": _speculative(args.speculative_config),
+             "lora_modules": _lora_modules(args.lora_modules)}
     config = ServeConfig(**{k: v for k, v in given.items() if v is not None})   # the rest: ServeConfig's defaults
     hosts = int(os.environ.get("JAX_NUM_PROCESSES") or 1) if args.distributed else 1
     if config.tensor_parallel_size > 1 and (config.platform or "cpu") == "cpu":
@@ -59,6 +60,19 @@ def _json_object(text: str | None) -> dict | None:
         raise HloserveError(f"--override-generation-config {text!r} is a JSON {type(value).__name__}; pass an "
                             f"object such as '{{\"temperature\": 0.7}}'")
     return value
+
+
+def _lora_modules(items: list[str] | None) -> tuple[tuple[str, str], ...] | None:
+    """--lora-modules NAME=PATH ... as (name, path) pairs (None: not given)."""
+    from hloserve.runtime.artifact.errors import HloserveError
+    if not items:
+        return None
+    pairs = [item.partition("=") for item in items]
+    bad = [item for item, (name, eq, path) in zip(items, pairs) if not (name and eq and path)]
+    if bad:
+        raise HloserveError(f"--lora-modules {bad[0]!r}: give NAME=PATH, the name requests use as `model` and a "
+                            f"PEFT LoRA directory (e.g. --lora-modules sql=/adapters/sql)")
+    return tuple((name, path) for name, _, path in pairs)
 
 
 def _speculative(text: str | None):
@@ -143,5 +157,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
                          "by prompt lookup (the context's last N..M tokens found earlier in it) and verifies them "
                          "in one step; \"disable_by_batch_size\": B (default %d) turns it off in steps with more "
                          "than B requests running (default: off)" % DEFAULT_DISABLE_BY_BATCH_SIZE)
+    sv.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                    help="LLM: LoRA adapters (PEFT directories) loaded at start into an artifact exported with "
+                         "--lora-slots; a request names one as its `model` (more at run time: "
+                         "/v1/load_lora_adapter, docs/api.md)")
     sv.add_argument("--log-level", default="warning", help="uvicorn log level")
     sv.set_defaults(fn=_serve)

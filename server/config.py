@@ -91,6 +91,8 @@ class ServeConfig:
       speculative_config: LLM: speculative decoding (vLLM's --speculative-config, the n-gram method;
         server/core/spec_decode.py), None: off. Each drafted token is a row of the step, so
         num_speculative_tokens is clamped to max_num_seqs - 1.
+      lora_modules: LLM: (name, PEFT directory) of the LoRA adapters loaded at start into an artifact's
+        adapter slots (vLLM's --lora-modules); a request picks one by its `model`.
     """
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
@@ -125,6 +127,7 @@ class ServeConfig:
     generation_config: str = GENERATION_AUTO
     override_generation_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     speculative_config: SpeculativeConfig | None = None
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         if self.verify_weights not in ("stamp", "full"):
@@ -144,6 +147,11 @@ class ServeConfig:
             raise HloserveError(f"--override-generation-config: unknown field(s) {', '.join(map(repr, unknown))}; "
                                 f"the fields are {', '.join(SAMPLING_FIELDS)}")
         checked_defaults(sampling_fields(self.override_generation_config), "--override-generation-config")
+        names = [n for n, _ in self.lora_modules]
+        clash = sorted({n for n in names if names.count(n) > 1 or n in self.served_model_names})
+        if clash:
+            raise HloserveError(f"--lora-modules {', '.join(clash)}: each adapter needs a name of its own, not a "
+                                f"served model name or another adapter's")
         if self.generation_config != GENERATION_AUTO:   # a PATH that cannot be read fails before anything loads
             self.generation_defaults("")
 

@@ -29,6 +29,7 @@ from .wiring import build_engine
 if TYPE_CHECKING:
     from hloserve.runtime.model import LoadedModel
 
+    from .core.adapters import AdapterRef
     from .core.engine import Engine
     from .core.model_runner import ModelRunner
     from .text.tokenizer import Tokenizer
@@ -108,6 +109,18 @@ class LLMService:
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The LoRA adapters loaded now (each a name a request may give as `model`)."""
+        table = self.runner.adapters
+        return tuple(table.names()) if table is not None else ()
+
+    def adapter_ref(self, model: str | None) -> "AdapterRef | None":
+        """The adapter a request's `model` names (None: the base model, a served name)."""
+        table = self.runner.adapters
+        adapter = table.get(model) if table is not None and model not in self.model_names else None
+        return adapter.ref if adapter is not None else None
 
     def warmup(self, report: Callable[[str], None] | None = None) -> None:
         """Compile every serving shape, then start the engine loop and report ready.

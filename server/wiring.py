@@ -3,6 +3,7 @@
     art = LLMArtifact.read(path)                  manifest.json, the typed LLMSpec and TextSpec, read once
     sched_cfg, runner_cfg = config.resolve(llm)   every limit from ServeConfig, clamped to the artifact
     runner = ModelRunner.from_artifact(art, ...)  step policy, buckets, weights and KV cache on the device
+    runner.load_adapters(config.lora_modules)     each --lora-modules adapter into its slot
     tokenizer = Tokenizer.from_artifact(art)      the TextSpec's tokenizer.json (read once), BOS/EOS from the LLMSpec
     grammars = Grammars(...)                      structured output over the same tokenizer.json text
     scheduler = Scheduler(sched_cfg, BlockManager(runner.num_blocks, ...))
@@ -53,6 +54,10 @@ def build_engine(artifact: LLMArtifact | str, config: ServeConfig | None = None)
     for note in notes:
         log.info("%s", note)
     runner = load_runner(art, runner_cfg, config, strict=config.strict)
+    # an adapter that cannot be served: AdapterError, one line
+    for adapter in runner.load_adapters(config.lora_modules) if config.lora_modules else ():
+        log.info("LoRA adapter %r (rank %d) from %s in slot %d", adapter.name, adapter.rank, adapter.path,
+                 adapter.ref.slot)
     _log_device_memory(runner)
     tokenizer = Tokenizer.from_artifact(art)
     grammars = Grammars(tokenizer.tokenizer_json, llm.vocab_size, tokenizer.eos_token_ids) if tokenizer else None

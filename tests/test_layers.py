@@ -22,7 +22,8 @@ WEB = {"fastapi", "starlette", "uvicorn"}
 
 # the OpenAI wire models: shared (protocol), then one module per API (docs/architecture.md, "Where a new API goes")
 WIRE = tuple(f"hloserve.server.http.{m}" for m in ("protocol", "completions_protocol", "chat_protocol",
-                                                     "responses_protocol", "tokenization_protocol", "embeddings_protocol"))
+                                                     "responses_protocol", "tokenization_protocol", "embeddings_protocol",
+                                                     "lora_protocol"))
 # importer prefix (most specific first) -> (hloserve modules it may import, third-party tops it may not)
 RULES = [
     ("hloserve.server.cli", ("hloserve",), set()),

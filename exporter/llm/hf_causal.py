@@ -44,8 +44,10 @@ from ..composites import layer_linear  # noqa: F401 - registers torch.ops.hloser
 from ..entry import Source
 from ..errors import SourceError
 from . import hf_experts, hf_layers
+from . import lora as lora_hooks
 from .attention import ATTN_NAME, STEP_KWARG, StepState, register_attention
 from .hf_files import TOKENIZER_FILES, text_spec
+from .lora import LoraRequest
 from .step import StepExportOptions, contract_entries, contract_spec
 
 log = logging.getLogger("hloserve.export")
@@ -150,8 +152,14 @@ class HFStep(torch.nn.Module):
         self.opts = opts
 
     def forward(self, tokens, positions, seq_ids, slot_mapping, block_tables, context_lens, last_token, kv_cache):
+        return self.run(tokens, positions, seq_ids, slot_mapping, block_tables, context_lens, last_token, kv_cache)
+
+    def run(self, tokens, positions, seq_ids, slot_mapping, block_tables, context_lens, last_token, kv_cache,
+            lora: tuple = ()):
         inputs = dict(positions=positions, seq_ids=seq_ids, slot_mapping=slot_mapping, block_tables=block_tables,
                       context_lens=context_lens, kv_cache=kv_cache)
+        if self.opts.lora is not None:    # lora_slots, then each target's A and B (LoraSpec.inputs)
+            inputs.update(zip(self.opts.lora.inputs(), lora, strict=True))
         dtype = activation_dtype(self.model)
         step = StepState(self.layout, inputs, self.opts.kv_dtype, dtype)
         out = self.model(input_ids=tokens[None].to(torch.int64), position_ids=positions[None].to(torch.int64),
@@ -160,10 +168,19 @@ class HFStep(torch.nn.Module):
         return logits, step.cache
 
 
+class HFLoraStep(HFStep):
+    """The step with adapter slots: the contract's inputs, then the adapters' (LoraSpec.inputs), taken
+    as one argument list (torch.export names them by the entry point's input names)."""
+
+    def forward(self, *args):
+        return self.run(*args[:8], lora=args[8:])
+
+
 def step_entries(model: torch.nn.Module, opts: StepExportOptions) -> list:
     """`prefill` (flat) and `decode` (gather) over the same model (models/step.py's contract)."""
     g = geometry(model.config)
-    return contract_entries(lambda att: HFStep(model, layout=att, opts=opts), opts, g.num_layers,
+    cls = HFStep if opts.lora is None else HFLoraStep
+    return contract_entries(lambda att: cls(model, layout=att, opts=opts), opts, g.num_layers,
                             g.num_kv_heads, g.head_dim, activation_dtype(model))
 
 
@@ -336,13 +353,14 @@ def _initialized_buffers(cls, config, dtype: torch.dtype) -> dict[str, torch.Ten
 def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: StepExportOptions | None = None,
                       kv_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
                       state_dict: Mapping[str, torch.Tensor] | None = None,
-                      quantize: QuantRequest | None = None) -> Source:
+                      quantize: QuantRequest | None = None, lora: LoraRequest | None = None) -> Source:
     """Any supported HF causal-LM directory -> Source with the prefill/decode step functions
     (`state_dict`: its float32 weights, in place of the directory's *.safetensors: a GGUF's).
 
-    In one pass: load -> quantize (`quantize`: --quantize's module swap on the real layers) -> scan
-    the layers (checked against the unrolled ones) -> the step's LLMSpec, built once from the final
-    weights (its tensor-parallel split names the quantized tensors)."""
+    In one pass: load -> quantize (`quantize`: --quantize's module swap on the real layers) -> adapter
+    slots (`lora`: hooks on the targeted projections, exporter/llm/lora.py) -> scan the layers (checked
+    against the unrolled ones) -> the step's LLMSpec, built once from the final weights (its
+    tensor-parallel split names the quantized tensors)."""
     import transformers
 
 
@@ -359,6 +377,7 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
     sixteen = weight_dtype if weight_dtype is not None else tdtype if tdtype.itemsize == 2 else None
     model = load_model(cls, path, tdtype, sixteen, state_dict)
     route_experts(model)
+    lora_spec = lora.resolve(model) if lora is not None else None     # the targets while they are nn.Linear
     stored_first = quantize is not None and quantize.only_stored   # the checkpoint's own; the rest in `sixteen`
     if stored_first:
         quantize.apply(model)
@@ -370,6 +389,9 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
     g = geometry(model.config)
     max_pos = int(getattr(c, "max_position_embeddings", 4096) or 4096)
     opts = opts or StepExportOptions(max_context=min(max_pos, 32768), kv_dtype=kv_dtype)
+    if lora_spec is not None:
+        opts = dataclasses.replace(opts, lora=lora_spec)
+        lora_hooks.attach(model, lora_spec)
     layers = scan_layers(model, opts) if opts.scan else "unrolled"
     if quantize is not None:
         record_stacks(model, quantize.record)

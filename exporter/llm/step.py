@@ -39,8 +39,8 @@ from typing import Callable
 
 import torch
 from hloserve.runtime.artifact.kernels import Holds
-from hloserve.runtime.artifact.llm import (DONATED, EXAMPLE_CACHE_BLOCKS, MAX_BLOCKS, NUM_BLOCKS, NUM_SEQS, NUM_TOKENS,
-                                           PADDABLE, STEP_INPUTS, STEP_OUTPUTS, KVCacheSpec, Layout, LLMSpec,
+from hloserve.runtime.artifact.llm import (DONATED, EXAMPLE_CACHE_BLOCKS, LORA_SLOTS, MAX_BLOCKS, NUM_BLOCKS, NUM_SEQS, NUM_TOKENS,
+                                           PADDABLE, STEP_INPUTS, STEP_OUTPUTS, KVCacheSpec, Layout, LLMSpec, LoraSpec,
                                            ModelFacts, TensorParallelSpec, example_step, step_dims)
 
 from .. import dtypes
@@ -74,6 +74,7 @@ class StepExportOptions:
       functions: entry point name -> attention layout ("flat", "gather" or "paged"); every one
         takes the full step contract and is exact for any mix of sequences (see Layout.cost).
       kv_dtype: bfloat16/float16 K and V under float32 activations (LlamaStep), None: the model dtype.
+      lora: adapter slots (the step takes their inputs after kv_cache; exporter/llm/lora.py), or None.
     """
     block_size: int = 16
     max_context: int = 4096
@@ -83,6 +84,7 @@ class StepExportOptions:
     scan: bool = True
     functions: tuple[tuple[str, str], ...] = (("prefill", "flat"), ("decode", "gather"))
     kv_dtype: torch.dtype | None = None
+    lora: LoraSpec | None = None
 
     @property
     def max_blocks(self) -> int:
@@ -102,10 +104,27 @@ def contract_entries(make_step: Callable[[str], torch.nn.Module], opts: StepExpo
     ex = {name: torch.from_numpy(a) for name, a in example_step(opts.block_size).items()}
     ex["kv_cache"] = torch.zeros(num_layers, 2, num_kv_heads, EXAMPLE_CACHE_BLOCKS, opts.block_size, head_dim,
                                  dtype=torch.int16 if opts.kv_dtype is not None else dtype)
-    args = tuple(ex[n] for n in STEP_INPUTS)
-    return [EntryPoint(name, make_step(att), args, dyn, input_names=STEP_INPUTS, output_names=STEP_OUTPUTS,
+    names = STEP_INPUTS
+    if opts.lora is not None:     # the adapters' inputs after the cache: per-token slots [T], static stacks
+        extra = lora_example(opts.lora, len(ex["tokens"]))
+        ex.update(extra)
+        names = STEP_INPUTS + tuple(extra)
+        dyn = dyn + tuple({0: dim[NUM_TOKENS]} if n == LORA_SLOTS else {} for n in extra)
+    args = tuple(ex[n] for n in names)
+    return [EntryPoint(name, make_step(att), args, dyn, input_names=names, output_names=STEP_OUTPUTS,
                        donated=DONATED, paddable=PADDABLE)
             for name, att in opts.functions]
+
+
+def lora_example(spec: LoraSpec, num_tokens: int) -> dict[str, torch.Tensor]:
+    """The adapter inputs of the contract's example step: every token in slot 1 but the first (none),
+    small nonzero stacks (the eager scan check sees the adapters' path run)."""
+    gen = torch.Generator().manual_seed(0)
+    out = {LORA_SLOTS: torch.tensor([0] + [1] * (num_tokens - 1), dtype=torch.int32)}
+    for name, (dims, _) in spec.inputs().items():
+        if name != LORA_SLOTS:
+            out[name] = torch.randn(*dims, generator=gen) * 0.01
+    return out
 
 
 def contract_spec(opts: StepExportOptions, dtype: torch.dtype, *, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -121,7 +140,7 @@ def contract_spec(opts: StepExportOptions, dtype: torch.dtype, *, num_layers: in
                    max_tokens=opts.max_tokens, vocab_size=vocab_size, bos_token_id=bos_token_id,
                    eos_token_ids=tuple(eos_token_ids), kv_cache=kv,
                    functions={name: Layout(att) for name, att in opts.functions},
-                   model=model, tensor_parallel=tensor_parallel)
+                   model=model, tensor_parallel=tensor_parallel, lora=opts.lora)
 
 
 def write_kv(cache: torch.Tensor, layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

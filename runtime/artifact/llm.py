@@ -19,6 +19,9 @@ Versions of the contract (a reader must understand every field of the versions i
   2  2026-11  adds `tensor_parallel` (TensorParallelSpec): the dim each weight's Megatron split divides
               and the KV heads a tensor-parallel size must divide. Optional: a step without it (every
               version 1 artifact) serves on one device only.
+  3  2026-11  adds `lora` (LoraSpec): adapter slots. A step exported with them takes, after kv_cache, a
+              per-token adapter slot (`lora_slots` int32[T], 0: none) and each targeted projection's
+              A/B stacks of every slot; optional (a step without slots takes the version 2 inputs).
   (next: add a dated line here and raise LLM_VERSIONS' upper bound in the same change)
 """
 from __future__ import annotations
@@ -36,7 +39,7 @@ from .kernels import PAGED_ATTENTION, PAGED_ATTENTION_V2
 from .manifest import Manifest, read_manifest
 from .text import TextSpec
 
-LLM_VERSIONS = range(1, 3)          # the contract versions this reader accepts
+LLM_VERSIONS = range(1, 4)          # the contract versions this reader accepts
 LLM_VERSION = LLM_VERSIONS.stop - 1  # the version writers produce
 STEP_INPUTS = ("tokens", "positions", "seq_ids", "slot_mapping", "block_tables", "context_lens", "last_token",
                "kv_cache")
@@ -232,6 +235,66 @@ class TensorParallelSpec:
                    kv_cache_dim=_count(_field(raw, "kv_cache_dim", where), f"{where}.kv_cache_dim"))
 
 
+LORA_SLOTS = "lora_slots"   # the per-token adapter slot input of a step with adapter slots (0: no adapter)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraSpec:
+    """Adapter slots of a step (version 3): one artifact serves any LoRA adapters of rank <= max_rank
+    on the targeted projections, several in one batch.
+
+    The step takes, after kv_cache, `lora_slots` int32[T] (each token's slot, 1..slots; 0 and padding:
+    no adapter) and for each target T two stacks over the layers, every slot's rank-R block side by side
+    (R = max_rank; a smaller rank is zero-padded, the scale folded into B):
+
+        lora_a.T  f32[L, in, slots * R]      columns s*R .. s*R+R-1: slot s+1's A^T
+        lora_b.T  f32[L, slots * R, out]     rows    s*R .. s*R+R-1: slot s+1's B^T * scale
+
+    and adds ((x @ A) * onehot(slot)) @ B to the projection's output: two dense products whose cost
+    grows with slots * R, no gather (docs/performance.md, "LoRA").
+
+    Attributes:
+      slots: adapter slots (adapters served at once).
+      max_rank: R, the largest adapter rank a slot holds.
+      num_layers: L, the decoder layers (each has every target).
+      targets: projection name in a decoder layer (PEFT's target_modules names: "q_proj") ->
+        (in_features, out_features).
+    """
+    slots: int
+    max_rank: int
+    num_layers: int
+    targets: Mapping[str, tuple[int, int]]
+
+    @property
+    def width(self) -> int:
+        """slots * R: the stacked rank dim of every A and B."""
+        return self.slots * self.max_rank
+
+    def inputs(self) -> dict[str, tuple[tuple[int | str, ...], str]]:
+        """The step's inputs after kv_cache, in order: name -> (dims, dtype)."""
+        out: dict[str, tuple[tuple[int | str, ...], str]] = {LORA_SLOTS: ((NUM_TOKENS,), "i32")}
+        for t, (fan_in, fan_out) in self.targets.items():
+            out[f"lora_a.{t}"] = ((self.num_layers, fan_in, self.width), "f32")
+            out[f"lora_b.{t}"] = ((self.num_layers, self.width, fan_out), "f32")
+        return out
+
+    def to_json(self) -> dict:
+        return {"slots": self.slots, "max_rank": self.max_rank, "num_layers": self.num_layers,
+                "targets": {t: list(d) for t, d in self.targets.items()}}
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> "LoraSpec":
+        raw = _mapping(raw, where)
+        targets = _mapping(_field(raw, "targets", where), f"{where}.targets")
+        if not targets or not all(isinstance(d, list) and len(d) == 2 for d in targets.values()):
+            raise ArtifactError(f"{where}.targets must map projection names to [in, out]; re-export it ({DOC})")
+        return cls(slots=_count(_field(raw, "slots", where), f"{where}.slots", 1),
+                   max_rank=_count(_field(raw, "max_rank", where), f"{where}.max_rank", 1),
+                   num_layers=_count(_field(raw, "num_layers", where), f"{where}.num_layers", 1),
+                   targets={str(t): (_count(d[0], f"{where}.targets.{t}", 1), _count(d[1], f"{where}.targets.{t}", 1))
+                            for t, d in targets.items()})
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelFacts:
     """Architecture facts of the exported model, stored beside the contract's keys (what `inspect` and a
@@ -282,6 +345,7 @@ class LLMSpec:
         its cost in words).
       model: architecture facts (ModelFacts), stored at the top level beside the contract's keys.
       tensor_parallel: how the step splits over devices (version 2), or None: one device only.
+      lora: the step's adapter slots (version 3), or None: it takes no adapters.
     """
     version: int = LLM_VERSION
     block_size: int
@@ -295,6 +359,7 @@ class LLMSpec:
     functions: Mapping[str, Layout] = dataclasses.field(default_factory=dict)
     model: ModelFacts = ModelFacts()
     tensor_parallel: TensorParallelSpec | None = None
+    lora: LoraSpec | None = None
 
     @property
     def max_context(self) -> int:
@@ -313,7 +378,8 @@ class LLMSpec:
                          "functions": {f: f"{lay.value}: {lay.cost}" for f, lay in self.functions.items()},
                          "context_lens": "tokens in the sequence's context including this step's",
                          "slot_mapping": "block*block_size+offset; padding tokens write into the null block 0"},
-                **({"tensor_parallel": self.tensor_parallel.to_json()} if self.tensor_parallel else {})}
+                **({"tensor_parallel": self.tensor_parallel.to_json()} if self.tensor_parallel else {}),
+                **({"lora": self.lora.to_json()} if self.lora else {})}
 
     @classmethod
     def from_json(cls, raw: Any, where: str = "model.llm") -> "LLMSpec":
@@ -329,12 +395,13 @@ class LLMSpec:
         ints = {k: _count(_field(raw, k, where), f"{where}.{k}", 1)
                 for k in ("block_size", "max_blocks", "max_seqs", "max_tokens", "vocab_size")}
         known = {"version", "vocab_size", "block_size", "max_context", "max_blocks", "max_tokens", "max_seqs",
-                 "bos_token_id", "eos_token_ids", "null_block", "kv_cache", "step", "tensor_parallel"}
+                 "bos_token_id", "eos_token_ids", "null_block", "kv_cache", "step", "tensor_parallel", "lora"}
         if ints["max_blocks"] * ints["block_size"] > MAX_I32:
             raise ArtifactError(f"{where}: max_blocks {ints['max_blocks']} x block_size {ints['block_size']} tokens "
                                 f"exceeds the int32 positions of the step; the artifact is corrupted, re-export it ({DOC})")
         step = _mapping(raw.get("step") or {}, f"{where}.step")
         tp = raw.get("tensor_parallel")
+        lora = raw.get("lora")
         bos = raw.get("bos_token_id")
         eos = raw.get("eos_token_ids") or []
         if not isinstance(eos, list):
@@ -346,18 +413,21 @@ class LLMSpec:
                    functions={f: lay for f, text in _mapping(step.get("functions") or {}, f"{where}.step.functions").items()
                               if (lay := Layout.parse(text)) is not None},
                    tensor_parallel=None if tp is None else TensorParallelSpec.from_json(tp, f"{where}.tensor_parallel"),
+                   lora=None if lora is None else LoraSpec.from_json(lora, f"{where}.lora"),
                    model=ModelFacts.from_json({k: v for k, v in raw.items() if k not in known}))
 
     def check(self, manifest: Manifest, where: str) -> None:
         """Every step function's recorded signature is the contract's (names, dims, dtypes, the donated
         cache, paddable dims): a mismatch is an ArtifactError here, at load, not at the first call."""
+        lora = {n: (dtype, dims) for n, (dims, dtype) in self.lora.inputs().items()} if self.lora else {}
         want_in = {**{n: ("i32", dims) for n, dims in STEP_DIMS.items()},
-                   self.kv_cache.input: (self.kv_cache.dtype, self.kv_cache.shape)}
+                   self.kv_cache.input: (self.kv_cache.dtype, self.kv_cache.shape), **lora}
+        names = list(STEP_INPUTS[:-1]) + [self.kv_cache.input] + list(lora)
         for fn in manifest.functions.values():
             got = [t.name for t in fn.inputs]
-            if got != list(STEP_INPUTS[:-1]) + [self.kv_cache.input]:
+            if got != names:
                 raise ArtifactError(f"{where}: step function {fn.name!r} takes {got}, not the contract's "
-                                    f"{list(STEP_INPUTS)}; re-export it ({DOC})")
+                                    f"{names}; re-export it ({DOC})")
             for t in fn.inputs:
                 dtype, dims = want_in[t.name]
                 if (t.dtype, tuple(t.shape)) != (dtype, tuple(dims)):
@@ -421,11 +491,14 @@ def slots(start: int, n: int, block_table: Sequence[int], block_size: int) -> li
 
 def pack_step(rows: Sequence[StepRow | tuple[Sequence[int], int, Sequence[int]]], block_size: int, *,
               pad_tokens: int | None = None, pad_seqs: int | None = None,
-              pad_blocks: int | None = None) -> dict[str, np.ndarray]:
-    """The step inputs (all but kv_cache) for `rows`, padded to at least the given T, S and B.
+              pad_blocks: int | None = None, lora_slots: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+    """The step inputs (all but kv_cache and the adapters' stacks) for `rows`, padded to at least the
+    given T, S and B.
 
     rows: StepRow or (token_ids, start, block_table). Padding tokens are token 0 at position 0 in the
-    last padding row (row 0 when there is none), writing into the null block.
+    last padding row (row 0 when there is none), writing into the null block. `lora_slots` (a step
+    with adapter slots, LoraSpec): each row's adapter slot, given to its tokens as `lora_slots`
+    (padding tokens: 0, no adapter).
     """
     rows = [r if isinstance(r, StepRow) else StepRow(token_ids=r[0], start=r[1], block_table=r[2]) for r in rows]
     T, S = sum(len(r.token_ids) for r in rows), len(rows)
@@ -449,8 +522,13 @@ def pack_step(rows: Sequence[StepRow | tuple[Sequence[int], int, Sequence[int]]]
         context_lens[i] = r.context_len
         t += n
         last_token[i] = t - 1
-    return dict(tokens=tokens, positions=positions, seq_ids=seq_ids, slot_mapping=slot_mapping,
-                block_tables=block_tables, context_lens=context_lens, last_token=last_token)
+    out = dict(tokens=tokens, positions=positions, seq_ids=seq_ids, slot_mapping=slot_mapping,
+               block_tables=block_tables, context_lens=context_lens, last_token=last_token)
+    if lora_slots is not None:
+        per_token = np.zeros(Tp, np.int32)
+        per_token[:T] = np.repeat(np.asarray(lora_slots, np.int32), [len(r.token_ids) for r in rows])
+        out[LORA_SLOTS] = per_token
+    return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

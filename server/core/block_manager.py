@@ -154,8 +154,9 @@ class BlockManager:
         return KVBlocks(tuple(st.blocks)) if st else KVBlocks()
 
     # -- prefix lookup ----------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> KVBlocks:
-        """The longest run of cached full blocks that prefix `token_ids`.
+    def find_cached_prefix(self, token_ids: Sequence[int], salt: bytes = b"") -> KVBlocks:
+        """The longest run of cached full blocks that prefix `token_ids`; `salt` starts the hash chain
+        (a LoRA adapter's key: the same tokens under another adapter are other K/V).
 
         At most (len - 1) // block_size blocks: the last token is always left
         to compute, because the step needs its logits. Nothing is reserved
@@ -164,7 +165,7 @@ class BlockManager:
         bs = self.block_size
         if not self.enable_prefix_caching:
             return KVBlocks()
-        ids, lower, parent = [], [], b""
+        ids, lower, parent = [], [], salt
         for i in range((len(token_ids) - 1) // bs):
             parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
             b = self._cached.get(parent) if not lower else None
@@ -245,8 +246,10 @@ class BlockManager:
     def has_transfers(self) -> bool:
         return bool(self._saves or self._loads)
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Hash the request's blocks that became full (first `num_computed_tokens` of `token_ids` are in the cache).
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                          salt: bytes = b"") -> None:
+        """Hash the request's blocks that became full (first `num_computed_tokens` of `token_ids` are in
+        the cache), the chain started with `salt` (find_cached_prefix).
 
         If another block already holds the same hash (two requests computed
         the same prefix at once), the first one stays the cached copy and this
@@ -256,7 +259,7 @@ class BlockManager:
         if st is None or not self.enable_prefix_caching:
             return
         bs = self.block_size
-        parent = st.hashes[-1] if st.hashes else b""
+        parent = st.hashes[-1] if st.hashes else salt
         for i in range(len(st.hashes), min(num_computed_tokens // bs, len(st.blocks))):
             parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
             st.hashes.append(parent)

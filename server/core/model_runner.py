@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import threading
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -42,6 +43,7 @@ from hloserve.runtime.artifact.llm import (MAX_BLOCKS, NULL_BLOCK, NUM_BLOCKS, N
                                            LLMArtifact, LLMSpec, StepBatch, pack_step)
 from hloserve.runtime.buckets import geometric
 
+from .adapters import Adapter, AdapterError, AdapterTable
 from .outputs import RunnerOutput, SchedulerPlan
 from .sampling import sample, token_logprobs, verify_draft
 
@@ -102,17 +104,19 @@ class RunnerConfig:
 
 
 def build_step(plan: SchedulerPlan, cfg: RunnerConfig, block_size: int, *, decode_fn: str = "decode",
-               prefill_fn: str = "prefill") -> StepBatch:
+               prefill_fn: str = "prefill", lora: bool = False) -> StepBatch:
     """A plan as one call: the function (decode when every row runs one token) and its inputs padded
-    to cfg's buckets by the contract's packer (which also computes each token's cache slot)."""
+    to cfg's buckets by the contract's packer (which also computes each token's cache slot; with
+    `lora`, each token's adapter slot)."""
     seqs = plan.seqs
     S, T = plan.num_rows, plan.num_tokens
     is_decode = T == S   # one token per row: decodes, and the rows of verified drafts
     Sp = _bucket(cfg.seq_buckets, S, "num_seqs")
     Tp = Sp if is_decode else _bucket(cfg.token_buckets, T, "num_tokens")
     Bp = _bucket(cfg.block_buckets, max(len(s.block_table) for s in seqs), "max_blocks")
+    slots = [s.sampling.adapter.slot if s.sampling.adapter else 0 for s in seqs for _ in s.step_rows()]
     inputs = pack_step([(tokens, start, s.block_table) for s in seqs for tokens, start in s.step_rows()], block_size,
-                       pad_tokens=Tp, pad_seqs=Sp, pad_blocks=Bp)
+                       pad_tokens=Tp, pad_seqs=Sp, pad_blocks=Bp, lora_slots=slots if lora else None)
     return StepBatch(function=decode_fn if is_decode else prefill_fn, inputs=inputs, num_seqs=S)
 
 
@@ -259,6 +263,12 @@ class ModelRunner:
         split = fns[policy.decode_fn].input_sharding(kv.input)            # each device allocates its part
         self.kv_cache = jax.jit(lambda: jnp.zeros(shape, kv.numpy_dtype), out_shardings=split)()
         self.kv_cache_bytes = kv.bytes_per_block * self.num_blocks
+        # adapter slots (LoraSpec): the table's stacks, placed on the device after each change
+        self.adapters = AdapterTable(llm.lora) if llm.lora is not None else None
+        self._lora: dict = {}
+        self._adapter_lock = threading.Lock()     # loads come from HTTP worker threads
+        if self.adapters is not None:
+            self._place_adapters()
         # several hosts (runtime/distributed.py): the leader's calls are replayed by the others
         self._calls = None
         if jax.process_count() > 1:
@@ -266,6 +276,9 @@ class ModelRunner:
             if self.tensor_parallel_size != jax.device_count():
                 raise ValueError(f"a multi-host run needs the step split over every device: "
                                  f"--tensor-parallel-size {jax.device_count()} (got {self.tensor_parallel_size})")
+            if self.adapters is not None:   # the followers would not see the adapters' loads
+                raise ValueError(f"{model.path} has adapter slots, which a multi-host run does not serve yet; "
+                                 f"serve it on one host")
             self._calls = CallChannel(fns, state=(kv.input,))
         self.is_leader = jax.process_index() == 0
         self.steps = 0
@@ -294,6 +307,37 @@ class ModelRunner:
         """One block's K/V: the cache's shape without its num_blocks dim, and its numpy dtype."""
         kv = self.llm.kv_cache
         return tuple(int(d) for d in kv.shape if d != NUM_BLOCKS), kv.numpy_dtype.name
+
+    def load_adapter(self, name: str, path: str) -> Adapter:
+        """Read a PEFT LoRA directory into a free slot (AdapterError when it cannot be served; the
+        steps already running see the new stacks from their next call)."""
+        return self.load_adapters([(name, path)])[0]
+
+    def load_adapters(self, pairs) -> list[Adapter]:
+        """load_adapter for each (name, path), the stacks placed on the device once at the end."""
+        with self._adapter_lock:
+            try:
+                return [self._adapter_table(name).load(name, path) for name, path in pairs]
+            finally:
+                if self.adapters is not None:
+                    self._place_adapters()
+
+    def unload_adapter(self, name: str) -> Adapter:
+        with self._adapter_lock:
+            adapter = self._adapter_table(name).unload(name)
+            self._place_adapters()
+        return adapter
+
+    def _adapter_table(self, name: str) -> AdapterTable:
+        if self.adapters is None:
+            raise AdapterError(f"adapter '{name}': {self.model.path} has no adapter slots; export it with "
+                               f"--lora-slots N --max-lora-rank R")
+        return self.adapters
+
+    def _place_adapters(self) -> None:
+        """The adapters' stacks on the device (one dict swapped whole: a step reads one version)."""
+        import jax
+        self._lora = {name: jax.device_put(a) for name, a in self.adapters.stacks().items()}
 
     @property
     def one_call(self) -> bool:
@@ -419,7 +463,8 @@ class ModelRunner:
             SchedulerPlan.of(rows) for rows in (decodes, chunks)]
         sampled, logprobs, device = {}, {}, 0.0
         for part in parts:   # the parts write disjoint cache slots, so their order does not matter
-            step = build_step(part, self.cfg, self.block_size, decode_fn=self.decode_fn, prefill_fn=self.prefill_fn)
+            step = build_step(part, self.cfg, self.block_size, decode_fn=self.decode_fn, prefill_fn=self.prefill_fn,
+                              lora=self.adapters is not None)
             t = time.perf_counter()
             out = self._call(step.function, step.inputs)
             logits = _host(out["logits"])[:step.num_seqs]               # [S, vocab]
@@ -446,7 +491,7 @@ class ModelRunner:
             qs = range(lo, min(lo + width, len(prompt) - 1))              # positions scored by this call
             rows = tuple(dataclasses.replace(seq, token_ids=(prompt[q],), start=q, score_prompt=()) for q in qs)
             step = build_step(SchedulerPlan.of(rows), self.cfg, self.block_size, decode_fn=self.decode_fn,
-                              prefill_fn=self.prefill_fn)
+                              prefill_fn=self.prefill_fn, lora=self.adapters is not None)
             step.inputs["slot_mapping"][:] = NULL_BLOCK * self.block_size    # nothing is written back
             logits = _host(self._call(step.function, step.inputs)["logits"])
             out += [token_logprobs(logits[i], prompt[q + 1], k) for i, q in enumerate(qs)]
@@ -457,7 +502,7 @@ class ModelRunner:
         run first sends it to the other processes, which make the same call (follow)."""
         if self._calls is not None and self.is_leader:
             self._calls.send(fn, inputs)
-        out = self.model.functions[fn](**inputs, **{self._kv_name: self.kv_cache})
+        out = self.model.functions[fn](**inputs, **{self._kv_name: self.kv_cache}, **self._lora)
         self.kv_cache = out[self._kv_out]
         return out
 

@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from ..text.grammar import GrammarSpec
+from .adapters import AdapterRef
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 _NUCLEUS_PROBE = 64  # top-p first tries the 64 most likely tokens before a full sort
@@ -55,6 +56,7 @@ class SamplingParams:
       structured: the grammar the output must match (server/text/grammar.py), or None.
       include_stop_str_in_output: the text keeps the stop string that ended it (vLLM's).
       skip_special_tokens: special tokens' text is left out of the output (vLLM's; default True).
+      adapter: the LoRA adapter the request runs with (its `model` named it; core/adapters.py), or None.
     """
     temperature: float = 1.0
     top_p: float = 1.0
@@ -76,6 +78,7 @@ class SamplingParams:
     structured: GrammarSpec | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    adapter: AdapterRef | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

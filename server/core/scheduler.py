@@ -299,7 +299,7 @@ class Scheduler:
         watermark = int(self.config.admission_watermark * self.blocks.total_blocks)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hit = self.blocks.find_cached_prefix(req.token_ids)
+            hit = self.blocks.find_cached_prefix(req.token_ids, _salt(req))
             n = min(len(req.token_ids) - hit.num_cached_tokens, budget)
             total = hit.num_cached_tokens + n
             new_blocks = self.blocks.new_blocks_needed(req.request_id, total, hit)
@@ -386,7 +386,7 @@ class Scheduler:
                 continue  # aborted or preempted since the plan was made
             if not seq.needs_logits:
                 req.num_computed_tokens += len(seq.token_ids)
-                self.blocks.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+                self.blocks.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens, _salt(req))
                 continue
             tokens = tuple(int(t) for t in output.sampled[seq.request_id])
             accepted = len(tokens) - 1           # drafted tokens kept: their K/V, computed this step, is valid
@@ -396,7 +396,7 @@ class Scheduler:
             # the rejected drafts' slots lie past the computed length: a later step writes them again
             req.num_computed_tokens += len(seq.token_ids) - len(seq.draft_token_ids) + accepted
             known = req.token_ids + list(tokens[:accepted]) if accepted else req.token_ids
-            self.blocks.cache_full_blocks(req.request_id, known, req.num_computed_tokens)
+            self.blocks.cache_full_blocks(req.request_id, known, req.num_computed_tokens, _salt(req))
             out = self._after_tokens(req, tokens, output.logprobs.get(seq.request_id))
             if seq.score_prompt:
                 out = dataclasses.replace(out, prompt_logprobs=tuple(output.prompt_logprobs.get(seq.request_id, ())))
@@ -449,3 +449,9 @@ class Scheduler:
                 self.waiting.remove(req)
             outs.append(self._finish(req, FinishReason.ERROR, (), None, error))
         return outs
+
+
+def _salt(req: Request) -> bytes:
+    """The prefix cache's salt of a request: its LoRA adapter's load key (b"": the base model)."""
+    adapter = req.params.adapter
+    return b"" if adapter is None else adapter.key.encode()

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..services import LLMService, PredictService
-from . import chat, completions, embeddings, models, responses, schema, tf_serving, tokenization
+from . import chat, completions, embeddings, lora, models, responses, schema, tf_serving, tokenization
 from .bodies import BodyLimits, BodyReader, too_large
 from .errors import RETRY_AFTER, ApiError
 from .protocol import error_body
@@ -38,7 +38,7 @@ from .protocol import error_body
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 # the API modules each service serves, in route order
-LLM_APIS = (models, completions, chat, tokenization, responses)
+LLM_APIS = (models, completions, chat, tokenization, responses, lora)
 PREDICT_APIS = (tf_serving,)        # + embeddings when the encoder has a pooling config
 
 

@@ -13,9 +13,11 @@ class ApiError(Exception):
 
 
 def check_model(service, name: str) -> None:
-    """404 in OpenAI's words unless `name` is one of the names the service is served under."""
-    if name not in service.model_names:
-        served = ", ".join(f"'{n}'" for n in service.model_names)
+    """404 in OpenAI's words unless `name` is one of the names the service is served under (or a LoRA
+    adapter it has loaded)."""
+    adapters = getattr(service, "adapter_names", ())
+    if name not in service.model_names and name not in adapters:
+        served = ", ".join(f"'{n}'" for n in (*service.model_names, *adapters))
         raise ApiError(404, f"model '{name}' does not exist; this server serves {served}",
                        type_="not_found_error", param="model")
 

@@ -189,5 +189,6 @@ def openai_generation(svc: LLMService, req: SamplingRequest, prompts: list[list[
             prompt_logprobs=prompt_logprobs, ignore_eos=req.ignore_eos, min_p=req.min_p,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             logit_bias=req.bias_pairs(), min_tokens=min(req.min_tokens, budget), structured=req.structured(),
-            include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens))
+            include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+            adapter=svc.adapter_ref(req.model)))
     return Generation(prompts=prompts, params=params, samples=samples)

@@ -59,7 +59,7 @@ def prepare(svc: LLMService, req: ResponsesRequest) -> Generation:
     budget = output_budget(svc, len(ids), req.max_output_tokens, default=None, prompt_param="input",
                            name="max_output_tokens")
     params = sampling_params(svc, temperature=req.temperature, top_p=req.top_p, max_tokens=budget,
-                             structured=req.structured())
+                             structured=req.structured(), adapter=svc.adapter_ref(req.model))
     return Generation(prompts=[ids], params=[params])
 
 

@@ -57,7 +57,7 @@ def test_newer_or_broken_llm_contract_is_refused(tmp_path):
     with open(os.path.join(ART, "manifest.json")) as f:
         raw = json.load(f)
     newer = dict(raw["model"]["llm"], version=99)
-    with pytest.raises(ArtifactError, match=r"version 99 is outside the supported range \[1..2\]; upgrade hloserve"):
+    with pytest.raises(ArtifactError, match=r"version 99 is outside the supported range \[1..3\]; upgrade hloserve"):
         LLMSpec.from_json(newer)
     broken = {k: v for k, v in raw["model"]["llm"].items() if k != "block_size"}
     with pytest.raises(ArtifactError, match="has no 'block_size'"):

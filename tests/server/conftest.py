@@ -8,10 +8,10 @@ import pytest
 BLOCK = 16
 
 
-def export_tiny_llama(root, name: str, vocab: int, files: dict[str, str] | None = None, **config):
+def export_tiny_llama(root, name: str, vocab: int, files: dict[str, str] | None = None, lora=None, **config):
     """(transformers model, artifact path): a random-init 2-layer Llama (seed 0) of `vocab` tokens
     saved under `root`/hf with `files` (file name -> text) beside it, exported as `root`/`name` (block 16,
-    context 256, at most 64 tokens and 8 sequences a step)."""
+    context 256, at most 64 tokens and 8 sequences a step; `lora`: a LoraRequest, adapter slots)."""
     import torch
     import transformers
 
@@ -28,10 +28,22 @@ def export_tiny_llama(root, name: str, vocab: int, files: dict[str, str] | None 
     for file, text in (files or {}).items():
         (root / "hf" / file).write_text(text)
     src = hf_causal.from_hf_directory(str(root / "hf"), opts=StepExportOptions(
-        block_size=BLOCK, max_context=256, max_tokens=64, max_seqs=8))
+        block_size=BLOCK, max_context=256, max_tokens=64, max_seqs=8), lora=lora)
     art = str(root / name)
     export_artifact(art, src.entries, source=name, model=src.model, files=src.files)
     return hf, art
+
+
+def smollm2_text_files():
+    """(config fields, files) giving a tiny Llama SmolLM2's real tokenizer and chat template (from its GGUF)."""
+    from hloserve.exporter import presets
+    from hloserve.exporter.gguf.checkpoint import load_gguf
+
+    ckpt = load_gguf(presets.resolve("smollm2-135m-instruct", quiet=True))
+    files = {"tokenizer.json": ckpt.tokenizer_json,
+             "tokenizer_config.json": json.dumps({"chat_template": ckpt.chat_template, "add_bos_token": False})}
+    return dict(vocab=ckpt.config["vocab_size"], bos_token_id=ckpt.special_tokens.bos_token_id,
+                eos_token_id=ckpt.special_tokens.eos_token_id), files
 
 
 @pytest.fixture(scope="session")
@@ -42,12 +54,5 @@ def tiny_chat_llm(tmp_path_factory):
     weights are random, so outputs are checked against transformers on the same weights.
     Exported once per session (export_tiny_llama).
     """
-    from hloserve.exporter import presets
-    from hloserve.exporter.gguf.checkpoint import load_gguf
-
-    ckpt = load_gguf(presets.resolve("smollm2-135m-instruct", quiet=True))
-    files = {"tokenizer.json": ckpt.tokenizer_json,
-             "tokenizer_config.json": json.dumps({"chat_template": ckpt.chat_template, "add_bos_token": False})}
-    return export_tiny_llama(tmp_path_factory.mktemp("chat-llm"), "tiny-chat", ckpt.config["vocab_size"], files,
-                             bos_token_id=ckpt.special_tokens.bos_token_id,
-                             eos_token_id=ckpt.special_tokens.eos_token_id)
+    config, files = smollm2_text_files()
+    return export_tiny_llama(tmp_path_factory.mktemp("chat-llm"), "tiny-chat", files=files, **config)

@@ -46,6 +46,18 @@ def test_prefix_hit_exact_ids_and_last_token_not_cached():
     bm.check_invariants()
 
 
+def test_a_salt_keeps_prefixes_apart():
+    """Blocks cached under one salt (a LoRA adapter's load key) are not hits under another or none."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    prompt = list(range(10, 20))
+    bm.allocate("a", len(prompt))
+    bm.cache_full_blocks("a", prompt, num_computed_tokens=10, salt=b"sql#1")
+    assert bm.find_cached_prefix(prompt + [99], b"sql#1") == KVBlocks((1, 2), 8)
+    assert bm.find_cached_prefix(prompt + [99]).block_ids == ()
+    assert bm.find_cached_prefix(prompt + [99], b"sql#2").block_ids == ()
+    bm.check_invariants()
+
+
 def test_freed_cached_blocks_are_revived_then_evicted_in_lru_order():
     bm = BlockManager(num_blocks=5, block_size=2)
     p = [1, 2, 3, 4, 5]
