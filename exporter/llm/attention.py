@@ -15,12 +15,11 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
-from hloserve.runtime.artifact.kernels import Holds
 
 from ..composites import paged_attention as _ops  # noqa: F401 - registers torch.ops.hloserve.paged_attention*
-from ..composites.paged_attention import within_window
+from ..composites.paged_attention import cache_values, within_window
 from ..errors import SourceError
-from .step import _MASKED, holds_of, paged_attention, write_kv
+from .step import _MASKED, cache_holds, paged_attention, write_kv
 
 ATTN_NAME = "hloserve_paged"
 STEP_KWARG = "hloserve_step"
@@ -85,7 +84,7 @@ class StepState:
                               x["slot_mapping"].to(torch.int64), self.kv_dtype)
 
         qg = q.reshape(T, KV, H // KV, D)                                 # [T, KV, G, D]
-        holds = holds_of(self.kv_dtype or self.cache.dtype)
+        holds = cache_holds(self.kv_dtype, self.cache.dtype)
         if self.layout == "gather":
             # version 2 of the composite where the window is the layer's data, version 1 otherwise
             windowed = isinstance(window, torch.Tensor)
@@ -113,10 +112,7 @@ def _flat_attention(qg, cache, layer: torch.Tensor, x, window, holds: int, scale
     C = B * BS
     k = torch.ops.hloserve.gather_blocks(cache, layer, 0, tables)         # [KV, S*C, D]
     v = torch.ops.hloserve.gather_blocks(cache, layer, 1, tables)         # [KV, S*C, D]
-    if holds:
-        kind = getattr(torch, Holds(holds).dtype_name)
-        k, v = k.view(kind) if k.dtype == torch.int16 else k, v.view(kind) if v.dtype == torch.int16 else v
-    k, v = k.float(), v.float()
+    k, v = cache_values(k, holds), cache_values(v, holds)
     c = torch.arange(C, device=qg.device)
     pos = x["positions"].to(torch.int64)[:, None]                         # [T, 1]
     own = x["seq_ids"].to(torch.int64)[:, None] == torch.arange(S, device=qg.device)[None, :]   # [T, S]
