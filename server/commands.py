@@ -33,10 +33,10 @@ def _serve(args: argparse.Namespace) -> int:
         process = distributed.initialize()
         if not process.is_leader:
             from .serve import follow
-            follow(args.artifact, config, process, args.quantize)
+            follow(args.artifact, config, process, args.quantize, args.kv_cache_dtype)
             return 0
     serve(args.artifact, host=args.host, port=args.port, config=config, log_level=args.log_level,
-          quantize=args.quantize)
+          quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype)
     return 0
 
 
@@ -77,6 +77,11 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
                     help="weights of a GGUF file or preset when it is exported: auto (default: the file's own "
                          "blocks, 'gguf', for one named here; bf16 for the default model), gguf, bf16, or any "
                          "`hloserve export --quantize` spec (int8, int4, ...)")
+    sv.add_argument("--kv-cache-dtype", metavar="D",
+                    help="LLM: how a GGUF file or preset exported here stores K and V: bfloat16 (the default "
+                         "model's default), float16 or int8 (per token and KV head: ~1.9x the blocks of bf16 in "
+                         "--kv-cache-mib; docs/quantization.md); with an artifact directory it must be how that "
+                         "artifact was exported")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--grpc-port", type=int, metavar="N",

@@ -68,7 +68,7 @@ def quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
     q = torch.round(x.float() / torch.where(s > 0, s, torch.ones_like(s))).clamp(-127, 127).to(torch.int32)
     bits = scale.view(torch.int16).to(torch.int32)
     low = ((bits & 0xFF) ^ 0x80) - 0x80                                   # the low byte, as a signed byte
-    return torch.cat([q, low, bits >> 8], dim=-1).to(torch.int8)
+    return torch.cat([q, low, torch.bitwise_right_shift(bits, 8)], dim=-1).to(torch.int8)
 
 
 def int8_rows_values(rows: torch.Tensor) -> torch.Tensor:

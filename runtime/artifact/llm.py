@@ -167,6 +167,11 @@ class KVCacheSpec:
     shape: tuple[int | str, ...]
 
     @property
+    def stored_name(self) -> str:
+        """How K and V are stored, as --kv-cache-dtype names it ("int8", "bfloat16", "float32", ...)."""
+        return self.quant or np.dtype(dtypes.NUMPY[self.holds or self.dtype]).name
+
+    @property
     def holds_code(self) -> Holds:
         """What the composites' `holds` attribute says of this cache (Holds)."""
         return KV_QUANT[self.quant][1] if self.quant else Holds.named(self.holds)
