@@ -19,7 +19,7 @@ import torch
 from ..composites import paged_attention as _ops  # noqa: F401 - registers torch.ops.hloserve.paged_attention*
 from ..composites.paged_attention import cache_values, within_window
 from ..errors import SourceError
-from .step import _MASKED, cache_holds, paged_attention, write_kv
+from .step import _MASKED, cache_holds, kv_rotation, paged_attention, write_kv
 
 ATTN_NAME = "hloserve_paged"
 STEP_KWARG = "hloserve_step"
@@ -80,6 +80,9 @@ class StepState:
         scale = float(scaling) if scaling is not None else D ** -0.5
         window = int(window or 0) if self.window is None else self.window    # an int, or the layer's 0-dim tensor
         softcap = float(softcap or 0.0)
+        rot = kv_rotation(self.kv_dtype, D)                               # int8 K/V: stored rotated
+        if rot is not None:
+            q, k, v = q.float() @ rot, k.float() @ rot, v.float() @ rot
         self.cache = write_kv(self.cache, layer.to(torch.int64), k.to(self.dtype), v.to(self.dtype),
                               x["slot_mapping"].to(torch.int64), self.kv_dtype)
 
@@ -100,6 +103,8 @@ class StepState:
                                   softcap=softcap)
         else:
             out = _flat_attention(qg.float(), self.cache, layer, x, window, holds, scale, softcap)
+        if rot is not None:
+            out = out.float() @ rot                                       # rotated back (H^T = H)
         return out.to(query.dtype).reshape(1, T, H, D)                   # [1, T, H, D]
 
 

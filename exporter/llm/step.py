@@ -68,6 +68,22 @@ def cache_storage(kv_dtype: torch.dtype | None, dtype: torch.dtype) -> tuple[tor
     return (torch.int16 if kv_dtype is not None else dtype), 0
 
 
+def kv_rotation(kv_dtype: torch.dtype | None, head_dim: int) -> torch.Tensor | None:
+    """The orthonormal Hadamard rotation an int8 cache's K and V are stored in, f32 [D, D], or None
+    (other caches). Rotating each head's q, k and v by the same orthonormal H keeps q.k and the
+    softmax (q H . k H = q . k) and out = (sum p v H) H^T; it spreads an outlier channel over the
+    row, so the row's scale (its max / 127) no longer crushes the other channels (SmolLM2's K rows:
+    mean |log-prob difference| against a bf16 cache 0.039 -> 0.025, docs/quantization.md). Blocks of the
+    largest power of two dividing D (Sylvester's construction): symmetric, so H^T = H."""
+    if kv_dtype != torch.int8:
+        return None
+    n = head_dim & -head_dim
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return torch.block_diag(*[h / n ** 0.5] * (head_dim // n))
+
+
 def holds_of(dtype: torch.dtype) -> int:
     """What a cache or weight stack of `dtype` holds, as the hloserve.paged_attention and
     hloserve.layer_linear composites' `holds` says it (Holds.OWN for an f32 cache); a plain int:
