@@ -22,7 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
              "batch_timeout_s": None if args.batch_timeout_ms is None else args.batch_timeout_ms / 1000,
              "grpc_port": args.grpc_port, "generation_config": args.generation_config,
              "override_generation_config": _json_object(args.override_generation_config),
-             "speculative_config": _speculative(args.speculative_config)}
+             "speculative_config": _speculative(args.speculative_config), "kv_cache_dtype": args.kv_cache_dtype}
     config = ServeConfig(**{k: v for k, v in given.items() if v is not None})   # the rest: ServeConfig's defaults
     hosts = int(os.environ.get("JAX_NUM_PROCESSES") or 1) if args.distributed else 1
     if config.tensor_parallel_size > 1 and (config.platform or "cpu") == "cpu":
@@ -33,10 +33,10 @@ def _serve(args: argparse.Namespace) -> int:
         process = distributed.initialize()
         if not process.is_leader:
             from .serve import follow
-            follow(args.artifact, config, process, args.quantize, args.kv_cache_dtype)
+            follow(args.artifact, config, process, args.quantize)
             return 0
     serve(args.artifact, host=args.host, port=args.port, config=config, log_level=args.log_level,
-          quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype)
+          quantize=args.quantize)
     return 0
 
 

@@ -113,15 +113,14 @@ def serve_target(target: str | None, quantize: str = SERVE_QUANTIZE,
     TARGET: None (the default model), an artifact directory (served as it is; --quantize must stay
     auto), a .gguf file or a preset name (no path separator, nothing of that name here): exported
     into the cache once per file (path, size, mtime), format and `kv_cache_dtype` (--kv-cache-dtype;
-    an artifact directory's cache must already be stored so)."""
+    an artifact directory's cache must already be stored so: ServeConfig.check_kv_cache)."""
     if target is None:
         return default_artifact(DEFAULT_PRESET, quantize, kv_cache_dtype), DEFAULT_PRESET
     if os.path.isdir(target):
         if quantize != "auto":
             raise HloserveError(f"{target} is an exported artifact; --quantize {quantize} applies to a GGUF file or "
                                 f"preset (export it again with `hloserve export SOURCE --quantize {quantize}`)")
-        _check_kv_cache_dtype(target, kv_cache_dtype)
-        return target, None
+        return target, None   # build_service checks its cache against --kv-cache-dtype
     flags, tag = export_choice(quantize, default_model=False, kv_cache_dtype=kv_cache_dtype)
     if os.path.isfile(target) and target.endswith(".gguf"):
         st = os.stat(target)
@@ -134,25 +133,8 @@ def serve_target(target: str | None, quantize: str = SERVE_QUANTIZE,
     return target, None   # build_service says what it is not
 
 
-def _check_kv_cache_dtype(path: str, kv_cache_dtype: str | None) -> None:
-    """--kv-cache-dtype D with an artifact directory: its cache must be stored in D (the cache's dtype is
-    part of the exported step), else one line naming both and the export that gives D."""
-    if kv_cache_dtype is None or not os.path.exists(os.path.join(path, "manifest.json")):
-        return
-    from hloserve.runtime.artifact.llm import LLMSpec
-    from hloserve.runtime.artifact.manifest import read_manifest
-    manifest = read_manifest(path)
-    if manifest.model.get("llm") is None:
-        raise HloserveError(f"--kv-cache-dtype {kv_cache_dtype}: {path} is not an LLM step artifact (no KV cache)")
-    stored = LLMSpec.of(manifest, path).kv_cache.stored_name
-    if stored != kv_cache_dtype:
-        raise HloserveError(f"--kv-cache-dtype {kv_cache_dtype}: {path} was exported with a {stored} KV cache; serve "
-                            f"it without --kv-cache-dtype, or export it again with `hloserve export SOURCE "
-                            f"--kv-cache-dtype {kv_cache_dtype}`")
-
-
 def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 8000, config: ServeConfig | None = None,
-          log_level: str = "info", quantize: str = SERVE_QUANTIZE, kv_cache_dtype: str | None = None) -> None:
+          log_level: str = "info", quantize: str = SERVE_QUANTIZE) -> None:
     import functools
 
     import uvicorn
@@ -164,7 +146,7 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
     for noisy in ("jax", "absl"):   # jax's backend probing (libtpu) and cache chatter: warnings only
         logging.getLogger(noisy).setLevel(logging.WARNING)
     config = config or ServeConfig()
-    path, name = serve_target(artifact_path, quantize, kv_cache_dtype)
+    path, name = serve_target(artifact_path, quantize, config.kv_cache_dtype)
     if name and not config.served_model_names:   # an exported preset or file keeps its own name
         config = dataclasses.replace(config, served_model_names=(name,))
     print(f"[hloserve] loading {path}", file=sys.stderr, flush=True)
@@ -216,11 +198,10 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
         raise HloserveError(f"{service.model_name}: {failed[0]}")
 
 
-def follow(artifact_path: str | None, config: ServeConfig, process, quantize: str = SERVE_QUANTIZE,
-           kv_cache_dtype: str | None = None) -> None:
+def follow(artifact_path: str | None, config: ServeConfig, process, quantize: str = SERVE_QUANTIZE) -> None:
     """A multi-host run's process > 0: load the same step, then run every step the leader sends
     until the leader stops (runtime/distributed.py). Serves nothing itself."""
-    path, _ = serve_target(artifact_path, quantize, kv_cache_dtype)
+    path, _ = serve_target(artifact_path, quantize, config.kv_cache_dtype)
     art = LLMArtifact.read(path)
     _, runner_cfg, _ = config.resolve(art.llm)
     print(f"[hloserve] process {process.index}/{process.count}: loading {path}", file=sys.stderr, flush=True)

@@ -100,14 +100,19 @@ def test_int8_cache_holds_1_9x_the_blocks_of_bf16_in_one_budget(artifacts):
 
 
 def test_serving_an_artifact_with_another_kv_cache_dtype_is_refused_in_one_line(artifacts):
+    """`hloserve serve ART --kv-cache-dtype D` when ART's cache is not D: one line, before anything loads."""
     from hloserve.runtime.artifact.errors import HloserveError
+    from hloserve.server.cli import main
+    from hloserve.server.config import ServeConfig
     from hloserve.server.serve import serve_target
+    from hloserve.server.services import build_service
 
     assert serve_target(artifacts["int8"], kv_cache_dtype="int8") == (artifacts["int8"], None)
     with pytest.raises(HloserveError, match=r"^--kv-cache-dtype bfloat16: .* was exported with a int8 KV cache; "
                                             r"serve it without --kv-cache-dtype, or export it again") as e:
-        serve_target(artifacts["int8"], kv_cache_dtype="bfloat16")
+        build_service(artifacts["int8"], ServeConfig(kv_cache_dtype="bfloat16"))
     assert "\n" not in str(e.value)
+    assert main(["serve", artifacts["bfloat16"], "--kv-cache-dtype", "int8", "--port", "0"]) != 0
 
 
 def test_fp8_kv_cache_is_refused_in_one_line():
