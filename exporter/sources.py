@@ -43,6 +43,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # --llm-step: how a causal LM is exported ("none": its plain forward, served with the predict API)
 LLM_STEPS = ("auto", "generic", "none")
 LOW_DTYPES = ("bfloat16", "float16")
+# --kv-cache-dtype: a 16-bit float, or int8 (K/V quantized per token and KV head, docs/quantization.md)
+KV_CACHE_DTYPES = {**{d: DTYPES[d] for d in LOW_DTYPES}, "int8": torch.int8}
 
 
 def auto_dtypes(spec: str, dtype: str, weight_dtype: str | None,
@@ -87,14 +89,12 @@ def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = Non
     (models/hf_causal.py), "none" a causal LM as its plain forward (for the predict API). `lora`
     (--lora-slots, a llm.lora.LoraRequest): the step takes adapters in that many slots."""
     llm = {}
-    for flag, value, key in (("--weight-dtype", weight_dtype, "weight_dtype"),
-                             ("--kv-cache-dtype", kv_cache_dtype, "kv_dtype")):
+    for flag, value, key, table in (("--weight-dtype", weight_dtype, "weight_dtype", DTYPES),
+                                    ("--kv-cache-dtype", kv_cache_dtype, "kv_dtype", KV_CACHE_DTYPES)):
         if value is None:
             continue
-        if value not in LOW_DTYPES or dtype != "float32":
-            raise SourceError(f"{flag} {value!r} is not supported with --dtype {dtype}; use bfloat16 or float16 "
-                              f"under --dtype float32 (or --dtype alone for one dtype throughout)")
-        llm[key] = DTYPES[value]
+        _check_stored_dtype(flag, value, dtype, table)
+        llm[key] = table[value]
     if llm_step not in LLM_STEPS:
         raise SourceError(f"--llm-step {llm_step!r}: use {', '.join(LLM_STEPS)}")
     if llm_step != "auto":
@@ -110,6 +110,17 @@ def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = Non
         request = QuantRequest(QuantConfig.parse(quantize, tuple(quantize_skip)))
         return quantize_source(_load_source(spec, dtype, request, llm), request)
     return _load_source(spec, dtype, None, llm)
+
+
+def _check_stored_dtype(flag: str, value: str, dtype: str, table: dict) -> None:
+    """--weight-dtype / --kv-cache-dtype VALUE under --dtype DTYPE, or one line saying what is supported."""
+    allowed = [d for d in table if d in LOW_DTYPES or table is KV_CACHE_DTYPES]
+    if value == "fp8_e4m3" and table is KV_CACHE_DTYPES:
+        raise SourceError(f"{flag} fp8_e4m3 is not implemented; use int8 (8 bits per value with a scale per token "
+                          f"and KV head, docs/quantization.md) or one of {allowed}")
+    if value not in allowed or dtype != "float32":
+        raise SourceError(f"{flag} {value!r} is not supported with --dtype {dtype}; use {' or '.join(allowed)} "
+                          f"under --dtype float32 (or --dtype alone for one dtype throughout)")
 
 
 def _load_source(spec: str, dtype: str, quant, llm: dict) -> Source:

@@ -32,7 +32,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if m.is_llm:
         llm = artifact.LLMSpec.of(m, args.artifact)
         kv = llm.kv_cache
-        held = f" holding {kv.holds} bits" if kv.holds else ""
+        held = f" holding {kv.holds} bits" if kv.holds else f" rows of {kv.quant} values and a bf16 scale" if kv.quant else ""
         print(f"llm: step contract v{llm.version}, block {llm.block_size}, context {llm.max_context}, "
               f"{llm.max_seqs} seqs / {llm.max_tokens} tokens a step")
         print(f"kv cache: {kv.dtype}{held} {list(kv.shape)}")

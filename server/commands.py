@@ -25,7 +25,7 @@ def _serve(args: argparse.Namespace) -> int:
              "batch_timeout_s": None if args.batch_timeout_ms is None else args.batch_timeout_ms / 1000,
              "grpc_port": args.grpc_port, "generation_config": args.generation_config,
              "override_generation_config": _json_object(args.override_generation_config),
-             "speculative_config": _speculative(args.speculative_config),
+             "speculative_config": _speculative(args.speculative_config), "kv_cache_dtype": args.kv_cache_dtype,
              "lora_modules": _lora_modules(args.lora_modules)}
     config = ServeConfig(**{k: v for k, v in given.items() if v is not None})   # the rest: ServeConfig's defaults
     hosts = int(os.environ.get("JAX_NUM_PROCESSES") or 1) if args.distributed else 1
@@ -94,6 +94,11 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
                     help="weights of a GGUF file or preset when it is exported: auto (default: the file's own "
                          "blocks, 'gguf', for one named here; bf16 for the default model), gguf, bf16, or any "
                          "`hloserve export --quantize` spec (int8, int4, ...)")
+    sv.add_argument("--kv-cache-dtype", metavar="D",
+                    help="LLM: how a GGUF file or preset exported here stores K and V: bfloat16 (the default "
+                         "model's default), float16 or int8 (per token and KV head: ~1.9x the blocks of bf16 in "
+                         "--kv-cache-mib; docs/quantization.md); with an artifact directory it must be how that "
+                         "artifact was exported")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--grpc-port", type=int, metavar="N",

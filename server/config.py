@@ -93,6 +93,9 @@ class ServeConfig:
         num_speculative_tokens is clamped to max_num_seqs - 1.
       lora_modules: LLM: (name, PEFT directory) of the LoRA adapters loaded at start into an artifact's
         adapter slots (vLLM's --lora-modules); a request picks one by its `model`.
+      kv_cache_dtype: LLM: how K and V are stored (--kv-cache-dtype: bfloat16, float16, int8), where
+        `serve` exports (the default model, a preset, a GGUF file); an artifact directory's must match
+        (check_kv_cache). None: the export's default.
     """
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
@@ -128,6 +131,7 @@ class ServeConfig:
     override_generation_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     speculative_config: SpeculativeConfig | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self):
         if self.verify_weights not in ("stamp", "full"):
@@ -185,6 +189,15 @@ class ServeConfig:
     def load_verify(self) -> bool | str:
         """runtime.load's `verify` for this config."""
         return "full" if self.verify_weights == "full" else True
+
+    def check_kv_cache(self, llm: LLMSpec, path: str) -> None:
+        """--kv-cache-dtype against the artifact's cache: the cache's dtype is part of the exported step,
+        so a mismatch is one line naming both and the export that gives it."""
+        stored = llm.kv_cache.stored_name
+        if self.kv_cache_dtype is not None and stored != self.kv_cache_dtype:
+            raise HloserveError(f"--kv-cache-dtype {self.kv_cache_dtype}: {path} was exported with a {stored} KV "
+                                f"cache; serve it without --kv-cache-dtype, or export it again with `hloserve export "
+                                f"SOURCE --kv-cache-dtype {self.kv_cache_dtype}`")
 
     def resolve(self, llm: LLMSpec) -> tuple[SchedulerConfig, RunnerConfig, list[str]]:
         """The scheduler's and runner's configs for an artifact, and a note per clamped limit."""

@@ -44,13 +44,18 @@ DEFAULT_EXPORT_TAG = f"bf16-{EXPORT_STEP}"
 log = logging.getLogger("hloserve.server")
 
 
-def export_choice(quantize: str, *, default_model: bool) -> tuple[tuple[str, ...], str]:
-    """(export flags, cache tag) of `hloserve serve --quantize` (see SERVE_QUANTIZE)."""
+def export_choice(quantize: str, *, default_model: bool, kv_cache_dtype: str | None = None) -> tuple[tuple[str, ...], str]:
+    """(export flags, cache tag) of `hloserve serve --quantize [--kv-cache-dtype D]` (see SERVE_QUANTIZE;
+    D: the export's --kv-cache-dtype, None: bfloat16 with bf16 weights, the checkpoint's choice otherwise)."""
     if quantize == "auto":
         quantize = "bf16" if default_model else "gguf"
+    kv = () if kv_cache_dtype is None else ("--kv-cache-dtype", kv_cache_dtype)
+    kv_tag = "" if kv_cache_dtype is None else f"kv{kv_cache_dtype.lower()}-"
     if quantize == "bf16":
-        return DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG
-    return ("--quantize", quantize), f"{quantize.lower().replace(':', '_')}-{EXPORT_STEP}"
+        if kv_cache_dtype in (None, "bfloat16"):
+            return DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG
+        return ("--weight-dtype", "bfloat16", *kv), f"bf16-{kv_tag}{EXPORT_STEP}"
+    return ("--quantize", quantize, *kv), f"{quantize.lower().replace(':', '_')}-{kv_tag}{EXPORT_STEP}"
 
 
 def default_artifact_path(preset: str = DEFAULT_PRESET, tag: str = DEFAULT_EXPORT_TAG) -> str:
@@ -58,9 +63,10 @@ def default_artifact_path(preset: str = DEFAULT_PRESET, tag: str = DEFAULT_EXPOR
     return os.path.join(cache_dir(), "artifacts", f"{preset}-{tag}")
 
 
-def default_artifact(preset: str = DEFAULT_PRESET, quantize: str = SERVE_QUANTIZE) -> str:
+def default_artifact(preset: str = DEFAULT_PRESET, quantize: str = SERVE_QUANTIZE,
+                     kv_cache_dtype: str | None = None) -> str:
     """The default model's artifact, exported into the cache the first time."""
-    flags, tag = export_choice(quantize, default_model=True)
+    flags, tag = export_choice(quantize, default_model=True, kv_cache_dtype=kv_cache_dtype)
     return exported_artifact(preset, default_artifact_path(preset, tag), flags)
 
 
@@ -129,20 +135,22 @@ def _pass_stderr_through(stream) -> str | None:
 _ERROR = b"hloserve: error: "
 
 
-def serve_target(target: str | None, quantize: str = SERVE_QUANTIZE) -> tuple[str, str | None]:
+def serve_target(target: str | None, quantize: str = SERVE_QUANTIZE,
+                 kv_cache_dtype: str | None = None) -> tuple[str, str | None]:
     """(the artifact `hloserve serve TARGET` serves, the model name it defaults to or None).
 
     TARGET: None (the default model), an artifact directory (served as it is; --quantize must stay
     auto), a .gguf file or a preset name (no path separator, nothing of that name here): exported
-    into the cache once per file (path, size, mtime) and format."""
+    into the cache once per file (path, size, mtime), format and `kv_cache_dtype` (--kv-cache-dtype;
+    an artifact directory's cache must already be stored so: ServeConfig.check_kv_cache)."""
     if target is None:
-        return default_artifact(DEFAULT_PRESET, quantize), DEFAULT_PRESET
+        return default_artifact(DEFAULT_PRESET, quantize, kv_cache_dtype), DEFAULT_PRESET
     if os.path.isdir(target):
         if quantize != "auto":
             raise HloserveError(f"{target} is an exported artifact; --quantize {quantize} applies to a GGUF file or "
                                 f"preset (export it again with `hloserve export SOURCE --quantize {quantize}`)")
-        return target, None
-    flags, tag = export_choice(quantize, default_model=False)
+        return target, None   # build_service checks its cache against --kv-cache-dtype
+    flags, tag = export_choice(quantize, default_model=False, kv_cache_dtype=kv_cache_dtype)
     if os.path.isfile(target) and target.endswith(".gguf"):
         st = os.stat(target)
         key = f"{os.path.abspath(target)}\0{st.st_size}\0{st.st_mtime_ns}".encode()
@@ -167,7 +175,7 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
     for noisy in ("jax", "absl"):   # jax's backend probing (libtpu) and cache chatter: warnings only
         logging.getLogger(noisy).setLevel(logging.WARNING)
     config = config or ServeConfig()
-    path, name = serve_target(artifact_path, quantize)
+    path, name = serve_target(artifact_path, quantize, config.kv_cache_dtype)
     if name and not config.served_model_names:   # an exported preset or file keeps its own name
         config = dataclasses.replace(config, served_model_names=(name,))
     print(f"[hloserve] loading {path}", file=sys.stderr, flush=True)
@@ -222,7 +230,7 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
 def follow(artifact_path: str | None, config: ServeConfig, process, quantize: str = SERVE_QUANTIZE) -> None:
     """A multi-host run's process > 0: load the same step, then run every step the leader sends
     until the leader stops (runtime/distributed.py). Serves nothing itself."""
-    path, _ = serve_target(artifact_path, quantize)
+    path, _ = serve_target(artifact_path, quantize, config.kv_cache_dtype)
     art = LLMArtifact.read(path)
     _, runner_cfg, _ = config.resolve(art.llm)
     print(f"[hloserve] process {process.index}/{process.count}: loading {path}", file=sys.stderr, flush=True)

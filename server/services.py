@@ -308,6 +308,7 @@ def build_service(artifact_path: str, config: ServeConfig) -> LLMService | Predi
         return PredictService(model, names[0], PredictBatcher(model, config.max_batch_size, config.batch_timeout_s),
                               readiness, admission, embedder=Embedder.from_artifact(artifact_path, manifest))
     art = LLMArtifact.read(artifact_path, manifest)   # a malformed contract fails here, before anything loads
+    config.check_kv_cache(art.llm, artifact_path)
     defaults, where = config.generation_defaults(artifact_path)
     log.info("generation defaults: %s (%s); a request's own fields win",
              json.dumps(defaults) if defaults else "neutral, temperature 1 and top_p 1", where)

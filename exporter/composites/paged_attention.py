@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import torch
-from hloserve.runtime.artifact.kernels import PAGED_ATTENTION, PAGED_ATTENTION_V2, Holds
+from hloserve.runtime.artifact.kernels import INT8_ROW_SCALE_BYTES, PAGED_ATTENTION, PAGED_ATTENTION_V2, Holds
 from jax import lax
 
 from .. import _private
@@ -59,14 +59,41 @@ def within_window(c: torch.Tensor, pos: torch.Tensor, window) -> torch.Tensor | 
     return c > pos - window if window else None
 
 
+def quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """K or V rows [..., D] -> int8 [..., D + 2] (runtime/artifact/kernels.py INT8_ROW): per row (one
+    token, one KV head) scale = bf16(max|x| / 127), q = clip(round(x / scale), -127, 127), and the
+    scale's bits as two bytes, low then high (arithmetic only: the step's export traces it)."""
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / 127).to(torch.bfloat16)
+    s = scale.float()
+    q = torch.round(x.float() / torch.where(s > 0, s, torch.ones_like(s))).clamp(-127, 127).to(torch.int32)
+    bits = scale.view(torch.int16).to(torch.int32)
+    low = ((bits & 0xFF) ^ 0x80) - 0x80                                   # the low byte, as a signed byte
+    return torch.cat([q, low, torch.bitwise_right_shift(bits, 8)], dim=-1).to(torch.int8)
+
+
+def int8_rows_values(rows: torch.Tensor) -> torch.Tensor:
+    """int8 rows [..., D + 2] -> their f32 values [..., D] (q * scale; the inverse of quantize_int8_rows
+    up to rounding)."""
+    D = rows.shape[-1] - INT8_ROW_SCALE_BYTES
+    low, high = rows[..., D:D + 1].to(torch.int32) & 0xFF, rows[..., D + 1:].to(torch.int32)
+    scale = (high * 16777216 + low * 65536).view(torch.float32)           # the bf16 bits as the top of an f32
+    return rows[..., :D].float() * scale
+
+
+def cache_values(cache: torch.Tensor, holds: int) -> torch.Tensor:
+    """A cache (or rows gathered from one) as f32 values, whatever `holds` says it stores."""
+    if holds == Holds.INT8_ROWS:
+        return int8_rows_values(cache)
+    if holds and cache.dtype == torch.int16:
+        cache = cache.view(getattr(torch, Holds(holds).dtype_name))
+    return cache.float()
+
+
 def _eager(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, window, holds, scale, softcap):
     T, KV, G, D = q.shape
     L, _, _, N, BS, _ = kv_cache.shape
     B = block_tables.shape[1]
-    cache = kv_cache
-    if holds:
-        cache = cache.view(getattr(torch, Holds(holds).dtype_name))
-    cache = cache.float()
+    cache = cache_values(kv_cache, holds)
     blocks = block_tables[seq_ids].long()                                  # [T, B]
     k = cache[layer.long(), 0][:, blocks].reshape(KV, T, B * BS, D)       # [KV, T, C, D]
     v = cache[layer.long(), 1][:, blocks].reshape(KV, T, B * BS, D)       # [KV, T, C, D]
@@ -100,6 +127,13 @@ def gather_blocks_op(cache: torch.Tensor, layer: torch.Tensor, kv: int, blocks: 
 def _(cache, layer, kv, blocks):
     L, _, KV, N, BS, D = cache.shape
     return cache.new_empty((KV, blocks.numel() * BS, D))
+
+
+def _int8_values(rows):
+    """jax: int8 rows [..., D + 2] -> f32 values [..., D] (int8_rows_values' decomposition)."""
+    D = rows.shape[-1] - INT8_ROW_SCALE_BYTES
+    bits = rows[..., D + 1].astype(jnp.int32) * 16777216 + (rows[..., D].astype(jnp.int32) & 0xFF) * 65536
+    return rows[..., :D].astype(jnp.float32) * lax.bitcast_convert_type(bits, jnp.float32)[..., None]
 
 
 # -- the jax side: the decomposition and the lowerings --------------------------------------------
@@ -139,13 +173,15 @@ def paged_attention_reference(q, kv_cache, layer, block_tables, seq_ids, positio
     transpose of the gathered context.
     """
     T, KV, G, D = q.shape
-    L, _, _, N, BS, _ = kv_cache.shape
+    L, _, _, N, BS, R = kv_cache.shape                                    # R: D, or D + 2 (int8 rows)
     B = block_tables.shape[1]
     C = B * BS
     blk = block_tables[seq_ids]                                           # [T, B]
-    k = gather_blocks(kv_cache, layer, 0, blk).reshape(KV, T, C, D)       # [KV, T, C, D]
-    v = gather_blocks(kv_cache, layer, 1, blk).reshape(KV, T, C, D)       # [KV, T, C, D]
-    if holds:   # widened inside the gather: half the bytes read
+    k = gather_blocks(kv_cache, layer, 0, blk).reshape(KV, T, C, R)       # [KV, T, C, R]
+    v = gather_blocks(kv_cache, layer, 1, blk).reshape(KV, T, C, R)       # [KV, T, C, R]
+    if holds == Holds.INT8_ROWS:   # dequantized inside the gather's fusion
+        k, v = _int8_values(k), _int8_values(v)
+    elif holds:   # widened inside the gather: half the bytes read
         k = lax.bitcast_convert_type(k, held(holds)) if k.dtype != held(holds) else k
         v = lax.bitcast_convert_type(v, held(holds)) if v.dtype != held(holds) else v
     k, v = k.astype(jnp.float32), v.astype(jnp.float32)

@@ -15,12 +15,11 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
-from hloserve.runtime.artifact.kernels import Holds
 
 from ..composites import paged_attention as _ops  # noqa: F401 - registers torch.ops.hloserve.paged_attention*
-from ..composites.paged_attention import within_window
+from ..composites.paged_attention import cache_values, within_window
 from ..errors import SourceError
-from .step import _MASKED, holds_of, paged_attention, write_kv
+from .step import _MASKED, cache_holds, kv_rotation, paged_attention, write_kv
 
 ATTN_NAME = "hloserve_paged"
 STEP_KWARG = "hloserve_step"
@@ -81,11 +80,14 @@ class StepState:
         scale = float(scaling) if scaling is not None else D ** -0.5
         window = int(window or 0) if self.window is None else self.window    # an int, or the layer's 0-dim tensor
         softcap = float(softcap or 0.0)
+        rot = kv_rotation(self.kv_dtype, D)                               # int8 K/V: stored rotated
+        if rot is not None:
+            q, k, v = q.float() @ rot, k.float() @ rot, v.float() @ rot
         self.cache = write_kv(self.cache, layer.to(torch.int64), k.to(self.dtype), v.to(self.dtype),
                               x["slot_mapping"].to(torch.int64), self.kv_dtype)
 
         qg = q.reshape(T, KV, H // KV, D)                                 # [T, KV, G, D]
-        holds = holds_of(self.kv_dtype or self.cache.dtype)
+        holds = cache_holds(self.kv_dtype, self.cache.dtype)
         if self.layout == "gather":
             # version 2 of the composite where the window is the layer's data, version 1 otherwise
             windowed = isinstance(window, torch.Tensor)
@@ -101,6 +103,8 @@ class StepState:
                                   softcap=softcap)
         else:
             out = _flat_attention(qg.float(), self.cache, layer, x, window, holds, scale, softcap)
+        if rot is not None:
+            out = out.float() @ rot                                       # rotated back (H^T = H)
         return out.to(query.dtype).reshape(1, T, H, D)                   # [1, T, H, D]
 
 
@@ -113,10 +117,7 @@ def _flat_attention(qg, cache, layer: torch.Tensor, x, window, holds: int, scale
     C = B * BS
     k = torch.ops.hloserve.gather_blocks(cache, layer, 0, tables)         # [KV, S*C, D]
     v = torch.ops.hloserve.gather_blocks(cache, layer, 1, tables)         # [KV, S*C, D]
-    if holds:
-        kind = getattr(torch, Holds(holds).dtype_name)
-        k, v = k.view(kind) if k.dtype == torch.int16 else k, v.view(kind) if v.dtype == torch.int16 else v
-    k, v = k.float(), v.float()
+    k, v = cache_values(k, holds), cache_values(v, holds)
     c = torch.arange(C, device=qg.device)
     pos = x["positions"].to(torch.int64)[:, None]                         # [T, 1]
     own = x["seq_ids"].to(torch.int64)[:, None] == torch.arange(S, device=qg.device)[None, :]   # [T, S]

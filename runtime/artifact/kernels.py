@@ -19,10 +19,17 @@ from . import dtypes
 class Holds(enum.IntEnum):
     """What the elements of a cache or weight stack are: the composites' `holds` attribute, also the
     C++ kernels' `Kind` (runtime/kernels/cpu/common.h; a test checks the two agree). 16-bit floats
-    may be stored as their bits in an int16 buffer (an LLM step's KVCacheSpec.holds names them)."""
+    may be stored as their bits in an int16 buffer (an LLM step's KVCacheSpec.holds names them).
+    INT8_ROWS is a quantized KV cache (KVCacheSpec.quant "int8"): paged attention only."""
     OWN = 0     # the buffer's own dtype (f32)
     BF16 = 1    # bfloat16
     F16 = 2     # float16
+    INT8_ROWS = 3   # int8 rows of head_dim + 2 bytes: the values, then the row's bf16 scale (INT8_ROW)
+
+    @property
+    def row_extra(self) -> int:
+        """Bytes a cache row holds past its head_dim elements (the scale of an INT8_ROWS row)."""
+        return INT8_ROW_SCALE_BYTES if self is Holds.INT8_ROWS else 0
 
     @property
     def dtype_name(self) -> str | None:
@@ -49,7 +56,13 @@ class Block(enum.IntEnum):
     Q6_K = 14
 
 
-_DTYPE_NAMES = {Holds.OWN: None, Holds.BF16: "bfloat16", Holds.F16: "float16"}
+_DTYPE_NAMES = {Holds.OWN: None, Holds.BF16: "bfloat16", Holds.F16: "float16", Holds.INT8_ROWS: None}
+
+# An int8 KV cache row (Holds.INT8_ROWS): one token's K or V of one KV head, head_dim int8 values q
+# then the bf16 bits of its scale s (little-endian, 2 bytes); the values are q * s, where
+# s = bf16(max|x| / 127) and q = clip(round_half_even(x / s), -127, 127) (0 where s = 0).
+INT8_ROW = "head_dim int8 values then the row's bf16 scale (2 bytes, little-endian): x = q * scale, per token and KV head"
+INT8_ROW_SCALE_BYTES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +90,15 @@ PAGED_ATTENTION = Composite(
     version=1,
     operands=(
         "q f32[T, KV, G, D]: rotated queries, G query heads per KV head",
-        "kv_cache [L, 2, KV, N, BS, D]: f32, or 16-bit float (bits in s16 when `holds` says so)",
+        "kv_cache [L, 2, KV, N, BS, D]: f32, or 16-bit float (bits in s16 when `holds` says so); "
+        "or s8 [L, 2, KV, N, BS, D + 2] when `holds` is 3 (INT8_ROW: D int8 values, then the row's bf16 scale)",
         "layer s32[]: the layer whose K (index 0) and V (index 1) are read",
         "block_tables s32[S, B]", "seq_ids s32[T]", "positions s32[T]", "context_lens s32[S]",
     ),
     attributes=(
         "window i64: attend to positions > position - window (0: no window)",
-        "holds i64: what the cache elements are (Holds): 0 its own dtype (f32), 1 bfloat16, 2 float16",
+        "holds i64: what the cache elements are (Holds): 0 its own dtype (f32), 1 bfloat16, 2 float16, "
+        "3 int8 rows with a bf16 scale each (read as q * scale)",
         "scale f32: the scores' factor (1/sqrt(D) for most models)",
         "softcap f32: scores become softcap * tanh(scores / softcap) (0: no capping)",
     ),

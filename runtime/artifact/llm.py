@@ -22,6 +22,9 @@ Versions of the contract (a reader must understand every field of the versions i
   3  2026-11  adds `lora` (LoraSpec): adapter slots. A step exported with them takes, after kv_cache, a
               per-token adapter slot (`lora_slots` int32[T], 0: none) and each targeted projection's
               A/B stacks of every slot; optional (a step without slots takes the version 2 inputs).
+              Also `kv_cache.quant`: "int8" is a quantized cache, int8 rows of head_dim + 2 bytes (the
+              values, then the row's bf16 scale: per token and KV head; kernels.INT8_ROW). Optional:
+              a cache without it stores its values as version 2's did.
   (next: add a dated line here and raise LLM_VERSIONS' upper bound in the same change)
 """
 from __future__ import annotations
@@ -35,7 +38,7 @@ import numpy as np
 
 from . import dtypes
 from .errors import ArtifactError
-from .kernels import PAGED_ATTENTION, PAGED_ATTENTION_V2
+from .kernels import INT8_ROW, PAGED_ATTENTION, PAGED_ATTENTION_V2, Holds
 from .manifest import Manifest, read_manifest
 from .text import TextSpec
 
@@ -56,6 +59,8 @@ STEP_DIMS = {"tokens": (NUM_TOKENS,), "positions": (NUM_TOKENS,), "seq_ids": (NU
              "slot_mapping": (NUM_TOKENS,), "block_tables": (NUM_SEQS, MAX_BLOCKS), "context_lens": (NUM_SEQS,),
              "last_token": (NUM_SEQS,)}
 KV_BITS = "int16 holding the bits of the K/V values (zeros are zeros)"
+# kv_cache.quant -> (storage dtype, the composites' holds code, what a row holds in words)
+KV_QUANT = {"int8": ("i8", Holds.INT8_ROWS, INT8_ROW)}
 DOC = "docs/artifact-format.md, 'LLM step contract'"
 
 
@@ -153,13 +158,26 @@ class KVCacheSpec:
       input, output: the cache's input and output names ("kv_cache"); the input is donated.
       dtype: storage dtype as a manifest name ("f32", or "i16" when 16-bit values are kept as bits).
       holds: the values' dtype when stored as bits ("bf16"), else None.
+      quant: "int8" for a quantized cache (version 3: its rows are head_dim int8 values and a bf16
+        scale, so the shape's last dim is head_dim + 2; KV_QUANT), else None.
       shape: ints and "num_blocks", e.g. [L, 2, kv_heads, "num_blocks", block_size, head_dim].
     """
     input: str = "kv_cache"
     output: str = "kv_cache"
     dtype: str
     holds: str | None = None
+    quant: str | None = None
     shape: tuple[int | str, ...]
+
+    @property
+    def stored_name(self) -> str:
+        """How K and V are stored, as --kv-cache-dtype names it ("int8", "bfloat16", "float32", ...)."""
+        return self.quant or np.dtype(dtypes.NUMPY[self.holds or self.dtype]).name
+
+    @property
+    def holds_code(self) -> Holds:
+        """What the composites' `holds` attribute says of this cache (Holds)."""
+        return KV_QUANT[self.quant][1] if self.quant else Holds.named(self.holds)
 
     def concrete_shape(self, num_blocks: int) -> tuple[int, ...]:
         return tuple(int(num_blocks) if d == NUM_BLOCKS else int(d) for d in self.shape)
@@ -175,6 +193,7 @@ class KVCacheSpec:
     def to_json(self) -> dict:
         return {"input": self.input, "output": self.output, "dtype": self.dtype,
                 **({"holds": self.holds, "stored": KV_BITS} if self.holds else {}),
+                **({"quant": self.quant, "stored": KV_QUANT[self.quant][2]} if self.quant else {}),
                 "shape": list(self.shape), "donated": True}
 
     @classmethod
@@ -192,7 +211,12 @@ class KVCacheSpec:
                 not isinstance(holds, str) or holds not in dtypes.NUMPY):
             raise ArtifactError(f"{where}: input/output {list(names.values())} must be names and holds "
                                 f"{str(holds)[:20]!r} a dtype or null; re-export it ({DOC})")
-        return cls(**names, dtype=dtype, holds=holds, shape=tuple(shape))
+        quant = raw.get("quant")
+        if quant is not None and (quant not in KV_QUANT or dtype != KV_QUANT[quant][0] or holds is not None):
+            raise ArtifactError(f"{where}: quant {str(quant)[:20]!r} with dtype {dtype!r} is not a quantized KV cache "
+                                f"this reader understands ({', '.join(f'{q} in {d}' for q, (d, _, _) in KV_QUANT.items())}); "
+                                f"upgrade hloserve or re-export it ({DOC})")
+        return cls(**names, dtype=dtype, holds=holds, quant=quant, shape=tuple(shape))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ def test_the_kernels_holds_codes_are_the_python_enum():
     body = re.search(r"enum class Kind : int64_t \{([^}]*)\}", source)
     assert body, "common.h no longer declares `enum class Kind : int64_t {...}`"
     kinds = dict((name, int(value)) for name, value in re.findall(r"k(\w+)\s*=\s*(\d+)", body.group(1)))
-    assert kinds == {"F32": Holds.OWN, "BF16": Holds.BF16, "F16": Holds.F16}
+    assert kinds == {"F32": Holds.OWN, "BF16": Holds.BF16, "F16": Holds.F16, "I8Rows": Holds.INT8_ROWS}
     assert [Holds.named(n) for n in (None, "bf16", "f16")] == [Holds.OWN, Holds.BF16, Holds.F16]
 
 

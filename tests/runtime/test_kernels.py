@@ -28,7 +28,7 @@ from hloserve.runtime import kernels
 from hloserve.runtime.kernels.cpu import build
 from hloserve.runtime.kernels.cpu.targets import TARGETS
 from hloserve.runtime.paths import cache_dir
-from hloserve.runtime.artifact.kernels import PAGED_ATTENTION, PAGED_ATTENTION_V2
+from hloserve.runtime.artifact.kernels import PAGED_ATTENTION, PAGED_ATTENTION_V2, Holds
 
 BS = 8
 
@@ -41,7 +41,9 @@ def _case(rng, G, D, holds, L=3, KV=2, S=4, B=6, chunk=False):
         used = -(-lens[s] // BS)
         tables[s, :used] = 1 + rng.permutation(N - 1)[:used]        # blocks anywhere in the cache
     cache = rng.standard_normal((L, 2, KV, N, BS, D)).astype(np.float32)
-    if holds:
+    if holds == Holds.INT8_ROWS:     # int8 rows [.., D + 2], each with its scale
+        cache = paged_attention_ops.quantize_int8_rows(torch.from_numpy(cache)).numpy()
+    elif holds:
         cache = np.asarray(jnp.asarray(cache).astype(jnp.bfloat16 if holds == 1 else jnp.float16).view(jnp.int16))
     # decode tokens, a prefill chunk of sequence 2, and one padding token (context 0); with
     # `chunk`, sequence 2's chunk is 37 tokens (positions 11..47: three tiles of the kernel)
@@ -107,7 +109,7 @@ def max_rows(symbol: str) -> int | None:
 
 
 @pytest.mark.parametrize("G,D", [(3, 64), (4, 128), (4, 256), (1, 96), (5, 32)])   # specialized x4, generic
-@pytest.mark.parametrize("holds", [0, 1, 2])
+@pytest.mark.parametrize("holds", [0, 1, 2, 3])
 @pytest.mark.parametrize("window,scale,softcap", [(0, None, 0.0), (5, None, 0.0), (0, 0.3, 2.0)])
 @pytest.mark.parametrize("chunk", [False, True], ids=["short", "chunk37"])
 def test_paged_attention_kernel_matches_decomposition_and_torch(library, G, D, holds, window, scale, softcap, chunk):
@@ -128,7 +130,7 @@ def test_paged_attention_kernel_matches_decomposition_and_torch(library, G, D, h
     assert np.isfinite(kernel).all() and np.isfinite(portable).all()
 
 
-@pytest.mark.parametrize("holds", [0, 1])
+@pytest.mark.parametrize("holds", [0, 1, 3])
 @pytest.mark.parametrize("chunk", [False, True], ids=["short", "chunk37"])
 def test_paged_attention_v2_reads_its_window_as_data(library, holds, chunk):
     """Version 2 (the window an s32[] operand): one compiled function, kernel and decomposition,

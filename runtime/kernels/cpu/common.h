@@ -79,9 +79,27 @@ inline void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t grain, F fn) 
 
 // What a cache or weight buffer holds: the composites' `holds` attribute. The values are
 // hloserve.runtime.artifact.kernels.Holds (OWN, BF16, F16); tests/runtime/test_contract.py checks them.
-enum class Kind : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+// kI8Rows (paged attention's KV cache only): rows of D int8 values, then the row's bf16 scale in
+// 2 bytes (little-endian), a value being q * scale (runtime/artifact/kernels.py INT8_ROW).
+enum class Kind : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2, kI8Rows = 3 };
 
 inline bool valid_kind(int64_t holds) { return holds >= 0 && holds <= static_cast<int64_t>(Kind::kF16); }
+
+// Elements a row holds past its D values: the scale of an int8 row.
+template <Kind K>
+constexpr int64_t row_extra = K == Kind::kI8Rows ? 2 : 0;
+
+// The factor a row's loaded elements are multiplied by: an int8 row's scale, read from the 2 bytes
+// after its D values (`row` is the row's first element); 1 for float rows.
+template <Kind K>
+inline float row_scale(const void* base, int64_t row, int64_t D) {
+  if constexpr (K == Kind::kI8Rows) {
+    uint16_t bits;
+    std::memcpy(&bits, static_cast<const int8_t*>(base) + row + D, 2);
+    return bf16_to_f32(bits);
+  }
+  return 1.f;
+}
 
 
 // Calls fn(std::integral_constant<Kind, K>{}) for the runtime `kind`.
@@ -91,6 +109,7 @@ void with_kind(Kind kind, F fn) {
     case Kind::kF32: return fn(std::integral_constant<Kind, Kind::kF32>{});
     case Kind::kBF16: return fn(std::integral_constant<Kind, Kind::kBF16>{});
     case Kind::kF16: return fn(std::integral_constant<Kind, Kind::kF16>{});
+    case Kind::kI8Rows: return fn(std::integral_constant<Kind, Kind::kI8Rows>{});
   }
 }
 
@@ -98,6 +117,7 @@ template <Kind K>
 inline float load(const void* base, int64_t i) {
   if constexpr (K == Kind::kF32) return static_cast<const float*>(base)[i];
   if constexpr (K == Kind::kBF16) return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
+  if constexpr (K == Kind::kI8Rows) return static_cast<float>(static_cast<const int8_t*>(base)[i]);
   return f16_to_f32(static_cast<const uint16_t*>(base)[i]);
 }
 
@@ -123,6 +143,9 @@ inline __m512 sum16(const __m512* v) {
 template <Kind K>
 inline __m512 load16(const void* base, int64_t i) {
   if constexpr (K == Kind::kF32) return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+  if constexpr (K == Kind::kI8Rows)
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i))));
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
   if constexpr (K == Kind::kBF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   return _mm512_cvtph_ps(h);

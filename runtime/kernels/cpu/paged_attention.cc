@@ -1,6 +1,6 @@
 // hloserve_paged_attention (v1) and hloserve_paged_attention_v2: attention of each token over its own
-// sequence's paged context, read block by block straight from the KV cache (16-bit float bits or
-// f32), only the blocks in use; XLA gathers every sequence's padded context, widened to f32, before
+// sequence's paged context, read block by block straight from the KV cache (16-bit float bits, f32,
+// or int8 rows with a scale each, dequantized as they are read), only the blocks in use; XLA gathers every sequence's padded context, widened to f32, before
 // its dots. Version 2 takes the window as an operand (composite version 2).
 #include "common.h"
 
@@ -8,7 +8,7 @@ namespace {
 using namespace hloserve;
 
 // ---- paged attention ----------------------------------------------------------------------
-// q f32[T, KV, G, D]; cache [L, 2, KV, N, BS, D]; layer s32[]; block_tables s32[S, B];
+// q f32[T, KV, G, D]; cache [L, 2, KV, N, BS, R] (R = D, or D + 2 for int8 rows); layer s32[]; block_tables s32[S, B];
 // seq_ids, positions s32[T]; context_lens s32[S] -> out f32[T, KV, G, D].
 // Token t sees positions c of its sequence with c <= positions[t], c < context_len and, with a
 // window w > 0, c > positions[t] - w; scores are scale * q.k, then softcap * tanh(s / softcap)
@@ -33,6 +33,7 @@ template <Kind K, int G, int D>
 void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbase, const int32_t* table,
                   int64_t begin, int64_t end, int64_t BS, float scale, float softcap, float* scores, float* out) {
   const int64_t n = end - begin;
+  constexpr int64_t R = D + row_extra<K>;  // elements per cache row
   float qs[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) qs[g][d] = q[g * D + d] * scale;
@@ -50,9 +51,13 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
           continue;
         }
         const int64_t c = c0 + p;
-        const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * D;
+        const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
         __m512 kv[V];
         for (int v = 0; v < V; ++v) kv[v] = load16<K>(cache, off + 16 * v);
+        if constexpr (K == Kind::kI8Rows) {
+          const __m512 rs = _mm512_set1_ps(row_scale<K>(cache, off, D));
+          for (int v = 0; v < V; ++v) kv[v] = _mm512_mul_ps(kv[v], rs);
+        }
         for (int g = 0; g < G; ++g) {
           __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qs[g]), kv[0]);
           for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qs[g] + 16 * v), kv[v], a);
@@ -66,10 +71,11 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
 #endif
   {
     for (int64_t c = begin; c < end; ++c) {
-      const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * D;
+      const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
+      const float rs = row_scale<K>(cache, off, D);
       float kf[D];
 #pragma omp simd
-      for (int d = 0; d < D; ++d) kf[d] = load<K>(cache, off + d);
+      for (int d = 0; d < D; ++d) kf[d] = load<K>(cache, off + d) * rs;
       for (int g = 0; g < G; ++g) {
         float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
@@ -95,10 +101,11 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
   }
   float acc[G][D] = {};
   for (int64_t c = begin; c < end; ++c) {
-    const int64_t off = vbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * D;
+    const int64_t off = vbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
+    const float rs = row_scale<K>(cache, off, D);
     float vf[D];
 #pragma omp simd
-    for (int d = 0; d < D; ++d) vf[d] = load<K>(cache, off + d);
+    for (int d = 0; d < D; ++d) vf[d] = load<K>(cache, off + d) * rs;
     for (int g = 0; g < G; ++g) {
       const float p = scores[g * n + (c - begin)];
 #pragma omp simd
@@ -115,14 +122,16 @@ void attend_any(const float* q, const void* cache, int64_t kbase, int64_t vbase,
                 int64_t begin, int64_t end, int64_t BS, int64_t D, int64_t G, float scale, float softcap, float* scores,
                 float* out) {
   const int64_t n = end - begin;
+  const int64_t R = D + row_extra<K>;  // elements per cache row
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = q + g * D;
     float* og = out + g * D;
     for (int64_t c = begin; c < end; ++c) {
-      const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * D;
+      const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
       float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
       for (int64_t d = 0; d < D; ++d) acc += qg[d] * load<K>(cache, off + d);
+      acc *= row_scale<K>(cache, off, D);
       scores[c - begin] = softcap > 0.f ? softcap * std::tanh(acc * scale / softcap) : acc * scale;
     }
     float m = scores[0];
@@ -131,8 +140,8 @@ void attend_any(const float* q, const void* cache, int64_t kbase, int64_t vbase,
     for (int64_t i = 0; i < n; ++i) sum += (scores[i] = exp_nonpositive(scores[i] - m));
     std::fill(og, og + D, 0.f);
     for (int64_t c = begin; c < end; ++c) {
-      const int64_t off = vbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * D;
-      const float p = scores[c - begin] / sum;
+      const int64_t off = vbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
+      const float p = scores[c - begin] / sum * row_scale<K>(cache, off, D);
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) og[d] += p * load<K>(cache, off + d);
     }
@@ -194,14 +203,17 @@ void attend_tile(const float* q, float* out, int64_t stride, int64_t ntok, const
   w.hi.assign(RP, 0);                                                    // padded rows see nothing
   float* kf = w.k.data();
   float* vf = w.v.data();
-  for (int64_t c = lo; c < hi; ++c) {                                   // widen each row once
+  const int64_t R = D + row_extra<K>;                                    // elements per cache row
+  for (int64_t c = lo; c < hi; ++c) {                                   // widen (dequantize) each row once
     const int64_t slot = static_cast<int64_t>(table[c / BS]) * BS + c % BS;
+    const int64_t koff = kbase + slot * R, voff = vbase + slot * R;
+    const float ks = row_scale<K>(cache, koff, D), vs = row_scale<K>(cache, voff, D);
     float* kr = kf + (c - lo) * D;
     float* vr = vf + (c - lo) * DP;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) kr[d] = load<K>(cache, kbase + slot * D + d);
+    for (int64_t d = 0; d < D; ++d) kr[d] = load<K>(cache, koff + d) * ks;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) vr[d] = load<K>(cache, vbase + slot * D + d);
+    for (int64_t d = 0; d < D; ++d) vr[d] = load<K>(cache, voff + d) * vs;
   }
   for (int64_t t = 0; t < ntok; ++t)
     for (int64_t g = 0; g < G; ++g) {
@@ -285,19 +297,22 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   auto cd = cache.dimensions();
   auto bd = block_tables.dimensions();
   if (qd.size() != 4 || cd.size() != 6 || bd.size() != 2)
-    return ffi::Error::InvalidArgument("hloserve_paged_attention: q must be [T,KV,G,D], cache [L,2,KV,N,BS,D]");
+    return ffi::Error::InvalidArgument("hloserve_paged_attention: q must be [T,KV,G,D], cache [L,2,KV,N,BS,R]");
+  // holds: the cache's own dtype (f32), bf16 / f16 bits (in an s16/u16 buffer), or int8 rows (s8)
+  if (holds < 0 || holds > static_cast<int64_t>(Kind::kI8Rows))
+    return ffi::Error::InvalidArgument("hloserve_paged_attention: holds must be 0, 1, 2 or 3");
+  const Kind kind = static_cast<Kind>(holds);
+  if ((kind == Kind::kF32) != (cache.element_type() == ffi::F32) ||
+      (kind == Kind::kI8Rows) != (cache.element_type() == ffi::S8))
+    return ffi::Error::InvalidArgument("hloserve_paged_attention: cache dtype does not match `holds`");
   const int64_t T = qd[0], KV = qd[1], G = qd[2], D = qd[3];
   const int64_t L = cd[0], N = cd[3], BS = cd[4];
+  const int64_t R = D + (kind == Kind::kI8Rows ? row_extra<Kind::kI8Rows> : 0);  // elements per cache row
   const int64_t S = bd[0], B = bd[1];
-  if (cd[1] != 2 || cd[2] != KV || cd[5] != D)
+  if (cd[1] != 2 || cd[2] != KV || cd[5] != R)
     return ffi::Error::InvalidArgument("hloserve_paged_attention: cache shape does not match q");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("hloserve_paged_attention: layer out of range");
-  // holds: the cache's own dtype (f32), or bf16 / f16 bits (in an s16/u16 buffer)
-  if (!valid_kind(holds)) return ffi::Error::InvalidArgument("hloserve_paged_attention: holds must be 0, 1 or 2");
-  const Kind kind = static_cast<Kind>(holds);
-  if ((kind == Kind::kF32) != (cache.element_type() == ffi::F32))
-    return ffi::Error::InvalidArgument("hloserve_paged_attention: cache dtype does not match `holds`");
   const void* cdata = cache.untyped_data();
   const float* qp = q.typed_data();
   float* op = out->typed_data();
@@ -305,7 +320,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   const int32_t* seqs = seq_ids.typed_data();
   const int32_t* pos = positions.typed_data();
   const int32_t* lens = context_lens.typed_data();
-  const int64_t head_stride = N * BS * D;  // one (layer, K|V, kv head) plane
+  const int64_t head_stride = N * BS * R;  // one (layer, K|V, kv head) plane
 
   // each token's visible positions [begin, end): empty for padding (no sequence, or context 0)
   std::vector<int64_t> begins(T), ends(T);

@@ -8,7 +8,8 @@ no copy of the cache), and keeps an online softmax in f32. The G query heads sha
 are one `[G, D]` tile; scores and sums are f32 broadcast-multiply-reductions rather than `tl.dot`
 (exact f32 like the decomposition, no 16-row minimum; decode attention is bound by reading K/V).
 Decode rows and prompt chunks are both rows of the grid. Triton needs power-of-two tiles: G is
-padded to one here, and BS and D must be powers of two (`supports`). Runs in Pallas interpret mode
+padded to one here, and BS and D must be powers of two (`supports`; an int8 cache's rows of D + 2
+are not, so on a GPU its decomposition runs). Runs in Pallas interpret mode
 on any platform (`interpret=True`, the tests).
 """
 from __future__ import annotations
@@ -49,8 +50,8 @@ def _kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, lens_ref, q_ref
     def body(j, carry):
         m_prev, l_prev, acc = carry
         block = tables_ref[seq * max_blocks + j]
-        k = widen(kv_ref[layer, 0, h, block, :, :], params.holds)        # [BS, D]
-        v = widen(kv_ref[layer, 1, h, block, :, :], params.holds)
+        k = widen(kv_ref[layer, 0, h, block, :, :], params.holds, D)     # [BS, D]
+        v = widen(kv_ref[layer, 1, h, block, :, :], params.holds, D)
         s = cap((q[:, None, :] * k[None, :, :]).sum(axis=-1), params)    # [G, BS]
         s = jnp.where(seen(j, pos, ctx, block_size, window), s, MASKED)
         m_new = jnp.maximum(m_prev, s.max(axis=1))

@@ -35,7 +35,7 @@ def supports(block_size: int, head_dim: int) -> str | None:
 
 
 def _kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, lens_ref,   # scalar prefetch (SMEM)
-            q_ref, k_ref, v_ref,                                        # [G, D], [BS, D], [BS, D]
+            q_ref, k_ref, v_ref,                                        # [G, D], [BS, R], [BS, R]
             o_ref,                                                      # [G, D]
             m_ref, l_ref, acc_ref,                                      # VMEM scratch: [G, 1], [G, 1], [G, D]
             *, params: PagedParams, block_size: int):
@@ -53,8 +53,8 @@ def _kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, lens_ref,   # s
     @pl.when((j >= first) & (j <= last))
     def _block():
         q = q_ref[...]
-        k = widen(k_ref[...], params.holds)
-        v = widen(v_ref[...], params.holds)
+        k = widen(k_ref[...], params.holds, q.shape[-1])
+        v = widen(v_ref[...], params.holds, q.shape[-1])
         s = cap(jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
                                     preferred_element_type=jnp.float32), params)          # [G, BS]
         s = jnp.where(seen(j, pos, ctx, block_size, window), s, MASKED)
@@ -78,7 +78,7 @@ def paged_attention(q, kv_cache, layer, block_tables, seq_ids, positions, contex
     """The composite's operands -> f32[T, KV, G, D] (runtime/artifact/kernels.py, PAGED_ATTENTION;
     `window`: version 2's operand, None for version 1, whose window is params.window)."""
     T, KV, G, D = q.shape
-    L, _, _, N, BS, _ = kv_cache.shape
+    L, _, _, N, BS, R = kv_cache.shape                                 # R: D, or D + 2 (int8 rows)
     S, B = block_tables.shape
 
     def kv_map(which):
@@ -87,7 +87,7 @@ def paged_attention(q, kv_cache, layer, block_tables, seq_ids, positions, contex
             jj = jnp.clip(j, first, jnp.maximum(first, last))             # steps out of range re-name a block in it
             jj = jnp.minimum(jj, B - 1)
             return layer[0], which, h, tables[seqs[t] * B + jj], 0, 0
-        return pl.BlockSpec((None, None, None, None, BS, D), index)
+        return pl.BlockSpec((None, None, None, None, BS, R), index)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
