@@ -98,8 +98,9 @@ def _export_into(source: str, path: str, flags: tuple[str, ...]) -> str:
     error = _pass_stderr_through(child.stderr)
     if child.wait() != 0:
         shutil.rmtree(partial, ignore_errors=True)
-        why = error or "failed (see above)"
-        raise HloserveError(f"exporting {source}: {why}; run `hloserve serve` again to retry")
+        if error:                             # the export's own line: what is wrong and the fix
+            raise HloserveError(error)
+        raise HloserveError(f"exporting {source} failed (see above); run `hloserve serve` again to retry")
     try:
         os.replace(partial, path)
     except OSError:                         # another replica renamed its export into place first

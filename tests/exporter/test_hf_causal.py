@@ -248,5 +248,5 @@ def test_weight_dtype_errors_name_the_fix(tmp_path, capsys):
     assert main(["export", "smollm2-135m-instruct", "-o", art, "--weight-dtype", "int8"]) == 1
     assert "--weight-dtype 'int8' is not supported" in capsys.readouterr().err
     assert main(["export", "tests.exporter.factories:mlp", "-o", art, "--weight-dtype", "bfloat16"]) == 1
-    assert "--weight-dtype, --kv-cache-dtype and --llm-step apply to LLMs exported as step functions" in capsys.readouterr().err
+    assert "--weight-dtype, --kv-cache-dtype, --llm-step and --lora-slots apply to LLMs exported as step functions" in capsys.readouterr().err
     assert not os.path.exists(art)
