@@ -457,8 +457,8 @@ class ModelRunner:
             return RunnerOutput({})
         t0 = time.perf_counter()
         # one token per row: decodes, and verified drafts (a row per token)
-        decodes = tuple(s for s in plan.seqs if len(s.token_ids) == 1 + len(s.draft_token_ids))
-        chunks = tuple(s for s in plan.seqs if len(s.token_ids) > 1 + len(s.draft_token_ids))
+        decodes = tuple(s for s in plan.seqs if not s.is_chunk)
+        chunks = tuple(s for s in plan.seqs if s.is_chunk)
         parts = [plan] if self.one_call or not decodes or not chunks else [
             SchedulerPlan.of(rows) for rows in (decodes, chunks)]
         sampled, logprobs, device = {}, {}, 0.0

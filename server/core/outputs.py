@@ -49,9 +49,9 @@ class ScheduledSeq:
     @property
     def is_chunk(self) -> bool:
         """Whether this share computes a chunk (a prompt's, or a preempted request's tokens again): more
-        than one token of its own, or tokens that sample nothing; a decode's share is one token (and
-        its draft) that samples. (A last prompt chunk of exactly one token counts as a decode.)"""
-        return len(self.token_ids) - len(self.draft_token_ids) > 1 or not self.needs_logits
+        than one token of its own; a decode's share is one token (and its draft, a row per token). (A
+        chunk of exactly one token runs, and counts, as a decode.)"""
+        return len(self.token_ids) > 1 + len(self.draft_token_ids)
 
     @property
     def context_len(self) -> int:
