@@ -396,22 +396,25 @@ FALLBACKS = {"x86-64-v3": "avx2",            # AVX2 only: the widened products
 # 64-byte chunks at K=576, quantized layouts of both versions; attention's multi-row chunk with every
 # cache dtype, window and soft-cap, and one short decode), not the shapes that only vary the same code
 FALLBACK_SELECTION = ("(layer_linear_kernel_matches and 64-70) or (quant_linear_kernel_matches and 576-) or "
-                      "grouped_experts_kernel_matches or "
+                      "grouped_experts_kernel_matches or kquant_kernel_matches or kquant_kernel_reads_only or "
                       "(paged_attention_kernel_matches and 3-64 and (chunk37 or short-0-None))")
+# the other kernels' test files the fallback builds run (one build for all of them)
+FALLBACK_FILES = ("test_experts_kernel.py", "test_kquant_kernels.py")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("march", sorted(FALLBACKS))
 def test_fallback_builds_pass_the_kernel_tests(library, march, tmp_path):
     """The kernels as a CPU without AMX (or without AVX-512) runs them, built here with
-    -march=MARCH, pass the same comparisons against the decompositions and torch."""
+    -march=MARCH, pass the same comparisons against the decompositions and torch (the K-quant
+    kernel's portable integer loop included: x86-64-v3 has no AVX-512 VNNI)."""
     flags = open("/proc/cpuinfo").read().split()
     if FALLBACKS[march] not in flags:
         pytest.skip(f"this CPU cannot run a -march={march} build")
     # the child's conftest points HLOSERVE_CACHE at HLOSERVE_TEST_CACHE (else a fresh directory)
     env = {**os.environ, "HLOSERVE_TEST_CACHE": str(tmp_path), build.MARCH_ENV: march}
-    experts = os.path.join(os.path.dirname(__file__), "test_experts_kernel.py")   # the grouped experts kernel
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, experts, "-k",
+    others = [os.path.join(os.path.dirname(__file__), name) for name in FALLBACK_FILES]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, *others, "-k",
                           FALLBACK_SELECTION],
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:]

@@ -1,14 +1,12 @@
 """GGUF K-quant blocks kept (`hloserve.quant_linear` version 3): the header decoding against gguf-py's
 dequantization, bit for bit, in numpy, the torch op and the jax decomposition; the CPU kernel against
-the decomposition and the torch op; and the kernel built for a CPU without AVX-512 (the portable loop).
+the decomposition and the torch op (the kernel built for a CPU without AVX-512, the portable loop, runs
+these in tests/runtime/test_kernels.py's fallback builds).
 
 Blocks are random bytes with realistic f16 d / dmin (tests/support/kquants.py), so every 6-bit
 sub-scale, min and quant pattern occurs."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import gguf
 import jax
@@ -25,7 +23,6 @@ from hloserve.exporter.gguf.tensor import GGUFTensor
 from hloserve.quantization import modules, primitives
 from hloserve.quantization.schemes import WeightScheme
 from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V3, Block
-from hloserve.runtime.kernels.cpu import build
 from tests.runtime.test_kernels import library, max_rows, specialize  # noqa: F401 - the fixture
 from tests.support import kquants
 
@@ -141,17 +138,3 @@ def test_kquant_kernel_reads_only_its_layer(library):  # noqa: F811 - the fixtur
     mine = blocks.copy()
     mine[1] = 0
     assert np.abs(np.asarray(fn(x, q, mine, np.int32(1)))).max() == 0
-
-
-@pytest.mark.slow
-def test_kquant_kernel_without_avx512(library, tmp_path):  # noqa: F811 - the fixture
-    """Built with -march=x86-64-v3 (AVX2, no AVX-512 VNNI: the portable integer loop), the kernel
-    passes the same comparisons."""
-    if "avx2" not in open("/proc/cpuinfo").read().split():
-        pytest.skip("this CPU cannot run a -march=x86-64-v3 build")
-    env = {**os.environ, "HLOSERVE_TEST_CACHE": str(tmp_path), build.MARCH_ENV: "x86-64-v3"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "kquant_kernel_matches or reads_only"], env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:]
-    assert " passed" in out.stdout and " skipped" not in out.stdout, out.stdout[-500:]
-    assert list(tmp_path.rglob("libhloserve_cpu.so")), "the kernels were not built for this -march"
