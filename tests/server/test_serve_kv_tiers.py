@@ -1,8 +1,9 @@
 """Prefix-cache tiers through `hloserve serve` on the default model (SmolLM2-135M-Instruct, exported into
 the test cache on first use, as tests/server/test_serve_default.py does), #38 item 4's bounds:
 
-* after a restart, a request whose 2,000-token prefix was cached before it is served from disk, its
-  time to first token at most 0.15x what it took with an empty cache;
+* a second server started beside the first (a replica mounting the same --kv-disk-dir; a fresh
+  process, as after a restart) serves a request whose 2,000-token prefix the first one cached from
+  disk, its time to first token at most 0.15x what it took with an empty cache;
 * a KV cache too small for the load preempts, and the preempted requests' full blocks come back from
   host RAM: every request completes with the greedy text it has when it runs alone (no preemption).
   Each asks the model to copy a passage it was given, so every greedy choice has a wide margin: a
@@ -63,7 +64,17 @@ def block_file(kv_dir: str, prompt: list[int], i: int) -> str:
     return os.path.join(kv_dir, digest, h.hex() + ".kvb")
 
 
-def test_restart_serves_prefix_from_disk_preemption_swaps_to_host_damaged_entries_recomputed(tmp_path):
+def wait_for(path: str, timeout: float = 60.0) -> None:
+    """Until `path` exists (a live server's disk writer works behind its requests)."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} was not written within {timeout:.0f} s"
+        time.sleep(0.1)
+
+
+def test_a_replica_serves_prefix_from_disk_preemption_swaps_to_host_damaged_entries_recomputed(tmp_path):
+    """The first server stays up while a second one, a replica mounting the same --kv-disk-dir (a
+    fresh process: what a restart reads, too), serves the first one's prefixes from disk."""
     kv_dir = str(tmp_path / "kv")
     args = (*ARGS, "--kv-disk-dir", kv_dir)
     with running_server(None, *args, ready_timeout=1200, log_dir=str(tmp_path)) as (base, _):
@@ -80,27 +91,36 @@ def test_restart_serves_prefix_from_disk_preemption_swaps_to_host_damaged_entrie
         want_short, _ = complete(base, short, 8)
         want_load = [complete(base, p, 40)[0] for p in load]        # one at a time: nothing preempted
         assert metric(httpx.get(f"{base}/metrics").text, "vllm:num_preemptions_total") == 0
-    assert os.path.exists(block_file(kv_dir, long, LONG // BS - 1))   # the server wrote its blocks as it stopped
-    with open(block_file(kv_dir, short, 2), "r+b") as f:               # one byte of a K/V flipped
-        f.seek(-100, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-100, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 0x40]))
-    cut = block_file(kv_dir, load[0], 1)
-    with open(cut, "r+b") as f:                                        # an entry cut short
-        f.truncate(os.path.getsize(cut) // 2)
+        for path in (block_file(kv_dir, long, LONG // BS - 1), block_file(kv_dir, short, 2),
+                     block_file(kv_dir, load[0], 1)):
+            wait_for(path)                              # written while the server runs, not only as it stops
+        with open(block_file(kv_dir, short, 2), "r+b") as f:           # one byte of a K/V flipped
+            f.seek(-100, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-100, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0x40]))
+        cut = block_file(kv_dir, load[0], 1)
+        with open(cut, "r+b") as f:                                    # an entry cut short
+            f.truncate(os.path.getsize(cut) // 2)
+        with running_server(None, *args, ready_timeout=1200, log_dir=str(tmp_path)) as (replica, _):
+            replica_phase(replica, kv_dir, long, short, load, (want_long, want_short, want_load), cold)
 
-    with running_server(None, *args, ready_timeout=1200, log_dir=str(tmp_path)) as (base, _):
-        got_long, warm = complete(base, long, 1)
-        assert got_long == want_long
-        assert tier_hits(base, "disk") == (LONG - 1) // BS * BS      # the last token is always computed
-        assert warm <= 0.15 * cold, f"TTFT from disk {warm:.3f} s vs {cold:.3f} s with an empty cache"
-        assert complete(base, short, 8)[0] == want_short                # block 2 refused, recomputed
-        with concurrent.futures.ThreadPoolExecutor(LOAD) as pool:        # all at once: preempted
-            got_load = list(pool.map(lambda p: complete(base, p, 40)[0], load))
-        m = httpx.get(f"{base}/metrics").text
-        assert got_load == want_load
-        assert metric(m, "vllm:num_preemptions_total") > 0
-        assert tier_hits(base, "host") > 0
-        assert metric(m, "hloserve:kv_disk_cache_rejected_total") == 2
-    print(f"TTFT of a {LONG}-token prompt: {cold:.3f} s with an empty cache, {warm:.3f} s from disk after a restart")
+
+def replica_phase(base: str, kv_dir: str, long: list[int], short: list[int], load: list[list[int]],
+                  want: tuple, cold: float) -> None:
+    """The second server's checks: the first one's blocks come from disk, damaged ones are recomputed,
+    a preempting load swaps to host and changes no text."""
+    want_long, want_short, want_load = want
+    got_long, warm = complete(base, long, 1)
+    assert got_long == want_long
+    assert tier_hits(base, "disk") == (LONG - 1) // BS * BS      # the last token is always computed
+    assert warm <= 0.15 * cold, f"TTFT from disk {warm:.3f} s vs {cold:.3f} s with an empty cache"
+    assert complete(base, short, 8)[0] == want_short                # block 2 refused, recomputed
+    with concurrent.futures.ThreadPoolExecutor(LOAD) as pool:        # all at once: preempted
+        got_load = list(pool.map(lambda p: complete(base, p, 40)[0], load))
+    m = httpx.get(f"{base}/metrics").text
+    assert got_load == want_load
+    assert metric(m, "vllm:num_preemptions_total") > 0
+    assert tier_hits(base, "host") > 0
+    assert metric(m, "hloserve:kv_disk_cache_rejected_total") == 2
+    print(f"TTFT of a {LONG}-token prompt: {cold:.3f} s with an empty cache, {warm:.3f} s from disk in a fresh replica")
