@@ -73,8 +73,8 @@ def kv_rotation(kv_dtype: torch.dtype | None, head_dim: int) -> torch.Tensor | N
     """The orthonormal Hadamard rotation an int8 cache's K and V are stored in, f32 [D, D], or None
     (other caches). Rotating each head's q, k and v by the same orthonormal H keeps q.k and the
     softmax (q H . k H = q . k) and out = (sum p v H) H^T; it spreads an outlier channel over the
-    row, so the row's scale (its max / 127) no longer crushes the other channels (SmolLM2's K rows:
-    mean |log-prob difference| against a bf16 cache 0.039 -> 0.025, docs/quantization.md). Blocks of the
+    row, so the row's scale (its range / 255) no longer crushes the other channels (SmolLM2, symmetric
+    rows: mean |log-prob difference| against a bf16 cache 0.039 -> 0.025, docs/quantization.md). Blocks of the
     largest power of two dividing D (Sylvester's construction): symmetric, so H^T = H."""
     if kv_dtype != torch.int8:
         return None
