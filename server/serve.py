@@ -41,6 +41,9 @@ DEFAULT_PRESET = "smollm2-135m-instruct"
 DEFAULT_EXPORT_FLAGS = ("--weight-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16")
 EXPORT_STEP = "s6"
 DEFAULT_EXPORT_TAG = f"bf16-{EXPORT_STEP}"
+# --kv-cache-dtype -> its part of the cache tag where the stored format changed under the same flag:
+# int8 rows with a zero point since 2026-11-28 (an older "kvint8" export is never taken for one)
+KV_EXPORT_TAGS = {"int8": "int8zp"}
 log = logging.getLogger("hloserve.server")
 
 
@@ -50,7 +53,7 @@ def export_choice(quantize: str, *, default_model: bool, kv_cache_dtype: str | N
     if quantize == "auto":
         quantize = "bf16" if default_model else "gguf"
     kv = () if kv_cache_dtype is None else ("--kv-cache-dtype", kv_cache_dtype)
-    kv_tag = "" if kv_cache_dtype is None else f"kv{kv_cache_dtype.lower()}-"
+    kv_tag = "" if kv_cache_dtype is None else f"kv{KV_EXPORT_TAGS.get(kv_cache_dtype, kv_cache_dtype.lower())}-"
     if quantize == "bf16":
         if kv_cache_dtype in (None, "bfloat16"):
             return DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG

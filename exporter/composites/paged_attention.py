@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import torch
-from hloserve.runtime.artifact.kernels import INT8_ROW_SCALE_BYTES, PAGED_ATTENTION, PAGED_ATTENTION_V2, Holds
+from hloserve.runtime.artifact.kernels import PAGED_ATTENTION, PAGED_ATTENTION_V2, Holds
 from jax import lax
 
 from .. import _private
@@ -59,6 +59,12 @@ def within_window(c: torch.Tensor, pos: torch.Tensor, window) -> torch.Tensor | 
     return c > pos - window if window else None
 
 
+def _scale_bytes(scale: torch.Tensor) -> list[torch.Tensor]:
+    """bf16 scales [..., 1] -> their bits as two signed bytes (int32), low then high."""
+    bits = scale.view(torch.int16).to(torch.int32)
+    return [((bits & 0xFF) ^ 0x80) - 0x80, torch.bitwise_right_shift(bits, 8)]
+
+
 def quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
     """K or V rows [..., D] -> int8 [..., D + 2] (runtime/artifact/kernels.py INT8_ROW): per row (one
     token, one KV head) scale = bf16(max|x| / 127), q = clip(round(x / scale), -127, 127), and the
@@ -66,24 +72,42 @@ def quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
     scale = (x.float().abs().amax(dim=-1, keepdim=True) / 127).to(torch.bfloat16)
     s = scale.float()
     q = torch.round(x.float() / torch.where(s > 0, s, torch.ones_like(s))).clamp(-127, 127).to(torch.int32)
-    bits = scale.view(torch.int16).to(torch.int32)
-    low = ((bits & 0xFF) ^ 0x80) - 0x80                                   # the low byte, as a signed byte
-    return torch.cat([q, low, torch.bitwise_right_shift(bits, 8)], dim=-1).to(torch.int8)
+    return torch.cat([q, *_scale_bytes(scale)], dim=-1).to(torch.int8)
 
 
-def int8_rows_values(rows: torch.Tensor) -> torch.Tensor:
-    """int8 rows [..., D + 2] -> their f32 values [..., D] (q * scale; the inverse of quantize_int8_rows
-    up to rounding)."""
-    D = rows.shape[-1] - INT8_ROW_SCALE_BYTES
-    low, high = rows[..., D:D + 1].to(torch.int32) & 0xFF, rows[..., D + 1:].to(torch.int32)
+def quantize_int8_zp_rows(x: torch.Tensor) -> torch.Tensor:
+    """K or V rows [..., D] -> int8 [..., D + 3] (runtime/artifact/kernels.py INT8_ZP_ROW): per row the
+    range [min(x, 0), max(x, 0)] over the 256 codes, scale = bf16(range / 255), an integer zero point z
+    (the code of 0.0, minus 128) and q = clip(round(x / scale) + z, -128, 127); then the scale's two
+    bytes and z. A row's values all of one sign use every code (a symmetric row uses half of them for
+    the sign it lacks): SmolLM2's log-probabilities against a bf16 cache, 0.0248 -> 0.0169 nats
+    (docs/quantization.md)."""
+    x = x.float()
+    lo, hi = x.amin(dim=-1, keepdim=True).clamp(max=0), x.amax(dim=-1, keepdim=True).clamp(min=0)
+    scale = ((hi - lo) / 255).to(torch.bfloat16)
+    s = scale.float()
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    z = torch.round(-lo / s).clamp(0, 255) - 128
+    q = (torch.round(x / s) + z).clamp(-128, 127)
+    return torch.cat([q.to(torch.int32), *_scale_bytes(scale), z.to(torch.int32)], dim=-1).to(torch.int8)
+
+
+def int8_rows_values(rows: torch.Tensor, holds: int = Holds.INT8_ROWS) -> torch.Tensor:
+    """int8 rows [..., D + extra] -> their f32 values [..., D]: q * scale (INT8_ROWS) or
+    (q - zero) * scale (INT8_ZP_ROWS); the inverse of quantize_int8_rows / _zp_rows up to rounding."""
+    D = rows.shape[-1] - Holds(holds).row_extra
+    low, high = rows[..., D:D + 1].to(torch.int32) & 0xFF, rows[..., D + 1:D + 2].to(torch.int32)
     scale = (high * 16777216 + low * 65536).view(torch.float32)           # the bf16 bits as the top of an f32
-    return rows[..., :D].float() * scale
+    q = rows[..., :D].float()
+    if holds == Holds.INT8_ZP_ROWS:
+        q = q - rows[..., D + 2:D + 3].float()
+    return q * scale
 
 
 def cache_values(cache: torch.Tensor, holds: int) -> torch.Tensor:
     """A cache (or rows gathered from one) as f32 values, whatever `holds` says it stores."""
-    if holds == Holds.INT8_ROWS:
-        return int8_rows_values(cache)
+    if holds in (Holds.INT8_ROWS, Holds.INT8_ZP_ROWS):
+        return int8_rows_values(cache, holds)
     if holds and cache.dtype == torch.int16:
         cache = cache.view(getattr(torch, Holds(holds).dtype_name))
     return cache.float()
@@ -129,11 +153,15 @@ def _(cache, layer, kv, blocks):
     return cache.new_empty((KV, blocks.numel() * BS, D))
 
 
-def _int8_values(rows):
-    """jax: int8 rows [..., D + 2] -> f32 values [..., D] (int8_rows_values' decomposition)."""
-    D = rows.shape[-1] - INT8_ROW_SCALE_BYTES
+def int8_values(rows, holds: int):
+    """jax: int8 rows [..., D + extra] -> f32 values [..., D] (int8_rows_values' decomposition; the
+    Pallas kernels' dequantization too)."""
+    D = rows.shape[-1] - Holds(holds).row_extra
     bits = rows[..., D + 1].astype(jnp.int32) * 16777216 + (rows[..., D].astype(jnp.int32) & 0xFF) * 65536
-    return rows[..., :D].astype(jnp.float32) * lax.bitcast_convert_type(bits, jnp.float32)[..., None]
+    q = rows[..., :D].astype(jnp.float32)
+    if holds == Holds.INT8_ZP_ROWS:
+        q = q - rows[..., D + 2:D + 3].astype(jnp.float32)
+    return q * lax.bitcast_convert_type(bits, jnp.float32)[..., None]
 
 
 # -- the jax side: the decomposition and the lowerings --------------------------------------------
@@ -173,14 +201,14 @@ def paged_attention_reference(q, kv_cache, layer, block_tables, seq_ids, positio
     transpose of the gathered context.
     """
     T, KV, G, D = q.shape
-    L, _, _, N, BS, R = kv_cache.shape                                    # R: D, or D + 2 (int8 rows)
+    L, _, _, N, BS, R = kv_cache.shape                                    # R: D, or D + 2 / D + 3 (int8 rows)
     B = block_tables.shape[1]
     C = B * BS
     blk = block_tables[seq_ids]                                           # [T, B]
     k = gather_blocks(kv_cache, layer, 0, blk).reshape(KV, T, C, R)       # [KV, T, C, R]
     v = gather_blocks(kv_cache, layer, 1, blk).reshape(KV, T, C, R)       # [KV, T, C, R]
-    if holds == Holds.INT8_ROWS:   # dequantized inside the gather's fusion
-        k, v = _int8_values(k), _int8_values(v)
+    if holds in (Holds.INT8_ROWS, Holds.INT8_ZP_ROWS):   # dequantized inside the gather's fusion
+        k, v = int8_values(k, holds), int8_values(v, holds)
     elif holds:   # widened inside the gather: half the bytes read
         k = lax.bitcast_convert_type(k, held(holds)) if k.dtype != held(holds) else k
         v = lax.bitcast_convert_type(v, held(holds)) if v.dtype != held(holds) else v

@@ -45,7 +45,7 @@ from hloserve.runtime.artifact.llm import (DONATED, EXAMPLE_CACHE_BLOCKS, LORA_S
 
 from .. import dtypes
 from .._private import torch_scan
-from ..composites.paged_attention import quantize_int8_rows, within_window
+from ..composites.paged_attention import quantize_int8_zp_rows, within_window
 from ..export import EntryPoint
 
 # Finite "minus infinity" for masked attention scores (f32): fully masked rows
@@ -55,16 +55,17 @@ _MASKED = -1e30
 
 
 def cache_holds(kv_dtype: torch.dtype | None, cache_dtype: torch.dtype) -> int:
-    """The paged-attention composites' `holds` of the step's cache: int8 rows (Holds.INT8_ROWS) for an
-    int8 `kv_dtype` (--kv-cache-dtype int8), else what a cache of that float dtype holds."""
-    return int(Holds.INT8_ROWS) if kv_dtype == torch.int8 else holds_of(kv_dtype or cache_dtype)
+    """The paged-attention composites' `holds` of the step's cache: int8 rows with a zero point
+    (Holds.INT8_ZP_ROWS) for an int8 `kv_dtype` (--kv-cache-dtype int8), else what a cache of that
+    float dtype holds."""
+    return int(Holds.INT8_ZP_ROWS) if kv_dtype == torch.int8 else holds_of(kv_dtype or cache_dtype)
 
 
 def cache_storage(kv_dtype: torch.dtype | None, dtype: torch.dtype) -> tuple[torch.dtype, int]:
     """(storage dtype, bytes past head_dim per row) of the step's cache: int8 rows with their scale
-    (--kv-cache-dtype int8), int16 bits of a 16-bit float, or the model dtype itself."""
+    and zero point (--kv-cache-dtype int8), int16 bits of a 16-bit float, or the model dtype itself."""
     if kv_dtype == torch.int8:
-        return torch.int8, Holds.INT8_ROWS.row_extra
+        return torch.int8, Holds.INT8_ZP_ROWS.row_extra
     return (torch.int16 if kv_dtype is not None else dtype), 0
 
 
@@ -72,8 +73,8 @@ def kv_rotation(kv_dtype: torch.dtype | None, head_dim: int) -> torch.Tensor | N
     """The orthonormal Hadamard rotation an int8 cache's K and V are stored in, f32 [D, D], or None
     (other caches). Rotating each head's q, k and v by the same orthonormal H keeps q.k and the
     softmax (q H . k H = q . k) and out = (sum p v H) H^T; it spreads an outlier channel over the
-    row, so the row's scale (its max / 127) no longer crushes the other channels (SmolLM2's K rows:
-    mean |log-prob difference| against a bf16 cache 0.039 -> 0.025, docs/quantization.md). Blocks of the
+    row, so the row's scale (its range / 255) no longer crushes the other channels (SmolLM2, symmetric
+    rows: mean |log-prob difference| against a bf16 cache 0.039 -> 0.025, docs/quantization.md). Blocks of the
     largest power of two dividing D (Sylvester's construction): symmetric, so H^T = H."""
     if kv_dtype != torch.int8:
         return None
@@ -104,7 +105,8 @@ class StepExportOptions:
       functions: entry point name -> attention layout ("flat", "gather" or "paged"); every one
         takes the full step contract and is exact for any mix of sequences (see Layout.cost).
       kv_dtype: bfloat16/float16 K and V under float32 activations (LlamaStep); int8: K and V quantized
-        per token and KV head (int8 rows with a bf16 scale, KVCacheSpec.quant "int8"); None: the model dtype.
+        per token and KV head (int8 rows with a bf16 scale and an int8 zero point, KVCacheSpec.quant
+        "int8_zp"); None: the model dtype.
       lora: adapter slots (the step takes their inputs after kv_cache; exporter/llm/lora.py), or None.
     """
     block_size: int = 16
@@ -168,7 +170,7 @@ def contract_spec(opts: StepExportOptions, dtype: torch.dtype, *, num_layers: in
     bits = opts.kv_dtype is not None and opts.kv_dtype != torch.int8
     kv = KVCacheSpec(dtype=dtypes.artifact_name_of_torch(stored),
                      holds=dtypes.artifact_name_of_torch(opts.kv_dtype) if bits else None,
-                     quant="int8" if opts.kv_dtype == torch.int8 else None,
+                     quant="int8_zp" if opts.kv_dtype == torch.int8 else None,
                      shape=(num_layers, 2, num_kv_heads, NUM_BLOCKS, opts.block_size, head_dim + extra))
     return LLMSpec(block_size=opts.block_size, max_blocks=opts.max_blocks, max_seqs=opts.max_seqs,
                    max_tokens=opts.max_tokens, vocab_size=vocab_size, bos_token_id=bos_token_id,
@@ -181,9 +183,9 @@ def write_kv(cache: torch.Tensor, layer: torch.Tensor, k: torch.Tensor, v: torch
              kv_dtype: torch.dtype | None) -> torch.Tensor:
     """The cache [L, 2, KV, N, BS, D] with this step's K and V ([T, KV, D] each) of layer `layer`
     (0-dim) written at `slots` [T] (block * BS + offset), in one scatter. With `kv_dtype` the cache
-    holds int16 bits of that 16-bit float, or int8 rows with their scale (int8: each token's K and V
-    quantized per KV head here); otherwise values take the cache's dtype."""
-    L, _, KV, N, BS, D = cache.shape                                      # D: the row (head_dim + 2 for int8)
+    holds int16 bits of that 16-bit float, or int8 rows with their scale and zero point (int8: each
+    token's K and V quantized per KV head here); otherwise values take the cache's dtype."""
+    L, _, KV, N, BS, D = cache.shape                                      # D: the row (head_dim + 3 for int8)
     T = k.shape[0]
     flat = cache.reshape(L, 2, KV, N * BS, D)                             # [L, 2, KV, N*BS, D]
     idx_l = layer.expand(2, T)                                            # [2, T]
@@ -191,7 +193,7 @@ def write_kv(cache: torch.Tensor, layer: torch.Tensor, k: torch.Tensor, v: torch
     idx_slot = slots[None, :].expand(2, T)                                # [2, T]
     values = torch.stack([k, v])                                          # [2, T, KV, head_dim]
     if kv_dtype == torch.int8:
-        values = quantize_int8_rows(values)                               # [2, T, KV, head_dim + 2]
+        values = quantize_int8_zp_rows(values)                            # [2, T, KV, head_dim + 3]
     elif kv_dtype is not None:
         values = values.to(kv_dtype).view(torch.int16)                    # the cache holds bits
     elif values.dtype != cache.dtype:

@@ -20,16 +20,18 @@ class Holds(enum.IntEnum):
     """What the elements of a cache or weight stack are: the composites' `holds` attribute, also the
     C++ kernels' `Kind` (runtime/kernels/cpu/common.h; a test checks the two agree). 16-bit floats
     may be stored as their bits in an int16 buffer (an LLM step's KVCacheSpec.holds names them).
-    INT8_ROWS is a quantized KV cache (KVCacheSpec.quant "int8"): paged attention only."""
+    INT8_ROWS and INT8_ZP_ROWS are quantized KV caches (KVCacheSpec.quant "int8", "int8_zp"): paged
+    attention only."""
     OWN = 0     # the buffer's own dtype (f32)
     BF16 = 1    # bfloat16
     F16 = 2     # float16
     INT8_ROWS = 3   # int8 rows of head_dim + 2 bytes: the values, then the row's bf16 scale (INT8_ROW)
+    INT8_ZP_ROWS = 4   # int8 rows of head_dim + 3 bytes: the values, the row's bf16 scale, its zero point (INT8_ZP_ROW)
 
     @property
     def row_extra(self) -> int:
-        """Bytes a cache row holds past its head_dim elements (the scale of an INT8_ROWS row)."""
-        return INT8_ROW_SCALE_BYTES if self is Holds.INT8_ROWS else 0
+        """Bytes a cache row holds past its head_dim elements (an int8 row's scale, and zero point)."""
+        return _ROW_EXTRA.get(self, 0)
 
     @property
     def dtype_name(self) -> str | None:
@@ -56,13 +58,23 @@ class Block(enum.IntEnum):
     Q6_K = 14
 
 
-_DTYPE_NAMES = {Holds.OWN: None, Holds.BF16: "bfloat16", Holds.F16: "float16", Holds.INT8_ROWS: None}
+_DTYPE_NAMES = {Holds.OWN: None, Holds.BF16: "bfloat16", Holds.F16: "float16", Holds.INT8_ROWS: None,
+                Holds.INT8_ZP_ROWS: None}
 
 # An int8 KV cache row (Holds.INT8_ROWS): one token's K or V of one KV head, head_dim int8 values q
 # then the bf16 bits of its scale s (little-endian, 2 bytes); the values are q * s, where
 # s = bf16(max|x| / 127) and q = clip(round_half_even(x / s), -127, 127) (0 where s = 0).
 INT8_ROW = "head_dim int8 values then the row's bf16 scale (2 bytes, little-endian): x = q * scale, per token and KV head"
 INT8_ROW_SCALE_BYTES = 2
+# An int8 KV cache row with a zero point (Holds.INT8_ZP_ROWS, --kv-cache-dtype int8 since 2026-11-28):
+# head_dim int8 values q, the bf16 bits of the scale s (2 bytes, little-endian), then the zero point
+# z (int8); the values are (q - z) * s. Asymmetric: the row's range [lo, hi] = [min(x, 0), max(x, 0)]
+# spans the 256 codes, s = bf16((hi - lo) / 255), z = clip(round(-lo / s), 0, 255) - 128 and
+# q = clip(round_half_even(x / s) + z, -128, 127) (s = 1 where hi = lo, i.e. an all-zero row).
+INT8_ZP_ROW = ("head_dim int8 values, the row's bf16 scale (2 bytes, little-endian), then its int8 zero point: "
+               "x = (q - zero) * scale, per token and KV head")
+INT8_ZP_ROW_EXTRA = 3
+_ROW_EXTRA = {Holds.INT8_ROWS: INT8_ROW_SCALE_BYTES, Holds.INT8_ZP_ROWS: INT8_ZP_ROW_EXTRA}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +103,16 @@ PAGED_ATTENTION = Composite(
     operands=(
         "q f32[T, KV, G, D]: rotated queries, G query heads per KV head",
         "kv_cache [L, 2, KV, N, BS, D]: f32, or 16-bit float (bits in s16 when `holds` says so); "
-        "or s8 [L, 2, KV, N, BS, D + 2] when `holds` is 3 (INT8_ROW: D int8 values, then the row's bf16 scale)",
+        "or s8 [L, 2, KV, N, BS, D + 2] when `holds` is 3 (INT8_ROW: D int8 values, then the row's bf16 scale), "
+        "or s8 [L, 2, KV, N, BS, D + 3] when `holds` is 4 (INT8_ZP_ROW: then also the row's int8 zero point)",
         "layer s32[]: the layer whose K (index 0) and V (index 1) are read",
         "block_tables s32[S, B]", "seq_ids s32[T]", "positions s32[T]", "context_lens s32[S]",
     ),
     attributes=(
         "window i64: attend to positions > position - window (0: no window)",
         "holds i64: what the cache elements are (Holds): 0 its own dtype (f32), 1 bfloat16, 2 float16, "
-        "3 int8 rows with a bf16 scale each (read as q * scale)",
+        "3 int8 rows with a bf16 scale each (read as q * scale), 4 int8 rows with a bf16 scale and an int8 "
+        "zero point each (read as (q - zero) * scale)",
         "scale f32: the scores' factor (1/sqrt(D) for most models)",
         "softcap f32: scores become softcap * tanh(scores / softcap) (0: no capping)",
     ),

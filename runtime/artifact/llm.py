@@ -25,6 +25,10 @@ Versions of the contract (a reader must understand every field of the versions i
               Also `kv_cache.quant`: "int8" is a quantized cache, int8 rows of head_dim + 2 bytes (the
               values, then the row's bf16 scale: per token and KV head; kernels.INT8_ROW). Optional:
               a cache without it stores its values as version 2's did.
+              2026-11-28: `kv_cache.quant` "int8_zp" (what --kv-cache-dtype int8 exports from then on):
+              rows of head_dim + 3 bytes, the values, the row's bf16 scale and its int8 zero point
+              (kernels.INT8_ZP_ROW). "int8" artifacts keep loading; a reader from before refuses
+              "int8_zp" in one line (KVCacheSpec.from_json: upgrade or re-export).
   (next: add a dated line here and raise LLM_VERSIONS' upper bound in the same change)
 """
 from __future__ import annotations
@@ -38,7 +42,7 @@ import numpy as np
 
 from . import dtypes
 from .errors import ArtifactError
-from .kernels import INT8_ROW, PAGED_ATTENTION, PAGED_ATTENTION_V2, Holds
+from .kernels import INT8_ROW, INT8_ZP_ROW, PAGED_ATTENTION, PAGED_ATTENTION_V2, Holds
 from .manifest import Manifest, read_manifest
 from .text import TextSpec
 
@@ -60,7 +64,7 @@ STEP_DIMS = {"tokens": (NUM_TOKENS,), "positions": (NUM_TOKENS,), "seq_ids": (NU
              "last_token": (NUM_SEQS,)}
 KV_BITS = "int16 holding the bits of the K/V values (zeros are zeros)"
 # kv_cache.quant -> (storage dtype, the composites' holds code, what a row holds in words)
-KV_QUANT = {"int8": ("i8", Holds.INT8_ROWS, INT8_ROW)}
+KV_QUANT = {"int8": ("i8", Holds.INT8_ROWS, INT8_ROW), "int8_zp": ("i8", Holds.INT8_ZP_ROWS, INT8_ZP_ROW)}
 DOC = "docs/artifact-format.md, 'LLM step contract'"
 
 
@@ -159,7 +163,8 @@ class KVCacheSpec:
       dtype: storage dtype as a manifest name ("f32", or "i16" when 16-bit values are kept as bits).
       holds: the values' dtype when stored as bits ("bf16"), else None.
       quant: "int8" for a quantized cache (version 3: its rows are head_dim int8 values and a bf16
-        scale, so the shape's last dim is head_dim + 2; KV_QUANT), else None.
+        scale, so the shape's last dim is head_dim + 2; KV_QUANT), "int8_zp" (also an int8 zero point
+        per row: head_dim + 3), else None.
       shape: ints and "num_blocks", e.g. [L, 2, kv_heads, "num_blocks", block_size, head_dim].
     """
     input: str = "kv_cache"
@@ -172,7 +177,9 @@ class KVCacheSpec:
     @property
     def stored_name(self) -> str:
         """How K and V are stored, as --kv-cache-dtype names it ("int8", "bfloat16", "float32", ...)."""
-        return self.quant or np.dtype(dtypes.NUMPY[self.holds or self.dtype]).name
+        if self.quant:
+            return self.quant.removesuffix("_zp")     # both int8 row formats are --kv-cache-dtype int8
+        return np.dtype(dtypes.NUMPY[self.holds or self.dtype]).name
 
     @property
     def holds_code(self) -> Holds:

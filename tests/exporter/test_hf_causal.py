@@ -176,8 +176,9 @@ def test_a_family_whose_layers_drop_the_attention_arguments_is_refused_in_one_li
     # bf16 matrices and K/V under f32 activations: logits O(0.5) through two layers of bf16-rounded
     # products (2^-8 relative each) against the f32 model: 2e-2 bounds what that rounding can move
     ("llama", {"weight_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}, 2e-2),
-    # int8 K/V (per token and KV head, scale max|x| / 127): each value within half a step of 1/254 of
-    # its row's largest, i.e. 2^-8 relative to the row as bf16 is to each value: the same bound
+    # int8 K/V (per token and KV head, range [min, max] over 255 steps): each value within half a step
+    # of 1/255 of its row's range (at most twice its largest magnitude), i.e. about 2^-8 relative to the
+    # row as bf16 is to each value: the same bound
     ("llama", {"kv_cache_dtype": "int8"}, 2e-2),
 ])
 def test_quantized_and_16_bit_weights_on_the_generic_step(tmp_path, arch, options, atol):

@@ -17,9 +17,9 @@ TEXT = os.path.join(os.path.dirname(__file__), "..", "data", "web_genesis.txt")
 TOKENS = 1500      # the text scored (the issue's bound is stated on a 1,500-token text)
 ROWS = 250         # rows (one token each) per step call
 # nats: the mean |difference| of the prompt log-probabilities. Issue #40 asks for 0.02; measured
-# 0.0248 with the Hadamard rotation (0.039 without), so the issue's bound is NOT met yet and this
-# test holds what is (docs/quantization.md, "Quantized KV cache": K's error dominates)
-MAX_MEAN_DIFF = 0.03
+# 0.0234 with rows with a zero point (0.0248 symmetric, 0.039 without the rotation), so the issue's
+# bound is NOT met yet and this test holds what is (docs/quantization.md, "Quantized KV cache")
+MAX_MEAN_DIFF = 0.025
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_int8_cache_scores_the_text_as_the_bf16_cache_does(artifacts):
 
 def test_int8_cache_holds_1_9x_the_blocks_of_bf16_in_one_budget(artifacts):
     """The runner sizes the pool from --kv-cache-mib and the artifact's bytes per block: int8 rows of
-    64 values and a 2-byte scale (66 bytes) against 128 bytes of bf16, 1.94x the blocks."""
+    64 values, a 2-byte scale and a 1-byte zero point (67 bytes) against 128 bytes of bf16, 1.91x the blocks."""
     from hloserve.runtime.artifact import LLMArtifact
     from hloserve.server.config import ServeConfig
     from hloserve.server.core.model_runner import ModelRunner
@@ -96,7 +96,7 @@ def test_int8_cache_holds_1_9x_the_blocks_of_bf16_in_one_budget(artifacts):
     assert runners["int8"].num_blocks >= 1.9 * runners["bfloat16"].num_blocks, \
         (runners["int8"].num_blocks, runners["bfloat16"].num_blocks)
     kv = LLMArtifact.read(artifacts["int8"]).llm.kv_cache
-    assert (kv.dtype, kv.quant, kv.stored_name) == ("i8", "int8", "int8")
+    assert (kv.dtype, kv.quant, kv.stored_name) == ("i8", "int8_zp", "int8")
 
 
 def test_serving_an_artifact_with_another_kv_cache_dtype_is_refused_in_one_line(artifacts):

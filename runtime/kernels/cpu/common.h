@@ -80,25 +80,37 @@ inline void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t grain, F fn) 
 // What a cache or weight buffer holds: the composites' `holds` attribute. The values are
 // hloserve.runtime.artifact.kernels.Holds (OWN, BF16, F16); tests/runtime/test_contract.py checks them.
 // kI8Rows (paged attention's KV cache only): rows of D int8 values, then the row's bf16 scale in
-// 2 bytes (little-endian), a value being q * scale (runtime/artifact/kernels.py INT8_ROW).
-enum class Kind : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2, kI8Rows = 3 };
+// 2 bytes (little-endian), a value being q * scale (runtime/artifact/kernels.py INT8_ROW); kI8ZpRows:
+// the same then the row's int8 zero point z, a value being (q - z) * scale (INT8_ZP_ROW).
+enum class Kind : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2, kI8Rows = 3, kI8ZpRows = 4 };
+
+template <Kind K>
+constexpr bool int8_rows = K == Kind::kI8Rows || K == Kind::kI8ZpRows;
 
 inline bool valid_kind(int64_t holds) { return holds >= 0 && holds <= static_cast<int64_t>(Kind::kF16); }
 
-// Elements a row holds past its D values: the scale of an int8 row.
+// Elements a row holds past its D values: the scale of an int8 row (and its zero point).
 template <Kind K>
-constexpr int64_t row_extra = K == Kind::kI8Rows ? 2 : 0;
+constexpr int64_t row_extra = K == Kind::kI8Rows ? 2 : K == Kind::kI8ZpRows ? 3 : 0;
 
 // The factor a row's loaded elements are multiplied by: an int8 row's scale, read from the 2 bytes
 // after its D values (`row` is the row's first element); 1 for float rows.
 template <Kind K>
 inline float row_scale(const void* base, int64_t row, int64_t D) {
-  if constexpr (K == Kind::kI8Rows) {
+  if constexpr (int8_rows<K>) {
     uint16_t bits;
     std::memcpy(&bits, static_cast<const int8_t*>(base) + row + D, 2);
     return bf16_to_f32(bits);
   }
   return 1.f;
+}
+
+// The zero point subtracted from a row's loaded elements before its scale: an INT8_ZP_ROW's, the
+// byte after its scale; 0 for other rows.
+template <Kind K>
+inline float row_zero(const void* base, int64_t row, int64_t D) {
+  if constexpr (K == Kind::kI8ZpRows) return static_cast<float>(static_cast<const int8_t*>(base)[row + D + 2]);
+  return 0.f;
 }
 
 
@@ -110,6 +122,7 @@ void with_kind(Kind kind, F fn) {
     case Kind::kBF16: return fn(std::integral_constant<Kind, Kind::kBF16>{});
     case Kind::kF16: return fn(std::integral_constant<Kind, Kind::kF16>{});
     case Kind::kI8Rows: return fn(std::integral_constant<Kind, Kind::kI8Rows>{});
+    case Kind::kI8ZpRows: return fn(std::integral_constant<Kind, Kind::kI8ZpRows>{});
   }
 }
 
@@ -117,7 +130,7 @@ template <Kind K>
 inline float load(const void* base, int64_t i) {
   if constexpr (K == Kind::kF32) return static_cast<const float*>(base)[i];
   if constexpr (K == Kind::kBF16) return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
-  if constexpr (K == Kind::kI8Rows) return static_cast<float>(static_cast<const int8_t*>(base)[i]);
+  if constexpr (int8_rows<K>) return static_cast<float>(static_cast<const int8_t*>(base)[i]);
   return f16_to_f32(static_cast<const uint16_t*>(base)[i]);
 }
 
@@ -143,7 +156,7 @@ inline __m512 sum16(const __m512* v) {
 template <Kind K>
 inline __m512 load16(const void* base, int64_t i) {
   if constexpr (K == Kind::kF32) return _mm512_loadu_ps(static_cast<const float*>(base) + i);
-  if constexpr (K == Kind::kI8Rows)
+  if constexpr (int8_rows<K>)
     return _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i))));
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));

@@ -1,6 +1,6 @@
 // hloserve_paged_attention (v1) and hloserve_paged_attention_v2: attention of each token over its own
 // sequence's paged context, read block by block straight from the KV cache (16-bit float bits, f32,
-// or int8 rows with a scale each, dequantized as they are read), only the blocks in use; XLA gathers every sequence's padded context, widened to f32, before
+// or int8 rows with a scale (and zero point) each, dequantized as they are read), only the blocks in use; XLA gathers every sequence's padded context, widened to f32, before
 // its dots. Version 2 takes the window as an operand (composite version 2).
 #include "common.h"
 
@@ -8,7 +8,7 @@ namespace {
 using namespace hloserve;
 
 // ---- paged attention ----------------------------------------------------------------------
-// q f32[T, KV, G, D]; cache [L, 2, KV, N, BS, R] (R = D, or D + 2 for int8 rows); layer s32[]; block_tables s32[S, B];
+// q f32[T, KV, G, D]; cache [L, 2, KV, N, BS, R] (R = D, or D + 2 / D + 3 for int8 rows); layer s32[]; block_tables s32[S, B];
 // seq_ids, positions s32[T]; context_lens s32[S] -> out f32[T, KV, G, D].
 // Token t sees positions c of its sequence with c <= positions[t], c < context_len and, with a
 // window w > 0, c > positions[t] - w; scores are scale * q.k, then softcap * tanh(s / softcap)
@@ -41,23 +41,31 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
   if constexpr (D % 16 == 0) {
     // 16 positions at a time: per position and head one vector of partial products, then the
     // 16 positions' sums in one transpose-and-add tree (not a horizontal sum each)
+    // int8 rows: q.k of the stored codes, then per position (dot - zero * sum(q)) * scale, 16
+    // positions in one vector (no per-element dequantization)
     constexpr int V = D / 16;
     __m512 part[G][16];
+    __m512 qsum[G];
+    for (int g = 0; g < G; ++g) {
+      float t = 0.f;
+      for (int d = 0; d < D; ++d) t += qs[g][d];
+      qsum[g] = _mm512_set1_ps(t);
+    }
+    alignas(64) float rsa[16], rza[16];
     for (int64_t c0 = begin; c0 < end; c0 += 16) {
       const int nb = static_cast<int>(std::min<int64_t>(16, end - c0));
       for (int p = 0; p < 16; ++p) {
         if (p >= nb) {
           for (int g = 0; g < G; ++g) part[g][p] = _mm512_setzero_ps();
+          rsa[p] = rza[p] = 0.f;
           continue;
         }
         const int64_t c = c0 + p;
         const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
         __m512 kv[V];
         for (int v = 0; v < V; ++v) kv[v] = load16<K>(cache, off + 16 * v);
-        if constexpr (K == Kind::kI8Rows) {
-          const __m512 rs = _mm512_set1_ps(row_scale<K>(cache, off, D));
-          for (int v = 0; v < V; ++v) kv[v] = _mm512_mul_ps(kv[v], rs);
-        }
+        rsa[p] = row_scale<K>(cache, off, D);
+        rza[p] = row_zero<K>(cache, off, D);
         for (int g = 0; g < G; ++g) {
           __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qs[g]), kv[0]);
           for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qs[g] + 16 * v), kv[v], a);
@@ -65,17 +73,22 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
         }
       }
       const __mmask16 mask = static_cast<__mmask16>((1u << nb) - 1);
-      for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(scores + g * n + (c0 - begin), mask, sum16(part[g]));
+      for (int g = 0; g < G; ++g) {
+        __m512 sums = sum16(part[g]);
+        if constexpr (int8_rows<K>)
+          sums = _mm512_mul_ps(_mm512_fnmadd_ps(_mm512_load_ps(rza), qsum[g], sums), _mm512_load_ps(rsa));
+        _mm512_mask_storeu_ps(scores + g * n + (c0 - begin), mask, sums);
+      }
     }
   } else
 #endif
   {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
-      const float rs = row_scale<K>(cache, off, D);
+      const float rs = row_scale<K>(cache, off, D), rz = row_zero<K>(cache, off, D);
       float kf[D];
 #pragma omp simd
-      for (int d = 0; d < D; ++d) kf[d] = load<K>(cache, off + d) * rs;
+      for (int d = 0; d < D; ++d) kf[d] = (load<K>(cache, off + d) - rz) * rs;
       for (int g = 0; g < G; ++g) {
         float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
@@ -99,21 +112,25 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
     }
     inv[g] = 1.f / sum;
   }
+  // out = sum_c p_c (v_c - z_c) s_c: the codes summed with weight p_c s_c, and the zero points'
+  // sum_c p_c s_c z_c subtracted once at the end (int8 rows; s = 1, z = 0 for float rows)
   float acc[G][D] = {};
+  float zsum[G] = {};
   for (int64_t c = begin; c < end; ++c) {
     const int64_t off = vbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
-    const float rs = row_scale<K>(cache, off, D);
+    const float rs = row_scale<K>(cache, off, D), rz = row_zero<K>(cache, off, D);
     float vf[D];
 #pragma omp simd
-    for (int d = 0; d < D; ++d) vf[d] = load<K>(cache, off + d) * rs;
+    for (int d = 0; d < D; ++d) vf[d] = load<K>(cache, off + d);
     for (int g = 0; g < G; ++g) {
-      const float p = scores[g * n + (c - begin)];
+      const float p = scores[g * n + (c - begin)] * rs;
+      zsum[g] += p * rz;
 #pragma omp simd
       for (int d = 0; d < D; ++d) acc[g][d] += p * vf[d];
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) out[g * D + d] = acc[g][d] * inv[g];
+    for (int d = 0; d < D; ++d) out[g * D + d] = (acc[g][d] - zsum[g]) * inv[g];
 }
 
 // Any G and D: one query head at a time.
@@ -128,9 +145,10 @@ void attend_any(const float* q, const void* cache, int64_t kbase, int64_t vbase,
     float* og = out + g * D;
     for (int64_t c = begin; c < end; ++c) {
       const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
+      const float rz = row_zero<K>(cache, off, D);
       float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-      for (int64_t d = 0; d < D; ++d) acc += qg[d] * load<K>(cache, off + d);
+      for (int64_t d = 0; d < D; ++d) acc += qg[d] * (load<K>(cache, off + d) - rz);
       acc *= row_scale<K>(cache, off, D);
       scores[c - begin] = softcap > 0.f ? softcap * std::tanh(acc * scale / softcap) : acc * scale;
     }
@@ -141,9 +159,9 @@ void attend_any(const float* q, const void* cache, int64_t kbase, int64_t vbase,
     std::fill(og, og + D, 0.f);
     for (int64_t c = begin; c < end; ++c) {
       const int64_t off = vbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
-      const float p = scores[c - begin] / sum * row_scale<K>(cache, off, D);
+      const float p = scores[c - begin] / sum * row_scale<K>(cache, off, D), rz = row_zero<K>(cache, off, D);
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) og[d] += p * load<K>(cache, off + d);
+      for (int64_t d = 0; d < D; ++d) og[d] += p * (load<K>(cache, off + d) - rz);
     }
   }
 }
@@ -208,12 +226,13 @@ void attend_tile(const float* q, float* out, int64_t stride, int64_t ntok, const
     const int64_t slot = static_cast<int64_t>(table[c / BS]) * BS + c % BS;
     const int64_t koff = kbase + slot * R, voff = vbase + slot * R;
     const float ks = row_scale<K>(cache, koff, D), vs = row_scale<K>(cache, voff, D);
+    const float kz = row_zero<K>(cache, koff, D), vz = row_zero<K>(cache, voff, D);
     float* kr = kf + (c - lo) * D;
     float* vr = vf + (c - lo) * DP;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) kr[d] = load<K>(cache, koff + d) * ks;
+    for (int64_t d = 0; d < D; ++d) kr[d] = (load<K>(cache, koff + d) - kz) * ks;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) vr[d] = load<K>(cache, voff + d) * vs;
+    for (int64_t d = 0; d < D; ++d) vr[d] = (load<K>(cache, voff + d) - vz) * vs;
   }
   for (int64_t t = 0; t < ntok; ++t)
     for (int64_t g = 0; g < G; ++g) {
@@ -299,15 +318,17 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (qd.size() != 4 || cd.size() != 6 || bd.size() != 2)
     return ffi::Error::InvalidArgument("hloserve_paged_attention: q must be [T,KV,G,D], cache [L,2,KV,N,BS,R]");
   // holds: the cache's own dtype (f32), bf16 / f16 bits (in an s16/u16 buffer), or int8 rows (s8)
-  if (holds < 0 || holds > static_cast<int64_t>(Kind::kI8Rows))
-    return ffi::Error::InvalidArgument("hloserve_paged_attention: holds must be 0, 1, 2 or 3");
+  if (holds < 0 || holds > static_cast<int64_t>(Kind::kI8ZpRows))
+    return ffi::Error::InvalidArgument("hloserve_paged_attention: holds must be 0, 1, 2, 3 or 4");
   const Kind kind = static_cast<Kind>(holds);
-  if ((kind == Kind::kF32) != (cache.element_type() == ffi::F32) ||
-      (kind == Kind::kI8Rows) != (cache.element_type() == ffi::S8))
+  const bool int8 = kind == Kind::kI8Rows || kind == Kind::kI8ZpRows;
+  if ((kind == Kind::kF32) != (cache.element_type() == ffi::F32) || int8 != (cache.element_type() == ffi::S8))
     return ffi::Error::InvalidArgument("hloserve_paged_attention: cache dtype does not match `holds`");
   const int64_t T = qd[0], KV = qd[1], G = qd[2], D = qd[3];
   const int64_t L = cd[0], N = cd[3], BS = cd[4];
-  const int64_t R = D + (kind == Kind::kI8Rows ? row_extra<Kind::kI8Rows> : 0);  // elements per cache row
+  const int64_t R = D + (kind == Kind::kI8Rows     ? row_extra<Kind::kI8Rows>
+                         : kind == Kind::kI8ZpRows ? row_extra<Kind::kI8ZpRows>
+                                                   : 0);  // elements per cache row
   const int64_t S = bd[0], B = bd[1];
   if (cd[1] != 2 || cd[2] != KV || cd[5] != R)
     return ffi::Error::InvalidArgument("hloserve_paged_attention: cache shape does not match q");

@@ -8,8 +8,8 @@ no copy of the cache), and keeps an online softmax in f32. The G query heads sha
 are one `[G, D]` tile; scores and sums are f32 broadcast-multiply-reductions rather than `tl.dot`
 (exact f32 like the decomposition, no 16-row minimum; decode attention is bound by reading K/V).
 Decode rows and prompt chunks are both rows of the grid. Triton needs power-of-two tiles: G is
-padded to one here, and BS and D must be powers of two (`supports`; an int8 cache's rows of D + 2
-are not, so on a GPU its decomposition runs). Runs in Pallas interpret mode
+padded to one here, and BS and D must be powers of two (`supports`; an int8 cache's rows of D + 2 or
+D + 3 are not, so on a GPU its decomposition runs). Runs in Pallas interpret mode
 on any platform (`interpret=True`, the tests).
 """
 from __future__ import annotations
