@@ -223,24 +223,27 @@ ffi::Error QuantExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 
 }  // namespace
 
+// x, index, weights: what both handlers take first
+static auto RoutedRows() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::F32>>();
+}
+
+// gate_up, down, layer; holds
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_grouped_experts, GroupedExperts,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                              RoutedRows()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("holds")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+// gate_up, its scales, its mins, down, its scales, its mins, layer; bits and the two groups
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_experts, QuantExperts,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                              RoutedRows()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
