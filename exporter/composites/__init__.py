@@ -6,6 +6,7 @@ references, its portable decomposition in jax, and the lowering that wraps the d
     layer_linear      hloserve.layer_linear v1 (+ hloserve::mixed_linear)
     quant_linear      hloserve.quant_linear v1, v2 (its torch op lives in quantization/modules.py)
     grouped_experts   hloserve.grouped_experts v1 (a mixture-of-experts layer's experts)
+    quant_experts     hloserve.quant_experts v1 (the same over int8 / int4 stacks)
 
 Adding a composite: a module here, its contract in runtime/artifact/kernels.py, and its row in
 MODULES below (the registry collects the lowerings from it); a kernel is then one module per
@@ -13,6 +14,6 @@ platform under runtime/kernels/ plus one row in its backend's table (docs/archit
 """
 from __future__ import annotations
 
-from . import grouped_experts, layer_linear, paged_attention, quant_linear
+from . import grouped_experts, layer_linear, paged_attention, quant_experts, quant_linear
 
-MODULES = (paged_attention, layer_linear, quant_linear, grouped_experts)
+MODULES = (paged_attention, layer_linear, quant_linear, grouped_experts, quant_experts)

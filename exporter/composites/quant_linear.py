@@ -152,7 +152,7 @@ def _picked(qweight, scale, min_, layer):
     return pick(qweight), pick(scale), pick(min_) if min_.size else None
 
 
-def _layer_product(x, qw, s, mn, bits: int, group: int):
+def layer_product(x, qw, s, mn, bits: int, group: int):
     """x f32[M, K] quantized as the contract says, times one layer's stored matrix [N, ...] (row by
     row): whole, or in row blocks inside a loop for large matrices (see the module docstring)."""
     xr = quantize_blocks(x)                                              # the contract's int8 activations
@@ -173,14 +173,14 @@ def quant_linear_reference(x, qweight, scale, min_, layer, *, bits: int, group: 
     """The `hloserve.quant_linear` composite's decomposition (its contract: runtime/artifact/kernels.py):
     x f32[M, K], qweight [L, N, K | K/2], scale [L, N, K/group], min_ like scale or f32[0], layer
     s32[] -> f32[M, N]. Slices the layer, then dequantizes next to the dot as described above."""
-    return _layer_product(x, *_picked(qweight, scale, min_, layer), bits, group)
+    return layer_product(x, *_picked(qweight, scale, min_, layer), bits, group)
 
 
 def quant_linear_v2_reference(x, qweight, scale, min_, layer, *, bits: int, group: int):
     """The `hloserve.quant_linear` version 2 composite's decomposition: the layer's matrix put back in
     row order, then version 1's arithmetic (x quantized per block as Q8_0, W = q * scale + min)."""
     q, s, mn = primitives.rows_in_order(*_picked(qweight, scale, min_, layer), bits, xp=jnp)
-    return _layer_product(x, q, s, mn, 8, group)                         # int values: bits 8's dequantize
+    return layer_product(x, q, s, mn, 8, group)                         # int values: bits 8's dequantize
 
 
 def quant_linear_v3_reference(x, qweight, blocks, layer, *, kind: int):
@@ -190,7 +190,7 @@ def quant_linear_v3_reference(x, qweight, blocks, layer, *, kind: int):
     scheme = WeightScheme.of_block(Block(kind).name)
     pick = (lambda a: a[0]) if qweight.shape[0] == 1 else (lambda a: lax.dynamic_index_in_dim(a, layer, 0, False))
     scale, mn = primitives.block_scales(pick(blocks), scheme.block, xp=jnp)             # [N, K/g]
-    return _layer_product(x, pick(qweight), scale, mn, scheme.bits, scheme.group)
+    return layer_product(x, pick(qweight), scale, mn, scheme.bits, scheme.group)
 
 
 # hloserve::kquant_linear(Tensor x, Tensor qweight, Tensor blocks, Tensor? bias, Tensor layer, int kind) -> Tensor

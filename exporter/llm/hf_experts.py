@@ -9,6 +9,10 @@ ragged groups (`grouped_mm`), whose sizes are data: no static shape to export. H
   decomposition loops over the experts, each one taken multiplying every row of the step; the
   CPU kernel sorts the pairs by expert and reads each expert's matrices once for its own rows.
   The stacks [E, out, in] (or a scanned layer's [L, E, out, in]) are passed whole, with the layer.
+* under --quantize int8 / int4, the same experts are stored in the scheme of the linear layers
+  (quantize_experts: quantization/convert.py's quantizer, row by row) and are one
+  `hloserve.quant_experts` composite per layer (exporter/composites/quant_experts.py), whose CPU
+  kernel multiplies the integers directly.
 * any other experts (f32 stacks, other activations or gates) run a loop over the experts (a scan,
   so one expert is traced and compiled, not E) that adds each expert's output in a conditional
   branch, taken when the step routes any token to it:
@@ -22,9 +26,12 @@ ragged groups (`grouped_mm`), whose sizes are data: no static shape to export. H
 from __future__ import annotations
 
 import torch
+from hloserve.quantization.convert import QuantRecord, quantize_tensor
+from hloserve.quantization.schemes import QuantConfig
+from hloserve.runtime.artifact.kernels import Holds
 
 from .._private import scan_lifted
-from ..composites import grouped_experts, layer_linear  # noqa: F401 - register torch.ops.hloserve.*
+from ..composites import grouped_experts, layer_linear, quant_experts  # noqa: F401 - register torch.ops.hloserve.*
 from ..errors import SourceError
 from .step import holds_of
 
@@ -75,6 +82,52 @@ def sixteen_bit_experts(module: torch.nn.Module, dtype: torch.dtype) -> None:
     module.register_buffer("layer", torch.zeros((), dtype=torch.int32), persistent=False)
 
 
+# the matrices quantize_experts stores quantized, each with its scale (and min) beside it
+_QUANTIZED = ("gate_up_proj", "down_proj")
+
+
+def quantize_experts(model: torch.nn.Module, config: QuantConfig, record: QuantRecord) -> int:
+    """--quantize's scheme on the gated-SiLU experts modules of `model` (those the grouped composites
+    compute; a name config.skip matches stays as it is): gate_up_proj and down_proj [E, out, in]
+    become quantization/convert.py's stored tensors (row by row, the group fitted to each matrix's
+    input dim), NAME, NAME_scale and NAME_min buffers read in place by the quant_experts composite,
+    recorded in `record` for the manifest. Returns how many modules were quantized."""
+    done = 0
+    for name, m in model.named_modules():
+        if not is_experts(m) or not _grouped(m) or config.skipped(name):
+            continue
+        holds = getattr(m, "holds", None)
+        groups = []
+        for attr in _QUANTIZED:
+            w = getattr(m, attr)
+            w = w.view(getattr(torch, Holds(holds).dtype_name)) if w.dtype == torch.int16 else w   # [E, out, in]
+            tensors, scheme = quantize_tensor(w, config.scheme, f"{name}.{attr}")
+            record.add(tensors, scheme, tuple(w.shape))
+            delattr(m, attr)
+            for role, suffix in (("qweight", ""), ("scale", "_scale"), ("min", "_min")):
+                m.register_buffer(attr + suffix, tensors.get(role))
+            groups.append(scheme.group or w.shape[-1])
+        m.hloserve_quant = (scheme.bits, *groups)                   # bits, gate_up's group, down's group
+        m.IN_PLACE = tuple(a + suffix for a in _QUANTIZED for suffix in ("", "_scale", "_min"))
+        if not hasattr(m, "layer"):
+            m.register_buffer("layer", torch.zeros((), dtype=torch.int32), persistent=False)
+        done += 1
+    return done
+
+
+def _quantized_forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The quant_experts composite over the module's stored stacks (a scan substitutes [L, ...] ones)."""
+    bits, gate_up_group, down_group = self.hloserve_quant
+
+    def stack(attr):   # (qweight [L, E, N, .], scale [L, E, N, G], min or None); per channel: G = 1
+        q, scale, mn = (getattr(self, attr + suffix) for suffix in ("", "_scale", "_min"))
+        lead = q.shape[:-1]
+        scale, mn = (None if t is None else t.reshape(*lead, -1) for t in (scale, mn))
+        return (q, scale, mn) if q.dim() == 4 else tuple(None if t is None else t[None] for t in (q, scale, mn))
+    return torch.ops.hloserve.quantized_experts(x, index, weights, *stack("gate_up_proj"), *stack("down_proj"),
+                                                self.layer, bits, gate_up_group, down_group)
+
+
 def _linear(w: torch.Tensor, layer: torch.Tensor, holds: int | None, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     """x [T, in] @ expert e's matrix of `w` [E, out, in] (or a scanned stack [L, E, out, in] at
     `layer`)^T -> [T, out] (f32)."""
@@ -98,6 +151,9 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     holds = getattr(self, "holds", None)
     layer = getattr(self, "layer", None)
     layer = torch.zeros((), dtype=torch.int32) if layer is None else layer
+    if getattr(self, "hloserve_quant", None) is not None:
+        out = _quantized_forward(self, hidden_states.float(), top_k_index.to(torch.int32), top_k_weights.float())
+        return out.to(hidden_states.dtype)
     if holds is not None and _grouped(self):
         stacks = [w if w.dim() == 4 else w[None] for w in (self.gate_up_proj, self.down_proj)]   # [L, E, out, in]
         out = torch.ops.hloserve.grouped_experts(hidden_states.float(), top_k_index.to(torch.int32),

@@ -226,6 +226,32 @@ GROUPED_EXPERTS = Composite(
            "sigmoid(g) in f32; products exact in f32, summed in f32 in any order",
 )
 
+# The same layer over int8 / int4 stacks (quantization/schemes.py's row-by-row layout): each product
+# is QUANT_LINEAR's (the rows quantized per 32-element block as Q8_0, W = q * scale (+ min)).
+QUANT_EXPERTS = Composite(
+    name="hloserve.quant_experts",
+    version=1,
+    operands=(
+        "x f32[T, D]: activations",
+        "index s32[T, k]: each token's experts, in [0, E)",
+        "weights f32[T, k]: each token's routing weights",
+        "gate_up [L, E, 2F, D] s8 (bits 8) or [L, E, 2F, D/2] u8 (bits 4, two per byte, element 2j in the low "
+        "nibble; signed without mins, unsigned with): rows [0, F) the gate, [F, 2F) the up projection",
+        "gate_up_scale f16 or f32 [L, E, 2F, D / gate_up_group]",
+        "gate_up_min like gate_up_scale (asymmetric int4), or f32[0]",
+        "down [L, E, D, F] s8 or [L, E, D, F/2] u8, like gate_up",
+        "down_scale f16 or f32 [L, E, D, F / down_group]",
+        "down_min like down_scale, or f32[0]",
+        "layer s32[]: the layer whose experts are used",
+    ),
+    attributes=("bits i64: 8 or 4", "gate_up_group i64: elements of a gate_up row per scale",
+                "down_group i64: elements of a down row per scale"),
+    result="f32[T, D]: sum over j of weights[t, j] * P(down[layer, e], silu(g) * u), [g; u] = P(gate_up[layer, e], "
+           "x[t]), e = index[t, j], where P(W, v) is QUANT_LINEAR's product (v quantized per block of 32 as "
+           "Q8_0, W = q * scale (+ min) per group) and silu(g) = g sigmoid(g) in f32; sums in f32 in any order",
+)
+
 # (name, version) -> contract
 COMPOSITES = {(c.name, c.version): c for c in (PAGED_ATTENTION, PAGED_ATTENTION_V2, LAYER_LINEAR, QUANT_LINEAR,
-                                                 QUANT_LINEAR_V2, QUANT_LINEAR_V3, GROUPED_EXPERTS)}
+                                                 QUANT_LINEAR_V2, QUANT_LINEAR_V3, GROUPED_EXPERTS,
+                                                 QUANT_EXPERTS)}

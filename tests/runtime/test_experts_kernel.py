@@ -1,5 +1,5 @@
-"""The grouped experts kernel (runtime/kernels/cpu/experts.cc) against the composite's portable
-decomposition and the torch reference (exporter/composites/grouped_experts.py).
+"""The grouped experts kernels (runtime/kernels/cpu/experts.cc) against the composites' portable
+decompositions and the torch references (exporter/composites/grouped_experts.py, quant_experts.py).
 
 Tolerance: x and the activation are rounded to the matrices' 16-bit type on every side, so the
 products are exact and the sums differ only in order, except that silu is computed by different
@@ -20,7 +20,9 @@ from jax import export
 
 from hloserve.exporter import _private
 from hloserve.exporter.composites import grouped_experts as ops
-from hloserve.runtime.artifact.kernels import GROUPED_EXPERTS
+from hloserve.exporter.composites import quant_experts as qops
+from hloserve.quantization import modules as qmodules
+from hloserve.runtime.artifact.kernels import GROUPED_EXPERTS, QUANT_EXPERTS
 
 from .test_kernels import library, specialize  # noqa: F401 - the module's fixture
 
@@ -118,3 +120,94 @@ def test_grouped_experts_kernel_reads_only_the_chosen_experts_of_its_layer(libra
     mine[1, 2] = 0
     changed = np.abs(np.asarray(fn(x, index, weights, gate_up, mine, np.int32(1))) - base).max(-1) > 0
     np.testing.assert_array_equal(changed, (index == 2).any(-1))
+
+
+# -- the quantized experts (hloserve.quant_experts) ---------------------------------------------------
+# Tolerance: kernel, decomposition and torch quantize the rows of x alike (Q8_0, the same f32
+# division and rounding), so the gate_up products differ only by the f32 sums (D 2^-24 of the
+# products' magnitudes); those few ulps, and silu's, can move an element of the activation across a
+# rounding boundary of its own block's quantization: by one step d (its block's max |a| / 127). So
+# each output element is bounded by |weights| |down| . (d + 2 da) over each token's slots, plus the
+# f32 sums of the down product; a wrong expert, slot, scale or nibble moves it by O(1) relative.
+QF = 96    # the experts' inner dim: int8 a 64-byte chunk and a half one, int4 a 3/4 chunk
+
+
+def _quant_stacks(rng, E, spec):
+    """(stored tensors per matrix: qweight, scale [L, E, N, G], min or None), their float values,
+    bits, and each matrix's group: gate_up [L, E, 2 QF, D] and down [L, E, D, QF] in --quantize `spec`."""
+    from hloserve.quantization import primitives
+    from hloserve.quantization.convert import quantize_tensor
+    from hloserve.quantization.schemes import QuantConfig
+
+    scheme = QuantConfig.parse(spec).scheme
+    stored, values, groups = [], [], []
+    for shape in ((L, E, 2 * QF, D), (L, E, D, QF)):
+        w = torch.from_numpy(rng.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1]))
+        t, used = quantize_tensor(w, scheme, "w")
+        q, s, m = (None if t.get(r) is None else t[r].numpy() for r in ("qweight", "scale", "min"))
+        values.append(primitives.dequantize(primitives.QuantizedArray(q, s, m, used, shape)))
+        s, m = (None if a is None else a.reshape(*q.shape[:-1], -1) for a in (s, m))   # per channel: G = 1
+        stored.append((q, s, m))
+        groups.append(used.group or shape[-1])
+    return stored, values, scheme.bits, groups
+
+
+def _quant_exported(stored, k, bits, groups):
+    def f(*a):
+        return _private.composite(qops.quant_experts_reference, QUANT_EXPERTS.name, QUANT_EXPERTS.version)(
+            *a, bits=bits, gate_up_group=groups[0], down_group=groups[1])
+    (t,) = export.symbolic_shape("T")
+    none = jax.ShapeDtypeStruct((0,), np.float32)
+    mats = [jax.ShapeDtypeStruct(a.shape, a.dtype) if a is not None else none for trio in stored for a in trio]
+    shapes = [jax.ShapeDtypeStruct((t, D), np.float32), jax.ShapeDtypeStruct((t, k), np.int32),
+              jax.ShapeDtypeStruct((t, k), np.float32), *mats, jax.ShapeDtypeStruct((), np.int32)]
+    return export.export(jax.jit(f), platforms=("cpu",))(*shapes)
+
+
+def _quant_bound(x, index, weights, gu, dn, layer):
+    """Per output element, over each token's slots: |w| |down| . (d + 2 da) plus the f32 sums of the
+    down product, where d is the quantization step of the activation's block and da bounds what the
+    f32 sums of the gate_up product move the activation by (|silu'| <= 1.1, |silu(g)| <= |g|)."""
+    xq = qmodules.quantize_blocks(torch.from_numpy(x)).numpy()
+    total = np.zeros_like(x)
+    for j in range(index.shape[1]):
+        g = gu[layer][index[:, j]]                                          # [T, 2QF, D]
+        h = np.einsum("tnd,td->tn", g, xq)
+        s = D * 2.0 ** -24 * np.einsum("tnd,td->tn", np.abs(g), np.abs(xq))
+        a = h[:, :QF] / (1 + np.exp(-h[:, :QF])) * h[:, QF:]
+        step = np.repeat(np.abs(a).reshape(len(a), -1, 32).max(-1) / 127, 32, axis=-1)   # [T, QF]
+        da = 1.1 * np.abs(h[:, QF:]) * s[:, :QF] + np.abs(h[:, :QF]) * s[:, QF:]
+        total += np.abs(weights[:, [j]]) * np.einsum("tdf,tf->td", np.abs(dn[layer][index[:, j]]),
+                                                     step + 2 * da + QF * 2.0 ** -24 * np.abs(a))
+    return total + 1e-6
+
+
+@pytest.mark.parametrize("spec", ["int8", "int8:channel", "int4", "int4:32:sym"])
+@pytest.mark.parametrize("E,k", [(6, 1), (6, 2), (16, 4)])
+def test_quant_experts_kernel_matches_decomposition_and_torch(library, spec, E, k):  # noqa: F811
+    """At 1, 16 and 100 tokens (decode rows to a prompt chunk), 6 or 16 experts with some no token
+    chose, int8 (groups of 32, per channel) and int4 (asymmetric, symmetric): the kernel, the
+    decomposition and torch's eager reference agree within the bound above."""
+    rng = np.random.default_rng(E * 10 + k)
+    stored, (gu32, dn32), bits, groups = _quant_stacks(rng, E, spec)
+    exp = _quant_exported(stored, k, bits, groups)
+    portable_fn, _ = specialize(exp, None)
+    kernel_fn, n_kernel = specialize(exp, library)
+    assert n_kernel == 1 and "custom_call @hloserve_quant_experts" in kernel_fn.mlir_module()
+    mats = [a if a is not None else np.zeros((0,), np.float32) for trio in stored for a in trio]
+    for T, unused in ((1, 0), (16, 2), (100, 3)):
+        x = rng.standard_normal((T, D)).astype(np.float32)
+        index = np.stack([rng.permutation(E - unused)[:k] for _ in range(T)]).astype(np.int32)
+        weights = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+        layer = np.int32(T % L)
+        args = (x, index, weights, *mats, layer)
+        kernel = np.asarray(jax.jit(kernel_fn.call)(*args))
+        portable = np.asarray(jax.jit(portable_fn.call)(*args))
+        tensors = [None if a is None else torch.from_numpy(a) for trio in stored for a in trio]
+        ref = qops.quantized_experts(torch.from_numpy(x), torch.from_numpy(index), torch.from_numpy(weights),
+                                     *tensors, torch.tensor(layer), bits, *groups).numpy()
+        bound = _quant_bound(x, index, weights, gu32, dn32, layer)
+        assert np.abs(ref).max() > 0.1                                      # O(1) outputs: the bound is relative
+        for name, got in (("kernel", kernel), ("decomposition", portable)):
+            assert got.shape == (T, D)
+            assert (np.abs(got - ref) <= bound).all(), (name, T, np.abs(got - ref).max(), bound.min())

@@ -399,7 +399,8 @@ FALLBACKS = {"x86-64-v3": "avx2",            # AVX2 only: the widened products
 # 64-byte chunks at K=576, quantized layouts of both versions; attention's multi-row chunk with every
 # cache dtype, window and soft-cap, and one short decode), not the shapes that only vary the same code
 FALLBACK_SELECTION = ("(layer_linear_kernel_matches and 64-70) or (quant_linear_kernel_matches and 576-) or "
-                      "grouped_experts_kernel_matches or kquant_kernel_matches or kquant_kernel_reads_only or "
+                      "grouped_experts_kernel_matches or (quant_experts_kernel_matches and 6-2) or "
+                      "kquant_kernel_matches or kquant_kernel_reads_only or "
                       "(paged_attention_kernel_matches and 3-64 and (chunk37 or short-0-None))")
 # the other kernels' test files the fallback builds run (one build for all of them)
 FALLBACK_FILES = ("test_experts_kernel.py", "test_kquant_kernels.py")

@@ -4,8 +4,9 @@
 // The kernels, one file per composite (runtime/kernels/cpu/targets.py lists their FFI targets):
 //   paged_attention.cc  hloserve.paged_attention v1, v2
 //   linear.cc           hloserve.layer_linear v1
-//   quant_linear.cc     hloserve.quant_linear v1, v2
+//   quant_linear.cc     hloserve.quant_linear v1, v2, v3 (over quant_rows.h, the int8 / int4 row routines)
 //   experts.cc          hloserve.grouped_experts v1 (over linear.h, the 16-bit row routines linear.cc shares)
+//                       and hloserve.quant_experts v1 (over quant_rows.h, quant_linear.cc's)
 // Each computes exactly what the composite's decomposition in the artifact computes (contracts:
 // runtime/artifact/kernels.py; decompositions: exporter/composites/). They exist because XLA:CPU
 // materializes what these read in place. Work is split over XLA's intra-op thread pool; the

@@ -1,7 +1,9 @@
-// hloserve_grouped_experts: a mixture-of-experts layer's experts, each expert's matrices read once
-// for the rows routed to it. The decomposition (a loop over the experts, each taken one multiplying
-// every row of the step) computes E/k times the products when a step's tokens reach most experts.
+// hloserve_grouped_experts (16-bit matrices) and hloserve_quant_experts (int8 / int4): a
+// mixture-of-experts layer's experts, each expert's matrices read once for the rows routed to it.
+// The decomposition (a loop over the experts, each taken one multiplying every row of the step)
+// computes E/k times the products when a step's tokens reach most experts.
 #include "linear.h"
+#include "quant_rows.h"
 
 namespace {
 using namespace hloserve;
@@ -51,6 +53,24 @@ std::vector<std::pair<int64_t, int64_t>> tasks_of(const Groups& g, int64_t N) {
   return tasks;
 }
 
+// out[t] = sum over t's slots j, in slot order, of weights[t, j] * y[the sorted position of pair (t, j)]
+void combine(ffi::ThreadPool& pool, const Groups& g, const float* w, int64_t T, int64_t k, int64_t D, const float* y,
+             float* o) {
+  parallel_for(pool, T, 16, [&](int64_t t) {
+    for (int64_t d = 0; d < D; ++d) o[t * D + d] = 0.f;
+    for (int64_t j = 0; j < k; ++j) {
+      const float wj = w[t * k + j];
+      const float* yj = y + g.where[t * k + j] * D;
+      for (int64_t d = 0; d < D; ++d) o[t * D + d] += wj * yj[d];
+    }
+  });
+}
+
+// a[f] = silu(h[f]) * h[F + f] for one row h [2F] ([gate; up]); a may be h
+inline void gated(const float* h, int64_t F, float* a) {
+  for (int64_t f = 0; f < F; ++f) a[f] = h[f] / (1.f + std::exp(-h[f])) * h[F + f];
+}
+
 // out rows (sorted positions) = xs rows . each expert's matrix [N, K] of `stack` (rows of xs KP apart)
 void grouped_product(ffi::ThreadPool& pool, Kind kind, const Groups& g, const uint16_t* stack, int64_t N, int64_t K,
                      const uint16_t* xs, int64_t KP, float* out) {
@@ -94,35 +114,144 @@ ffi::Error GroupedExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   std::vector<uint16_t> a(P * FP);
   parallel_for(pool, P, 16, [&](int64_t s) {
     float* row = h.data() + s * 2 * F;
-    for (int64_t f = 0; f < F; ++f) row[f] = row[f] / (1.f + std::exp(-row[f])) * row[F + f];
+    gated(row, F, row);
     round_rows(row, 1, F, kind, a.data() + s * FP, FP);
   });
   std::vector<float> y(P * D);
   grouped_product(pool, kind, g, dn, D, F, a.data(), FP, y.data());
-  // each token's slots, weighted, added in slot order
-  const float* w = weights.typed_data();
-  float* o = out->typed_data();
-  parallel_for(pool, T, 16, [&](int64_t t) {
-    for (int64_t d = 0; d < D; ++d) o[t * D + d] = 0.f;
-    for (int64_t j = 0; j < k; ++j) {
-      const float wj = w[t * k + j];
-      const float* yj = y.data() + g.where[t * k + j] * D;
-      for (int64_t d = 0; d < D; ++d) o[t * D + d] += wj * yj[d];
-    }
+  combine(pool, g, weights.typed_data(), T, k, D, y.data(), out->typed_data());
+  return ffi::Error::Success();
+}
+
+// ---- quantized experts -----------------------------------------------------------------------
+// The same layer with int8 / int4 stacks (quantization/schemes.py, row by row): gate_up qweight
+// [L, E, 2F, D | D/2] and scales (mins) [L, E, 2F, D / group], down [L, E, D, F | F/2] and
+// [L, E, D, F / group]. Each product is quant_linear's version 1 (quant_rows.h): the rows routed to
+// an expert quantized per 32-element block as Q8_0, exact integer block sums, scaled in f32; the
+// activation silu(g) * u is computed in f32 and quantized the same way for down.
+
+// One stack of expert matrices: expert (l, e)'s QuantMatrix is `w` moved by (l E + e) matrices
+struct QuantStack {
+  QuantMatrix w;      // expert (0, 0)
+  int64_t E = 0;
+  int64_t qbytes = 0, sbytes = 0;   // bytes per matrix of qweight, of scale (and min)
+
+  QuantMatrix expert(int64_t l, int64_t e) const {
+    QuantMatrix m = w;
+    const int64_t i = l * E + e;
+    m.q += i * qbytes;
+    m.scale = static_cast<const char*>(w.scale) + i * sbytes;
+    if (m.min != nullptr) m.min = static_cast<const char*>(w.min) + i * sbytes;
+    return m;
+  }
+};
+
+// a stack [L, E, N, K | K/2] with scales (mins) [L, E, N, K / group], checked; false (and `why`) when not
+bool read_stack(ffi::AnyBuffer& q, ffi::AnyBuffer& scale, ffi::AnyBuffer& min, int64_t bits, int64_t group, int64_t L,
+                int64_t E, int64_t N, int64_t K, QuantStack& st, std::string& why) {
+  auto qd = q.dimensions(), sd = scale.dimensions();
+  const int64_t qrow = bits == 8 ? K : K / 2;
+  const ffi::DataType want = bits == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
+  if (group <= 0 || group % kXBlock || K % group) return why = "group must be a multiple of 32 dividing the rows", false;
+  const int64_t G = K / group;
+  if (qd.size() != 4 || q.element_type() != want || qd[0] != L || qd[1] != E || qd[2] != N || qd[3] != qrow)
+    return why = "qweight must be s8 [L, E, N, K] (bits 8) or u8 [L, E, N, K/2] (bits 4)", false;
+  const bool f16 = scale.element_type() == ffi::DataType::F16;
+  if ((!f16 && scale.element_type() != ffi::DataType::F32) || sd.size() != 4 || sd[0] != L || sd[1] != E ||
+      sd[2] != N || sd[3] != G)
+    return why = "scales must be f16 or f32 [L, E, N, K / group]", false;
+  const bool asym = min.element_count() != 0;
+  if (asym && (bits == 8 || min.element_type() != scale.element_type() || min.element_count() != scale.element_count()))
+    return why = "mins must have the scales' dtype and shape (int4 only), or no elements", false;
+  st.w = QuantMatrix{static_cast<const uint8_t*>(q.untyped_data()), scale.untyped_data(),
+                     asym ? min.untyped_data() : nullptr, f16, static_cast<int>(bits), N, K, G, group};
+  st.E = E;
+  st.qbytes = N * qrow;
+  st.sbytes = N * G * (f16 ? 2 : 4);
+  return true;
+}
+
+// out rows (sorted positions) = xs rows [., K] . each expert's matrix of stack `st` at layer l: each
+// expert's rows quantized once, then tasks of 64 matrix rows of every expert in one pool pass
+void quant_grouped(ffi::ThreadPool& pool, const Groups& g, const QuantStack& st, int64_t l, const float* xs,
+                   float* out) {
+  const int64_t E = static_cast<int64_t>(g.start.size()) - 1, N = st.w.N, K = st.w.K;
+  std::vector<QuantizedX> xq(E);
+  parallel_for(pool, E, 1, [&](int64_t e) {
+    const int64_t s = g.start[e];
+    if (g.start[e + 1] > s) xq[e] = quantize_for(xs + s * K, g.start[e + 1] - s, st.expert(l, e));
   });
+  const auto tasks = tasks_of(g, N);
+  parallel_for(pool, static_cast<int64_t>(tasks.size()), 1, [&](int64_t i) {
+    const auto [e, n0] = tasks[i];
+    const int64_t s = g.start[e];
+    quant_rows(st.expert(l, e), xq[e], g.start[e + 1] - s, n0, std::min(N, n0 + kLinearRows), out + s * N);
+  });
+}
+
+ffi::Error QuantExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> index,
+                        ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gate_up, ffi::AnyBuffer gate_up_scale,
+                        ffi::AnyBuffer gate_up_min, ffi::AnyBuffer down, ffi::AnyBuffer down_scale,
+                        ffi::AnyBuffer down_min, ffi::Buffer<ffi::S32> layer, int64_t bits, int64_t gate_up_group,
+                        int64_t down_group, ffi::ResultBuffer<ffi::F32> out) {
+  auto fail = [](const std::string& why) { return ffi::Error::InvalidArgument("hloserve_quant_experts: " + why); };
+  auto xd = x.dimensions(), id = index.dimensions(), wd = weights.dimensions();
+  auto gd = gate_up.dimensions(), dd = down.dimensions();
+  if (xd.size() != 2 || id.size() != 2 || wd.size() != 2 || gd.size() != 4 || dd.size() != 4 || id[0] != xd[0] ||
+      wd[0] != xd[0] || wd[1] != id[1] || gd[2] % 2)
+    return fail("x must be [T, D], index and weights [T, k], gate_up [L, E, 2F, .] and down [L, E, D, .]");
+  if (bits != 8 && bits != 4) return fail("bits must be 8 or 4");
+  const int64_t T = xd[0], D = xd[1], k = id[1], L = gd[0], E = gd[1], F = gd[2] / 2, P = T * k;
+  QuantStack gu, dn;
+  std::string why;
+  if (!read_stack(gate_up, gate_up_scale, gate_up_min, bits, gate_up_group, L, E, 2 * F, D, gu, why))
+    return fail("gate_up: " + why);
+  if (!read_stack(down, down_scale, down_min, bits, down_group, L, E, D, F, dn, why)) return fail("down: " + why);
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return fail("layer out of range");
+  Groups g;
+  if (!group(index.typed_data(), P, E, g)) return fail("an expert index is outside [0, E)");
+  std::vector<float> xs(P * D);   // each pair's token row, in sorted order
+  for (int64_t s = 0; s < P; ++s) std::memcpy(xs.data() + s * D, x.typed_data() + (g.pair[s] / k) * D, D * 4);
+  std::vector<float> h(P * 2 * F), a(P * F), y(P * D);
+  quant_grouped(pool, g, gu, l, xs.data(), h.data());
+  parallel_for(pool, P, 16, [&](int64_t s) { gated(h.data() + s * 2 * F, F, a.data() + s * F); });
+  quant_grouped(pool, g, dn, l, a.data(), y.data());
+  combine(pool, g, weights.typed_data(), T, k, D, y.data(), out->typed_data());
   return ffi::Error::Success();
 }
 
 }  // namespace
 
+// x, index, weights: what both handlers take first
+static auto RoutedRows() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::F32>>();
+}
+
+// gate_up, down, layer; holds
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_grouped_experts, GroupedExperts,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                              RoutedRows()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("holds")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// gate_up, its scales, its mins, down, its scales, its mins, layer; bits and the two groups
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_experts, QuantExperts,
+                              RoutedRows()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("gate_up_group")
+                                  .Attr<int64_t>("down_group")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, Callable
 
 from hloserve.runtime.artifact.kernels import (GROUPED_EXPERTS, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2,
-                                               QUANT_LINEAR, QUANT_LINEAR_V2, QUANT_LINEAR_V3)
+                                               QUANT_EXPERTS, QUANT_LINEAR, QUANT_LINEAR_V2, QUANT_LINEAR_V3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,10 @@ class Target:
 
 def _whole_vectors(attrs: dict[str, Any]) -> bool:
     return attrs["group"] % 32 == 0
+
+
+def _whole_expert_groups(attrs: dict[str, Any]) -> bool:
+    return attrs["gate_up_group"] % 32 == 0 and attrs["down_group"] % 32 == 0
 
 
 # layer_linear reads each weight once where XLA's dot copies and packs the layer, which pays off
@@ -76,4 +80,6 @@ TARGETS = {
     # every row count: the kernel computes T k rows' products where the decomposition computes T per
     # expert taken (up to E/k times as many), reading each matrix once either way
     GROUPED_EXPERTS.key: Target("hloserve_grouped_experts"),
+    # the same grouping over int8 / int4 stacks, each product quant_linear version 1's row routines
+    QUANT_EXPERTS.key: Target("hloserve_quant_experts", accepts=_whole_expert_groups),
 }

@@ -1,0 +1,346 @@
+// Weight-only int8 / int4 matrices times int8 activations, row by row: what the quantized kernels
+// share (quant_linear.cc: one layer's matrix, versions 1 and 3; experts.cc: each expert's matrices
+// for the rows routed to it). AVX512-VNNI where the CPU has it, exact integer loops elsewhere.
+#pragma once
+
+#include "common.h"
+
+namespace hloserve {
+// -- hloserve_quant_linear: weight-only int8 / int4 matrices times int8 activations -------------
+//
+// W = q * scale (+ min) per group of `group` elements of a row (quantization/schemes.py); x is
+// quantized per block of 32 elements as llama.cpp's Q8_0 (d = max|x| / 127, x8 = round(x / d)).
+// Each block's integer dot product is exact in int32; it is then scaled by d * scale in f32.
+// With AVX512-VNNI one vpdpbusd multiplies 64 unsigned weight bytes by 64 signed activation
+// bytes and adds them in fours: the weights are made unsigned (int8: q + 128; int4 two's
+// complement: q + 8; int4 with a min: q as is) and each lane's integer sum starts at -offset
+// times the sum of its activations (computed once per call), so it comes out exact; a min adds
+// min_g * (x summed over group g) per matrix row. The weights are read from memory once, 1 or
+// 1/2 byte each, and never widened.
+constexpr int64_t kXBlock = 32;
+
+// GGUF K-quant block types (runtime/artifact/kernels.py Block: ggml's type ids); 0: none
+enum Block : int64_t { kPlain = 0, kQ4K = 12, kQ5K = 13, kQ6K = 14 };
+
+// One layer's matrix, in any version's layout (quant_linear.cc's read_operands / read_blocks fill
+// it; experts.cc one expert's)
+struct QuantMatrix {
+  const uint8_t* q;   // the layer's qweight bytes: v1 [N, K] s8 or [N, K/2] u8, v2 interleaved by 16 rows
+  const void* scale;  // v1 [N, G], v2 [N / 16, G, 16]; f16 or f32; v3: the super-block headers [N, K/256 * H] u8
+  const void* min;    // like scale, or nullptr (symmetric); v3: the headers too where the blocks have mins
+  bool f16;           // scale / min dtype
+  int bits;
+  int64_t N, K, G, group;
+  int64_t block = kPlain;
+};
+
+// count scales (or mins) from element `start` of base, widened to f32 into dst
+inline void widen(const void* base, bool f16, int64_t start, int64_t count, float* dst) {
+  if (!f16) {
+    std::memcpy(dst, static_cast<const float*>(base) + start, count * sizeof(float));
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(base) + start;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= count; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+#endif
+  for (; i < count; ++i) dst[i] = f16_to_f32(h[i]);
+}
+
+// row n's sub-block scales d * sc_j (and mins -(dmin * m_j), when `min` is given) of a K-quant
+// matrix, decoded from its super-block headers (Q4_K / Q5_K: [d | dmin | 12 bytes of 6-bit sc, m];
+// Q6_K: [16 s8 sc | d]); exact in f32, as the composite's decomposition computes them
+inline void block_row(const QuantMatrix& w, int64_t n, float* scale, float* min) {
+  const int64_t nb = w.K / 256, head = w.block == kQ6K ? 18 : 16;
+  const uint8_t* h = static_cast<const uint8_t*>(w.scale) + n * nb * head;
+  auto half = [](const uint8_t* p) { return f16_to_f32(static_cast<uint16_t>(p[0] | (p[1] << 8))); };
+  for (int64_t b = 0; b < nb; ++b, h += head) {
+    if (w.block == kQ6K) {
+      const float d = half(h + 16);
+      for (int j = 0; j < 16; ++j) scale[b * 16 + j] = d * static_cast<float>(static_cast<int8_t>(h[j]));
+      continue;
+    }
+    const float d = half(h), dmin = half(h + 2);
+    const uint8_t* s = h + 4;
+    for (int j = 0; j < 8; ++j) {
+      const int sc = j < 4 ? (s[j] & 63) : ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+      const int m = j < 4 ? (s[j + 4] & 63) : ((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+      scale[b * 8 + j] = d * static_cast<float>(sc);
+      if (min != nullptr) min[b * 8 + j] = -(dmin * static_cast<float>(m));
+    }
+  }
+}
+
+// row n's G scales (and mins, where the matrix has them and `min` is given) as f32, any layout but v2's
+inline void row_scalars(const QuantMatrix& w, int64_t n, float* scale, float* min) {
+  if (w.block != kPlain) return block_row(w, n, scale, w.min != nullptr ? min : nullptr);
+  if (scale != nullptr) widen(w.scale, w.f16, n * w.G, w.G, scale);
+  if (min != nullptr && w.min != nullptr) widen(w.min, w.f16, n * w.G, w.G, min);
+}
+
+// Activations quantized once per call: xq [M, K] int8 (int4 weights: each row as its even then its
+// odd elements, the order the packed nibbles hold them), d [M, K/32], and xsum [M, G]: the sum of
+// x8 = xq * d over each weight group.
+struct QuantizedX {
+  std::vector<int8_t> xq;
+  std::vector<float> d, xsum;
+  std::vector<float> lanes;   // d per vpdpbusd lane: [M, chunks, 16] (filled by the VNNI path)
+  std::vector<int32_t> start; // per lane, -offset * (sum of the xq the lane multiplies): [M, chunks, 16]
+};
+
+// (xq and d are padded with zeros: a row's last, half chunk is read whole, against zero weights)
+inline QuantizedX quantize_x(const float* x, int64_t M, const QuantMatrix& w) {
+  const int64_t K = w.K, B = K / kXBlock;
+  QuantizedX r{std::vector<int8_t>(M * K + 64, 0), std::vector<float>(M * B + 4, 0.f),
+               std::vector<float>(M * w.G, 0.f), {}, {}};
+  std::vector<int8_t> row(K);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = x + m * K + b * kXBlock;
+      float amax = 0.f;
+      for (int64_t k = 0; k < kXBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float d = amax / 127.f;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < kXBlock; ++k) {
+        const int v = d > 0.f ? static_cast<int>(std::nearbyint(xb[k] / d)) : 0;
+        row[b * kXBlock + k] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      r.d[m * B + b] = d;
+      r.xsum[m * w.G + b * kXBlock / w.group] += d * static_cast<float>(sum);
+    }
+    int8_t* dst = r.xq.data() + m * K;
+    if (w.bits == 8) {
+      std::memcpy(dst, row.data(), K);
+    } else {
+      for (int64_t k = 0; k < K / 2; ++k) dst[k] = row[2 * k], dst[K / 2 + k] = row[2 * k + 1];
+    }
+  }
+  return r;
+}
+
+// the integer value q of element k of matrix row n (element 2j of a byte pair is the low nibble)
+inline int int_of(const QuantMatrix& w, int64_t n, int64_t k) {
+  if (w.bits == 8) return reinterpret_cast<const int8_t*>(w.q)[n * w.K + k];
+  const uint8_t b = w.q[n * (w.K / 2) + k / 2];
+  const int v = (k % 2) ? (b >> 4) : (b & 0xF);
+  return w.min == nullptr && v > 7 ? v - 16 : v;
+}
+
+// the activation value xq of element k of row m (in quantize_x's order)
+inline int x_of(const QuantizedX& x, const QuantMatrix& w, int64_t m, int64_t k) {
+  const int8_t* row = x.xq.data() + m * w.K;
+  return w.bits == 8 ? row[k] : row[(k % 2) * (w.K / 2) + k / 2];
+}
+
+// rows [n0, n1): the same integer block sums and f32 scaling, portably (CPUs without AVX512-VNNI)
+// (a group of 16, Q6_K's sub-blocks: each x block's sum split in two)
+inline void quant_portable(const QuantMatrix& w, const QuantizedX& x, int64_t M, int64_t n0, int64_t n1, float* out) {
+  const int64_t B = w.K / kXBlock, piece = std::min<int64_t>(w.group, kXBlock);
+  std::vector<int32_t> row(w.K);
+  std::vector<float> sc(w.G), mn(w.G);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t k = 0; k < w.K; ++k) row[k] = int_of(w, n, k);
+    row_scalars(w, n, sc.data(), mn.data());
+    for (int64_t m = 0; m < M; ++m) {
+      float total = 0.f;
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t k0 = b * kXBlock; k0 < (b + 1) * kXBlock; k0 += piece) {
+          int32_t dot = 0;
+          for (int64_t k = k0; k < k0 + piece; ++k) dot += x_of(x, w, m, k) * row[k];
+          total += static_cast<float>(dot) * (x.d[m * B + b] * sc[k0 / w.group]);
+        }
+      for (int64_t g = 0; w.min != nullptr && g < w.G; ++g) total += mn[g] * x.xsum[m * w.G + g];
+      out[m * w.N + n] = total;
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__)
+// Lanes of a vpdpbusd result per 64 weight bytes: int8, 8 lanes per x block (2 blocks); int4, the
+// low and the high nibbles of 64 bytes are 128 elements, 4 lanes per block (4 blocks).
+template <int BITS>
+struct Layout {
+  static constexpr int64_t kElems = BITS == 8 ? 64 : 128;   // elements per 64 weight bytes
+  static constexpr int kLanesPerBlock = BITS == 8 ? 8 : 4;
+};
+
+// 16 lanes: lane l holds v[block of lane l] (v: the chunk's 2 or 4 per-block values)
+template <int BITS>
+inline __m512 per_lane(const float* v) {
+  if constexpr (BITS == 8) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(v[0])), _mm256_set1_ps(v[1]), 1);
+  } else {
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(v)));
+  }
+}
+
+// NR matrix rows x MR x rows, chunk by chunk of 64 weight bytes: exact int32 block sums, scaled
+// in f32 by (weight scale x activation d) per lane; `ws` holds each matrix row's scale per x block
+// (B a row), or with `sub16` (int8, groups of 16: Q6_K) per 16 elements (B = K / 16 a row)
+template <int BITS, int NR, int MR>
+inline void vnni_tile(const uint8_t* q, int64_t qstride, const float* ws, const QuantizedX& x, int64_t m0,
+                      int64_t K, int64_t B, bool sym4, bool sub16, float* out, int64_t N) {
+  const bool offset = BITS == 8 || sym4;
+  using Lay = Layout<BITS>;
+  __m512 acc[NR][MR];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i flip = _mm512_set1_epi8(BITS == 8 ? static_cast<char>(0x80) : 0x08);
+  const int64_t blocks = Lay::kElems / kXBlock, chunks = (K + Lay::kElems - 1) / Lay::kElems;
+  for (int64_t c = 0, e = 0; e < K; ++c, e += Lay::kElems) {
+    // the last chunk of a row may be half a chunk (32 bytes): its other lanes get zero weights
+    const int64_t bytes = std::min<int64_t>(64, (K - e) * BITS / 8);
+    const __mmask64 valid = bytes == 64 ? ~__mmask64(0) : (__mmask64(1) << bytes) - 1;
+    __m512i lo[NR], hi[NR];
+    for (int i = 0; i < NR; ++i) {
+      const __m512i v = _mm512_maskz_loadu_epi8(valid, q + i * qstride + c * 64);
+      if constexpr (BITS == 8) {
+        lo[i] = _mm512_maskz_mov_epi8(valid, _mm512_xor_si512(v, flip));   // q + 128
+      } else {
+        lo[i] = _mm512_and_si512(v, low);
+        hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if (sym4) {                                                          // q + 8
+          lo[i] = _mm512_maskz_mov_epi8(valid, _mm512_xor_si512(lo[i], flip));
+          hi[i] = _mm512_maskz_mov_epi8(valid, _mm512_xor_si512(hi[i], flip));
+        }
+      }
+    }
+    __m512 wsv[NR];
+    for (int i = 0; i < NR; ++i)   // groups of 16: 4 lanes (16 int8 elements) each, per_lane<4>'s spread
+      wsv[i] = sub16 ? per_lane<4>(ws + i * B + c * 4) : per_lane<BITS>(ws + i * B + c * blocks);
+    for (int j = 0; j < MR; ++j) {
+      const int8_t* xr = x.xq.data() + (m0 + j) * K;
+      const __m512 dv = _mm512_loadu_ps(x.lanes.data() + ((m0 + j) * chunks + c) * 16);
+      const __m512i sv = offset ? _mm512_loadu_si512(x.start.data() + ((m0 + j) * chunks + c) * 16)
+                                : _mm512_setzero_si512();
+      __m512i xa, xb;
+      if constexpr (BITS == 8) {
+        xa = _mm512_loadu_si512(xr + e);
+      } else {
+        xa = _mm512_loadu_si512(xr + e / 2);            // even elements
+        xb = _mm512_loadu_si512(xr + K / 2 + e / 2);    // odd elements
+      }
+      for (int i = 0; i < NR; ++i) {
+        __m512i part = _mm512_dpbusd_epi32(sv, lo[i], xa);
+        if constexpr (BITS == 4) part = _mm512_dpbusd_epi32(part, hi[i], xb);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part), _mm512_mul_ps(wsv[i], dv), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j) out[(m0 + j) * N + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int BITS, int NR>
+inline void vnni_rows(const uint8_t* q, int64_t qstride, const float* ws, const QuantizedX& x, int64_t M, int64_t K,
+                      int64_t B, bool sym4, bool sub16, float* out, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) vnni_tile<BITS, NR, 4>(q, qstride, ws, x, m, K, B, sym4, sub16, out, N);
+  switch (M - m) {
+    case 3: vnni_tile<BITS, NR, 3>(q, qstride, ws, x, m, K, B, sym4, sub16, out, N); break;
+    case 2: vnni_tile<BITS, NR, 2>(q, qstride, ws, x, m, K, B, sym4, sub16, out, N); break;
+    case 1: vnni_tile<BITS, NR, 1>(q, qstride, ws, x, m, K, B, sym4, sub16, out, N); break;
+  }
+}
+
+// rows [n0, n1) with VNNI: the weights' per-block scales of NR rows at a time, then the tiles, then
+// (asymmetric int4) the mins' term
+template <int BITS>
+void quant_vnni(const QuantMatrix& w, const QuantizedX& x, int64_t M, int64_t n0, int64_t n1, float* out) {
+  constexpr int NR = 2;
+  const int64_t K = w.K, qstride = BITS == 8 ? K : K / 2;
+  const bool sym4 = BITS == 4 && w.min == nullptr, sub16 = w.group == 16;
+  const int64_t B = sub16 ? K / 16 : K / kXBlock;      // scales a row in `ws`
+  const int64_t per_group = w.group / kXBlock;
+  std::vector<float> ws(NR * B + 4, 0.f), corr(w.G), scratch(w.G);   // padded: a half chunk reads 4 scales
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int64_t rows = std::min<int64_t>(NR, n1 - n);
+    for (int64_t i = 0; i < rows; ++i) {               // each group's scale, repeated for its x blocks
+      float* wi = ws.data() + i * B;
+      if (w.block != kPlain) {                         // K-quants: groups of 32 (one per x block) or 16
+        row_scalars(w, n + i, wi, nullptr);
+      } else if (per_group == 1) {
+        widen(w.scale, w.f16, (n + i) * w.G, w.G, wi);
+      } else {
+        widen(w.scale, w.f16, (n + i) * w.G, w.G, corr.data());
+        for (int64_t g = 0, b = 0; g < w.G; ++g)
+          for (int64_t e = 0; e < per_group; ++e) wi[b++] = corr[g];
+      }
+    }
+    const uint8_t* q = w.q + n * qstride;
+    if (rows == NR) vnni_rows<BITS, NR>(q, qstride, ws.data(), x, M, K, B, sym4, sub16, out + n, w.N);
+    else vnni_rows<BITS, 1>(q, qstride, ws.data(), x, M, K, B, sym4, sub16, out + n, w.N);
+    for (int64_t i = 0; w.min != nullptr && i < rows; ++i) {   // the mins: sum_g min_g * (x summed over g)
+      row_scalars(w, n + i, w.block != kPlain ? scratch.data() : nullptr, corr.data());
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xs = x.xsum.data() + m * w.G;
+        float extra = 0.f;
+#pragma omp simd reduction(+ : extra)
+        for (int64_t g = 0; g < w.G; ++g) extra += corr[g] * xs[g];
+        out[m * w.N + n + i] += extra;
+      }
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512VNNI__)
+// x.lanes: each row's block scales d laid out per vpdpbusd lane, read with one load per chunk
+// x.start: where the unsigned weights carry an offset (int8: q + 128; symmetric int4: q + 8), each
+// lane's sum starts at -offset * (its activations' sum), so the integer sums come out exact
+template <int BITS>
+void spread_lanes(QuantizedX& x, int64_t M, int64_t K, int offset) {
+  using Lay = Layout<BITS>;
+  const int64_t B = K / kXBlock, chunks = (K + Lay::kElems - 1) / Lay::kElems, blocks = Lay::kElems / kXBlock;
+  x.lanes.assign(M * chunks * 16, 0.f);
+  x.start.assign(M * chunks * 16, 0);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* xr = x.xq.data() + m * K;
+    for (int64_t c = 0; c < chunks; ++c) {
+      _mm512_storeu_ps(x.lanes.data() + (m * chunks + c) * 16, per_lane<BITS>(x.d.data() + m * B + c * blocks));
+      if (offset == 0) continue;
+      __m512i sum;
+      if constexpr (BITS == 8) {
+        sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(xr + c * 64));
+      } else {
+        sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(xr + c * 64));
+        sum = _mm512_dpbusd_epi32(sum, ones, _mm512_loadu_si512(xr + K / 2 + c * 64));
+      }
+      // a row's last, half chunk: the lanes past it multiply zero weights and must start at zero too
+      const int64_t bytes = std::min<int64_t>(64, (K - c * Lay::kElems) * BITS / 8);
+      const __mmask16 valid = static_cast<__mmask16>((1u << (bytes / 4)) - 1);
+      _mm512_storeu_si512(x.start.data() + (m * chunks + c) * 16,
+                          _mm512_maskz_mullo_epi32(valid, sum, _mm512_set1_epi32(-offset)));
+    }
+  }
+}
+#endif
+
+// x [M, K] quantized for a product with w: per 32-element block as the contract says (and laid out
+// per vpdpbusd lane where the build has VNNI)
+inline QuantizedX quantize_for(const float* x, int64_t M, const QuantMatrix& w) {
+  QuantizedX xq = quantize_x(x, M, w);
+#if defined(__AVX512VNNI__)
+  if (w.bits == 8) spread_lanes<8>(xq, M, w.K, 128);
+  else spread_lanes<4>(xq, M, w.K, w.min != nullptr ? 0 : 8);
+#endif
+  return xq;
+}
+
+// out[m * w.N + n] = x[m] . w[n] for the matrix rows n in [n0, n1): the instruction path this build has
+inline void quant_rows(const QuantMatrix& w, const QuantizedX& x, int64_t M, int64_t n0, int64_t n1, float* out) {
+#if defined(__AVX512VNNI__)
+  if (w.bits == 8) quant_vnni<8>(w, x, M, n0, n1, out);
+  else quant_vnni<4>(w, x, M, n0, n1, out);
+#else
+  quant_portable(w, x, M, n0, n1, out);
+#endif
+}
+
+}  // namespace hloserve
