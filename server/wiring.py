@@ -2,11 +2,14 @@
 
     art = LLMArtifact.read(path)                  manifest.json, the typed LLMSpec and TextSpec, read once
     sched_cfg, runner_cfg = config.resolve(llm)   every limit from ServeConfig, clamped to the artifact
+    draft = LLMArtifact.read(spec.model)          a draft model (--speculative-config): checked against the target,
+                                                  the KV budget split between the two caches
     runner = ModelRunner.from_artifact(art, ...)  step policy, buckets, weights and KV cache on the device
     runner.load_adapters(config.lora_modules)     each --lora-modules adapter into its slot
     tokenizer = Tokenizer.from_artifact(art)      the TextSpec's tokenizer.json (read once), BOS/EOS from the LLMSpec
     grammars = Grammars(...)                      structured output over the same tokenizer.json text
-    scheduler = Scheduler(sched_cfg, BlockManager(runner.num_blocks, ...))
+    proposer = DraftModelProposer(draft runner)   the draft's runner: its own cache, the target's block tables
+    scheduler = Scheduler(sched_cfg, BlockManager(runner.num_blocks, ...), proposer=...)
     engine = Engine(scheduler, runner, ...)
 
 Everything below receives typed objects and reads no file of the artifact again. services.build_service
@@ -15,14 +18,17 @@ other processes (serve.follow).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
+from hloserve.runtime.artifact.errors import HloserveError
 from hloserve.runtime.artifact.llm import LLMArtifact
 from hloserve.runtime.paths import cache_dir
 
 from .config import ServeConfig
 from .core.block_manager import BlockManager
+from .core.draft_model import DraftModelProposer
 from .core.engine import Engine
 from .core.kv_tiers import BlockLayout, KVTiers, artifact_digest, make_tiers
 from .core.model_runner import ModelRunner, RunnerConfig
@@ -53,6 +59,10 @@ def build_engine(artifact: LLMArtifact | str, config: ServeConfig | None = None)
     sched_cfg, runner_cfg, notes = config.resolve(llm)
     for note in notes:
         log.info("%s", note)
+    spec = sched_cfg.speculative
+    draft = LLMArtifact.read(spec.model) if spec is not None and spec.method == "draft_model" else None
+    if draft is not None:
+        runner_cfg = _split_kv_budget(art, draft, runner_cfg, config)
     runner = load_runner(art, runner_cfg, config, strict=config.strict)
     # an adapter that cannot be served: AdapterError, one line
     for adapter in runner.load_adapters(config.lora_modules) if config.lora_modules else ():
@@ -65,9 +75,55 @@ def build_engine(artifact: LLMArtifact | str, config: ServeConfig | None = None)
     tiers = _tiers(art, runner, config) if sched_cfg.enable_prefix_caching else None
     blocks = BlockManager(runner.num_blocks, llm.block_size, enable_prefix_caching=sched_cfg.enable_prefix_caching,
                           tiers=tiers)
-    scheduler = Scheduler(sched_cfg, blocks, eos_token_ids=eos)
+    proposer = _draft_proposer(art, draft, runner, config, tokenizer) if draft is not None else None
+    scheduler = Scheduler(sched_cfg, blocks, eos_token_ids=eos, proposer=proposer)
     engine = Engine(scheduler, runner, vocab_size=llm.vocab_size, decoder=tokenizer, grammars=grammars)
     return engine, tokenizer
+
+
+def _split_kv_budget(art: LLMArtifact, draft: LLMArtifact, runner_cfg: RunnerConfig,
+                     config: ServeConfig) -> RunnerConfig:
+    """The target's RunnerConfig with its block count fixed so that its cache and the draft's, as many
+    blocks each (the draft reads and writes through the target's block tables), fit the KV budget
+    together: blocks = budget // (target's bytes per block + draft's). --num-blocks is both caches' count."""
+    if config.tensor_parallel_size > 1:
+        raise HloserveError("--speculative-config with a draft model serves one device; drop "
+                            "--tensor-parallel-size or use \"method\": \"ngram\"")
+    t, d = art.llm, draft.llm
+    if t.block_size != d.block_size:
+        raise HloserveError(f"--speculative-config: the draft model {draft.path} has KV blocks of {d.block_size} "
+                            f"tokens, the target {art.path} of {t.block_size}; the two share block tables, so "
+                            f"export the draft with the target's block size")
+    if runner_cfg.num_blocks is not None:
+        return runner_cfg
+    t_bytes, d_bytes = t.kv_cache.bytes_per_block, d.kv_cache.bytes_per_block
+    n = max(2, runner_cfg.kv_cache_bytes // (t_bytes + d_bytes))
+    log.info("KV cache budget %.1f MiB split between the target and the draft model: %d blocks each, %.1f MiB and "
+             "%.1f MiB", runner_cfg.kv_cache_bytes / 2**20, n, n * t_bytes / 2**20, n * d_bytes / 2**20)
+    return dataclasses.replace(runner_cfg, num_blocks=n)
+
+
+def _draft_proposer(art: LLMArtifact, draft: LLMArtifact, runner: ModelRunner, config: ServeConfig,
+                    tokenizer: Tokenizer | None) -> DraftModelProposer:
+    """The draft model checked against the target (vocabulary and tokenizer: its proposals are token ids of
+    the target's) and loaded with a cache of the target's block count, for one sequence a call."""
+    draft_tok = Tokenizer.from_artifact(draft)
+    t_id = (art.llm.vocab_size, tokenizer.vocab_digest() if tokenizer else None)
+    d_id = (draft.llm.vocab_size, draft_tok.vocab_digest() if draft_tok else None)
+    if t_id != d_id:
+        raise HloserveError(f"--speculative-config: the draft model {draft.path} (vocab {d_id[0]}, tokenizer "
+                            f"{d_id[1]}) does not share the target {art.path}'s vocabulary (vocab {t_id[0]}, "
+                            f"tokenizer {t_id[1]}); use a draft with the target's tokenizer")
+    cfg = dataclasses.replace(runner.cfg, num_blocks=runner.num_blocks, seq_buckets=(1,))
+    draft_runner = load_runner(draft, cfg, config, strict=config.strict)
+    if draft_runner.num_blocks != runner.num_blocks:
+        raise HloserveError(f"--speculative-config: the draft model {draft.path} holds at most "
+                            f"{draft_runner.num_blocks} KV blocks, the target {runner.num_blocks}; lower "
+                            f"--kv-cache-mib or --num-blocks to {draft_runner.num_blocks}")
+    log.info("draft model %s: %.1f MiB of weights, %.1f MiB of KV cache", draft.path,
+             sum(n for (_, kind), n in draft_runner.device_memory().items() if kind == "weights") / 2**20,
+             draft_runner.kv_cache_bytes / 2**20)
+    return DraftModelProposer(draft_runner, max_chunk=draft_runner.cfg.token_buckets[-1])
 
 
 def _tiers(art: LLMArtifact, runner: ModelRunner, config: ServeConfig) -> KVTiers | None:
