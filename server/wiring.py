@@ -62,7 +62,8 @@ def build_engine(artifact: LLMArtifact | str, config: ServeConfig | None = None)
     spec = sched_cfg.speculative
     draft = LLMArtifact.read(spec.model) if spec is not None and spec.method == "draft_model" else None
     if draft is not None:
-        runner_cfg = _split_kv_budget(art, draft, runner_cfg, config)
+        _check_draft(art, draft, config)
+        runner_cfg = _split_kv_budget(art, draft, runner_cfg)
     runner = load_runner(art, runner_cfg, config, strict=config.strict)
     # an adapter that cannot be served: AdapterError, one line
     for adapter in runner.load_adapters(config.lora_modules) if config.lora_modules else ():
@@ -75,45 +76,47 @@ def build_engine(artifact: LLMArtifact | str, config: ServeConfig | None = None)
     tiers = _tiers(art, runner, config) if sched_cfg.enable_prefix_caching else None
     blocks = BlockManager(runner.num_blocks, llm.block_size, enable_prefix_caching=sched_cfg.enable_prefix_caching,
                           tiers=tiers)
-    proposer = _draft_proposer(art, draft, runner, config, tokenizer) if draft is not None else None
+    proposer = _draft_proposer(draft, runner, config) if draft is not None else None
     scheduler = Scheduler(sched_cfg, blocks, eos_token_ids=eos, proposer=proposer)
     engine = Engine(scheduler, runner, vocab_size=llm.vocab_size, decoder=tokenizer, grammars=grammars)
     return engine, tokenizer
 
 
-def _split_kv_budget(art: LLMArtifact, draft: LLMArtifact, runner_cfg: RunnerConfig,
-                     config: ServeConfig) -> RunnerConfig:
-    """The target's RunnerConfig with its block count fixed so that its cache and the draft's, as many
-    blocks each (the draft reads and writes through the target's block tables), fit the KV budget
-    together: blocks = budget // (target's bytes per block + draft's). --num-blocks is both caches' count."""
+def _check_draft(art: LLMArtifact, draft: LLMArtifact, config: ServeConfig) -> None:
+    """A draft model the target can verify: the same vocabulary and tokenizer (its proposals are token ids
+    of the target's) and the same KV block size (the two caches share block tables); one device."""
     if config.tensor_parallel_size > 1:
         raise HloserveError("--speculative-config with a draft model serves one device; drop "
                             "--tensor-parallel-size or use \"method\": \"ngram\"")
-    t, d = art.llm, draft.llm
-    if t.block_size != d.block_size:
-        raise HloserveError(f"--speculative-config: the draft model {draft.path} has KV blocks of {d.block_size} "
-                            f"tokens, the target {art.path} of {t.block_size}; the two share block tables, so "
-                            f"export the draft with the target's block size")
+    ids = []
+    for a in (art, draft):
+        tok = Tokenizer.from_artifact(a)
+        ids.append((a.llm.vocab_size, tok.vocab_digest() if tok else None))
+    if ids[0] != ids[1]:
+        raise HloserveError(f"--speculative-config: the draft model {draft.path} (vocab {ids[1][0]}, tokenizer "
+                            f"{ids[1][1]}) does not share the target {art.path}'s vocabulary (vocab {ids[0][0]}, "
+                            f"tokenizer {ids[0][1]}); use a draft with the target's tokenizer")
+    if art.llm.block_size != draft.llm.block_size:
+        raise HloserveError(f"--speculative-config: the draft model {draft.path} has KV blocks of "
+                            f"{draft.llm.block_size} tokens, the target {art.path} of {art.llm.block_size}; the two "
+                            f"share block tables, so export the draft with the target's block size")
+
+
+def _split_kv_budget(art: LLMArtifact, draft: LLMArtifact, runner_cfg: RunnerConfig) -> RunnerConfig:
+    """The target's RunnerConfig with its block count fixed so that its cache and the draft's, as many
+    blocks each (the draft reads and writes through the target's block tables), fit the KV budget
+    together: blocks = budget // (target's bytes per block + draft's). --num-blocks is both caches' count."""
     if runner_cfg.num_blocks is not None:
         return runner_cfg
-    t_bytes, d_bytes = t.kv_cache.bytes_per_block, d.kv_cache.bytes_per_block
+    t_bytes, d_bytes = art.llm.kv_cache.bytes_per_block, draft.llm.kv_cache.bytes_per_block
     n = max(2, runner_cfg.kv_cache_bytes // (t_bytes + d_bytes))
     log.info("KV cache budget %.1f MiB split between the target and the draft model: %d blocks each, %.1f MiB and "
              "%.1f MiB", runner_cfg.kv_cache_bytes / 2**20, n, n * t_bytes / 2**20, n * d_bytes / 2**20)
     return dataclasses.replace(runner_cfg, num_blocks=n)
 
 
-def _draft_proposer(art: LLMArtifact, draft: LLMArtifact, runner: ModelRunner, config: ServeConfig,
-                    tokenizer: Tokenizer | None) -> DraftModelProposer:
-    """The draft model checked against the target (vocabulary and tokenizer: its proposals are token ids of
-    the target's) and loaded with a cache of the target's block count, for one sequence a call."""
-    draft_tok = Tokenizer.from_artifact(draft)
-    t_id = (art.llm.vocab_size, tokenizer.vocab_digest() if tokenizer else None)
-    d_id = (draft.llm.vocab_size, draft_tok.vocab_digest() if draft_tok else None)
-    if t_id != d_id:
-        raise HloserveError(f"--speculative-config: the draft model {draft.path} (vocab {d_id[0]}, tokenizer "
-                            f"{d_id[1]}) does not share the target {art.path}'s vocabulary (vocab {t_id[0]}, "
-                            f"tokenizer {t_id[1]}); use a draft with the target's tokenizer")
+def _draft_proposer(draft: LLMArtifact, runner: ModelRunner, config: ServeConfig) -> DraftModelProposer:
+    """The draft model loaded with a cache of the target's block count, for one sequence a call."""
     cfg = dataclasses.replace(runner.cfg, num_blocks=runner.num_blocks, seq_buckets=(1,))
     draft_runner = load_runner(draft, cfg, config, strict=config.strict)
     if draft_runner.num_blocks != runner.num_blocks:
