@@ -103,5 +103,5 @@ class DraftModelProposer:
         self._states.pop(request_id, None)
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> int:
-        """Compile the draft's shapes (before /ready)."""
-        return self.runner.warmup(progress)
+        """Compile the draft's shapes (before /ready); its progress lines say "draft model"."""
+        return self.runner.warmup(None if progress is None else lambda line: progress(f"draft model {line}"))
