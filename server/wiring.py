@@ -33,6 +33,7 @@ from .core.engine import Engine
 from .core.kv_tiers import BlockLayout, KVTiers, artifact_digest, make_tiers
 from .core.model_runner import ModelRunner, RunnerConfig
 from .core.scheduler import Scheduler
+from .core.spec_decode import SpeculativeConfig
 from .text.grammar import Grammars
 from .text.tokenizer import Tokenizer
 
@@ -59,8 +60,7 @@ def build_engine(artifact: LLMArtifact | str, config: ServeConfig | None = None)
     sched_cfg, runner_cfg, notes = config.resolve(llm)
     for note in notes:
         log.info("%s", note)
-    spec = sched_cfg.speculative
-    draft = LLMArtifact.read(spec.model) if spec is not None and spec.method == "draft_model" else None
+    draft = _draft_artifact(sched_cfg.speculative)
     if draft is not None:
         _check_draft(art, draft, config)
         runner_cfg = _split_kv_budget(art, draft, runner_cfg)
@@ -80,6 +80,12 @@ def build_engine(artifact: LLMArtifact | str, config: ServeConfig | None = None)
     scheduler = Scheduler(sched_cfg, blocks, eos_token_ids=eos, proposer=proposer)
     engine = Engine(scheduler, runner, vocab_size=llm.vocab_size, decoder=tokenizer, grammars=grammars)
     return engine, tokenizer
+
+
+def _draft_artifact(spec: SpeculativeConfig | None) -> LLMArtifact | None:
+    """The draft model's artifact (--speculative-config's "model", a directory by now), read once; None
+    without one."""
+    return LLMArtifact.read(spec.model) if spec is not None and spec.method == "draft_model" else None
 
 
 def _check_draft(art: LLMArtifact, draft: LLMArtifact, config: ServeConfig) -> None:
