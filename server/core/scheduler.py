@@ -4,6 +4,9 @@
     out = runner.execute(plan)         # the device step + sampling
     outputs = scheduler.update(plan, out)
 
+(One exception: with a draft model, speculative decoding's proposer, handed in by server/wiring.py,
+runs the draft's own steps inside schedule(), on the draft's runner and cache; core/draft_model.py.)
+
 The algorithm of `schedule()`. Every request has `num_computed_tokens` (tokens
 whose K/V is in the cache) and `token_ids` (prompt + generated so far); a step
 runs some of the tokens in between. There is no separate "prefill" and
