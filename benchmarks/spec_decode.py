@@ -1,7 +1,7 @@
 """Speculative decoding's effect: output tok/s with and without `--speculative-config`, same run.
 
-    python benchmarks/spec_decode.py [--levels 1:8,16:32] [--spec JSON] [--workloads copy,random]
-                                     [--artifact DIR] [--json PATH]
+    python benchmarks/spec_decode.py [--levels 1:8,16:32] [--spec JSON | --draft int8|int4|DRAFT [--draft-k K]]
+                                     [--workloads copy,random] [--artifact DIR] [--json PATH]
 
 Two `hloserve serve` processes on the default artifact (SmolLM2-135M-Instruct, bf16 weights and KV
 cache), one plain and one with --spec (default: n-gram, 7 tokens, lookup 4..2; its
@@ -18,6 +18,10 @@ speculating one, so load drift hits both alike. Workloads, greedy:
   * open (--workloads copy,random,open): chat requests for new text (a short story, an explanation,
     a poem, facts about one of TOPICS), up to 128 output tokens, ending at EOS: little to copy, so
     most proposals miss: what speculation costs.
+
+--draft speculates with a draft model instead: `int8` / `int4` the default preset exported with those
+weights (and the default's bf16 KV cache) into the cache, anything else an artifact, GGUF file or preset
+(`{"model": DRAFT, "num_speculative_tokens": K}`, K = --draft-k, default 4).
 
 Levels: CONCURRENCY:REQUESTS pairs (default 1:8 and 16:32), c clients sending back to back. Per level
 and server: output tok/s (completion tokens over the level's wall time), and for the speculating one the
@@ -182,10 +186,21 @@ def batching_baseline(plain: str, results: list[dict], c: int) -> None:
         print(f"{r['workload']:6s} plain alone, c={c} against c=1: same greedy text {same}/{len(bodies)}", flush=True)
 
 
+def draft_model(name: str) -> str:
+    """--draft's model: int8 / int4 the default preset exported with those weights, else `name` itself."""
+    if name in ("int8", "int4"):
+        from hloserve.server.serve import DEFAULT_PRESET, default_artifact
+        return default_artifact(DEFAULT_PRESET, name, "bfloat16")
+    return name
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--levels", default="1:8,16:32", help="CONCURRENCY:REQUESTS,... (default 1:8,16:32)")
     ap.add_argument("--spec", default=json.dumps(SPEC), help="the --speculative-config JSON of the second server")
+    ap.add_argument("--draft", help="a draft model instead of --spec: int8 or int4 (the default preset exported so), "
+                    "or an artifact, GGUF file or preset")
+    ap.add_argument("--draft-k", type=int, default=4, help="--draft's num_speculative_tokens (default 4)")
     ap.add_argument("--workloads", default="copy,random")
     ap.add_argument("--rounds", type=int, default=1, help="each level this many times, the servers' order "
                     "swapped every other round")
@@ -195,6 +210,8 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    if args.draft:
+        args.spec = json.dumps({"model": draft_model(args.draft), "num_speculative_tokens": args.draft_k})
     levels = [tuple(int(x) for x in lv.split(":")) for lv in args.levels.split(",")]
     workloads = args.workloads.split(",")
     print(f"machine: {cpu_description()}; {time.strftime('%Y-%m-%d')}; spec {args.spec}", flush=True)

@@ -160,7 +160,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
                     help="LLM: speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": "
                          "K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M}' proposes up to K tokens a step "
                          "by prompt lookup (the context's last N..M tokens found earlier in it) and verifies them "
-                         "in one step; \"disable_by_batch_size\": B (default %d) turns it off in steps with more "
+                         "in one step; '{\"model\": DRAFT, \"num_speculative_tokens\": K}' proposes K tokens a "
+                         "step greedily with a draft model (an artifact, GGUF file or preset with the same "
+                         "tokenizer); \"disable_by_batch_size\": B (default %d) turns it off in steps with more "
                          "than B requests running (default: off)" % DEFAULT_DISABLE_BY_BATCH_SIZE)
     sv.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                     help="LLM: LoRA adapters (PEFT directories) loaded at start into an artifact exported with "

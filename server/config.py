@@ -88,7 +88,7 @@ class ServeConfig:
         generation_config.json or the file itself.
       override_generation_config: generation_config.json fields merged over those (vLLM's
         --override-generation-config); a request's own fields win over both.
-      speculative_config: LLM: speculative decoding (vLLM's --speculative-config, the n-gram method;
+      speculative_config: LLM: speculative decoding (vLLM's --speculative-config, the n-gram or draft-model method;
         server/core/spec_decode.py), None: off. Each drafted token is a row of the step, so
         num_speculative_tokens is clamped to max_num_seqs - 1.
       lora_modules: LLM: (name, PEFT directory) of the LoRA adapters loaded at start into an artifact's

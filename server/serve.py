@@ -166,6 +166,16 @@ def serve_target(target: str | None, quantize: str = SERVE_QUANTIZE,
     return target, None   # build_service says what it is not
 
 
+def resolve_draft(config: ServeConfig) -> ServeConfig:
+    """`config` with its draft model (--speculative-config's "model") an artifact directory: a GGUF file or
+    preset named there is exported into the cache as `hloserve serve` would export it."""
+    spec = config.speculative_config
+    if spec is None or spec.model is None:
+        return config
+    path, _ = serve_target(spec.model)
+    return dataclasses.replace(config, speculative_config=dataclasses.replace(spec, model=path))
+
+
 def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 8000, config: ServeConfig | None = None,
           log_level: str = "info", quantize: str = SERVE_QUANTIZE) -> None:
     import functools
@@ -180,6 +190,7 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
         logging.getLogger(noisy).setLevel(logging.WARNING)
     config = config or ServeConfig()
     path, name = serve_target(artifact_path, quantize, config.kv_cache_dtype)
+    config = resolve_draft(config)
     if name and not config.served_model_names:   # an exported preset or file keeps its own name
         config = dataclasses.replace(config, served_model_names=(name,))
     print(f"[hloserve] loading {path}", file=sys.stderr, flush=True)

@@ -247,11 +247,13 @@ def test_the_server_reads_an_artifact_once():
                 loads.append((site, {k.arg for k in call.keywords}))
     assert reads == ["hloserve.server.services.build_service"]
     # the contract and text spec are typed where a path comes in: the service, a follower process,
-    # the conveniences that also take a path (build_engine, ModelRunner.from_artifact), and a predict
-    # artifact's embedder; handed the typed objects, as the wiring hands them, they read nothing
+    # the conveniences that also take a path (build_engine, ModelRunner.from_artifact), a predict
+    # artifact's embedder and a draft model's artifact (a second one); handed the typed objects, as the
+    # wiring hands them, they read nothing
     assert sorted(parses) == [("hloserve.server.core.model_runner.from_artifact", "LLMArtifact.read"),
                               ("hloserve.server.embeddings.from_artifact", "TextSpec.of"),
                               ("hloserve.server.serve.follow", "LLMArtifact.read"),
                               ("hloserve.server.services.build_service", "LLMArtifact.read"),
+                              ("hloserve.server.wiring._draft_artifact", "LLMArtifact.read"),
                               ("hloserve.server.wiring.build_engine", "LLMArtifact.read")]
     assert loads and all("manifest" in kw for _, kw in loads), loads       # runtime.load gets the manifest read

@@ -213,6 +213,8 @@ class Engine:
     def warmup(self, progress: Callable[[str], None] | None = None) -> int:
         """Compile every shape the runner can be asked for (before /ready); returns compiles done."""
         n = self.runner.warmup(progress)
+        if self.scheduler.proposer is not None:   # a draft model's shapes
+            n += self.scheduler.proposer.warmup(progress)
         problem = self.structured.prepare()   # the grammar tokenizer (~0.5 s), not on the first structured request
         if problem:
             log.warning("%s; other requests are served", problem)

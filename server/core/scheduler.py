@@ -4,6 +4,9 @@
     out = runner.execute(plan)         # the device step + sampling
     outputs = scheduler.update(plan, out)
 
+(One exception: with a draft model, speculative decoding's proposer, handed in by server/wiring.py,
+runs the draft's own steps inside schedule(), on the draft's runner and cache; core/draft_model.py.)
+
 The algorithm of `schedule()`. Every request has `num_computed_tokens` (tokens
 whose K/V is in the cache) and `token_ids` (prompt + generated so far); a step
 runs some of the tokens in between. There is no separate "prefill" and
@@ -48,7 +51,7 @@ from typing import Sequence
 from .block_manager import BlockManager
 from .outputs import FinishReason, RequestOutput, RunnerOutput, ScheduledSeq, SchedulerPlan
 from .sampling import RowContext, SamplingParams, TokenLogprobs
-from .spec_decode import DraftLength, NgramProposer, SpecDecodeStats, SpeculativeConfig, speculates
+from .spec_decode import DraftLength, NgramProposer, Proposer, SpecDecodeStats, SpeculativeConfig, speculates
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -150,7 +153,9 @@ class Scheduler:
     """Continuous batching over a BlockManager; see the module docstring for the algorithm."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *, eos_token_ids: Sequence[int] = (),
-                 seed_rng: random.Random | None = None):
+                 seed_rng: random.Random | None = None, proposer: Proposer | None = None):
+        """`proposer`: speculative decoding's (the n-gram one, made here, when the config asks for it and
+        none is given; a draft model's is built by server/wiring.py, which loads it)."""
         self.config = config
         self.blocks = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -160,7 +165,9 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
         spec = config.speculative
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        if proposer is None and spec is not None and spec.method != "ngram":
+            raise ValueError(f"speculative method {spec.method!r} needs its proposer (core/draft_model.py)")
+        self.proposer = proposer or (NgramProposer(spec) if spec is not None else None)
         self.stats = SchedulerStats(spec=SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None)
 
     # -- admission ----------------------------------------------------------------
@@ -288,6 +295,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.blocks.free(req.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -328,14 +337,12 @@ class Scheduler:
         spec = self.config.speculative
         if len(self.running) > spec.disable_by_batch_size:
             return decodes
-        watermark = int(self.config.admission_watermark * self.blocks.total_blocks)
         out = []
         for seq in decodes:
             req = self._requests[seq.request_id]
             draft = self._propose(req, min(spec.num_speculative_tokens, budget, rows))
-            total = req.num_computed_tokens + 1 + len(draft)
-            if draft and self.blocks.new_blocks_needed(req.request_id, total) <= self.blocks.num_free_blocks - watermark:
-                table = self.blocks.allocate(req.request_id, total).block_ids
+            if draft:
+                table = self.blocks.allocate(req.request_id, req.num_computed_tokens + 1 + len(draft)).block_ids
                 seq = dataclasses.replace(seq, token_ids=seq.token_ids + draft, block_table=table, draft_token_ids=draft)
                 budget -= len(draft)
                 rows -= len(draft)
@@ -344,13 +351,28 @@ class Scheduler:
 
     def _propose(self, req: Request, k: int) -> tuple[int, ...]:
         """Up to k proposed tokens for a decoding request: within its room (the draft and the token drawn
-        after it stay within max_tokens and the context) and its adaptive length (DraftLength)."""
+        after it stay within max_tokens and the context), its adaptive length (DraftLength) and the free
+        blocks above the admission watermark. A proposer that writes K/V (a draft model) gets the blocks
+        for all k first; the n-gram one only those its proposal needs, after it."""
         room = min(req.params.max_tokens - req.num_output_tokens, self.config.max_model_len - len(req.token_ids)) - 1
         k = min(k, room)
         if k <= 0 or not speculates(req.params, req.num_output_tokens):
             return ()
         k = min(k, req.draft.take())
-        return self.proposer.propose(req.token_ids, k) if k > 0 else ()
+        if k <= 0:
+            return ()
+        watermark = int(self.config.admission_watermark * self.blocks.total_blocks)
+
+        def fits(n: int) -> bool:
+            needed = self.blocks.new_blocks_needed(req.request_id, req.num_computed_tokens + 1 + n)
+            return needed <= self.blocks.num_free_blocks - watermark
+        if not self.proposer.writes_kv:
+            draft = self.proposer.draft(req.request_id, req.token_ids, k, ())
+            return draft if draft and fits(len(draft)) else ()
+        if not fits(k):
+            return ()
+        table = self.blocks.allocate(req.request_id, req.num_computed_tokens + 1 + k).block_ids
+        return self.proposer.draft(req.request_id, req.token_ids, k, table)
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         """The plan row running tokens [num_computed, num_computed + n) of `req` (blocks already allocated)."""
@@ -434,6 +456,8 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         self.blocks.free(req.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
         req.status = RequestStatus.FINISHED
         del self._requests[req.request_id]
         return RequestOutput(request_id=req.request_id, new_token_ids=tokens, finish_reason=reason,

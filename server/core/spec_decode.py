@@ -1,10 +1,12 @@
-"""Speculative decoding: its configuration (vLLM's `--speculative-config`), the n-gram proposer and
-its counters.
+"""Speculative decoding: its configuration (vLLM's `--speculative-config`), the proposers' interface,
+the n-gram proposer and its counters (the draft-model proposer, which runs a second artifact, is
+core/draft_model.py).
 
 How a step speculates (the scheduler plans, the runner verifies, the scheduler accepts):
 
     schedule():  a decoding request whose last sampled token x0 is not yet in the cache gets up to K
-                 proposed tokens d1..dk (NgramProposer: prompt lookup), planned as k+1 tokens x0,
+                 proposed tokens d1..dk (NgramProposer: prompt lookup; DraftModelProposer: K greedy
+                 decode steps of a draft model, its blocks allocated first), planned as k+1 tokens x0,
                  d1..dk (`ScheduledSeq.draft_token_ids`), their KV blocks included, within the step's
                  token budget and rows: each token runs in a row of its own over the request's block
                  table, as a decode's token does, and the step returns one row of logits per row
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -35,20 +37,26 @@ from .sampling import SamplingParams
 
 FLAG = "--speculative-config"
 EXAMPLE = '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\''
+DRAFT_EXAMPLE = '\'{"model": "/path/to/draft-artifact", "num_speculative_tokens": 4}\''
 # running requests above which a step does not speculate (the default of disable_by_batch_size): measured
 # on SmolLM2-135M on a 2-core Xeon, docs/performance.md "Speculative decoding"
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 # vLLM's defaults where both prompt_lookup sizes are left out
 DEFAULT_PROMPT_LOOKUP = 5
-FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+FIELDS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                    "disable_by_batch_size"),
+          "draft_model": ("method", "model", "num_speculative_tokens", "disable_by_batch_size")}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
-    """vLLM's speculative config, the n-gram (prompt lookup) method.
+    """vLLM's speculative config: the n-gram (prompt lookup) and draft-model methods.
 
     Attributes:
-      method: "ngram" (the only one served; "draft_model" is refused: not supported yet).
+      method: "ngram" or "draft_model" (vLLM's other methods are refused).
+      model: the draft model ("draft_model" only): an hloserve LLM artifact, or a GGUF file or preset
+        that `hloserve serve` exports into the cache (serve.resolve_draft makes it a directory), with
+        the target's tokenizer.
       num_speculative_tokens: K, tokens proposed per request and step (at most; fewer where the
         match, the token budget, the step's rows, max_tokens or the context leave less room).
       prompt_lookup_max / prompt_lookup_min: the longest and shortest n-gram (the context's last n
@@ -57,13 +65,18 @@ class SpeculativeConfig:
     """
     method: str = "ngram"
     num_speculative_tokens: int
+    model: str | None = None
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self):
-        if self.method != "ngram":
+        if self.method not in FIELDS:
             raise HloserveError(_refuse_method(self.method))
+        if (self.method == "draft_model") != isinstance(self.model, str) or self.model == "":
+            raise HloserveError(f"{FLAG}: method {self.method!r} with model={self.model!r}: a draft model is "
+                                f"named by \"model\" (a path or preset) with method \"draft_model\", e.g. "
+                                f"{DRAFT_EXAMPLE}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -85,41 +98,41 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "SpeculativeConfig":
-        """vLLM's rules for the n-gram fields: `method` "ngram" (or `model` "ngram"), both lookup sizes
-        5 when neither is given, else the missing one equal to the other."""
+        """vLLM's rules: `method` "ngram" (or `model` "ngram"); a `model` naming anything else is a draft
+        model (`method` "draft_model", implied); for n-gram both lookup sizes 5 when neither is given,
+        else the missing one equal to the other."""
         raw = dict(raw)
-        if "model" in raw:
-            if raw["model"] not in ("ngram", "[ngram]"):
-                raise HloserveError(_refuse_method("draft_model"))
+        if raw.get("model") in ("ngram", "[ngram]"):
             raw.setdefault("method", "ngram")
             del raw["model"]
+        elif "model" in raw:
+            raw.setdefault("method", "draft_model")
         if raw.get("method") == "[ngram]":
             raw["method"] = "ngram"
         method = raw.get("method")
         if method is None:
             raise HloserveError(f"{FLAG}: no 'method'; add \"method\": \"ngram\", e.g. {EXAMPLE}")
-        if method != "ngram":
+        if method not in FIELDS:
             raise HloserveError(_refuse_method(method))
-        unknown = sorted(set(raw) - set(FIELDS))
+        unknown = sorted(set(raw) - set(FIELDS[method]))
         if unknown:
-            raise HloserveError(f"{FLAG}: unknown field(s) {', '.join(map(repr, unknown))}; the n-gram method's "
-                                f"fields are {', '.join(FIELDS)}")
+            raise HloserveError(f"{FLAG}: unknown field(s) {', '.join(map(repr, unknown))}; the {method} method's "
+                                f"fields are {', '.join(FIELDS[method])}")
         if "num_speculative_tokens" not in raw:
             raise HloserveError(f"{FLAG}: no 'num_speculative_tokens'; add the tokens to propose per step, "
-                                f"e.g. {EXAMPLE}")
-        hi, lo = raw.get("prompt_lookup_max"), raw.get("prompt_lookup_min")
-        if hi is None and lo is None:
-            hi = lo = DEFAULT_PROMPT_LOOKUP
-        raw["prompt_lookup_max"] = hi if hi is not None else lo
-        raw["prompt_lookup_min"] = lo if lo is not None else hi
+                                f"e.g. {EXAMPLE if method == 'ngram' else DRAFT_EXAMPLE}")
+        if method == "ngram":
+            hi, lo = raw.get("prompt_lookup_max"), raw.get("prompt_lookup_min")
+            if hi is None and lo is None:
+                hi = lo = DEFAULT_PROMPT_LOOKUP
+            raw["prompt_lookup_max"] = hi if hi is not None else lo
+            raw["prompt_lookup_min"] = lo if lo is not None else hi
         return cls(**raw)
 
 
 def _refuse_method(method: Any) -> str:
-    if method == "draft_model":
-        return (f"{FLAG}: method 'draft_model' (a draft model) is not supported yet; use \"method\": \"ngram\" "
-                f"(prompt lookup), e.g. {EXAMPLE}")
-    return f"{FLAG}: method {method!r} is not supported; use \"method\": \"ngram\" (prompt lookup), e.g. {EXAMPLE}"
+    return (f"{FLAG}: method {method!r} is not supported; use \"method\": \"ngram\" (prompt lookup), e.g. {EXAMPLE}, "
+            f"or a draft model, e.g. {DRAFT_EXAMPLE}")
 
 
 def speculates(params: SamplingParams, num_output_tokens: int) -> bool:
@@ -129,14 +142,39 @@ def speculates(params: SamplingParams, num_output_tokens: int) -> bool:
     return not params.needs_history and params.structured is None and num_output_tokens >= params.min_tokens
 
 
+class Proposer(Protocol):
+    """What the scheduler asks of a proposer (NgramProposer; DraftModelProposer in core/draft_model.py)."""
+    writes_kv: bool   # proposing writes K/V into the request's blocks: the scheduler allocates them first
+
+    def draft(self, request_id: str, token_ids: Sequence[int], k: int, block_table: Sequence[int]) -> tuple[int, ...]:
+        """Up to k tokens to follow `token_ids` (the request's blocks hold room for k more when writes_kv)."""
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was preempted: its blocks are no longer its own."""
+
+    def warmup(self, progress: Callable[[str], None] | None = None) -> int:
+        """Compile what proposing runs (before /ready); returns the compiles done."""
+
+
 class NgramProposer:
     """Prompt lookup (vLLM's NgramProposer): find the longest n-gram, prompt_lookup_min <= n <=
     prompt_lookup_max, ending the context that also occurs earlier in it (the earliest such place),
     and propose the tokens that followed it there."""
 
+    writes_kv = False
+
     def __init__(self, config: SpeculativeConfig):
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+
+    def draft(self, request_id: str, token_ids: Sequence[int], k: int, block_table: Sequence[int]) -> tuple[int, ...]:
+        return self.propose(token_ids, k)
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def warmup(self, progress: Callable[[str], None] | None = None) -> int:
+        return 0
 
     def propose(self, token_ids: Sequence[int], k: int) -> tuple[int, ...]:
         """Up to k tokens to follow `token_ids` (empty when no n-gram matches)."""

@@ -166,6 +166,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def vocab_digest(self) -> str:
+        """A short digest of the token -> id map, added tokens included: two tokenizers that encode and
+        decode alike share it (a draft model's is checked against its target's)."""
+        import hashlib
+        vocab = sorted(self._tok.get_vocab(with_added_tokens=True).items())
+        return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:12]
+
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.config.eos_token_ids

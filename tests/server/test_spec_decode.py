@@ -37,9 +37,9 @@ def test_config_follows_vllms_defaults():
     ("{method: ngram}", "is not JSON"),
     ("[4]", "is a JSON list"),
     ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle' is not supported"),
-    ('{"method": "draft_model", "model": "/art", "num_speculative_tokens": 2}', "'draft_model' (a draft model) is not "
-                                                                              "supported yet"),
-    ('{"model": "/some/artifact", "num_speculative_tokens": 2}', "is not supported yet"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "a draft model is named by \"model\""),
+    ('{"model": "/art", "num_speculative_tokens": 2, "prompt_lookup_max": 3}', "the draft_model method's fields"),
+    ('{"model": "/art"}', "no 'num_speculative_tokens'"),
     ('{"num_speculative_tokens": 2}', "no 'method'"),
     ('{"method": "ngram"}', "no 'num_speculative_tokens'"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup": 3}', "unknown field(s) 'prompt_lookup'"),
@@ -54,6 +54,14 @@ def test_a_bad_speculative_config_is_one_line_from_the_cli(text, fragment, capsy
     assert main(["serve", str(tmp_path / "not-read"), "--speculative-config", text]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("hloserve: error: ") and fragment in err, err
+
+
+def test_a_draft_model_is_vllms_model_field():
+    c = SpeculativeConfig.from_json('{"model": "/art/draft", "num_speculative_tokens": 3}')
+    assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", "/art/draft", 3)
+    c = SpeculativeConfig.from_json('{"method": "draft_model", "model": "smollm2-135m-instruct", '
+                                    '"num_speculative_tokens": 2, "disable_by_batch_size": 8}')
+    assert (c.method, c.model, c.disable_by_batch_size) == ("draft_model", "smollm2-135m-instruct", 8)
 
 
 def test_resolve_clamps_the_draft_to_the_steps_rows():
@@ -164,10 +172,12 @@ def test_a_verified_draft_takes_a_row_per_token():
 
 
 # -- scheduler and engine with MockRunner -------------------------------------------------------
-def make(spec: SpeculativeConfig | None, *, max_num_seqs=4, budget=32, num_blocks=64, block_size=4, eos=(), **kw):
+def make(spec: SpeculativeConfig | None, *, max_num_seqs=4, budget=32, num_blocks=64, block_size=4, eos=(),
+         proposer=None, **kw):
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=128,
                                       admission_watermark=0.0, enable_prefix_caching=True, speculative=spec),
-                      BlockManager(num_blocks, block_size), eos_token_ids=eos, seed_rng=random.Random(0))
+                      BlockManager(num_blocks, block_size), eos_token_ids=eos, seed_rng=random.Random(0),
+                      proposer=proposer)
     return sched, MockRunner(VOCAB, num_blocks, block_size, **kw)
 
 
@@ -252,6 +262,57 @@ def test_a_stop_string_inside_a_multi_token_step_drops_the_tokens_after_it():
                  "vllm:spec_decode_num_accepted_tokens_total"):
         assert f"{name}{{" in text
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="model",position="3"}' in text
+
+
+class SkewedDraft(MockRunner):
+    """A draft model that counts on as the target does, except that it guesses t + 2 after every t
+    divisible by 5: its proposals are accepted up to there, the target's token replaces the guess."""
+
+    def execute(self, plan):
+        out = super().execute(plan)
+        for rid, toks in out.sampled.items():
+            out.sampled[rid] = tuple(t + 1 if (t - 1) % 5 == 0 else t for t in toks)
+        return out
+
+
+def make_draft(draft_runner, **kw):
+    from hloserve.server.core.draft_model import DraftModelProposer
+    spec = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=4)
+    proposer = DraftModelProposer(draft_runner, max_chunk=8)
+    return *make(spec, proposer=proposer, **kw), proposer
+
+
+@pytest.mark.parametrize("draft", [MockRunner, SkewedDraft])
+def test_a_draft_model_proposes_through_the_targets_block_tables(draft):
+    """A draft model (a second MockRunner with its own cache, as many blocks, the target's tables):
+    greedy tokens equal the plain run's; a right draft is accepted whole, a skewed one up to its miss
+    (its cache then catches up on the tokens the target kept, read back through the block tables: a
+    stale or misplaced slot would change its next proposal); blocks all free at the end."""
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    reqs = [("a", list(range(10, 32)), greedy), ("b", [3, 4, 5], greedy)]   # "a" catches up in 3 chunks of <= 8
+    plain = run(*make(None, max_num_seqs=8), reqs)
+    draft_runner = draft(VOCAB, 64, 4)
+    sched, runner, proposer = make_draft(draft_runner, max_num_seqs=8)
+    spec = run(sched, runner, reqs)
+    assert {k: tokens(v) for k, v in spec.items()} == {k: tokens(v) for k, v in plain.items()}
+    s = sched.stats.spec
+    assert s.num_drafts > 0 and max(len(p.seqs[0].token_ids) for p in draft_runner.plans) == 8
+    if draft is MockRunner:
+        assert s.num_accepted_tokens == s.num_draft_tokens
+        assert max(len(o.new_token_ids) for o in spec["a"]) == 5
+    else:
+        assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+    assert not proposer._states                                       # forgotten as each request finished
+
+
+def test_seeded_sampling_with_a_draft_model_draws_the_same_tokens():
+    params = [SamplingParams(temperature=1.0, max_tokens=16, seed=s) for s in range(3)]
+    reqs = [(f"r{i}", COUNTING, p) for i, p in enumerate(params)]
+    plain = run(*make(None, max_num_seqs=8, peak=3.0), reqs)
+    sched, runner, _ = make_draft(MockRunner(VOCAB, 64, 4), max_num_seqs=8, peak=3.0)
+    spec = run(sched, runner, reqs)
+    assert {k: tokens(v) for k, v in spec.items()} == {k: tokens(v) for k, v in plain.items()}
+    assert sched.stats.spec.num_accepted_tokens > 0
 
 
 def test_large_batches_do_not_speculate_and_drafts_fit_the_rows():
