@@ -74,7 +74,7 @@ def _export_checked(args: argparse.Namespace) -> int:
     source = load_source(args.source, dtype=dtype, quantize=args.quantize,
                          quantize_skip=args.quantize_skip.split(",") if args.quantize_skip else (),
                          weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, llm_step=args.llm_step,
-                         lora=_lora_request(args))
+                         lora=_lora_request(args), keep_16bit_embedding=args.keep_16bit_embedding)
     entries = source.entries
     if args.function:
         known = {e.name for e in entries}
@@ -175,6 +175,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
                             "see docs/quantization.md")
         e.add_argument("--quantize-skip", metavar="PATTERNS",
                        help="comma-separated fnmatch patterns of modules left in float, e.g. '*embed*,lm_head'")
+        e.add_argument("--keep-16bit-embedding", action="store_true",
+                       help="compressed-tensors checkpoints: keep the embedding table (and the LM head tied to it) "
+                            "in 16 bits instead of int8 with a scale per row (docs/quantization.md)")
         e.add_argument("--savedmodel", metavar="DIR", help="also write a TensorFlow SavedModel (see `hloserve tf`)")
         e.add_argument("-q", "--quiet", action="store_true", help="no progress output")
         e.set_defaults(fn=_export)

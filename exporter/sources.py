@@ -80,14 +80,17 @@ def _checkpoint_dtype(spec: str) -> str | None:
 
 def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = None,
                 quantize_skip: Sequence[str] = (), weight_dtype: str | None = None,
-                kv_cache_dtype: str | None = None, llm_step: str = "auto", lora=None) -> Source:
+                kv_cache_dtype: str | None = None, llm_step: str = "auto", lora=None,
+                keep_16bit_embedding: bool = False) -> Source:
     """Load SOURCE; with `quantize` (--quantize, see quantization.schemes.QuantConfig.parse) its
     Linear/Embedding weights are swapped for quantized ones (a GGUF with `gguf` keeps its blocks).
     `weight_dtype` / `kv_cache_dtype` (--weight-dtype, --kv-cache-dtype) store an LLM's weight
     matrices / K and V in a 16-bit float under float32 activations. `llm_step` (--llm-step): "auto"
     or "generic" export a Hugging Face causal LM or a GGUF as the paged-cache step
     (models/hf_causal.py), "none" a causal LM as its plain forward (for the predict API). `lora`
-    (--lora-slots, a llm.lora.LoraRequest): the step takes adapters in that many slots."""
+    (--lora-slots, a llm.lora.LoraRequest): the step takes adapters in that many slots.
+    `keep_16bit_embedding` (--keep-16bit-embedding): a compressed-tensors checkpoint's tied embedding
+    table and LM head stay in 16 bits (by default: int8, a scale per row, stored once)."""
     llm = {}
     for flag, value, key, table in (("--weight-dtype", weight_dtype, "weight_dtype", DTYPES),
                                     ("--kv-cache-dtype", kv_cache_dtype, "kv_dtype", KV_CACHE_DTYPES)):
@@ -103,6 +106,14 @@ def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = Non
         if llm_step == "none":
             raise SourceError("--lora-slots applies to the LLM step; leave out --llm-step none")
         llm["lora"] = lora
+    if keep_16bit_embedding:
+        if quantize:
+            raise SourceError("--keep-16bit-embedding applies without --quantize; with --quantize, leave the table "
+                              "float with --quantize-skip (e.g. 'model.embed_tokens,lm_head')")
+        if not (os.path.isdir(spec) and is_compressed_tensors(_read_json(os.path.join(spec, "config.json")) or {})):
+            raise SourceError(f"--keep-16bit-embedding applies to compressed-tensors checkpoints (whose tied table "
+                              f"would be stored in int8); {spec} is not one, and keeps its float table already")
+        llm["keep_table"] = True
     if quantize and "weight_dtype" in llm:
         raise SourceError("--weight-dtype and --quantize both choose how weights are stored; use one of them")
     if quantize:
@@ -209,14 +220,19 @@ def _gguf(path: str, tdtype, quant: QuantRequest | None, llm: dict) -> Source:
 def _compressed(path: str, tdtype, quant: QuantRequest | None, llm: dict) -> Source:
     """A compressed-tensors directory (llm-compressor's W4A16, W8A16, W8A8, ...) through the generic
     step: its quantized modules keep their integers and scales (exporter/compressed_tensors), its other
-    weights load as floats; `--quantize SPEC` quantizes those others too (the embedding, the head)."""
+    weights load as floats, except an input embedding table tied to the LM head (llm-compressor leaves
+    both 16-bit): stored once in int8 with a scale per row, read by the lookups and the head, unless
+    --keep-16bit-embedding (llm["keep_table"]). `--quantize SPEC` quantizes all the others (the
+    embedding, the head) in SPEC instead."""
     ckpt = open_checkpoint(path)
     if llm.get("step", "auto") not in ("auto", "generic"):
         raise SourceError(f"--llm-step {llm['step']}: {path} is a compressed-tensors checkpoint, which exports as an "
                           f"LLM step (auto or generic)")
-    llm = {k: v for k, v in llm.items() if k != "step"}
+    keep_table = llm.get("keep_table", False)
+    llm = {k: v for k, v in llm.items() if k not in ("step", "keep_table")}
     if quant is None:
-        quant = QuantRequest(QuantConfig(INT8, spec="compressed-tensors", native=True), only_stored=True)
+        quant = QuantRequest(QuantConfig(INT8, spec="compressed-tensors", native=True), only_stored=True,
+                             table=not keep_table)
     quant = dataclasses.replace(quant, stored=lambda model: ckpt.stored_by_module(model, quant.config))
     import transformers
     config = transformers.AutoConfig.from_pretrained(path)
@@ -226,7 +242,8 @@ def _compressed(path: str, tdtype, quant: QuantRequest | None, llm: dict) -> Sou
                           f"hloserve imports compressed-tensors causal LMs (the LLM step) only")
     src = hf_causal.from_hf_directory(path, tdtype, state_dict=ckpt.float_state_dict(tdtype), quantize=quant, **llm)
     kept = {"format": "compressed-tensors", "groups": ckpt.plan.describe(), "modules": len(ckpt.quantized)}
-    rest = {"spec": "compressed-tensors", "native": True} if quant.only_stored else src.model["quantization"]
+    rest = {"spec": "compressed-tensors", "native": True, "tied_table": "int8 per row" if quant.table else "16-bit"} \
+        if quant.only_stored else src.model["quantization"]
     src.model["quantization"] = {**rest, "checkpoint": kept}
     src.description = (f"compressed-tensors {os.path.basename(os.path.normpath(path))} ({'; '.join(ckpt.plan.describe())}: "
                        f"its own integers and scales), {src.description}")

@@ -99,61 +99,53 @@ class QuantRequest:
     WeightSpec.quant from, and the weights the checkpoint already holds quantized (`stored(module)`:
     {module name: (stored tensors, scheme)}, a GGUF's own blocks, a compressed-tensors checkpoint's
     integers), used as they are. `only_stored`: the other modules stay float (a compressed-tensors
-    checkpoint exported without --quantize)."""
+    checkpoint exported without --quantize), except, with `table`, an input embedding table an LM head
+    is tied to (stored once in config.scheme, read by both)."""
     config: QuantConfig
     record: QuantRecord = dataclasses.field(default_factory=lambda: QuantRecord())
     stored: Callable[[torch.nn.Module], Mapping[str, tuple[dict[str, torch.Tensor], WeightScheme]]] | None = None
     only_stored: bool = False
+    table: bool = False
 
     def apply(self, module: torch.nn.Module) -> None:
         """The module swap on `module` (its real, unscanned layers)."""
         quantize_module(module, self.config, self.record, self.stored(module) if self.stored is not None else None,
-                        only_given=self.only_stored)
+                        only_given=self.only_stored, table=self.table)
 
 
 # -- generic modules --------------------------------------------------------------
 def quantize_module(module: torch.nn.Module, config: QuantConfig, record: QuantRecord | None = None,
                     given: Mapping[str, tuple[dict[str, torch.Tensor], WeightScheme]] | None = None, *,
-                    only_given: bool = False) -> QuantRecord:
+                    only_given: bool = False, table: bool = False) -> QuantRecord:
     """Swap every nn.Linear / nn.Embedding of `module` (not matched by config.skip) in place.
 
     `given` maps module names to weights already stored (row by row) in a scheme, e.g. a GGUF file's
     own blocks (exporter/gguf/quant.py): those are used as they are, not requantized. With
-    `only_given`, only those are swapped.
+    `only_given`, only those are swapped, and with `table` too the input embeddings and the linear
+    layers tied to them (a compressed-tensors checkpoint's float table and its tied LM head).
 
     Module names are the dotted paths of named_modules() ("encoder.layer.0.attention.self.query").
     A weight whose input dim does not fit the scheme's group raises (skip it or pick a group).
-    Modules sharing one weight share one quantized tensor, except a head tied to an embedding, which
-    gets an interleaved copy (the table's gathers read rows; the head's kernel reads 16 rows at once).
+    Modules sharing one weight share one quantized tensor: a head tied to an embedding reads the
+    table's tensors, stored once, interleaved by 16 rows for the head's kernel where its shape allows
+    (WeightScheme.for_linear); the embedding gathers its rows where they lie (primitives.gather_rows).
     """
     record = record if record is not None else QuantRecord()
     shared: dict[tuple, tuple[dict[str, torch.Tensor], WeightScheme]] = {}
-    heads: dict[tuple, tuple[dict[str, torch.Tensor], WeightScheme]] = {}     # tied heads' interleaved copies
-    targets = [(n, m) for n, m in module.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
-               and (not only_given or n in (given or {}))]
-    embedded = {_identity(m.weight) for n, m in targets if isinstance(m, torch.nn.Embedding) and not config.skipped(n)}
+    kept = [(n, m) for n, m in module.named_modules()
+            if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and not config.skipped(n)]
+    embedded = {_identity(m.weight) for n, m in kept if isinstance(m, torch.nn.Embedding)}
+    tied = {_identity(m.weight) for n, m in kept if isinstance(m, torch.nn.Linear)} & embedded
+    targets = [(n, m) for n, m in kept if not only_given or n in (given or {})
+               or (table and _identity(m.weight) in tied)]
     for name, child in targets:
-        if config.skipped(name):
-            continue
         w = child.weight
         key = _identity(w)
-        if key not in shared:   # a weight only Linears read (not a tied embedding) may be interleaved
-            if given is not None and name in given:
-                tensors, scheme = given[name]
-                rows = scheme.for_linear(tuple(w.shape))
-                shared[key] = (interleaved(tensors, rows), rows) if key not in embedded and rows.rows else given[name]
-            else:
-                shared[key] = quantize_tensor(w, config.scheme, name, linear=key not in embedded)
+        if key not in shared:   # interleaved unless only embeddings read it
+            shared[key] = _stored(w, name, config.scheme, (given or {}).get(name), linear=key not in embedded or key in tied)
             record.add(shared[key][0], shared[key][1], tuple(w.shape))
         tensors, scheme = shared[key]
         if isinstance(child, torch.nn.Linear):
-            head = scheme.for_linear(tuple(w.shape))
-            if key in embedded and head.rows:
-                # a head tied to an embedding: its own copy interleaved by 16 rows (the gathers need rows)
-                if key not in heads:
-                    heads[key] = interleaved(tensors, head), head
-                    record.add(heads[key][0], head, tuple(w.shape))
-                tensors, scheme = heads[key]
             new: torch.nn.Module = QuantizedLinear(child.in_features, child.out_features, scheme, tensors,
                                                    child.bias, w.dtype)
         else:
@@ -165,6 +157,17 @@ def quantize_module(module: torch.nn.Module, config: QuantConfig, record: QuantR
         parent_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent_name) if parent_name else module, attr, new)
     return record
+
+
+def _stored(w: torch.Tensor, name: str, scheme: WeightScheme, given, *, linear: bool
+            ) -> tuple[dict[str, torch.Tensor], WeightScheme]:
+    """One weight's stored tensors and scheme: `given` (row by row) as it is, or `w` quantized; with
+    `linear` (a linear layer reads it), interleaved where WeightScheme.for_linear says."""
+    if given is None:
+        return quantize_tensor(w, scheme, name, linear=linear)
+    tensors, scheme = given
+    rows = scheme.for_linear(tuple(w.shape))
+    return (interleaved(tensors, rows), rows) if linear and rows.rows else given
 
 
 def store(out: dict, name: str, tensors: Mapping[str, torch.Tensor]) -> None:

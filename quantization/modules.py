@@ -5,7 +5,7 @@
     hloserve::kquant_linear(Tensor x, Tensor qweight, Tensor blocks, Tensor? bias, Tensor layer,
                             int kind) -> Tensor   # GGUF K-quant blocks kept (WeightScheme.block)
     hloserve::quantized_embedding(Tensor qweight, Tensor scale, Tensor? min, Tensor indices,
-                                  int bits, int group, ScalarType dtype) -> Tensor   # [*idx, hidden]
+                                  int bits, int group, ScalarType dtype, int rows=0) -> Tensor   # [*idx, hidden]
 
 `group` 0 means one scale per output row. quantized_linear takes a stack of matrices (qweight
 [L, out, in or in/2], scale [L, out(, G)], min likewise; with rows=16 interleaved by 16 rows, see
@@ -120,16 +120,22 @@ def _(x, qweight, blocks, bias, layer, kind):
 
 @torch.library.custom_op("hloserve::quantized_embedding", mutates_args=())
 def quantized_embedding(qweight: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor],
-                        indices: torch.Tensor, bits: int, group: int, dtype: torch.dtype) -> torch.Tensor:
-    rows = qweight[indices]                                              # [*idx, in or in/2]
+                        indices: torch.Tensor, bits: int, group: int, dtype: torch.dtype,
+                        rows: int = 0) -> torch.Tensor:
+    if rows:   # the table interleaved by 16 rows (a tied LM head's layout): the rows picked where they lie
+        arrays = (None if t is None else t.numpy() for t in (qweight, scale, min))
+        q, s, m = (None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+                   for a in primitives.gather_rows(*arrays, indices.numpy(), bits))
+        return dequantize(q, s, m, 8, group).to(dtype)
+    picked = qweight[indices]                                            # [*idx, in or in/2]
     mn = None if min is None else min[indices]
-    return dequantize(rows, scale[indices], mn, bits, group).to(dtype)
+    return dequantize(picked, scale[indices], mn, bits, group).to(dtype)
 
 
 @quantized_embedding.register_fake
-def _(qweight, scale, min, indices, bits, group, dtype):
-    n = qweight.shape[-1] * (2 if bits == 4 else 1)
-    return qweight.new_empty((*indices.shape, n), dtype=dtype)
+def _(qweight, scale, min, indices, bits, group, dtype, rows=0):
+    n = qweight.shape[-1] // rows if rows else qweight.shape[-1]
+    return qweight.new_empty((*indices.shape, n * (2 if bits == 4 else 1)), dtype=dtype)
 
 
 def _register(module: torch.nn.Module, name: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -169,7 +175,8 @@ class QuantizedLinear(torch.nn.Module):
 
 
 class QuantizedEmbedding(torch.nn.Module):
-    """An Embedding whose table is stored quantized (rows gathered, then dequantized)."""
+    """An Embedding whose table is stored quantized (rows gathered, then dequantized): row by row, or
+    interleaved by 16 rows (scheme.rows) where an LM head tied to it reads the same tensors."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, scheme: WeightScheme,
                  tensors: dict[str, torch.Tensor], dtype: torch.dtype, padding_idx: int | None = None):
@@ -180,7 +187,8 @@ class QuantizedEmbedding(torch.nn.Module):
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         return torch.ops.hloserve.quantized_embedding(self.weight, self.weight_scale, self.weight_min, indices,
-                                                      self.scheme.bits, self.scheme.group or 0, self.dtype)
+                                                      self.scheme.bits, self.scheme.group or 0, self.dtype,
+                                                      self.scheme.rows)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.scheme.describe()}"

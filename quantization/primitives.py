@@ -119,6 +119,29 @@ def rows_in_order(qweight, scale, min_, bits: int, xp=np):
     return q.reshape(INTERLEAVE * ng, K), rows(scale), rows(min_)
 
 
+def gather_rows(qweight, scale, min_, indices, bits: int, xp=np):
+    """The rows `indices` ([*idx] integers) of one matrix in version 2's layout (qweight [N/16, 16 K |
+    8 K], scale/min [N/16, G, 16]) -> their integer values int8 [*idx, K] (int4 as in rows_in_order)
+    and scale/min [*idx, G]: what rows_in_order(...)[indices] gives, without putting the table back
+    in order. A tied embedding table stored once for its LM head's kernel is gathered this way (a
+    row's k-steps lie 64 bytes apart). numpy or jax.numpy (`xp`), like rows_in_order."""
+    ng, width = qweight.shape
+    blk, pos = indices // INTERLEAVE, indices % INTERLEAVE
+    if bits == 8:
+        K = width // INTERLEAVE
+        q = qweight.reshape(ng, K // 4, INTERLEAVE, 4)[blk, :, pos, :]                  # [*idx, K/4, 4]
+    else:
+        K = width // 8
+        b = qweight.view(xp.int8).reshape(ng, K // 8, INTERLEAVE, 4)[blk, :, pos, :]    # [*idx, K/8, 4]
+        lo, hi = ((b << 4) >> 4, b >> 4) if min_ is None else (b & 0xF, (b >> 4) & 0xF)
+        q = xp.stack([lo, hi], axis=-2)                                                # [*idx, K/8, 2, 4]
+    out = q.reshape(*indices.shape, K)
+
+    def rows(a):
+        return None if a is None else a[blk, :, pos]                                    # [*idx, G]
+    return out, rows(scale), rows(min_)
+
+
 def _f16_at(h, at: int, xp):
     """The float16 at byte `at` of each header h uint8 [..., nb, bytes], as float32 [..., nb]."""
     bits = h[..., at].astype(xp.uint16) | (h[..., at + 1].astype(xp.uint16) << 8)

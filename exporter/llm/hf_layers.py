@@ -90,15 +90,19 @@ def sixteen_bit(model: torch.nn.Module, dtype: torch.dtype, act: torch.dtype | N
     """Store `model`'s matrices in `dtype` (bfloat16 or float16) under its wider activations `act`
     (default: the embedding table's dtype): every nn.Linear becomes a LayerLinear, the input
     embedding table is narrowed (its lookups widened back to `act`) and a tied LM head reads that
-    table through the composite. Returns how many linear layers were swapped."""
+    table through the composite; a table quantized already (with its tied head) only gives its lookups
+    in `act`. Returns how many linear layers were swapped."""
     emb = model.get_input_embeddings()
-    head = model.get_output_embeddings()
-    tied = head is not None and head.weight is emb.weight
-    act = act or emb.weight.dtype
-    emb.weight = torch.nn.Parameter(emb.weight.detach().to(dtype), requires_grad=False)
-    emb.register_forward_hook(lambda module, args, out: out.to(act))
-    if tied:
-        _replace(model, head, TableHead(emb))
+    if isinstance(emb, torch.nn.Embedding):
+        head = model.get_output_embeddings()
+        tied = head is not None and head.weight is emb.weight
+        act = act or emb.weight.dtype
+        emb.weight = torch.nn.Parameter(emb.weight.detach().to(dtype), requires_grad=False)
+        emb.register_forward_hook(lambda module, args, out: out.to(act))
+        if tied:
+            _replace(model, head, TableHead(emb))
+    elif act is not None:   # a table stored quantized already (QuantRequest.table), its tied head too
+        emb.dtype = act
     swapped = 0
     for m in list(model.modules()):
         if is_experts(m):

@@ -49,8 +49,10 @@ def test_module_swap_exports_and_matches_eager(spec, tmp_path):
         want_float = model(ids).numpy()
     record = quantize_module(model, QuantConfig.parse(spec))
     assert isinstance(model.embed, QuantizedEmbedding) and isinstance(model.up, QuantizedLinear)
-    # the tied head reads its own copy, interleaved by 16 rows (the table gathers rows): the same values
-    assert model.head.scheme.rows == 16 and model.embed.scheme.rows == 0
+    # the tied head and the table read one stored copy, interleaved by 16 rows for the head's kernel
+    # (the table gathers its rows where they lie)
+    assert model.head.scheme.rows == 16 and model.embed.scheme == model.head.scheme
+    assert model.head.weight is model.embed.weight and model.head.weight_scale is model.embed.weight_scale
     with torch.no_grad():
         want = model(ids).numpy()
     seq = torch.export.Dim("seq", min=1, max=64)
@@ -72,13 +74,14 @@ def test_module_swap_exports_and_matches_eager(spec, tmp_path):
     assert w["up.weight_scale"].quant == {**w["up.weight"].quant, "role": "scale"}
     assert w["up.bias"].quant is None and w["up.bias"].dtype == "f32"
     assert ("up.weight_min" in w) == (bits == 4 and not spec.endswith("sym"))
-    assert w["head.weight"].quant["rows"] == 16 and "rows" not in w["embed.weight"].quant
+    table = [n for n in ("embed.weight", "head.weight") if n in w]
+    assert len(table) == 1 and w[table[0]].quant["rows"] == 16, table      # stored once
     # the StableHLO takes the stored integers as arguments: i8 (int8) or ui8 (packed int4)
     mlir = open(tmp_path / "functions" / "forward.mlir").read()
     main = re.search(r"func\.func public @main\((.*?)\)\s*->", mlir, re.S).group(1)
     assert ("xi8>" if bits == 8 else "xui8>") in main
     with open(tmp_path / "manifest.json") as f:
-        assert json.load(f)["weights"]["embed.weight"]["quant"]["scheme"] == f"int{bits}"
+        assert json.load(f)["weights"][table[0]]["quant"]["scheme"] == f"int{bits}"
 
 
 @pytest.mark.parametrize("spec", ["int8", "int4:32:asym"])

@@ -30,14 +30,15 @@ SCHEMES = {
 }
 
 
-def tiny_llama(seed: int = 0):
-    """A random-init Llama (2 layers, hidden 128, intermediate 256, GQA 4/2 heads, vocab 512, untied
-    head), bf16 like the checkpoints llm-compressor quantizes; weights other than norms x3 (logits O(1))."""
+def tiny_llama(seed: int = 0, *, tied: bool = False):
+    """A random-init Llama (2 layers, hidden 128, intermediate 256, GQA 4/2 heads, vocab 512, its head
+    untied unless `tied`), bf16 like the checkpoints llm-compressor quantizes; weights other than norms
+    x3 (logits O(1))."""
     import transformers
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=tied)
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
