@@ -1,11 +1,15 @@
 """Quantization benchmark: size, quality and decode speed of SmolLM2-135M-Instruct artifacts,
 MiniLM int8 embedding similarity, and the in-graph dequantization formulations on XLA.
 
-    python benchmarks/quant.py [--out DIR] [--variants f32,bf16w,int8,int4-g32,int4-g128,gguf] [--source S]
-                               [--skip-ppl] [--skip-speed] [--skip-minilm] [--skip-micro]
-                               [--window 256] [--max-tokens N] [--steps 300] [--rounds 20]
+    python benchmarks/quant.py [--out DIR] [--variants f32,bf16w,int8,int4-g32,int4-g128,gguf|formats]
+                               [--source S] [--skip-ppl] [--skip-speed] [--skip-minilm] [--skip-micro]
+                               [--window 256] [--max-tokens N] [--steps 300] [--rounds 20] [--batches 1,16]
 
-All measured in one run, on jax's default backend (CPU here):
+    # every format a user serves, one table (docs/quantization.md, "Every format in one run"):
+    python benchmarks/quant.py --variants formats --batches 1,16 --skip-minilm --skip-micro
+
+All measured on jax's default backend (CPU here); runs into the same --out add up in its
+results.json (perplexity in one run, speed in another: the artifacts are exported once):
   * variants of the `smollm2-135m-instruct` preset (the Q4_1 GGUF): f32 = the GGUF dequantized
     (the float reference), bf16w = its weight matrices stored in bf16 (`--weight-dtype bfloat16`,
     what `hloserve serve` serves), int8 / int4-g32 (asymmetric, the default) / int4-g32-sym (scales
@@ -13,7 +17,11 @@ All measured in one run, on jax's default backend (CPU here):
     = requantized from that f32 (g128 falls back to g64 where the input dim is 576), gguf = the
     file's own Q4_1 (layers) and Q8_0 (tied embedding) blocks imported as int4 g32 asym / int8 g32;
     `--source` takes another GGUF of the same model instead (e.g. a K-quant file made by
-    llama-quantize), whose f32 is then that file dequantized;
+    llama-quantize), whose f32 is then that file dequantized; bf16 = bf16 weights and KV (what
+    `hloserve serve` serves), bf16-kvint8 = the same with `--kv-cache-dtype int8`;
+  * made from the preset first (MADE): q4_k_m = its matrices requantized as llama.cpp's Q4_K_M
+    (the K-quant blocks kept), ct-w4a16-g64 / ct-w8a8 = compressed-tensors checkpoints of its bf16
+    weights as llm-compressor writes them (tests/support: the same makers the tests use);
   * artifact bytes (weights.safetensors + functions/), and the ratio to f32;
   * perplexity on tests/data/web_genesis.txt (World English Bible, Genesis 1-19, public domain)
     through the exported `decode` function via hloserve.runtime: each window of W tokens is one
@@ -21,8 +29,9 @@ All measured in one run, on jax's default backend (CPU here):
     block table, so token i attends to tokens 0..i and its logits predict token i+1 (exact causal
     LM scoring, logits of every position in one call). Windows do not overlap and each starts
     with an empty context;
-  * batch-1 decode tokens/s: one token per step at context 120 .. 120+steps (runtime, cache
-    donated), median and 10th/90th percentile step latency; the variants run interleaved
+  * decode tokens/s at each of --batches sequences (1: the latency of one request; 16: what a busy
+    server's decode step gives): one token per sequence and step at context 120 .. 120+steps
+    (runtime, cache donated), median and 10th/90th percentile step latency; the variants run interleaved
     (--rounds rounds of steps/rounds steps each) so load from other processes on a shared
     machine falls on all of them alike;
   * MiniLM (all-MiniLM-L6-v2): cosine similarity of mean-pooled sentence embeddings, int8 vs f32;
@@ -52,24 +61,68 @@ VARIANTS = {"f32": {}, "bf16w": {"weight_dtype": "bfloat16"}, "int8": {"quantize
             "int8-channel": {"quantize": "int8:channel"},
             "int4-g32": {"quantize": "int4:32"}, "int4-g32-sym": {"quantize": "int4:32:sym"},
             "int4-g32-sym-minmax": {"quantize": "int4:32:sym:minmax"}, "int4-g128": {"quantize": "int4:128"},
-            "gguf": {"quantize": "gguf"}}
+            "gguf": {"quantize": "gguf"},
+            # what `hloserve serve` serves (bf16 weights and KV), and the same with the int8 KV cache
+            "bf16": {"weight_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
+            "bf16-kvint8": {"weight_dtype": "bfloat16", "kv_cache_dtype": "int8"}}
+# variants whose source is made from the preset first (made_source): a Q4_K_M GGUF as llama.cpp's
+# llama-quantize lays it out, and compressed-tensors checkpoints as llm-compressor writes them
+MADE = {"q4_k_m": {"quantize": "gguf"},
+        "ct-w4a16-g64": {"weight_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
+        "ct-w8a8": {"weight_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}}
+# `--variants formats`: one row per format a user would serve (docs/quantization.md, "Every format in one run")
+FORMATS = "f32,bf16,bf16-kvint8,int8,int4-g32,gguf,q4_k_m,ct-w4a16-g64,ct-w8a8"
 TEXT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "web_genesis.txt")
 BLOCK = 16
 
 
 def export_variant(name: str, out: str, source: str = "smollm2-135m-instruct") -> dict:
-    """Export the decode function of SmolLM2 (from `source`) in one variant (reused when already there)."""
+    """Export the decode function of SmolLM2 (from `source`, or the source made_source makes for a
+    MADE variant) in one variant (reused when already there)."""
     from hloserve.exporter.export import export_artifact
     from hloserve.exporter.sources import load_source
 
     if os.path.exists(os.path.join(out, "manifest.json")):
         return {"export_s": None}
     t = time.perf_counter()
-    src = load_source(source, **VARIANTS[name])
+    if name in MADE:
+        source = made_source(name, out + ".source", source)
+    src = load_source(source, **(MADE.get(name) or VARIANTS[name]))
     entries = [e for e in src.entries if e.name == "decode"]
     export_artifact(out, entries, source=f"{source} ({name})", model=src.model, files=src.files,
                     weight_quant=src.weight_quant)
     return {"export_s": time.perf_counter() - t}
+
+
+def made_source(name: str, root: str, source: str) -> str:
+    """The checkpoint a MADE variant exports, made from `source` (a GGUF or the preset) in `root`: its
+    matrices requantized as Q4_K_M (tests/support/kquants.py), or its f32 weights in bf16 quantized
+    by compressed-tensors as llm-compressor does (tests/support/ct_checkpoints.py; the tied embedding
+    left 16-bit there, stored once in int8 by the import)."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from hloserve.exporter import presets
+    from hloserve.exporter.gguf.checkpoint import load_gguf, write_hf_directory
+    from hloserve.runtime.progress import QUIET
+    from tests.support import ct_checkpoints, kquants
+
+    gguf_path = presets.resolve(source, quiet=True) if not source.endswith(".gguf") else source
+    os.makedirs(root, exist_ok=True)
+    if name == "q4_k_m":
+        out = os.path.join(root, "model.Q4_K_M.gguf")
+        kquants.q4_k_m_copy(gguf_path, out)
+        return out
+    gg = load_gguf(gguf_path)
+    hf_dir = write_hf_directory(gg, os.path.join(root, "hf"))
+    hf = transformers.LlamaForCausalLM.from_pretrained(None, config=transformers.AutoConfig.from_pretrained(hf_dir),
+                                                       state_dict=gg.materialize(QUIET), dtype=torch.bfloat16)
+    path = ct_checkpoints.make_checkpoint(root, name.removeprefix("ct-").replace("-", "_"), model=hf.eval())
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(hf_dir, f), path)
+    return path
 
 
 def artifact_bytes(path: str) -> int:
@@ -122,36 +175,40 @@ def perplexity(path: str, window: int, max_tokens: int | None) -> dict:
 
 
 class _Decoder:
-    """One variant's decode function at batch 1, stepping one token at a time from `context` on."""
+    """One variant's decode function at `batch` sequences, each stepping one token at a time from
+    `context` on in its own blocks."""
 
-    def __init__(self, path: str, context: int, max_steps: int):
+    def __init__(self, path: str, context: int, max_steps: int, batch: int = 1):
         import jax.numpy as jnp
         from hloserve.runtime import load
 
-        self.context, self.nb = context, -(-(context + max_steps + 1) // BLOCK)
-        m = load(path, buckets={"num_tokens": [1], "num_seqs": [1], "max_blocks": [self.nb]})
-        llm = m.manifest.model["llm"]
+        self.context, self.nb, self.batch = context, -(-(context + max_steps + 1) // BLOCK), batch
+        m = load(path, buckets={"num_tokens": [batch], "num_seqs": [batch], "max_blocks": [self.nb]})
+        kv = LLMSpec.from_json(m.manifest.model["llm"]).kv_cache
         self.decode = m.functions["decode"]
-        self.cache = jnp.zeros(LLMSpec.from_json(llm).kv_cache.concrete_shape(self.nb + 1), LLMSpec.from_json(llm).kv_cache.numpy_dtype)
-        self.pos, self.tok = context, 1
+        self.cache = jnp.zeros(kv.concrete_shape(batch * self.nb + 1), kv.numpy_dtype)
+        self.tables = [list(range(1 + b * self.nb, 1 + (b + 1) * self.nb)) for b in range(batch)]
+        self.pos, self.toks = context, [1 + b for b in range(batch)]
 
     def step(self) -> float:
-
-        inputs = pack_step([([self.tok], self.pos, list(range(1, self.nb + 1)))], BLOCK, pad_blocks=self.nb)
+        inputs = pack_step([([t], self.pos, table) for t, table in zip(self.toks, self.tables)], BLOCK,
+                           pad_blocks=self.nb)
         t = time.perf_counter()
         out = self.decode(**inputs, kv_cache=self.cache)
         out["logits"].block_until_ready()
         dt = time.perf_counter() - t
         self.cache = out["kv_cache"]
-        self.tok = int(np.argmax(np.asarray(out["logits"])[0]))
+        self.toks = [int(i) for i in np.argmax(np.asarray(out["logits"]), axis=-1)[:self.batch]]
         self.pos += 1
         return dt
 
 
-def decode_speed(paths: dict[str, str], steps: int, context: int = 120, rounds: int = 20) -> dict[str, dict]:
-    """Batch-1 decode latency per variant, interleaved: `rounds` rounds, each running steps/rounds
-    steps of every variant in turn, so a busy moment of a shared machine hits all variants alike."""
-    decoders = {v: _Decoder(p, context, steps + 2) for v, p in paths.items()}
+def decode_speed(paths: dict[str, str], steps: int, context: int = 120, rounds: int = 20,
+                 batch: int = 1) -> dict[str, dict]:
+    """Decode step latency per variant at `batch` sequences, interleaved: `rounds` rounds, each running
+    steps/rounds steps of every variant in turn, so a busy moment of a shared machine hits all
+    variants alike. Keys: decode_ms (batch 1) or decode{batch}_ms, and the like."""
+    decoders = {v: _Decoder(p, context, steps + 2, batch) for v, p in paths.items()}
     for d in decoders.values():      # compile + warm up
         d.step(), d.step()
     times: dict[str, list[float]] = {v: [] for v in decoders}
@@ -159,14 +216,15 @@ def decode_speed(paths: dict[str, str], steps: int, context: int = 120, rounds: 
     for i in range(rounds):
         for v, d in decoders.items():
             times[v] += [d.step() for _ in range(per)]
-        print(f"[quant] decode round {i + 1}/{rounds}: " + ", ".join(
+        print(f"[quant] decode b={batch} round {i + 1}/{rounds}: " + ", ".join(
             f"{v} {statistics.median(ts[-per:]) * 1e3:.1f} ms" for v, ts in times.items()), file=sys.stderr, flush=True)
+    tag = "decode" if batch == 1 else f"decode{batch}"
     out = {}
     for v, ts in times.items():
         med = statistics.median(ts)
         p10, p90 = np.percentile(ts, [10, 90])
-        out[v] = {"decode_ms": med * 1e3, "decode_min_ms": min(ts) * 1e3, "decode_p10_ms": p10 * 1e3,
-                  "decode_p90_ms": p90 * 1e3, "tokens_per_s": 1 / med, "decode_steps": len(ts)}
+        out[v] = {f"{tag}_ms": med * 1e3, f"{tag}_min_ms": min(ts) * 1e3, f"{tag}_p10_ms": p10 * 1e3,
+                  f"{tag}_p90_ms": p90 * 1e3, f"{tag}_tokens_per_s": batch / med, f"{tag}_steps": len(ts)}
     return out
 
 
@@ -309,13 +367,15 @@ def micro(steps: int = 30) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/hloserve-quant-bench")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, or `formats` for one row per servable format ({FORMATS})")
     ap.add_argument("--source", default="smollm2-135m-instruct",
                     help="the SmolLM2 checkpoint: the preset (default) or another GGUF file of it")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--batches", default="1", help="decode batch sizes timed, e.g. 1,16")
     ap.add_argument("--skip-ppl", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-minilm", action="store_true")
@@ -323,51 +383,58 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     import jax
-    results: dict = {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
-                     "variants": {}}
-    variants = args.variants.split(",")
+    saved = os.path.join(args.out, "results.json")     # runs into one --out add up (e.g. ppl, then speed)
+    results: dict = json.load(open(saved)) if os.path.exists(saved) else {"variants": {}}
+    results.update(backend=jax.default_backend(), devices=[str(d) for d in jax.devices()])
+    variants = (FORMATS if args.variants == "formats" else args.variants).split(",")
+    unknown = [v for v in variants if v not in VARIANTS and v not in MADE]
+    if unknown:
+        ap.error(f"unknown variant(s) {', '.join(unknown)}: use {', '.join([*VARIANTS, *MADE])} or `formats`")
     label = "smollm2" if args.source == "smollm2-135m-instruct" else os.path.basename(args.source).removesuffix(".gguf")
-    for v in variants:
-        path = os.path.join(args.out, f"{label}-{v}")
-        r = export_variant(v, path, args.source)
+    paths = {v: os.path.join(args.out, f"{label}-{v}") for v in variants}
+    for v, path in paths.items():
+        r = results["variants"].setdefault(v, {})
+        r.update({k: x for k, x in export_variant(v, path, args.source).items() if x is not None})
         r["bytes"] = artifact_bytes(path)
-        results["variants"][v] = r
         print(f"[quant] {v}: exported, {r['bytes'] / 2**20:.1f} MiB", file=sys.stderr, flush=True)
-    base = results["variants"].get("f32")
-    for v, r in results["variants"].items():
-        path = os.path.join(args.out, f"{label}-{v}")
-        if base:
-            r["size_vs_f32"] = r["bytes"] / base["bytes"]
         if not args.skip_ppl:
             r.update(perplexity(path, args.window, args.max_tokens))
             print(f"[quant] {v}: ppl {r['ppl']:.4f}", file=sys.stderr, flush=True)
+        json.dump(results, open(saved, "w"), indent=2)
     if not args.skip_speed:
-        speeds = decode_speed({v: os.path.join(args.out, f"{label}-{v}") for v in results["variants"]}, args.steps,
-                              rounds=args.rounds)
-        for v, r in speeds.items():
-            results["variants"][v].update(r)
-            print(f"[quant] {v}: decode {r['decode_ms']:.2f} ms", file=sys.stderr, flush=True)
-    if base:
-        for r in results["variants"].values():
-            if "ppl" in r and "ppl" in base:
-                r["ppl_vs_f32"] = r["ppl"] / base["ppl"]
-            if "tokens_per_s" in r and "tokens_per_s" in base:
-                r["speed_vs_f32"] = r["tokens_per_s"] / base["tokens_per_s"]
+        for batch in (int(b) for b in args.batches.split(",")):
+            for v, r in decode_speed(paths, args.steps, rounds=args.rounds, batch=batch).items():
+                results["variants"][v].update(r)
+            json.dump(results, open(saved, "w"), indent=2)
     if not args.skip_minilm:
         results["minilm"] = minilm_similarity(args.out)
     if not args.skip_micro:
         results["micro"] = micro()
+    json.dump(results, open(saved, "w"), indent=2)
     print(json.dumps(results, indent=2))
-    print("\n| variant | MiB | vs f32 | perplexity | vs f32 | decode ms (b=1) p50 [p10, p90] | tokens/s | vs f32 |")
-    print("|---|---|---|---|---|---|---|---|")
-    nan = float("nan")
-    for v, r in results["variants"].items():
-        print(f"| {v} | {r['bytes'] / 2**20:.1f} | {r.get('size_vs_f32', nan):.3f} | "
-              f"{r.get('ppl', nan):.3f} | {r.get('ppl_vs_f32', nan):.4f} | "
-              f"{r.get('decode_ms', nan):.2f} [{r.get('decode_p10_ms', nan):.1f}, {r.get('decode_p90_ms', nan):.1f}] | "
-              f"{r.get('tokens_per_s', nan):.1f} | "
-              f"{r.get('speed_vs_f32', float('nan')):.2f}x |")
+    print(table(results["variants"], variants))
     return 0
+
+
+def table(rows: dict[str, dict], order: list[str]) -> str:
+    """The markdown table of `order`'s rows: size and perplexity against f32, decode speed against bf16
+    (the served default) where those rows were measured."""
+    nan = float("nan")
+    f32, bf16 = rows.get("f32", {}), rows.get("bf16", {})
+
+    def ratio(r: dict, base: dict, key: str) -> float:
+        return r[key] / base[key] if key in r and key in base else nan
+
+    lines = ["| variant | MiB | vs f32 | perplexity | vs f32 | b=1 ms/token p50 [p10, p90] | vs bf16 | "
+             "b=16 tokens/s | vs bf16 |", "|---|---|---|---|---|---|---|---|---|"]
+    for v in order:
+        r = rows[v]
+        lines.append(
+            f"| {v} | {r['bytes'] / 2**20:.1f} | {ratio(r, f32, 'bytes'):.3f} | {r.get('ppl', nan):.3f} | "
+            f"{ratio(r, f32, 'ppl'):.4f} | {r.get('decode_ms', nan):.2f} [{r.get('decode_p10_ms', nan):.1f}, "
+            f"{r.get('decode_p90_ms', nan):.1f}] | {ratio(r, bf16, 'decode_ms'):.2f}x | "
+            f"{r.get('decode16_tokens_per_s', nan):.1f} | {ratio(r, bf16, 'decode16_tokens_per_s'):.2f}x |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
