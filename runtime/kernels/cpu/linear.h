@@ -37,7 +37,9 @@ template <int NR, int MR>
 inline void bf16_tile(const uint16_t* w, int64_t K, const uint16_t* x, int64_t KP, float* out, int64_t N,
                       const uint16_t* ahead, int ahead_first, int ahead_step) {
   __m512 acc[NR][MR];
+  HLOSERVE_UNROLL
   for (int i = 0; i < NR; ++i)
+    HLOSERVE_UNROLL
     for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
@@ -48,18 +50,24 @@ inline void bf16_tile(const uint16_t* w, int64_t K, const uint16_t* x, int64_t K
         _mm_prefetch(reinterpret_cast<const char*>(ahead + i * K + k), _MM_HINT_T0);
     }
     __m512bh xv[MR];
+    HLOSERVE_UNROLL
     for (int j = 0; j < MR; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x + j * KP + k);
+    HLOSERVE_UNROLL
     for (int i = 0; i < NR; ++i) {
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i * K + k);
+      HLOSERVE_UNROLL
       for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
     }
   }
   if (k < K) {  // the rest of a row: masked loads, zeros add nothing (x is zero-padded to KP)
     const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1);
     __m512bh xv[MR];
+    HLOSERVE_UNROLL
     for (int j = 0; j < MR; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x + j * KP + k);
+    HLOSERVE_UNROLL
     for (int i = 0; i < NR; ++i) {
       const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + i * K + k);
+      HLOSERVE_UNROLL
       for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
     }
   }
@@ -67,12 +75,17 @@ inline void bf16_tile(const uint16_t* w, int64_t K, const uint16_t* x, int64_t K
     // the 16 sums at once: lane 4j+i of the result is acc[i][j] summed (45 instructions, not 16
     // separate horizontal sums of ~8 each)
     __m512 v[16];
+    HLOSERVE_UNROLL
     for (int j = 0; j < 4; ++j)
+      HLOSERVE_UNROLL
       for (int i = 0; i < 4; ++i) v[4 * j + i] = acc[i][j];
     const __m512 sums = sum16(v);
+    HLOSERVE_UNROLL
     for (int j = 0; j < 4; ++j) _mm_storeu_ps(out + j * N, _mm512_extractf32x4_ps(sums, j));
   } else {
+    HLOSERVE_UNROLL
     for (int i = 0; i < NR; ++i)
+      HLOSERVE_UNROLL
       for (int j = 0; j < MR; ++j) out[j * N + i] = _mm512_reduce_add_ps(acc[i][j]);
   }
 }
@@ -113,21 +126,28 @@ void widened_rows(const uint16_t* w, int64_t K, const uint16_t* x, int64_t KP, i
 template <Kind K16, int NR, int MR>
 inline void widened_tile(const uint16_t* w, int64_t K, const float* xf, int64_t KP, float* out, int64_t N) {
   __m512 acc[NR][MR];
+  HLOSERVE_UNROLL
   for (int i = 0; i < NR; ++i)
+    HLOSERVE_UNROLL
     for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
     // the rest of a row: masked loads of the matrix (x is zero-padded to KP)
     const __mmask16 mask = K - k >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1);
     __m512 xv[MR];
+    HLOSERVE_UNROLL
     for (int j = 0; j < MR; ++j) xv[j] = _mm512_loadu_ps(xf + j * KP + k);
+    HLOSERVE_UNROLL
     for (int i = 0; i < NR; ++i) {
       const __m256i h = _mm256_maskz_loadu_epi16(mask, w + i * K + k);
       const __m512 wv = K16 == Kind::kBF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
                                            : _mm512_cvtph_ps(h);
+      HLOSERVE_UNROLL
       for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
     }
   }
+  HLOSERVE_UNROLL
   for (int i = 0; i < NR; ++i)
+    HLOSERVE_UNROLL
     for (int j = 0; j < MR; ++j) out[j * N + i] = _mm512_reduce_add_ps(acc[i][j]);
 }
 

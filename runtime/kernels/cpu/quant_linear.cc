@@ -196,15 +196,19 @@ inline void quant2_tile(const uint8_t* q, const float* ws, const float* wm, cons
   const __m512i flip = _mm512_set1_epi8(BITS == 8 ? static_cast<char>(0x80) : static_cast<char>(0x88));
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 facc[MR];
+  HLOSERVE_UNROLL
   for (int j = 0; j < MR; ++j) facc[j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
     __m512i iacc[MR];
+    HLOSERVE_UNROLL
     for (int j = 0; j < MR; ++j) iacc[j] = _mm512_set1_epi32(x.start[(m0 + j) * B + b]);
     const uint8_t* qb = q + b * kBlockBytes;
     const int8_t* xb = x.xq.data() + m0 * K + b * kXBlock;
     if constexpr (BITS == 8) {
+      HLOSERVE_UNROLL
       for (int s = 0; s < 8; ++s) {
         const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(qb + s * 64), flip);   // q + 128
+        HLOSERVE_UNROLL
         for (int j = 0; j < MR; ++j) {
           int32_t four;
           std::memcpy(&four, xb + j * K + s * 4, 4);
@@ -212,10 +216,12 @@ inline void quant2_tile(const uint8_t* q, const float* ws, const float* wm, cons
         }
       }
     } else {
+      HLOSERVE_UNROLL
       for (int s = 0; s < 4; ++s) {
         __m512i v = _mm512_loadu_si512(qb + s * 64);
         if constexpr (SYM4) v = _mm512_xor_si512(v, flip);                          // q + 8, both nibbles
         const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        HLOSERVE_UNROLL
         for (int j = 0; j < MR; ++j) {
           int32_t a, c;
           std::memcpy(&a, xb + j * K + s * 8, 4);
@@ -226,14 +232,17 @@ inline void quant2_tile(const uint8_t* q, const float* ws, const float* wm, cons
       }
     }
     const __m512 sv = _mm512_loadu_ps(ws + (b / per_group) * 16);
+    HLOSERVE_UNROLL
     for (int j = 0; j < MR; ++j)
       facc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[j]), _mm512_mul_ps(sv, _mm512_set1_ps(x.d[(m0 + j) * B + b])),
                                 facc[j]);
   }
   for (int64_t g = 0; wm != nullptr && g < G; ++g) {
     const __m512 mv = _mm512_loadu_ps(wm + g * 16);
+    HLOSERVE_UNROLL
     for (int j = 0; j < MR; ++j) facc[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.xsum[(m0 + j) * G + g]), facc[j]);
   }
+  HLOSERVE_UNROLL
   for (int j = 0; j < MR; ++j) _mm512_storeu_ps(out + (m0 + j) * N, facc[j]);
 }
 

@@ -64,6 +64,7 @@ inline void block_row(const QuantMatrix& w, int64_t n, float* scale, float* min)
     }
     const float d = half(h), dmin = half(h + 2);
     const uint8_t* s = h + 4;
+    HLOSERVE_UNROLL
     for (int j = 0; j < 8; ++j) {
       const int sc = j < 4 ? (s[j] & 63) : ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
       const int m = j < 4 ? (s[j + 4] & 63) : ((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
@@ -187,7 +188,9 @@ inline void vnni_tile(const uint8_t* q, int64_t qstride, const float* ws, const 
   const bool offset = BITS == 8 || sym4;
   using Lay = Layout<BITS>;
   __m512 acc[NR][MR];
+  HLOSERVE_UNROLL
   for (int i = 0; i < NR; ++i)
+    HLOSERVE_UNROLL
     for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i flip = _mm512_set1_epi8(BITS == 8 ? static_cast<char>(0x80) : 0x08);
@@ -197,6 +200,7 @@ inline void vnni_tile(const uint8_t* q, int64_t qstride, const float* ws, const 
     const int64_t bytes = std::min<int64_t>(64, (K - e) * BITS / 8);
     const __mmask64 valid = bytes == 64 ? ~__mmask64(0) : (__mmask64(1) << bytes) - 1;
     __m512i lo[NR], hi[NR];
+    HLOSERVE_UNROLL
     for (int i = 0; i < NR; ++i) {
       const __m512i v = _mm512_maskz_loadu_epi8(valid, q + i * qstride + c * 64);
       if constexpr (BITS == 8) {
@@ -211,8 +215,10 @@ inline void vnni_tile(const uint8_t* q, int64_t qstride, const float* ws, const 
       }
     }
     __m512 wsv[NR];
+    HLOSERVE_UNROLL
     for (int i = 0; i < NR; ++i)   // groups of 16: 4 lanes (16 int8 elements) each, per_lane<4>'s spread
       wsv[i] = sub16 ? per_lane<4>(ws + i * B + c * 4) : per_lane<BITS>(ws + i * B + c * blocks);
+    HLOSERVE_UNROLL
     for (int j = 0; j < MR; ++j) {
       const int8_t* xr = x.xq.data() + (m0 + j) * K;
       const __m512 dv = _mm512_loadu_ps(x.lanes.data() + ((m0 + j) * chunks + c) * 16);
@@ -225,6 +231,7 @@ inline void vnni_tile(const uint8_t* q, int64_t qstride, const float* ws, const 
         xa = _mm512_loadu_si512(xr + e / 2);            // even elements
         xb = _mm512_loadu_si512(xr + K / 2 + e / 2);    // odd elements
       }
+      HLOSERVE_UNROLL
       for (int i = 0; i < NR; ++i) {
         __m512i part = _mm512_dpbusd_epi32(sv, lo[i], xa);
         if constexpr (BITS == 4) part = _mm512_dpbusd_epi32(part, hi[i], xb);
@@ -232,7 +239,9 @@ inline void vnni_tile(const uint8_t* q, int64_t qstride, const float* ws, const 
       }
     }
   }
+  HLOSERVE_UNROLL
   for (int i = 0; i < NR; ++i)
+    HLOSERVE_UNROLL
     for (int j = 0; j < MR; ++j) out[(m0 + j) * N + i] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
