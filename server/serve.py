@@ -42,8 +42,9 @@ DEFAULT_EXPORT_FLAGS = ("--weight-dtype", "bfloat16", "--kv-cache-dtype", "bfloa
 EXPORT_STEP = "s6"
 DEFAULT_EXPORT_TAG = f"bf16-{EXPORT_STEP}"
 # --kv-cache-dtype -> its part of the cache tag where the stored format changed under the same flag:
-# int8 rows with a zero point since 2026-11-28 (an older "kvint8" export is never taken for one)
-KV_EXPORT_TAGS = {"int8": "int8zp"}
+# int8 rows with a zero point since 2026-11-28, their keys smoothed (exporter/llm/kv_smooth.py) from
+# later that day (an older "kvint8" or "kvint8zp" export is never taken for one)
+KV_EXPORT_TAGS = {"int8": "int8ks"}
 log = logging.getLogger("hloserve.server")
 
 

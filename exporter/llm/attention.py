@@ -19,6 +19,7 @@ import torch
 from ..composites import paged_attention as _ops  # noqa: F401 - registers torch.ops.hloserve.paged_attention*
 from ..composites.paged_attention import cache_values, within_window
 from ..errors import SourceError
+from .kv_smooth import KV_SMOOTH, smooth_keys
 from .step import _MASKED, cache_holds, kv_rotation, paged_attention, write_kv
 
 ATTN_NAME = "hloserve_paged"
@@ -56,6 +57,7 @@ class StepState:
         self.dtype = dtype
         self.layer = layer          # 0-dim int32 (a scanned layer's index); None: the module's layer_idx
         self.window = window        # 0-dim int32 (a scanned layer's own window, 0: none); None: the module's
+        self.observe = None         # eager calibration only: observe(layer, q, k) after RoPE (kv_smooth.calibrate)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The paging inputs a layer's attention reads (the cache aside): a scanned body's inputs."""
@@ -80,9 +82,12 @@ class StepState:
         scale = float(scaling) if scaling is not None else D ** -0.5
         window = int(window or 0) if self.window is None else self.window    # an int, or the layer's 0-dim tensor
         softcap = float(softcap or 0.0)
+        if self.observe is not None:
+            self.observe(int(layer), q, k)
         rot = kv_rotation(self.kv_dtype, D)                               # int8 K/V: stored rotated
         if rot is not None:
             q, k, v = q.float() @ rot, k.float() @ rot, v.float() @ rot
+            q, k = smooth_keys(q, k, x.get(KV_SMOOTH), layer)             # keys smoothed (kv_smooth.py)
         self.cache = write_kv(self.cache, layer.to(torch.int64), k.to(self.dtype), v.to(self.dtype),
                               x["slot_mapping"].to(torch.int64), self.kv_dtype)
 

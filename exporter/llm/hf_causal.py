@@ -43,7 +43,7 @@ from .. import dtypes
 from ..composites import layer_linear  # noqa: F401 - registers torch.ops.hloserve.layer_linear
 from ..entry import Source
 from ..errors import SourceError
-from . import hf_experts, hf_layers
+from . import hf_experts, hf_layers, kv_smooth
 from . import lora as lora_hooks
 from .attention import ATTN_NAME, STEP_KWARG, StepState, register_attention
 from .hf_files import TOKENIZER_FILES, text_spec
@@ -155,13 +155,18 @@ class HFStep(torch.nn.Module):
         return self.run(tokens, positions, seq_ids, slot_mapping, block_tables, context_lens, last_token, kv_cache)
 
     def run(self, tokens, positions, seq_ids, slot_mapping, block_tables, context_lens, last_token, kv_cache,
-            lora: tuple = ()):
+            lora: tuple = (), observe=None):
+        """The step; `observe` (eager only): kv_smooth.calibrate's look at each layer's queries and keys."""
         inputs = dict(positions=positions, seq_ids=seq_ids, slot_mapping=slot_mapping, block_tables=block_tables,
                       context_lens=context_lens, kv_cache=kv_cache)
         if self.opts.lora is not None:    # lora_slots, then each target's A and B (LoraSpec.inputs)
             inputs.update(zip(self.opts.lora.inputs(), lora, strict=True))
+        smooth = getattr(self.model, kv_smooth.KV_SMOOTH, None)
+        if smooth is not None and self.opts.kv_dtype == torch.int8:   # a weight the scanned body receives
+            inputs[kv_smooth.KV_SMOOTH] = smooth
         dtype = activation_dtype(self.model)
         step = StepState(self.layout, inputs, self.opts.kv_dtype, dtype)
+        step.observe = observe
         out = self.model(input_ids=tokens[None].to(torch.int64), position_ids=positions[None].to(torch.int64),
                          use_cache=False, logits_to_keep=last_token.to(torch.int64), **{STEP_KWARG: step})
         logits = out.logits[0].float()                                  # [S, V]
@@ -182,6 +187,18 @@ def step_entries(model: torch.nn.Module, opts: StepExportOptions) -> list:
     cls = HFStep if opts.lora is None else HFLoraStep
     return contract_entries(lambda att: cls(model, layout=att, opts=opts), opts, g.num_layers,
                             g.num_kv_heads, g.head_dim, activation_dtype(model))
+
+
+def calibrate_kv_smoothing(model: torch.nn.Module, opts: StepExportOptions, path: str) -> None:
+    """The int8 cache's key smoothing (exporter/llm/kv_smooth.py), calibrated on the model as it will be
+    exported and registered as its buffer `kv_smooth` (a weight of the artifact)."""
+    g = geometry(model.config)
+    plain = dataclasses.replace(opts, kv_dtype=None, lora=None)
+    ids = kv_smooth.calibration_ids(path, int(_text_config(model.config).vocab_size))
+    smooth = kv_smooth.calibrate(HFStep(model, layout="flat", opts=plain).run, ids,
+                                 num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
+                                 block_size=opts.block_size, dtype=activation_dtype(model))
+    model.register_buffer(kv_smooth.KV_SMOOTH, smooth)
 
 
 def scan_layers(model: torch.nn.Module, opts: StepExportOptions) -> str:
@@ -391,6 +408,8 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
     g = geometry(model.config)
     max_pos = int(getattr(c, "max_position_embeddings", 4096) or 4096)
     opts = opts or StepExportOptions(max_context=min(max_pos, 32768), kv_dtype=kv_dtype)
+    if opts.kv_dtype == torch.int8:   # before the scan: the calibration step runs the layers unrolled, without adapters
+        calibrate_kv_smoothing(model, opts, path)
     if lora_spec is not None:
         opts = dataclasses.replace(opts, lora=lora_spec)
         lora_hooks.attach(model, lora_spec)

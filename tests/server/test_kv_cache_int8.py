@@ -17,8 +17,9 @@ TEXT = os.path.join(os.path.dirname(__file__), "..", "data", "web_genesis.txt")
 TOKENS = 1500      # the text scored (the issue's bound is stated on a 1,500-token text)
 ROWS = 250         # rows (one token each) per step call
 # nats: the mean |difference| of the prompt log-probabilities. Issue #40 asks for 0.02; measured
-# 0.0234 with rows with a zero point (0.0248 symmetric, 0.039 without the rotation), so the issue's
-# bound is NOT met yet and this test holds what is (docs/quantization.md, "Quantized KV cache")
+# 0.0226 with the keys smoothed (0.0234 rows with a zero point alone, 0.0248 symmetric, 0.039 without
+# the rotation), so the issue's bound is NOT met yet and this test holds what is: 0.025, the measure
+# plus 10% (docs/quantization.md, "Quantized KV cache")
 MAX_MEAN_DIFF = 0.025
 
 
@@ -80,7 +81,7 @@ def test_int8_cache_scores_the_text_as_the_bf16_cache_does(artifacts):
 def test_int8_cache_holds_1_9x_the_blocks_of_bf16_in_one_budget(artifacts):
     """The runner sizes the pool from --kv-cache-mib and the artifact's bytes per block: int8 rows of
     64 values, a 2-byte scale and a 1-byte zero point (67 bytes) against 128 bytes of bf16, 1.91x the blocks."""
-    from hloserve.runtime.artifact import LLMArtifact
+    from hloserve.runtime.artifact import LLMArtifact, read_manifest
     from hloserve.server.config import ServeConfig
     from hloserve.server.core.model_runner import ModelRunner
 
@@ -97,6 +98,11 @@ def test_int8_cache_holds_1_9x_the_blocks_of_bf16_in_one_budget(artifacts):
         (runners["int8"].num_blocks, runners["bfloat16"].num_blocks)
     kv = LLMArtifact.read(artifacts["int8"]).llm.kv_cache
     assert (kv.dtype, kv.quant, kv.stored_name) == ("i8", "int8_zp", "int8")
+    # the keys' smoothing (exporter/llm/kv_smooth.py): a weight [L, 2, KV, head_dim] of the int8 artifact only
+    L, _, KV, _, _, row = kv.shape
+    weights = {kv_dtype: read_manifest(path).weights for kv_dtype, path in artifacts.items()}
+    assert weights["int8"]["model.kv_smooth"].shape == (L, 2, KV, row - 3)
+    assert "model.kv_smooth" not in weights["bfloat16"]
 
 
 def test_serving_an_artifact_with_another_kv_cache_dtype_is_refused_in_one_line(artifacts):
