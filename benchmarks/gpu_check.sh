@@ -15,6 +15,8 @@
 #
 # Knobs (environment): PYTHON (python3), TEST_S (120) and BENCH_S (210) seconds, TEST_WORKERS (4),
 # SHAPE (llama-1b: a serve.py shape), STEP_SHAPES (1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024),
+# (the chunk shapes, 256x1@0 and 256x1@1024, have more rows than sequences: the Triton kernel's tile
+# path runs them; the decode shapes take its per-token path: docs/deploy.md, "Kernels per platform"),
 # BENCH_ARGS (more step_vs_transformers.py flags, e.g. "--layers 2 --device cpu" to rehearse on a CPU).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
