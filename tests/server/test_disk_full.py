@@ -1,10 +1,11 @@
-"""`hloserve serve` with its cache root on a full disk (a small tmpfs, tests/support/disk.py): it builds
-the CPU kernels for itself, compiles without caching, says so in one warning line each, and serves
-transformers' greedy text; it leaves nothing half-written that a later start would read; the next
-start on the same cache root, now with room, serves the same text and fills the caches.
+"""`hloserve serve` with its cache root on a full disk (a small tmpfs, tests/support/disk.py): it
+compiles without caching, says so in one warning line, and serves transformers' greedy text; it
+leaves nothing half-written that a later start would read; the next start on the same cache root, now
+with room, serves the same text and fills the cache.
 
-(`hloserve export` on a full disk: tests/exporter/test_cli.py; the runtime's write points one by one:
-tests/runtime/test_disk_full.py.)
+The CPU kernel library is the suite's (HLOSERVE_KERNEL_CACHE, tests/conftest.py), not rebuilt twice
+here: the library on a full disk, kept for the process with one warning and never half-written, is
+tests/runtime/test_disk_full.py's. (`hloserve export` on a full disk: tests/exporter/test_cli.py.)
 """
 from __future__ import annotations
 
@@ -55,7 +56,6 @@ def test_serving_on_a_full_cache_disk_then_with_room_gives_the_same_greedy_text(
         text, log = serve_once(art, cache, str(tmp_path / "full"))
         assert text == want
         assert "Traceback" not in log, log[-3000:]
-        assert log.count("the CPU kernels cannot be kept in") == 1, log[-3000:]
         assert log.count("compiled executables are not cached for the rest of this process") == 1, log[-3000:]
         left = files_under(cache)
         assert not [f for f in left if "partial" in f or f.startswith(("kernels/", "xla/executables/"))], left
@@ -66,7 +66,6 @@ def test_serving_on_a_full_cache_disk_then_with_room_gives_the_same_greedy_text(
         assert text == want
         assert "cannot be kept" not in log and "is full" not in log, log[-3000:]
         written = files_under(cache)
-        assert [f for f in written if f.startswith("kernels/") and f.endswith((".so", ".so.json"))], written
         assert [f for f in written if f.startswith("xla/executables/")], written
 
 

@@ -1,6 +1,7 @@
 """Building the CPU kernels once per machine and registering them with XLA.
 
     library = build.library(report)     # <cache>/kernels/<key>/libhloserve_cpu.so, or None
+                                        # ($HLOSERVE_KERNEL_CACHE/<key>/... where that is set)
 
 The .cc files beside this module are compiled with the system C++ compiler for this CPU
 (-march=native) against jaxlib's XLA FFI headers, one process per file, and linked into one
@@ -30,7 +31,7 @@ import subprocess
 import tempfile
 from typing import Callable
 
-from ...paths import cache_dir, untrusted, write_atomically
+from ...paths import cache_dir, kernel_dir, untrusted, write_atomically
 from .targets import TARGETS, Cpu
 
 LOG = logging.getLogger("hloserve.runtime")
@@ -71,7 +72,7 @@ def library(report: Callable[[str], None] | None = None) -> Library | None:
     key = _key(compiler)
     root = _root()
     path = os.path.join(root, key[:24], "libhloserve_cpu.so")
-    shared = [cache_dir()] if root == os.path.join(cache_dir(), "kernels") else []   # not our private directory
+    shared = [cache_dir()] if root == os.path.join(cache_dir(), "kernels") else []   # the root it sits in, if any
     refused = untrusted(*shared, root, os.path.dirname(path))
     if refused:
         LOG.warning("the CPU kernels in %s are not loaded: %s (the library runs in this process); fix the "
@@ -96,7 +97,7 @@ def _key(compiler: str) -> str:
 
 
 def _root() -> str:
-    root = os.path.join(cache_dir(), "kernels")
+    root = kernel_dir()
     try:
         os.makedirs(root, exist_ok=True)
         return root
@@ -180,7 +181,7 @@ def _built(compiler: str, path: str, key: str, problem: str,
     if problem != "not built yet":
         LOG.warning("rebuilding the CPU kernel library %s: %s", path, problem)
     if report:
-        report("building hloserve's CPU kernels for this machine (once; about 15 s)")
+        report("building hloserve's CPU kernels for this machine (once per machine; about a minute on 2 cores)")
     try:
         with tempfile.TemporaryDirectory(prefix="hloserve-kernels-build-") as work:
             err = _compile(compiler, work)
