@@ -111,16 +111,17 @@ def test_readme_openai_example_runs_verbatim(default_server, capsys):
     assert printed.strip(), "the example printed no answer"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the model card's temperature 0.2 / top_p 0.9 name Paris in 8 of these 10 draws (22 of 30 over seeds "
-    "0-29): on the Q4_1 file the answer's first token is a near-tie ('The' 0.155, 'L' 0.140 at "
-    "temperature 1), top_p 0.9 keeps both, and an answer opening 'L' is \"L'Étoile, la Marseillaise, ...\"; "
-    "top_p 0.5 keeps 'The' alone (30 of 30)"))
 def test_readme_example_names_paris_at_the_presets_sampling(default_server):
     """The README's example leaves temperature out: the server samples with the preset's model-card
     defaults (temperature 0.2, top_p 0.9, in the artifact's generation_config.json); issue 38 asks
     for Paris in at least 9 of 10 draws (the example as written, each run given its own seed; at
-    temperature 1 with no top_p the answers were gibberish)."""
+    temperature 1 with no top_p the answers were gibberish).
+
+    The example asks for one sentence. The bare question ("What is the capital of France?") named
+    Paris in 21 of 30 draws (2026-11-29): on the Q4_1 file the answer's first token is a near-tie
+    ('The' 0.155, 'L' 0.140 at temperature 1), top_p 0.9 keeps both, and an answer opening 'L' is
+    "L'Étoile, la Marseillaise, ...". Asked for one sentence, it named Paris in 130 of 130 (seeds
+    0-129), each time "The capital of France is Paris."."""
     import concurrent.futures
 
     (example,) = [b for b in readme_python_examples() if "OpenAI(" in b]
