@@ -417,7 +417,8 @@ def test_fallback_builds_pass_the_kernel_tests(library, march, tmp_path):
     if FALLBACKS[march] not in flags:
         pytest.skip(f"this CPU cannot run a -march={march} build")
     # the child's conftest points HLOSERVE_CACHE at HLOSERVE_TEST_CACHE (else a fresh directory)
-    env = {**os.environ, "HLOSERVE_TEST_CACHE": str(tmp_path), build.MARCH_ENV: march}
+    env = {**os.environ, "HLOSERVE_TEST_CACHE": str(tmp_path), "HLOSERVE_KERNEL_CACHE": str(tmp_path / "kernels"),
+           build.MARCH_ENV: march}
     others = [os.path.join(os.path.dirname(__file__), name) for name in FALLBACK_FILES]
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, *others, "-k",
                           FALLBACK_SELECTION],

@@ -1,0 +1,352 @@
+// The paged attention kernel's arithmetic (hloserve_paged_attention, paged_attention.cc): one token's
+// attention over its sequence's blocks (`attend`) and a tile of a prompt chunk's tokens (`attend_tile`),
+// templates over the cache's element kind. Each kind is compiled in its own file
+// (paged_attention_float.cc: f32, bf16, f16; paged_attention_int8.cc: the int8 rows), so the library's
+// slowest unit builds in parallel rather than alone.
+#pragma once
+#include "common.h"
+
+namespace hloserve::paged {
+
+
+// e^x for x <= 0 (softmax arguments), vectorizable: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2;
+// relative error < 2e-7 (degree-6 Taylor polynomial of e^r); x below -87 gives 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // Cody-Waite: ln2 split in two
+  float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// D and G known at compile time: the per-position loops unroll and the accumulators stay in
+// registers; a K or V row is widened once and used by every query head of its group.
+template <Kind K, int G, int D>
+void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbase, const int32_t* table,
+                  int64_t begin, int64_t end, int64_t BS, float scale, float softcap, float* scores, float* out) {
+  const int64_t n = end - begin;
+  constexpr int64_t R = D + row_extra<K>;  // elements per cache row
+  float qs[G][D];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) qs[g][d] = q[g * D + d] * scale;
+#if defined(__AVX512F__)
+  if constexpr (D % 16 == 0) {
+    // 16 positions at a time: per position and head one vector of partial products, then the
+    // 16 positions' sums in one transpose-and-add tree (not a horizontal sum each)
+    // int8 rows: q.k of the stored codes, then per position (dot - zero * sum(q)) * scale, 16
+    // positions in one vector (no per-element dequantization)
+    constexpr int V = D / 16;
+    __m512 part[G][16];
+    __m512 qsum[G];
+    for (int g = 0; g < G; ++g) {
+      float t = 0.f;
+      for (int d = 0; d < D; ++d) t += qs[g][d];
+      qsum[g] = _mm512_set1_ps(t);
+    }
+    alignas(64) float rsa[16], rza[16];
+    for (int64_t c0 = begin; c0 < end; c0 += 16) {
+      const int nb = static_cast<int>(std::min<int64_t>(16, end - c0));
+      for (int p = 0; p < 16; ++p) {
+        if (p >= nb) {
+          for (int g = 0; g < G; ++g) part[g][p] = _mm512_setzero_ps();
+          rsa[p] = rza[p] = 0.f;
+          continue;
+        }
+        const int64_t c = c0 + p;
+        const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
+        __m512 kv[V];
+        for (int v = 0; v < V; ++v) kv[v] = load16<K>(cache, off + 16 * v);
+        rsa[p] = row_scale<K>(cache, off, D);
+        rza[p] = row_zero<K>(cache, off, D);
+        for (int g = 0; g < G; ++g) {
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qs[g]), kv[0]);
+          for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qs[g] + 16 * v), kv[v], a);
+          part[g][p] = a;
+        }
+      }
+      const __mmask16 mask = static_cast<__mmask16>((1u << nb) - 1);
+      for (int g = 0; g < G; ++g) {
+        __m512 sums = sum16(part[g]);
+        if constexpr (int8_rows<K>)
+          sums = _mm512_mul_ps(_mm512_fnmadd_ps(_mm512_load_ps(rza), qsum[g], sums), _mm512_load_ps(rsa));
+        _mm512_mask_storeu_ps(scores + g * n + (c0 - begin), mask, sums);
+      }
+    }
+  } else
+#endif
+  {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
+      const float rs = row_scale<K>(cache, off, D), rz = row_zero<K>(cache, off, D);
+      float kf[D];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) kf[d] = (load<K>(cache, off + d) - rz) * rs;
+      for (int g = 0; g < G; ++g) {
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int d = 0; d < D; ++d) acc += qs[g][d] * kf[d];
+        scores[g * n + (c - begin)] = acc;
+      }
+    }
+  }
+  if (softcap > 0.f)
+    for (int64_t i = 0; i < G * n; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* s = scores + g * n;
+    float m = s[0];
+    for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = exp_nonpositive(s[i] - m);
+      sum += s[i];
+    }
+    inv[g] = 1.f / sum;
+  }
+  // out = sum_c p_c (v_c - z_c) s_c: the codes summed with weight p_c s_c, and the zero points'
+  // sum_c p_c s_c z_c subtracted once at the end (int8 rows; s = 1, z = 0 for float rows)
+  float zsum[G] = {};
+#if defined(__AVX512F__)
+  if constexpr (D % 16 == 0) {
+    // the row widened once into V vectors, the G heads' sums in registers (a float array here was
+    // kept on the stack and loaded and stored for every position); the same sums in the same order
+    constexpr int V = D / 16;
+    __m512 vacc[G][V];
+    HLOSERVE_UNROLL
+    for (int g = 0; g < G; ++g)
+      HLOSERVE_UNROLL
+      for (int v = 0; v < V; ++v) vacc[g][v] = _mm512_setzero_ps();
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t off = vbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
+      const float rs = row_scale<K>(cache, off, D), rz = row_zero<K>(cache, off, D);
+      __m512 vv[V];
+      HLOSERVE_UNROLL
+      for (int v = 0; v < V; ++v) vv[v] = load16<K>(cache, off + 16 * v);
+      HLOSERVE_UNROLL
+      for (int g = 0; g < G; ++g) {
+        const float p = scores[g * n + (c - begin)] * rs;
+        zsum[g] += p * rz;
+        const __m512 pv = _mm512_set1_ps(p);
+        HLOSERVE_UNROLL
+        for (int v = 0; v < V; ++v) vacc[g][v] = _mm512_fmadd_ps(pv, vv[v], vacc[g][v]);
+      }
+    }
+    HLOSERVE_UNROLL
+    for (int g = 0; g < G; ++g)
+      HLOSERVE_UNROLL
+      for (int v = 0; v < V; ++v)
+        _mm512_storeu_ps(out + g * D + 16 * v, _mm512_mul_ps(_mm512_sub_ps(vacc[g][v], _mm512_set1_ps(zsum[g])),
+                                                              _mm512_set1_ps(inv[g])));
+    return;
+  }
+#endif
+  float acc[G][D] = {};
+  for (int64_t c = begin; c < end; ++c) {
+    const int64_t off = vbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
+    const float rs = row_scale<K>(cache, off, D), rz = row_zero<K>(cache, off, D);
+    float vf[D];
+#pragma omp simd
+    for (int d = 0; d < D; ++d) vf[d] = load<K>(cache, off + d);
+    for (int g = 0; g < G; ++g) {
+      const float p = scores[g * n + (c - begin)] * rs;
+      zsum[g] += p * rz;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) acc[g][d] += p * vf[d];
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) out[g * D + d] = (acc[g][d] - zsum[g]) * inv[g];
+}
+
+// Any G and D: one query head at a time.
+template <Kind K>
+void attend_any(const float* q, const void* cache, int64_t kbase, int64_t vbase, const int32_t* table,
+                int64_t begin, int64_t end, int64_t BS, int64_t D, int64_t G, float scale, float softcap, float* scores,
+                float* out) {
+  const int64_t n = end - begin;
+  const int64_t R = D + row_extra<K>;  // elements per cache row
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * D;
+    float* og = out + g * D;
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
+      const float rz = row_zero<K>(cache, off, D);
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t d = 0; d < D; ++d) acc += qg[d] * (load<K>(cache, off + d) - rz);
+      acc *= row_scale<K>(cache, off, D);
+      scores[c - begin] = softcap > 0.f ? softcap * std::tanh(acc * scale / softcap) : acc * scale;
+    }
+    float m = scores[0];
+    for (int64_t i = 1; i < n; ++i) m = std::max(m, scores[i]);
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) sum += (scores[i] = exp_nonpositive(scores[i] - m));
+    std::fill(og, og + D, 0.f);
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t off = vbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
+      const float p = scores[c - begin] / sum * row_scale<K>(cache, off, D), rz = row_zero<K>(cache, off, D);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) og[d] += p * (load<K>(cache, off + d) - rz);
+    }
+  }
+}
+
+template <Kind K>
+void attend(const float* q, const void* cache, int64_t kbase, int64_t vbase, const int32_t* table, int64_t begin,
+            int64_t end, int64_t BS, int64_t D, int64_t G, float scale, float softcap, float* scores, float* out) {
+#define HLOSERVE_ATTEND(g, d)                                                                      \
+  if (G == g && D == d)                                                                            \
+    return attend_fixed<K, g, d>(q, cache, kbase, vbase, table, begin, end, BS, scale, softcap, scores, out);
+  HLOSERVE_ATTEND(1, 64) HLOSERVE_ATTEND(2, 64) HLOSERVE_ATTEND(3, 64) HLOSERVE_ATTEND(4, 64)
+  HLOSERVE_ATTEND(5, 64) HLOSERVE_ATTEND(6, 64) HLOSERVE_ATTEND(7, 64) HLOSERVE_ATTEND(8, 64)
+  HLOSERVE_ATTEND(1, 128) HLOSERVE_ATTEND(2, 128) HLOSERVE_ATTEND(3, 128) HLOSERVE_ATTEND(4, 128)
+  HLOSERVE_ATTEND(5, 128) HLOSERVE_ATTEND(6, 128) HLOSERVE_ATTEND(7, 128) HLOSERVE_ATTEND(8, 128)
+  HLOSERVE_ATTEND(1, 96) HLOSERVE_ATTEND(2, 96) HLOSERVE_ATTEND(4, 96)              // Phi-3
+  HLOSERVE_ATTEND(1, 256) HLOSERVE_ATTEND(2, 256) HLOSERVE_ATTEND(4, 256) HLOSERVE_ATTEND(8, 256)   // Gemma 2/3
+#undef HLOSERVE_ATTEND
+  attend_any<K>(q, cache, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores, out);
+}
+
+// Several consecutive tokens of one sequence (a prompt chunk): they share every K and V row, so
+// the tile's rows r = (token, query head) are computed together. Scores are held transposed,
+// s[c][r], with the rows across vector lanes: each K element is broadcast against a vector of
+// query rows (no horizontal sums), and the softmax over positions c is vertical. K and V rows are
+// widened once per tile instead of once per token.
+constexpr int kTileTokens = 16;  // query tokens per work item
+constexpr int kLanes = 16;       // rows per score vector
+constexpr int kPosBlock = 8;     // positions per score register block
+constexpr int kRowBlock = 4;     // rows per output register block
+constexpr int kDimBlock = 32;    // head dims per output register block
+
+struct TileScratch {
+  std::vector<float> k, v, qt, s, inv;
+  std::vector<int32_t> lo, hi;
+};
+
+// q and out: the tile's first token's heads, `stride` apart from one token to the next.
+template <Kind K>
+void attend_tile(const float* q, float* out, int64_t stride, int64_t ntok, const int64_t* begins, const int64_t* ends,
+                 const void* cache, int64_t kbase, int64_t vbase, const int32_t* table, int64_t BS, int64_t D,
+                 int64_t G, float scale, float softcap) {
+  thread_local TileScratch w;
+  int64_t lo = INT64_MAX, hi = 0;                                        // over tokens that see something
+  for (int64_t i = 0; i < ntok; ++i)
+    if (ends[i] > begins[i]) lo = std::min(lo, begins[i]), hi = std::max(hi, ends[i]);
+  const int64_t rows = ntok * G;
+  const int64_t RP = (rows + kLanes - 1) / kLanes * kLanes;              // rows padded to whole vectors
+  const int64_t n = hi - lo;
+  const int64_t NP = (n + kPosBlock - 1) / kPosBlock * kPosBlock;       // positions padded to blocks
+  const int64_t DP = (D + kDimBlock - 1) / kDimBlock * kDimBlock;       // V rows padded to dim blocks
+  w.k.assign(NP * D, 0.f);
+  w.v.assign(n * DP, 0.f);
+  w.qt.assign(D * RP, 0.f);
+  w.s.resize(NP * RP);
+  w.inv.assign(RP, 0.f);
+  w.lo.assign(RP, 0);
+  w.hi.assign(RP, 0);                                                    // padded rows see nothing
+  float* kf = w.k.data();
+  float* vf = w.v.data();
+  const int64_t R = D + row_extra<K>;                                    // elements per cache row
+  for (int64_t c = lo; c < hi; ++c) {                                   // widen (dequantize) each row once
+    const int64_t slot = static_cast<int64_t>(table[c / BS]) * BS + c % BS;
+    const int64_t koff = kbase + slot * R, voff = vbase + slot * R;
+    const float ks = row_scale<K>(cache, koff, D), vs = row_scale<K>(cache, voff, D);
+    const float kz = row_zero<K>(cache, koff, D), vz = row_zero<K>(cache, voff, D);
+    float* kr = kf + (c - lo) * D;
+    float* vr = vf + (c - lo) * DP;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) kr[d] = (load<K>(cache, koff + d) - kz) * ks;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) vr[d] = (load<K>(cache, voff + d) - vz) * vs;
+  }
+  for (int64_t t = 0; t < ntok; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = t * G + g;
+      for (int64_t d = 0; d < D; ++d) w.qt[d * RP + r] = q[t * stride + g * D + d] * scale;
+      w.lo[r] = static_cast<int32_t>(std::max<int64_t>(begins[t] - lo, 0));
+      w.hi[r] = static_cast<int32_t>(std::max<int64_t>(ends[t] - lo, 0));
+    }
+  // s[c][r] = sum_d k[c][d] * qt[d][r]: kPosBlock x kLanes accumulators
+  float* st = w.s.data();
+  for (int64_t r0 = 0; r0 < RP; r0 += kLanes)
+    for (int64_t c0 = 0; c0 < NP; c0 += kPosBlock) {
+      float acc[kPosBlock][kLanes] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const float* qv = w.qt.data() + d * RP + r0;
+        for (int i = 0; i < kPosBlock; ++i) {
+          const float kv = kf[(c0 + i) * D + d];
+#pragma omp simd
+          for (int l = 0; l < kLanes; ++l) acc[i][l] += kv * qv[l];
+        }
+      }
+      for (int i = 0; i < kPosBlock; ++i)
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) st[(c0 + i) * RP + r0 + l] = acc[i][l];
+    }
+  // softcap, mask, softmax over c: vertical, one lane per row
+  const int32_t* rlo = w.lo.data();
+  const int32_t* rhi = w.hi.data();
+  for (int64_t r0 = 0; r0 < RP; r0 += kLanes) {
+    float m[kLanes], sum[kLanes] = {};
+    for (int l = 0; l < kLanes; ++l) m[l] = -INFINITY;
+    for (int64_t c = 0; c < n; ++c) {
+      float* sc = st + c * RP + r0;
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) {
+        float x = softcap > 0.f ? softcap * std::tanh(sc[l] / softcap) : sc[l];
+        const bool seen = c >= rlo[r0 + l] && c < rhi[r0 + l];
+        sc[l] = x;
+        m[l] = seen ? std::max(m[l], x) : m[l];
+      }
+    }
+    for (int64_t c = 0; c < n; ++c) {
+      float* sc = st + c * RP + r0;
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) {
+        const bool seen = c >= rlo[r0 + l] && c < rhi[r0 + l];
+        const float p = seen ? exp_nonpositive(std::min(sc[l] - m[l], 0.f)) : 0.f;
+        sc[l] = p;
+        sum[l] += p;
+      }
+    }
+    for (int l = 0; l < kLanes; ++l) w.inv[r0 + l] = sum[l] > 0.f ? 1.f / sum[l] : 0.f;
+  }
+  // out[r][d] = inv[r] * sum_c p[c][r] * v[c][d]: kRowBlock x kDimBlock accumulators
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
+    for (int64_t d0 = 0; d0 < DP; d0 += kDimBlock) {
+      float acc[kRowBlock][kDimBlock] = {};
+      for (int64_t c = 0; c < n; ++c) {
+        const float* vr = vf + c * DP + d0;
+        const float* pc = st + c * RP + r0;                              // rows past `rows` are 0
+        for (int i = 0; i < kRowBlock; ++i) {
+          const float p = pc[i];
+#pragma omp simd
+          for (int l = 0; l < kDimBlock; ++l) acc[i][l] += p * vr[l];
+        }
+      }
+      for (int i = 0; i < kRowBlock && r0 + i < rows; ++i) {
+        const int64_t r = r0 + i, t = r / G, g = r % G;
+        float* o = out + t * stride + g * D;
+        for (int l = 0; l < kDimBlock && d0 + l < D; ++l) o[d0 + l] = acc[i][l] * w.inv[r];
+      }
+    }
+}
+
+// Declared for every kind here, defined in the file compiling that kind (see the top of this file).
+#define HLOSERVE_PAGED_KIND(PREFIX, K)                                                                     \
+  PREFIX template void attend<K>(const float*, const void*, int64_t, int64_t, const int32_t*, int64_t, int64_t, \
+                                 int64_t, int64_t, int64_t, float, float, float*, float*);                 \
+  PREFIX template void attend_tile<K>(const float*, float*, int64_t, int64_t, const int64_t*, const int64_t*, \
+                                      const void*, int64_t, int64_t, const int32_t*, int64_t, int64_t, int64_t, \
+                                      float, float);
+HLOSERVE_PAGED_KIND(extern, Kind::kF32)
+HLOSERVE_PAGED_KIND(extern, Kind::kBF16)
+HLOSERVE_PAGED_KIND(extern, Kind::kF16)
+HLOSERVE_PAGED_KIND(extern, Kind::kI8Rows)
+HLOSERVE_PAGED_KIND(extern, Kind::kI8ZpRows)
+
+}  // namespace hloserve::paged
