@@ -145,6 +145,21 @@ def test_a_quantized_step_in_interpret_mode_matches_the_cpu(tiny_quantized_llm, 
     _quantized_step_matches(tiny_quantized_llm, pallas_interpret=platform, least=1 + len(linears))
 
 
+@pytest.mark.parametrize("platform,kernel,custom_call", [
+    ("tpu", pallas_quant_tpu.NAME, "tpu_custom_call"), ("cuda", pallas_quant_gpu.NAME, "__gpu$xla.gpu.triton")])
+def test_inspect_names_the_quantized_linears_kernels(tiny_quantized_llm, platform, kernel, custom_call):
+    """`inspect --platform` names the quant_linear kernel with its static parameters (int8: symmetric
+    groups of 32, int4: asymmetric ones), and the lowered step has one kernel call per composite."""
+    proc = subprocess.run([sys.executable, "-m", "hloserve.server.cli", "inspect", tiny_quantized_llm,
+                           "--platform", platform], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    decode = proc.stdout.split(f"on {platform}: function decode", 1)[1]
+    bits = 8 if tiny_quantized_llm.endswith("int8") else 4
+    linears = decode.count(f"hloserve.quant_linear v2 -> {kernel}(bits={bits}, group=32)")
+    assert linears >= 2
+    assert f"lowered for {platform} with its kernels: custom calls {custom_call} x{linears + 1}" in decode
+
+
 @pytest.mark.gpu
 def test_a_quantized_step_on_the_accelerator_matches_the_cpu(tiny_quantized_llm):
     _quantized_step_matches(tiny_quantized_llm, platform=jax.default_backend())
