@@ -21,6 +21,8 @@ import pytest
 
 from hloserve.exporter.composites.quant_linear import quant_linear_v2_reference, quantize_blocks
 from hloserve.quantization import primitives
+from hloserve.runtime.artifact.kernels import QUANT_LINEAR
+from hloserve.runtime.kernels import pallas as accelerators
 from hloserve.runtime.kernels.pallas import quant, quant_gpu, quant_tpu
 
 K = 256
@@ -98,3 +100,32 @@ def test_kernel_lowers_for_its_platform(side, platform, call, layout):
     exported = jax_export.export(fn, platforms=(platform,), disabled_checks=checks)(
         jax.ShapeDtypeStruct((7, K), jnp.float32), qw, s, mn, jax.ShapeDtypeStruct((), jnp.int32))
     assert f"stablehlo.custom_call @{call}" in exported.mlir_module()
+
+
+def test_plan_names_the_kernel_for_version_2_only(monkeypatch):
+    """Version 2 gets each platform's kernel with bits and group as its static parameters; versions 1
+    and 3 (rows one by one, GGUF K-quants) say why their decomposition runs, as does the switch off."""
+    for platform, name in (("tpu", quant_tpu.NAME), ("cuda", quant_gpu.NAME)):
+        p = accelerators.choose(platform, QUANT_LINEAR.name, 2, {"bits": 4, "group": 64})
+        assert p.kernel == name and p.params == {"bits": 4, "group": 64}
+        assert accelerators.choose(platform, QUANT_LINEAR.name, 1, {"bits": 8, "group": 32}).why.startswith("version 1")
+        assert accelerators.choose(platform, QUANT_LINEAR.name, 3, {"kind": 12}).why.startswith("version 3")
+    monkeypatch.setenv(accelerators.ENV, "0")
+    off = accelerators.choose("cuda", QUANT_LINEAR.name, 2, {"bits": 8, "group": 32})
+    assert off.kernel is None and off.why == f"{accelerators.ENV}=0"
+
+
+def test_digest_covers_the_quant_kernels(tmp_path, monkeypatch):
+    """The executable-cache key changes when a quant kernel's code does (a copy of the package with
+    one byte of quant_gpu.py changed digests differently for cuda, alike for tpu)."""
+    import os
+    import shutil
+    here = os.path.dirname(accelerators.__file__)
+    before = {p: accelerators.digest(p) for p in ("tpu", "cuda")}
+    copy = tmp_path / "pallas"
+    shutil.copytree(here, copy)
+    with open(copy / "quant_gpu.py", "a") as f:
+        f.write("\n")
+    monkeypatch.setattr(accelerators, "__file__", str(copy / "__init__.py"))
+    after = {p: accelerators.digest(p) for p in ("tpu", "cuda")}
+    assert after["tpu"] == before["tpu"] and after["cuda"] != before["cuda"]
