@@ -78,6 +78,24 @@ def test_kernel_matches_the_decomposition(side, layout, m):
     assert (err <= _bound(x, dense, layers - 1)).all(), f"max error {err.max():.3g}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("m", [1, 100])
+def test_kernel_on_the_accelerator_matches_the_decomposition(layout, m):
+    """The platform's kernel compiled for the device (benchmarks/gpu_check.sh runs this file), against
+    the decomposition on the CPU, under the same f32 bound (the kernels' dots are f32, no TF32)."""
+    bits, group, symmetric, sdtype = LAYOUTS[layout]
+    qw, s, mn, dense = _weights(bits, group, symmetric, sdtype, 48, 3)
+    x = np.random.default_rng(m).standard_normal((m, K)).astype(np.float32)
+    cpu = jax.devices("cpu")[0]
+    want = np.asarray(jax.jit(lambda *a: quant_linear_v2_reference(*a, bits=bits, group=group))(
+        *jax.device_put((x, qw, s, mn, np.int32(2)), cpu)))
+    side = "tpu" if jax.default_backend() == "tpu" else "gpu"
+    got = np.asarray(jax.jit(lambda *a: KERNELS[side](*a, params=quant.QuantParams(bits, group)))(x, qw, s, mn, np.int32(2)))
+    err = np.abs(got.astype(np.float64) - want)
+    assert (err <= _bound(x, dense, 2)).all(), f"max error {err.max():.3g}"
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tiles_lie_in_one_group_or_cover_whole_groups(layout):
     bits, group, _, _ = LAYOUTS[layout]
