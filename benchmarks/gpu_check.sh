@@ -14,6 +14,7 @@
 #   $OUT/step_vs_transformers.json the step's latency per call shape, hloserve and transformers eager
 #   $OUT/quant_steps.txt           the same model exported with --quantize int8 and int4: its step per call
 #                                  shape against the bf16 artifact's (hloserve.quant_linear's Triton kernel)
+#   $OUT/quant_inspect.txt         `hloserve inspect --platform cuda` of the int4 artifact (its kernels)
 #
 # Knobs (environment): PYTHON (python3), TEST_S (120), BENCH_S (210) and QUANT_S (300) seconds, TEST_WORKERS (4),
 # SHAPE (llama-1b: a serve.py shape), STEP_SHAPES (1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024),
@@ -110,7 +111,8 @@ quant() {
   for q in int8 int4; do
     [ -d "$work/art-$q" ] || "$PY" -m hloserve.server.cli export "$work/hf" -o "$work/art-$q" --quantize "$q" || return 1
   done
-  "$PY" -m hloserve.server.cli inspect "$work/art-int4" --platform cuda | grep -m2 "quant_linear\|custom calls"
+  "$PY" -m hloserve.server.cli inspect "$work/art-int4" --platform cuda > "$OUT/quant_inspect.txt" || return 1
+  grep -m1 "quant_linear" "$OUT/quant_inspect.txt"; grep "custom calls" "$OUT/quant_inspect.txt"
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 "$PY" benchmarks/step_shapes.py "$work/art" "$work/art-int8" "$work/art-int4" \
     --shapes "${STEP_SHAPES:-1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024}" --repeats 9 | tee "$OUT/quant_steps.txt"
 }
