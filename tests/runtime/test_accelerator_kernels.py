@@ -132,7 +132,8 @@ def test_kernel_lowers_for_its_platform_without_the_device(platform, custom_call
 
 def test_plan_per_platform():
     """Paged attention gets each platform's kernel with the composite's attributes as its static
-    parameters; the linear composites stay on XLA's dot; Triton refuses tiles that are not powers of two."""
+    parameters; layer_linear and quant_linear version 1 stay on XLA's dot (version 2's kernels:
+    tests/runtime/test_pallas_quant.py); Triton refuses tiles that are not powers of two."""
     attrs = {"window": 4, "holds": 1, "scale": 0.125, "softcap": 0.0}
     tpu = accelerators.choose("tpu", PAGED_ATTENTION.name, 1, attrs, (2, 2, 2, "N", 16, 64))
     assert tpu.kernel == pallas_tpu.NAME and tpu.params == {"window": 4, "holds": 1, "scale": 0.125, "softcap": 0.0}

@@ -2,9 +2,10 @@
 
 * The step is lowered for cpu, cuda and tpu by default, and the multi-platform artifact still loads
   and runs its CPU kernel here (the server tests serve this same artifact).
-* The TPU and GPU path, substitution included (placeholders at load, the Pallas kernel linked in per
+* The TPU and GPU path, substitution included (placeholders at load, the Pallas kernels linked in per
   compiled shape), runs here with the kernels in Pallas interpret mode and gives the CPU path's
-  logits and cache for a mixed step (decode rows and a prompt chunk across a block edge).
+  logits and cache for a mixed step (decode rows and a prompt chunk across a block edge); for int8 /
+  int4 artifacts, with the quantized linears' kernels (runtime/kernels/pallas/quant_*.py) too.
 * `hloserve inspect ART --platform tpu|cuda` lowers the step for that platform and names its kernels.
 * With an accelerator (`gpu` marker), the same step on the device against the CPU.
 
@@ -23,6 +24,8 @@ import pytest
 from hloserve.runtime import artifact, load
 from hloserve.runtime.kernels import pallas as accelerators
 from hloserve.runtime.kernels.pallas import gpu as pallas_gpu
+from hloserve.runtime.kernels.pallas import quant_gpu as pallas_quant_gpu
+from hloserve.runtime.kernels.pallas import quant_tpu as pallas_quant_tpu
 from hloserve.runtime.kernels.pallas import tpu as pallas_tpu
 from hloserve.runtime.model import read_exported
 
@@ -116,25 +119,45 @@ def tiny_quantized_llm(request, tmp_path_factory):
     return art
 
 
-def _quantized_step_matches(art, **load_args):
+def _quantized_step_matches(art, least: int = 1, **load_args):
     """The quantized step off the CPU kernels (`load_args`) against the CPU's. Both paths quantize each
     linear's input to int8 per block of 32 (the `hloserve.quant_linear` contract), but from
     activations computed in other orders (and, on a GPU, TF32 products): where one rounds an element
     the other way, that element moves by one int8 step, 1/127 of its block's largest magnitude.
     Bound: 5e-2 on logits of magnitude < 1 (the GPU's TF32 dots carry ~1e-3 relative error each, as in
     the f32 test's 2e-2 bound; rounding flips add a little), and the same next token for both
-    sequences. Measured in interpret mode on a CPU: 2.7e-7 (the same f32 arithmetic in another order)."""
+    sequences. Measured in interpret mode on a CPU: 2.7e-7 (the same f32 arithmetic in another order).
+    `least`: the composites that must run a kernel off the CPU."""
     cpu_kernels, want = _decode(art, platform="cpu")
     kernels, got = _decode(art, **load_args)
-    assert cpu_kernels >= 2 and kernels >= 1        # the CPU ran the attention and linear kernels
+    assert cpu_kernels >= 2 and kernels >= least    # the CPU ran the attention and linear kernels
     np.testing.assert_allclose(got["logits"], want["logits"], atol=5e-2, rtol=0)
     assert (got["logits"].argmax(-1) == want["logits"].argmax(-1)).all()
 
 
-def test_a_quantized_step_in_interpret_mode_matches_the_cpu(tiny_quantized_llm):
-    """The GPU path of a quantized step rehearsed here: the Triton attention kernel in Pallas
-    interpret mode, `hloserve.quant_linear` by its decomposition (no GPU linear kernel yet)."""
-    _quantized_step_matches(tiny_quantized_llm, pallas_interpret="cuda")
+@pytest.mark.parametrize("platform,kernel", [("cuda", pallas_quant_gpu.NAME), ("tpu", pallas_quant_tpu.NAME)])
+def test_a_quantized_step_in_interpret_mode_matches_the_cpu(tiny_quantized_llm, platform, kernel):
+    """The GPU / TPU path of a quantized step rehearsed here: the attention and `hloserve.quant_linear`
+    kernels in Pallas interpret mode (every linear of the tiny model is version 2: rows in sixteens)."""
+    plans = accelerators.plan(read_exported(tiny_quantized_llm, "decode"), platform)
+    linears = [p for p in plans if p.composite == "hloserve.quant_linear"]
+    assert linears and all(p.kernel == kernel for p in linears), [p.describe() for p in linears]
+    _quantized_step_matches(tiny_quantized_llm, pallas_interpret=platform, least=1 + len(linears))
+
+
+@pytest.mark.parametrize("platform,kernel,custom_call", [
+    ("tpu", pallas_quant_tpu.NAME, "tpu_custom_call"), ("cuda", pallas_quant_gpu.NAME, "__gpu$xla.gpu.triton")])
+def test_inspect_names_the_quantized_linears_kernels(tiny_quantized_llm, platform, kernel, custom_call):
+    """`inspect --platform` names the quant_linear kernel with its static parameters (int8: symmetric
+    groups of 32, int4: asymmetric ones), and the lowered step has one kernel call per composite."""
+    proc = subprocess.run([sys.executable, "-m", "hloserve.server.cli", "inspect", tiny_quantized_llm,
+                           "--platform", platform], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    decode = proc.stdout.split(f"on {platform}: function decode", 1)[1]
+    bits = 8 if tiny_quantized_llm.endswith("int8") else 4
+    linears = decode.count(f"hloserve.quant_linear v2 -> {kernel}(bits={bits}, group=32)")
+    assert linears >= 2
+    assert f"lowered for {platform} with its kernels: custom calls {custom_call} x{linears + 1}" in decode
 
 
 @pytest.mark.gpu

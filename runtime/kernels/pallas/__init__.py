@@ -8,20 +8,27 @@
 A Pallas kernel is compiled for one static shape (its grid and tiles are Python integers), while the
 artifact's step is symbolic in its tokens, sequences and blocks. So the substitution has two
 halves. At load, `specialize` turns each composite a kernel serves into a placeholder custom call
-(`PENDING`, the composite's attributes as its config, its result dims for shape refinement) and
-every other composite into a call of its decomposition, as the CPU `specialize` does. When the
-runtime compiles a shape, `for_shapes` exports the step at those static shapes, refines every
-shape inside (jax's shape refinement), lowers the Pallas kernel for each placeholder at its now
-static operand shapes and links it in. The artifact stays portable: nothing of this is written.
+(one target per composite, `PENDING`: the composite's attributes as its config, its result dims for
+shape refinement) and every other composite into a call of its decomposition, as the CPU
+`specialize` does. When the runtime compiles a shape, `for_shapes` exports the step at those static
+shapes, refines every shape inside (jax's shape refinement; a placeholder inside the layer loop's
+body too), lowers the Pallas kernel for each placeholder at its now static operand shapes and links
+it in. The artifact stays portable: nothing of this is written.
 
 What runs where (docs/deploy.md):
 * `hloserve.paged_attention` (version 1, and version 2 with the window an operand, read by the
   kernels as data): TPU -> `pallas_tpu.ragged_paged_attention` (tpu.py), GPU (cuda) ->
-  `pallas_triton.paged_attention` (gpu.py); over a mesh, or with HLOSERVE_PALLAS_KERNELS=0, the decomposition.
-* `hloserve.layer_linear` and `hloserve.quant_linear`: XLA's dot on both (the decomposition). A
-  TPU's MXU takes the bf16 operands and accumulates in f32, which is the composite's contract, and
-  XLA:TPU/GPU read the stacked layer's slice in place inside the layer loop; the CPU kernels exist
-  because XLA:CPU copied and packed that slice, which the accelerator compilers do not need.
+  `pallas_triton.paged_attention` (gpu.py).
+* `hloserve.quant_linear` version 2 (int8 per channel or grouped, int4 packed symmetric or
+  asymmetric, rows interleaved by 16: what the exporter gives linear layers wherever their shape
+  allows): TPU -> `pallas_tpu.quant_linear` (quant_tpu.py), GPU -> `pallas_triton.quant_linear`
+  (quant_gpu.py); the weights are read where they lie in the stack at the layer and dequantized next
+  to the dot (quant.py). Version 1 (rows one by one) and version 3 (GGUF K-quants): the decomposition.
+* `hloserve.layer_linear`: XLA's dot on both (the decomposition). A TPU's MXU takes the bf16
+  operands and accumulates in f32, which is the composite's contract, and XLA:TPU/GPU read the
+  stacked layer's slice in place inside the layer loop; the CPU kernels exist because XLA:CPU copied
+  and packed that slice, which the accelerator compilers do not need.
+* Over a mesh, or with HLOSERVE_PALLAS_KERNELS=0, every composite's decomposition.
 """
 from __future__ import annotations
 
@@ -31,21 +38,26 @@ import hashlib
 import os
 from typing import Any, Sequence
 
-from hloserve.runtime.artifact.kernels import COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2, QUANT_LINEAR
+from hloserve.runtime.artifact.kernels import (COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2, QUANT_LINEAR,
+                                               QUANT_LINEAR_V2)
 
 from ... import _private
 from ..backend import Specialized
 from ..rewrite import CompositeOp, attribute_value, composite_of, custom_call, decomposition_call, rewrite, swap
+from . import quant
 from .paged import PagedParams
 
 ENV = "HLOSERVE_PALLAS_KERNELS"   # "0": the accelerators run every composite's decomposition
-PENDING = "hloserve_pallas_paged_attention"   # placeholder custom call, replaced once shapes are static
+# composite name -> its placeholder custom call, replaced once shapes are static
+PENDING = {PAGED_ATTENTION.name: "hloserve_pallas_paged_attention", QUANT_LINEAR.name: quant.PENDING}
 # jax's platform names for lowering (a GPU device reports "gpu")
 LOWERING = {"tpu": "tpu", "gpu": "cuda", "cuda": "cuda"}
 # the composites a Pallas kernel runs (where the cache shape suits it: `choose`)
-SERVED = frozenset({PAGED_ATTENTION.key, PAGED_ATTENTION_V2.key})
-# what the linear composites run on an accelerator, and why (see the module docstring)
+SERVED = frozenset({PAGED_ATTENTION.key, PAGED_ATTENTION_V2.key, QUANT_LINEAR_V2.key})
+# what the layer_linear composite runs on an accelerator, and why (see the module docstring)
 XLA_DOT = "XLA's dot (the decomposition): the MXU / cuBLAS take the 16-bit operands with f32 sums, as the contract asks"
+# the result dims of each placeholder for shape refinement ((operand, dim), None: static); default: x's
+RESULT_DIMS = {QUANT_LINEAR.name: ((0, 0), None)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +106,17 @@ class PallasBackend:
                            digest(self.platform))
 
 
-def _module(platform: str):
-    """The kernel module serving paged attention on `platform` (imported on use: each imports its
-    Pallas lowering)."""
-    if LOWERING[platform] == "tpu":
+def _module(platform: str, composite: str = PAGED_ATTENTION.name):
+    """The kernel module serving `composite` on `platform` (imported on use: each imports its Pallas
+    lowering)."""
+    tpu_side = LOWERING[platform] == "tpu"
+    if composite == QUANT_LINEAR.name:
+        if tpu_side:
+            from . import quant_tpu
+            return quant_tpu
+        from . import quant_gpu
+        return quant_gpu
+    if tpu_side:
         from . import tpu
         return tpu
     from . import gpu
@@ -108,7 +127,8 @@ def digest(platform: str) -> str:
     """Identifies the kernels' code for `platform` (executable-cache keys)."""
     import jax
     h = hashlib.sha256(jax.__version__.encode())
-    for name in ("paged.py", _module(platform).__name__.rsplit(".", 1)[1] + ".py", "__init__.py"):
+    modules = [_module(platform, c).__name__.rsplit(".", 1)[1] + ".py" for c in PENDING]
+    for name in ("paged.py", "quant.py", *modules, "__init__.py"):
         with open(os.path.join(os.path.dirname(__file__), name), "rb") as f:
             h.update(f.read())
     return h.hexdigest()
@@ -121,8 +141,10 @@ def choose(platform: str, name: str, version: int, attrs: dict[str, Any], kv_sha
     contract = COMPOSITES.get((name, version))
     if contract is None:
         return KernelPlan(name, version, platform, None, {}, "no kernel knows this composite (version)")
-    if name in (LAYER_LINEAR.name, QUANT_LINEAR.name):
+    if name == LAYER_LINEAR.name:
         return KernelPlan(name, version, platform, None, {}, XLA_DOT)
+    if name == QUANT_LINEAR.name:
+        return _choose_quant(platform, version, attrs)
     assert name == PAGED_ATTENTION.name
     params = dataclasses.asdict(PagedParams.from_attributes(attrs))
     if not enabled():
@@ -133,6 +155,19 @@ def choose(platform: str, name: str, version: int, attrs: dict[str, Any], kv_sha
         return KernelPlan(name, version, platform, None, params, why)
     return KernelPlan(name, version, platform, module.NAME, params,
                       "reads each sequence's blocks in place from the paged cache")
+
+
+def _choose_quant(platform: str, version: int, attrs: dict[str, Any]) -> KernelPlan:
+    """The plan for a quant_linear: version 2's kernel, or why its decomposition runs."""
+    name = QUANT_LINEAR.name
+    why = quant.why_not(version, attrs)
+    if why:
+        return KernelPlan(name, version, platform, None, {}, why)
+    params = dataclasses.asdict(quant.QuantParams.from_attributes(attrs))
+    if not enabled():
+        return KernelPlan(name, version, platform, None, params, f"{ENV}=0")
+    return KernelPlan(name, version, platform, _module(platform, name).NAME, params,
+                      "reads the layer's int8 / int4 bytes in place and dequantizes them next to the dot")
 
 
 def _plan_of(api, info: CompositeOp, platform: str) -> KernelPlan:
@@ -167,7 +202,8 @@ def specialize(exported: Any, platform: str) -> tuple[Any, list[KernelPlan]]:
             if p.kernel is None:
                 swap(op, decomposition_call(api, op))
             else:
-                swap(op, custom_call(api, PENDING, [r.type for r in op.results], info.operands, info.config))
+                swap(op, custom_call(api, PENDING[info.name], [r.type for r in op.results], info.operands, info.config,
+                                     RESULT_DIMS.get(info.name)))
         return True
 
     return rewrite(exported, replace)[0], plans
@@ -184,9 +220,10 @@ def for_shapes(pending: Any, platform: str, avals: Sequence[Any], *, interpret: 
     lowering = jax.default_backend() if interpret else LOWERING[platform]
     lowering = LOWERING.get(lowering, lowering)
     static = jax_export.export(jax.jit(pending.call), platforms=(lowering,),
-                               disabled_checks=[jax_export.DisabledSafetyCheck.custom_call(PENDING)])(*avals)
+                               disabled_checks=[jax_export.DisabledSafetyCheck.custom_call(t) for t in PENDING.values()])(
+                                   *avals)
     build = functools.partial(_build_kernel, platform=platform, lowering=lowering, interpret=interpret)
-    body, _ = _private.link_kernels(static.mlir_module_serialized, {PENDING}, build)
+    body, _ = _private.link_kernels(static.mlir_module_serialized, set(PENDING.values()), build)
     return dataclasses.replace(static, mlir_module_serialized=body)
 
 
@@ -195,16 +232,22 @@ def _build_kernel(target: str, config: dict, operand_types: list, api, *, platfo
     """The serialized jax export of the kernel for one placeholder, at its static operand types."""
     import jax
     from jax import export as jax_export
-    del target
     attrs = {k: attribute_value(api.ir, v) for k, v in config.items()}
-    params = PagedParams.from_attributes(attrs)
-    # the placeholder's leading operands are the contract's (version 2's window the last), then any result shapes
-    contract = PAGED_ATTENTION if params.window is not None else PAGED_ATTENTION_V2
+    if target == quant.PENDING:
+        contract = QUANT_LINEAR_V2
+        kernel = functools.partial(_module(platform, QUANT_LINEAR.name).quant_linear,
+                                   params=quant.QuantParams.from_attributes(attrs), interpret=interpret)
+    else:
+        params = PagedParams.from_attributes(attrs)
+        # the placeholder's leading operands are the contract's (version 2's window the last), then any result shapes
+        contract = PAGED_ATTENTION if params.window is not None else PAGED_ATTENTION_V2
+        kernel = functools.partial(_module(platform).paged_attention, params=params, interpret=interpret)
     avals = [jax.ShapeDtypeStruct(tuple(api.ir.RankedTensorType(t).shape), _dtype(str(api.ir.RankedTensorType(t).element_type)))
              for t in operand_types[:len(contract.operands)]]
-    fn = functools.partial(_module(platform).paged_attention, params=params, interpret=interpret)
     checks = [jax_export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    return jax_export.export(jax.jit(lambda *a: fn(*a)), platforms=(lowering,), disabled_checks=checks)(
+    # keep_unused: the call passes every operand (a symmetric quant_linear's empty min is unused)
+    return jax_export.export(jax.jit(lambda *a: kernel(*a), keep_unused=True), platforms=(lowering,),
+                             disabled_checks=checks)(
         *avals).mlir_module_serialized
 
 

@@ -1,0 +1,114 @@
+"""The GPU kernel behind `hloserve.quant_linear` version 2: weight-only int8 / int4 matrix products
+in Pallas, lowered through Triton, dequantizing in registers next to the dot (quant.py has the layout).
+
+One program per (tile of BM activation rows, 16-row block of the layer's matrix). It loops over the
+row block's bytes in tiles of U steps of `a` (U x 16 x 4 bytes: U x 64 int8 elements, or U x 128
+int4 ones), read where they lie in the stacked weights at the layer (no slice, no copy). For each
+c of the 4 byte columns it loads the strided [U, 16] tile, widens it to f32 (int4: both nibbles,
+sign-extended without mins), multiplies by the tile's scale rows (and adds the mins), and adds
+x_c [BM, U] times that tile to a [BM, 16] f32 accumulator: `jnp.dot` at highest precision (tl.dot
+with f32 operands, f32 sums: the contract's arithmetic, no TF32) where the tile has 16 or more of
+each dimension (Triton's minimum), else a broadcast product summed in f32. The dequantized weight
+never reaches memory: the matrix is read once per tile of rows, at 1 (int8) or 1/2 (int4) byte
+per element. Runs in Pallas interpret mode on any platform (`interpret=True`, the tests).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .quant import ROWS, QuantParams, layer_of, padded_rows, phases, steps
+
+NAME = "pallas_triton.quant_linear"
+MAX_STEPS = 32      # steps of `a` per tile: 32 x 64 bytes of a row block
+DOT_MIN = 16        # tl.dot needs 16 or more in each dimension
+
+
+def row_tile(m: int) -> int:
+    """Activation rows per program: 16 (decode steps and tl.dot's minimum), 32 or 64 for longer steps."""
+    return 16 if m <= 16 else 32 if m <= 64 else 64
+
+
+def _widen(b, params: QuantParams, symmetric: bool):
+    """A tile of stored bytes -> its f32 values: int8 as they are, int4 as (low, high) nibbles."""
+    if params.bits == 8:
+        return (b.astype(jnp.float32),)
+    v = b.astype(jnp.int32)
+    lo, hi = v & 15, (v >> 4) & 15
+    if symmetric:   # two's complement nibbles
+        lo, hi = jnp.where(lo >= 8, lo - 16, lo), jnp.where(hi >= 8, hi - 16, hi)
+    return lo.astype(jnp.float32), hi.astype(jnp.float32)
+
+
+def _scale_tile(ref, layer, nb, a0, u: int, per_group: int):
+    """Each step's scale (or min) of a [U, 16] tile from rows a0 .. a0 + U: the group rows the tile
+    falls in, widened to f32, row j of the group span chosen where the step index reaches it."""
+    g0 = a0 // per_group
+    rows = [ref[layer, nb, g0 + j, :].astype(jnp.float32) for j in range(max(1, u // per_group))]
+    tile = jnp.broadcast_to(rows[0][None, :], (u, ROWS))
+    if len(rows) > 1:
+        step = lax.broadcasted_iota(jnp.int32, (u, ROWS), 0)
+        for j, row in enumerate(rows[1:], 1):
+            tile = jnp.where(step >= j * per_group, row[None, :], tile)
+    return tile
+
+
+def _product(x, w):
+    """x [BM, U] times w [U, 16], f32 products and sums."""
+    if min(x.shape[0], x.shape[1]) >= DOT_MIN:
+        return jnp.dot(x, w, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return (x[:, :, None] * w[None, :, :]).sum(axis=1)
+
+
+def _kernel(layer_ref, x_ref, w_ref, s_ref, *rest, params: QuantParams, bm: int, u: int, ka: int,
+            symmetric: bool):
+    m_ref, o_ref = (None, rest[0]) if symmetric else rest
+    i, nb = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    rows = pl.ds(i * bm, bm)
+
+    def body(t, acc):
+        a0 = t * u
+        s = _scale_tile(s_ref, layer, nb, a0, u, params.per_group)
+        mn = None if symmetric else _scale_tile(m_ref, layer, nb, a0, u, params.per_group)
+        for c in range(4):
+            parts = _widen(w_ref[layer, nb, pl.ds(a0, u), :, c], params, symmetric)
+            for h, q in enumerate(parts):          # int4: the high nibble is phase 4 + c
+                w = q * s if symmetric else q * s + mn
+                acc = acc + _product(x_ref[4 * h + c, rows, pl.ds(a0, u)], w)
+        return acc
+
+    o_ref[...] = lax.fori_loop(0, ka // u, body, jnp.zeros((bm, ROWS), jnp.float32))
+
+
+def quant_linear(x, qweight, scale, min_, layer, *, params: QuantParams, interpret: bool = False,
+                 num_warps: int = 4):
+    """The composite's operands (QUANT_LINEAR_V2: x f32[M, K], qweight [L, N/16, 16 K | 8 K], scale and
+    min [L, N/16, K/group, 16] or min f32[0], layer s32[]) -> f32[M, N]."""
+    M, K = x.shape
+    L, NB = qweight.shape[:2]
+    symmetric = min_.size == 0
+    ka = K // params.unit
+    u = steps(params, K, MAX_STEPS)
+    bm = row_tile(M)
+    mp = padded_rows(M, bm)
+    xs = phases(x, params, mp)                                           # [unit, Mp, K / unit]
+    w = qweight.reshape(L, NB, ka, ROWS, 4)                              # byte (a, 4 r + c) as [a, r, c]
+    mins = () if symmetric else (min_,)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    out = pl.pallas_call(
+        functools.partial(_kernel, params=params, bm=bm, u=u, ka=ka, symmetric=symmetric),
+        grid=(mp // bm, NB),
+        in_specs=[any_spec] * (4 + len(mins)),
+        out_specs=pl.BlockSpec((bm, ROWS), lambda i, nb: (i, nb)),
+        out_shape=jax.ShapeDtypeStruct((mp, NB * ROWS), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+        name="hloserve_quant_linear",
+    )(layer_of(layer, L), xs, w, scale, *mins)
+    return out[:M]
