@@ -2,14 +2,17 @@
 int8 (`--kv-cache-dtype int8`), on the default model (SmolLM2-135M-Instruct) as `hloserve serve`
 exports it.
 
-    python benchmarks/kv_cache.py [--context 2000] [--batch 1,8] [--steps 64] [--rounds 8]
+    python benchmarks/kv_cache.py [--context 2000] [--batch 1,8] [--steps 64] [--rounds 8] [--also NAME=ARTIFACT]
 
 Each artifact's `decode` function is loaded through hloserve.runtime (the CPU attention kernel where
 it runs, as served), and every sequence of the batch decodes one token per step at positions
 context .. context + steps (the cache donated, as the server does). The variants run interleaved,
 `--rounds` rounds of steps/rounds steps each, so load from other processes on a shared machine falls
-on both alike; reported: median step time and the 10th/90th percentiles, per batch size. The
-cache's contents do not change the work (every visible block is read), so it starts as zeros.
+on both alike; reported: median step time and the 10th/90th percentiles, per batch size, and each
+variant's paired ratio to bf16 (the median over rounds of its round median / bf16's in the same
+round). `--also NAME=ARTIFACT` adds another export of the model (an older int8 one: before/after in
+one run). The cache's contents do not change the work (every visible block is read), so it starts
+as zeros.
 """
 from __future__ import annotations
 
@@ -58,14 +61,21 @@ def tpot(paths: dict[str, str], batch: int, context: int, steps: int, rounds: in
     for d in decoders.values():   # compile and first run
         d.step()
     times: dict[str, list[float]] = {name: [] for name in paths}
+    medians: dict[str, list[float]] = {name: [] for name in paths}    # each round's median
     for _ in range(rounds):
         for name, d in decoders.items():
-            times[name] += [d.step() for _ in range(steps // rounds)]
+            ts = [d.step() for _ in range(steps // rounds)]
+            times[name] += ts
+            medians[name].append(statistics.median(ts))
     out = {}
+    first = next(iter(paths))
     for name, ts in times.items():
         q = statistics.quantiles(ts, n=10)
+        # paired: the median over rounds of this variant's round median / the first variant's (bf16) in
+        # the same round, so load that comes and goes between rounds falls out of the ratio
+        ratio = statistics.median(m / b for m, b in zip(medians[name], medians[first]))
         out[name] = {"p50_ms": 1e3 * statistics.median(ts), "p10_ms": 1e3 * q[0], "p90_ms": 1e3 * q[-1],
-                     "steps": len(ts)}
+                     "steps": len(ts), "paired_ratio": ratio}
     return out
 
 
@@ -77,19 +87,22 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--also", action="append", default=[], metavar="NAME=ARTIFACT",
+                    help="another artifact of the same model to run interleaved (e.g. an older int8 export)")
     args = ap.parse_args(argv)
     paths = {kv: serve_target(None, kv_cache_dtype=kv)[0] for kv in ("bfloat16", "int8")}
+    paths.update(a.split("=", 1) for a in args.also)
     report = {"context": args.context, "date": time.strftime("%Y-%m-%d")}
     for b in (int(x) for x in args.batch.split(",")):
         report[f"batch {b}"] = tpot(paths, b, args.context, args.steps, args.rounds)
     print(json.dumps(report, indent=1))
-    print("\n| batch | bf16 cache ms/token p50 [p10, p90] | int8 cache | int8 / bf16 |")
-    print("|---|---|---|---|")
+    print("\n| batch | cache | ms/token p50 [p10, p90] | / bf16 (p50s) | / bf16 (paired rounds) |")
+    print("|---|---|---|---|---|")
     for key, r in report.items():
         if key.startswith("batch"):
-            b, i = r["bfloat16"], r["int8"]
-            print(f"| {key[6:]} | {b['p50_ms']:.1f} [{b['p10_ms']:.1f}, {b['p90_ms']:.1f}] | "
-                  f"{i['p50_ms']:.1f} [{i['p10_ms']:.1f}, {i['p90_ms']:.1f}] | {i['p50_ms'] / b['p50_ms']:.2f} |")
+            for name, x in r.items():
+                print(f"| {key[6:]} | {name} | {x['p50_ms']:.1f} [{x['p10_ms']:.1f}, {x['p90_ms']:.1f}] | "
+                      f"{x['p50_ms'] / r['bfloat16']['p50_ms']:.3f} | {x['paired_ratio']:.3f} |")
     return 0
 
 

@@ -43,8 +43,9 @@ EXPORT_STEP = "s6"
 DEFAULT_EXPORT_TAG = f"bf16-{EXPORT_STEP}"
 # --kv-cache-dtype -> its part of the cache tag where the stored format changed under the same flag:
 # int8 rows with a zero point since 2026-11-28, their keys smoothed (exporter/llm/kv_smooth.py) from
-# later that day (an older "kvint8" or "kvint8zp" export is never taken for one)
-KV_EXPORT_TAGS = {"int8": "int8ks"}
+# later that day, quantized from the f32 K/V (not from their bf16 rounding) since 2026-11-29 (an older
+# "kvint8", "kvint8zp" or "kvint8ks" export is never taken for one)
+KV_EXPORT_TAGS = {"int8": "int8f"}
 log = logging.getLogger("hloserve.server")
 
 

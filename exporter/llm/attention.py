@@ -88,7 +88,8 @@ class StepState:
         if rot is not None:
             q, k, v = q.float() @ rot, k.float() @ rot, v.float() @ rot
             q, k = smooth_keys(q, k, x.get(KV_SMOOTH), layer)             # keys smoothed (kv_smooth.py)
-        self.cache = write_kv(self.cache, layer.to(torch.int64), k.to(self.dtype), v.to(self.dtype),
+        kv_in = torch.float32 if rot is not None else self.dtype          # int8 rows: quantized from f32
+        self.cache = write_kv(self.cache, layer.to(torch.int64), k.to(kv_in), v.to(kv_in),
                               x["slot_mapping"].to(torch.int64), self.kv_dtype)
 
         qg = q.reshape(T, KV, H // KV, D)                                 # [T, KV, G, D]

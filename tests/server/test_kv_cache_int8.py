@@ -17,9 +17,11 @@ TEXT = os.path.join(os.path.dirname(__file__), "..", "data", "web_genesis.txt")
 TOKENS = 1500      # the text scored (the issue's bound is stated on a 1,500-token text)
 ROWS = 250         # rows (one token each) per step call
 # nats: the mean |difference| of the prompt log-probabilities. Issue #40 asks for 0.02; measured
-# 0.0226 with the keys smoothed (0.0234 rows with a zero point alone, 0.0248 symmetric, 0.039 without
-# the rotation), so the issue's bound is NOT met yet and this test holds what is: 0.025, the measure
-# plus 10% (docs/quantization.md, "Quantized KV cache")
+# 0.0223 (2026-11-29: K/V quantized from f32; 0.0226 from their bf16 rounding, 0.0234 rows with a zero
+# point without smoothed keys, 0.0248 symmetric, 0.039 without the rotation), so the issue's bound is
+# NOT met and this test holds what is: 0.025, the measure plus 12%. Changes that should not matter
+# move the measure by up to 7% (a bf16 scale rounded up instead of to nearest: 0.0241), so the margin
+# is the measure's own spread, not room (docs/quantization.md, "Quantized KV cache")
 MAX_MEAN_DIFF = 0.025
 
 

@@ -27,9 +27,9 @@ def test_export_choice_table():
     # --kv-cache-dtype: its own cache entry, except the default model's own bf16
     assert export_choice("auto", default_model=True, kv_cache_dtype="bfloat16") == (DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG)
     assert export_choice("auto", default_model=True, kv_cache_dtype="int8") == (
-        ("--weight-dtype", "bfloat16", "--kv-cache-dtype", "int8"), f"bf16-kvint8ks-{EXPORT_STEP}")
+        ("--weight-dtype", "bfloat16", "--kv-cache-dtype", "int8"), f"bf16-kvint8f-{EXPORT_STEP}")
     assert export_choice("auto", default_model=False, kv_cache_dtype="int8") == (
-        ("--quantize", "gguf", "--kv-cache-dtype", "int8"), f"gguf-kvint8ks-{EXPORT_STEP}")
+        ("--quantize", "gguf", "--kv-cache-dtype", "int8"), f"gguf-kvint8f-{EXPORT_STEP}")
 
 
 def test_quantize_is_refused_for_an_exported_artifact(tmp_path):
