@@ -53,7 +53,7 @@ import numpy as np
 from hloserve.runtime.progress import Reporter
 
 from ..errors import SourceError
-from . import validate
+from . import experts, validate
 from .header import ARRAY, STRING, TensorInfo, read_header, show
 from .tensor import GGUFTensor
 from .tokenizer import GGUFVocab, gguf_tokenizer_json
@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 ARCHITECTURES: Mapping[str, tuple[str, str, bool]] = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+    **experts.MOE_ARCHITECTURES,
 }
 
 _GLOBAL_NAMES = {
@@ -82,6 +83,8 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    **experts.EXPERT_NAMES,
+    **experts.QK_NORM_NAMES,
 }
 # Tensors that are not weights of the HF model; their contents go into the config instead.
 _CONFIG_TENSORS = ("rope_freqs.weight",)
@@ -153,7 +156,8 @@ class GGUFCheckpoint:
 
     def materialize(self, reporter: "Reporter | None" = None, dtype: "torch.dtype | None" = None
                     ) -> dict[str, "torch.Tensor"]:
-        """All weights dequantized (float32, or cast to `dtype`), with a progress bar."""
+        """All weights dequantized (float32, or cast to `dtype`), with a progress bar; a layer's
+        experts gate and up stacks joined into transformers' gate_up_proj (experts.merge_gate_up)."""
         import torch
         reporter = Reporter() if reporter is None else reporter
         counts = collections.Counter(t.ggml_type for t in self.tensors.values())
@@ -165,7 +169,7 @@ class GGUFCheckpoint:
                 value = torch.from_numpy(t.dequantize())
                 out[name] = value.to(dtype) if dtype is not None and dtype != torch.float32 else value
                 advance(t.nbytes)
-        return out
+        return experts.merge_gate_up(out)
 
 
 def load_gguf(path: str) -> GGUFCheckpoint:
@@ -188,6 +192,8 @@ def load_gguf(path: str) -> GGUFCheckpoint:
     infos = {t.name: t for t in header.tensors}
     _check_names(infos, hf_arch, where)
     config = _config(meta, arch, model_type, hf_arch, infos, where)
+    if arch in experts.MOE_ARCHITECTURES:
+        config.update(experts.moe_config(meta, arch, infos))
     validate.check_layers(config, header.tensors, arch, where)
     validate.check_shapes(config, header.tensors, arch, where)
     validate.check_weight_types([t for t in header.tensors if t.name not in _CONFIG_TENSORS], _dequantizable(), where)
@@ -265,8 +271,9 @@ def _check_names(infos: Mapping[str, TensorInfo], hf_arch: str, where: str) -> N
     unknown = [show(n) for n in infos if n not in _CONFIG_TENSORS and _hf_name(n) is None]
     if unknown:
         raise SourceError(f"{where}: {len(unknown)} tensor(s) have no Hugging Face {hf_arch} name: "
-                          f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}. Mixture-of-experts and "
-                          f"other variants are not supported; extend _LAYER_NAMES in exporter/gguf/checkpoint.py")
+                          f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}. Variants beyond "
+                          f"{sorted(ARCHITECTURES)} (shared experts, ...) are not supported; extend _LAYER_NAMES in "
+                          f"exporter/gguf/checkpoint.py")
     for required in ("token_embd.weight", "output_norm.weight"):
         if required not in infos:
             raise SourceError(f"{where}: tensor {required} ({_GLOBAL_NAMES[required]}) is missing; the file is "
@@ -299,7 +306,9 @@ def _config(meta: validate.Metadata, arch: str, model_type: str, hf_arch: str, i
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "intermediate_size": meta.integer(f"{arch}.feed_forward_length", lo=1),
+        "intermediate_size": meta.integer(f"{arch}.feed_forward_length",   # an all-experts file may lack it
+                                          meta.integer(f"{arch}.expert_feed_forward_length", validate.REQUIRED, lo=1)
+                                          if arch in experts.MOE_ARCHITECTURES else validate.REQUIRED, lo=1),
         "rms_norm_eps": meta.number(f"{arch}.attention.layer_norm_rms_epsilon", hi=1.0),
         "rope_theta": meta.number(f"{arch}.rope.freq_base", 10000.0),
         "rope_scaling": _rope_scaling(meta, arch),

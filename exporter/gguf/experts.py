@@ -1,0 +1,81 @@
+"""Mixture-of-experts GGUF files (llama.cpp's qwen3moe) as transformers' experts modules.
+
+    EXPERT_NAMES           GGUF layer tensor -> HF name under model.layers.N (router and experts)
+    moe_config(meta, arch, infos)   the config's experts fields from {arch}.expert_* metadata
+    merge_gate_up(weights)          gate_proj + up_proj stacks -> transformers' gate_up_proj
+
+llama.cpp stores a layer's experts as three 3-D tensors, ggml dims [in, out, E] (torch order
+[E, out, in]): ffn_gate_exps and ffn_up_exps [E, I, H], ffn_down_exps [E, H, I]; the router
+ffn_gate_inp [E, H]. transformers 5 holds the experts as fused parameters of an experts module:
+gate_up_proj [E, 2I, H] (gate rows first, then up) and down_proj [E, H, I]; the router is
+mlp.gate.weight. The checkpoint names the file's stacks mlp.experts.{gate,up,down}_proj (one GGUF
+tensor each, their blocks kept for --quantize gguf, exporter/gguf/quant.py stored_experts); the
+float weights the model loads join gate and up (merge_gate_up). A layer without ffn_gate_inp is a
+dense one (transformers' mlp_only_layers).
+
+Routing as llama.cpp computes it for qwen3moe: softmax over the experts, the top expert_used_count,
+their weights renormalized to sum 1 unless {arch}.expert_weights_norm says otherwise (llama.cpp's
+qwen3moe graph normalizes; transformers' GGUF loader sets norm_topk_prob the same way).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+from ..errors import SourceError
+from . import validate
+from .header import TensorInfo
+
+if TYPE_CHECKING:
+    import torch
+
+# llama.cpp mixture-of-experts architecture -> (HF model_type, HF architecture class, q/k rows permuted)
+MOE_ARCHITECTURES: Mapping[str, tuple[str, str, bool]] = {
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", False),
+}
+# a layer whose FFN is experts has these in place of validate.DENSE_FFN
+EXPERT_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+}
+# Qwen3's per-head RMS norms of q and k
+QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+# llama.cpp's routing weight normalization when the file does not say (its qwen3moe graph: on)
+_NORM_DEFAULT = {"qwen3moe": True}
+_SOFTMAX = 1   # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+
+
+def moe_config(meta: validate.Metadata, arch: str, infos: Mapping[str, TensorInfo]) -> dict[str, Any]:
+    """The transformers config's experts fields: num_experts, num_experts_per_tok,
+    moe_intermediate_size, norm_topk_prob, and mlp_only_layers (the layers without a router)."""
+    experts = meta.integer(f"{arch}.expert_count", lo=2, hi=1 << 16)
+    used = meta.integer(f"{arch}.expert_used_count", lo=1, hi=experts)
+    gating = meta.integer(f"{arch}.expert_gating_func", _SOFTMAX)
+    if gating != _SOFTMAX:
+        raise SourceError(f"{meta.where}: {arch}.expert_gating_func = {gating}; the {arch} experts are routed by a "
+                          f"softmax ({_SOFTMAX}) in transformers' model, which the generic step runs: re-convert it")
+    scale = meta.number(f"{arch}.expert_weights_scale", 1.0)
+    if scale != 1.0:
+        raise SourceError(f"{meta.where}: {arch}.expert_weights_scale = {scale}; transformers' {arch} model does not "
+                          f"scale the routing weights: re-convert it")
+    layers = {at[0] for at in map(validate.layer_of, infos) if at is not None}
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": meta.integer(f"{arch}.expert_feed_forward_length", lo=1),
+        "norm_topk_prob": meta.flag(f"{arch}.expert_weights_norm", _NORM_DEFAULT[arch]),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": sorted(i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in infos),
+    }
+
+
+def merge_gate_up(weights: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
+    """HF-named weights with each layer's experts gate_proj and up_proj [E, I, H] replaced by their
+    concatenation gate_up_proj [E, 2I, H] (transformers' layout: gate rows, then up rows)."""
+    import torch
+
+    for name in [n for n in weights if n.endswith(".experts.gate_proj")]:
+        base = name[:-len("gate_proj")]
+        weights[base + "gate_up_proj"] = torch.cat([weights.pop(name), weights.pop(base + "up_proj")], dim=1)
+    return weights
