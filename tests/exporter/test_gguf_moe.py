@@ -1,0 +1,243 @@
+"""Mixture-of-experts GGUF files (llama.cpp's qwen3moe; exporter/gguf/experts.py, quant.py
+stored_experts): loaded as transformers' Qwen3-MoE, and under `--quantize gguf` their experts' blocks
+kept in the `hloserve.quant_experts` composite (F16 stacks: the grouped 16-bit composite).
+
+The files: a tiny random Qwen3MoeForCausalLM (2 layers, hidden 64, 8 experts of 32, top 2) written
+as llama.cpp's converter lays it out (tests/exporter/test_gguf.py _write_gguf: gguf-py's tensor
+names, ggml dims [in, out, E] for the expert stacks), its linears, embedding and head Q8_0, its
+experts in the type a test names (gguf.quants.quantize), router and norms F32 as llama.cpp keeps
+them. References: transformers' own GGUF loader (which reads qwen3moe but does not map
+expert_feed_forward_length, so the test passes moe_intermediate_size), the gguf package's
+dequantization, and the same quantized model's torch eager forward.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hloserve.exporter.gguf import quant as gguf_quant
+from hloserve.exporter.gguf.checkpoint import load_gguf
+from hloserve.quantization import modules as qmodules
+from hloserve.quantization.schemes import QuantConfig, WeightScheme
+
+from .test_gguf import _write_gguf
+
+E, TOP, MOE_FF = 8, 2, 32
+# the dense matrices stored Q8_0 (kept exactly under --quantize gguf); router and norms stay F32
+_DENSE_Q8 = ("proj.weight", "embed_tokens.weight", "lm_head.weight")
+
+
+def _hf():
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=258, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=E, num_experts_per_tok=TOP, moe_intermediate_size=MOE_FF,
+        norm_topk_prob=True, max_position_embeddings=256, tie_word_embeddings=False, rope_theta=10000.0)
+    return transformers.Qwen3MoeForCausalLM(cfg).eval()
+
+
+def _gguf_state(model) -> dict[str, np.ndarray]:
+    """The model's weights under the names llama.cpp's tensor map knows: each layer's fused
+    gate_up_proj [E, 2I, H] split into its gate and up stacks, the stacks named NAME.weight."""
+    state = {}
+    for k, v in model.state_dict().items():
+        v = v.detach().numpy()
+        if k.endswith("experts.gate_up_proj"):
+            base = k[:-len("gate_up_proj")]
+            state[base + "gate_proj.weight"], state[base + "up_proj.weight"] = v[:, :MOE_FF], v[:, MOE_FF:]
+        else:
+            state[k + (".weight" if k.endswith("experts.down_proj") else "")] = v
+    return state
+
+
+def _moe_metadata(gating: int = 1):
+    import gguf
+
+    def add(w):
+        w.add_expert_count(E)
+        w.add_expert_used_count(TOP)
+        w.add_expert_feed_forward_length(MOE_FF)
+        if gating != 1:
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType(gating))
+    return add
+
+
+def write_moe_gguf(path: str, model, experts: str, *, gating: int = 1) -> str:
+    """`model` as a qwen3moe GGUF: the expert stacks of ggml type `experts`, dense matrices Q8_0."""
+    import gguf
+    state = _gguf_state(model)
+    raw = {}
+    for name, v in state.items():
+        kind = experts if ".experts." in name else "Q8_0" if name.endswith(_DENSE_Q8) else None
+        if kind not in (None, "F32"):
+            raw[name] = (gguf.quants.quantize(v, gguf.GGMLQuantizationType[kind]), kind)
+    _write_gguf(path, "qwen3moe", model.config, state, raw=raw, extra=_moe_metadata(gating))
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return _hf()
+
+
+@pytest.fixture(scope="module")
+def files(hf, tmp_path_factory):
+    """kind -> the model written with its experts in that ggml type (written on first use)."""
+    folder = tmp_path_factory.mktemp("moe-gguf")
+    made: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in made:
+            made[kind] = write_moe_gguf(str(folder / f"tiny-qwen3moe-{kind}.gguf"), hf, kind)
+        return made[kind]
+    return get
+
+
+def _transformers_gguf(path: str):
+    """transformers' own GGUF loader on the file (moe_intermediate_size given: it does not read it)."""
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                             moe_intermediate_size=MOE_FF).eval()
+
+
+def test_config_and_weights_are_transformers_gguf_loaders(files, hf):
+    """The experts metadata becomes Qwen3-MoE's config; the router and the expert stacks (ggml dims
+    reversed, gate and up joined as gate_up_proj) equal transformers' GGUF loader's weights exactly."""
+    from hloserve.runtime.progress import QUIET
+    path = files("Q4_1")
+    ckpt = load_gguf(path)
+    c = ckpt.config
+    assert (c["model_type"], c["architectures"]) == ("qwen3_moe", ["Qwen3MoeForCausalLM"])
+    assert (c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]) == (E, TOP, MOE_FF)
+    assert c["norm_topk_prob"] is True and c["mlp_only_layers"] == [] and c["head_dim"] == 16
+    gate = ckpt.tensors["model.layers.1.mlp.experts.gate_proj"]
+    assert (gate.gguf_name, gate.ggml_type, gate.shape) == ("blk.1.ffn_gate_exps.weight", "Q4_1", (E, MOE_FF, 64))
+    assert ckpt.tensors["model.layers.1.mlp.experts.down_proj"].shape == (E, 64, MOE_FF)
+    assert ckpt.tensors["model.layers.1.mlp.gate.weight"].ggml_type == "F32"
+    ours = ckpt.materialize(reporter=QUIET)
+    theirs = _transformers_gguf(path).state_dict()
+    assert set(ours) == set(theirs) == set(hf.state_dict())
+    for name, want in theirs.items():
+        torch.testing.assert_close(ours[name], want.float(), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("kind,scheme", [
+    ("Q8_0", WeightScheme(8, 32, True, "f16")), ("Q5_0", WeightScheme(8, 32, True, "f16")),
+    ("Q4_0", WeightScheme(4, 32, True, "f16")), ("Q4_1", WeightScheme(4, 32, False, "f16"))])
+def test_expert_blocks_are_kept_bit_exact(files, hf, kind, scheme):
+    """stored_experts: every layer's gate_up and down stacks in the block type's scheme, their values
+    (dequantized as the quant_experts composite does) the gguf package's dequantization bit for bit."""
+    ckpt = load_gguf(files(kind))
+    given = gguf_quant.stored_experts(hf, ckpt, QuantConfig.parse("gguf"))
+    assert sorted(given) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    for name, stacks in given.items():
+        want = {"gate_up_proj": np.concatenate([ckpt.tensors[f"{name}.gate_proj"].dequantize(),
+                                                ckpt.tensors[f"{name}.up_proj"].dequantize()], axis=1),
+                "down_proj": ckpt.tensors[f"{name}.down_proj"].dequantize()}
+        for attr, (stored, got_scheme) in stacks.items():
+            assert got_scheme == scheme, (attr, got_scheme)
+            got = qmodules.dequantize(stored["qweight"], stored["scale"], stored.get("min"), scheme.bits, 32).numpy()
+            np.testing.assert_array_equal(got.view(np.uint32), want[attr].view(np.uint32), err_msg=f"{name}.{attr}")
+
+
+def test_sixteen_bit_and_other_expert_types(files, hf):
+    """F16 / BF16 stacks stay 16-bit (their dtype: the grouped composite); a type without a direct
+    import (Q5_1) is requantized in --quantize gguf's scheme for other types (int8 g32) from its
+    dequantized values, as a dense role of that type is (quant.py _converted)."""
+    config = QuantConfig.parse("gguf")
+    assert set(gguf_quant.stored_experts(hf, load_gguf(files("F16")), config).values()) == {torch.float16}
+    assert set(gguf_quant.stored_experts(hf, load_gguf(files("BF16")), config).values()) == {torch.bfloat16}
+    ckpt = load_gguf(files("Q5_1"))
+    for name, stacks in gguf_quant.stored_experts(hf, ckpt, config).items():
+        stored, scheme = stacks["down_proj"]
+        assert scheme == WeightScheme(8, 32, True, "f16")
+        want = ckpt.tensors[f"{name}.down_proj"].dequantize()
+        got = qmodules.dequantize(stored["qweight"], stored["scale"], None, 8, 32).numpy()
+        assert np.abs(got - want).max() <= np.abs(want).max() / 127, name     # half a step of the largest group's
+
+
+def test_unsupported_routing_is_one_line(hf, tmp_path):
+    """A file whose experts transformers' Qwen3-MoE would route otherwise (a sigmoid gate) is refused
+    in one line naming the key and the fix."""
+    from hloserve.exporter.errors import SourceError
+    path = write_moe_gguf(str(tmp_path / "sigmoid.gguf"), hf, "Q8_0", gating=2)
+    with pytest.raises(SourceError, match=r"qwen3moe.expert_gating_func = 2; .*softmax") as err:
+        load_gguf(path)
+    assert "\n" not in str(err.value)
+
+
+# -- exported ------------------------------------------------------------------------------------------
+def _export(path: str, out: str, quantize: str | None = "gguf"):
+    """`--quantize gguf` (or another) export, decode only, and the artifact loaded for compare steps."""
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.sources import load_source
+    from hloserve.runtime import load
+
+    src = load_source(path, quantize=quantize)
+    export_artifact(out, [e for e in src.entries if e.name == "decode"], source=os.path.basename(path), model=src.model,
+                    files=src.files, weight_quant=src.weight_quant)
+    mlir = open(os.path.join(out, "functions", "decode.mlir")).read()
+    return load(out, buckets={"num_tokens": [1, 8, 64], "num_seqs": [1, 8], "max_blocks": [8]}), mlir
+
+
+def _eager(ref, ckpt, dtype=None):
+    """`ref` quantized as --quantize gguf stores the file (the dense matrices' and the experts' own
+    blocks), run eagerly: the torch references of the quant_linear and experts composites."""
+    from hloserve.exporter.llm import hf_experts
+    from hloserve.quantization.convert import QuantRecord, quantize_module
+
+    eager = copy.deepcopy(ref)
+    config = QuantConfig.parse("gguf")
+    hf_experts.use_ours(eager)
+    quantize_module(eager, config, given=gguf_quant.stored_by_module(eager, ckpt, config))
+    hf_experts.quantize_experts(eager, config, QuantRecord(), gguf_quant.stored_experts(eager, ckpt, config))
+    return eager
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["Q4_1", "F16"])
+def test_exported_experts_keep_the_files_format(files, tmp_path, kind):
+    """The file exported with --quantize gguf: Q4_1 experts one quant_experts composite (int4 g32 asym,
+    as `hloserve inspect` names them), F16 experts one grouped composite holding their f16 values.
+    Decode's last-token logits of 1-, 17- and 40-token prompts within 2e-3 of the same stored model's
+    torch eager forward (the composites' torch references over transformers' Qwen3-MoE: summation
+    order aside; a wrong expert, scale or row moves them by O(0.1), the logits being O(0.2))."""
+    from .test_hf_experts import _last_logits
+    path = files(kind)
+    out = str(tmp_path / "art")
+    model, mlir = _export(path, out)
+    quant, grouped = (mlir.count(f'stablehlo.composite "hloserve.{c}"') for c in ("quant_experts", "grouped_experts"))
+    assert (quant, grouped) == ((1, 0) if kind == "Q4_1" else (0, 1)), (quant, grouped)
+    shown = subprocess.run([sys.executable, "-m", "hloserve.server.cli", "inspect", out], capture_output=True,
+                           text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    experts = [ln for ln in shown.stdout.splitlines() if "mlp__experts__" in ln]
+    if kind == "Q4_1":
+        assert len(experts) == 2 and all(ln.endswith(": int4 g32 asym") for ln in experts), experts
+    else:
+        assert experts == [], experts                                   # 16-bit stacks: not quantized weights
+    path_ckpt = load_gguf(path)
+    got, eager = _last_logits(model, _eager(_transformers_gguf(path), path_ckpt))
+    np.testing.assert_allclose(got, eager, atol=2e-3, rtol=0)
+
+
+@pytest.mark.slow
+def test_dequantized_export_is_transformers_gguf_loader(files, tmp_path):
+    """Without --quantize the file's values load as float32 (the experts through the per-expert loop):
+    decode's last-token logits within 1e-4 of transformers' GGUF loader on the same file (f32 both:
+    summation order only; logits O(0.2), a wrong expert or routing weight moves them by O(0.01) or
+    more), and the same greedy tokens."""
+    from .test_hf_experts import _last_logits
+    path = files("Q4_1")
+    model, mlir = _export(path, str(tmp_path / "art"), None)
+    assert "hloserve.quant_experts" not in mlir and "hloserve.grouped_experts" not in mlir
+    got, want = _last_logits(model, _transformers_gguf(path))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
