@@ -84,6 +84,7 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     **experts.EXPERT_NAMES,
+    **experts.SHARED_NAMES,
     **experts.QK_NORM_NAMES,
 }
 # Tensors that are not weights of the HF model; their contents go into the config instead.
@@ -211,7 +212,7 @@ def load_gguf(path: str) -> GGUFCheckpoint:
         hf_name = _hf_name(t.name)
         if hf_name is None:   # a config tensor (rope_freqs)
             continue
-        shape = tuple(reversed(t.dims))  # GGUF lists ne0 (the contiguous dim) first
+        shape = experts.hf_shape(t.name, tuple(reversed(t.dims)))  # GGUF lists ne0 (the contiguous dim) first
         perm = None
         if permuted and re.search(r"\.attn_[qk]\.(weight|bias)$", t.name):
             perm = _unpermute_rows(shape[0], heads if ".attn_q." in t.name else kv_heads, where, t.name)

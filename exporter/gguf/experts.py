@@ -1,7 +1,9 @@
-"""Mixture-of-experts GGUF files (llama.cpp's qwen3moe) as transformers' experts modules.
+"""Mixture-of-experts GGUF files (llama.cpp's qwen3moe, qwen2moe) as transformers' experts modules.
 
     EXPERT_NAMES           GGUF layer tensor -> HF name under model.layers.N (router and experts)
+    SHARED_NAMES           the same for qwen2moe's shared expert and its sigmoid gate
     moe_config(meta, arch, infos)   the config's experts fields from {arch}.expert_* metadata
+    hf_shape(name, shape)           a tensor's torch shape in transformers' model (the shared gate's row)
     merge_gate_up(weights)          gate_proj + up_proj stacks -> transformers' gate_up_proj
 
 llama.cpp stores a layer's experts as three 3-D tensors, ggml dims [in, out, E] (torch order
@@ -13,9 +15,12 @@ tensor each, their blocks kept for --quantize gguf, exporter/gguf/quant.py store
 float weights the model loads join gate and up (merge_gate_up). A layer without ffn_gate_inp is a
 dense one (transformers' mlp_only_layers).
 
-Routing as llama.cpp computes it for qwen3moe: softmax over the experts, the top expert_used_count,
-their weights renormalized to sum 1 unless {arch}.expert_weights_norm says otherwise (llama.cpp's
-qwen3moe graph normalizes; transformers' GGUF loader sets norm_topk_prob the same way).
+Routing as llama.cpp computes it: softmax over the experts, the top expert_used_count, their
+weights renormalized to sum 1 where {arch}.expert_weights_norm says so, or by default for qwen3moe
+(llama.cpp's qwen3moe graph normalizes, its qwen2moe graph does not; transformers' GGUF loader
+sets norm_topk_prob the same way). qwen2moe adds a shared expert (ffn_{gate,up,down}_shexp, a
+dense gated MLP of expert_shared_feed_forward_length) scaled by sigmoid(ffn_gate_inp_shexp . x),
+a vector [H] in the file, transformers' shared_expert_gate.weight [1, H].
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ if TYPE_CHECKING:
 # llama.cpp mixture-of-experts architecture -> (HF model_type, HF architecture class, q/k rows permuted)
 MOE_ARCHITECTURES: Mapping[str, tuple[str, str, bool]] = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", False),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM", False),
 }
 # a layer whose FFN is experts has these in place of validate.DENSE_FFN
 EXPERT_NAMES = {
@@ -39,10 +45,16 @@ EXPERT_NAMES = {
     "ffn_up_exps.weight": "mlp.experts.up_proj",
     "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
+SHARED_NAMES = {
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
 # Qwen3's per-head RMS norms of q and k
 QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
 # llama.cpp's routing weight normalization when the file does not say (its qwen3moe graph: on)
-_NORM_DEFAULT = {"qwen3moe": True}
+_NORM_DEFAULT = {"qwen3moe": True, "qwen2moe": False}
 _SOFTMAX = 1   # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 
 
@@ -60,7 +72,10 @@ def moe_config(meta: validate.Metadata, arch: str, infos: Mapping[str, TensorInf
         raise SourceError(f"{meta.where}: {arch}.expert_weights_scale = {scale}; transformers' {arch} model does not "
                           f"scale the routing weights: re-convert it")
     layers = {at[0] for at in map(validate.layer_of, infos) if at is not None}
+    shared = {"shared_expert_intermediate_size": meta.integer(f"{arch}.expert_shared_feed_forward_length", lo=1)} \
+        if arch in validate.SHARED_FFN else {}
     return {
+        **shared,
         "num_experts": experts,
         "num_experts_per_tok": used,
         "moe_intermediate_size": meta.integer(f"{arch}.expert_feed_forward_length", lo=1),
@@ -68,6 +83,12 @@ def moe_config(meta: validate.Metadata, arch: str, infos: Mapping[str, TensorInf
         "decoder_sparse_step": 1,
         "mlp_only_layers": sorted(i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in infos),
     }
+
+
+def hf_shape(gguf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The torch shape of a tensor in transformers' model: the file's (ggml dims reversed), but for
+    the shared expert's gate, a vector [H] in llama.cpp's files, transformers' Linear(H, 1) weight."""
+    return (1, *shape) if gguf_name.endswith(".ffn_gate_inp_shexp.weight") and len(shape) == 1 else shape
 
 
 def merge_gate_up(weights: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:

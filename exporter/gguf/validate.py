@@ -39,8 +39,12 @@ QKV_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 # a mixture-of-experts layer (config num_experts, not in mlp_only_layers) has EXPERT_FFN in place of DENSE_FFN
 DENSE_FFN = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 EXPERT_FFN = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
-# architectures with per-head q / k RMS norms (Qwen3)
+# architectures with per-head q / k RMS norms (Qwen3), with a shared expert beside the routed ones (Qwen2-MoE)
 QK_NORMS = {"qwen3moe": ("attn_q_norm.weight", "attn_k_norm.weight")}
+SHARED_FFN = {"qwen2moe": ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
+                           "ffn_down_shexp.weight")}
+# architectures whose q, k, v projections always have biases (HF Qwen2, Qwen2-MoE)
+QKV_BIASED = ("qwen2", "qwen2moe")
 # GGUF token types (gguf.TokenType): NORMAL .. BYTE
 TOKEN_TYPES = range(1, 7)
 
@@ -176,11 +180,11 @@ def check_layers(config: Mapping[str, Any], tensors: Iterable[TensorInfo], arch:
         raise SourceError(f"{where}: {arch}.block_count = {n} but the file has tensors for {len(present)} layers "
                           f"(blk.{present[0]}..blk.{present[-1]}; blk.{missing} has none); {MISLABELLED}")
     dense = set(LAYER_WEIGHTS) | set(QK_NORMS.get(arch, ()))
-    if arch == "qwen2":
+    if arch in QKV_BIASED:
         dense |= set(QKV_BIASES)
     elif config["attention_bias"]:
         dense |= {*QKV_BIASES, "attn_output.bias"}
-    sparse = (dense - set(DENSE_FFN)) | set(EXPERT_FFN)
+    sparse = (dense - set(DENSE_FFN)) | set(EXPERT_FFN) | set(SHARED_FFN.get(arch, ()))
     for i in present:
         want = sparse if config.get("num_experts") and i not in config["mlp_only_layers"] else dense
         lacking, extra = sorted(want - kinds[i]), sorted(kinds[i] - want)
@@ -205,6 +209,10 @@ def expected_shape(name: str, c: Mapping[str, Any]) -> tuple[int, ...] | None:
         n, moe_ff = c["num_experts"], c["moe_intermediate_size"]
         shapes.update({"ffn_gate_inp.weight": (n, hidden), "ffn_gate_exps.weight": (n, moe_ff, hidden),
                        "ffn_up_exps.weight": (n, moe_ff, hidden), "ffn_down_exps.weight": (n, hidden, moe_ff)})
+    if c.get("shared_expert_intermediate_size"):
+        shared = c["shared_expert_intermediate_size"]
+        shapes.update({"ffn_gate_inp_shexp.weight": (hidden,), "ffn_gate_shexp.weight": (shared, hidden),
+                       "ffn_up_shexp.weight": (shared, hidden), "ffn_down_shexp.weight": (hidden, shared)})
     at = layer_of(name)
     return shapes.get(at[1] if at else name)
 

@@ -1,8 +1,9 @@
-"""Mixture-of-experts GGUF files (llama.cpp's qwen3moe; exporter/gguf/experts.py, quant.py
-stored_experts): loaded as transformers' Qwen3-MoE, and under `--quantize gguf` their experts' blocks
-kept in the `hloserve.quant_experts` composite (F16 stacks: the grouped 16-bit composite).
+"""Mixture-of-experts GGUF files (llama.cpp's qwen3moe and qwen2moe; exporter/gguf/experts.py, quant.py
+stored_experts): loaded as transformers' Qwen3-MoE / Qwen2-MoE, and under `--quantize gguf` their
+experts' blocks kept in the `hloserve.quant_experts` composite (F16 stacks: the grouped 16-bit composite).
 
-The files: a tiny random Qwen3MoeForCausalLM (2 layers, hidden 64, 8 experts of 32, top 2) written
+The files: a tiny random Qwen3MoeForCausalLM (2 layers, hidden 64, 8 experts of 32, top 2; the
+Qwen2-MoE one the same with a shared expert of 64 and unnormalized top-2 weights) written
 as llama.cpp's converter lays it out (tests/exporter/test_gguf.py _write_gguf: gguf-py's tensor
 names, ggml dims [in, out, E] for the expert stacks), its linears, embedding and head Q8_0, its
 experts in the type a test names (gguf.quants.quantize), router and norms F32 as llama.cpp keeps
@@ -28,39 +29,47 @@ from hloserve.quantization.schemes import QuantConfig, WeightScheme
 
 from .test_gguf import _write_gguf
 
-E, TOP, MOE_FF = 8, 2, 32
+E, TOP, MOE_FF, SHARED_FF = 8, 2, 32, 64
 # the dense matrices stored Q8_0 (kept exactly under --quantize gguf); router and norms stay F32
 _DENSE_Q8 = ("proj.weight", "embed_tokens.weight", "lm_head.weight")
 
 
-def _hf():
+def _hf(arch: str = "qwen3moe"):
     import transformers
     torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=258, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_experts=E, num_experts_per_tok=TOP, moe_intermediate_size=MOE_FF,
-        norm_topk_prob=True, max_position_embeddings=256, tie_word_embeddings=False, rope_theta=10000.0)
+    common = dict(vocab_size=258, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts=E, num_experts_per_tok=TOP, moe_intermediate_size=MOE_FF,
+                  max_position_embeddings=256, tie_word_embeddings=False, rope_theta=10000.0)
+    if arch == "qwen2moe":
+        cfg = transformers.Qwen2MoeConfig(**common, shared_expert_intermediate_size=SHARED_FF, norm_topk_prob=False)
+        return transformers.Qwen2MoeForCausalLM(cfg).eval()
+    cfg = transformers.Qwen3MoeConfig(**common, head_dim=16, norm_topk_prob=True)
     return transformers.Qwen3MoeForCausalLM(cfg).eval()
 
 
 def _gguf_state(model) -> dict[str, np.ndarray]:
     """The model's weights under the names llama.cpp's tensor map knows: each layer's fused
-    gate_up_proj [E, 2I, H] split into its gate and up stacks, the stacks named NAME.weight."""
+    gate_up_proj [E, 2I, H] split into its gate and up stacks, the stacks named NAME.weight; a shared
+    expert's gate a vector [H], as llama.cpp writes it."""
     state = {}
     for k, v in model.state_dict().items():
         v = v.detach().numpy()
         if k.endswith("experts.gate_up_proj"):
             base = k[:-len("gate_up_proj")]
             state[base + "gate_proj.weight"], state[base + "up_proj.weight"] = v[:, :MOE_FF], v[:, MOE_FF:]
+        elif k.endswith("shared_expert_gate.weight"):
+            state[k] = v[0]
         else:
             state[k + (".weight" if k.endswith("experts.down_proj") else "")] = v
     return state
 
 
-def _moe_metadata(gating: int = 1):
+def _moe_metadata(gating: int = 1, shared: bool = False):
     import gguf
 
     def add(w):
+        if shared:
+            w.add_expert_shared_feed_forward_length(SHARED_FF)
         w.add_expert_count(E)
         w.add_expert_used_count(TOP)
         w.add_expert_feed_forward_length(MOE_FF)
@@ -70,7 +79,7 @@ def _moe_metadata(gating: int = 1):
 
 
 def write_moe_gguf(path: str, model, experts: str, *, gating: int = 1) -> str:
-    """`model` as a qwen3moe GGUF: the expert stacks of ggml type `experts`, dense matrices Q8_0."""
+    """`model` as a qwen3moe (qwen2moe) GGUF: the expert stacks of ggml type `experts`, dense matrices Q8_0."""
     import gguf
     state = _gguf_state(model)
     raw = {}
@@ -78,7 +87,8 @@ def write_moe_gguf(path: str, model, experts: str, *, gating: int = 1) -> str:
         kind = experts if ".experts." in name else "Q8_0" if name.endswith(_DENSE_Q8) else None
         if kind not in (None, "F32"):
             raw[name] = (gguf.quants.quantize(v, gguf.GGMLQuantizationType[kind]), kind)
-    _write_gguf(path, "qwen3moe", model.config, state, raw=raw, extra=_moe_metadata(gating))
+    arch = "qwen2moe" if model.config.model_type == "qwen2_moe" else "qwen3moe"
+    _write_gguf(path, arch, model.config, state, raw=raw, extra=_moe_metadata(gating, arch == "qwen2moe"))
     return path
 
 
@@ -88,42 +98,51 @@ def hf():
 
 
 @pytest.fixture(scope="module")
-def files(hf, tmp_path_factory):
-    """kind -> the model written with its experts in that ggml type (written on first use)."""
+def files(tmp_path_factory):
+    """(kind, arch) -> the arch's model written with its experts in that ggml type (on first use)."""
     folder = tmp_path_factory.mktemp("moe-gguf")
-    made: dict[str, str] = {}
+    made: dict[tuple[str, str], str] = {}
 
-    def get(kind: str) -> str:
-        if kind not in made:
-            made[kind] = write_moe_gguf(str(folder / f"tiny-qwen3moe-{kind}.gguf"), hf, kind)
-        return made[kind]
+    def get(kind: str, arch: str = "qwen3moe") -> str:
+        if (kind, arch) not in made:
+            made[kind, arch] = write_moe_gguf(str(folder / f"tiny-{arch}-{kind}.gguf"), _hf(arch), kind)
+        return made[kind, arch]
     return get
 
 
 def _transformers_gguf(path: str):
-    """transformers' own GGUF loader on the file (moe_intermediate_size given: it does not read it)."""
+    """transformers' own GGUF loader on the file (moe_intermediate_size and shared_expert_intermediate_size
+    given: it does not read them)."""
     import transformers
+    shared = {"shared_expert_intermediate_size": SHARED_FF} if "qwen2moe" in os.path.basename(path) else {}
     return transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                             moe_intermediate_size=MOE_FF).eval()
+                                                             moe_intermediate_size=MOE_FF, **shared).eval()
 
 
-def test_config_and_weights_are_transformers_gguf_loaders(files, hf):
-    """The experts metadata becomes Qwen3-MoE's config; the router and the expert stacks (ggml dims
-    reversed, gate and up joined as gate_up_proj) equal transformers' GGUF loader's weights exactly."""
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_config_and_weights_are_transformers_gguf_loaders(files, arch):
+    """The experts metadata becomes Qwen3-MoE's (Qwen2-MoE's) config; the router, the expert stacks
+    (ggml dims reversed, gate and up joined as gate_up_proj) and Qwen2-MoE's shared expert and its
+    gate (a vector in the file, a row in transformers) equal transformers' GGUF loader's weights exactly."""
     from hloserve.runtime.progress import QUIET
-    path = files("Q4_1")
+    path = files("Q4_1", arch)
     ckpt = load_gguf(path)
     c = ckpt.config
-    assert (c["model_type"], c["architectures"]) == ("qwen3_moe", ["Qwen3MoeForCausalLM"])
+    qwen3 = arch == "qwen3moe"
+    want = ("qwen3_moe", ["Qwen3MoeForCausalLM"]) if qwen3 else ("qwen2_moe", ["Qwen2MoeForCausalLM"])
+    assert (c["model_type"], c["architectures"]) == want
     assert (c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]) == (E, TOP, MOE_FF)
-    assert c["norm_topk_prob"] is True and c["mlp_only_layers"] == [] and c["head_dim"] == 16
+    assert c["norm_topk_prob"] is qwen3 and c["mlp_only_layers"] == [] and c["head_dim"] == 16
+    assert c.get("shared_expert_intermediate_size") == (None if qwen3 else SHARED_FF)
     gate = ckpt.tensors["model.layers.1.mlp.experts.gate_proj"]
     assert (gate.gguf_name, gate.ggml_type, gate.shape) == ("blk.1.ffn_gate_exps.weight", "Q4_1", (E, MOE_FF, 64))
     assert ckpt.tensors["model.layers.1.mlp.experts.down_proj"].shape == (E, 64, MOE_FF)
     assert ckpt.tensors["model.layers.1.mlp.gate.weight"].ggml_type == "F32"
+    if not qwen3:
+        assert ckpt.tensors["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, 64)
     ours = ckpt.materialize(reporter=QUIET)
     theirs = _transformers_gguf(path).state_dict()
-    assert set(ours) == set(theirs) == set(hf.state_dict())
+    assert set(ours) == set(theirs) == set(_hf(arch).state_dict())
     for name, want in theirs.items():
         torch.testing.assert_close(ours[name], want.float(), rtol=0, atol=0, msg=name)
 
@@ -202,25 +221,27 @@ def _eager(ref, ckpt, dtype=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["Q4_1", "F16"])
-def test_exported_experts_keep_the_files_format(files, tmp_path, kind):
-    """The file exported with --quantize gguf: Q4_1 experts one quant_experts composite (int4 g32 asym,
-    as `hloserve inspect` names them), F16 experts one grouped composite holding their f16 values.
+@pytest.mark.parametrize("kind,arch", [("Q4_1", "qwen3moe"), ("F16", "qwen3moe"), ("Q4_0", "qwen2moe")])
+def test_exported_experts_keep_the_files_format(files, tmp_path, kind, arch):
+    """The file exported with --quantize gguf: Q4_1 (Q4_0) experts one quant_experts composite (int4
+    g32 asym (sym), as `hloserve inspect` names them), F16 experts one grouped composite holding their
+    f16 values (Qwen2-MoE: its shared expert a dense MLP beside them, Q8_0 kept as int8 g32).
     Decode's last-token logits of 1-, 17- and 40-token prompts within 2e-3 of the same stored model's
     torch eager forward (the composites' torch references over transformers' Qwen3-MoE: summation
     order aside; a wrong expert, scale or row moves them by O(0.1), the logits being O(0.2))."""
     from .test_hf_experts import _last_logits
-    path = files(kind)
+    path = files(kind, arch)
     out = str(tmp_path / "art")
     model, mlir = _export(path, out)
     quant, grouped = (mlir.count(f'stablehlo.composite "hloserve.{c}"') for c in ("quant_experts", "grouped_experts"))
-    assert (quant, grouped) == ((1, 0) if kind == "Q4_1" else (0, 1)), (quant, grouped)
+    assert (quant, grouped) == ((0, 1) if kind == "F16" else (1, 0)), (quant, grouped)
     shown = subprocess.run([sys.executable, "-m", "hloserve.server.cli", "inspect", out], capture_output=True,
                            text=True, timeout=300)
     assert shown.returncode == 0, shown.stderr[-2000:]
     experts = [ln for ln in shown.stdout.splitlines() if "mlp__experts__" in ln]
-    if kind == "Q4_1":
-        assert len(experts) == 2 and all(ln.endswith(": int4 g32 asym") for ln in experts), experts
+    if kind != "F16":
+        fmt = ": int4 g32 asym" if kind == "Q4_1" else ": int4 g32"
+        assert len(experts) == 2 and all(ln.endswith(fmt) for ln in experts), experts
     else:
         assert experts == [], experts                                   # 16-bit stacks: not quantized weights
     path_ckpt = load_gguf(path)
@@ -229,13 +250,14 @@ def test_exported_experts_keep_the_files_format(files, tmp_path, kind):
 
 
 @pytest.mark.slow
-def test_dequantized_export_is_transformers_gguf_loader(files, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_dequantized_export_is_transformers_gguf_loader(files, tmp_path, arch):
     """Without --quantize the file's values load as float32 (the experts through the per-expert loop):
     decode's last-token logits within 1e-4 of transformers' GGUF loader on the same file (f32 both:
     summation order only; logits O(0.2), a wrong expert or routing weight moves them by O(0.01) or
     more), and the same greedy tokens."""
     from .test_hf_experts import _last_logits
-    path = files("Q4_1")
+    path = files("Q4_1", arch)
     model, mlir = _export(path, str(tmp_path / "art"), None)
     assert "hloserve.quant_experts" not in mlir and "hloserve.grouped_experts" not in mlir
     got, want = _last_logits(model, _transformers_gguf(path))
