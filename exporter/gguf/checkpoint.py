@@ -187,13 +187,13 @@ def load_gguf(path: str) -> GGUFCheckpoint:
     arch = meta.text("general.architecture", validate.REQUIRED)
     if arch not in ARCHITECTURES:
         raise SourceError(f"{where}: general.architecture is {show(arch)}; supported GGUF architectures are "
-                          f"{sorted(ARCHITECTURES)} (Mistral files use 'llama'). Add the mapping in "
+                          f"{sorted(ARCHITECTURES)} (Mistral and Mixtral files use 'llama'). Add the mapping in "
                           f"exporter/gguf/checkpoint.py ARCHITECTURES")
-    model_type, hf_arch, permuted = ARCHITECTURES[arch]
     infos = {t.name: t for t in header.tensors}
+    model_type, hf_arch, permuted = experts.MIXTRAL if experts.is_mixtral(arch, infos) else ARCHITECTURES[arch]
     _check_names(infos, hf_arch, where)
     config = _config(meta, arch, model_type, hf_arch, infos, where)
-    if arch in experts.MOE_ARCHITECTURES:
+    if arch in experts.MOE_ARCHITECTURES or model_type == experts.MIXTRAL[0]:
         config.update(experts.moe_config(meta, arch, infos))
     validate.check_layers(config, header.tensors, arch, where)
     validate.check_shapes(config, header.tensors, arch, where)

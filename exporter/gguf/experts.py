@@ -1,7 +1,9 @@
-"""Mixture-of-experts GGUF files (llama.cpp's qwen3moe, qwen2moe) as transformers' experts modules.
+"""Mixture-of-experts GGUF files (llama.cpp's qwen3moe, qwen2moe; Mixtral's, which llama.cpp
+writes as "llama" with experts) as transformers' experts modules.
 
     EXPERT_NAMES           GGUF layer tensor -> HF name under model.layers.N (router and experts)
     SHARED_NAMES           the same for qwen2moe's shared expert and its sigmoid gate
+    is_mixtral(arch, infos)         a "llama" file with a router: MIXTRAL's model type and class
     moe_config(meta, arch, infos)   the config's experts fields from {arch}.expert_* metadata
     hf_shape(name, shape)           a tensor's torch shape in transformers' model (the shared gate's row)
     merge_gate_up(weights)          gate_proj + up_proj stacks -> transformers' gate_up_proj
@@ -38,6 +40,8 @@ MOE_ARCHITECTURES: Mapping[str, tuple[str, str, bool]] = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", False),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM", False),
 }
+# a "llama" file whose layers have routers: Mixtral (q/k rows permuted, as llama's)
+MIXTRAL = ("mixtral", "MixtralForCausalLM", True)
 # a layer whose FFN is experts has these in place of validate.DENSE_FFN
 EXPERT_NAMES = {
     "ffn_gate_inp.weight": "mlp.gate.weight",
@@ -67,10 +71,14 @@ def moe_config(meta: validate.Metadata, arch: str, infos: Mapping[str, TensorInf
     if gating != _SOFTMAX:
         raise SourceError(f"{meta.where}: {arch}.expert_gating_func = {gating}; the {arch} experts are routed by a "
                           f"softmax ({_SOFTMAX}) in transformers' model, which the generic step runs: re-convert it")
+    ff = meta.integer(f"{arch}.expert_feed_forward_length", meta.integer(f"{arch}.feed_forward_length", lo=1)
+                      if arch == "llama" else validate.REQUIRED, lo=1)
     scale = meta.number(f"{arch}.expert_weights_scale", 1.0)
     if scale != 1.0:
         raise SourceError(f"{meta.where}: {arch}.expert_weights_scale = {scale}; transformers' {arch} model does not "
                           f"scale the routing weights: re-convert it")
+    if arch == "llama":
+        return _mixtral(meta, infos, experts, used, ff)
     layers = {at[0] for at in map(validate.layer_of, infos) if at is not None}
     shared = {"shared_expert_intermediate_size": meta.integer(f"{arch}.expert_shared_feed_forward_length", lo=1)} \
         if arch in validate.SHARED_FFN else {}
@@ -78,11 +86,31 @@ def moe_config(meta: validate.Metadata, arch: str, infos: Mapping[str, TensorInf
         **shared,
         "num_experts": experts,
         "num_experts_per_tok": used,
-        "moe_intermediate_size": meta.integer(f"{arch}.expert_feed_forward_length", lo=1),
+        "moe_intermediate_size": ff,
         "norm_topk_prob": meta.flag(f"{arch}.expert_weights_norm", _NORM_DEFAULT[arch]),
         "decoder_sparse_step": 1,
         "mlp_only_layers": sorted(i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in infos),
     }
+
+
+def is_mixtral(arch: str, infos: Mapping[str, TensorInfo]) -> bool:
+    """Whether a file is Mixtral: llama.cpp writes it as "llama" whose layers have routers."""
+    return arch == "llama" and any(name.endswith(".ffn_gate_inp.weight") for name in infos)
+
+
+def _mixtral(meta: validate.Metadata, infos: Mapping[str, TensorInfo], experts: int, used: int, ff: int
+             ) -> dict[str, Any]:
+    """Mixtral's config fields: transformers' MixtralConfig counts num_local_experts, sizes its experts
+    by intermediate_size, routes every layer and always renormalizes the top-k weights (num_experts and
+    moe_intermediate_size stay for validate's checks)."""
+    layers = [at for at in map(validate.layer_of, infos) if at is not None]
+    dense = sorted({i for i, _ in layers} - {i for i, kind in layers if kind == "ffn_gate_inp.weight"})
+    if dense or not meta.flag("llama.expert_weights_norm", True):
+        what = f"layer {dense[0]} has no router" if dense else "llama.expert_weights_norm is false"
+        raise SourceError(f"{meta.where}: a llama file with experts is Mixtral, but {what}; transformers' "
+                          f"MixtralForCausalLM routes every layer and renormalizes the top-k weights: re-convert it")
+    return {"num_local_experts": experts, "num_experts": experts, "num_experts_per_tok": used,
+            "intermediate_size": ff, "moe_intermediate_size": ff, "mlp_only_layers": []}
 
 
 def hf_shape(gguf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -43,6 +43,10 @@ def _hf(arch: str = "qwen3moe"):
     if arch == "qwen2moe":
         cfg = transformers.Qwen2MoeConfig(**common, shared_expert_intermediate_size=SHARED_FF, norm_topk_prob=False)
         return transformers.Qwen2MoeForCausalLM(cfg).eval()
+    if arch == "mixtral":
+        del common["num_experts"], common["moe_intermediate_size"]
+        cfg = transformers.MixtralConfig(**{**common, "intermediate_size": MOE_FF}, num_local_experts=E)
+        return transformers.MixtralForCausalLM(cfg).eval()
     cfg = transformers.Qwen3MoeConfig(**common, head_dim=16, norm_topk_prob=True)
     return transformers.Qwen3MoeForCausalLM(cfg).eval()
 
@@ -79,15 +83,16 @@ def _moe_metadata(gating: int = 1, shared: bool = False):
 
 
 def write_moe_gguf(path: str, model, experts: str, *, gating: int = 1) -> str:
-    """`model` as a qwen3moe (qwen2moe) GGUF: the expert stacks of ggml type `experts`, dense matrices Q8_0."""
+    """`model` as a qwen3moe (qwen2moe, Mixtral's llama) GGUF: the expert stacks of ggml type `experts`,
+    dense matrices Q8_0 (F32 with F32 experts: every tensor the model's values)."""
     import gguf
     state = _gguf_state(model)
     raw = {}
     for name, v in state.items():
-        kind = experts if ".experts." in name else "Q8_0" if name.endswith(_DENSE_Q8) else None
+        kind = experts if ".experts." in name or experts == "F32" else "Q8_0" if name.endswith(_DENSE_Q8) else None
         if kind not in (None, "F32"):
             raw[name] = (gguf.quants.quantize(v, gguf.GGMLQuantizationType[kind]), kind)
-    arch = "qwen2moe" if model.config.model_type == "qwen2_moe" else "qwen3moe"
+    arch = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}[model.config.model_type]
     _write_gguf(path, arch, model.config, state, raw=raw, extra=_moe_metadata(gating, arch == "qwen2moe"))
     return path
 
@@ -112,11 +117,38 @@ def files(tmp_path_factory):
 
 def _transformers_gguf(path: str):
     """transformers' own GGUF loader on the file (moe_intermediate_size and shared_expert_intermediate_size
-    given: it does not read them)."""
+    given: it does not read them). It has no Mixtral: there, transformers' MixtralForCausalLM with the
+    file's values as our reader dequantizes them (compared with the original weights in
+    test_mixtral_file_is_the_llama_layout_with_experts)."""
     import transformers
+    if "mixtral" in os.path.basename(path):
+        ref = _hf("mixtral")
+        ref.load_state_dict(load_gguf(path).materialize(reporter=_quiet()))
+        return ref
     shared = {"shared_expert_intermediate_size": SHARED_FF} if "qwen2moe" in os.path.basename(path) else {}
     return transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                              moe_intermediate_size=MOE_FF, **shared).eval()
+
+
+def _quiet():
+    from hloserve.runtime.progress import QUIET
+    return QUIET
+
+
+def test_mixtral_file_is_the_llama_layout_with_experts(files):
+    """A "llama" file with routers (llama.cpp's Mixtral): MixtralForCausalLM's config (num_local_experts,
+    experts sized by intermediate_size), and with F32 tensors every weight the original model's
+    exactly (q/k rows un-permuted, gate and up joined)."""
+    path = files("F32", "mixtral")
+    ckpt = load_gguf(path)
+    c = ckpt.config
+    assert (c["model_type"], c["architectures"]) == ("mixtral", ["MixtralForCausalLM"])
+    assert (c["num_local_experts"], c["num_experts_per_tok"], c["intermediate_size"]) == (E, TOP, MOE_FF)
+    ours = ckpt.materialize(reporter=_quiet())
+    want = _hf("mixtral").state_dict()
+    assert set(ours) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(ours[name], value, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
@@ -221,7 +253,8 @@ def _eager(ref, ckpt, dtype=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,arch", [("Q4_1", "qwen3moe"), ("F16", "qwen3moe"), ("Q4_0", "qwen2moe")])
+@pytest.mark.parametrize("kind,arch", [("Q4_1", "qwen3moe"), ("F16", "qwen3moe"), ("Q4_0", "qwen2moe"),
+                                       ("Q8_0", "mixtral")])
 def test_exported_experts_keep_the_files_format(files, tmp_path, kind, arch):
     """The file exported with --quantize gguf: Q4_1 (Q4_0) experts one quant_experts composite (int4
     g32 asym (sym), as `hloserve inspect` names them), F16 experts one grouped composite holding their
@@ -240,7 +273,7 @@ def test_exported_experts_keep_the_files_format(files, tmp_path, kind, arch):
     assert shown.returncode == 0, shown.stderr[-2000:]
     experts = [ln for ln in shown.stdout.splitlines() if "mlp__experts__" in ln]
     if kind != "F16":
-        fmt = ": int4 g32 asym" if kind == "Q4_1" else ": int4 g32"
+        fmt = {"Q4_1": ": int4 g32 asym", "Q4_0": ": int4 g32", "Q8_0": ": int8 g32"}[kind]
         assert len(experts) == 2 and all(ln.endswith(fmt) for ln in experts), experts
     else:
         assert experts == [], experts                                   # 16-bit stacks: not quantized weights
@@ -250,7 +283,7 @@ def test_exported_experts_keep_the_files_format(files, tmp_path, kind, arch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "mixtral"])
 def test_dequantized_export_is_transformers_gguf_loader(files, tmp_path, arch):
     """Without --quantize the file's values load as float32 (the experts through the per-expert loop):
     decode's last-token logits within 1e-4 of transformers' GGUF loader on the same file (f32 both:
