@@ -15,19 +15,25 @@ Interface
                            plus "rope_freq_factors": [float] * (head_dim // 2) when the file has a
                            rope_freqs tensor (Llama 3.x: per-frequency divisors of the RoPE inverse
                            frequencies, in place of HF's rope_scaling "llama3" parameters).
+                           Mixtures of experts (qwen3moe, qwen2moe, a llama file with routers:
+                           Mixtral): transformers' experts fields too (experts.py moe_config).
     ckpt.tensors           Mapping HF name -> GGUFTensor, in file order. Names follow HF
                            LlamaForCausalLM: model.embed_tokens.weight,
                            model.layers.N.{input_layernorm,post_attention_layernorm}.weight,
                            model.layers.N.self_attn.{q,k,v,o}_proj.weight (+ .bias where the file has one),
                            model.layers.N.mlp.{gate,up,down}_proj.weight, model.norm.weight,
                            lm_head.weight (only when the file has output.weight, i.e. untied).
+                           A mixture of experts' layer: model.layers.N.mlp.gate.weight (the router)
+                           and the 3-D stacks model.layers.N.mlp.experts.{gate,up,down}_proj [E, out, in]
+                           (Qwen2-MoE: mlp.shared_expert.*, mlp.shared_expert_gate.weight).
     ckpt.state_dict(reporter=None)
                            LazyStateDict: Mapping HF name -> torch.float32 tensor, dequantized on
                            each access (nothing is cached; read each name once); prints a progress
                            line per quarter of the bytes (stderr; pass progress.QUIET to silence).
     ckpt.materialize(reporter=None, dtype=torch.float32)
                            dict HF name -> tensor, all dequantized, with a progress bar (stderr;
-                           pass progress.QUIET to silence).
+                           pass progress.QUIET to silence); a layer's experts gate and up stacks
+                           joined as transformers' mlp.experts.gate_up_proj (state_dict keeps them apart).
     ckpt.tokenizer_json    str, a `tokenizers` tokenizer.json (byte-level BPE; see tokenizer.py).
     ckpt.chat_template     str | None (tokenizer.chat_template).
     ckpt.special_tokens    SpecialTokens: bos/eos/unk/pad ids and strings, add_bos_token, add_eos_token.

@@ -204,6 +204,8 @@ def stored_experts(module: torch.nn.Module, ckpt, config: QuantConfig) -> dict[s
       composite (one bit width) and a scanned stack need. K-quant blocks are not kept: the
       quant_experts composite has no block layout."""
     names = [n for n, _ in module.named_modules() if f"{n}.gate_proj" in ckpt.tensors and not config.skipped(n)]
+    if not names:       # a dense model
+        return {}
     stacks = [ckpt.tensors[f"{n}.{p}"] for n in names for p in _EXPERT_PARTS]
     kinds = {t.ggml_type for t in stacks}
     if len(kinds) == 1 and next(iter(kinds)) in _SIXTEEN:
