@@ -33,7 +33,7 @@ from .export import EntryPoint
 from .compressed_tensors.checkpoint import open_checkpoint
 from .compressed_tensors.config import is_compressed_tensors
 from .gguf.checkpoint import load_gguf, write_hf_directory
-from .gguf.quant import stored_by_module
+from .gguf.quant import stored_by_module, stored_experts
 from .llm import hf_causal
 from .llm.hf_files import text_spec, with_recommended
 from .quantize import quantize_source
@@ -191,7 +191,7 @@ def _gguf(path: str, tdtype, quant: QuantRequest | None, llm: dict) -> Source:
     """A GGUF through the generic step: its config and tokenizer as a Hugging Face directory (a private
     temp dir, removed once loaded; the source holds its tokenizer files' bytes), its weights
     dequantized in memory, exported like a directory; with `--quantize gguf` the module swap at load
-    takes the file's own blocks (QuantRequest.stored)."""
+    takes the file's own blocks (QuantRequest.stored; a mixture of experts' stacks: QuantRequest.experts)."""
     import pathlib
     import shutil
     import tempfile
@@ -199,7 +199,8 @@ def _gguf(path: str, tdtype, quant: QuantRequest | None, llm: dict) -> Source:
     ckpt = load_gguf(path)
     native = quant is not None and quant.config.native
     if native:
-        quant = dataclasses.replace(quant, stored=lambda model: stored_by_module(model, ckpt, quant.config))
+        quant = dataclasses.replace(quant, stored=lambda model: stored_by_module(model, ckpt, quant.config),
+                                    experts=lambda model: stored_experts(model, ckpt, quant.config))
     out = tempfile.mkdtemp(prefix="hloserve-gguf-hf-")
     try:
         src = hf_causal.from_hf_directory(write_hf_directory(ckpt, out), tdtype, state_dict=ckpt.materialize(),

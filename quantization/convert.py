@@ -100,12 +100,15 @@ class QuantRequest:
     {module name: (stored tensors, scheme)}, a GGUF's own blocks, a compressed-tensors checkpoint's
     integers), used as they are. `only_stored`: the other modules stay float (a compressed-tensors
     checkpoint exported without --quantize), except, with `table`, an input embedding table an LM head
-    is tied to (stored once in config.scheme, read by both)."""
+    is tied to (stored once in config.scheme, read by both). `experts(module)`: the experts modules'
+    stored stacks a checkpoint holds (a GGUF's, exporter/gguf/quant.py stored_experts), for the
+    exporter's experts swap (exporter/llm/hf_experts.py quantize_experts)."""
     config: QuantConfig
     record: QuantRecord = dataclasses.field(default_factory=lambda: QuantRecord())
     stored: Callable[[torch.nn.Module], Mapping[str, tuple[dict[str, torch.Tensor], WeightScheme]]] | None = None
     only_stored: bool = False
     table: bool = False
+    experts: Callable[[torch.nn.Module], Mapping[str, Any]] | None = None
 
     def apply(self, module: torch.nn.Module) -> None:
         """The module swap on `module` (its real, unscanned layers)."""

@@ -15,19 +15,25 @@ Interface
                            plus "rope_freq_factors": [float] * (head_dim // 2) when the file has a
                            rope_freqs tensor (Llama 3.x: per-frequency divisors of the RoPE inverse
                            frequencies, in place of HF's rope_scaling "llama3" parameters).
+                           Mixtures of experts (qwen3moe, qwen2moe, a llama file with routers:
+                           Mixtral): transformers' experts fields too (experts.py moe_config).
     ckpt.tensors           Mapping HF name -> GGUFTensor, in file order. Names follow HF
                            LlamaForCausalLM: model.embed_tokens.weight,
                            model.layers.N.{input_layernorm,post_attention_layernorm}.weight,
                            model.layers.N.self_attn.{q,k,v,o}_proj.weight (+ .bias where the file has one),
                            model.layers.N.mlp.{gate,up,down}_proj.weight, model.norm.weight,
                            lm_head.weight (only when the file has output.weight, i.e. untied).
+                           A mixture of experts' layer: model.layers.N.mlp.gate.weight (the router)
+                           and the 3-D stacks model.layers.N.mlp.experts.{gate,up,down}_proj [E, out, in]
+                           (Qwen2-MoE: mlp.shared_expert.*, mlp.shared_expert_gate.weight).
     ckpt.state_dict(reporter=None)
                            LazyStateDict: Mapping HF name -> torch.float32 tensor, dequantized on
                            each access (nothing is cached; read each name once); prints a progress
                            line per quarter of the bytes (stderr; pass progress.QUIET to silence).
     ckpt.materialize(reporter=None, dtype=torch.float32)
                            dict HF name -> tensor, all dequantized, with a progress bar (stderr;
-                           pass progress.QUIET to silence).
+                           pass progress.QUIET to silence); a layer's experts gate and up stacks
+                           joined as transformers' mlp.experts.gate_up_proj (state_dict keeps them apart).
     ckpt.tokenizer_json    str, a `tokenizers` tokenizer.json (byte-level BPE; see tokenizer.py).
     ckpt.chat_template     str | None (tokenizer.chat_template).
     ckpt.special_tokens    SpecialTokens: bos/eos/unk/pad ids and strings, add_bos_token, add_eos_token.
@@ -53,7 +59,7 @@ import numpy as np
 from hloserve.runtime.progress import Reporter
 
 from ..errors import SourceError
-from . import validate
+from . import experts, validate
 from .header import ARRAY, STRING, TensorInfo, read_header, show
 from .tensor import GGUFTensor
 from .tokenizer import GGUFVocab, gguf_tokenizer_json
@@ -65,6 +71,7 @@ if TYPE_CHECKING:
 ARCHITECTURES: Mapping[str, tuple[str, str, bool]] = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+    **experts.MOE_ARCHITECTURES,
 }
 
 _GLOBAL_NAMES = {
@@ -82,6 +89,9 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    **experts.EXPERT_NAMES,
+    **experts.SHARED_NAMES,
+    **experts.QK_NORM_NAMES,
 }
 # Tensors that are not weights of the HF model; their contents go into the config instead.
 _CONFIG_TENSORS = ("rope_freqs.weight",)
@@ -153,7 +163,8 @@ class GGUFCheckpoint:
 
     def materialize(self, reporter: "Reporter | None" = None, dtype: "torch.dtype | None" = None
                     ) -> dict[str, "torch.Tensor"]:
-        """All weights dequantized (float32, or cast to `dtype`), with a progress bar."""
+        """All weights dequantized (float32, or cast to `dtype`), with a progress bar; a layer's
+        experts gate and up stacks joined into transformers' gate_up_proj (experts.merge_gate_up)."""
         import torch
         reporter = Reporter() if reporter is None else reporter
         counts = collections.Counter(t.ggml_type for t in self.tensors.values())
@@ -165,7 +176,7 @@ class GGUFCheckpoint:
                 value = torch.from_numpy(t.dequantize())
                 out[name] = value.to(dtype) if dtype is not None and dtype != torch.float32 else value
                 advance(t.nbytes)
-        return out
+        return experts.merge_gate_up(out)
 
 
 def load_gguf(path: str) -> GGUFCheckpoint:
@@ -182,12 +193,14 @@ def load_gguf(path: str) -> GGUFCheckpoint:
     arch = meta.text("general.architecture", validate.REQUIRED)
     if arch not in ARCHITECTURES:
         raise SourceError(f"{where}: general.architecture is {show(arch)}; supported GGUF architectures are "
-                          f"{sorted(ARCHITECTURES)} (Mistral files use 'llama'). Add the mapping in "
+                          f"{sorted(ARCHITECTURES)} (Mistral and Mixtral files use 'llama'). Add the mapping in "
                           f"exporter/gguf/checkpoint.py ARCHITECTURES")
-    model_type, hf_arch, permuted = ARCHITECTURES[arch]
     infos = {t.name: t for t in header.tensors}
+    model_type, hf_arch, permuted = experts.MIXTRAL if experts.is_mixtral(arch, infos) else ARCHITECTURES[arch]
     _check_names(infos, hf_arch, where)
     config = _config(meta, arch, model_type, hf_arch, infos, where)
+    if arch in experts.MOE_ARCHITECTURES or model_type == experts.MIXTRAL[0]:
+        config.update(experts.moe_config(meta, arch, infos))
     validate.check_layers(config, header.tensors, arch, where)
     validate.check_shapes(config, header.tensors, arch, where)
     validate.check_weight_types([t for t in header.tensors if t.name not in _CONFIG_TENSORS], _dequantizable(), where)
@@ -205,7 +218,7 @@ def load_gguf(path: str) -> GGUFCheckpoint:
         hf_name = _hf_name(t.name)
         if hf_name is None:   # a config tensor (rope_freqs)
             continue
-        shape = tuple(reversed(t.dims))  # GGUF lists ne0 (the contiguous dim) first
+        shape = experts.hf_shape(t.name, tuple(reversed(t.dims)))  # GGUF lists ne0 (the contiguous dim) first
         perm = None
         if permuted and re.search(r"\.attn_[qk]\.(weight|bias)$", t.name):
             perm = _unpermute_rows(shape[0], heads if ".attn_q." in t.name else kv_heads, where, t.name)
@@ -265,8 +278,9 @@ def _check_names(infos: Mapping[str, TensorInfo], hf_arch: str, where: str) -> N
     unknown = [show(n) for n in infos if n not in _CONFIG_TENSORS and _hf_name(n) is None]
     if unknown:
         raise SourceError(f"{where}: {len(unknown)} tensor(s) have no Hugging Face {hf_arch} name: "
-                          f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}. Mixture-of-experts and "
-                          f"other variants are not supported; extend _LAYER_NAMES in exporter/gguf/checkpoint.py")
+                          f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}. Variants beyond "
+                          f"{sorted(ARCHITECTURES)} (shared experts, ...) are not supported; extend _LAYER_NAMES in "
+                          f"exporter/gguf/checkpoint.py")
     for required in ("token_embd.weight", "output_norm.weight"):
         if required not in infos:
             raise SourceError(f"{where}: tensor {required} ({_GLOBAL_NAMES[required]}) is missing; the file is "
@@ -299,7 +313,9 @@ def _config(meta: validate.Metadata, arch: str, model_type: str, hf_arch: str, i
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "intermediate_size": meta.integer(f"{arch}.feed_forward_length", lo=1),
+        "intermediate_size": meta.integer(f"{arch}.feed_forward_length",   # an all-experts file may lack it
+                                          meta.integer(f"{arch}.expert_feed_forward_length", validate.REQUIRED, lo=1)
+                                          if arch in experts.MOE_ARCHITECTURES else validate.REQUIRED, lo=1),
         "rms_norm_eps": meta.number(f"{arch}.attention.layer_norm_rms_epsilon", hi=1.0),
         "rope_theta": meta.number(f"{arch}.rope.freq_base", 10000.0),
         "rope_scaling": _rope_scaling(meta, arch),

@@ -180,3 +180,41 @@ def stored_by_module(module: torch.nn.Module, ckpt, config: QuantConfig
         for name, (stored, scheme) in zip(names, parts):
             out[name] = {r: torch.from_numpy(a) for r, a in stored.items()}, scheme
     return out
+
+
+# the experts stacks of one layer in the file (checkpoint names under the experts module)
+_EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+# experts whose every stack is one of these 16-bit types stay 16-bit (the grouped_experts composite)
+_SIXTEEN = {"F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def stored_experts(module: torch.nn.Module, ckpt, config: QuantConfig) -> dict[str, "torch.dtype | dict"]:
+    """`--quantize gguf`'s share for the experts modules of `module` (the transformers model, layers
+    unscanned) whose stacks the file holds (ckpt.tensors NAME.gate_proj, .up_proj, .down_proj
+    [E, out, in]; a name config.skip matches stays as loaded), by module name:
+
+    * every stack of the file F16 (or every one BF16): that dtype; the experts are kept as those 16
+      bits (the grouped_experts composite), exactly the file's values;
+    * otherwise {"gate_up_proj": (stored, scheme), "down_proj": (stored, scheme)}: all the experts
+      stacks of the model as one role, as _converted makes a dense role's (each stack's own blocks
+      where its GGUF_SCHEMES entry has the role's bits and symmetry: Q8_0 / Q5_0 -> int8 g32,
+      Q4_0 -> int4 g32, Q4_1 -> int4 g32 asym, exactly; Q4_K / Q6_K as their conversion bounds;
+      requantized in config.scheme from the dequantized values otherwise), gate and up joined along
+      the rows as transformers' gate_up_proj: one scheme for every stack, as the quant_experts
+      composite (one bit width) and a scanned stack need. K-quant blocks are not kept: the
+      quant_experts composite has no block layout."""
+    names = [n for n, _ in module.named_modules() if f"{n}.gate_proj" in ckpt.tensors and not config.skipped(n)]
+    if not names:       # a dense model
+        return {}
+    stacks = [ckpt.tensors[f"{n}.{p}"] for n in names for p in _EXPERT_PARTS]
+    kinds = {t.ggml_type for t in stacks}
+    if len(kinds) == 1 and next(iter(kinds)) in _SIXTEEN:
+        return {n: _SIXTEEN[next(iter(kinds))] for n in names}
+    parts = iter(_converted(stacks, config.scheme, "the experts (mlp.experts.*)"))
+    out: dict[str, torch.dtype | dict] = {}
+    for n in names:
+        (gate, scheme), (up, _), (down, _) = next(parts), next(parts), next(parts)
+        gate_up = {r: np.concatenate([gate[r], up[r]], axis=-2) for r in gate}      # [E, 2I, .]
+        out[n] = {attr: ({r: torch.from_numpy(np.ascontiguousarray(a)) for r, a in st.items()}, scheme)
+                  for attr, st in (("gate_up_proj", gate_up), ("down_proj", down))}
+    return out

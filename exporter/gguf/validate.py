@@ -36,6 +36,15 @@ REQUIRED = object()
 LAYER_WEIGHTS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
                  "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 QKV_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
+# a mixture-of-experts layer (config num_experts, not in mlp_only_layers) has EXPERT_FFN in place of DENSE_FFN
+DENSE_FFN = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+EXPERT_FFN = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+# architectures with per-head q / k RMS norms (Qwen3), with a shared expert beside the routed ones (Qwen2-MoE)
+QK_NORMS = {"qwen3moe": ("attn_q_norm.weight", "attn_k_norm.weight")}
+SHARED_FFN = {"qwen2moe": ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
+                           "ffn_down_shexp.weight")}
+# architectures whose q, k, v projections always have biases (HF Qwen2, Qwen2-MoE)
+QKV_BIASED = ("qwen2", "qwen2moe")
 # GGUF token types (gguf.TokenType): NORMAL .. BYTE
 TOKEN_TYPES = range(1, 7)
 
@@ -170,12 +179,14 @@ def check_layers(config: Mapping[str, Any], tensors: Iterable[TensorInfo], arch:
         missing = next(i for i in range(n) if i not in kinds)
         raise SourceError(f"{where}: {arch}.block_count = {n} but the file has tensors for {len(present)} layers "
                           f"(blk.{present[0]}..blk.{present[-1]}; blk.{missing} has none); {MISLABELLED}")
-    want = set(LAYER_WEIGHTS)
-    if arch == "qwen2":
-        want |= set(QKV_BIASES)
+    dense = set(LAYER_WEIGHTS) | set(QK_NORMS.get(arch, ()))
+    if arch in QKV_BIASED:
+        dense |= set(QKV_BIASES)
     elif config["attention_bias"]:
-        want |= {*QKV_BIASES, "attn_output.bias"}
+        dense |= {*QKV_BIASES, "attn_output.bias"}
+    sparse = (dense - set(DENSE_FFN)) | set(EXPERT_FFN) | set(SHARED_FFN.get(arch, ()))
     for i in present:
+        want = sparse if config.get("num_experts") and i not in config["mlp_only_layers"] else dense
         lacking, extra = sorted(want - kinds[i]), sorted(kinds[i] - want)
         if lacking or extra:
             what = f"lacks blk.{i}.{lacking[0]}" if lacking else f"has blk.{i}.{extra[0]}, which the other layers lack"
@@ -192,7 +203,16 @@ def expected_shape(name: str, c: Mapping[str, Any]) -> tuple[int, ...] | None:
               "attn_q.weight": (q, hidden), "attn_k.weight": (kv, hidden), "attn_v.weight": (kv, hidden),
               "attn_output.weight": (hidden, q), "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
               "attn_output.bias": (hidden,), "ffn_gate.weight": (ff, hidden), "ffn_up.weight": (ff, hidden),
-              "ffn_down.weight": (hidden, ff)}
+              "ffn_down.weight": (hidden, ff), "attn_q_norm.weight": (c["head_dim"],),
+              "attn_k_norm.weight": (c["head_dim"],)}
+    if c.get("num_experts"):
+        n, moe_ff = c["num_experts"], c["moe_intermediate_size"]
+        shapes.update({"ffn_gate_inp.weight": (n, hidden), "ffn_gate_exps.weight": (n, moe_ff, hidden),
+                       "ffn_up_exps.weight": (n, moe_ff, hidden), "ffn_down_exps.weight": (n, hidden, moe_ff)})
+    if c.get("shared_expert_intermediate_size"):
+        shared = c["shared_expert_intermediate_size"]
+        shapes.update({"ffn_gate_inp_shexp.weight": (hidden,), "ffn_gate_shexp.weight": (shared, hidden),
+                       "ffn_up_shexp.weight": (shared, hidden), "ffn_down_shexp.weight": (hidden, shared)})
     at = layer_of(name)
     return shapes.get(at[1] if at else name)
 
@@ -206,8 +226,15 @@ def check_shapes(config: Mapping[str, Any], tensors: Iterable[TensorInfo], arch:
             raise SourceError(
                 f"{where}: tensor {t.name} is {list(got)} but {arch}.* imply {list(want)} (embedding_length "
                 f"{config['hidden_size']}, {config['num_attention_heads']} heads x {config['head_dim']}, "
-                f"{config['num_key_value_heads']} kv heads, feed_forward_length {config['intermediate_size']}, "
+                f"{config['num_key_value_heads']} kv heads, feed_forward_length {config['intermediate_size']}"
+                f"{experts_of(config)}, "
                 f"vocabulary {config['vocab_size']}); {MISLABELLED}")
+
+
+def experts_of(c: Mapping[str, Any]) -> str:
+    """", 8 experts of expert_feed_forward_length 32" for a mixture-of-experts config, else ""."""
+    return f", {c['num_experts']} experts of expert_feed_forward_length {c['moe_intermediate_size']}" \
+        if c.get("num_experts") else ""
 
 
 def check_weight_types(tensors: Iterable[TensorInfo], dequantizable: Iterable[str], where: str) -> None:

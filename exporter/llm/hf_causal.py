@@ -402,8 +402,9 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
         hf_layers.sixteen_bit(model, sixteen, tdtype)
     if quantize is not None and not stored_first:
         quantize.apply(model)
-        if not quantize.config.native:   # a GGUF file's experts stay as loaded (see hf_experts.quantize_experts)
-            hf_experts.quantize_experts(model, quantize.config, quantize.record)
+        given = quantize.experts(model) if quantize.experts is not None else None   # a GGUF's own experts
+        if given is not None or not quantize.config.native:
+            hf_experts.quantize_experts(model, quantize.config, quantize.record, given)
     c = _text_config(model.config)
     g = geometry(model.config)
     max_pos = int(getattr(c, "max_position_embeddings", 4096) or 4096)

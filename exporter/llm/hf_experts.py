@@ -25,6 +25,8 @@ ragged groups (`grouped_mm`), whose sizes are data: no static shape to export. H
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 from hloserve.quantization.convert import QuantRecord, quantize_tensor
 from hloserve.quantization.schemes import QuantConfig
@@ -86,22 +88,31 @@ def sixteen_bit_experts(module: torch.nn.Module, dtype: torch.dtype) -> None:
 _QUANTIZED = ("gate_up_proj", "down_proj")
 
 
-def quantize_experts(model: torch.nn.Module, config: QuantConfig, record: QuantRecord) -> int:
+def quantize_experts(model: torch.nn.Module, config: QuantConfig, record: QuantRecord,
+                     given: Mapping[str, "torch.dtype | dict"] | None = None) -> int:
     """--quantize's scheme on the gated-SiLU experts modules of `model` (those the grouped composites
     compute; a name config.skip matches stays as it is): gate_up_proj and down_proj [E, out, in]
     become quantization/convert.py's stored tensors (row by row, the group fitted to each matrix's
     input dim), NAME, NAME_scale and NAME_min buffers read in place by the quant_experts composite,
-    recorded in `record` for the manifest. Returns how many modules were quantized."""
+    recorded in `record` for the manifest. Returns how many modules were quantized.
+
+    `given` (a GGUF's own experts, exporter/gguf/quant.py stored_experts): only the modules it
+    names, each with {attr: (stored tensors, scheme)} used as they are, or a 16-bit dtype the
+    experts are kept in (the grouped_experts composite; a module already 16-bit stays as it is)."""
     done = 0
     for name, m in model.named_modules():
-        if not is_experts(m) or not _grouped(m) or config.skipped(name):
+        if not is_experts(m) or not _grouped(m) or config.skipped(name) or (given is not None and name not in given):
             continue
-        holds = getattr(m, "holds", None)
+        mine = None if given is None else given[name]
+        if isinstance(mine, torch.dtype):
+            if getattr(m, "holds", None) is None:
+                sixteen_bit_experts(m, mine)
+            continue
         groups = []
         for attr in _QUANTIZED:
             w = getattr(m, attr)
-            w = w.view(getattr(torch, Holds(holds).dtype_name)) if w.dtype == torch.int16 else w   # [E, out, in]
-            tensors, scheme = quantize_tensor(w, config.scheme, f"{name}.{attr}")
+            w = w.view(getattr(torch, Holds(m.holds).dtype_name)) if w.dtype == torch.int16 else w   # [E, out, in]
+            tensors, scheme = quantize_tensor(w, config.scheme, f"{name}.{attr}") if mine is None else mine[attr]
             record.add(tensors, scheme, tuple(w.shape))
             delattr(m, attr)
             for role, suffix in (("qweight", ""), ("scale", "_scale"), ("min", "_min")):

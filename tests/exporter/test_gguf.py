@@ -240,11 +240,13 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray
 
 
 def _write_gguf(path: str, arch: str, hf_cfg, state: dict[str, np.ndarray], *, rope_scaling=None,
-                add_bos: bool = True, raw: dict | None = None, rope_freqs: np.ndarray | None = None) -> None:
+                add_bos: bool = True, raw: dict | None = None, rope_freqs: np.ndarray | None = None,
+                extra=None) -> None:
     """A GGUF file as llama.cpp's converter writes it for `arch` (F32 tensors; q/k permuted for llama).
 
     raw: HF name -> (uint8 blocks [rows, row bytes], ggml type name), written as those blocks in place
-    of state's float values (rows permuted for llama q/k like the floats)."""
+    of state's float values (rows permuted for llama q/k like the floats). extra(writer): more
+    metadata (a mixture of experts' expert_count, ...)."""
     import gguf
     from gguf.tensor_mapping import get_tensor_name_map
     w = gguf.GGUFWriter(path, arch)
@@ -274,6 +276,8 @@ def _write_gguf(path: str, arch: str, hf_cfg, state: dict[str, np.ndarray], *, r
     w.add_eos_token_id(len(tokens) - 1)
     w.add_add_bos_token(add_bos)
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    if extra is not None:
+        extra(w)
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = get_tensor_name_map(arch_id, hf_cfg.num_hidden_layers)   # HF module name -> GGUF name
     heads, kv = hf_cfg.num_attention_heads, hf_cfg.num_key_value_heads
