@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import primitives
-from hloserve.runtime.artifact.kernels import Block
+from hloserve.runtime.artifact.kernels import X_BLOCK, Block
 
 from .schemes import MIN_SUFFIX, SCALE_SUFFIX, WeightScheme
 
@@ -61,7 +61,6 @@ def dequantize(qweight: torch.Tensor, scale: torch.Tensor, min: Optional[torch.T
     return w.reshape(q.shape)                                            # [..., out, in]
 
 
-X_BLOCK = 32   # activations are quantized per block of this many elements of a row
 
 
 def quantize_blocks(x: torch.Tensor) -> torch.Tensor:

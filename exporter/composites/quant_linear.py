@@ -46,9 +46,10 @@ import math
 
 import jax.numpy as jnp
 import torch
-from hloserve.quantization import modules as _qmodules  # defines torch.ops.hloserve.quantized_linear
+from hloserve.quantization import modules as _qmodules  # noqa: F401 (defines torch.ops.hloserve.quantized_linear)
 from hloserve.quantization import primitives
 from hloserve.runtime.artifact.kernels import QUANT_LINEAR, QUANT_LINEAR_V2, QUANT_LINEAR_V3, Block
+from hloserve.runtime.artifact.kernels import quantize_blocks as _contract_quantize_blocks
 from hloserve.quantization.schemes import WeightScheme
 from jax import lax
 
@@ -132,18 +133,9 @@ def _block_rows(out: int, n_in: int) -> int:
     return rows
 
 
-X_BLOCK = _qmodules.X_BLOCK   # activations are quantized per block of this many elements
-
-
 def quantize_blocks(x):
-    """x f32 [M, K] quantized to int8 per block of X_BLOCK elements and back (llama.cpp's Q8_0 rule;
-    the torch twin is quantization.modules.quantize_blocks)."""
-    m, k = x.shape
-    pad = -k % X_BLOCK
-    xb = jnp.pad(x, ((0, 0), (0, pad))).reshape(m, -1, X_BLOCK)         # [M, B, 32]
-    d = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / jnp.float32(127)
-    q = jnp.where(d > 0, jnp.round(xb / jnp.where(d > 0, d, 1)), 0)      # round half to even
-    return (q * d).reshape(m, -1)[:, :k]                                 # [M, K]
+    """x f32 [M, K] as the contract's int8 activations (runtime.artifact.kernels.quantize_blocks)."""
+    return _contract_quantize_blocks(x, jnp)
 
 
 def _picked(qweight, scale, min_, layer):

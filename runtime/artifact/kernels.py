@@ -135,6 +135,21 @@ LAYER_LINEAR = Composite(
            "the products are exact in f32 and summed in f32 (in any order)",
 )
 
+X_BLOCK = 32   # the quant composites' activations are quantized per block of this many elements of a row
+
+
+def quantize_blocks(x, xp):
+    """The quant composites' activation rule (llama.cpp's Q8_0): x f32 [M, K] quantized to int8 per
+    block of X_BLOCK elements (d = max|x| / 127, round half to even, 0 where d = 0; a last shorter
+    block zero-padded) and multiplied back, over the array library `xp` (jax.numpy: the
+    decomposition's and the Pallas kernels' operand; the torch twin is quantization.modules')."""
+    m, k = x.shape
+    xb = xp.pad(x, ((0, 0), (0, -k % X_BLOCK))).reshape(m, -1, X_BLOCK)     # [M, B, 32]
+    d = xp.max(xp.abs(xb), axis=-1, keepdims=True) / xp.float32(127)
+    q = xp.where(d > 0, xp.round(xb / xp.where(d > 0, d, 1)), 0)           # round half to even
+    return (q * d).reshape(m, -1)[:, :k]                                  # [M, K]
+
+
 # One layer's matrix product with weight-only quantized matrices, dequantized where they are read
 # (quantization/schemes.py defines the stored layout; GGUF Q8_0 / Q4_0 / Q4_1 blocks are stored in
 # it as they are in the file).

@@ -22,10 +22,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V2
+from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V2, X_BLOCK, quantize_blocks
 
 ROWS = 16           # rows of one interleaved block (schemes.INTERLEAVE, the version 2 layout)
-X_BLOCK = 32        # activations are quantized per block of this many elements (the contract's Q8_0 rule)
 PENDING = "hloserve_pallas_quant_linear"   # its placeholder custom call (pallas/__init__.py)
 
 
@@ -74,25 +73,12 @@ def steps(params: QuantParams, k: int, cap: int) -> int:
     return u
 
 
-def quantize_activations(x):
-    """x f32 [M, K] as the contract's x8: each row quantized to int8 per block of 32 elements
-    (d = max|x| / 127, round half to even, 0 where d = 0; a last shorter block zero-padded) and
-    multiplied back. The same f32 operations as the decomposition, so the same values."""
-    import jax.numpy as jnp
-    m, k = x.shape
-    blocks = jnp.pad(x, ((0, 0), (0, -k % X_BLOCK))).reshape(m, -1, X_BLOCK)
-    d = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True) / jnp.float32(127)
-    safe = jnp.where(d > 0, d, 1)
-    q = jnp.where(d > 0, jnp.round(blocks / safe), 0)
-    return (q * d).reshape(m, -1)[:, :k]
-
-
 def phases(x, params: QuantParams, rows: int):
     """x f32 [M, K] -> x8's phases f32 [unit, rows, K / unit] (x_p[m, a] = x8[m, unit a + p]; rows >= M,
     the extra rows zero): the activations in the weight bytes' order, before the kernel."""
     import jax.numpy as jnp
     m, k = x.shape
-    x8 = jnp.pad(quantize_activations(x.astype(jnp.float32)), ((0, rows - m), (0, 0)))
+    x8 = jnp.pad(quantize_blocks(x.astype(jnp.float32), jnp), ((0, rows - m), (0, 0)))   # the contract's x8
     return x8.reshape(rows, k // params.unit, params.unit).transpose(2, 0, 1)
 
 
