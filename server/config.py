@@ -96,6 +96,8 @@ class ServeConfig:
       kv_cache_dtype: LLM: how K and V are stored (--kv-cache-dtype: bfloat16, float16, int8), where
         `serve` exports (the default model, a preset, a GGUF file); an artifact directory's must match
         (check_kv_cache). None: the export's default.
+      async_scheduling: LLM: plan each step while the one before runs on the device (vLLM's
+        --async-scheduling; core/engine.py states its rules). None: per platform (`async_scheduling_on`).
     """
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
@@ -132,6 +134,7 @@ class ServeConfig:
     speculative_config: SpeculativeConfig | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
     kv_cache_dtype: str | None = None
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         if self.verify_weights not in ("stamp", "full"):
@@ -158,6 +161,12 @@ class ServeConfig:
                                 f"served model name or another adapter's")
         if self.generation_config != GENERATION_AUTO:   # a PATH that cannot be read fails before anything loads
             self.generation_defaults("")
+
+    def async_scheduling_on(self, platform: str) -> bool:
+        """Whether the engine plans ahead on `platform` (jax's name: cpu, gpu, tpu): as asked, else on an
+        accelerator, where the host's work per step is a share of the step worth hiding, and off on the
+        CPU, where the host and the "device" share the same cores (measured: docs/performance.md)."""
+        return self.async_scheduling if self.async_scheduling is not None else platform != "cpu"
 
     def grpc_port_for(self, *, llm: bool) -> int:
         """The port the gRPC API listens on for this kind of artifact (0: none)."""

@@ -78,7 +78,8 @@ def build_engine(artifact: LLMArtifact | str, config: ServeConfig | None = None)
                           tiers=tiers)
     proposer = _draft_proposer(draft, runner, config) if draft is not None else None
     scheduler = Scheduler(sched_cfg, blocks, eos_token_ids=eos, proposer=proposer)
-    engine = Engine(scheduler, runner, vocab_size=llm.vocab_size, decoder=tokenizer, grammars=grammars)
+    engine = Engine(scheduler, runner, vocab_size=llm.vocab_size, decoder=tokenizer, grammars=grammars,
+                    async_scheduling=config.async_scheduling_on(runner.model.client.platform))
     return engine, tokenizer
 
 

@@ -48,6 +48,12 @@ class Runner(Protocol):
     def execute(self, plan: SchedulerPlan) -> RunnerOutput:
         """One step: the model call(s) for the plan, then sampling."""
 
+    def dispatch(self, plan: SchedulerPlan) -> object:
+        """Send a step to the device without waiting for it (async scheduling); `collect` finishes it."""
+
+    def collect(self, pending: object) -> RunnerOutput:
+        """A dispatched step's tokens: wait for its logits, sample."""
+
     def warmup(self, progress: Callable[[str], None] | None = None) -> int:
         """Compile every shape `execute` can be asked for; returns the compiles done."""
 
@@ -111,6 +117,15 @@ class _Live:
     last_token_time: float | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """A step dispatched and not yet collected (async scheduling)."""
+    plan: SchedulerPlan
+    pending: object           # the runner's handle
+    sent: float               # time.perf_counter() when its dispatch began
+    host_seconds: float       # the host work before it that the device did not overlap
+
+
 # -- the engine --------------------------------------------------------------------
 class Engine:
     """Scheduler + runner + the loop thread.
@@ -123,12 +138,34 @@ class Engine:
     `_emit` (text, metrics, stream), and the output that finishes it, whatever ended it (a
     token rule, a stop string, abort, an error, stop()), makes `_emit` call `_release`: the one
     place that removes it from the scheduler (freeing its blocks) and from `_live`.
+
+    Async scheduling (`async_scheduling=True`, vLLM's --async-scheduling; SGLang's overlap
+    scheduler) plans step N+1 while step N runs on the device (`_step_ahead`), as jax dispatches a
+    step without waiting for it. The tokens N will sample are placeholders in N+1's plan until N's
+    logits are read and sampled on the host; they are put into N+1's inputs before it is sent, so
+    every step computes what the serial loop computes. The rules that keep it so:
+
+    * A request whose token in flight is its last by length (max_tokens, the context) gets no row in
+      N+1. One that N's token ends otherwise (EOS, a stop token) loses its N+1 row before N+1 is
+      sent (`Scheduler.fill`), its blocks freed by `update` as in the serial loop.
+    * Stop strings, a complete grammar and aborts end a request between turns, while N+1 may be
+      computing a token for it: the stream ends at once, as in the serial loop, its blocks are freed
+      then, and its N+1 token is discarded (`update` skips a request it no longer knows). Freeing
+      blocks the device is still writing is safe: every later use of the cache (a step, a block
+      copy) takes the cache N+1 returns, so it runs after N+1.
+    * Preempting a request whose token is in flight drops that token; recomputing draws the same
+      one (a draw depends only on the request's seed and the token's index).
+    * A grammar's mask needs the tokens so far, and a draft proposer reads them: while a live
+      request has a grammar, or speculative decoding is on, each step is planned after the last
+      one's tokens are known (serially).
     """
 
     def __init__(self, scheduler: Scheduler, runner: Runner, *, vocab_size: int | None = None,
                  decoder: "Decoder | None" = None, grammars: "Grammars | None" = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, async_scheduling: bool = False):
         self.scheduler = scheduler
+        self.async_scheduling = async_scheduling
+        self._in_flight: _InFlight | None = None
         self.runner = runner
         self.structured = StructuredOutputManager(grammars)
         self.detokenizer = Detokenizer(decoder)
@@ -153,11 +190,67 @@ class Engine:
 
     # -- the step: schedule, mask, execute, update ------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step's outputs: serially, or with async scheduling the outputs of the step that finished
+        while the next one was planned (`_step_ahead`)."""
+        if self.async_scheduling:
+            return self._step_ahead()
         plan = self.scheduler.schedule()
         plan = self.structured.masks(plan, self._matcher_of)
         out = self.runner.execute(plan)
         self._device_seconds, self._step_chunks = out.device_seconds, any(s.is_chunk for s in plan.seqs)
         return self.scheduler.update(plan, out)
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Async scheduling: step N+1 planned while step N runs on the device.
+
+        One turn: count N as run (`Scheduler.assume`: a placeholder for each token N samples), schedule
+        N+1, read N's tokens (`collect`, the one wait on the device), apply them (`update`: the token
+        rules), put them into N+1 (`fill`: the rows of requests that ended are dropped) and dispatch N+1;
+        N's outputs then pass `_emit` (detokenizing, stop strings, streams) while N+1 runs. A turn with
+        a grammar or a draft in play runs N+1 serially instead (see the class docstring).
+        """
+        t0, ahead, self._in_flight = time.perf_counter(), self._in_flight, None
+        overlap = self._can_overlap()
+        if ahead is not None and overlap:
+            self.scheduler.assume(ahead.plan)
+        plan = self.scheduler.schedule() if (overlap or ahead is None) and self.scheduler.has_work() else None
+        outputs, ready = self._collect(ahead) if ahead is not None else ([], t0)
+        if plan is None or (plan.is_empty and not plan.kv_saves and not plan.kv_loads):
+            return outputs
+        if ahead is not None:
+            plan = self.scheduler.fill(plan)
+        plan = self.structured.masks(plan, self._matcher_of)
+        sent = time.perf_counter()
+        self._in_flight = _InFlight(plan, self.runner.dispatch(plan), sent, sent - ready)
+        if not overlap:   # nothing may be planned before its tokens are known: finish it now
+            outputs, _ = self._collect(self._in_flight)
+            self._in_flight = None
+        return outputs
+
+    def _collect(self, step: _InFlight) -> tuple[list[RequestOutput], float]:
+        """A dispatched step's outputs, its time observed, and when its logits reached the host.
+
+        Its device time runs from its dispatch to its logits on the host; its host time is the work
+        between the previous step's logits and its dispatch (what the device waited for). Host work
+        done while it ran (planning the next step, emitting the last one's outputs) is in neither:
+        with a device slower than that work it is hidden; otherwise the device time includes it."""
+        out = self.runner.collect(step.pending)
+        ready = out.ready_at or time.perf_counter()
+        if not step.plan.is_empty:
+            device = ready - step.sent
+            self._step_device.observe(device)
+            self._step_host.observe(step.host_seconds)
+            self._step_seconds["chunk" if any(s.is_chunk for s in step.plan.seqs) else "decode"] += (
+                device + step.host_seconds)
+        return self.scheduler.update(step.plan, out), ready
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be planned before the running one's tokens are known: not with a
+        proposer (a draft reads the tokens so far) nor with a live grammar (its mask needs them)."""
+        return self.scheduler.proposer is None and not any(live.matcher for live in self._live.values())
+
+    def _has_work(self) -> bool:
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # -- API for handlers (any thread) -----------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
@@ -261,7 +354,7 @@ class Engine:
         try:
             while True:
                 with self._cv:
-                    while not self._inbox and not self.scheduler.has_work() and not self._stopping:
+                    while not self._inbox and not self._has_work() and not self._stopping:
                         self._cv.wait()
                     if self._stopping:
                         break
@@ -281,13 +374,14 @@ class Engine:
             self._inbox.clear()
         for msg in messages:
             self._handle(msg)
-        if self.scheduler.has_work():
+        if self._has_work():
             t0, self._device_seconds = time.perf_counter(), None
             try:
                 outputs = self.step()
                 self._steps += 1
             except Exception as e:  # noqa: BLE001 (the loop must survive a failing step)
                 log.error("engine step failed; failing all in-flight requests:\n%s", traceback.format_exc())
+                self._in_flight = None
                 outputs = self.scheduler.fail_all(f"engine step failed: {type(e).__name__}: {e}")
             self._emit(outputs)
             if self._device_seconds:   # a step that ran the model: its time, split host / device
@@ -362,6 +456,7 @@ class Engine:
         for msg in messages:
             if isinstance(msg, AddRequest):
                 msg.refuse(STOPPED)
+        self._in_flight = None
         self._emit(self.scheduler.fail_all(STOPPED))
         with self._snapshot_lock:
             self._snapshot = self._take_snapshot()

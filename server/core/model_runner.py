@@ -34,7 +34,7 @@ import logging
 import re
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 from hloserve import runtime
@@ -221,6 +221,15 @@ class StepPolicy:
     def buckets(self, cfg: RunnerConfig) -> RunnerConfig:
         """cfg with the block-table widths this policy compiles (the widest alone for one call)."""
         return dataclasses.replace(cfg, block_buckets=cfg.block_buckets[-1:]) if self.one_call else cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingStep:
+    """A step sent to the device and not read back yet (ModelRunner.dispatch -> collect)."""
+    plan: SchedulerPlan
+    calls: tuple[tuple[SchedulerPlan, int, Any], ...]   # each call's part of the plan, its rows, its logits (on device)
+    started: float                                      # time.perf_counter() at dispatch
+    dispatch_seconds: float                             # spent in the calls themselves (inputs bound and sent)
 
 
 class ModelRunner:
@@ -451,31 +460,46 @@ class ModelRunner:
             self.kv_cache = self._scatter(self.kv_cache, ids, np.zeros((pad, *shape), dtype))
 
     def execute(self, plan: SchedulerPlan) -> RunnerOutput:
+        """One step, start to end: dispatch it, then collect its tokens."""
+        return self.collect(self.dispatch(plan))
+
+    def dispatch(self, plan: SchedulerPlan) -> "PendingStep":
+        """Send a step to the device without waiting for it: the plan's block copies, then each call
+        (jax dispatches asynchronously: the logits stay device arrays until `collect` reads them)."""
         if self.tiers is not None and (plan.kv_saves or plan.kv_loads):
             self._transfer(plan)
-        if plan.is_empty:
-            return RunnerOutput({})
         t0 = time.perf_counter()
+        if plan.is_empty:
+            return PendingStep(plan, (), t0, 0.0)
         # one token per row: decodes, and verified drafts (a row per token)
         decodes = tuple(s for s in plan.seqs if not s.is_chunk)
         chunks = tuple(s for s in plan.seqs if s.is_chunk)
         parts = [plan] if self.one_call or not decodes or not chunks else [
             SchedulerPlan.of(rows) for rows in (decodes, chunks)]
-        sampled, logprobs, device = {}, {}, 0.0
+        calls = []
         for part in parts:   # the parts write disjoint cache slots, so their order does not matter
             step = build_step(part, self.cfg, self.block_size, decode_fn=self.decode_fn, prefill_fn=self.prefill_fn,
                               lora=self.adapters is not None)
+            calls.append((part, step.num_seqs, self._call(step.function, step.inputs)["logits"]))
+        return PendingStep(plan, tuple(calls), t0, time.perf_counter() - t0)
+
+    def collect(self, pending: "PendingStep") -> RunnerOutput:
+        """A dispatched step's logits on the host (waiting for the device), sampled; prompt logprobs scored."""
+        if pending.plan.is_empty:
+            return RunnerOutput({})
+        sampled, logprobs, device, ready = {}, {}, pending.dispatch_seconds, 0.0
+        for part, num_seqs, logits in pending.calls:
             t = time.perf_counter()
-            out = self._call(step.function, step.inputs)
-            logits = _host(out["logits"])[:step.num_seqs]               # [S, vocab]
-            device += time.perf_counter() - t
+            logits = _host(logits)[:num_seqs]               # [S, vocab]
+            ready = time.perf_counter()
+            device += ready - t
             result = sample_plan(part, logits)
             sampled.update(result.sampled)
             logprobs.update(result.logprobs)
-        scored = {s.request_id: self._score(s) for s in plan.seqs if s.score_prompt}
+        scored = {s.request_id: self._score(s) for s in pending.plan.seqs if s.score_prompt}
         self.steps += 1
-        self.step_seconds += time.perf_counter() - t0
-        return RunnerOutput(sampled, logprobs, scored, device_seconds=device)
+        self.step_seconds += time.perf_counter() - pending.started
+        return RunnerOutput(sampled, logprobs, scored, device_seconds=device, ready_at=ready)
 
     def _score(self, seq) -> tuple:
         """Logprobs of each prompt token after the first, its whole prompt being in the cache now.

@@ -98,6 +98,9 @@ class RunnerOutput:
     # seconds the host waited on the device: the step functions' calls until their logits were on the host
     # (input transfer, execution and output transfer; what the host cannot use for its own work)
     device_seconds: float = 0.0
+    # time.perf_counter() when the step's last logits reached the host (0: not measured); async scheduling
+    # times a step from its dispatch to this moment (core/engine.py)
+    ready_at: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -53,6 +53,9 @@ from .outputs import FinishReason, RequestOutput, RunnerOutput, ScheduledSeq, Sc
 from .sampling import RowContext, SamplingParams, TokenLogprobs
 from .spec_decode import DraftLength, NgramProposer, Proposer, SpecDecodeStats, SpeculativeConfig, speculates
 
+# async scheduling (core/engine.py): the token a step in flight will sample, until update() reads it
+PLACEHOLDER = -1
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
@@ -164,6 +167,7 @@ class Scheduler:
         self.running: list[Request] = []               # sorted by arrival (oldest first)
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
+        self._assumed: SchedulerPlan | None = None     # the step in flight that assume() counted as run
         spec = config.speculative
         if proposer is None and spec is not None and spec.method != "ngram":
             raise ValueError(f"speculative method {spec.method!r} needs its proposer (core/draft_model.py)")
@@ -240,6 +244,10 @@ class Scheduler:
         while i < len(self.running):
             req = self.running[i]
             is_decode = req.num_tokens_left == 1
+            if is_decode and self._ends_in_flight(req):   # its token in flight is its last: nothing to run
+                reserved -= 1
+                i += 1
+                continue
             if is_decode:
                 reserved -= 1
                 want = 1
@@ -293,6 +301,10 @@ class Scheduler:
         return (owned + self.blocks.num_free_blocks) * self.blocks.block_size - req.num_computed_tokens
 
     def _preempt(self, req: Request) -> None:
+        """Back to the waiting queue; a token still in flight for it is dropped (recomputing draws the
+        same token again: a draw depends only on the request's seed and the token's index)."""
+        if req.token_ids[-1] == PLACEHOLDER:
+            req.token_ids.pop()
         self.running.remove(req)
         self.blocks.free(req.request_id)
         if self.proposer is not None:
@@ -400,30 +412,77 @@ class Scheduler:
 
     # -- after the step -------------------------------------------------------------
     def update(self, plan: SchedulerPlan, output: RunnerOutput) -> list[RequestOutput]:
-        """Apply a step's results: advance computed tokens, append sampled tokens, stop, free, emit."""
+        """Apply a step's results: advance computed tokens, append sampled tokens, stop, free, emit.
+        For the plan assume() counted already, only its sampled tokens replace the placeholders."""
+        assumed, self._assumed = plan is self._assumed, None
         outputs: list[RequestOutput] = []
         for seq in plan.seqs:
             req = self._requests.get(seq.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING or req.num_computed_tokens != seq.start:
+            if req is None or req.status is not RequestStatus.RUNNING or (
+                    req.num_computed_tokens != (seq.context_len if assumed else seq.start)):
                 continue  # aborted or preempted since the plan was made
             if not seq.needs_logits:
-                req.num_computed_tokens += len(seq.token_ids)
-                self.blocks.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens, _salt(req))
+                if not assumed:
+                    self._computed(req, len(seq.token_ids))
                 continue
             tokens = tuple(int(t) for t in output.sampled[seq.request_id])
             accepted = len(tokens) - 1           # drafted tokens kept: their K/V, computed this step, is valid
             if seq.draft_token_ids:
                 self.stats.spec.observe(len(seq.draft_token_ids), accepted)
                 req.draft.observe(len(seq.draft_token_ids), accepted, self.config.speculative.num_speculative_tokens)
-            # the rejected drafts' slots lie past the computed length: a later step writes them again
-            req.num_computed_tokens += len(seq.token_ids) - len(seq.draft_token_ids) + accepted
-            known = req.token_ids + list(tokens[:accepted]) if accepted else req.token_ids
-            self.blocks.cache_full_blocks(req.request_id, known, req.num_computed_tokens, _salt(req))
+            if assumed:
+                req.token_ids.pop()              # the placeholder: the sampled token takes its place below
+            else:   # the rejected drafts' slots lie past the computed length: a later step writes them again
+                self._computed(req, len(seq.token_ids) - len(seq.draft_token_ids) + accepted, tokens[:accepted])
             out = self._after_tokens(req, tokens, output.logprobs.get(seq.request_id))
             if seq.score_prompt:
                 out = dataclasses.replace(out, prompt_logprobs=tuple(output.prompt_logprobs.get(seq.request_id, ())))
             outputs.append(out)
         return outputs
+
+    def _computed(self, req: Request, n: int, accepted: Sequence[int] = ()) -> None:
+        """n more of `req`'s tokens are in the cache (the last `accepted` of them drafts that a step
+        kept); its newly full blocks join the prefix cache."""
+        req.num_computed_tokens += n
+        known = req.token_ids + list(accepted) if accepted else req.token_ids
+        self.blocks.cache_full_blocks(req.request_id, known, req.num_computed_tokens, _salt(req))
+
+    # -- async scheduling: the next step planned while one runs ----------------------------------
+    def assume(self, plan: SchedulerPlan) -> None:
+        """Count a dispatched step as run, so schedule() plans the one after it while it runs: its
+        tokens computed and, where it samples, one token more, a PLACEHOLDER until update(plan)
+        reads the real one (then fill() puts it into the next plan). No drafts: speculative decoding
+        runs serially."""
+        self._assumed = plan
+        for seq in plan.seqs:
+            req = self._requests.get(seq.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING or req.num_computed_tokens != seq.start:
+                continue
+            self._computed(req, len(seq.token_ids))
+            if seq.needs_logits:
+                req.token_ids.append(PLACEHOLDER)
+
+    def _ends_in_flight(self, req: Request) -> bool:
+        """Whether the token in flight for `req` is its last by length (max_tokens or the context): the
+        step after it has nothing to run for it (an EOS cannot be known ahead: that row is dropped by
+        fill(), or its token discarded by update())."""
+        return req.token_ids[-1] == PLACEHOLDER and (req.num_output_tokens >= req.params.max_tokens
+                                                     or len(req.token_ids) >= self.config.max_model_len)
+
+    def fill(self, plan: SchedulerPlan) -> SchedulerPlan:
+        """A plan made ahead, after update() read the step before it: the placeholders replaced by the
+        sampled tokens (with the row's context read again), the rows of requests that ended since
+        dropped (their blocks are free already)."""
+        seqs = []
+        for seq in plan.seqs:
+            req = self._requests.get(seq.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            if PLACEHOLDER in seq.token_ids:
+                seq = dataclasses.replace(seq, token_ids=tuple(req.token_ids[seq.start:seq.context_len]),
+                                          context=self._row_context(req) if seq.needs_logits else RowContext())
+            seqs.append(seq)
+        return dataclasses.replace(plan, seqs=tuple(seqs), num_tokens=sum(len(s.token_ids) for s in seqs))
 
     def _after_tokens(self, req: Request, tokens: tuple[int, ...],
                       lps: tuple[TokenLogprobs, ...] | None) -> RequestOutput:

@@ -68,6 +68,14 @@ class MockRunner:
                 logits[i + j, (ctx[p] + 1) % self.vocab_size] = self.peak
         return sample_plan(plan, logits)
 
+    def dispatch(self, plan: SchedulerPlan) -> RunnerOutput:
+        """Async scheduling's first half: the mock computes the step here, in dispatch order, as a
+        device would; `collect` hands its output over."""
+        return self.execute(plan)
+
+    def collect(self, pending: RunnerOutput) -> RunnerOutput:
+        return pending
+
     def warmup(self, progress: Callable[[str], None] | None = None) -> int:
         return 0   # nothing to compile
 
