@@ -757,6 +757,9 @@ def main() -> int:
                         "so one run holds the before and the after")
     p.add_argument("--no-cold-start", action="store_true",
                    help="start hloserve and vLLM once each, on their default compile caches (no empty-cache starts)")
+    p.add_argument("--baseline-args", default=None,
+                   help="`hloserve serve` flags for the baseline instead of --serve-args (e.g. the same checkout "
+                        "with a feature off: --baseline . --baseline-args=--no-async-scheduling)")
     p.add_argument("--vllm", default=os.path.join(os.environ.get("VLLM_VENV", "/work/vllm-venv"), "bin", "vllm"),
                    help="the `vllm` executable of vLLM's venv (benchmarks/vllm_env.sh makes it)")
     p.add_argument("--vllm-threads", default="1",
@@ -843,15 +846,18 @@ def main() -> int:
         if max_len != 2048 and "--max-model-len" not in serve_args:
             serve_args += ["--max-model-len", str(max_len)]
 
-        def cmd():
+        def cmd(flags=serve_args):
             return [sys.executable, "-m", HLOSERVE_CLI, "serve", art, "--port", str(free_port()), "--model-name", MODEL,
-                    *serve_args]
+                    *flags]
         if args.baseline:
             name = "hloserve (baseline)"
             env = {"PYTHONPATH": baseline_path(args.baseline, logs)}
-            with server(name, cmd(), "/ready", os.path.join(logs, "hloserve-baseline.log"), env=env) as (base, secs):
+            flags = serve_args if args.baseline_args is None else [
+                *args.baseline_args.split(), *serve_args[len(args.serve_args.split()):]]
+            with server(name, cmd(flags), "/ready", os.path.join(logs, "hloserve-baseline.log"), env=env) as (base, secs):
                 starts[f"{name}, default cache"] = secs
                 levels += bench_server(name, base, workloads, {"ignore_eos": True})
+                print(f"  {step_breakdown(httpx.get(base + '/metrics').text)}", flush=True)
         cache = None if args.no_cold_start else tempfile.mkdtemp(prefix="hloserve-bench-cache-")
         env = {"HLOSERVE_CACHE": cache} if cache else {}
         with cold_then_warm("hloserve", cmd, "/ready", logs, env, cache, starts) as base:

@@ -44,18 +44,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import random
 from typing import Sequence
 
 from .block_manager import BlockManager
 from .outputs import FinishReason, RequestOutput, RunnerOutput, ScheduledSeq, SchedulerPlan
+from .request import PLACEHOLDER, Request, RequestStatus, check_context
 from .sampling import RowContext, SamplingParams, TokenLogprobs
 from .spec_decode import DraftLength, NgramProposer, Proposer, SpecDecodeStats, SpeculativeConfig, speculates
-
-# async scheduling (core/engine.py): the token a step in flight will sample, until update() reads it
-PLACEHOLDER = -1
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
@@ -90,38 +86,6 @@ class SchedulerConfig:
             raise ValueError(f"admission_watermark={self.admission_watermark}: must be in [0, 1)")
 
 
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclasses.dataclass
-class Request:
-    """Scheduler-side state of one request (mutable; owned by the scheduler)."""
-    request_id: str
-    token_ids: list[int]                 # prompt + generated tokens
-    num_prompt_tokens: int
-    params: SamplingParams
-    seed: int                            # explicit RNG seed for every draw of this request
-    arrival: int                         # admission priority: smaller = older
-    eos_token_ids: frozenset[int]
-    status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0         # tokens whose K/V is in the cache
-    num_cached_tokens: int = 0           # of the prompt, tokens served by the prefix cache (last admission)
-    num_preemptions: int = 0
-    draft: DraftLength | None = None     # speculative decoding: its proposal length (None: off)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def num_tokens_left(self) -> int:
-        """Tokens to compute before the next one can be sampled."""
-        return len(self.token_ids) - self.num_computed_tokens
-
-
 @dataclasses.dataclass
 class SchedulerStats:
     """Monotonic counters (the engine exports them as metrics)."""
@@ -132,24 +96,6 @@ class SchedulerStats:
     prompt_tokens: int = 0          # prompt tokens of admitted requests (recomputation not counted)
     generation_tokens: int = 0
     spec: SpecDecodeStats | None = None   # speculative decoding's counters, when it is on
-
-
-def context_room(prompt_len: int, max_model_len: int) -> int:
-    """The context rule, part one: the tokens a prompt of `prompt_len` leaves for its output (at least
-    one, else ValueError). Stated once; the HTTP layer applies it before a request reaches the engine."""
-    if prompt_len >= max_model_len:
-        raise ValueError(f"the prompt has {prompt_len} tokens, but the model's context is {max_model_len} tokens; "
-                         f"shorten the prompt")
-    return max_model_len - prompt_len
-
-
-def check_context(prompt_len: int, max_tokens: int, max_model_len: int, *, name: str = "max_tokens") -> None:
-    """The context rule: prompt plus output fit the model's context (ValueError naming `name`, the
-    field that set the output's length, and its largest allowed value)."""
-    room = context_room(prompt_len, max_model_len)
-    if max_tokens > room:
-        raise ValueError(f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) = {prompt_len + max_tokens} exceeds "
-                         f"the model's context of {max_model_len} tokens; lower {name} to at most {room}")
 
 
 class Scheduler:
@@ -244,7 +190,7 @@ class Scheduler:
         while i < len(self.running):
             req = self.running[i]
             is_decode = req.num_tokens_left == 1
-            if is_decode and self._ends_in_flight(req):   # its token in flight is its last: nothing to run
+            if is_decode and req.ends_in_flight(self.config.max_model_len):   # its token in flight is its last: nothing to run
                 reserved -= 1
                 i += 1
                 continue
@@ -461,13 +407,6 @@ class Scheduler:
             self._computed(req, len(seq.token_ids))
             if seq.needs_logits:
                 req.token_ids.append(PLACEHOLDER)
-
-    def _ends_in_flight(self, req: Request) -> bool:
-        """Whether the token in flight for `req` is its last by length (max_tokens or the context): the
-        step after it has nothing to run for it (an EOS cannot be known ahead: that row is dropped by
-        fill(), or its token discarded by update())."""
-        return req.token_ids[-1] == PLACEHOLDER and (req.num_output_tokens >= req.params.max_tokens
-                                                     or len(req.token_ids) >= self.config.max_model_len)
 
     def fill(self, plan: SchedulerPlan) -> SchedulerPlan:
         """A plan made ahead, after update() read the step before it: the placeholders replaced by the

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..config import MAX_PROMPT_CHARS_PER_TOKEN
 from ..core.sampling import SamplingParams
-from ..core.scheduler import check_context, context_room
+from ..core.request import check_context, context_room
 from ..services import LLMService
 from .errors import ApiError
 from .fanin import Choices

@@ -17,7 +17,8 @@ import pytest
 from hloserve.server.core.block_manager import BlockManager
 from hloserve.server.core.engine import Engine
 from hloserve.server.core.sampling import SamplingParams
-from hloserve.server.core.scheduler import PLACEHOLDER, Scheduler, SchedulerConfig
+from hloserve.server.core.request import PLACEHOLDER
+from hloserve.server.core.scheduler import Scheduler, SchedulerConfig
 from tests.support.mock_runner import MockRunner
 
 VOCAB = 100
