@@ -33,7 +33,11 @@ RULES = [
     ("hloserve.exporter", ("hloserve.exporter", "hloserve.quantization", "hloserve.runtime.artifact",
                            "hloserve.runtime.progress", "hloserve.runtime.paths"), WEB),
     ("hloserve.server.core.scheduler", ("hloserve.server.core.outputs", "hloserve.server.core.sampling",
-                                        "hloserve.server.core.block_manager", "hloserve.server.core.spec_decode"),
+                                        "hloserve.server.core.block_manager", "hloserve.server.core.spec_decode",
+                                        "hloserve.server.core.request"),
+     HEAVY | WEB | {"jax"}),
+    # the request the scheduler keeps, and the context rule: host-only records
+    ("hloserve.server.core.request", ("hloserve.server.core.sampling", "hloserve.server.core.spec_decode"),
      HEAVY | WEB | {"jax"}),
     # speculative decoding's config, proposer and counters: policy the scheduler reads, host-only
     ("hloserve.server.core.spec_decode", ("hloserve.server.core.sampling", "hloserve.runtime.artifact.errors"),

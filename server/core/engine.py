@@ -13,6 +13,9 @@ streams. `add_request` validates on the caller's thread (the checks read only
 immutable configuration) so a bad request fails at once, with a message fit
 for a 400 answer.
 
+With async scheduling the loop plans step N+1 while step N runs on the device (`Engine` says how,
+and the rules that keep its outputs the serial loop's).
+
 Metrics are kept by the loop thread and read through `metrics()`, a frozen
 snapshot (server/core/metrics.py renders it with vLLM's metric names).
 """

@@ -22,6 +22,10 @@ row whose context is empty; padding rows are never sampled. The KV cache
 lives on the device for the runner's lifetime: each call donates it and keeps
 the returned one. N (num_blocks) is fixed at construction from a memory budget.
 
+`execute(plan)` is `collect(dispatch(plan))`: `dispatch` binds the inputs and sends the call(s),
+leaving the logits on the device (jax dispatches asynchronously), and `collect` waits for them and
+samples on the host; async scheduling (core/engine.py) plans the next step between the two.
+
 With prefix-cache tiers (core/kv_tiers.py) a plan also carries block copies, made before its step:
 `kv_saves` gathered off the device into the tiers, then `kv_loads` scattered into their fresh blocks,
 each a jitted gather/scatter over the cache's block dim padded to a few bucket sizes (compiled at
