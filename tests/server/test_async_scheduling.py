@@ -31,10 +31,10 @@ class CharDecoder:
         return "".join(chr(ord("a") + t % 26) for t in ids)
 
 
-def mock_engine(async_scheduling: bool, *, num_blocks=64, max_num_seqs=8, decoder=None) -> Engine:
+def mock_engine(async_scheduling: bool, *, num_blocks=64, max_num_seqs=8, decoder=None, speculative=None) -> Engine:
     block_size = 4
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=32, max_model_len=64,
-                                      admission_watermark=0.0, enable_prefix_caching=True),
+                                      admission_watermark=0.0, enable_prefix_caching=True, speculative=speculative),
                       BlockManager(num_blocks, block_size), eos_token_ids=[99], seed_rng=random.Random(0))
 
     def no_placeholder(plan):
@@ -125,6 +125,20 @@ def test_mock_async_turns_overlap_and_a_grammar_runs_serially():
         eng.run_once()
         assert eng._in_flight is None
     assert [t for o in stream.drain() for t in o.new_token_ids] == [50, 51, 52] and stream.finished
+
+
+def test_mock_speculative_decoding_runs_serially_with_the_same_tokens():
+    """With a proposer every step is planned after the last one's tokens are known (a draft reads
+    them): nothing stays in flight between turns, and the drafts are verified as in the serial loop."""
+    from hloserve.server.core.spec_decode import SpeculativeConfig
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
+    requests = [(f"r{i}", [5, 6, 7, 5, 6], SamplingParams(max_tokens=10 + i, temperature=0.0)) for i in range(3)]
+    eng = mock_engine(True, speculative=spec)
+    eng.add_request([1, 2], SamplingParams(max_tokens=2, temperature=0.0))
+    eng.run_once()
+    assert eng._in_flight is None
+    serial, ahead = both(requests, speculative=spec)
+    assert ahead == serial and serial["r0"][0][:4] == (7, 8, 9, 10)
 
 
 def test_mock_loop_thread_streams_and_aborts_with_async_scheduling():
@@ -249,3 +263,18 @@ def test_real_runner_greedy_and_seeded_requests_match_the_serial_engine_through_
     for mode in (False, True):
         assert drive(real_engine(runner, mode), again)["stop"] == (want["g1"][0][:first], "", "stop")
     assert runner.stats()["compiles_after_warmup_total"] == 0
+
+
+def test_the_flag_and_its_default_per_platform():
+    """--async-scheduling / --no-async-scheduling reach ServeConfig as vLLM names them; without either,
+    on for GPU and TPU, off on the CPU (docs/performance.md "Async scheduling")."""
+    from hloserve.server.cli import build_parser
+    from hloserve.server.config import ServeConfig
+    parse = build_parser("serve").parse_args
+    assert parse(["serve", "--async-scheduling"]).async_scheduling is True
+    assert parse(["serve", "--no-async-scheduling"]).async_scheduling is False
+    assert parse(["serve"]).async_scheduling is None
+    default = ServeConfig()
+    assert [default.async_scheduling_on(p) for p in ("cpu", "gpu", "tpu")] == [False, True, True]
+    assert ServeConfig(async_scheduling=True).async_scheduling_on("cpu")
+    assert not ServeConfig(async_scheduling=False).async_scheduling_on("gpu")
