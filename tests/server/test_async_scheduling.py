@@ -278,3 +278,40 @@ def test_the_flag_and_its_default_per_platform():
     assert [default.async_scheduling_on(p) for p in ("cpu", "gpu", "tpu")] == [False, True, True]
     assert ServeConfig(async_scheduling=True).async_scheduling_on("cpu")
     assert not ServeConfig(async_scheduling=False).async_scheduling_on("gpu")
+
+
+@pytest.mark.slow
+def test_served_with_async_scheduling_equal_to_transformers_with_stop_strings(tiny_chat_llm):
+    """`hloserve serve --async-scheduling` on loopback, the openai client: concurrent greedy requests of
+    different lengths answer transformers' greedy text, and a stop string taken from one of them ends
+    its answer there ("stop") beside them."""
+    import concurrent.futures
+
+    import openai
+
+    from hloserve.runtime import artifact
+    from hloserve.server.text.tokenizer import Tokenizer
+
+    from .servers import hf_greedy, running_server
+    hf, art = tiny_chat_llm
+    tok = Tokenizer.from_artifact(artifact.LLMArtifact.read(art))
+    prompts = [f"Note {i}: the robot painted the sea" for i in range(4)]
+    lengths = [5, 12, 20, 9]
+    want = [tok.decode(hf_greedy(hf, tok.encode(p), n)) for p, n in zip(prompts, lengths)]
+    stop = want[2][len(want[2]) // 2:][:3]          # three characters from the middle of the longest answer
+    assert stop.strip(), want[2]
+    with running_server(art, "--async-scheduling", "--max-num-seqs", "4", "--max-model-len", "128",
+                        "--served-model-name", "m") as (base, _):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+
+        def one(i, **extra):
+            r = client.completions.create(model="m", prompt=prompts[i], max_tokens=lengths[i], temperature=0,
+                                          extra_body={"ignore_eos": True}, **extra)
+            return r.choices[0].text, r.choices[0].finish_reason
+
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            stopping = pool.submit(one, 2, stop=[stop])
+            plain = list(pool.map(one, range(4)))
+            stopped = stopping.result()
+    assert plain == [(w, "length") for w in want]
+    assert stopped == (want[2][:want[2].index(stop)], "stop")
