@@ -352,4 +352,63 @@ inline void quant_rows(const QuantMatrix& w, const QuantizedX& x, int64_t M, int
 #endif
 }
 
+// version 1: x [M, K] times the layer's matrix (read by read_operands) into op [M, N]
+inline void quant_linear_v1(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, float* op) {
+  const int64_t N = w.N;
+  const QuantizedX xq = quantize_for(x, M, w);
+  const int64_t tasks = (N + kLinearRows - 1) / kLinearRows;
+  parallel_for(pool, tasks, 1, [&](int64_t task) {
+    const int64_t n0 = task * kLinearRows;
+    quant_rows(w, xq, M, n0, std::min(N, n0 + kLinearRows), op);
+  });
+}
+
+// Activations quantized once per call for the interleaved kernels (quant_linear.cc version 2,
+// quant_blocks.cc version 3): xq in x's own order, one d and one offset correction per 32-element block
+struct QuantX2 {
+  std::vector<int8_t> xq;      // [M, K] (+ padding)
+  std::vector<float> d;        // [M, B] block scales
+  std::vector<int32_t> start;  // [M, B] -offset * (sum of the block's xq): the unsigned weights' correction
+  std::vector<float> xsum;     // [M, G] x8 summed over each weight group (the mins' term)
+};
+
+// x quantized per 32-element block as Q8_0 (d = max|x| / 127, xq = round_half_even(x / d)), like quantize_x
+inline QuantX2 quantize_x2(const float* x, int64_t M, int64_t K, int64_t G, int64_t group, int offset) {
+  const int64_t B = K / kXBlock;
+  QuantX2 r{std::vector<int8_t>(M * K + 64, 0), std::vector<float>(M * B, 0.f), std::vector<int32_t>(M * B, 0),
+            std::vector<float>(M * G, 0.f)};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = x + m * K + b * kXBlock;
+      int8_t* dst = r.xq.data() + m * K + b * kXBlock;
+      int32_t sum = 0;
+      float d = 0.f;
+#if defined(__AVX512F__)
+      const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+      d = amax / 127.f;
+      if (d > 0.f) {
+        const __m512 dv = _mm512_set1_ps(d);   // true division and round-to-nearest-even, as the reference
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_div_ps(a, dv)), qc = _mm512_cvtps_epi32(_mm512_div_ps(c, dv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qc));
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+      }
+#else
+      float amax = 0.f;
+      for (int64_t k = 0; k < kXBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      d = amax / 127.f;
+      for (int64_t k = 0; k < kXBlock; ++k) {
+        const int v = d > 0.f ? static_cast<int>(std::nearbyint(xb[k] / d)) : 0;
+        dst[k] = static_cast<int8_t>(v);
+        sum += v;
+      }
+#endif
+      r.d[m * B + b] = d;
+      r.start[m * B + b] = -offset * sum;
+      r.xsum[m * G + b * kXBlock / group] += d * static_cast<float>(sum);
+    }
+  return r;
+}
+
 }  // namespace hloserve
