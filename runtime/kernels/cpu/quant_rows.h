@@ -49,6 +49,31 @@ inline void widen(const void* base, bool f16, int64_t start, int64_t count, floa
   for (; i < count; ++i) dst[i] = f16_to_f32(h[i]);
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+// one Q4_K / Q5_K super-block header h -> its 8 scales d * sc_j (and mins -(dmin * m_j), when `min` is
+// given), as block_row's scalar loop computes them: bytes 0-7 of r hold sc_j, 8-15 m_j, gathered by
+// one shuffle (sc_j, m_j for j < 4: their bytes' low 6 bits; j >= 4: a nibble and 2 high bits)
+inline void block_header(const uint8_t* h, float* scale, float* min) {
+  const __m128i H = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h));
+  const __m128i a = _mm_shuffle_epi8(H, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m128i top = _mm_shuffle_epi8(H, _mm_setr_epi8(0, 0, 0, 0, 4, 5, 6, 7, 0, 0, 0, 0, 8, 9, 10, 11));
+  const __m128i two = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(top, 6), _mm_set1_epi8(3)), 4);   // (s >> 6) << 4
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  const __m128i low6 = _mm_and_si128(a, _mm_set1_epi8(63));
+  const __m128i sc_hi = _mm_or_si128(_mm_and_si128(a, nib), two);
+  const __m128i m_hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), nib), two);
+  __m128i r = _mm_mask_blend_epi8(0x00F0, low6, sc_hi);
+  r = _mm_mask_blend_epi8(static_cast<__mmask16>(0xF000), r, m_hi);
+  auto half = [](const uint8_t* p) { return f16_to_f32(static_cast<uint16_t>(p[0] | (p[1] << 8))); };
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(r));
+  _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(half(h)), sc));
+  if (min == nullptr) return;
+  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(r, 8)));
+  const __m256 prod = _mm256_mul_ps(_mm256_set1_ps(half(h + 2)), m);
+  _mm256_storeu_ps(min, _mm256_xor_ps(prod, _mm256_set1_ps(-0.f)));   // -(dmin * m_j)
+}
+#endif
+
 // row n's sub-block scales d * sc_j (and mins -(dmin * m_j), when `min` is given) of a K-quant
 // matrix, decoded from its super-block headers (Q4_K / Q5_K: [d | dmin | 12 bytes of 6-bit sc, m];
 // Q6_K: [16 s8 sc | d]); exact in f32, as the composite's decomposition computes them
@@ -57,6 +82,12 @@ inline void block_row(const QuantMatrix& w, int64_t n, float* scale, float* min)
   const uint8_t* h = static_cast<const uint8_t*>(w.scale) + n * nb * head;
   auto half = [](const uint8_t* p) { return f16_to_f32(static_cast<uint16_t>(p[0] | (p[1] << 8))); };
   for (int64_t b = 0; b < nb; ++b, h += head) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (w.block != kQ6K) {   // the 12 bytes of 6-bit sc_j, m_j unpacked in one register, then widened
+      block_header(h, scale + b * 8, min != nullptr ? min + b * 8 : nullptr);
+      continue;
+    }
+#endif
     if (w.block == kQ6K) {
       const float d = half(h + 16);
       for (int j = 0; j < 16; ++j) scale[b * 16 + j] = d * static_cast<float>(static_cast<int8_t>(h[j]));
