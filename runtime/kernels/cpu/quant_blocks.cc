@@ -138,7 +138,7 @@ inline void kquant_tile(const uint8_t* q, const float* ws, const float* wm, cons
   const int64_t B = K / kXBlock;
   constexpr int64_t kBlockBytes = BITS == 8 ? 16 * 32 : 16 * 16;
   constexpr int kHalves = SUB16 ? 2 : 1, kSteps = BITS == 8 ? 8 / kHalves : 4;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), low = _mm512_set1_epi8(0x0F);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 facc[MR];
   HLOSERVE_UNROLL
   for (int j = 0; j < MR; ++j) facc[j] = _mm512_setzero_ps();
@@ -163,31 +163,13 @@ inline void kquant_tile(const uint8_t* q, const float* ws, const float* wm, cons
             iacc[j] = _mm512_dpbusd_epi32(iacc[j], wv, _mm512_set1_epi32(four));
           }
         } else {                                                             // q as is, [0, 15]
-          const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          HLOSERVE_UNROLL
-          for (int j = 0; j < MR; ++j) {
-            int32_t a, c;
-            std::memcpy(&a, xb + j * K + s * 8, 4);
-            std::memcpy(&c, xb + j * K + s * 8 + 4, 4);
-            iacc[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[j], lo, _mm512_set1_epi32(a)), hi,
-                                          _mm512_set1_epi32(c));
-          }
+          int4_step<MR>(iacc, v, xb + s * 8, K);
         }
       }
-      const __m512 sv = _mm512_loadu_ps(ws + (b * kHalves + h) * 16);
-      HLOSERVE_UNROLL
-      for (int j = 0; j < MR; ++j)
-        facc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[j]), _mm512_mul_ps(sv, _mm512_set1_ps(x.d[(m0 + j) * B + b])),
-                                  facc[j]);
+      scale_sums<MR>(facc, iacc, _mm512_loadu_ps(ws + (b * kHalves + h) * 16), x.d.data() + m0 * B + b, B);
     }
   }
-  for (int64_t g = 0; wm != nullptr && g < B; ++g) {
-    const __m512 mv = _mm512_loadu_ps(wm + g * 16);
-    HLOSERVE_UNROLL
-    for (int j = 0; j < MR; ++j) facc[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.xsum[(m0 + j) * B + g]), facc[j]);
-  }
-  HLOSERVE_UNROLL
-  for (int j = 0; j < MR; ++j) _mm512_storeu_ps(out + (m0 + j) * ostride, facc[j]);
+  mins_and_store<MR>(facc, wm, x.xsum.data() + m0 * B, B, out + m0 * ostride, ostride);
 }
 
 template <int BITS, bool SUB16>

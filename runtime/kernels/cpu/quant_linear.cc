@@ -110,7 +110,6 @@ inline void quant2_tile(const uint8_t* q, const float* ws, const float* wm, cons
   const int64_t B = K / kXBlock;
   constexpr int64_t kBlockBytes = BITS == 8 ? 16 * 32 : 16 * 16;
   const __m512i flip = _mm512_set1_epi8(BITS == 8 ? static_cast<char>(0x80) : static_cast<char>(0x88));
-  const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 facc[MR];
   HLOSERVE_UNROLL
   for (int j = 0; j < MR; ++j) facc[j] = _mm512_setzero_ps();
@@ -136,30 +135,12 @@ inline void quant2_tile(const uint8_t* q, const float* ws, const float* wm, cons
       for (int s = 0; s < 4; ++s) {
         __m512i v = _mm512_loadu_si512(qb + s * 64);
         if constexpr (SYM4) v = _mm512_xor_si512(v, flip);                          // q + 8, both nibbles
-        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        HLOSERVE_UNROLL
-        for (int j = 0; j < MR; ++j) {
-          int32_t a, c;
-          std::memcpy(&a, xb + j * K + s * 8, 4);
-          std::memcpy(&c, xb + j * K + s * 8 + 4, 4);
-          iacc[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[j], lo, _mm512_set1_epi32(a)), hi,
-                                        _mm512_set1_epi32(c));
-        }
+        int4_step<MR>(iacc, v, xb + s * 8, K);
       }
     }
-    const __m512 sv = _mm512_loadu_ps(ws + (b / per_group) * 16);
-    HLOSERVE_UNROLL
-    for (int j = 0; j < MR; ++j)
-      facc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[j]), _mm512_mul_ps(sv, _mm512_set1_ps(x.d[(m0 + j) * B + b])),
-                                facc[j]);
+    scale_sums<MR>(facc, iacc, _mm512_loadu_ps(ws + (b / per_group) * 16), x.d.data() + m0 * B + b, B);
   }
-  for (int64_t g = 0; wm != nullptr && g < G; ++g) {
-    const __m512 mv = _mm512_loadu_ps(wm + g * 16);
-    HLOSERVE_UNROLL
-    for (int j = 0; j < MR; ++j) facc[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.xsum[(m0 + j) * G + g]), facc[j]);
-  }
-  HLOSERVE_UNROLL
-  for (int j = 0; j < MR; ++j) _mm512_storeu_ps(out + (m0 + j) * N, facc[j]);
+  mins_and_store<MR>(facc, wm, x.xsum.data() + m0 * G, G, out + m0 * N, N);
 }
 
 template <int BITS, bool SYM4>

@@ -442,4 +442,43 @@ inline QuantX2 quantize_x2(const float* x, int64_t M, int64_t K, int64_t G, int6
   return r;
 }
 
+#if defined(__AVX512VNNI__)
+// The 16-row tiles' shared steps (quant_linear.cc version 2, quant_blocks.cc version 3): one k-step of
+// 8 int4 elements of 16 interleaved rows (4 bytes a row: low nibbles against x bytes xb[0..3], high
+// ones against xb[4..7]) added to each of MR rows of x's int32 sums (row j's x at xb + j * K)
+template <int MR>
+inline void int4_step(__m512i iacc[MR], __m512i v, const int8_t* xb, int64_t K) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  HLOSERVE_UNROLL
+  for (int j = 0; j < MR; ++j) {
+    int32_t a, c;
+    std::memcpy(&a, xb + j * K, 4);
+    std::memcpy(&c, xb + j * K + 4, 4);
+    iacc[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[j], lo, _mm512_set1_epi32(a)), hi, _mm512_set1_epi32(c));
+  }
+}
+
+// facc[j] += iacc[j] * (16 rows' scales sv * x row j's block scale d[j * stride])
+template <int MR>
+inline void scale_sums(__m512 facc[MR], const __m512i iacc[MR], __m512 sv, const float* d, int64_t stride) {
+  HLOSERVE_UNROLL
+  for (int j = 0; j < MR; ++j)
+    facc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[j]), _mm512_mul_ps(sv, _mm512_set1_ps(d[j * stride])), facc[j]);
+}
+
+// the mins' term (wm [G, 16], or none) added, then 16 outputs stored per row of x (x row j's sums
+// over the groups at xsum + j * G, its outputs at out + j * ostride)
+template <int MR>
+inline void mins_and_store(__m512 facc[MR], const float* wm, const float* xsum, int64_t G, float* out, int64_t ostride) {
+  for (int64_t g = 0; wm != nullptr && g < G; ++g) {
+    const __m512 mv = _mm512_loadu_ps(wm + g * 16);
+    HLOSERVE_UNROLL
+    for (int j = 0; j < MR; ++j) facc[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[j * G + g]), facc[j]);
+  }
+  HLOSERVE_UNROLL
+  for (int j = 0; j < MR; ++j) _mm512_storeu_ps(out + j * ostride, facc[j]);
+}
+#endif
+
 }  // namespace hloserve
