@@ -93,8 +93,10 @@ def _exported(kind: str, q, blocks):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("K,N", [(256, 33), (768, 16)])
 def test_kquant_kernel_matches_decomposition_and_torch(library, kind, K, N):  # noqa: F811 - the fixture
-    """The version 3 kernel (each row's sub-block scales decoded from its headers, then version 1's
-    integer dot products), the decomposition and the torch op agree on the layer asked for, up to the
+    """The version 3 kernel (below 4 rows each row's sub-block scales decoded from its headers, then
+    version 1's integer dot products; from 4 rows, with VNNI, 16 rows at a time copied interleaved
+    with their scales decoded into [sub-blocks, 16], then 16-row tiles of up to 6 rows of x, here 7:
+    one tile and a tail), the decomposition and the torch op agree on the layer asked for, up to the
     targets table's row limit through the kernel and past it through the decomposition.
 
     Tolerance as tests/runtime/test_kernels.py derives it: the same f32 terms x8 q s (+ x8 m) in
@@ -106,7 +108,7 @@ def test_kquant_kernel_matches_decomposition_and_torch(library, kind, K, N):  # 
     kernel_fn, n_kernel = specialize(exp, library)
     assert n_kernel == 1 and "custom_call @hloserve_quant_linear_v3(" in kernel_fn.mlir_module()
     limit = max_rows("hloserve_quant_linear_v3") or 64
-    for rows in (1, 3, limit, limit + 1):
+    for rows in (1, 3, 7, limit, limit + 1):
         x = rng.standard_normal((rows, K)).astype(np.float32)
         layer = np.int32(rows % 3)
         kernel = np.asarray(jax.jit(kernel_fn.call)(x, q, blocks, layer))

@@ -4,7 +4,8 @@
 // The kernels, one file per composite (runtime/kernels/cpu/targets.py lists their FFI targets):
 //   paged_attention.cc  hloserve.paged_attention v1, v2
 //   linear.cc           hloserve.layer_linear v1
-//   quant_linear.cc     hloserve.quant_linear v1, v2, v3 (over quant_rows.h, the int8 / int4 row routines)
+//   quant_linear.cc     hloserve.quant_linear v1, v2 (over quant_rows.h, the int8 / int4 row routines)
+//   quant_blocks.cc     hloserve.quant_linear v3 (GGUF K-quant blocks; over quant_rows.h too)
 //   experts.cc          hloserve.grouped_experts v1 (over linear.h, the 16-bit row routines linear.cc shares)
 //                       and hloserve.quant_experts v1 (over quant_rows.h, quant_linear.cc's)
 // Each computes exactly what the composite's decomposition in the artifact computes (contracts:

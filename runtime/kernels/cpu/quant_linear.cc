@@ -1,7 +1,7 @@
-// hloserve_quant_linear (v1), hloserve_quant_linear_v2 (rows interleaved by 16) and
-// hloserve_quant_linear_v3 (GGUF K-quant super-blocks kept): an int8 / int4 matrix multiplied as
-// integers (int8 activations, VNNI); XLA writes the dequantized f32 layer to memory and reads it back.
-// Version 1's row routines (quant_rows.h) are shared with the quantized experts (experts.cc).
+// hloserve_quant_linear (v1) and hloserve_quant_linear_v2 (rows interleaved by 16): an int8 / int4
+// matrix multiplied as integers (int8 activations, VNNI); XLA writes the dequantized f32 layer to
+// memory and reads it back. Version 1's row routines (quant_rows.h) are shared with the quantized
+// experts (experts.cc) and, without VNNI, version 3 (quant_blocks.cc: GGUF K-quant blocks kept).
 #include "quant_rows.h"
 
 namespace {
@@ -49,46 +49,6 @@ ffi::Error read_operands(const char* target, int64_t rows, ffi::Buffer<ffi::F32>
   return ffi::Error::Success();
 }
 
-// Version 3's operands: x [M, K] (K a multiple of 256), qweight [L, N, K/2] u8 (Q4_K) or [L, N, K] s8
-// (Q5_K, Q6_K), blocks [L, N, K/256 * H] u8 (H: 16, Q6_K 18), read at the layer into `w` (its scale
-// and, where the blocks have mins, its min: the headers), or an InvalidArgument naming what is wrong.
-ffi::Error read_blocks(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& qweight, ffi::AnyBuffer& blocks,
-                       ffi::Buffer<ffi::S32>& layer, int64_t kind, QuantMatrix& w, int64_t& M) {
-  auto fail = [](const char* why) { return ffi::Error::InvalidArgument(std::string("hloserve_quant_linear_v3: ") + why); };
-  if (kind != kQ4K && kind != kQ5K && kind != kQ6K) return fail("kind must be 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K)");
-  auto xd = x.dimensions();
-  auto qd = qweight.dimensions();
-  auto bd = blocks.dimensions();
-  if (xd.size() != 2 || qd.size() != 3 || bd.size() != 3)
-    return fail("x must be [M, K], qweight [L, N, K/2 | K], blocks [L, N, K/256 * H]");
-  M = xd[0];
-  const int64_t K = xd[1], L = qd[0], N = qd[1], bits = kind == kQ4K ? 4 : 8, head = kind == kQ6K ? 18 : 16;
-  const int64_t qrow = bits == 8 ? K : K / 2;
-  if (K % 256) return fail("K must be a multiple of 256 (super-blocks)");
-  const ffi::DataType want = bits == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
-  if (qweight.element_type() != want || qd[2] != qrow) return fail("qweight must be u8 [L, N, K/2] (Q4_K) or s8 [L, N, K]");
-  if (blocks.element_type() != ffi::DataType::U8 || bd[0] != L || bd[1] != N || bd[2] != K / 256 * head)
-    return fail("blocks must be u8 [L, N, K/256 * 16] (Q4_K, Q5_K) or [L, N, K/256 * 18] (Q6_K)");
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= L) return fail("layer out of range");
-  const int64_t group = kind == kQ6K ? 16 : 32;
-  const uint8_t* h = static_cast<const uint8_t*>(blocks.untyped_data()) + l * N * (K / 256 * head);
-  w = QuantMatrix{static_cast<const uint8_t*>(qweight.untyped_data()) + l * N * qrow, h,
-                  kind == kQ6K ? nullptr : h, false, static_cast<int>(bits), N, K, K / group, group, kind};
-  return ffi::Error::Success();
-}
-
-// version 1: x [M, K] times the layer's matrix (read by read_operands) into op [M, N]
-void quant_linear_v1(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, float* op) {
-  const int64_t N = w.N;
-  const QuantizedX xq = quantize_for(x, M, w);
-  const int64_t tasks = (N + kLinearRows - 1) / kLinearRows;
-  parallel_for(pool, tasks, 1, [&](int64_t task) {
-    const int64_t n0 = task * kLinearRows;
-    quant_rows(w, xq, M, n0, std::min(N, n0 + kLinearRows), op);
-  });
-}
-
 // -- hloserve_quant_linear_v2: the same product, matrices interleaved by 16 rows ---------------
 //
 // Version 2 of the composite stores each layer's matrix 16 rows at a time, k-step by k-step
@@ -99,52 +59,8 @@ void quant_linear_v1(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w
 // 16 matrix rows x 4 elements: vpdpbusd against 4 activation bytes broadcast gives each lane (a
 // matrix row) its exact integer sum, kept in int32 over the whole 32-element block, so the block
 // is scaled once (cvt, mul, fma per 16 rows x 32 elements, where version 1 does it per 64
-// elements of one row) and 16 outputs are stored at once, with no horizontal sums.
-struct QuantX2 {
-  std::vector<int8_t> xq;      // [M, K] (+ padding)
-  std::vector<float> d;        // [M, B] block scales
-  std::vector<int32_t> start;  // [M, B] -offset * (sum of the block's xq): the unsigned weights' correction
-  std::vector<float> xsum;     // [M, G] x8 summed over each weight group (the mins' term)
-};
-
-// x quantized per 32-element block as Q8_0 (d = max|x| / 127, xq = round_half_even(x / d)), like quantize_x
-QuantX2 quantize_x2(const float* x, int64_t M, int64_t K, int64_t G, int64_t group, int offset) {
-  const int64_t B = K / kXBlock;
-  QuantX2 r{std::vector<int8_t>(M * K + 64, 0), std::vector<float>(M * B, 0.f), std::vector<int32_t>(M * B, 0),
-            std::vector<float>(M * G, 0.f)};
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < B; ++b) {
-      const float* xb = x + m * K + b * kXBlock;
-      int8_t* dst = r.xq.data() + m * K + b * kXBlock;
-      int32_t sum = 0;
-      float d = 0.f;
-#if defined(__AVX512F__)
-      const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-      d = amax / 127.f;
-      if (d > 0.f) {
-        const __m512 dv = _mm512_set1_ps(d);   // true division and round-to-nearest-even, as the reference
-        const __m512i qa = _mm512_cvtps_epi32(_mm512_div_ps(a, dv)), qc = _mm512_cvtps_epi32(_mm512_div_ps(c, dv));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qc));
-        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
-      }
-#else
-      float amax = 0.f;
-      for (int64_t k = 0; k < kXBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
-      d = amax / 127.f;
-      for (int64_t k = 0; k < kXBlock; ++k) {
-        const int v = d > 0.f ? static_cast<int>(std::nearbyint(xb[k] / d)) : 0;
-        dst[k] = static_cast<int8_t>(v);
-        sum += v;
-      }
-#endif
-      r.d[m * B + b] = d;
-      r.start[m * B + b] = -offset * sum;
-      r.xsum[m * G + b * kXBlock / group] += d * static_cast<float>(sum);
-    }
-  return r;
-}
+// elements of one row) and 16 outputs are stored at once, with no horizontal sums. (x: QuantX2,
+// quant_rows.h, shared with version 3's kernel in quant_blocks.cc.)
 
 // row group g's scales (or mins) [G, 16] as f32: in place for f32, else widened into `buf`
 inline const float* group_scalars(const void* base, bool f16, int64_t g, int64_t G, std::vector<float>& buf) {
@@ -194,7 +110,6 @@ inline void quant2_tile(const uint8_t* q, const float* ws, const float* wm, cons
   const int64_t B = K / kXBlock;
   constexpr int64_t kBlockBytes = BITS == 8 ? 16 * 32 : 16 * 16;
   const __m512i flip = _mm512_set1_epi8(BITS == 8 ? static_cast<char>(0x80) : static_cast<char>(0x88));
-  const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 facc[MR];
   HLOSERVE_UNROLL
   for (int j = 0; j < MR; ++j) facc[j] = _mm512_setzero_ps();
@@ -220,30 +135,12 @@ inline void quant2_tile(const uint8_t* q, const float* ws, const float* wm, cons
       for (int s = 0; s < 4; ++s) {
         __m512i v = _mm512_loadu_si512(qb + s * 64);
         if constexpr (SYM4) v = _mm512_xor_si512(v, flip);                          // q + 8, both nibbles
-        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        HLOSERVE_UNROLL
-        for (int j = 0; j < MR; ++j) {
-          int32_t a, c;
-          std::memcpy(&a, xb + j * K + s * 8, 4);
-          std::memcpy(&c, xb + j * K + s * 8 + 4, 4);
-          iacc[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[j], lo, _mm512_set1_epi32(a)), hi,
-                                        _mm512_set1_epi32(c));
-        }
+        int4_step<MR>(iacc, v, xb + s * 8, K);
       }
     }
-    const __m512 sv = _mm512_loadu_ps(ws + (b / per_group) * 16);
-    HLOSERVE_UNROLL
-    for (int j = 0; j < MR; ++j)
-      facc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[j]), _mm512_mul_ps(sv, _mm512_set1_ps(x.d[(m0 + j) * B + b])),
-                                facc[j]);
+    scale_sums<MR>(facc, iacc, _mm512_loadu_ps(ws + (b / per_group) * 16), x.d.data() + m0 * B + b, B);
   }
-  for (int64_t g = 0; wm != nullptr && g < G; ++g) {
-    const __m512 mv = _mm512_loadu_ps(wm + g * 16);
-    HLOSERVE_UNROLL
-    for (int j = 0; j < MR; ++j) facc[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.xsum[(m0 + j) * G + g]), facc[j]);
-  }
-  HLOSERVE_UNROLL
-  for (int j = 0; j < MR; ++j) _mm512_storeu_ps(out + (m0 + j) * N, facc[j]);
+  mins_and_store<MR>(facc, wm, x.xsum.data() + m0 * G, G, out + m0 * N, N);
 }
 
 template <int BITS, bool SYM4>
@@ -303,17 +200,6 @@ ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-// version 3: K-quant super-blocks kept, version 1's arithmetic with the sub-block scales (and mins)
-// decoded from each row's headers as its rows are reached
-ffi::Error QuantLinearK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qweight, ffi::AnyBuffer blocks,
-                        ffi::Buffer<ffi::S32> layer, int64_t kind, ffi::ResultBuffer<ffi::F32> out) {
-  QuantMatrix w;
-  int64_t M;
-  if (ffi::Error e = read_blocks(x, qweight, blocks, layer, kind, w, M); e.failure()) return e;
-  quant_linear_v1(pool, x.typed_data(), w, M, out->typed_data());
-  return ffi::Error::Success();
-}
-
 }  // namespace
 
 // x, qweight, scale, min, layer; bits, group: both versions of hloserve.quant_linear
@@ -333,14 +219,3 @@ static auto QuantLinearBinding() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear, QuantLinear<1>, QuantLinearBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v2, QuantLinear<16>, QuantLinearBinding());
-
-// x, qweight, blocks, layer; kind: version 3 (GGUF K-quant blocks)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v3, QuantLinearK,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("kind")
-                                  .Ret<ffi::Buffer<ffi::F32>>());

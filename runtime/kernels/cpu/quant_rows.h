@@ -49,6 +49,31 @@ inline void widen(const void* base, bool f16, int64_t start, int64_t count, floa
   for (; i < count; ++i) dst[i] = f16_to_f32(h[i]);
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+// one Q4_K / Q5_K super-block header h -> its 8 scales d * sc_j (and mins -(dmin * m_j), when `min` is
+// given), as block_row's scalar loop computes them: bytes 0-7 of r hold sc_j, 8-15 m_j, gathered by
+// one shuffle (sc_j, m_j for j < 4: their bytes' low 6 bits; j >= 4: a nibble and 2 high bits)
+inline void block_header(const uint8_t* h, float* scale, float* min) {
+  const __m128i H = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h));
+  const __m128i a = _mm_shuffle_epi8(H, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m128i top = _mm_shuffle_epi8(H, _mm_setr_epi8(0, 0, 0, 0, 4, 5, 6, 7, 0, 0, 0, 0, 8, 9, 10, 11));
+  const __m128i two = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(top, 6), _mm_set1_epi8(3)), 4);   // (s >> 6) << 4
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  const __m128i low6 = _mm_and_si128(a, _mm_set1_epi8(63));
+  const __m128i sc_hi = _mm_or_si128(_mm_and_si128(a, nib), two);
+  const __m128i m_hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), nib), two);
+  __m128i r = _mm_mask_blend_epi8(0x00F0, low6, sc_hi);
+  r = _mm_mask_blend_epi8(static_cast<__mmask16>(0xF000), r, m_hi);
+  auto half = [](const uint8_t* p) { return f16_to_f32(static_cast<uint16_t>(p[0] | (p[1] << 8))); };
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(r));
+  _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(half(h)), sc));
+  if (min == nullptr) return;
+  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(r, 8)));
+  const __m256 prod = _mm256_mul_ps(_mm256_set1_ps(half(h + 2)), m);
+  _mm256_storeu_ps(min, _mm256_xor_ps(prod, _mm256_set1_ps(-0.f)));   // -(dmin * m_j)
+}
+#endif
+
 // row n's sub-block scales d * sc_j (and mins -(dmin * m_j), when `min` is given) of a K-quant
 // matrix, decoded from its super-block headers (Q4_K / Q5_K: [d | dmin | 12 bytes of 6-bit sc, m];
 // Q6_K: [16 s8 sc | d]); exact in f32, as the composite's decomposition computes them
@@ -57,6 +82,12 @@ inline void block_row(const QuantMatrix& w, int64_t n, float* scale, float* min)
   const uint8_t* h = static_cast<const uint8_t*>(w.scale) + n * nb * head;
   auto half = [](const uint8_t* p) { return f16_to_f32(static_cast<uint16_t>(p[0] | (p[1] << 8))); };
   for (int64_t b = 0; b < nb; ++b, h += head) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (w.block != kQ6K) {   // the 12 bytes of 6-bit sc_j, m_j unpacked in one register, then widened
+      block_header(h, scale + b * 8, min != nullptr ? min + b * 8 : nullptr);
+      continue;
+    }
+#endif
     if (w.block == kQ6K) {
       const float d = half(h + 16);
       for (int j = 0; j < 16; ++j) scale[b * 16 + j] = d * static_cast<float>(static_cast<int8_t>(h[j]));
@@ -351,5 +382,103 @@ inline void quant_rows(const QuantMatrix& w, const QuantizedX& x, int64_t M, int
   quant_portable(w, x, M, n0, n1, out);
 #endif
 }
+
+// version 1: x [M, K] times the layer's matrix (read by read_operands) into op [M, N]
+inline void quant_linear_v1(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, float* op) {
+  const int64_t N = w.N;
+  const QuantizedX xq = quantize_for(x, M, w);
+  const int64_t tasks = (N + kLinearRows - 1) / kLinearRows;
+  parallel_for(pool, tasks, 1, [&](int64_t task) {
+    const int64_t n0 = task * kLinearRows;
+    quant_rows(w, xq, M, n0, std::min(N, n0 + kLinearRows), op);
+  });
+}
+
+// Activations quantized once per call for the interleaved kernels (quant_linear.cc version 2,
+// quant_blocks.cc version 3): xq in x's own order, one d and one offset correction per 32-element block
+struct QuantX2 {
+  std::vector<int8_t> xq;      // [M, K] (+ padding)
+  std::vector<float> d;        // [M, B] block scales
+  std::vector<int32_t> start;  // [M, B] -offset * (sum of the block's xq): the unsigned weights' correction
+  std::vector<float> xsum;     // [M, G] x8 summed over each weight group (the mins' term)
+};
+
+// x quantized per 32-element block as Q8_0 (d = max|x| / 127, xq = round_half_even(x / d)), like quantize_x
+inline QuantX2 quantize_x2(const float* x, int64_t M, int64_t K, int64_t G, int64_t group, int offset) {
+  const int64_t B = K / kXBlock;
+  QuantX2 r{std::vector<int8_t>(M * K + 64, 0), std::vector<float>(M * B, 0.f), std::vector<int32_t>(M * B, 0),
+            std::vector<float>(M * G, 0.f)};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = x + m * K + b * kXBlock;
+      int8_t* dst = r.xq.data() + m * K + b * kXBlock;
+      int32_t sum = 0;
+      float d = 0.f;
+#if defined(__AVX512F__)
+      const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+      d = amax / 127.f;
+      if (d > 0.f) {
+        const __m512 dv = _mm512_set1_ps(d);   // true division and round-to-nearest-even, as the reference
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_div_ps(a, dv)), qc = _mm512_cvtps_epi32(_mm512_div_ps(c, dv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qc));
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+      }
+#else
+      float amax = 0.f;
+      for (int64_t k = 0; k < kXBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      d = amax / 127.f;
+      for (int64_t k = 0; k < kXBlock; ++k) {
+        const int v = d > 0.f ? static_cast<int>(std::nearbyint(xb[k] / d)) : 0;
+        dst[k] = static_cast<int8_t>(v);
+        sum += v;
+      }
+#endif
+      r.d[m * B + b] = d;
+      r.start[m * B + b] = -offset * sum;
+      r.xsum[m * G + b * kXBlock / group] += d * static_cast<float>(sum);
+    }
+  return r;
+}
+
+#if defined(__AVX512VNNI__)
+// The 16-row tiles' shared steps (quant_linear.cc version 2, quant_blocks.cc version 3): one k-step of
+// 8 int4 elements of 16 interleaved rows (4 bytes a row: low nibbles against x bytes xb[0..3], high
+// ones against xb[4..7]) added to each of MR rows of x's int32 sums (row j's x at xb + j * K)
+template <int MR>
+inline void int4_step(__m512i iacc[MR], __m512i v, const int8_t* xb, int64_t K) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  HLOSERVE_UNROLL
+  for (int j = 0; j < MR; ++j) {
+    int32_t a, c;
+    std::memcpy(&a, xb + j * K, 4);
+    std::memcpy(&c, xb + j * K + 4, 4);
+    iacc[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[j], lo, _mm512_set1_epi32(a)), hi, _mm512_set1_epi32(c));
+  }
+}
+
+// facc[j] += iacc[j] * (16 rows' scales sv * x row j's block scale d[j * stride])
+template <int MR>
+inline void scale_sums(__m512 facc[MR], const __m512i iacc[MR], __m512 sv, const float* d, int64_t stride) {
+  HLOSERVE_UNROLL
+  for (int j = 0; j < MR; ++j)
+    facc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[j]), _mm512_mul_ps(sv, _mm512_set1_ps(d[j * stride])), facc[j]);
+}
+
+// the mins' term (wm [G, 16], or none) added, then 16 outputs stored per row of x (x row j's sums
+// over the groups at xsum + j * G, its outputs at out + j * ostride)
+template <int MR>
+inline void mins_and_store(__m512 facc[MR], const float* wm, const float* xsum, int64_t G, float* out, int64_t ostride) {
+  for (int64_t g = 0; wm != nullptr && g < G; ++g) {
+    const __m512 mv = _mm512_loadu_ps(wm + g * 16);
+    HLOSERVE_UNROLL
+    for (int j = 0; j < MR; ++j) facc[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[j * G + g]), facc[j]);
+  }
+  HLOSERVE_UNROLL
+  for (int j = 0; j < MR; ++j) _mm512_storeu_ps(out + j * ostride, facc[j]);
+}
+#endif
 
 }  // namespace hloserve

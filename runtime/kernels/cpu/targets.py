@@ -75,7 +75,8 @@ TARGETS = {
                              result_dims=((0, 0), (1, 1))),
     QUANT_LINEAR_V2.key: Target("hloserve_quant_linear_v2", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
                                 result_dims=((0, 0), None)),
-    # K-quant blocks: version 1's row-by-row VNNI loop, each row's sub-block scales decoded as it is reached
+    # K-quant blocks: 16 rows at a time copied interleaved per call, then version 2's VNNI tiles
+    # (quant_blocks.cc); version 1's row loops without VNNI
     QUANT_LINEAR_V3.key: Target("hloserve_quant_linear_v3", max_rows=_quant_linear_rows, result_dims=((0, 0), (1, 1))),
     # every row count: the kernel computes T k rows' products where the decomposition computes T per
     # expert taken (up to E/k times as many), reading each matrix once either way

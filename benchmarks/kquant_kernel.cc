@@ -1,0 +1,46 @@
+// The K-quant kernel's two paths alone (docs/quantization.md, "The CPU kernel"), one thread, random
+// blocks: version 1's row loop (quant_rows) against the 16-row tiles over the per-call copy
+// (kquant_groups), and the copy and the header decode by themselves; prints the largest difference
+// between the two paths' outputs first. Built against jaxlib's FFI headers, on a CPU with VNNI:
+//
+//   g++ -O3 -march=native -std=c++17 -I $(python -c "import jax; print(jax.ffi.include_dir())") \
+//       benchmarks/kquant_kernel.cc -o /tmp/kquant_kernel && /tmp/kquant_kernel KIND ROWS [N]
+//
+// KIND: 12 Q4_K, 13 Q5_K, 14 Q6_K; K is 1536 (SmolLM2's down matrix), N 2304 unless given.
+#include "../runtime/kernels/cpu/quant_blocks.cc"
+#include <chrono>
+#include <cstdio>
+#include <random>
+using namespace hloserve;
+int main(int argc, char** argv) {
+  const int64_t K = 1536; int64_t N = argc > 3 ? atoi(argv[3]) : 2304;
+  int64_t kind = atoi(argv[1]), M = atoi(argv[2]);
+  std::mt19937 rng(1);
+  const int bits = kind == kQ4K ? 4 : 8, head = kind == kQ6K ? 18 : 16, group = kind == kQ6K ? 16 : 32;
+  const int64_t qrow = bits == 8 ? K : K / 2;
+  std::vector<uint8_t> q(N * qrow), h(N * K / 256 * head);
+  for (auto& v : q) v = rng() & (bits == 8 ? 0x1F : 0xFF);
+  for (size_t i = 0; i < h.size(); ++i) h[i] = rng() & 0x3F;
+  std::vector<float> x(M * K), out(M * N);
+  for (auto& v : x) v = (rng() % 1000) / 500.f - 1.f;
+  QuantMatrix w{q.data(), h.data(), kind == kQ6K ? nullptr : h.data(), false, bits, N, K, K / group, group, kind};
+  std::vector<uint8_t> sq(16 * qrow);
+  std::vector<float> ws(16 * w.G), wm(16 * w.G), ts(16 * w.G), tm(16 * w.G);
+  auto t0 = std::chrono::steady_clock::now();
+  const int R = 50;
+  for (int r = 0; r < R; ++r) for (int64_t g = 0; g < N / 16; ++g) interleave16(w, g * 16, sq.data(), ws.data(), wm.data(), ts.data(), tm.data());
+  auto t1 = std::chrono::steady_clock::now();
+  for (int r = 0; r < R; ++r) { KQuantX xq = quantize_for_blocks(x.data(), M, w); kquant_groups(w, xq, M, 0, N / 16, out.data()); }
+  auto t2 = std::chrono::steady_clock::now();
+  for (int r = 0; r < R; ++r) for (int64_t g = 0; g < N / 16; ++g) for (int i = 0; i < 16; ++i) block_row(w, g * 16 + i, ts.data() + i * w.G, w.min ? tm.data() + i * w.G : nullptr);
+  auto t3 = std::chrono::steady_clock::now();
+  for (int r = 0; r < R; ++r) { QuantizedX xq = quantize_for(x.data(), M, w); quant_rows(w, xq, M, 0, N, out.data()); }
+  auto t4 = std::chrono::steady_clock::now();
+  std::vector<float> o2(M * N);
+  { KQuantX xq = quantize_for_blocks(x.data(), M, w); kquant_groups(w, xq, M, 0, (N + 15) / 16, out.data()); }
+  { QuantizedX xq = quantize_for(x.data(), M, w); quant_rows(w, xq, M, 0, N, o2.data()); }
+  double md = 0, mx = 0; for (int64_t i = 0; i < M * N; ++i) { md = std::max(md, (double)std::fabs(out[i] - o2[i])); mx = std::max(mx, (double)std::fabs(o2[i])); }
+  printf("max diff %g (max |out| %g)\n", md, mx);
+  auto us = [&](auto a, auto b) { return std::chrono::duration<double, std::micro>(b - a).count() / R; };
+  printf("kind %ld M %ld: interleave %.1f us, whole new %.1f us, decode only %.1f us, old v1 path %.1f us\n", kind, M, us(t0, t1), us(t1, t2), us(t2, t3), us(t3, t4));
+}
