@@ -53,6 +53,7 @@ from .request import PLACEHOLDER, Request, RequestStatus, check_context
 from .sampling import RowContext, SamplingParams, TokenLogprobs
 from .spec_decode import DraftLength, NgramProposer, Proposer, SpecDecodeStats, SpeculativeConfig, speculates
 
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """Limits of one step (built by ServeConfig.resolve, which holds the defaults).
