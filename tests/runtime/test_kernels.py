@@ -7,6 +7,7 @@ positions without hiding a wrong position or mask (which moves outputs by O(0.1)
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -111,10 +112,28 @@ def max_rows(symbol: str) -> int | None:
     return next(t for t in TARGETS.values() if t.symbol == symbol).max_rows(build.cpu())
 
 
-@pytest.mark.parametrize("G,D", [(3, 64), (4, 128), (4, 256), (1, 96), (5, 32)])   # specialized x4, generic
-@pytest.mark.parametrize("holds", [0, 1, 2, 3, 4])
-@pytest.mark.parametrize("window,scale,softcap", [(0, None, 0.0), (5, None, 0.0), (0, 0.3, 2.0)])
-@pytest.mark.parametrize("chunk", [False, True], ids=["short", "chunk37"])
+HEADS = [(3, 64), (4, 128), (4, 256), (1, 96), (5, 32)]           # (G, D): specialized x4, generic
+HOLDS = [0, 1, 2, 3, 4]                                               # every cache element kind
+SCORES = [(0, None, 0.0), (5, None, 0.0), (0, 0.3, 2.0)]             # (window, scale, softcap)
+
+
+def _attention_cases():
+    """Not the whole product (150 cases, each two XLA compiles), but every pair of values the code
+    branches on: the short path is compiled per (cache kind, G, D), so every such triple, with the
+    window/soft-cap cases spread over them; the 37-token chunk's tile is compiled per cache kind, so
+    every kind with every window/soft-cap case, the head shapes spread over them. All pairs of the
+    four parameters occur (checked below)."""
+    short = [(gd, h, SCORES[(i + 2 * j) % 3], False) for i, gd in enumerate(HEADS) for j, h in enumerate(HOLDS)]
+    chunk = [(HEADS[(j + k) % len(HEADS)], h, sc, True) for j, h in enumerate(HOLDS) for k, sc in enumerate(SCORES)]
+    cases = short + chunk
+    for a, b in itertools.combinations(range(4), 2):
+        values = [sorted({repr(c[i]) for c in cases}) for i in (a, b)]
+        assert {(repr(c[a]), repr(c[b])) for c in cases} == set(itertools.product(*values)), (a, b)
+    return [pytest.param(gd[0], gd[1], h, *sc, ch, id=f"{'chunk37' if ch else 'short'}-{sc[0]}-{sc[1]}-{sc[2]}-{h}-"
+                         f"{gd[0]}-{gd[1]}") for gd, h, sc, ch in cases]
+
+
+@pytest.mark.parametrize("G,D,holds,window,scale,softcap,chunk", _attention_cases())
 def test_paged_attention_kernel_matches_decomposition_and_torch(library, G, D, holds, window, scale, softcap, chunk):
     args, pad = _case(np.random.default_rng(G * 10 + holds), G, D, holds, chunk=chunk)
     exp = _exported(args, window, holds, scale, softcap)
@@ -398,11 +417,12 @@ FALLBACKS = {"x86-64-v3": "avx2",            # AVX2 only: the widened products
 
 # what the fallback builds run: every path that picks instructions (the linears' row tiles and
 # 64-byte chunks at K=576, quantized layouts of both versions; attention's multi-row chunk with every
-# cache dtype, window and soft-cap, and one short decode), not the shapes that only vary the same code
+# cache dtype, window and soft-cap, and the short path of one head shape with every cache dtype), not
+# the shapes that only vary the same code
 FALLBACK_SELECTION = ("(layer_linear_kernel_matches and 64-70) or (quant_linear_kernel_matches and 576-) or "
                       "grouped_experts_kernel_matches or (quant_experts_kernel_matches and 6-2) or "
                       "kquant_kernel_matches or kquant_kernel_reads_only or "
-                      "(paged_attention_kernel_matches and 3-64 and (chunk37 or short-0-None))")
+                      "(paged_attention_kernel_matches and (chunk37 or (short and 3-64)))")
 # the other kernels' test files the fallback builds run (one build for all of them)
 FALLBACK_FILES = ("test_experts_kernel.py", "test_kquant_kernels.py")
 

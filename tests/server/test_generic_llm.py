@@ -1,8 +1,8 @@
 """Models exported through the generic transformers step and served on loopback with the real
-`openai` client: every architecture of tests/exporter/test_hf_causal.py answers 32 greedy tokens
-for a few prompts equal to transformers' (f32); and Gemma 2 (soft-capped attention and logits,
-query_pre_attn_scalar, sliding windows) under chunked prefill, prefix-cache hits and preemption
-(a small cache).
+`openai` client: the architectures whose steps differ in what the server passes and frees
+(positions, sliding windows) answer 32 greedy tokens for a few prompts equal to transformers'
+(f32); and Gemma 2 (soft-capped attention and logits, query_pre_attn_scalar, sliding windows)
+under chunked prefill, prefix-cache hits and preemption (a small cache).
 
 The model is random-init with SmolLM2's real tokenizer and chat template, so text in and out is
 real; references are transformers' greedy tokens on the same weights.
@@ -95,9 +95,12 @@ def smollm2_tokenizer():
     return load_gguf(presets.resolve("smollm2-135m-instruct", quiet=True))
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gpt2", "gpt_neox", "granite", "mistral", "olmo2", "phi3", "qwen2",
-                                  "qwen3", "llama"])
-def test_every_verified_architecture_serves_greedy_equal_to_transformers(arch, smollm2_tokenizer, tmp_path):
+# The server drives every architecture's step through the same contract; what it sees differ are the
+# positions it passes (learned in GPT-2, rotary elsewhere) and the sliding windows its block manager
+# frees (Mistral's one window, Gemma 3's per-layer windows). The models' own arithmetic, family by
+# family, is compared with transformers in tests/exporter/test_hf_causal.py through the same steps.
+@pytest.mark.parametrize("arch", ["gemma3", "gpt2", "mistral"])
+def test_architectures_serve_greedy_equal_to_transformers(arch, smollm2_tokenizer, tmp_path):
     import openai
     import torch
 
