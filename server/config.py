@@ -16,7 +16,7 @@ from hloserve.runtime.artifact.generation import (GENERATION_CONFIG, SAMPLING_FI
                                                   sampling_fields)
 from hloserve.runtime.artifact.llm import LLMSpec
 
-from .core.model_runner import RunnerConfig
+from .core.step_shapes import RunnerConfig
 from .core.sampling import SamplingParams
 from .core.scheduler import SchedulerConfig
 from .core.spec_decode import SpeculativeConfig

@@ -31,7 +31,8 @@ from .core.block_manager import BlockManager
 from .core.draft_model import DraftModelProposer
 from .core.engine import Engine
 from .core.kv_tiers import BlockLayout, KVTiers, artifact_digest, make_tiers
-from .core.model_runner import ModelRunner, RunnerConfig
+from .core.model_runner import ModelRunner
+from .core.step_shapes import RunnerConfig
 from .core.scheduler import Scheduler
 from .core.spec_decode import SpeculativeConfig
 from .text.grammar import Grammars

@@ -219,7 +219,8 @@ REAL_VOCAB = 256
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
     """The step of a tiny random-init Llama (block 8) with 14 blocks: six requests preempt each other."""
-    from hloserve.server.core.model_runner import ModelRunner, RunnerConfig
+    from hloserve.server.core.model_runner import ModelRunner
+    from hloserve.server.core.step_shapes import RunnerConfig
     from tests.support.tiny_llama import tiny_llama
     _, art = tiny_llama(str(tmp_path_factory.mktemp("tiny-llm")), heads=4, kv_heads=2, max_position=256,
                         block_size=8, max_context=128)

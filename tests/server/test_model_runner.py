@@ -18,7 +18,8 @@ import torch
 
 from hloserve.server.core.block_manager import BlockManager
 from hloserve.server.core.engine import Engine
-from hloserve.server.core.model_runner import ModelRunner, RunnerConfig, build_step, warmup_shapes
+from hloserve.server.core.model_runner import ModelRunner
+from hloserve.server.core.step_shapes import RunnerConfig, build_step, warmup_shapes
 from hloserve.server.core.sampling import SamplingParams
 from hloserve.server.core.outputs import ScheduledSeq, SchedulerPlan
 from hloserve.server.core.scheduler import Scheduler, SchedulerConfig
@@ -97,7 +98,7 @@ def test_step_policy_is_chosen_by_layout_and_kernel_support_before_load(monkeypa
     from hloserve.runtime import kernels as runtime_kernels
     from hloserve.runtime.kernels import CpuBackend, Decompositions, pallas
     from hloserve.runtime.kernels.cpu.build import Library
-    from hloserve.server.core.model_runner import StepPolicy
+    from hloserve.server.core.step_shapes import StepPolicy
     raw = {"block_size": 8, "max_blocks": 8, "max_seqs": 4, "max_tokens": 32, "vocab_size": VOCAB,
            "kv_cache": {"dtype": "f32", "shape": [2, 2, 2, "num_blocks", 8, 8]},
            "step": {"functions": {"wide": "flat: ...", "narrow": "gather: ..."}}}

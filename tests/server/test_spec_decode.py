@@ -155,7 +155,7 @@ def test_verification_draws_what_the_request_draws_without_speculation():
 def test_a_verified_draft_takes_a_row_per_token():
     """Each token of the draft runs as a decode's token runs: a row of its own over the request's
     block table, attending up to its own position; the plan's rows in order."""
-    from hloserve.server.core.model_runner import RunnerConfig, build_step
+    from hloserve.server.core.step_shapes import RunnerConfig, build_step
     from hloserve.server.core.outputs import ScheduledSeq, SchedulerPlan
     cfg = RunnerConfig(token_buckets=(16,), seq_buckets=(8,), block_buckets=(4,), num_blocks=None, kv_cache_bytes=0)
     g = dict(needs_logits=True, sampling=SamplingParams(temperature=0), seed=0, sample_index=0)
