@@ -240,12 +240,15 @@ class Engine:
         out = self.runner.collect(step.pending)
         ready = out.ready_at or time.perf_counter()
         if not step.plan.is_empty:
-            device = ready - step.sent
-            self._step_device.observe(device)
-            self._step_host.observe(step.host_seconds)
-            self._step_seconds["chunk" if any(s.is_chunk for s in step.plan.seqs) else "decode"] += (
-                device + step.host_seconds)
+            self._observe_step(ready - step.sent, step.host_seconds, any(s.is_chunk for s in step.plan.seqs))
         return self.scheduler.update(step.plan, out), ready
+
+    def _observe_step(self, device: float, host: float, chunk: bool) -> None:
+        """A step that ran the model, in the step metrics: its device and host seconds (what each
+        counts: `_collect` with async scheduling, `run_once` serially) and their sum by kind."""
+        self._step_device.observe(device)
+        self._step_host.observe(host)
+        self._step_seconds["chunk" if chunk else "decode"] += device + host
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be planned before the running one's tokens are known: not with a
@@ -387,11 +390,9 @@ class Engine:
                 self._in_flight = None
                 outputs = self.scheduler.fail_all(f"engine step failed: {type(e).__name__}: {e}")
             self._emit(outputs)
-            if self._device_seconds:   # a step that ran the model: its time, split host / device
-                seconds = time.perf_counter() - t0
-                self._step_device.observe(self._device_seconds)
-                self._step_host.observe(seconds - self._device_seconds)
-                self._step_seconds["chunk" if self._step_chunks else "decode"] += seconds
+            if self._device_seconds:   # a serial step that ran the model: the rest of its time is the host's
+                host = time.perf_counter() - t0 - self._device_seconds
+                self._observe_step(self._device_seconds, host, self._step_chunks)
             if not self.scheduler.num_running and self.scheduler.num_waiting:
                 time.sleep(0.001)  # nothing could be admitted; don't spin (cannot persist: a lone request fits)
         with self._snapshot_lock:
