@@ -32,9 +32,9 @@ from .core.draft_model import DraftModelProposer
 from .core.engine import Engine
 from .core.kv_tiers import BlockLayout, KVTiers, artifact_digest, make_tiers
 from .core.model_runner import ModelRunner
-from .core.step_shapes import RunnerConfig
 from .core.scheduler import Scheduler
 from .core.spec_decode import SpeculativeConfig
+from .core.step_shapes import RunnerConfig
 from .text.grammar import Grammars
 from .text.tokenizer import Tokenizer
 
@@ -77,7 +77,7 @@ def build_engine(artifact: LLMArtifact | str, config: ServeConfig | None = None)
     tiers = _tiers(art, runner, config) if sched_cfg.enable_prefix_caching else None
     blocks = BlockManager(runner.num_blocks, llm.block_size, enable_prefix_caching=sched_cfg.enable_prefix_caching,
                           tiers=tiers)
-    proposer = _draft_proposer(draft, runner, config) if draft is not None else None
+    proposer = _draft_proposer(draft, runner, config, sched_cfg.speculative) if draft is not None else None
     scheduler = Scheduler(sched_cfg, blocks, eos_token_ids=eos, proposer=proposer)
     engine = Engine(scheduler, runner, vocab_size=llm.vocab_size, decoder=tokenizer, grammars=grammars,
                     async_scheduling=config.async_scheduling_on(runner.model.client.platform))
@@ -123,9 +123,13 @@ def _split_kv_budget(art: LLMArtifact, draft: LLMArtifact, runner_cfg: RunnerCon
     return dataclasses.replace(runner_cfg, num_blocks=n)
 
 
-def _draft_proposer(draft: LLMArtifact, runner: ModelRunner, config: ServeConfig) -> DraftModelProposer:
-    """The draft model loaded with a cache of the target's block count, for one sequence a call."""
-    cfg = dataclasses.replace(runner.cfg, num_blocks=runner.num_blocks, seq_buckets=(1,))
+def _draft_proposer(draft: LLMArtifact, runner: ModelRunner, config: ServeConfig,
+                    spec: SpeculativeConfig) -> DraftModelProposer:
+    """The draft model loaded with a cache of the target's block count, for as many sequences a call as
+    a step may propose for (disable_by_batch_size, within the target's sequence buckets)."""
+    most = min(spec.disable_by_batch_size, runner.cfg.seq_buckets[-1])
+    cfg = dataclasses.replace(runner.cfg, num_blocks=runner.num_blocks,
+                              seq_buckets=tuple(s for s in runner.cfg.seq_buckets if s < most) + (most,))
     draft_runner = load_runner(draft, cfg, config, strict=config.strict)
     if draft_runner.num_blocks != runner.num_blocks:
         raise HloserveError(f"--speculative-config: the draft model {draft.path} holds at most "
@@ -134,7 +138,8 @@ def _draft_proposer(draft: LLMArtifact, runner: ModelRunner, config: ServeConfig
     log.info("draft model %s: %.1f MiB of weights, %.1f MiB of KV cache", draft.path,
              sum(n for (_, kind), n in draft_runner.device_memory().items() if kind == "weights") / 2**20,
              draft_runner.kv_cache_bytes / 2**20)
-    return DraftModelProposer(draft_runner, max_chunk=draft_runner.cfg.token_buckets[-1])
+    return DraftModelProposer(draft_runner, max_chunk=draft_runner.cfg.token_buckets[-1],
+                              max_rows=draft_runner.cfg.seq_buckets[-1])
 
 
 def _tiers(art: LLMArtifact, runner: ModelRunner, config: ServeConfig) -> KVTiers | None:

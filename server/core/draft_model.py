@@ -7,7 +7,7 @@ target's tokenizer proposes K tokens greedily (vLLM's "draft_model" method).
                    KV-cache budget is split between the two caches in proportion to their block sizes
                    (server/wiring.py)
 
-Per request and engine step (`draft`), with the request's blocks already grown by K tokens:
+Per engine step (`draft`), for each proposing request, its blocks already grown by K tokens:
 
     catch up   the tokens the draft has not computed yet (the prompt on the first proposal; then the
                tokens the target accepted last step, and the one it drew) in one or more chunks, the
@@ -17,8 +17,10 @@ Per request and engine step (`draft`), with the request's blocks already grown b
 The draft's cache then holds the context and d1..d(K-1); what of that the target accepted stays valid
 (`_State.valid`), the rest is written again by the next catch-up, as the target's rejected slots are.
 Proposals are deterministic (greedy), so the verifier for a point-mass proposal (sampling.verify_draft,
-the n-gram path's) keeps the target's distribution. Each request proposes on its own (rows of one
-sequence; at most `disable_by_batch_size` requests propose in a step).
+the n-gram path's) keeps the target's distribution. The step's proposing requests (at most
+`disable_by_batch_size`) run together: their catch-ups share calls (mixed chunk and one-token rows),
+then each proposal position is one call for all of them, so a step costs about K draft calls however
+many requests propose.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Callable, Protocol, Sequence
 
 from .outputs import RunnerOutput, ScheduledSeq, SchedulerPlan
 from .sampling import SamplingParams
+from .spec_decode import DraftAsk
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -59,44 +62,60 @@ class DraftModelProposer:
 
     Args:
       runner: the draft artifact's runner, its KV cache as many blocks as the target's.
-      max_chunk: the most tokens one catch-up call runs (the runner's largest token bucket).
+      max_chunk: the most tokens one call runs (the runner's largest token bucket).
+      max_rows: the most requests one call runs (the runner's largest sequence bucket).
     """
     writes_kv = True
 
-    def __init__(self, runner: DraftRunner, max_chunk: int):
+    def __init__(self, runner: DraftRunner, max_chunk: int, max_rows: int = 1):
         self.runner = runner
         self.max_chunk = max_chunk
+        self.max_rows = max_rows
         self._states: dict[str, _State] = {}
         self.steps = 0
 
-    def draft(self, request_id: str, token_ids: Sequence[int], k: int, block_table: Sequence[int]) -> tuple[int, ...]:
-        """k greedy tokens to follow `token_ids`; `block_table` holds room for len(token_ids) + k - 1."""
-        if k < 1 or not token_ids:
-            return ()
-        state = self._states.setdefault(request_id, _State([]))
-        # at least the last token runs: its logits give the first proposal
-        start = min(state.valid(token_ids), len(token_ids) - 1)
-        table = tuple(block_table)
-        token = None
-        while start < len(token_ids):
-            chunk = tuple(token_ids[start:start + self.max_chunk])
-            token = self._run(request_id, chunk, start, table, last=start + len(chunk) == len(token_ids))
-            start += len(chunk)
-        proposed = [token]
-        for _ in range(k - 1):
-            proposed.append(self._run(request_id, (proposed[-1],), start, table, last=True))
-            start += 1
-        state.computed = list(token_ids) + proposed[:-1]
-        return tuple(proposed)
+    def draft(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
+        """Each ask's k greedy tokens, the step's requests batched: their catch-ups packed into calls of
+        up to max_chunk tokens and max_rows rows, then one call per proposal position for every request
+        that proposes that many."""
+        live = [a for a in asks if a.k >= 1 and a.token_ids]
+        # at least each request's last token runs: its logits give the first proposal
+        start = {a.request_id: min(self._states.setdefault(a.request_id, _State([])).valid(a.token_ids),
+                                   len(a.token_ids) - 1) for a in live}
+        proposed: dict[str, list[int]] = {a.request_id: [] for a in live}
+        behind = live
+        while behind:                                   # catch up
+            rows, room = [], self.max_chunk
+            for a in behind[:self.max_rows]:
+                n = min(len(a.token_ids) - start[a.request_id], room)
+                if n == 0:
+                    break
+                rows.append((a, tuple(a.token_ids[start[a.request_id]:start[a.request_id] + n])))
+                room -= n
+            for rid, token in self._run([(a, chunk, start[a.request_id]) for a, chunk in rows]).items():
+                proposed[rid].append(token)
+            for a, chunk in rows:
+                start[a.request_id] += len(chunk)
+            behind = [a for a in behind if start[a.request_id] < len(a.token_ids)]
+        for i in range(1, max((a.k for a in live), default=0)):    # proposal i + 1 after proposal i
+            going = [a for a in live if a.k > i]
+            for j in range(0, len(going), self.max_rows):
+                rows = [(a, (proposed[a.request_id][-1],), len(a.token_ids) + i - 1) for a in going[j:j + self.max_rows]]
+                for rid, token in self._run(rows).items():
+                    proposed[rid].append(token)
+        for a in live:
+            self._states[a.request_id].computed = list(a.token_ids) + proposed[a.request_id][:-1]
+        return [tuple(proposed.get(a.request_id, ())) for a in asks]
 
-    def _run(self, request_id: str, tokens: tuple[int, ...], start: int, table: tuple[int, ...],
-             last: bool) -> int | None:
-        """One draft step over `tokens` at positions start..; the greedy next token when `last`."""
-        seq = ScheduledSeq(request_id=request_id, token_ids=tokens, start=start, block_table=table,
-                           needs_logits=last, sampling=GREEDY, seed=0, sample_index=0)
-        out = self.runner.execute(SchedulerPlan.of((seq,)))
+    def _run(self, rows: list[tuple[DraftAsk, tuple[int, ...], int]]) -> dict[str, int]:
+        """One draft call over rows (ask, tokens at positions start..): by request id, the greedy next
+        token of each row whose tokens end its request's context so far (its proposals included)."""
+        seqs = tuple(ScheduledSeq(request_id=a.request_id, token_ids=tokens, start=start, block_table=a.block_table,
+                                  needs_logits=start + len(tokens) >= len(a.token_ids), sampling=GREEDY, seed=0,
+                                  sample_index=0) for a, tokens, start in rows)
+        out = self.runner.execute(SchedulerPlan.of(seqs))
         self.steps += 1
-        return int(out.sampled[request_id][0]) if last else None
+        return {s.request_id: int(out.sampled[s.request_id][0]) for s in seqs if s.needs_logits}
 
     def forget(self, request_id: str) -> None:
         """Its blocks were freed (finished or preempted): its draft cache is no longer its own."""

@@ -51,7 +51,8 @@ from .block_manager import BlockManager
 from .outputs import FinishReason, RequestOutput, RunnerOutput, ScheduledSeq, SchedulerPlan
 from .request import PLACEHOLDER, Request, RequestStatus, check_context
 from .sampling import RowContext, SamplingParams, TokenLogprobs
-from .spec_decode import DraftLength, NgramProposer, Proposer, SpecDecodeStats, SpeculativeConfig, speculates
+from .spec_decode import (DraftAsk, DraftLength, NgramProposer, Proposer, SpecDecodeStats, SpeculativeConfig,
+                          speculates)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -292,46 +293,60 @@ class Scheduler:
     def _speculate(self, decodes: list[ScheduledSeq], budget: int, rows: int) -> list[ScheduledSeq]:
         """The decode rows with proposed tokens to verify, oldest first, while the step's token budget
         and rows last; none when more requests run than `disable_by_batch_size`. A draft never takes
-        blocks below the admission watermark, and never preempts."""
+        blocks below the admission watermark, and never preempts. A proposer that writes K/V (a draft
+        model) gets the blocks for all k first and proposes for every request of the step in one
+        batch; the n-gram one proposes request by request and gets only the blocks its proposal needs."""
         spec = self.config.speculative
         if len(self.running) > spec.disable_by_batch_size:
             return decodes
-        out = []
+        out, asks = [], []
         for seq in decodes:
             req = self._requests[seq.request_id]
-            draft = self._propose(req, min(spec.num_speculative_tokens, budget, rows))
-            if draft:
-                table = self.blocks.allocate(req.request_id, req.num_computed_tokens + 1 + len(draft)).block_ids
-                seq = dataclasses.replace(seq, token_ids=seq.token_ids + draft, block_table=table, draft_token_ids=draft)
-                budget -= len(draft)
-                rows -= len(draft)
+            ask = self._ask(req, min(spec.num_speculative_tokens, budget, rows))
+            if ask is not None and self.proposer.writes_kv:
+                asks.append(ask)
+                budget, rows = budget - ask.k, rows - ask.k
+            elif ask is not None:
+                draft = self.proposer.draft([ask])[0]
+                if draft and self._fits(req, len(draft)):
+                    seq = self._with_draft(seq, req, draft)
+                    budget, rows = budget - len(draft), rows - len(draft)
             out.append(seq)
+        if asks:
+            drafts = dict(zip((a.request_id for a in asks), self.proposer.draft(asks)))
+            out = [self._with_draft(seq, self._requests[seq.request_id], drafts[seq.request_id])
+                   if drafts.get(seq.request_id) else seq for seq in out]
         return out
 
-    def _propose(self, req: Request, k: int) -> tuple[int, ...]:
-        """Up to k proposed tokens for a decoding request: within its room (the draft and the token drawn
-        after it stay within max_tokens and the context), its adaptive length (DraftLength) and the free
-        blocks above the admission watermark. A proposer that writes K/V (a draft model) gets the blocks
-        for all k first; the n-gram one only those its proposal needs, after it."""
+    def _ask(self, req: Request, k: int) -> DraftAsk | None:
+        """What to ask the proposer for a decoding request: up to k tokens within its room (the draft and
+        the token drawn after it stay within max_tokens and the context) and its adaptive length
+        (DraftLength); for a proposer that writes K/V, the blocks for all k, above the admission
+        watermark (None when they do not fit)."""
         room = min(req.params.max_tokens - req.num_output_tokens, self.config.max_model_len - len(req.token_ids)) - 1
         k = min(k, room)
         if k <= 0 or not speculates(req.params, req.num_output_tokens):
-            return ()
+            return None
         k = min(k, req.draft.take())
         if k <= 0:
-            return ()
-        watermark = int(self.config.admission_watermark * self.blocks.total_blocks)
-
-        def fits(n: int) -> bool:
-            needed = self.blocks.new_blocks_needed(req.request_id, req.num_computed_tokens + 1 + n)
-            return needed <= self.blocks.num_free_blocks - watermark
+            return None
         if not self.proposer.writes_kv:
-            draft = self.proposer.draft(req.request_id, req.token_ids, k, ())
-            return draft if draft and fits(len(draft)) else ()
-        if not fits(k):
-            return ()
+            return DraftAsk(req.request_id, req.token_ids, k)
+        if not self._fits(req, k):
+            return None
         table = self.blocks.allocate(req.request_id, req.num_computed_tokens + 1 + k).block_ids
-        return self.proposer.draft(req.request_id, req.token_ids, k, table)
+        return DraftAsk(req.request_id, req.token_ids, k, tuple(table))
+
+    def _fits(self, req: Request, n: int) -> bool:
+        """Whether n drafted tokens of `req` fit in the free blocks above the admission watermark."""
+        watermark = int(self.config.admission_watermark * self.blocks.total_blocks)
+        needed = self.blocks.new_blocks_needed(req.request_id, req.num_computed_tokens + 1 + n)
+        return needed <= self.blocks.num_free_blocks - watermark
+
+    def _with_draft(self, seq: ScheduledSeq, req: Request, draft: tuple[int, ...]) -> ScheduledSeq:
+        """The decode row with its draft to verify, the request's blocks grown to hold it."""
+        table = self.blocks.allocate(req.request_id, req.num_computed_tokens + 1 + len(draft)).block_ids
+        return dataclasses.replace(seq, token_ids=seq.token_ids + draft, block_table=table, draft_token_ids=draft)
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         """The plan row running tokens [num_computed, num_computed + n) of `req` (blocks already allocated)."""

@@ -142,12 +142,23 @@ def speculates(params: SamplingParams, num_output_tokens: int) -> bool:
     return not params.needs_history and params.structured is None and num_output_tokens >= params.min_tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftAsk:
+    """One request's ask of a step: up to k tokens to follow token_ids. With a proposer that writes K/V,
+    block_table (the request's) already holds room for len(token_ids) + k - 1 tokens."""
+    request_id: str
+    token_ids: Sequence[int]
+    k: int
+    block_table: tuple[int, ...] = ()
+
+
 class Proposer(Protocol):
     """What the scheduler asks of a proposer (NgramProposer; DraftModelProposer in core/draft_model.py)."""
     writes_kv: bool   # proposing writes K/V into the request's blocks: the scheduler allocates them first
 
-    def draft(self, request_id: str, token_ids: Sequence[int], k: int, block_table: Sequence[int]) -> tuple[int, ...]:
-        """Up to k tokens to follow `token_ids` (the request's blocks hold room for k more when writes_kv)."""
+    def draft(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
+        """Each ask's proposal, in order (the requests of one step together: a draft model runs them
+        batched)."""
 
     def forget(self, request_id: str) -> None:
         """The request finished or was preempted: its blocks are no longer its own."""
@@ -167,8 +178,8 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
-    def draft(self, request_id: str, token_ids: Sequence[int], k: int, block_table: Sequence[int]) -> tuple[int, ...]:
-        return self.propose(token_ids, k)
+    def draft(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
+        return [self.propose(a.token_ids, a.k) for a in asks]
 
     def forget(self, request_id: str) -> None:
         pass

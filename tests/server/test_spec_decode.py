@@ -275,10 +275,10 @@ class SkewedDraft(MockRunner):
         return out
 
 
-def make_draft(draft_runner, **kw):
+def make_draft(draft_runner, max_rows=1, **kw):
     from hloserve.server.core.draft_model import DraftModelProposer
     spec = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=4)
-    proposer = DraftModelProposer(draft_runner, max_chunk=8)
+    proposer = DraftModelProposer(draft_runner, max_chunk=8, max_rows=max_rows)
     return *make(spec, proposer=proposer, **kw), proposer
 
 
@@ -303,6 +303,27 @@ def test_a_draft_model_proposes_through_the_targets_block_tables(draft):
     else:
         assert 0 < s.num_accepted_tokens < s.num_draft_tokens
     assert not proposer._states                                       # forgotten as each request finished
+
+
+@pytest.mark.parametrize("draft", [MockRunner, SkewedDraft])
+def test_a_draft_model_proposes_for_a_steps_requests_in_shared_calls(draft):
+    """Three requests proposing together with a draft runner of 4 rows: the same greedy tokens as the
+    plain run and as one request a call, in fewer draft calls; the calls mix catch-up chunks (up to
+    max_chunk tokens in all) and one-token rows of several requests."""
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    reqs = [("a", list(range(10, 32)), greedy), ("b", [3, 4, 5], greedy), ("c", list(range(40, 52)), greedy)]
+    plain = {k: tokens(v) for k, v in run(*make(None, max_num_seqs=16), reqs).items()}
+    calls = {}
+    for rows in (1, 4):
+        draft_runner = draft(VOCAB, 96, 4)
+        sched, runner, proposer = make_draft(draft_runner, max_rows=rows, max_num_seqs=16, num_blocks=96)
+        assert {k: tokens(v) for k, v in run(sched, runner, reqs).items()} == plain, rows
+        assert sched.stats.spec.num_drafts > 0 and not proposer._states
+        plans = draft_runner.plans
+        assert max(len(p.seqs) for p in plans) == min(rows, 3) and max(p.num_tokens for p in plans) <= 8
+        calls[rows] = len(plans)
+    assert 2 * calls[4] <= calls[1], calls                             # 48 -> 24 calls when written
+    assert any(len(p.seqs) > 1 and p.num_tokens > len(p.seqs) for p in plans)     # catch-ups shared a call
 
 
 def test_seeded_sampling_with_a_draft_model_draws_the_same_tokens():
