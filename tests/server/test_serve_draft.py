@@ -1,7 +1,8 @@
 """Speculative decoding with a draft model through `hloserve serve`: the default model (SmolLM2-135M-Instruct,
 bf16) drafted by its own int8 export (self-speculation with a quantized draft, both exported into the test
 cache on first use): the same greedy text as without speculation, most proposals accepted, seeded sampling
-drawing the same text, vLLM's counters in /metrics; a draft with another vocabulary refused in one line.
+drawing the same text, requests drafting together (batched draft calls) answering what they answer
+alone, vLLM's counters in /metrics; a draft with another vocabulary refused in one line.
 Clients: the openai SDK and httpx on loopback."""
 from __future__ import annotations
 
@@ -60,6 +61,22 @@ def test_greedy_text_is_the_same_and_most_proposals_are_accepted(servers):
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == client(servers[0]).chat.completions.create(model=MODEL, messages=COPY, max_tokens=64,
                                                                temperature=0).choices[0].message.content
+
+
+def test_requests_drafting_together_give_the_plain_servers_text(servers):
+    """Three requests at once (they propose in the same steps: the draft model runs them batched,
+    catch-ups sharing calls) answer what the plain server answers them one at a time. Copies of a
+    passage, whose greedy choices are far from ties, of three lengths, so they end in different steps."""
+    import concurrent.futures
+    lengths = (24, 40, 64)
+    want = [client(servers[0]).chat.completions.create(model=MODEL, messages=COPY, max_tokens=n, temperature=0)
+            .choices[0].message.content for n in lengths]
+    before = acceptance(servers[1])[0]
+    with concurrent.futures.ThreadPoolExecutor(len(lengths)) as pool:
+        got = list(pool.map(lambda n: client(servers[1]).chat.completions.create(
+            model=MODEL, messages=COPY, max_tokens=n, temperature=0).choices[0].message.content, lengths))
+    assert got == want
+    assert acceptance(servers[1])[0] > before
 
 
 def test_seeded_sampling_draws_the_same_text(servers):
