@@ -100,7 +100,7 @@ void amx_pack_rows(const uint16_t* w, int64_t K, int64_t tiles, int64_t KC, uint
 // kAmxChunks chunks of K (32 KiB of the matrix: it stays in L1 while the x tiles stream from L2,
 // prefetched kAmxAhead chunks ahead), the partial sums kept in memory between runs. A task's matrix
 // rows are at most kAmxRowBytes packed (L2). Up to kAmxInPlaceRows x rows the matrix is read where it
-// lies (few rows: the copy would cost as much as the products).
+// lies where K is whole chunks (few rows: the copy would cost as much as the products).
 constexpr int64_t kAmxXRows = 256, kAmxChunks = 16, kAmxAhead = 2, kAmxRowBytes = 1 << 20, kAmxInPlaceRows = 64;
 
 // Where a pair of matrix tiles lies: tile a (0, 1) of chunk c at p + c * chunk + a * second, its
@@ -110,10 +110,10 @@ struct MatrixTiles {
   int64_t chunk, second, stride;
 };
 
-// NA matrix tiles (wt) times MB blocks of 16 x rows (blocks g,
-// g + 1) over chunks [c0, c1) of K: each tile loaded is used by NA or MB tile multiplies (sums in
-// tiles 0-3, matrix tiles 4-5, x tiles 6-7). The sums start at zero (c0 = 0) or from `part`, and go
-// back to `part`, or when the chunks reach KC are transposed into out (rows past M dropped).
+// NA matrix tiles (wt) times MB blocks of 16 x rows (blocks g, g + 1) over chunks [c0, c1) of K:
+// each tile loaded is used by NA or MB tile multiplies (sums in tiles 0-3, matrix tiles 4-5, x
+// tiles 6-7). The sums start at zero (c0 = 0) or from `part`, and go back to `part`, or when the
+// chunks reach KC are transposed into out (rows past M dropped).
 template <int NA, int MB>
 inline void amx_block(const MatrixTiles& wt, const uint16_t* xp, int64_t KC, int64_t c0, int64_t c1, int64_t g,
                       int64_t M, float* part, float* out, int64_t N) {
