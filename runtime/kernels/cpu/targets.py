@@ -51,8 +51,8 @@ def _whole_expert_groups(attrs: dict[str, Any]) -> bool:
 # once enough rows share the packed copy. Measured (AMD EPYC, AVX512-BF16, docs/performance.md):
 # the kernel is 2.8x faster at 1 row, 1.3x at 32, even from 128 on. With AMX (bf16 matrices; a
 # Sapphire Rapids Xeon, 2 cores, 2026-11-29, docs/performance.md, benchmarks/layer_linear.py) it is
-# even with XLA's dot or faster to 128 rows (medians) on every shape measured (SmolLM2-135M's, a 1B
-# Llama's). On matrices of 8M elements and more (a 1B Llama's MLP: 8192 x 2048, 2048 x 8192) it is
+# at 128 rows about even with XLA's dot or faster on every shape measured (SmolLM2-135M's, a 1B
+# Llama's; 0.89-3x by the fastest calls). On matrices of 8M elements and more (a 1B Llama's MLP: 8192 x 2048, 2048 x 8192) it is
 # 1.06-3x faster at 128-512 rows and about even at 2,048, so it runs every row count there. On
 # smaller ones XLA's dot is the faster on some shapes from 256 rows. Without AVX512-BF16 it widens
 # the products to f32: with AVX-512 in 4 x 4 tiles, 1.4-2.5x XLA's dot from 8 to 32 rows and slower
