@@ -7,6 +7,7 @@ positions without hiding a wrong position or mask (which moves outputs by O(0.1)
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -107,9 +108,10 @@ def specialize(exp, backend):
     return s.exported, s.kernels
 
 
-def max_rows(symbol: str) -> int | None:
-    """The row limit this CPU's row of the targets table gives the kernel `symbol`."""
-    return next(t for t in TARGETS.values() if t.symbol == symbol).max_rows(build.cpu())
+def max_rows(symbol: str, attrs: dict | None = None, shapes: tuple = ()) -> int | None:
+    """The row limit this CPU's row of the targets table gives the kernel `symbol` (for a call with
+    these attributes and operand shapes)."""
+    return next(t for t in TARGETS.values() if t.symbol == symbol).limit(build.cpu(), attrs or {}, shapes)
 
 
 HEADS = [(3, 64), (4, 128), (4, 256), (1, 96), (5, 32)]           # (G, D): specialized x4, generic
@@ -239,7 +241,7 @@ def test_layer_linear_kernel_matches_decomposition_and_torch(library, holds, sto
     kernel_fn, n_kernel = specialize(exp, library)
     assert n_kernel == 1 and "custom_call @hloserve_layer_linear" in kernel_fn.mlir_module()
     w32 = np.asarray(values.astype(jnp.float32))
-    limit = max_rows("hloserve_layer_linear")
+    limit = max_rows("hloserve_layer_linear", {"holds": holds}, ((None, K), weights.shape, ()))
     for rows in (1, 3, 5, limit, limit + 1, 2 * limit + 3):
         x = rng.standard_normal((rows, K)).astype(np.float32)
         layer = np.int32(rows % 3)
@@ -255,6 +257,34 @@ def test_layer_linear_kernel_matches_decomposition_and_torch(library, holds, sto
             assert (np.abs(got - ref) <= bound).all(), (rows, np.abs(got - ref).max(), bound.min())
 
 
+@pytest.mark.parametrize("K,N", [(1000, 70)])
+def test_layer_linear_kernel_matches_at_prompt_chunk_rows(library, monkeypatch, K, N):
+    """Prompt-chunk row counts through the kernel whatever the targets table's limit (on AMX: x swept
+    in blocks of 256 rows, K in two runs of 16 chunks with partial sums, a K that is no whole
+    chunk, an odd last 16-row block, 4 whole 16-row matrix tiles and 6 rows past them); the same
+    tolerance as above."""
+    from hloserve.runtime.artifact.kernels import LAYER_LINEAR
+    monkeypatch.setitem(TARGETS, LAYER_LINEAR.key,
+                        dataclasses.replace(TARGETS[LAYER_LINEAR.key], max_rows_for=lambda cpu, attrs, shapes: None))
+    rng = np.random.default_rng(K + N)
+    values = jnp.asarray(rng.standard_normal((2, N, K)).astype(np.float32)).astype(jnp.bfloat16)
+    weights = np.asarray(values.view(jnp.int16))
+    exp = _linear_exported(weights, 1)
+    kernel_fn, n_kernel = specialize(exp, library)
+    assert n_kernel == 1 and "custom_call @hloserve_layer_linear" in kernel_fn.mlir_module()
+    kernel_call, portable_call = jax.jit(kernel_fn.call), jax.jit(specialize(exp, None)[0].call)
+    w32 = np.asarray(values.astype(jnp.float32))
+    for rows in (130, 300):
+        x = rng.standard_normal((rows, K)).astype(np.float32)
+        layer = np.int32(rows % 2)
+        kernel = np.asarray(kernel_call(x, weights, layer))
+        portable = np.asarray(portable_call(x, weights, layer))
+        xr = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+        bound = K * 2.0 ** -24 * (np.abs(xr) @ np.abs(w32[layer]).T) + 1e-30
+        assert kernel.shape == (rows, N)
+        assert (np.abs(kernel - portable) <= bound).all(), (rows, np.abs(kernel - portable).max(), bound.min())
+
+
 def test_layer_linear_kernel_gives_a_row_the_same_bits_alone_and_in_a_batch(library):
     """f16 matrices run the widened path on every build (AVX-512 tiles of 4 x 4 or the AVX2 loop): one
     accumulator per output, summed in the same order whatever the row count, so a row's outputs do
@@ -267,7 +297,8 @@ def test_layer_linear_kernel_gives_a_row_the_same_bits_alone_and_in_a_batch(libr
     kernel_fn, n_kernel = specialize(_linear_exported(weights, 2), library)
     assert n_kernel == 1
     call = jax.jit(kernel_fn.call)
-    x = rng.standard_normal((max_rows("hloserve_layer_linear"), K)).astype(np.float32)
+    x = rng.standard_normal((max_rows("hloserve_layer_linear", {"holds": 2}, ((None, K), weights.shape, ())), K))
+    x = x.astype(np.float32)
     batch = np.asarray(call(x, weights, np.int32(1)))
     for rows in (1, 2, 3, 5):
         np.testing.assert_array_equal(np.asarray(call(x[:rows], weights, np.int32(1))), batch[:rows])

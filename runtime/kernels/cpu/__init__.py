@@ -47,13 +47,20 @@ class CpuBackend:
                 if target is None or not target.accepts(info.attributes):
                     swap(op, decomposition_call(api, op))
                     return True
-                new, ran = _kernel_or_decomposition(api, op, info.operands, info.config, target, target.max_rows(cpu))
+                limit = target.limit(cpu, info.attributes, _shapes(api, info.operands))
+                new, ran = _kernel_or_decomposition(api, op, info.operands, info.config, target, limit)
             used += ran
             swap(op, new)
             return True
 
         fn, _ = rewrite(exported, replace)
         return Specialized(fn, used, digest=self.library.digest if used else None)
+
+
+def _shapes(api, operands) -> tuple:
+    """The operands' shapes, a symbolic dim as None."""
+    dynamic = api.ir.ShapedType.is_dynamic_size
+    return tuple(tuple(None if dynamic(d) else d for d in api.ir.RankedTensorType(v.type).shape) for v in operands)
 
 
 def _kernel_or_decomposition(api, op, operands, config, target, limit: int | None):

@@ -15,9 +15,10 @@ using namespace hloserve;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // AMX (Intel Sapphire Rapids and later): a tile multiply does 16 x 16 x 32 bf16 products at
 // once, exact, summed in f32 (like vdpbf16ps, denormal inputs and results flushed to zero).
-// Computed transposed, out^T [N, M] = W [N, K] . x^T: a tile of the matrix is 16 of its rows,
-// 32 elements each, read where they lie (stride K); x is packed once per call in the pair-
-// interleaved layout the B operand needs (xp below).
+// Computed transposed, out^T [N, M] = W [N, K] . x^T: the matrix is the A operand (a tile is 16 of
+// its rows, 32 elements each, used as they lie), x the B operand, whose tiles interleave pairs of
+// elements of 16 rows (a transpose of 32-bit pairs, once per call). The sums come out transposed
+// too ([matrix row][x row]) and are transposed back into out.
 
 // Linux hands out the tile state on request (once per process; false where it refuses)
 bool amx_usable() {
@@ -40,72 +41,183 @@ inline void amx_configure() {
   _tile_loadconfig(&c);
 }
 
-// x [M, K] (bf16 bits, rows KP apart) -> xp: per 16-row block g and 32-column chunk c, a 16 x 32
-// tile whose row r holds, for each x row i of the block, elements 2r and 2r+1 of the chunk
-// (xp[((g * KC + c) * 16 + r) * 32 + 2 * i + j] = x[16 g + i, 32 c + 2 r + j]); rows past M are 0.
-std::vector<uint16_t> amx_pack(const uint16_t* x, int64_t KP, int64_t M, int64_t KC) {
-  const int64_t blocks = (M + 15) / 16;
-  std::vector<uint16_t> xp(blocks * KC * 512, 0);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < KC; ++c)
-      for (int64_t r = 0; r < 16; ++r)
-        for (int64_t j = 0; j < 2; ++j)
-          xp[(((m / 16) * KC + c) * 16 + r) * 32 + 2 * (m % 16) + j] = x[m * KP + 32 * c + 2 * r + j];
-  return xp;
+// 16 rows of 16 32-bit elements (src, rows `ss` bytes apart) -> their transpose (dst row r, element
+// i = src row i, element r; rows `ds` bytes apart): pairs of rows, pairs of pairs, then 128-bit lanes
+inline void transpose16(const void* src, int64_t ss, void* dst, int64_t ds) {
+  __m512i r[16], t[16];
+  HLOSERVE_UNROLL
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(static_cast<const char*>(src) + i * ss);
+  HLOSERVE_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  HLOSERVE_UNROLL
+  for (int q = 0; q < 4; ++q) {
+    r[4 * q] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+    r[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+    r[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+    r[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+  }
+  // now lane l of r[4q + j] holds rows 4q..4q+3 of column 4l + j
+  char* d = static_cast<char*>(dst);
+  HLOSERVE_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    const __m512i ab_lo = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), ab_hi = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+    const __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+    const __m512i cd_hi = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+    _mm512_storeu_si512(d + j * ds, _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88));
+    _mm512_storeu_si512(d + (4 + j) * ds, _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD));
+    _mm512_storeu_si512(d + (8 + j) * ds, _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88));
+    _mm512_storeu_si512(d + (12 + j) * ds, _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD));
+  }
 }
 
-// NA blocks of 16 matrix rows (w, w + 16 K) times MB blocks of 16 x rows (blocks g, g + 1): each
-// tile loaded is used by NA or MB tile multiplies (sums in tiles 0-3, matrix tiles 4-5, x tiles 6-7)
+// x [16 * blocks, KP] (bf16 bits, rows past M zero) -> xp: per 16-row block g and 32-column chunk
+// c, a 16 x 32 tile whose row r holds, for each x row i of the block, elements 2r and 2r + 1 of the
+// chunk (xp[((g * KC + c) * 16 + r) * 32 + 2 * i + j] = x[16 g + i, 32 c + 2 r + j])
+void amx_pack(const uint16_t* x, int64_t KP, int64_t blocks, int64_t KC, uint16_t* xp) {
+  for (int64_t g = 0; g < blocks; ++g)
+    for (int64_t c = 0; c < KC; ++c) transpose16(x + 16 * g * KP + 32 * c, KP * 2, xp + (g * KC + c) * 512, 64);
+}
+
+// The matrix rows of a task copied into whole tiles (wp): per pair of 16-row tiles and 32-column
+// chunk c, the two tiles one after the other (1 KiB each), zeros past K. One read of the rows, as
+// the unpacked tiles would need; then the tiles are contiguous: no rows K elements apart (4 KiB
+// at K = 2048: all in one L1 set) and a sequential stream for the prefetchers.
+void amx_pack_rows(const uint16_t* w, int64_t K, int64_t tiles, int64_t KC, uint16_t* wp) {
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t c = 0; c < KC; ++c) {
+      uint16_t* d = wp + ((t / 2 * KC + c) * 2 + t % 2) * 512;
+      const int64_t left = K - 32 * c;
+      const __mmask32 mask = left >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << left) - 1);
+      for (int64_t i = 0; i < 16; ++i)
+        _mm512_storeu_si512(d + 32 * i, _mm512_maskz_loadu_epi16(mask, w + (16 * t + i) * K + 32 * c));
+    }
+}
+
+// Blocking: x is swept kAmxXRows rows at a time (L2); over them, a pair of matrix tiles runs
+// kAmxChunks chunks of K (32 KiB of the matrix: it stays in L1 while the x tiles stream from L2,
+// prefetched kAmxAhead chunks ahead), the partial sums kept in memory between runs. A task's matrix
+// rows are at most kAmxRowBytes packed (L2). Up to kAmxInPlaceRows x rows the matrix is read where it
+// lies where K is whole chunks (few rows: the copy would cost as much as the products).
+constexpr int64_t kAmxXRows = 256, kAmxChunks = 16, kAmxAhead = 2, kAmxRowBytes = 1 << 20, kAmxInPlaceRows = 64;
+
+// Where a pair of matrix tiles lies: tile a (0, 1) of chunk c at p + c * chunk + a * second, its
+// 16 rows `stride` bytes apart (packed: 1 KiB tiles side by side; in place: rows K apart)
+struct MatrixTiles {
+  const uint16_t* p;
+  int64_t chunk, second, stride;
+};
+
+// NA matrix tiles (wt) times MB blocks of 16 x rows (blocks g, g + 1) over chunks [c0, c1) of K:
+// each tile loaded is used by NA or MB tile multiplies (sums in tiles 0-3, matrix tiles 4-5, x
+// tiles 6-7). The sums start at zero (c0 = 0) or from `part`, and go back to `part`, or when the
+// chunks reach KC are transposed into out (rows past M dropped).
 template <int NA, int MB>
-inline void amx_block(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t g, int64_t M,
-                      float* out, int64_t N) {
-  _tile_zero(0);
-  if constexpr (MB > 1) _tile_zero(1);
-  if constexpr (NA > 1) _tile_zero(2);
-  if constexpr (NA > 1 && MB > 1) _tile_zero(3);
+inline void amx_block(const MatrixTiles& wt, const uint16_t* xp, int64_t KC, int64_t c0, int64_t c1, int64_t g,
+                      int64_t M, float* part, float* out, int64_t N) {
+  if (c0 == 0) {
+    _tile_zero(0);
+    if constexpr (MB > 1) _tile_zero(1);
+    if constexpr (NA > 1) _tile_zero(2);
+    if constexpr (NA > 1 && MB > 1) _tile_zero(3);
+  } else {
+    _tile_loadd(0, part, 64);
+    if constexpr (MB > 1) _tile_loadd(1, part + 256, 64);
+    if constexpr (NA > 1) _tile_loadd(2, part + 512, 64);
+    if constexpr (NA > 1 && MB > 1) _tile_loadd(3, part + 768, 64);
+  }
   const uint16_t* x0 = xp + g * KC * 512;
   const uint16_t* x1 = x0 + KC * 512;
-  const uint16_t* w1 = w + 16 * K;
-  for (int64_t c = 0; c < KC; ++c) {
-    _tile_loadd(4, w + 32 * c, K * 2);
+  for (int64_t c = c0; c < c1; ++c) {
+    for (int l = 0; l < 16; ++l) {   // a prefetch past the end is harmless (never faults)
+      _mm_prefetch(reinterpret_cast<const char*>(x0 + (c + kAmxAhead) * 512 + 32 * l), _MM_HINT_T0);
+      if constexpr (MB > 1) _mm_prefetch(reinterpret_cast<const char*>(x1 + (c + kAmxAhead) * 512 + 32 * l), _MM_HINT_T0);
+    }
+    _tile_loadd(4, wt.p + c * wt.chunk, wt.stride);
     _tile_loadd(6, x0 + c * 512, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (MB > 1) { _tile_loadd(7, x1 + c * 512, 64); _tile_dpbf16ps(1, 4, 7); }
     if constexpr (NA > 1) {
-      _tile_loadd(5, w1 + 32 * c, K * 2);
+      _tile_loadd(5, wt.p + c * wt.chunk + wt.second, wt.stride);
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (MB > 1) _tile_dpbf16ps(3, 5, 7);
     }
   }
+  const bool last = c1 == KC;
   alignas(64) float sums[4][16 * 16];   // [tile][matrix row i][x row j]
-  _tile_stored(0, sums[0], 64);
-  if constexpr (MB > 1) _tile_stored(1, sums[1], 64);
-  if constexpr (NA > 1) _tile_stored(2, sums[2], 64);
-  if constexpr (NA > 1 && MB > 1) _tile_stored(3, sums[3], 64);
+  float* s = last ? sums[0] : part;
+  _tile_stored(0, s, 64);
+  if constexpr (MB > 1) _tile_stored(1, s + 256, 64);
+  if constexpr (NA > 1) _tile_stored(2, s + 512, 64);
+  if constexpr (NA > 1 && MB > 1) _tile_stored(3, s + 768, 64);
+  if (!last) return;
   for (int a = 0; a < NA; ++a)
-    for (int b = 0; b < MB; ++b)
-      for (int64_t j = 0, m = (g + b) * 16; j < 16 && m < M; ++j, ++m)
-        for (int i = 0; i < 16; ++i) out[m * N + 16 * a + i] = sums[2 * a + b][i * 16 + j];
+    for (int b = 0; b < MB; ++b) {
+      const int64_t m = (g + b) * 16;
+      if (m + 16 <= M) {
+        transpose16(sums[2 * a + b], 64, out + m * N + 16 * a, N * 4);
+      } else {
+        alignas(64) float t[16 * 16];
+        transpose16(sums[2 * a + b], 64, t, 64);
+        for (int64_t j = 0; m + j < M; ++j) std::memcpy(out + (m + j) * N + 16 * a, t + 16 * j, 64);
+      }
+    }
 }
 
-// matrix rows [n0, n1) (whole tiles of 16) times every row of x: pairs of 16-row matrix blocks
-// against pairs of 16-row x blocks, the matrix rows' slab staying in L1/L2 while x is swept
-inline void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0,
-                     int64_t n1, float* out, int64_t N) {
-  amx_configure();
+// matrix rows [n0, n0 + 16 tiles) of w times every row of x (packed: 16-row blocks)
+void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0, int64_t tiles,
+              float* out, int64_t N) {
+  thread_local std::vector<uint16_t> packed;   // kept by the pool's threads from call to call
+  thread_local std::vector<float> partial;
+  const bool in_place = M <= kAmxInPlaceRows && K % 32 == 0;
+  const size_t size = in_place ? 0 : static_cast<size_t>((tiles + 1) / 2 * KC * 1024);
+  if (packed.size() < size) packed.resize(size);
+  if (partial.size() < kAmxXRows * 32) partial.resize(kAmxXRows * 32);
+  if (!in_place) amx_pack_rows(w + n0 * K, K, tiles, KC, packed.data());
   const int64_t blocks = (M + 15) / 16;
-  for (int64_t n = n0; n < n1; n += 32) {
-    const uint16_t* wn = w + n * K;
-    const bool two = n + 32 <= n1;
-    for (int64_t g = 0; g < blocks; g += 2) {
-      const bool pair = g + 2 <= blocks;
-      if (two && pair) amx_block<2, 2>(wn, K, xp, KC, g, M, out + n, N);
-      else if (two) amx_block<2, 1>(wn, K, xp, KC, g, M, out + n, N);
-      else if (pair) amx_block<1, 2>(wn, K, xp, KC, g, M, out + n, N);
-      else amx_block<1, 1>(wn, K, xp, KC, g, M, out + n, N);
+  const int64_t runs = (KC + kAmxChunks - 1) / kAmxChunks, run = (KC + runs - 1) / runs;   // chunks per run, even
+  amx_configure();
+  for (int64_t g0 = 0; g0 < blocks; g0 += kAmxXRows / 16) {
+    const int64_t g1 = std::min(blocks, g0 + kAmxXRows / 16);
+    for (int64_t t = 0; t < tiles; t += 2) {
+      const MatrixTiles wt = in_place ? MatrixTiles{w + (n0 + 16 * t) * K, 32, 16 * K, 2 * K}
+                                      : MatrixTiles{packed.data() + t / 2 * KC * 1024, 1024, 512, 64};
+      float* o = out + n0 + 16 * t;
+      const bool two = t + 2 <= tiles;
+      for (int64_t c0 = 0; c0 < KC; c0 += run) {
+        const int64_t c1 = std::min(KC, c0 + run);
+        for (int64_t g = g0; g < g1; g += 2) {
+          const bool pair = g + 2 <= g1;
+          float* part = partial.data() + (g - g0) * 512;
+          if (two && pair) amx_block<2, 2>(wt, xp, KC, c0, c1, g, M, part, o, N);
+          else if (two) amx_block<2, 1>(wt, xp, KC, c0, c1, g, M, part, o, N);
+          else if (pair) amx_block<1, 2>(wt, xp, KC, c0, c1, g, M, part, o, N);
+          else amx_block<1, 1>(wt, xp, KC, c0, c1, g, M, part, o, N);
+        }
+      }
     }
   }
   _tile_release();
+}
+
+// Every whole 16-row tile of the matrix (N / 16 of them) times x on AMX, split over the pool: one
+// task per thread at least, more where a task's packed rows would outgrow kAmxRowBytes; task
+// boundaries on pairs of tiles. Returns the matrix rows done (the rest: the row routines).
+int64_t amx_linear(ffi::ThreadPool& pool, const uint16_t* w, int64_t K, int64_t N, const uint16_t* xb, int64_t KP,
+                   int64_t M, float* out) {
+  const int64_t KC = KP / 32, blocks = (M + 15) / 16, tiles = N / 16, pairs = (tiles + 1) / 2;
+  std::vector<uint16_t> xp(blocks * KC * 512);
+  parallel_for(pool, blocks, 1, [&](int64_t g) { amx_pack(xb + 16 * g * KP, KP, 1, KC, xp.data() + g * KC * 512); });
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t tasks = std::max(threads, (tiles * 16 * KP * 2 + kAmxRowBytes - 1) / kAmxRowBytes);
+  tasks = std::min(pairs, (tasks + threads - 1) / threads * threads);
+  parallel_for(pool, tasks, 1, [&](int64_t task) {
+    const int64_t t0 = 2 * (pairs * task / tasks), t1 = std::min(tiles, 2 * (pairs * (task + 1) / tasks));
+    if (t1 > t0) amx_rows(w, K, xp.data(), KC, M, 16 * t0, t1 - t0, out, N);
+  });
+  return tiles * 16;
 }
 #endif
 
@@ -125,27 +237,22 @@ ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   const float* xp = x.typed_data();
   float* op = out->typed_data();
   // x rounded to the weights' type once, each row zero-padded to a whole number of 32-element vectors
+  // (and zero rows up to a whole 16-row block: AMX multiplies whole blocks)
   const int64_t KP = (K + 31) / 32 * 32;
-  std::vector<uint16_t> xr(M * KP);
-  round_rows(xp, M, K, kind, xr.data(), KP);
+  std::vector<uint16_t> xr((M + 15) / 16 * 16 * KP);
+  parallel_for(pool, (M + 15) / 16, 1, [&](int64_t g) {
+    round_rows(xp + 16 * g * K, std::min<int64_t>(16, M - 16 * g), K, kind, xr.data() + 16 * g * KP, KP);
+  });
   const uint16_t* xb = xr.data();
+  int64_t done = 0;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  // AMX for bf16 matrices whose rows are whole 32-element tiles (the tail of 16-row tiles below)
-  const bool amx = kind == Kind::kBF16 && K % 32 == 0 && amx_usable();
-  const std::vector<uint16_t> packed = amx ? amx_pack(xb, KP, M, K / 32) : std::vector<uint16_t>();
+  // AMX for bf16 matrices, every whole 16-row tile (the rest below)
+  if (kind == Kind::kBF16 && amx_usable()) done = amx_linear(pool, w, K, N, xb, KP, M, op);
 #endif
-  const int64_t tasks = (N + kLinearRows - 1) / kLinearRows;
+  const int64_t tasks = (N - done + kLinearRows - 1) / kLinearRows;
   parallel_for(pool, tasks, 1, [&](int64_t task) {
-    const int64_t n0 = task * kLinearRows, n1 = std::min(N, n0 + kLinearRows);
-    int64_t n = n0;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (amx) {
-      const int64_t whole = n0 + (n1 - n0) / 16 * 16;
-      if (whole > n0) amx_rows(w, K, packed.data(), K / 32, M, n0, whole, op, N);
-      n = whole;
-    }
-#endif
-    rows16(kind, w, K, xb, KP, M, n, n1, op, N);
+    const int64_t n0 = done + task * kLinearRows, n1 = std::min(N, n0 + kLinearRows);
+    rows16(kind, w, K, xb, KP, M, n0, n1, op, N);
   });
   return ffi::Error::Success();
 }

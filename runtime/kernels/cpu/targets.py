@@ -30,6 +30,13 @@ class Target:
     accepts: Callable[[dict[str, Any]], bool] = lambda attrs: True
     max_rows: Callable[[Cpu], int | None] = lambda cpu: None   # None: every row count
     result_dims: tuple | None = None                   # (operand, dim) per result dim; None: the first operand's
+    # where the limit depends on the call too (attributes, operand shapes: a symbolic dim is None): used
+    # instead of max_rows
+    max_rows_for: Callable[[Cpu, dict[str, Any], tuple], int | None] | None = None
+
+    def limit(self, cpu: Cpu, attrs: dict[str, Any], shapes: tuple) -> int | None:
+        """Up to how many rows this call runs the kernel (None: every row count)."""
+        return self.max_rows(cpu) if self.max_rows_for is None else self.max_rows_for(cpu, attrs, shapes)
 
 
 def _whole_vectors(attrs: dict[str, Any]) -> bool:
@@ -42,13 +49,22 @@ def _whole_expert_groups(attrs: dict[str, Any]) -> bool:
 
 # layer_linear reads each weight once where XLA's dot copies and packs the layer, which pays off
 # once enough rows share the packed copy. Measured (AMD EPYC, AVX512-BF16, docs/performance.md):
-# the kernel is 2.8x faster at 1 row, 1.3x at 32, even from 128 on; with AMX it is bandwidth-bound
-# to 64 rows too, and XLA's dot still the faster at 256 (prompt chunks: 355 against 418 ms per
-# 256-token chunk of a Qwen3-0.6B shape, 2026-11-25). Without AVX512-BF16 it widens the products to
-# f32: with AVX-512 in 4 x 4 tiles, 1.4-2.5x XLA's dot from 8 to 32 rows and slower from 48 (SmolLM2
-# MLP shape, Xeon without AVX512-BF16, 2026-11-28, docs/performance.md); with AVX2 only one output
-# at a time, so only decode-sized row counts stay with it.
-def _layer_linear_rows(cpu: Cpu) -> int:
+# the kernel is 2.8x faster at 1 row, 1.3x at 32, even from 128 on. With AMX (bf16 matrices; a
+# Sapphire Rapids Xeon, 2 cores, 2026-11-29, docs/performance.md, benchmarks/layer_linear.py) it is
+# at 128 rows about even with XLA's dot or faster on every shape measured (SmolLM2-135M's, a 1B
+# Llama's; 0.89-3x by the fastest calls). On matrices of 8M elements and more (a 1B Llama's MLP: 8192 x 2048, 2048 x 8192) it is
+# 1.06-3x faster at 128-512 rows and about even at 2,048, so it runs every row count there. On
+# smaller ones XLA's dot is the faster on some shapes from 256 rows. Without AVX512-BF16 it widens
+# the products to f32: with AVX-512 in 4 x 4 tiles, 1.4-2.5x XLA's dot from 8 to 32 rows and slower
+# from 48 (SmolLM2 MLP shape, Xeon without AVX512-BF16, 2026-11-28, docs/performance.md); with AVX2
+# only one output at a time, so only decode-sized row counts stay with it.
+_AMX_EVERY_ROW_COUNT = 8 << 20     # matrix elements from which AMX runs every row count
+
+
+def _layer_linear_rows(cpu: Cpu, attrs: dict[str, Any], shapes: tuple) -> int | None:
+    if cpu.has("amx_bf16") and attrs.get("holds") == 1:
+        _, n, k = shapes[1]
+        return None if n is not None and k is not None and n * k >= _AMX_EVERY_ROW_COUNT else 128
     if cpu.has("avx512_bf16"):
         return 64
     return 32 if cpu.has("avx512f") and cpu.has("avx512bw") else 4
@@ -70,7 +86,7 @@ def _quant_linear_v2_rows(cpu: Cpu) -> int | None:
 TARGETS = {
     PAGED_ATTENTION.key: Target("hloserve_paged_attention"),
     PAGED_ATTENTION_V2.key: Target("hloserve_paged_attention_v2"),
-    LAYER_LINEAR.key: Target("hloserve_layer_linear", max_rows=_layer_linear_rows, result_dims=((0, 0), (1, 1))),
+    LAYER_LINEAR.key: Target("hloserve_layer_linear", max_rows_for=_layer_linear_rows, result_dims=((0, 0), (1, 1))),
     QUANT_LINEAR.key: Target("hloserve_quant_linear", accepts=_whole_vectors, max_rows=_quant_linear_rows,
                              result_dims=((0, 0), (1, 1))),
     QUANT_LINEAR_V2.key: Target("hloserve_quant_linear_v2", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
