@@ -19,21 +19,6 @@ using namespace hloserve;
 // 32 elements each, read where they lie (stride K); x is packed once per call in the pair-
 // interleaved layout the B operand needs (xp below).
 
-// Linux hands out the tile state on request (once per process; false where it refuses)
-bool amx_usable() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 inline void amx_configure() {
   TileConfig c;
   for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
