@@ -64,7 +64,12 @@ VARIANTS = {"f32": {}, "bf16w": {"weight_dtype": "bfloat16"}, "int8": {"quantize
             "gguf": {"quantize": "gguf"},
             # what `hloserve serve` serves (bf16 weights and KV), and the same with the int8 KV cache
             "bf16": {"weight_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
-            "bf16-kvint8": {"weight_dtype": "bfloat16", "kv_cache_dtype": "int8"}}
+            "bf16-kvint8": {"weight_dtype": "bfloat16", "kv_cache_dtype": "int8"},
+            # the quantized weights with bf16's KV cache (the variants above keep it in f32): the same
+            # cache as "bf16", so that decode speeds at many sequences compare the weights alone
+            "int8-kvbf16": {"quantize": "int8", "kv_cache_dtype": "bfloat16"},
+            "int4-g32-kvbf16": {"quantize": "int4:32", "kv_cache_dtype": "bfloat16"},
+            "int4-g32-sym-kvbf16": {"quantize": "int4:32:sym", "kv_cache_dtype": "bfloat16"}}
 # variants whose source is made from the preset first (made_source): a Q4_K_M GGUF as llama.cpp's
 # llama-quantize lays it out, and compressed-tensors checkpoints as llm-compressor writes them
 MADE = {"q4_k_m": {"quantize": "gguf"},

@@ -384,7 +384,10 @@ def test_quant_linear_kernel_matches_decomposition_and_torch(library, spec, K, N
     m = np.repeat(q["min"].astype(np.float32), group, axis=2) if q["min"].size else np.zeros_like(s)
     limit = max_rows(target) or 64
     args = [stored["qweight"], stored["scale"], stored["min"]]
-    for rows in (1, 3, 5, limit, limit + 1, 2 * limit + 3):
+    # version 2 with AMX-INT8 (quant_linear.cc amx_rows): int8, whole tiles of 16 rows (16), a
+    # padded last tile (30), tiles then VNNI rows (65, 131); int4, tiles from 32 rows (65, 131);
+    # VNNI alone (1, 5; int4 16, 30)
+    for rows in (1, 3, 5, limit, limit + 1, 2 * limit + 3) if version == 1 else (1, 5, 16, 30, 65, 131):
         x = rng.standard_normal((rows, K)).astype(np.float32)
         layer = np.int32(rows % 3)
         kernel = np.asarray(jax.jit(kernel_fn.call)(x, *args, layer))

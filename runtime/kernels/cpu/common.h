@@ -175,6 +175,26 @@ inline __m512 load16(const void* base, int64_t i) {
 #endif
 
 
+#if defined(__AMX_TILE__)
+// AMX (Intel Sapphire Rapids and later; linear.cc's bf16 tiles, quant_linear.cc's int8 ones): Linux
+// hands out the tile state on request (once per process; false where it refuses)
+inline bool amx_usable() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// the tile configuration _tile_loadconfig reads: palette 1, each tile's rows and bytes a row
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+#endif
+
+
 // output rows (matrix rows) per task of the linear kernels (layer_linear, quant_linear)
 constexpr int64_t kLinearRows = 64;
 

@@ -20,21 +20,6 @@ using namespace hloserve;
 // elements of 16 rows (a transpose of 32-bit pairs, once per call). The sums come out transposed
 // too ([matrix row][x row]) and are transposed back into out.
 
-// Linux hands out the tile state on request (once per process; false where it refuses)
-bool amx_usable() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 inline void amx_configure() {
   TileConfig c;
   for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;

@@ -143,17 +143,18 @@ inline void quant2_tile(const uint8_t* q, const float* ws, const float* wm, cons
   mins_and_store<MR>(facc, wm, x.xsum.data() + m0 * G, G, out + m0 * N, N);
 }
 
+// rows [m0, M) of x times row groups [g0, g1), 6 rows of x at a time
 template <int BITS, bool SYM4>
-void quant2_vnni(const QuantMatrix& w, const QuantX2& x, int64_t M, int64_t g0, int64_t g1, float* out) {
+void quant2_vnni(const QuantMatrix& w, const QuantX2& x, int64_t m0, int64_t M, int64_t g0, int64_t g1, float* out) {
   const int64_t per_group = w.group / kXBlock;
   const int64_t gbytes = BITS == 8 ? 16 * w.K : 8 * w.K;   // bytes per group of 16 rows
   std::vector<float> sbuf, mbuf;
   for (int64_t g = g0; g < g1; ++g) {
+    int64_t m = m0;
     const uint8_t* q = w.q + g * gbytes;
     const float* ws = group_scalars(w.scale, w.f16, g, w.G, sbuf);
     const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, g, w.G, mbuf) : nullptr;
     float* o = out + g * 16;
-    int64_t m = 0;
     for (; m + 6 <= M; m += 6) quant2_tile<BITS, SYM4, 6>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N);
     switch (M - m) {
       case 5: quant2_tile<BITS, SYM4, 5>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
@@ -166,19 +167,167 @@ void quant2_vnni(const QuantMatrix& w, const QuantX2& x, int64_t M, int64_t g0, 
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// -- AMX-INT8 (Sapphire Rapids and later) --------------------------------------------------------
+//
+// A 64-byte k-step of version 2's int8 layout (16 matrix rows x 4 elements) is one row of an AMX-INT8
+// B tile, so one 32-element block of 16 matrix rows is an 8 x 64 B tile read where it lies; 16 rows
+// of x, one block each, are the 16 x 32 A tile (rows K bytes apart). tdpbssd multiplies signed by
+// signed bytes, so no offset is needed: each block's C tile holds the exact int32 sums the VNNI path
+// computes (int4: the group's nibbles are first widened to int8 bytes in the int8 layout, signed or
+// 0..15). The sums are per block, so each block's C tile is stored, and scaled in f32 as the VNNI
+// path does (cvt, mul, fma: the same arithmetic, the same results), the 16 rows' f32 sums kept in
+// registers. A tile store costs ~16 cycles (16 x 64 bytes) and is not forwarded to vector loads, so
+// the tile unit runs kAmxLead blocks ahead of the scaling.
+
+// tiles 0-3: C (16 x rows x 16 matrix rows, int32); 4-5: A (16 x rows x 32 bytes); 6-7: B (8 x 64 bytes)
+inline void amx8_configure() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = t == 4 || t == 5 ? 32 : 64, c.rows[t] = t >= 6 ? 8 : 16;
+  _tile_loadconfig(&c);
+}
+
+// one group of 16 rows' int4 bytes (version 2: k-steps of 8 elements, k in the low nibble and k + 4
+// in the high one) -> int8 bytes in the int8 layout (k-steps of 4 elements): each 64 bytes give 2 rows
+template <bool SYM4>
+inline void widen_int4(const uint8_t* q, int64_t K, int8_t* dst) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  // two's complement nibbles: a table lookup per byte (0..7 -> 0..7, 8..15 -> -8..-1)
+  const __m512i sign = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1));
+  for (int64_t s = 0; s < K / 8; ++s) {
+    const __m512i v = _mm512_loadu_si512(q + s * 64);
+    __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    if constexpr (SYM4) {
+      lo = _mm512_shuffle_epi8(sign, lo);
+      hi = _mm512_shuffle_epi8(sign, hi);
+    }
+    _mm512_storeu_si512(dst + 128 * s, lo);
+    _mm512_storeu_si512(dst + 128 * s + 64, hi);
+  }
+}
+
+// block b's sums of x (16 rows from xa, K apart) and the group's int8 bytes w into dst [16][16], in
+// C tile TC (A tile TA, B tile TB). A macro: GCC's tile intrinsics take the tile numbers as literals.
+#define HLOSERVE_AMX8_STEP(TC, TA, TB, b, dst) \
+  do {                                          \
+    _tile_zero(TC);                             \
+    _tile_loadd(TA, xa + (b) * kXBlock, K);     \
+    _tile_loadd(TB, w + (b) * 512, 64);         \
+    _tile_dpbssd(TC, TA, TB);                   \
+    _tile_stored(TC, dst, 64);                  \
+  } while (0)
+
+// The C tiles of blocks in flight: block b's in ring[b % kAmxRing], multiplied kAmxLead blocks
+// before it is scaled, so its store has reached L1 when the vector loads read it and the tile unit
+// works while the vector units scale
+constexpr int64_t kAmxRing = 16, kAmxLead = 8;
+
+// one group of 16 matrix rows (int8 bytes w, scales ws [G, 16], mins wm or none) times 16 rows of x
+// from m0 (x padded to whole tiles of 16: rows past `rows` are computed, never stored)
+inline void amx8_tile(const int8_t* w, const float* ws, const float* wm, const QuantX2& x, int64_t m0, int64_t rows,
+                      int64_t K, int64_t G, int64_t per_group, float* out, int64_t N) {
+  const int64_t B = K / kXBlock;
+  alignas(64) int32_t ring[kAmxRing][256];
+  const int8_t* xa = x.xq.data() + m0 * K;
+  const float* d = x.d.data() + m0 * B;
+  auto multiply = [&](int64_t b) {   // 4 C tiles in turn: a store never waits on the multiply just issued
+    int32_t* dst = ring[b % kAmxRing];
+    switch (b % 4) {
+      case 0: HLOSERVE_AMX8_STEP(0, 4, 6, b, dst); break;
+      case 1: HLOSERVE_AMX8_STEP(1, 5, 7, b, dst); break;
+      case 2: HLOSERVE_AMX8_STEP(2, 4, 6, b, dst); break;
+      default: HLOSERVE_AMX8_STEP(3, 5, 7, b, dst); break;
+    }
+  };
+  __m512 facc[16];
+  HLOSERVE_UNROLL
+  for (int j = 0; j < 16; ++j) facc[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < std::min(kAmxLead, B); ++b) multiply(b);
+  for (int64_t b = 0; b < B; ++b) {
+    if (b + kAmxLead < B) multiply(b + kAmxLead);
+    const int32_t* c = ring[b % kAmxRing];
+    const __m512 sv = _mm512_loadu_ps(ws + (b / per_group) * 16);
+    HLOSERVE_UNROLL
+    for (int j = 0; j < 16; ++j)
+      facc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * j)),
+                                _mm512_mul_ps(sv, _mm512_set1_ps(d[j * B + b])), facc[j]);
+  }
+  if (rows == 16) return mins_and_store<16>(facc, wm, x.xsum.data() + m0 * G, G, out + m0 * N, N);
+  alignas(64) float part[16 * 16];
+  mins_and_store<16>(facc, wm, x.xsum.data() + m0 * G, G, part, 16);
+  for (int64_t j = 0; j < rows; ++j) std::memcpy(out + (m0 + j) * N, part + 16 * j, 64);
+}
+
+// rows [0, MA) of x (whole tiles of 16, x padded to them) times row groups [g0, g1) with AMX, then
+// rows [MA, M) with quant2_vnni
+template <int BITS, bool SYM4>
+void quant2_amx(const QuantMatrix& w, const QuantX2& x, int64_t MA, int64_t M, int64_t g0, int64_t g1, float* out) {
+  const int64_t per_group = w.group / kXBlock, K = w.K;
+  const int64_t gbytes = BITS == 8 ? 16 * K : 8 * K;
+  thread_local std::vector<int8_t> wide;   // int4: the group widened to int8 bytes
+  if (BITS == 4) wide.resize(16 * K);
+  std::vector<float> sbuf, mbuf;
+  amx8_configure();
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* q = w.q + g * gbytes;
+    const int8_t* wq = reinterpret_cast<const int8_t*>(q);
+    if constexpr (BITS == 4) {
+      widen_int4<SYM4>(q, K, wide.data());
+      wq = wide.data();
+    }
+    const float* ws = group_scalars(w.scale, w.f16, g, w.G, sbuf);
+    const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, g, w.G, mbuf) : nullptr;
+    for (int64_t m0 = 0; m0 < MA; m0 += 16)
+      amx8_tile(wq, ws, wm, x, m0, std::min<int64_t>(16, M - m0), K, w.G, per_group, out + g * 16, w.N);
+  }
+  _tile_release();
+  if (MA < M) quant2_vnni<BITS, SYM4>(w, x, MA, M, g0, g1, out);
+}
+
+// x's rows padded with zeros to MA (whole AMX tiles)
+inline void pad_rows(QuantX2& x, int64_t MA, int64_t K, int64_t G) {
+  x.xq.resize(MA * K + 64, 0);
+  x.d.resize(MA * (K / kXBlock), 0.f);
+  x.xsum.resize(MA * G, 0.f);
+}
+#endif
+
+// The rows of x the AMX tiles take, the rest running the VNNI tiles (benchmarks/quant_amx_kernel.cc,
+// docs/quantization.md "AMX-INT8 tiles"): int8, whole tiles of 16, the last one padded from 12
+// rows (at 8 rows a padded tile is slower than VNNI, at 12 faster); int4, whole tiles from 32 rows
+// only (its nibbles are widened to bytes per call, which one tile of 16 rows does not repay)
+constexpr int64_t amx_rows(int bits, int64_t M) {
+  if (bits == 4) return M >= 32 ? M / 16 * 16 : 0;
+  return M / 16 * 16 + (M % 16 >= 12 ? 16 : 0);
+}
+
 // version 2: the same product, the layer's matrix interleaved by 16 rows
 void quant_linear_v2(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, float* op) {
   const int64_t NG = w.N / 16;
   const bool sym4 = w.bits == 4 && w.min == nullptr;
-  const QuantX2 xq = quantize_x2(x, M, w.K, w.G, w.group, w.bits == 8 ? 128 : sym4 ? 8 : 0);
+  QuantX2 xq = quantize_x2(x, M, w.K, w.G, w.group, w.bits == 8 ? 128 : sym4 ? 8 : 0);
+  int64_t MA = 0;   // rows of x the AMX tiles take: whole tiles of 16, the last one padded where it is full enough
+#if defined(__AVX512VNNI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+  MA = amx_rows(w.bits, M);
+  if (MA > 0 && !amx_usable()) MA = 0;
+  if (MA > M) pad_rows(xq, MA, w.K, w.G);
+#endif
   constexpr int64_t kGroupsPerTask = kLinearRows / 16;
   const int64_t tasks = (NG + kGroupsPerTask - 1) / kGroupsPerTask;
   parallel_for(pool, tasks, 1, [&](int64_t task) {
     const int64_t g0 = task * kGroupsPerTask, g1 = std::min(NG, g0 + kGroupsPerTask);
+#if defined(__AVX512VNNI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+    if (MA > 0) {
+      if (w.bits == 8) quant2_amx<8, false>(w, xq, MA, M, g0, g1, op);
+      else if (sym4) quant2_amx<4, true>(w, xq, MA, M, g0, g1, op);
+      else quant2_amx<4, false>(w, xq, MA, M, g0, g1, op);
+      return;
+    }
+#endif
 #if defined(__AVX512VNNI__)
-    if (w.bits == 8) quant2_vnni<8, false>(w, xq, M, g0, g1, op);
-    else if (sym4) quant2_vnni<4, true>(w, xq, M, g0, g1, op);
-    else quant2_vnni<4, false>(w, xq, M, g0, g1, op);
+    if (w.bits == 8) quant2_vnni<8, false>(w, xq, 0, M, g0, g1, op);
+    else if (sym4) quant2_vnni<4, true>(w, xq, 0, M, g0, g1, op);
+    else quant2_vnni<4, false>(w, xq, 0, M, g0, g1, op);
 #else
     quant2_portable(w, xq, M, g0, g1, op);
 #endif
