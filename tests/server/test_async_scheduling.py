@@ -31,7 +31,8 @@ class CharDecoder:
         return "".join(chr(ord("a") + t % 26) for t in ids)
 
 
-def mock_engine(async_scheduling: bool, *, num_blocks=64, max_num_seqs=8, decoder=None, speculative=None) -> Engine:
+def mock_engine(async_scheduling: bool, *, num_blocks=64, max_num_seqs=8, decoder=None, speculative=None,
+                on_execute=None) -> Engine:
     block_size = 4
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=32, max_model_len=64,
                                       admission_watermark=0.0, enable_prefix_caching=True, speculative=speculative),
@@ -39,6 +40,8 @@ def mock_engine(async_scheduling: bool, *, num_blocks=64, max_num_seqs=8, decode
 
     def no_placeholder(plan):
         assert all(PLACEHOLDER not in s.token_ids for s in plan.seqs), plan
+        if on_execute is not None:
+            on_execute(plan)
 
     runner = MockRunner(VOCAB, num_blocks, block_size, on_execute=no_placeholder)
     return Engine(sched, runner, vocab_size=VOCAB, decoder=decoder, async_scheduling=async_scheduling)
@@ -144,12 +147,20 @@ def test_mock_speculative_decoding_runs_serially_with_the_same_tokens():
 def test_mock_loop_thread_streams_and_aborts_with_async_scheduling():
     """The loop thread in the async mode: every stream complete, an abort by id ends its stream, all
     blocks free afterwards."""
-    eng = mock_engine(True).start()
+    import threading
+    aborted = threading.Event()
+
+    def hold_gone(plan):      # "gone" runs its third step only once the abort is sent: it cannot end by length first
+        if any(s.request_id == "gone" and s.start >= 3 for s in plan.seqs):
+            assert aborted.wait(30)
+
+    eng = mock_engine(True, on_execute=hold_gone).start()
     try:
         streams = [eng.add_request([i, i + 1], SamplingParams(max_tokens=5 + i, temperature=0.0)) for i in range(5)]
         gone = eng.add_request([70], SamplingParams(max_tokens=25, temperature=0.0), request_id="gone")
         first = next(gone)
         eng.abort("gone")
+        aborted.set()
         rest = list(gone)
         got = [[t for o in s for t in o.new_token_ids] for s in streams]
     finally:
