@@ -339,11 +339,19 @@ def test_smollm2_perplexity_matches_transformers(scheme, bound, tmp_path):
     """A real model: SmolLM2-135M-Instruct (the GGUF preset's weights, dequantized, in bf16) made W4A16 by
     compressed-tensors with groups of 64 (128 does not divide its hidden size 576), or W8A8, exported
     with no flag: its own layers kept, the tied embedding and head (left 16-bit by llm-compressor)
-    stored once in int8 with a scale per row. Perplexity of the first 256 tokens of
-    tests/data/web_genesis.txt through the artifact's decode (every position scored in one step) within
-    1% of transformers' with the checkpoint's weights (its bf16 table, float activations), and no worse
-    than transformers' own W8A8 forward (int8 activations per token, coarser than hloserve's blocks of
-    32); the artifact's weights at most 0.35x of the model's bf16 bytes for W4A16 (issue #40)."""
+    stored once in int8 with a scale per row. Perplexity of the first 4 windows of 256 tokens of
+    tests/data/web_genesis.txt through the artifact's decode (each window from an empty context, every
+    position scored in one step) within 1% of transformers' with the checkpoint's weights (its bf16
+    table, float activations), and no worse than transformers' own W8A8 forward (int8 activations per
+    token, coarser than hloserve's blocks of 32); the artifact's weights at most 0.35x of the model's
+    bf16 bytes for W4A16 (issue #40).
+
+    Four windows, not one: a window's perplexity moves by up to 1.6% either way with the order of the
+    f32 sums alone. Kernel and decomposition agree per call to ~1e-6 (the contract's "any
+    association"), but every quantized linear rounds its input to int8, so a last-bit difference flips
+    some roundings and 30 layers carry that on: W4A16, first window, 8.90 with this CPU's kernels,
+    9.03 with quant_linear's decomposition, 9.00 with paged attention's, transformers 9.05; over the
+    4 windows -0.5% to +0.1% of transformers' on every such path (Xeon with AMX, 2026-11-29)."""
     import tokenizers
     import transformers
 
@@ -367,23 +375,28 @@ def test_smollm2_perplexity_matches_transformers(scheme, bound, tmp_path):
     export_artifact(str(tmp_path / "art"), [e for e in src.entries if e.name == "decode"], source=f"smollm2 {scheme}",
                     model=src.model, files=src.files, weight_quant=src.weight_quant)
     with open(os.path.join(REPO, "tests", "data", "web_genesis.txt")) as f:
-        ids = tokenizers.Tokenizer.from_str(gg.tokenizer_json).encode(f.read()).ids[:256]
+        ids = tokenizers.Tokenizer.from_str(gg.tokenizer_json).encode(f.read()).ids
+    windows = [ids[i * 256:(i + 1) * 256] for i in range(4)]
     art = load(str(tmp_path / "art"), buckets={"num_tokens": [256], "num_seqs": [256], "max_blocks": [16]})
     spec = LLMSpec.from_json(art.manifest.model["llm"])
     table = list(range(1, 17))                       # one block table; token i is the last of its own "sequence"
-    inputs = pack_step([([t], i, table) for i, t in enumerate(ids)], spec.block_size)
-    cache = np.zeros(spec.kv_cache.concrete_shape(17), spec.kv_cache.numpy_dtype)
-    ours = np.asarray(art.functions["decode"](**inputs, kv_cache=cache)["logits"], np.float64)     # [256, V]
     refs = {"transformers": _transformers_load(path)}
     if scheme == "w8a8":   # transformers' W8A8 forward quantizes activations per token; the same weights without that
         refs["float activations"] = _reference(path, scheme, contract=False)
-    with torch.no_grad():
-        theirs = {k: _perplexity(m(torch.tensor([ids])).logits[0].double().numpy(), ids) for k, m in refs.items()}
-    ppl = _perplexity(ours, ids)
+    ours, nll = [], {k: [] for k in refs}
+    for w in windows:
+        inputs = pack_step([([t], i, table) for i, t in enumerate(w)], spec.block_size)
+        cache = np.zeros(spec.kv_cache.concrete_shape(17), spec.kv_cache.numpy_dtype)
+        ours.append(_nll(np.asarray(art.functions["decode"](**inputs, kv_cache=cache)["logits"], np.float64), w))
+        with torch.no_grad():
+            for k, m in refs.items():
+                nll[k].append(_nll(m(torch.tensor([w])).logits[0].double().numpy(), w))
+    theirs = {k: float(np.exp(np.concatenate(v).mean())) for k, v in nll.items()}
+    ppl = float(np.exp(np.concatenate(ours).mean()))
     size = os.path.getsize(tmp_path / "art" / "weights.safetensors") / (2 * n_params)
     print(f"SmolLM2 {scheme} + int8 table: perplexity {ppl:.4f} ({theirs}), weights {size:.3f}x of bf16")
     # against the checkpoint's weights with float activations: hloserve's int8 activations (per block of
-    # 32) and its int8 table cost < 1%. W8A8's own per-token int8 activations cost more (measured +5.6%)
+    # 32) and its int8 table cost < 1%. W8A8's own per-token int8 activations cost more (measured +3.5%)
     # than hloserve's finer blocks: never worse than transformers' W8A8 forward
     assert abs(ppl / theirs.get("float activations", theirs["transformers"]) - 1) < 0.01, (ppl, theirs)
     assert ppl < 1.01 * theirs["transformers"], (ppl, theirs)
@@ -398,8 +411,8 @@ def test_smollm2_perplexity_matches_transformers(scheme, bound, tmp_path):
     assert size <= bound, size
 
 
-def _perplexity(logits: np.ndarray, ids: list[int]) -> float:
-    """exp of the mean negative log-likelihood of ids[1:] under logits[:-1] ([T, V], float64)."""
+def _nll(logits: np.ndarray, ids: list[int]) -> np.ndarray:
+    """Negative log-likelihoods of ids[1:] under logits[:-1] ([T, V], float64)."""
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-    return float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean()))
+    return -logp[np.arange(len(ids) - 1), ids[1:]]
