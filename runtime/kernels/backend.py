@@ -25,7 +25,8 @@ class Specialized:
     kernels: how many composites run as kernels.
     per_shape: for backends whose kernels compile per static shape (Pallas), avals -> the function
       at those shapes with its kernels linked in; None otherwise.
-    digest: identifies the kernels' code (part of the executable-cache key); None without kernels.
+    digest: identifies the kernels' code, and (CPU) which composites call them up to how many rows
+      (part of the executable-cache key); None without kernels.
     """
     exported: Any
     kernels: int = 0

@@ -428,6 +428,23 @@ def test_quant_linear_kernel_reads_only_its_layer_and_needs_whole_vectors(librar
     assert specialize(_quant_exported(q16, 4, 16), library)[1] == 0
 
 
+def test_the_cache_key_names_what_each_composite_runs(library, monkeypatch):
+    """The executable-cache key's kernel part (Specialized.digest) follows which kernels the
+    composites call up to how many rows, not only the kernels' code: an executable compiled before a
+    row limit or an `accepts` changed in targets.py is not found again (it would keep the old choice)."""
+    from hloserve.runtime.artifact.kernels import QUANT_LINEAR
+    q, scheme, group = _quantized_stack(np.random.default_rng(5), "int4:32", 3, 8, 64)
+    exp = _quant_exported(q, scheme.bits, group)
+    first = library.specialize(exp).digest
+    assert first is not None and library.specialize(exp).digest == first
+    row = TARGETS[QUANT_LINEAR.key]
+    monkeypatch.setitem(TARGETS, QUANT_LINEAR.key, dataclasses.replace(row, max_rows=lambda cpu: 7))
+    limited = library.specialize(exp)
+    assert limited.kernels == 1 and limited.digest not in (first, None)
+    monkeypatch.setitem(TARGETS, QUANT_LINEAR.key, dataclasses.replace(row, accepts=lambda attrs: False))
+    assert library.specialize(exp).digest is None
+
+
 def test_block_table_entries_outside_the_cache_are_an_error_not_a_read(library):
     """A table entry >= the cache's block count (or negative) in a block a token reads answers an
     error naming it; the same entry in a block no token reads (past its context) is not read."""

@@ -14,6 +14,8 @@ the function is compiled for a shape (XLA keeps only the branch taken).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from typing import Any
 
 from ..backend import Specialized
@@ -38,6 +40,7 @@ class CpuBackend:
     def specialize(self, exported: Any) -> Specialized:
         used = 0
         cpu = build.cpu()
+        choices = []   # per composite: the kernel it may run (or none) and up to how many rows
 
         def replace(op, api) -> bool:
             nonlocal used
@@ -45,16 +48,25 @@ class CpuBackend:
             target = TARGETS.get(info.key)
             with api.ir.InsertionPoint(op):
                 if target is None or not target.accepts(info.attributes):
+                    choices.append([*info.key, None, None])
                     swap(op, decomposition_call(api, op))
                     return True
                 limit = target.limit(cpu, info.attributes, _shapes(api, info.operands))
                 new, ran = _kernel_or_decomposition(api, op, info.operands, info.config, target, limit)
+            choices.append([*info.key, target.symbol if ran else None, limit])
             used += ran
             swap(op, new)
             return True
 
         fn, _ = rewrite(exported, replace)
-        return Specialized(fn, used, digest=self.library.digest if used else None)
+        return Specialized(fn, used, digest=_digest(self.library, choices) if used else None)
+
+
+def _digest(library: Library, choices: list) -> str:
+    """The executable-cache key's part for the kernels: their code and, since the function file
+    alone does not say it, which composites call them up to how many rows (targets.py's table on
+    this CPU: a changed row limit or `accepts` must not find the executable compiled before)."""
+    return hashlib.sha256(json.dumps([library.digest, choices]).encode()).hexdigest()
 
 
 def _shapes(api, operands) -> tuple:
