@@ -22,6 +22,27 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// A row of the cache into L1 ahead of its use: every 64-byte line it touches. Decode reads each
+// sequence's blocks in table order, a few KiB each, scattered over the cache: the hardware
+// prefetchers barely start on one block before the next, so without this the loop waits on memory
+// for each row (docs/performance.md, "Decode attention at 16 sequences").
+template <Kind K>
+constexpr int64_t elem_size = K == Kind::kF32 ? 4 : int8_rows<K> ? 1 : 2;
+
+inline void prefetch_bytes(const void* base, int64_t at, int64_t bytes) {
+  const char* p = static_cast<const char*>(base) + at;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+  if (bytes % 64 != 0) __builtin_prefetch(p + bytes - 1, 0, 3);   // a row that ends mid-line
+}
+
+template <Kind K, int64_t R>
+inline void prefetch_row(const void* cache, int64_t off) {
+  prefetch_bytes(cache, off * elem_size<K>, R * elem_size<K>);    // R known: the loop unrolls
+}
+
+// Rows this many positions ahead are prefetched: ~2 blocks of 16, about a memory latency of work.
+constexpr int64_t kPrefetchRows = 32;
+
 // D and G known at compile time: the per-position loops unroll and the accumulators stay in
 // registers; a K or V row is widened once and used by every query head of its group.
 template <Kind K, int G, int D>
@@ -29,6 +50,15 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
                   int64_t begin, int64_t end, int64_t BS, float scale, float softcap, float* scores, float* out) {
   const int64_t n = end - begin;
   constexpr int64_t R = D + row_extra<K>;  // elements per cache row
+  // each position's row in a (layer, K|V, head) plane, found once for K and V alike (no division
+  // per position), and kPrefetchRows more entries so the prefetches past the end read a valid row
+  thread_local std::vector<int64_t> rows;
+  rows.resize(n + kPrefetchRows);
+  for (int64_t c = begin, b = begin / BS, o = begin % BS; c < end; ++c) {
+    rows[c - begin] = (static_cast<int64_t>(table[b]) * BS + o) * R;
+    if (++o == BS) o = 0, ++b;
+  }
+  std::fill(rows.begin() + n, rows.end(), rows[n - 1]);
   float qs[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) qs[g][d] = q[g * D + d] * scale;
@@ -47,6 +77,7 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
       qsum[g] = _mm512_set1_ps(t);
     }
     alignas(64) float rsa[16], rza[16];
+    for (int64_t i = 0; i < kPrefetchRows && i < n; ++i) prefetch_row<K, R>(cache, kbase + rows[i]);
     for (int64_t c0 = begin; c0 < end; c0 += 16) {
       const int nb = static_cast<int>(std::min<int64_t>(16, end - c0));
       for (int p = 0; p < 16; ++p) {
@@ -56,7 +87,8 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
           continue;
         }
         const int64_t c = c0 + p;
-        const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
+        const int64_t off = kbase + rows[c - begin];
+        prefetch_row<K, R>(cache, kbase + rows[c - begin + kPrefetchRows]);
         __m512 kv[V];
         for (int v = 0; v < V; ++v) kv[v] = load16<K>(cache, off + 16 * v);
         rsa[p] = row_scale<K>(cache, off, D);
@@ -120,8 +152,10 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
     for (int g = 0; g < G; ++g)
       HLOSERVE_UNROLL
       for (int v = 0; v < V; ++v) vacc[g][v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kPrefetchRows && i < n; ++i) prefetch_row<K, R>(cache, vbase + rows[i]);
     for (int64_t c = begin; c < end; ++c) {
-      const int64_t off = vbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
+      const int64_t off = vbase + rows[c - begin];
+      prefetch_row<K, R>(cache, vbase + rows[c - begin + kPrefetchRows]);
       const float rs = row_scale<K>(cache, off, D), rz = row_zero<K>(cache, off, D);
       __m512 vv[V];
       HLOSERVE_UNROLL
@@ -253,6 +287,11 @@ void attend_tile(const float* q, float* out, int64_t stride, int64_t ntok, const
   const int64_t R = D + row_extra<K>;                                    // elements per cache row
   for (int64_t c = lo; c < hi; ++c) {                                   // widen (dequantize) each row once
     const int64_t slot = static_cast<int64_t>(table[c / BS]) * BS + c % BS;
+    if (const int64_t a = c + kPrefetchRows; a < hi) {                   // a row ahead (see prefetch_row)
+      const int64_t ahead = static_cast<int64_t>(table[a / BS]) * BS + a % BS;
+      prefetch_bytes(cache, (kbase + ahead * R) * elem_size<K>, R * elem_size<K>);
+      prefetch_bytes(cache, (vbase + ahead * R) * elem_size<K>, R * elem_size<K>);
+    }
     const int64_t koff = kbase + slot * R, voff = vbase + slot * R;
     const float ks = row_scale<K>(cache, koff, D), vs = row_scale<K>(cache, voff, D);
     const float kz = row_zero<K>(cache, koff, D), vz = row_zero<K>(cache, voff, D);

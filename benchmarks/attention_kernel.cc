@@ -1,0 +1,53 @@
+// The paged-attention kernel's decode path alone (docs/performance.md, "Decode attention at 16
+// sequences"): S sequences of C cached tokens each, one query token each, every layer's K and V
+// planes in a cache larger than the last-level cache with each sequence's blocks scattered (as a
+// served cache's are), one thread, the fastest of R rounds; then the bytes read per second.
+// Built against jaxlib's FFI headers:
+//
+//   g++ -O3 -march=native -fopenmp-simd -std=c++17 -I $(python -c "import jax; print(jax.ffi.include_dir())") \
+//       benchmarks/attention_kernel.cc -o /tmp/attention_kernel && /tmp/attention_kernel [S C LAYERS]
+//
+// Defaults: SmolLM2-135M's attention (3 KV heads of 3 query heads, head_dim 64, blocks of 16,
+// 30 layers, bf16 cache) at 16 sequences of 300 tokens: a c=16 decode step's attention.
+#include "../runtime/kernels/cpu/paged_attention_float.cc"
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <numeric>
+#include <random>
+using namespace hloserve;
+using namespace hloserve::paged;
+constexpr int KV = 3, G = 3, D = 64, BS = 16;
+int main(int argc, char** argv) {
+  const int64_t S = argc > 1 ? atoi(argv[1]) : 16, C = argc > 2 ? atoi(argv[2]) : 300,
+                L = argc > 3 ? atoi(argv[3]) : 30;
+  const int64_t B = (C + BS - 1) / BS, N = 1 + S * B;            // blocks a sequence holds; the cache's
+  std::mt19937 rng(1);
+  std::vector<uint16_t> cache(static_cast<size_t>(L) * 2 * KV * N * BS * D);
+  for (auto& v : cache) {   // bf16 bits of a value in [-1, 1)
+    const float f = (rng() % 2000) / 1000.f - 1.f;
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    v = static_cast<uint16_t>(u >> 16);
+  }
+  std::vector<int32_t> ids(N - 1);
+  std::iota(ids.begin(), ids.end(), 1);
+  std::shuffle(ids.begin(), ids.end(), rng);                      // each sequence's blocks scattered
+  std::vector<float> q(S * KV * G * D), out(S * KV * G * D), scores(G * C);
+  for (auto& v : q) v = (rng() % 2000) / 1000.f - 1.f;
+  const int64_t plane = N * BS * D;
+  using clock = std::chrono::steady_clock;
+  double best = 1e9;
+  for (int r = 0; r < 15; ++r) {
+    const auto t0 = clock::now();
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t h = 0; h < KV; ++h)
+          attend<Kind::kBF16>(q.data() + (s * KV + h) * G * D, cache.data(), ((l * 2 + 0) * KV + h) * plane,
+                              ((l * 2 + 1) * KV + h) * plane, ids.data() + s * B, 0, C, BS, D, G, 0.125f, 0.f,
+                              scores.data(), out.data() + (s * KV + h) * G * D);
+    best = std::min(best, std::chrono::duration<double, std::milli>(clock::now() - t0).count());
+  }
+  const double bytes = 2.0 * L * S * KV * C * D * 2;
+  printf("S=%ld C=%ld layers=%ld: %.2f ms (one thread), %.1f GB/s of K and V read\n", S, C, L, best, bytes / best / 1e6);
+}
