@@ -59,7 +59,42 @@ double run(int64_t S, int64_t C, int64_t L) {
   return best;
 }
 
+// A prompt chunk's tile: the last 16 tokens of a C-token prompt, each seeing the positions up to
+// its own, through the tile kernel (attend_tile), every layer and KV head; GFLOP/s of q.k and p.v.
+double chunk_gflops(int64_t C, int64_t L) {
+  const int64_t B = (C + BS - 1) / BS, N = 1 + B;
+  std::mt19937 rng(2);
+  std::vector<uint16_t> cache(static_cast<size_t>(L) * 2 * KV * N * BS * D);
+  for (auto& v : cache) v = static_cast<uint16_t>(0x3c00 + rng() % 0x200);   // bf16 values in [2^-7, 2^-6)
+  std::vector<int32_t> ids(B);
+  std::iota(ids.begin(), ids.end(), 1);
+  constexpr int64_t T = 16;
+  std::vector<float> q(T * KV * G * D), out(T * KV * G * D);
+  for (auto& v : q) v = (rng() % 2000) / 1000.f - 1.f;
+  std::vector<int64_t> begins(T, 0), ends(T);
+  double flops = 0;
+  for (int64_t t = 0; t < T; ++t) ends[t] = C - T + t + 1, flops += 4.0 * ends[t] * G * D;
+  const int64_t plane = N * BS * D;
+  using clock = std::chrono::steady_clock;
+  double best = 1e9;
+  for (int r = 0; r < 7; ++r) {
+    const auto t0 = clock::now();
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t h = 0; h < KV; ++h)
+        attend_tile<Kind::kBF16>(q.data() + h * G * D, out.data() + h * G * D, KV * G * D, T, begins.data(),
+                                 ends.data(), cache.data(), ((l * 2 + 0) * KV + h) * plane,
+                                 ((l * 2 + 1) * KV + h) * plane, ids.data(), BS, D, G, 0.125f, 0.f);
+    best = std::min(best, std::chrono::duration<double, std::milli>(clock::now() - t0).count());
+  }
+  return flops * L * KV / best / 1e6;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "chunk") {
+    const int64_t C = argc > 2 ? atoi(argv[2]) : 1800;
+    printf("chunk tile: 16 tokens at %ld, 30 layers: %.1f GFLOP/s (one thread)\n", C, chunk_gflops(C, 30));
+    return 0;
+  }
   const int64_t S = argc > 1 ? atoi(argv[1]) : 16, C = argc > 2 ? atoi(argv[2]) : 300,
                 L = argc > 3 ? atoi(argv[3]) : 30;
   const bool int8 = argc > 4 && std::string(argv[4]) == "int8";

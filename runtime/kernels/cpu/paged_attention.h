@@ -254,11 +254,62 @@ void attend(const float* q, const void* cache, int64_t kbase, int64_t vbase, con
 constexpr int kTileTokens = 16;  // query tokens per work item
 constexpr int kLanes = 16;       // rows per score vector
 constexpr int kPosBlock = 8;     // positions per score register block
-constexpr int kRowBlock = 4;     // rows per output register block
-constexpr int kDimBlock = 32;    // head dims per output register block
+constexpr int kDimBlock = 8;     // head dims per output register block
+#if defined(__AVX512F__)
+constexpr int kGroups = 3;       // vectors of rows per register block (up to 48 rows: 24 of 32 registers)
+#else
+constexpr int kGroups = 1;       // 16 ymm registers: one vector of rows (2 ymm) x 8
+#endif
+
+// s[c][r] = sum_d k[c][d] * qt[d][r] for RG vectors of rows from r0 and kPosBlock positions from c0:
+// each k element is broadcast once against RG row vectors (sums over d in order, as ever)
+template <int RG>
+inline void score_block(const float* kf, const float* qt, int64_t D, int64_t RP, int64_t r0, int64_t c0, float* st) {
+  float acc[kPosBlock][RG][kLanes] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float* qv = qt + d * RP + r0;
+    HLOSERVE_UNROLL
+    for (int i = 0; i < kPosBlock; ++i) {
+      const float kv = kf[(c0 + i) * D + d];
+      HLOSERVE_UNROLL
+      for (int g = 0; g < RG; ++g)
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) acc[i][g][l] += kv * qv[g * kLanes + l];
+    }
+  }
+  for (int i = 0; i < kPosBlock; ++i)
+    for (int g = 0; g < RG; ++g)
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) st[(c0 + i) * RP + r0 + g * kLanes + l] = acc[i][g][l];
+}
+
+// o[d][r] = sum_c p[c][r] * v[c][d] for RG vectors of rows from r0 and kDimBlock dims from d0, rows
+// across lanes (p[c][r0...] is contiguous in s): each v element is broadcast once against RG row
+// vectors (sums over c in order, as ever)
+template <int RG>
+inline void value_block(const float* st, const float* vf, int64_t n, int64_t DP, int64_t RP, int64_t r0, int64_t d0,
+                        float* ot) {
+  float acc[kDimBlock][RG][kLanes] = {};
+  for (int64_t c = 0; c < n; ++c) {
+    const float* pc = st + c * RP + r0;
+    const float* vr = vf + c * DP + d0;
+    HLOSERVE_UNROLL
+    for (int j = 0; j < kDimBlock; ++j) {
+      const float v = vr[j];
+      HLOSERVE_UNROLL
+      for (int g = 0; g < RG; ++g)
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) acc[j][g][l] += v * pc[g * kLanes + l];
+    }
+  }
+  for (int j = 0; j < kDimBlock; ++j)
+    for (int g = 0; g < RG; ++g)
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) ot[(d0 + j) * RP + r0 + g * kLanes + l] = acc[j][g][l];
+}
 
 struct TileScratch {
-  std::vector<float> k, v, qt, s, inv;
+  std::vector<float> k, v, qt, s, o, inv;
   std::vector<int32_t> lo, hi;
 };
 
@@ -276,10 +327,14 @@ void attend_tile(const float* q, float* out, int64_t stride, int64_t ntok, const
   const int64_t n = hi - lo;
   const int64_t NP = (n + kPosBlock - 1) / kPosBlock * kPosBlock;       // positions padded to blocks
   const int64_t DP = (D + kDimBlock - 1) / kDimBlock * kDimBlock;       // V rows padded to dim blocks
-  w.k.assign(NP * D, 0.f);
-  w.v.assign(n * DP, 0.f);
+  // every element read is written below, but for the padding: K's rows past n, V's dims past D
+  // (zeroing the whole scratch each tile was 7% of a long chunk's attention)
+  w.k.resize(NP * D);
+  std::fill(w.k.begin() + n * D, w.k.begin() + NP * D, 0.f);
+  w.v.resize(n * DP);
   w.qt.assign(D * RP, 0.f);
   w.s.resize(NP * RP);
+  w.o.resize(DP * RP);
   w.inv.assign(RP, 0.f);
   w.lo.assign(RP, 0);
   w.hi.assign(RP, 0);                                                    // padded rows see nothing
@@ -302,6 +357,7 @@ void attend_tile(const float* q, float* out, int64_t stride, int64_t ntok, const
     for (int64_t d = 0; d < D; ++d) kr[d] = (load<K>(cache, koff + d) - kz) * ks;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) vr[d] = (load<K>(cache, voff + d) - vz) * vs;
+    std::fill(vr + D, vr + DP, 0.f);
   }
   for (int64_t t = 0; t < ntok; ++t)
     for (int64_t g = 0; g < G; ++g) {
@@ -310,23 +366,16 @@ void attend_tile(const float* q, float* out, int64_t stride, int64_t ntok, const
       w.lo[r] = static_cast<int32_t>(std::max<int64_t>(begins[t] - lo, 0));
       w.hi[r] = static_cast<int32_t>(std::max<int64_t>(ends[t] - lo, 0));
     }
-  // s[c][r] = sum_d k[c][d] * qt[d][r]: kPosBlock x kLanes accumulators
+  // s[c][r] = sum_d k[c][d] * qt[d][r]: kPosBlock x up to kGroups vectors of rows
   float* st = w.s.data();
-  for (int64_t r0 = 0; r0 < RP; r0 += kLanes)
+  for (int64_t r0 = 0; r0 < RP; r0 += kGroups * kLanes) {
+    const int64_t groups = std::min<int64_t>(kGroups, (RP - r0) / kLanes);
     for (int64_t c0 = 0; c0 < NP; c0 += kPosBlock) {
-      float acc[kPosBlock][kLanes] = {};
-      for (int64_t d = 0; d < D; ++d) {
-        const float* qv = w.qt.data() + d * RP + r0;
-        for (int i = 0; i < kPosBlock; ++i) {
-          const float kv = kf[(c0 + i) * D + d];
-#pragma omp simd
-          for (int l = 0; l < kLanes; ++l) acc[i][l] += kv * qv[l];
-        }
-      }
-      for (int i = 0; i < kPosBlock; ++i)
-#pragma omp simd
-        for (int l = 0; l < kLanes; ++l) st[(c0 + i) * RP + r0 + l] = acc[i][l];
+      if (groups == 3) score_block<3>(kf, w.qt.data(), D, RP, r0, c0, st);
+      else if (groups == 2) score_block<2>(kf, w.qt.data(), D, RP, r0, c0, st);
+      else score_block<1>(kf, w.qt.data(), D, RP, r0, c0, st);
     }
+  }
   // softcap, mask, softmax over c: vertical, one lane per row
   const int32_t* rlo = w.lo.data();
   const int32_t* rhi = w.hi.data();
@@ -355,25 +404,22 @@ void attend_tile(const float* q, float* out, int64_t stride, int64_t ntok, const
     }
     for (int l = 0; l < kLanes; ++l) w.inv[r0 + l] = sum[l] > 0.f ? 1.f / sum[l] : 0.f;
   }
-  // out[r][d] = inv[r] * sum_c p[c][r] * v[c][d]: kRowBlock x kDimBlock accumulators
-  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
+  // out[r][d] = inv[r] * sum_c p[c][r] * v[c][d], computed transposed (o[d][r]) in blocks of
+  // kDimBlock dims x up to kGroups vectors of rows; padded rows' p are 0
+  float* ot = w.o.data();
+  for (int64_t r0 = 0; r0 < RP; r0 += kGroups * kLanes) {
+    const int64_t groups = std::min<int64_t>(kGroups, (RP - r0) / kLanes);
     for (int64_t d0 = 0; d0 < DP; d0 += kDimBlock) {
-      float acc[kRowBlock][kDimBlock] = {};
-      for (int64_t c = 0; c < n; ++c) {
-        const float* vr = vf + c * DP + d0;
-        const float* pc = st + c * RP + r0;                              // rows past `rows` are 0
-        for (int i = 0; i < kRowBlock; ++i) {
-          const float p = pc[i];
-#pragma omp simd
-          for (int l = 0; l < kDimBlock; ++l) acc[i][l] += p * vr[l];
-        }
-      }
-      for (int i = 0; i < kRowBlock && r0 + i < rows; ++i) {
-        const int64_t r = r0 + i, t = r / G, g = r % G;
-        float* o = out + t * stride + g * D;
-        for (int l = 0; l < kDimBlock && d0 + l < D; ++l) o[d0 + l] = acc[i][l] * w.inv[r];
-      }
+      if (groups == 3) value_block<3>(st, vf, n, DP, RP, r0, d0, ot);
+      else if (groups == 2) value_block<2>(st, vf, n, DP, RP, r0, d0, ot);
+      else value_block<1>(st, vf, n, DP, RP, r0, d0, ot);
     }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = r / G, g = r % G;
+    float* o = out + t * stride + g * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = ot[d * RP + r] * w.inv[r];
+  }
 }
 
 // Declared for every kind here, defined in the file compiling that kind (see the top of this file).
