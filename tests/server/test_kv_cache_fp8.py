@@ -26,8 +26,8 @@ from tests.server.test_kv_cache_int8 import _prompt_logprobs, _text_ids
 #   scales with the errors' RMS: int8's measured 0.0223 nats (tests/server/test_kv_cache_int8.py, same
 #   text, same procedure) times 0.0265 / 0.0055 = 4.86, i.e. 0.108 nats. Part of int8's 0.0223 is the
 #   served step's own rounding noise (its later bf16 roundings flipping), which does not grow with the
-#   cache's error: the bound is an upper estimate, and the measure is below it (docs/quantization.md,
-#   "fp8 KV cache").
+#   cache's error: the bound is an upper estimate. Measured 0.0821 nats (max 1.30), 2026-11-29, K/V
+#   rotated as int8's are, keys not smoothed (docs/quantization.md, "fp8 KV cache").
 E4M3_RMS_REL = 2.0 ** -3 / math.sqrt(12) * math.sqrt(3 / (8 * math.log(2)))
 INT8_ZP_RMS_REL = 2 * 2.41 / (255 * math.sqrt(12))
 INT8_MEASURED = 0.0223
@@ -56,7 +56,9 @@ def test_fp8_cache_scores_the_text_as_the_bf16_cache_does(artifacts):
     print(f"fp8_e4m3 vs bf16 cache: mean |d log p| {diff.mean():.4f} nats, max {diff.max():.3f}")
     assert np.isfinite(fp8).all()
     assert diff.mean() <= MAX_MEAN_DIFF, (diff.mean(), diff.max())
-    # a cache that dropped its scales, or read another row's, moves every token by O(1) nats
+    # a cache that dropped its scales, or read another row's, moves every token by O(1) nats (the mean
+    # above); the worst token moved 1.30 nats here (1.63 on another window of the text): 2 bounds
+    # a single token's outlier without being fitted to this export
     assert diff.max() < 2.0, diff.max()
 
 
