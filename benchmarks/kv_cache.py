@@ -1,8 +1,9 @@
 """KV cache dtype benchmark: decode time per output token (TPOT) at a long context, bf16 cache against
-int8 (`--kv-cache-dtype int8`), on the default model (SmolLM2-135M-Instruct) as `hloserve serve`
-exports it.
+int8 and fp8 (`--kv-cache-dtype int8`, `fp8_e4m3`), on the default model (SmolLM2-135M-Instruct) as
+`hloserve serve` exports it.
 
-    python benchmarks/kv_cache.py [--context 2000] [--batch 1,8] [--steps 64] [--rounds 8] [--also NAME=ARTIFACT]
+    python benchmarks/kv_cache.py [--context 2000] [--batch 1,8] [--steps 64] [--rounds 8] [--kv bfloat16,int8,fp8_e4m3]
+                                  [--also NAME=ARTIFACT]
 
 Each artifact's `decode` function is loaded through hloserve.runtime (the CPU attention kernel where
 it runs, as served), and every sequence of the batch decodes one token per step at positions
@@ -87,10 +88,15 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--kv", default="bfloat16,int8,fp8_e4m3",
+                    help="the --kv-cache-dtype exports to compare, bfloat16 first (the ratios' base)")
     ap.add_argument("--also", action="append", default=[], metavar="NAME=ARTIFACT",
                     help="another artifact of the same model to run interleaved (e.g. an older int8 export)")
     args = ap.parse_args(argv)
-    paths = {kv: serve_target(None, kv_cache_dtype=kv)[0] for kv in ("bfloat16", "int8")}
+    kvs = args.kv.split(",")
+    if kvs[0] != "bfloat16":
+        ap.error("--kv: list bfloat16 first (the ratios are to it)")
+    paths = {kv: serve_target(None, kv_cache_dtype=kv)[0] for kv in kvs}
     paths.update(a.split("=", 1) for a in args.also)
     report = {"context": args.context, "date": time.strftime("%Y-%m-%d")}
     for b in (int(x) for x in args.batch.split(",")):

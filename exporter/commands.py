@@ -152,7 +152,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         e.add_argument("--kv-cache-dtype", metavar="D",
                        help="LLMs: store K and V in D under float32 activations: bfloat16 or float16 (half the "
                             "cache memory and gather traffic), or int8 (quantized per token and KV head with a bf16 "
-                            "scale and an int8 zero point: about a quarter; docs/quantization.md); attention still computes in float32")
+                            "scale and an int8 zero point: about a quarter; docs/quantization.md), or fp8_e4m3 (alias "
+                            "fp8: float8 e4m3 values with a bf16 scale per token and KV head); attention still "
+                            "computes in float32")
         e.add_argument("--llm-step", choices=("auto", "generic", "none"), default="auto",
                        help="how a HF causal LM or a GGUF is exported: 'auto'/'generic' (the paged-cache step: the "
                             "model's own code through transformers' attention interface, layers scanned), 'none' "

@@ -22,6 +22,7 @@ from hloserve.quantization.convert import QuantRequest
 from hloserve.quantization.schemes import INT8, QuantConfig
 from hloserve.runtime.artifact.generation import GENERATION_CONFIG
 from hloserve.runtime.artifact.text import TOKENIZER
+from hloserve.runtime.artifact.llm import kv_cache_dtype_name
 
 from . import presets
 from ._private import drop_derived_ranges
@@ -43,8 +44,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # --llm-step: how a causal LM is exported ("none": its plain forward, served with the predict API)
 LLM_STEPS = ("auto", "generic", "none")
 LOW_DTYPES = ("bfloat16", "float16")
-# --kv-cache-dtype: a 16-bit float, or int8 (K/V quantized per token and KV head, docs/quantization.md)
-KV_CACHE_DTYPES = {**{d: DTYPES[d] for d in LOW_DTYPES}, "int8": torch.int8}
+# --kv-cache-dtype: a 16-bit float, or int8 / fp8_e4m3 (K/V quantized per token and KV head,
+# docs/quantization.md; "fp8", vLLM's alias, is fp8_e4m3: runtime.artifact.llm.KV_CACHE_DTYPE_ALIASES)
+KV_CACHE_DTYPES = {**{d: DTYPES[d] for d in LOW_DTYPES}, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def auto_dtypes(spec: str, dtype: str, weight_dtype: str | None,
@@ -96,6 +98,8 @@ def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = Non
                                     ("--kv-cache-dtype", kv_cache_dtype, "kv_dtype", KV_CACHE_DTYPES)):
         if value is None:
             continue
+        if table is KV_CACHE_DTYPES:
+            value = kv_cache_dtype_name(value)
         _check_stored_dtype(flag, value, dtype, table)
         llm[key] = table[value]
     if llm_step not in LLM_STEPS:
@@ -126,9 +130,6 @@ def load_source(spec: str, *, dtype: str = "float32", quantize: str | None = Non
 def _check_stored_dtype(flag: str, value: str, dtype: str, table: dict) -> None:
     """--weight-dtype / --kv-cache-dtype VALUE under --dtype DTYPE, or one line saying what is supported."""
     allowed = [d for d in table if d in LOW_DTYPES or table is KV_CACHE_DTYPES]
-    if value == "fp8_e4m3" and table is KV_CACHE_DTYPES:
-        raise SourceError(f"{flag} fp8_e4m3 is not implemented; use int8 (8 bits per value with a scale per token "
-                          f"and KV head, docs/quantization.md) or one of {allowed}")
     if value not in allowed or dtype != "float32":
         raise SourceError(f"{flag} {value!r} is not supported with --dtype {dtype}; use {' or '.join(allowed)} "
                           f"under --dtype float32 (or --dtype alone for one dtype throughout)")

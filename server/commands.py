@@ -96,9 +96,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
                          "`hloserve export --quantize` spec (int8, int4, ...)")
     sv.add_argument("--kv-cache-dtype", metavar="D",
                     help="LLM: how a GGUF file or preset exported here stores K and V: bfloat16 (the default "
-                         "model's default), float16 or int8 (per token and KV head: ~1.9x the blocks of bf16 in "
-                         "--kv-cache-mib; docs/quantization.md); with an artifact directory it must be how that "
-                         "artifact was exported")
+                         "model's default), float16, int8 or fp8_e4m3 (alias fp8) (per token and KV head: ~1.9x the "
+                         "blocks of bf16 in --kv-cache-mib; docs/quantization.md); with an artifact directory it "
+                         "must be how that artifact was exported")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--grpc-port", type=int, metavar="N",

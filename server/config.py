@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from hloserve.runtime.artifact.errors import HloserveError
 from hloserve.runtime.artifact.generation import (GENERATION_CONFIG, SAMPLING_FIELDS, read_generation_config,
                                                   sampling_fields)
-from hloserve.runtime.artifact.llm import LLMSpec
+from hloserve.runtime.artifact.llm import LLMSpec, kv_cache_dtype_name
 
 from .core.step_shapes import RunnerConfig
 from .core.sampling import SamplingParams
@@ -93,7 +93,7 @@ class ServeConfig:
         num_speculative_tokens is clamped to max_num_seqs - 1.
       lora_modules: LLM: (name, PEFT directory) of the LoRA adapters loaded at start into an artifact's
         adapter slots (vLLM's --lora-modules); a request picks one by its `model`.
-      kv_cache_dtype: LLM: how K and V are stored (--kv-cache-dtype: bfloat16, float16, int8), where
+      kv_cache_dtype: LLM: how K and V are stored (--kv-cache-dtype: bfloat16, float16, int8, fp8_e4m3 or fp8), where
         `serve` exports (the default model, a preset, a GGUF file); an artifact directory's must match
         (check_kv_cache). None: the export's default.
       async_scheduling: LLM: plan each step while the one before runs on the device (vLLM's
@@ -203,7 +203,7 @@ class ServeConfig:
         """--kv-cache-dtype against the artifact's cache: the cache's dtype is part of the exported step,
         so a mismatch is one line naming both and the export that gives it."""
         stored = llm.kv_cache.stored_name
-        if self.kv_cache_dtype is not None and stored != self.kv_cache_dtype:
+        if self.kv_cache_dtype is not None and stored != kv_cache_dtype_name(self.kv_cache_dtype):
             raise HloserveError(f"--kv-cache-dtype {self.kv_cache_dtype}: {path} was exported with a {stored} KV "
                                 f"cache; serve it without --kv-cache-dtype, or export it again with `hloserve export "
                                 f"SOURCE --kv-cache-dtype {self.kv_cache_dtype}`")

@@ -25,6 +25,7 @@ import time
 
 from hloserve.runtime.artifact import LLMArtifact
 from hloserve.runtime.artifact.errors import HloserveError
+from hloserve.runtime.artifact.llm import kv_cache_dtype_name
 from hloserve.runtime.paths import cache_dir, made_once
 
 from .config import SERVE_QUANTIZE, ServeConfig
@@ -44,7 +45,8 @@ DEFAULT_EXPORT_TAG = f"bf16-{EXPORT_STEP}"
 # --kv-cache-dtype -> its part of the cache tag where the stored format changed under the same flag:
 # int8 rows with a zero point since 2026-11-28, their keys smoothed (exporter/llm/kv_smooth.py) from
 # later that day, quantized from the f32 K/V (not from their bf16 rounding) since 2026-11-29 (an older
-# "kvint8", "kvint8zp" or "kvint8ks" export is never taken for one)
+# "kvint8", "kvint8zp" or "kvint8ks" export is never taken for one); fp8_e4m3 rows since 2026-11-29
+# ("kvfp8_e4m3")
 KV_EXPORT_TAGS = {"int8": "int8f"}
 log = logging.getLogger("hloserve.server")
 
@@ -54,6 +56,7 @@ def export_choice(quantize: str, *, default_model: bool, kv_cache_dtype: str | N
     D: the export's --kv-cache-dtype, None: bfloat16 with bf16 weights, the checkpoint's choice otherwise)."""
     if quantize == "auto":
         quantize = "bf16" if default_model else "gguf"
+    kv_cache_dtype = kv_cache_dtype_name(kv_cache_dtype)     # "fp8" and "fp8_e4m3": one export
     kv = () if kv_cache_dtype is None else ("--kv-cache-dtype", kv_cache_dtype)
     kv_tag = "" if kv_cache_dtype is None else f"kv{KV_EXPORT_TAGS.get(kv_cache_dtype, kv_cache_dtype.lower())}-"
     if quantize == "bf16":

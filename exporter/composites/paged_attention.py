@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import torch
-from hloserve.runtime.artifact.kernels import PAGED_ATTENTION, PAGED_ATTENTION_V2, Holds
+from hloserve.runtime.artifact.kernels import FP8_E4M3_MAX, PAGED_ATTENTION, PAGED_ATTENTION_V2, Holds
 from jax import lax
 
 from .. import _private
@@ -92,21 +92,66 @@ def quantize_int8_zp_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([q.to(torch.int32), *_scale_bytes(scale), z.to(torch.int32)], dim=-1).to(torch.int8)
 
 
-def int8_rows_values(rows: torch.Tensor, holds: int = Holds.INT8_ROWS) -> torch.Tensor:
-    """int8 rows [..., D + extra] -> their f32 values [..., D]: q * scale (INT8_ROWS) or
-    (q - zero) * scale (INT8_ZP_ROWS); the inverse of quantize_int8_rows / _zp_rows up to rounding."""
-    D = rows.shape[-1] - Holds(holds).row_extra
+def e4m3_codes(y: torch.Tensor) -> torch.Tensor:
+    """f32 values in [-448, 448] -> the bits of their float8 e4m3fn rounding (to nearest even) as int32
+    in [-128, 127] (the byte as int8). Integer arithmetic on the f32 bits, which the step's export
+    traces (no float8 dtype in its graph): a normal value keeps its top 3 mantissa bits, rounded, and
+    its exponent rebiased (127 -> 7); below 2^-6 (e4m3's subnormals) the code is round(|y| * 2^9)."""
+    a = y.abs()
+    bits = a.view(torch.int32)
+    normal = torch.bitwise_right_shift(bits + 0x7FFFF + (torch.bitwise_right_shift(bits, 20) & 1), 20) - (120 << 3)
+    mag = torch.where(a < 2.0 ** -6, torch.round(a * 512).to(torch.int32), normal)
+    return torch.where(y < 0, mag - 128, mag)                            # the sign bit: 0x80 | mag as int8
+
+
+def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3fn bits (any integer dtype, the byte's low 8 bits) -> their f32 values; integer
+    arithmetic as e4m3_codes (a normal magnitude's bits moved into an f32's, its exponent rebiased;
+    a subnormal's mantissa times 2^-9)."""
+    b = codes.to(torch.int32) & 0xFF
+    mag = b & 0x7F
+    normal = (mag * 1048576 + (120 << 23)).view(torch.float32)           # (mag << 20) + (120 << 23)
+    value = torch.where(mag < 8, mag.float() * 2.0 ** -9, normal)
+    return torch.where(b >= 128, -value, value)
+
+
+def quantize_fp8_e4m3_rows(x: torch.Tensor) -> torch.Tensor:
+    """K or V rows [..., D] -> int8 [..., D + 2] (runtime/artifact/kernels.py FP8_E4M3_ROW): per row (one
+    token, one KV head) scale = bf16(max|x| / 448), f = e4m3(clip(x / scale, -448, 448)) stored as its
+    bits, then the scale's two bytes, low then high (arithmetic only: the step's export traces it)."""
+    x = x.float()
+    scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_E4M3_MAX).to(torch.bfloat16)
+    s = scale.float()
+    y = (x / torch.where(s > 0, s, torch.ones_like(s))).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return torch.cat([e4m3_codes(y), *_scale_bytes(scale)], dim=-1).to(torch.int8)
+
+
+def _row_scale(rows: torch.Tensor, D: int) -> torch.Tensor:
+    """The bf16 scale stored in bytes D, D + 1 of each row, as f32 [..., 1]."""
     low, high = rows[..., D:D + 1].to(torch.int32) & 0xFF, rows[..., D + 1:D + 2].to(torch.int32)
-    scale = (high * 16777216 + low * 65536).view(torch.float32)           # the bf16 bits as the top of an f32
+    return (high * 16777216 + low * 65536).view(torch.float32)           # the bf16 bits as the top of an f32
+
+
+def int8_rows_values(rows: torch.Tensor, holds: int = Holds.INT8_ROWS) -> torch.Tensor:
+    """Quantized rows [..., D + extra] -> their f32 values [..., D]: q * scale (INT8_ROWS),
+    (q - zero) * scale (INT8_ZP_ROWS) or e4m3(f) * scale (FP8_E4M3_ROWS); the inverse of
+    quantize_int8_rows / _zp_rows / quantize_fp8_e4m3_rows up to rounding."""
+    D = rows.shape[-1] - Holds(holds).row_extra
+    scale = _row_scale(rows, D)
+    if holds == Holds.FP8_E4M3_ROWS:
+        return e4m3_values(rows[..., :D]) * scale
     q = rows[..., :D].float()
     if holds == Holds.INT8_ZP_ROWS:
         q = q - rows[..., D + 2:D + 3].float()
     return q * scale
 
 
+QUANT_ROWS = (Holds.INT8_ROWS, Holds.INT8_ZP_ROWS, Holds.FP8_E4M3_ROWS)   # quantized rows: values and a scale
+
+
 def cache_values(cache: torch.Tensor, holds: int) -> torch.Tensor:
     """A cache (or rows gathered from one) as f32 values, whatever `holds` says it stores."""
-    if holds in (Holds.INT8_ROWS, Holds.INT8_ZP_ROWS):
+    if holds in QUANT_ROWS:
         return int8_rows_values(cache, holds)
     if holds and cache.dtype == torch.int16:
         cache = cache.view(getattr(torch, Holds(holds).dtype_name))
@@ -154,10 +199,14 @@ def _(cache, layer, kv, blocks):
 
 
 def int8_values(rows, holds: int):
-    """jax: int8 rows [..., D + extra] -> f32 values [..., D] (int8_rows_values' decomposition; the
-    Pallas kernels' dequantization too)."""
+    """jax: quantized rows [..., D + extra] -> f32 values [..., D] (int8_rows_values' decomposition; the
+    Pallas kernels' widen has its own copy). An fp8 row's bytes are bitcast to float8_e4m3fn and
+    converted: the plain StableHLO for it, which XLA fuses into the gather like the int8 widening."""
     D = rows.shape[-1] - Holds(holds).row_extra
     bits = rows[..., D + 1].astype(jnp.int32) * 16777216 + (rows[..., D].astype(jnp.int32) & 0xFF) * 65536
+    if holds == Holds.FP8_E4M3_ROWS:
+        q = lax.bitcast_convert_type(rows[..., :D], jnp.float8_e4m3fn).astype(jnp.float32)
+        return q * lax.bitcast_convert_type(bits, jnp.float32)[..., None]
     q = rows[..., :D].astype(jnp.float32)
     if holds == Holds.INT8_ZP_ROWS:
         q = q - rows[..., D + 2:D + 3].astype(jnp.float32)
@@ -201,13 +250,13 @@ def paged_attention_reference(q, kv_cache, layer, block_tables, seq_ids, positio
     transpose of the gathered context.
     """
     T, KV, G, D = q.shape
-    L, _, _, N, BS, R = kv_cache.shape                                    # R: D, or D + 2 / D + 3 (int8 rows)
+    L, _, _, N, BS, R = kv_cache.shape                                    # R: D, or D + 2 / D + 3 (int8, fp8 rows)
     B = block_tables.shape[1]
     C = B * BS
     blk = block_tables[seq_ids]                                           # [T, B]
     k = gather_blocks(kv_cache, layer, 0, blk).reshape(KV, T, C, R)       # [KV, T, C, R]
     v = gather_blocks(kv_cache, layer, 1, blk).reshape(KV, T, C, R)       # [KV, T, C, R]
-    if holds in (Holds.INT8_ROWS, Holds.INT8_ZP_ROWS):   # dequantized inside the gather's fusion
+    if holds in QUANT_ROWS:   # dequantized inside the gather's fusion
         k, v = int8_values(k, holds), int8_values(v, holds)
     elif holds:   # widened inside the gather: half the bytes read
         k = lax.bitcast_convert_type(k, held(holds)) if k.dtype != held(holds) else k

@@ -20,7 +20,7 @@ from ..composites import paged_attention as _ops  # noqa: F401 - registers torch
 from ..composites.paged_attention import cache_values, within_window
 from ..errors import SourceError
 from .kv_smooth import KV_SMOOTH, smooth_keys
-from .step import _MASKED, cache_holds, kv_rotation, paged_attention, write_kv
+from .step import _MASKED, QUANT_KV, cache_holds, kv_rotation, paged_attention, write_kv
 
 ATTN_NAME = "hloserve_paged"
 STEP_KWARG = "hloserve_step"
@@ -84,11 +84,11 @@ class StepState:
         softcap = float(softcap or 0.0)
         if self.observe is not None:
             self.observe(int(layer), q, k)
-        rot = kv_rotation(self.kv_dtype, D)                               # int8 K/V: stored rotated
+        rot = kv_rotation(self.kv_dtype, D)                               # int8 / fp8 K/V: stored rotated
         if rot is not None:
             q, k, v = q.float() @ rot, k.float() @ rot, v.float() @ rot
             q, k = smooth_keys(q, k, x.get(KV_SMOOTH), layer)             # keys smoothed (kv_smooth.py)
-        kv_in = torch.float32 if rot is not None else self.dtype          # int8 rows: quantized from f32
+        kv_in = torch.float32 if self.kv_dtype in QUANT_KV else self.dtype   # int8 / fp8 rows: quantized from f32
         self.cache = write_kv(self.cache, layer.to(torch.int64), k.to(kv_in), v.to(kv_in),
                               x["slot_mapping"].to(torch.int64), self.kv_dtype)
 

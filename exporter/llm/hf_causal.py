@@ -48,7 +48,7 @@ from . import lora as lora_hooks
 from .attention import ATTN_NAME, STEP_KWARG, StepState, register_attention
 from .hf_files import TOKENIZER_FILES, text_spec
 from .lora import LoraRequest
-from .step import StepExportOptions, contract_entries, contract_spec
+from .step import SMOOTHED, StepExportOptions, contract_entries, contract_spec
 
 log = logging.getLogger("hloserve.export")
 
@@ -162,7 +162,7 @@ class HFStep(torch.nn.Module):
         if self.opts.lora is not None:    # lora_slots, then each target's A and B (LoraSpec.inputs)
             inputs.update(zip(self.opts.lora.inputs(), lora, strict=True))
         smooth = getattr(self.model, kv_smooth.KV_SMOOTH, None)
-        if smooth is not None and self.opts.kv_dtype == torch.int8:   # a weight the scanned body receives
+        if smooth is not None and self.opts.kv_dtype in SMOOTHED:   # a weight the scanned body receives
             inputs[kv_smooth.KV_SMOOTH] = smooth
         dtype = activation_dtype(self.model)
         step = StepState(self.layout, inputs, self.opts.kv_dtype, dtype)
@@ -409,7 +409,7 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
     g = geometry(model.config)
     max_pos = int(getattr(c, "max_position_embeddings", 4096) or 4096)
     opts = opts or StepExportOptions(max_context=min(max_pos, 32768), kv_dtype=kv_dtype)
-    if opts.kv_dtype == torch.int8:   # before the scan: the calibration step runs the layers unrolled, without adapters
+    if opts.kv_dtype in SMOOTHED:   # before the scan: the calibration step runs the layers unrolled, without adapters
         calibrate_kv_smoothing(model, opts, path)
     if lora_spec is not None:
         opts = dataclasses.replace(opts, lora=lora_spec)

@@ -45,7 +45,7 @@ from hloserve.runtime.artifact.llm import (DONATED, EXAMPLE_CACHE_BLOCKS, LORA_S
 
 from .. import dtypes
 from .._private import torch_scan
-from ..composites.paged_attention import quantize_int8_zp_rows, within_window
+from ..composites.paged_attention import quantize_fp8_e4m3_rows, quantize_int8_zp_rows, within_window
 from ..export import EntryPoint
 
 # Finite "minus infinity" for masked attention scores (f32): fully masked rows
@@ -54,29 +54,45 @@ _MASKED = -1e30
 
 
 
+# --kv-cache-dtype's quantized caches: the torch dtype its flag maps to -> (the composites' `holds`, the
+# manifest's kv_cache.quant, the writer of its rows)
+QUANT_KV = {torch.int8: (Holds.INT8_ZP_ROWS, "int8_zp", quantize_int8_zp_rows),
+            torch.float8_e4m3fn: (Holds.FP8_E4M3_ROWS, "fp8_e4m3", quantize_fp8_e4m3_rows)}
+
+
+# The quantized caches whose K and V are stored rotated (kv_rotation), and those whose keys are also
+# smoothed (exporter/llm/kv_smooth.py, in the rotated basis). Each kept where it measurably helps
+# (served, mean |log-prob difference| against the bf16 cache on two 1,500-token windows of
+# tests/data/web_genesis.txt, docs/quantization.md): int8 both; fp8 the rotation (none 0.0919 / 0.0867,
+# rotated 0.0821 / 0.0733) but not the smoothing (rotated and smoothed 0.0913 / 0.0791).
+ROTATED = frozenset(QUANT_KV)
+SMOOTHED = frozenset({torch.int8})
+
+
 def cache_holds(kv_dtype: torch.dtype | None, cache_dtype: torch.dtype) -> int:
     """The paged-attention composites' `holds` of the step's cache: int8 rows with a zero point
-    (Holds.INT8_ZP_ROWS) for an int8 `kv_dtype` (--kv-cache-dtype int8), else what a cache of that
-    float dtype holds."""
-    return int(Holds.INT8_ZP_ROWS) if kv_dtype == torch.int8 else holds_of(kv_dtype or cache_dtype)
+    (Holds.INT8_ZP_ROWS) for an int8 `kv_dtype` (--kv-cache-dtype int8), fp8 rows (FP8_E4M3_ROWS) for
+    float8_e4m3fn, else what a cache of that float dtype holds."""
+    return int(QUANT_KV[kv_dtype][0]) if kv_dtype in QUANT_KV else holds_of(kv_dtype or cache_dtype)
 
 
 def cache_storage(kv_dtype: torch.dtype | None, dtype: torch.dtype) -> tuple[torch.dtype, int]:
     """(storage dtype, bytes past head_dim per row) of the step's cache: int8 rows with their scale
-    and zero point (--kv-cache-dtype int8), int16 bits of a 16-bit float, or the model dtype itself."""
-    if kv_dtype == torch.int8:
-        return torch.int8, Holds.INT8_ZP_ROWS.row_extra
+    (and zero point) (--kv-cache-dtype int8, fp8_e4m3: both int8 storage), int16 bits of a 16-bit
+    float, or the model dtype itself."""
+    if kv_dtype in QUANT_KV:
+        return torch.int8, QUANT_KV[kv_dtype][0].row_extra
     return (torch.int16 if kv_dtype is not None else dtype), 0
 
 
 def kv_rotation(kv_dtype: torch.dtype | None, head_dim: int) -> torch.Tensor | None:
-    """The orthonormal Hadamard rotation an int8 cache's K and V are stored in, f32 [D, D], or None
-    (other caches). Rotating each head's q, k and v by the same orthonormal H keeps q.k and the
+    """The orthonormal Hadamard rotation an int8 or fp8 cache's K and V are stored in, f32 [D, D], or
+    None (other caches). Rotating each head's q, k and v by the same orthonormal H keeps q.k and the
     softmax (q H . k H = q . k) and out = (sum p v H) H^T; it spreads an outlier channel over the
     row, so the row's scale (its range / 255) no longer crushes the other channels (SmolLM2, symmetric
     rows: mean |log-prob difference| against a bf16 cache 0.039 -> 0.025, docs/quantization.md). Blocks of the
     largest power of two dividing D (Sylvester's construction): symmetric, so H^T = H."""
-    if kv_dtype != torch.int8:
+    if kv_dtype not in ROTATED:
         return None
     n = head_dim & -head_dim
     h = torch.ones(1, 1)
@@ -106,7 +122,8 @@ class StepExportOptions:
         takes the full step contract and is exact for any mix of sequences (see Layout.cost).
       kv_dtype: bfloat16/float16 K and V under float32 activations (LlamaStep); int8: K and V quantized
         per token and KV head (int8 rows with a bf16 scale and an int8 zero point, KVCacheSpec.quant
-        "int8_zp"); None: the model dtype.
+        "int8_zp"); float8_e4m3fn: the same as fp8 e4m3 values with a bf16 scale ("fp8_e4m3"); None:
+        the model dtype.
       lora: adapter slots (the step takes their inputs after kv_cache; exporter/llm/lora.py), or None.
     """
     block_size: int = 16
@@ -165,12 +182,13 @@ def contract_spec(opts: StepExportOptions, dtype: torch.dtype, *, num_layers: in
                   vocab_size: int, bos_token_id: int | None, eos_token_ids, model: ModelFacts,
                   tensor_parallel: TensorParallelSpec | None = None) -> LLMSpec:
     """The step's contract (the manifest's model["llm"], written by export_artifact) built with `opts` (the cache holds int16 bits of
-    opts.kv_dtype when set, int8 rows when it is int8, else `dtype`); `model` adds the architecture facts."""
+    opts.kv_dtype when set, int8 rows when it is int8 or float8_e4m3fn, else `dtype`); `model` adds the
+    architecture facts."""
     stored, extra = cache_storage(opts.kv_dtype, dtype)
-    bits = opts.kv_dtype is not None and opts.kv_dtype != torch.int8
+    bits = opts.kv_dtype is not None and opts.kv_dtype not in QUANT_KV
     kv = KVCacheSpec(dtype=dtypes.artifact_name_of_torch(stored),
                      holds=dtypes.artifact_name_of_torch(opts.kv_dtype) if bits else None,
-                     quant="int8_zp" if opts.kv_dtype == torch.int8 else None,
+                     quant=QUANT_KV[opts.kv_dtype][1] if opts.kv_dtype in QUANT_KV else None,
                      shape=(num_layers, 2, num_kv_heads, NUM_BLOCKS, opts.block_size, head_dim + extra))
     return LLMSpec(block_size=opts.block_size, max_blocks=opts.max_blocks, max_seqs=opts.max_seqs,
                    max_tokens=opts.max_tokens, vocab_size=vocab_size, bos_token_id=bos_token_id,
@@ -184,16 +202,17 @@ def write_kv(cache: torch.Tensor, layer: torch.Tensor, k: torch.Tensor, v: torch
     """The cache [L, 2, KV, N, BS, D] with this step's K and V ([T, KV, D] each) of layer `layer`
     (0-dim) written at `slots` [T] (block * BS + offset), in one scatter. With `kv_dtype` the cache
     holds int16 bits of that 16-bit float, or int8 rows with their scale and zero point (int8: each
-    token's K and V quantized per KV head here); otherwise values take the cache's dtype."""
-    L, _, KV, N, BS, D = cache.shape                                      # D: the row (head_dim + 3 for int8)
+    token's K and V quantized per KV head here), or fp8 rows with their scale (float8_e4m3fn, the
+    same way); otherwise values take the cache's dtype."""
+    L, _, KV, N, BS, D = cache.shape                                      # D: the row (head_dim + 3 for int8, + 2 fp8)
     T = k.shape[0]
     flat = cache.reshape(L, 2, KV, N * BS, D)                             # [L, 2, KV, N*BS, D]
     idx_l = layer.expand(2, T)                                            # [2, T]
     idx_kv = torch.arange(2, device=k.device)[:, None].expand(2, T)      # [2, T]: K or V
     idx_slot = slots[None, :].expand(2, T)                                # [2, T]
     values = torch.stack([k, v])                                          # [2, T, KV, head_dim]
-    if kv_dtype == torch.int8:
-        values = quantize_int8_zp_rows(values)                            # [2, T, KV, head_dim + 3]
+    if kv_dtype in QUANT_KV:
+        values = QUANT_KV[kv_dtype][2](values)                            # [2, T, KV, head_dim + 3 / + 2]
     elif kv_dtype is not None:
         values = values.to(kv_dtype).view(torch.int16)                    # the cache holds bits
     elif values.dtype != cache.dtype:

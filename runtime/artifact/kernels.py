@@ -20,17 +20,18 @@ class Holds(enum.IntEnum):
     """What the elements of a cache or weight stack are: the composites' `holds` attribute, also the
     C++ kernels' `Kind` (runtime/kernels/cpu/common.h; a test checks the two agree). 16-bit floats
     may be stored as their bits in an int16 buffer (an LLM step's KVCacheSpec.holds names them).
-    INT8_ROWS and INT8_ZP_ROWS are quantized KV caches (KVCacheSpec.quant "int8", "int8_zp"): paged
-    attention only."""
+    INT8_ROWS, INT8_ZP_ROWS and FP8_E4M3_ROWS are quantized KV caches (KVCacheSpec.quant "int8",
+    "int8_zp", "fp8_e4m3"): paged attention only."""
     OWN = 0     # the buffer's own dtype (f32)
     BF16 = 1    # bfloat16
     F16 = 2     # float16
     INT8_ROWS = 3   # int8 rows of head_dim + 2 bytes: the values, then the row's bf16 scale (INT8_ROW)
     INT8_ZP_ROWS = 4   # int8 rows of head_dim + 3 bytes: the values, the row's bf16 scale, its zero point (INT8_ZP_ROW)
+    FP8_E4M3_ROWS = 5  # rows of head_dim fp8 e4m3 bytes, then the row's bf16 scale (FP8_E4M3_ROW)
 
     @property
     def row_extra(self) -> int:
-        """Bytes a cache row holds past its head_dim elements (an int8 row's scale, and zero point)."""
+        """Bytes a cache row holds past its head_dim elements (an int8 or fp8 row's scale, and zero point)."""
         return _ROW_EXTRA.get(self, 0)
 
     @property
@@ -59,7 +60,7 @@ class Block(enum.IntEnum):
 
 
 _DTYPE_NAMES = {Holds.OWN: None, Holds.BF16: "bfloat16", Holds.F16: "float16", Holds.INT8_ROWS: None,
-                Holds.INT8_ZP_ROWS: None}
+                Holds.INT8_ZP_ROWS: None, Holds.FP8_E4M3_ROWS: None}
 
 # An int8 KV cache row (Holds.INT8_ROWS): one token's K or V of one KV head, head_dim int8 values q
 # then the bf16 bits of its scale s (little-endian, 2 bytes); the values are q * s, where
@@ -74,7 +75,16 @@ INT8_ROW_SCALE_BYTES = 2
 INT8_ZP_ROW = ("head_dim int8 values, the row's bf16 scale (2 bytes, little-endian), then its int8 zero point: "
                "x = (q - zero) * scale, per token and KV head")
 INT8_ZP_ROW_EXTRA = 3
-_ROW_EXTRA = {Holds.INT8_ROWS: INT8_ROW_SCALE_BYTES, Holds.INT8_ZP_ROWS: INT8_ZP_ROW_EXTRA}
+# An fp8 KV cache row (Holds.FP8_E4M3_ROWS, --kv-cache-dtype fp8_e4m3 since 2026-11-29): head_dim bytes,
+# each the bits of an OCP float8 e4m3fn value f (1 sign, 4 exponent bits of bias 7, 3 mantissa bits;
+# no infinities, 0x7F / 0xFF NaN, never written), then the bf16 bits of the row's scale s (2 bytes,
+# little-endian); the values are f * s, where s = bf16(max|x| / 448) (448: e4m3's largest value) and
+# f = e4m3(clip(x / s, -448, 448)), rounded to nearest even (s = 1 where the row is all zero).
+FP8_E4M3_ROW = ("head_dim float8 e4m3fn values (their bits), then the row's bf16 scale (2 bytes, little-endian): "
+                "x = f * scale, per token and KV head")
+FP8_E4M3_MAX = 448.0
+_ROW_EXTRA = {Holds.INT8_ROWS: INT8_ROW_SCALE_BYTES, Holds.INT8_ZP_ROWS: INT8_ZP_ROW_EXTRA,
+              Holds.FP8_E4M3_ROWS: INT8_ROW_SCALE_BYTES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +114,9 @@ PAGED_ATTENTION = Composite(
         "q f32[T, KV, G, D]: rotated queries, G query heads per KV head",
         "kv_cache [L, 2, KV, N, BS, D]: f32, or 16-bit float (bits in s16 when `holds` says so); "
         "or s8 [L, 2, KV, N, BS, D + 2] when `holds` is 3 (INT8_ROW: D int8 values, then the row's bf16 scale), "
-        "or s8 [L, 2, KV, N, BS, D + 3] when `holds` is 4 (INT8_ZP_ROW: then also the row's int8 zero point)",
+        "or s8 [L, 2, KV, N, BS, D + 3] when `holds` is 4 (INT8_ZP_ROW: then also the row's int8 zero point), "
+        "or s8 [L, 2, KV, N, BS, D + 2] when `holds` is 5 (FP8_E4M3_ROW: D float8 e4m3fn bytes, then the row's "
+        "bf16 scale)",
         "layer s32[]: the layer whose K (index 0) and V (index 1) are read",
         "block_tables s32[S, B]", "seq_ids s32[T]", "positions s32[T]", "context_lens s32[S]",
     ),
@@ -112,7 +124,8 @@ PAGED_ATTENTION = Composite(
         "window i64: attend to positions > position - window (0: no window)",
         "holds i64: what the cache elements are (Holds): 0 its own dtype (f32), 1 bfloat16, 2 float16, "
         "3 int8 rows with a bf16 scale each (read as q * scale), 4 int8 rows with a bf16 scale and an int8 "
-        "zero point each (read as (q - zero) * scale)",
+        "zero point each (read as (q - zero) * scale), 5 float8 e4m3fn rows with a bf16 scale each (read as "
+        "f * scale)",
         "scale f32: the scores' factor (1/sqrt(D) for most models)",
         "softcap f32: scores become softcap * tanh(scores / softcap) (0: no capping)",
     ),

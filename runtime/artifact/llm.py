@@ -29,6 +29,9 @@ Versions of the contract (a reader must understand every field of the versions i
               rows of head_dim + 3 bytes, the values, the row's bf16 scale and its int8 zero point
               (kernels.INT8_ZP_ROW). "int8" artifacts keep loading; a reader from before refuses
               "int8_zp" in one line (KVCacheSpec.from_json: upgrade or re-export).
+              2026-11-29: `kv_cache.quant` "fp8_e4m3" (--kv-cache-dtype fp8_e4m3, or vLLM's alias fp8):
+              rows of head_dim + 2 bytes, the values as float8 e4m3fn bits, then the row's bf16 scale
+              (kernels.FP8_E4M3_ROW). A reader from before refuses it in one line, as "int8_zp".
   (next: add a dated line here and raise LLM_VERSIONS' upper bound in the same change)
 """
 from __future__ import annotations
@@ -42,7 +45,7 @@ import numpy as np
 
 from . import dtypes
 from .errors import ArtifactError
-from .kernels import INT8_ROW, INT8_ZP_ROW, PAGED_ATTENTION, PAGED_ATTENTION_V2, Holds
+from .kernels import FP8_E4M3_ROW, INT8_ROW, INT8_ZP_ROW, PAGED_ATTENTION, PAGED_ATTENTION_V2, Holds
 from .manifest import Manifest, read_manifest
 from .text import TextSpec
 
@@ -64,7 +67,15 @@ STEP_DIMS = {"tokens": (NUM_TOKENS,), "positions": (NUM_TOKENS,), "seq_ids": (NU
              "last_token": (NUM_SEQS,)}
 KV_BITS = "int16 holding the bits of the K/V values (zeros are zeros)"
 # kv_cache.quant -> (storage dtype, the composites' holds code, what a row holds in words)
-KV_QUANT = {"int8": ("i8", Holds.INT8_ROWS, INT8_ROW), "int8_zp": ("i8", Holds.INT8_ZP_ROWS, INT8_ZP_ROW)}
+KV_QUANT = {"int8": ("i8", Holds.INT8_ROWS, INT8_ROW), "int8_zp": ("i8", Holds.INT8_ZP_ROWS, INT8_ZP_ROW),
+            "fp8_e4m3": ("i8", Holds.FP8_E4M3_ROWS, FP8_E4M3_ROW)}
+# --kv-cache-dtype names that mean another (vLLM's: "fp8" is e4m3 on the platforms it serves here)
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+
+
+def kv_cache_dtype_name(value: str | None) -> str | None:
+    """--kv-cache-dtype VALUE under its one name (an alias resolved; None stays None)."""
+    return KV_CACHE_DTYPE_ALIASES.get(value, value) if value is not None else None
 DOC = "docs/artifact-format.md, 'LLM step contract'"
 
 
@@ -164,7 +175,7 @@ class KVCacheSpec:
       holds: the values' dtype when stored as bits ("bf16"), else None.
       quant: "int8" for a quantized cache (version 3: its rows are head_dim int8 values and a bf16
         scale, so the shape's last dim is head_dim + 2; KV_QUANT), "int8_zp" (also an int8 zero point
-        per row: head_dim + 3), else None.
+        per row: head_dim + 3), "fp8_e4m3" (float8 e4m3fn bits and a bf16 scale: head_dim + 2), else None.
       shape: ints and "num_blocks", e.g. [L, 2, kv_heads, "num_blocks", block_size, head_dim].
     """
     input: str = "kv_cache"
@@ -176,7 +187,7 @@ class KVCacheSpec:
 
     @property
     def stored_name(self) -> str:
-        """How K and V are stored, as --kv-cache-dtype names it ("int8", "bfloat16", "float32", ...)."""
+        """How K and V are stored, as --kv-cache-dtype names it ("int8", "fp8_e4m3", "bfloat16", "float32", ...)."""
         if self.quant:
             return self.quant.removesuffix("_zp")     # both int8 row formats are --kv-cache-dtype int8
         return np.dtype(dtypes.NUMPY[self.holds or self.dtype]).name

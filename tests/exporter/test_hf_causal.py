@@ -180,6 +180,11 @@ def test_a_family_whose_layers_drop_the_attention_arguments_is_refused_in_one_li
     # of 1/255 of its row's range (at most twice its largest magnitude), i.e. about 2^-8 relative to the
     # row as bf16 is to each value: the same bound
     ("llama", {"kv_cache_dtype": "int8"}, 2e-2),
+    # fp8 K/V (e4m3 per value, a scale per token and KV head): each value within half a step of its
+    # 3-bit mantissa, 2^-4 relative, 16 times bf16's 2^-8: the bound above times 16. Its prefill reads
+    # the rows through the torch side's integer decoding (e4m3_values, lowered), decode through the
+    # composite
+    ("llama", {"kv_cache_dtype": "fp8_e4m3"}, 2e-2 * 16),
 ])
 def test_quantized_and_16_bit_weights_on_the_generic_step(tmp_path, arch, options, atol):
     from hloserve.exporter.export import export_artifact

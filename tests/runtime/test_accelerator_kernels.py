@@ -42,7 +42,8 @@ CASES = [(3, 16, 0, 0, None, 0.0, False),
          (2, 32, 1, 5, None, 0.0, True),       # bf16 bits in s16, sliding window, chunk across blocks
          (4, 16, 2, 0, 0.3, 2.0, True),        # f16 bits, soft-capping, another scale
          (2, 32, 3, 5, None, 0.0, True),       # int8 rows with their scales (artifacts before 2026-11-28)
-         (3, 32, 4, 0, None, 0.0, True)]       # int8 rows with scales and zero points (--kv-cache-dtype int8)
+         (3, 32, 4, 0, None, 0.0, True),       # int8 rows with scales and zero points (--kv-cache-dtype int8)
+         (2, 16, 5, 5, 0.3, 2.0, True)]        # fp8 e4m3 rows with their scales (--kv-cache-dtype fp8_e4m3)
 
 
 @pytest.mark.parametrize("platform", sorted(KERNELS))
@@ -116,11 +117,13 @@ def test_kernel_reads_only_its_sequences_blocks(platform):
 
 
 @pytest.mark.parametrize("platform,custom_call,holds", [("tpu", "tpu_custom_call", 1), ("cuda", "__gpu$xla.gpu.triton", 1),
-                                                        ("tpu", "tpu_custom_call", 3), ("tpu", "tpu_custom_call", 4)])
+                                                        ("tpu", "tpu_custom_call", 3), ("tpu", "tpu_custom_call", 4),
+                                                        ("tpu", "tpu_custom_call", 5)])
 def test_kernel_lowers_for_its_platform_without_the_device(platform, custom_call, holds):
     """jax lowers the Pallas kernel for its platform on a CPU-only jaxlib: Mosaic MLIR in a
-    tpu_custom_call, Triton IR in a Triton custom call (compiling them needs the device). An int8
-    cache (holds 3 or 4) only on TPU: its rows of D + 2 or D + 3 are no Triton tile, so a GPU runs the decomposition."""
+    tpu_custom_call, Triton IR in a Triton custom call (compiling them needs the device). An int8 or
+    fp8 cache (holds 3, 4 or 5) only on TPU: its rows of D + 2 or D + 3 are no Triton tile, so a GPU
+    runs the decomposition."""
     args, _ = _case(np.random.default_rng(0), 2, 32, holds)
     params = PagedParams(window=5, holds=holds, scale=0.2, softcap=2.0)
     avals = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in args]

@@ -22,7 +22,7 @@ def test_the_kernels_holds_codes_are_the_python_enum():
     assert body, "common.h no longer declares `enum class Kind : int64_t {...}`"
     kinds = dict((name, int(value)) for name, value in re.findall(r"k(\w+)\s*=\s*(\d+)", body.group(1)))
     assert kinds == {"F32": Holds.OWN, "BF16": Holds.BF16, "F16": Holds.F16, "I8Rows": Holds.INT8_ROWS,
-                     "I8ZpRows": Holds.INT8_ZP_ROWS}
+                     "I8ZpRows": Holds.INT8_ZP_ROWS, "F8E4M3Rows": Holds.FP8_E4M3_ROWS}
     assert [Holds.named(n) for n in (None, "bf16", "f16")] == [Holds.OWN, Holds.BF16, Holds.F16]
 
 
@@ -63,10 +63,12 @@ def test_the_step_signature_is_checked_against_the_contract_at_load():
             LLMArtifact.read(golden, bad)
 
 
-@pytest.mark.parametrize("quant,row,holds", [("int8", 66, 3), ("int8_zp", 67, 4), ("int4_zp", 67, None)])
+@pytest.mark.parametrize("quant,row,holds", [("int8", 66, 3), ("int8_zp", 67, 4), ("fp8_e4m3", 66, 5),
+                                             ("int4_zp", 67, None)])
 def test_an_int8_kv_cache_reads_as_its_rows_say_and_an_unknown_one_is_refused_in_one_line(quant, row, holds):
     """kv_cache.quant "int8" (rows before 2026-11-28) and "int8_zp" (with a zero point) both read and
-    serve as --kv-cache-dtype int8; a value this reader does not know is one line, not a misread cache."""
+    serve as --kv-cache-dtype int8, "fp8_e4m3" as fp8_e4m3; a value this reader does not know is one
+    line, not a misread cache."""
     from hloserve.runtime.artifact.errors import ArtifactError
     from hloserve.runtime.artifact.llm import KVCacheSpec
 
@@ -74,10 +76,10 @@ def test_an_int8_kv_cache_reads_as_its_rows_say_and_an_unknown_one_is_refused_in
            "shape": [2, 2, 3, "num_blocks", 16, row]}
     if holds is None:
         with pytest.raises(ArtifactError, match=r"quant 'int4_zp' with dtype 'i8' is not a quantized KV cache this "
-                                                r"reader understands \(int8 in i8, int8_zp in i8\)") as e:
+                                                r"reader understands \(int8 in i8, int8_zp in i8, fp8_e4m3 in i8\)") as e:
             KVCacheSpec.from_json(raw, "model.llm.kv_cache")
         assert "\n" not in str(e.value)
         return
     kv = KVCacheSpec.from_json(raw, "model.llm.kv_cache")
-    assert (kv.stored_name, kv.holds_code, kv.holds_code.row_extra) == ("int8", holds, row - 64)
+    assert (kv.stored_name, kv.holds_code, kv.holds_code.row_extra) == (quant.removesuffix("_zp"), holds, row - 64)
     assert KVCacheSpec.from_json(kv.to_json(), "again") == kv

@@ -48,6 +48,9 @@ def _case(rng, G, D, holds, L=3, KV=2, S=4, B=6, chunk=False):
     elif holds == Holds.INT8_ZP_ROWS:    # int8 rows [.., D + 3]: scale and zero point; rows of one sign too
         cache[..., ::3, :] = np.abs(cache[..., ::3, :]) + 0.5
         cache = paged_attention_ops.quantize_int8_zp_rows(torch.from_numpy(cache)).numpy()
+    elif holds == Holds.FP8_E4M3_ROWS:   # fp8 rows [.., D + 2]; tiny channels reach e4m3's subnormals
+        cache[..., 1::7] *= 1e-4
+        cache = paged_attention_ops.quantize_fp8_e4m3_rows(torch.from_numpy(cache)).numpy()
     elif holds:
         cache = np.asarray(jnp.asarray(cache).astype(jnp.bfloat16 if holds == 1 else jnp.float16).view(jnp.int16))
     # decode tokens, a prefill chunk of sequence 2, and one padding token (context 0); with
@@ -115,7 +118,7 @@ def max_rows(symbol: str, attrs: dict | None = None, shapes: tuple = ()) -> int 
 
 
 HEADS = [(3, 64), (4, 128), (4, 256), (1, 96), (5, 32)]           # (G, D): specialized x4, generic
-HOLDS = [0, 1, 2, 3, 4]                                               # every cache element kind
+HOLDS = [0, 1, 2, 3, 4, 5]                                            # every cache element kind
 SCORES = [(0, None, 0.0), (5, None, 0.0), (0, 0.3, 2.0)]             # (window, scale, softcap)
 
 
@@ -154,7 +157,7 @@ def test_paged_attention_kernel_matches_decomposition_and_torch(library, G, D, h
     assert np.isfinite(kernel).all() and np.isfinite(portable).all()
 
 
-@pytest.mark.parametrize("holds", [0, 1, 3, 4])
+@pytest.mark.parametrize("holds", [0, 1, 3, 4, 5])
 @pytest.mark.parametrize("chunk", [False, True], ids=["short", "chunk37"])
 def test_paged_attention_v2_reads_its_window_as_data(library, holds, chunk):
     """Version 2 (the window an s32[] operand): one compiled function, kernel and decomposition,

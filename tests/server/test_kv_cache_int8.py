@@ -123,10 +123,19 @@ def test_serving_an_artifact_with_another_kv_cache_dtype_is_refused_in_one_line(
     assert main(["serve", artifacts["bfloat16"], "--kv-cache-dtype", "int8", "--port", "0"]) != 0
 
 
-def test_fp8_kv_cache_is_refused_in_one_line():
+def test_unknown_kv_cache_dtype_is_refused_in_one_line(tmp_path, capsys):
+    """--kv-cache-dtype names what hloserve stores (int8, fp8_e4m3 and its alias fp8 since 2026-11-29:
+    tests/server/test_kv_cache_fp8.py); another (e5m2, which vLLM also has) is one line naming them,
+    on the CLI too, before anything loads."""
     from hloserve.exporter.errors import SourceError
     from hloserve.exporter.sources import load_source
+    from hloserve.server.cli import main
 
-    with pytest.raises(SourceError, match=r"^--kv-cache-dtype fp8_e4m3 is not implemented; use int8") as e:
-        load_source("smollm2-135m-instruct", kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(SourceError, match=r"^--kv-cache-dtype 'fp8_e5m2' is not supported .*int8 or fp8_e4m3") as e:
+        load_source("smollm2-135m-instruct", kv_cache_dtype="fp8_e5m2")
     assert "\n" not in str(e.value)
+    art = str(tmp_path / "art")
+    assert main(["export", "smollm2-135m-instruct", "-o", art, "--kv-cache-dtype", "fp8_e5m2"]) == 1
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("hloserve: error:")]
+    assert len(errors) == 1 and "--kv-cache-dtype 'fp8_e5m2' is not supported" in errors[0], errors
+    assert not (tmp_path / "art").exists()

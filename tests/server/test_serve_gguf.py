@@ -30,6 +30,9 @@ def test_export_choice_table():
         ("--weight-dtype", "bfloat16", "--kv-cache-dtype", "int8"), f"bf16-kvint8f-{EXPORT_STEP}")
     assert export_choice("auto", default_model=False, kv_cache_dtype="int8") == (
         ("--quantize", "gguf", "--kv-cache-dtype", "int8"), f"gguf-kvint8f-{EXPORT_STEP}")
+    for name in ("fp8", "fp8_e4m3"):   # vLLM's alias: the same export
+        assert export_choice("auto", default_model=True, kv_cache_dtype=name) == (
+            ("--weight-dtype", "bfloat16", "--kv-cache-dtype", "fp8_e4m3"), f"bf16-kvfp8_e4m3-{EXPORT_STEP}")
 
 
 def test_quantize_is_refused_for_an_exported_artifact(tmp_path):

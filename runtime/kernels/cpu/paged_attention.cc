@@ -1,6 +1,6 @@
 // hloserve_paged_attention (v1) and hloserve_paged_attention_v2: attention of each token over its own
 // sequence's paged context, read block by block straight from the KV cache (16-bit float bits, f32,
-// or int8 rows with a scale (and zero point) each, dequantized as they are read), only the blocks in use; XLA gathers every sequence's padded context, widened to f32, before
+// or int8 / fp8 e4m3 rows with a scale (and zero point) each, dequantized as they are read), only the blocks in use; XLA gathers every sequence's padded context, widened to f32, before
 // its dots. Version 2 takes the window as an operand (composite version 2).
 #include "paged_attention.h"
 
@@ -9,7 +9,7 @@ using namespace hloserve;
 using namespace hloserve::paged;
 
 // ---- paged attention ----------------------------------------------------------------------
-// q f32[T, KV, G, D]; cache [L, 2, KV, N, BS, R] (R = D, or D + 2 / D + 3 for int8 rows); layer s32[]; block_tables s32[S, B];
+// q f32[T, KV, G, D]; cache [L, 2, KV, N, BS, R] (R = D, or D + 2 / D + 3 for int8 rows, D + 2 for fp8); layer s32[]; block_tables s32[S, B];
 // seq_ids, positions s32[T]; context_lens s32[S] -> out f32[T, KV, G, D].
 // Token t sees positions c of its sequence with c <= positions[t], c < context_len and, with a
 // window w > 0, c > positions[t] - w; scores are scale * q.k, then softcap * tanh(s / softcap)
@@ -25,18 +25,21 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   auto bd = block_tables.dimensions();
   if (qd.size() != 4 || cd.size() != 6 || bd.size() != 2)
     return ffi::Error::InvalidArgument("hloserve_paged_attention: q must be [T,KV,G,D], cache [L,2,KV,N,BS,R]");
-  // holds: the cache's own dtype (f32), bf16 / f16 bits (in an s16/u16 buffer), or int8 rows (s8)
-  if (holds < 0 || holds > static_cast<int64_t>(Kind::kI8ZpRows))
-    return ffi::Error::InvalidArgument("hloserve_paged_attention: holds must be 0, 1, 2, 3 or 4");
+  // holds: the cache's own dtype (f32), bf16 / f16 bits (in an s16/u16 buffer), or int8 / fp8 rows (s8)
+  if (holds < 0 || holds > static_cast<int64_t>(Kind::kF8E4M3Rows))
+    return ffi::Error::InvalidArgument("hloserve_paged_attention: holds must be 0, 1, 2, 3, 4 or 5");
   const Kind kind = static_cast<Kind>(holds);
-  const bool int8 = kind == Kind::kI8Rows || kind == Kind::kI8ZpRows;
-  if ((kind == Kind::kF32) != (cache.element_type() == ffi::F32) || int8 != (cache.element_type() == ffi::S8))
+  int64_t extra = 0;  // elements per cache row past D
+  bool rows8 = false;  // 8-bit rows with a scale (s8 storage)
+  with_kind(kind, [&](auto k) {
+    extra = row_extra<decltype(k)::value>;
+    rows8 = scaled_rows<decltype(k)::value>;
+  });
+  if ((kind == Kind::kF32) != (cache.element_type() == ffi::F32) || rows8 != (cache.element_type() == ffi::S8))
     return ffi::Error::InvalidArgument("hloserve_paged_attention: cache dtype does not match `holds`");
   const int64_t T = qd[0], KV = qd[1], G = qd[2], D = qd[3];
   const int64_t L = cd[0], N = cd[3], BS = cd[4];
-  const int64_t R = D + (kind == Kind::kI8Rows     ? row_extra<Kind::kI8Rows>
-                         : kind == Kind::kI8ZpRows ? row_extra<Kind::kI8ZpRows>
-                                                   : 0);  // elements per cache row
+  const int64_t R = D + extra;  // elements per cache row
   const int64_t S = bd[0], B = bd[1];
   if (cd[1] != 2 || cd[2] != KV || cd[5] != R)
     return ffi::Error::InvalidArgument("hloserve_paged_attention: cache shape does not match q");

@@ -1,7 +1,8 @@
 // The paged attention kernel's arithmetic (hloserve_paged_attention, paged_attention.cc): one token's
 // attention over its sequence's blocks (`attend`) and a tile of a prompt chunk's tokens (`attend_tile`),
 // templates over the cache's element kind. Each kind is compiled in its own file
-// (paged_attention_float.cc: f32, bf16, f16; paged_attention_int8.cc: the int8 rows), so the library's
+// (paged_attention_float.cc: f32, bf16, f16; paged_attention_int8.cc: the int8 rows; paged_attention_fp8.cc:
+// the fp8 e4m3 rows), so the library's
 // slowest unit builds in parallel rather than alone.
 #pragma once
 #include "common.h"
@@ -67,7 +68,8 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
     // 16 positions at a time: per position and head one vector of partial products, then the
     // 16 positions' sums in one transpose-and-add tree (not a horizontal sum each)
     // int8 rows: q.k of the stored codes, then per position (dot - zero * sum(q)) * scale, 16
-    // positions in one vector (no per-element dequantization)
+    // positions in one vector (no per-element dequantization); fp8 rows: q.k of the e4m3 values
+    // (times 2^-8, load16), then times the scale (times 2^8)
     constexpr int V = D / 16;
     __m512 part[G][16];
     __m512 qsum[G];
@@ -104,6 +106,7 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
         __m512 sums = sum16(part[g]);
         if constexpr (int8_rows<K>)
           sums = _mm512_mul_ps(_mm512_fnmadd_ps(_mm512_load_ps(rza), qsum[g], sums), _mm512_load_ps(rsa));
+        if constexpr (K == Kind::kF8E4M3Rows) sums = _mm512_mul_ps(sums, _mm512_load_ps(rsa));   // no zero point
         _mm512_mask_storeu_ps(scores + g * n + (c0 - begin), mask, sums);
       }
     }
@@ -434,5 +437,6 @@ HLOSERVE_PAGED_KIND(extern, Kind::kBF16)
 HLOSERVE_PAGED_KIND(extern, Kind::kF16)
 HLOSERVE_PAGED_KIND(extern, Kind::kI8Rows)
 HLOSERVE_PAGED_KIND(extern, Kind::kI8ZpRows)
+HLOSERVE_PAGED_KIND(extern, Kind::kF8E4M3Rows)
 
 }  // namespace hloserve::paged

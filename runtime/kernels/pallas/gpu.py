@@ -15,7 +15,7 @@ program per (tile, kv head) then reads each K/V block once for the tile's TILE_R
 and scores it with a matrix product (`tl.dot`, f32 operands at highest precision, f32 sums). The grid
 is an upper bound on tiles (ceil((T + S (TILE_ROWS - 1)) / TILE_ROWS)); padding tiles loop over no
 block. tl.dot needs 16 or more of each dimension: the tile path asks BS >= 16 and D >= 16. Triton needs power-of-two tiles: G is
-padded to one here, and BS and D must be powers of two (`supports`; an int8 cache's rows of D + 2 or
+padded to one here, and BS and D must be powers of two (`supports`; an int8 or fp8 cache's rows of D + 2 or
 D + 3 are not, so on a GPU its decomposition runs). Runs in Pallas interpret mode
 on any platform (`interpret=True`, the tests).
 """

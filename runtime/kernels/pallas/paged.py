@@ -4,7 +4,7 @@ range of cache blocks a token reads, the mask inside a block, and the widening o
 The contract is runtime/artifact/kernels.py's PAGED_ATTENTION; the reference is its decomposition
 (exporter/composites/paged_attention.py). Both kernels walk only the blocks a token can see, with an online
 softmax over them, and read each block where it lies in the cache `[L, 2, KV, N, BS, R]` (R = D, or
-D + 2 / D + 3 for int8 rows, dequantized by `widen` as each tile is read).
+D + 2 / D + 3 for int8 rows, D + 2 for fp8 e4m3 rows, dequantized by `widen` as each tile is read).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ MASKED = -1e30
 class PagedParams:
     """The composite's attributes, as a kernel takes them (static: one kernel per value)."""
     window: int | None   # attend to positions > position - window (0: no window; None: an operand, version 2)
-    holds: int       # what the cache elements are: 0 its own dtype, 1 bfloat16, 2 float16, 3/4 int8 rows
+    holds: int       # what the cache elements are: 0 its own dtype, 1 bfloat16, 2 float16, 3/4 int8 rows, 5 fp8
     scale: float     # the scores' factor
     softcap: float   # scores become softcap * tanh(scores / softcap) (0: no capping)
 
@@ -78,9 +78,12 @@ def scalar_operands(layer, window, block_tables, seq_ids, positions, context_len
 def widen(x, holds: int, head_dim: int):
     """Stored K/V rows [.., R] -> f32 [.., head_dim]: bits of a 16-bit float are reinterpreted first;
     int8 rows are dequantized by their row's bf16 scale: q * scale (Holds.INT8_ROWS, R = head_dim + 2)
-    or (q - zero) * scale with the row's int8 zero point (Holds.INT8_ZP_ROWS, R = head_dim + 3)."""
-    if holds in (Holds.INT8_ROWS, Holds.INT8_ZP_ROWS):
+    or (q - zero) * scale with the row's int8 zero point (Holds.INT8_ZP_ROWS, R = head_dim + 3); fp8
+    rows as e4m3(f) * scale (Holds.FP8_E4M3_ROWS, R = head_dim + 2)."""
+    if holds in (Holds.INT8_ROWS, Holds.INT8_ZP_ROWS, Holds.FP8_E4M3_ROWS):
         scale_bits = x[..., head_dim + 1].astype(jnp.int32) * 16777216 + (x[..., head_dim].astype(jnp.int32) & 0xFF) * 65536
+        if holds == Holds.FP8_E4M3_ROWS:
+            return e4m3_values(x[..., :head_dim]) * lax.bitcast_convert_type(scale_bits, jnp.float32)[..., None]
         q = x[..., :head_dim].astype(jnp.float32)
         if holds == Holds.INT8_ZP_ROWS:
             q = q - x[..., head_dim + 2:head_dim + 3].astype(jnp.float32)
@@ -89,6 +92,18 @@ def widen(x, holds: int, head_dim: int):
     if held is not None and x.dtype != held:
         x = lax.bitcast_convert_type(x, held)
     return x.astype(jnp.float32)
+
+
+def e4m3_values(codes):
+    """float8 e4m3fn bits (int8) -> their f32 values, in 32-bit integer arithmetic and one bitcast
+    (Mosaic lowers these on every TPU; no float8 type in the kernel): a normal magnitude's 7 bits
+    moved into an f32's exponent and mantissa with the exponent rebiased (7 -> 127), a subnormal's
+    mantissa times 2^-9, then the sign."""
+    b = codes.astype(jnp.int32) & 0xFF
+    mag = b & 0x7F
+    normal = lax.bitcast_convert_type(mag * 1048576 + (120 << 23), jnp.float32)
+    value = jnp.where(mag < 8, mag.astype(jnp.float32) * (2.0 ** -9), normal)
+    return jnp.where(b >= 128, -value, value)
 
 
 def cap(scores, params: PagedParams):

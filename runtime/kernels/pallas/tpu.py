@@ -78,7 +78,7 @@ def paged_attention(q, kv_cache, layer, block_tables, seq_ids, positions, contex
     """The composite's operands -> f32[T, KV, G, D] (runtime/artifact/kernels.py, PAGED_ATTENTION;
     `window`: version 2's operand, None for version 1, whose window is params.window)."""
     T, KV, G, D = q.shape
-    L, _, _, N, BS, R = kv_cache.shape                                 # R: D, or D + 2 / D + 3 (int8 rows)
+    L, _, _, N, BS, R = kv_cache.shape                                 # R: D, or D + 2 / D + 3 (int8, fp8 rows)
     S, B = block_tables.shape
 
     def kv_map(which):
