@@ -28,7 +28,7 @@ inline float exp_nonpositive(float x) {
 // prefetchers barely start on one block before the next, so without this the loop waits on memory
 // for each row (docs/performance.md, "Decode attention at 16 sequences").
 template <Kind K>
-constexpr int64_t elem_size = K == Kind::kF32 ? 4 : int8_rows<K> ? 1 : 2;
+constexpr int64_t elem_size = K == Kind::kF32 ? 4 : scaled_rows<K> ? 1 : 2;   // bytes an element
 
 inline void prefetch_bytes(const void* base, int64_t at, int64_t bytes) {
   const char* p = static_cast<const char*>(base) + at;
