@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
       const int off = bits == 8 ? 128 : kind == 1 ? 8 : 0;
       auto run = [&](bool amx, float* out) {
         QuantX2 xq = quantize_x2(x.data(), M, K, w.G, 32, off);
-        const int64_t MA = amx ? amx_rows(M) : 0;   // 0: the VNNI tiles alone
+        const int64_t MA = amx ? amx_rows(bits, M) : 0;   // 0: the VNNI tiles alone
         if (MA > M) pad_rows(xq, MA, K, w.G);
         if (MA > 0) {
           if (kind == 0) quant2_amx<8, false>(w, xq, MA, M, 0, N / 16, out);

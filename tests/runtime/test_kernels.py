@@ -384,9 +384,9 @@ def test_quant_linear_kernel_matches_decomposition_and_torch(library, spec, K, N
     m = np.repeat(q["min"].astype(np.float32), group, axis=2) if q["min"].size else np.zeros_like(s)
     limit = max_rows(target) or 64
     args = [stored["qweight"], stored["scale"], stored["min"]]
-    # version 2 with AMX-INT8 (quant_linear.cc amx_rows): whole tiles of 16 rows (16; int4 widened
-    # block by block), a padded last tile (30), tiles then VNNI rows (65, 131; int4 widened once per
-    # group); VNNI alone (1, 5)
+    # version 2 with AMX-INT8 (quant_linear.cc amx_rows): one tile of 16 rows (16; int4 widened block
+    # by block), int8 a padded last tile (30), int4 one tile then VNNI rows (30), tiles then VNNI rows
+    # (65, 131; int4 widened once per group); VNNI alone (1, 5)
     x_all = rng.standard_normal((131, K)).astype(np.float32)
     for rows in (1, 3, 5, limit, limit + 1, 2 * limit + 3) if version == 1 else (1, 5, 16, 30, 65, 131):
         x = rng.standard_normal((rows, K)).astype(np.float32) if version == 1 else x_all[:rows]

@@ -335,11 +335,13 @@ inline void pad_rows(QuantX2& x, int64_t MA, int64_t K, int64_t G) {
 #endif
 
 // The rows of x the AMX tiles take, the rest running the VNNI tiles (benchmarks/quant_amx_kernel.cc,
-// docs/quantization.md "AMX-INT8 tiles"): whole tiles of 16, the last one padded from 12 rows (at 8
-// rows a padded tile is slower than VNNI, at 12 faster); int4 alike, since one tile of x rows widens
-// its nibbles block by block as the tile unit goes (widening a group at once into a copy cost more
-// than one tile of 16 rows gained)
-constexpr int64_t amx_rows(int64_t M) {
+// docs/quantization.md "AMX-INT8 tiles"): int8, whole tiles of 16, the last one padded from 12 rows
+// (at 8 rows a padded tile is slower than VNNI, at 12 faster); int4, whole tiles of 16 from 16 rows
+// (one tile of x rows widens the nibbles block by block as the tile unit goes: 0.65-0.95x of the
+// VNNI tiles' time at 16 rows, where widening the whole group first lost on long rows; a padded
+// tile of 12 rows was slower than VNNI on most shapes)
+constexpr int64_t amx_rows(int bits, int64_t M) {
+  if (bits == 4) return M / 16 * 16;
   return M / 16 * 16 + (M % 16 >= 12 ? 16 : 0);
 }
 
@@ -350,7 +352,7 @@ void quant_linear_v2(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w
   QuantX2 xq = quantize_x2(x, M, w.K, w.G, w.group, w.bits == 8 ? 128 : sym4 ? 8 : 0);
   int64_t MA = 0;   // rows of x the AMX tiles take: whole tiles of 16, the last one padded where it is full enough
 #if defined(__AVX512VNNI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-  MA = amx_rows(M);
+  MA = amx_rows(w.bits, M);
   if (MA > 0 && !amx_usable()) MA = 0;
   if (MA > M) pad_rows(xq, MA, w.K, w.G);
 #endif
