@@ -337,7 +337,7 @@ inline void pad_rows(QuantX2& x, int64_t MA, int64_t K, int64_t G) {
 // The rows of x the AMX tiles take, the rest running the VNNI tiles (benchmarks/quant_amx_kernel.cc,
 // docs/quantization.md "AMX-INT8 tiles"): int8, whole tiles of 16, the last one padded from 12 rows
 // (at 8 rows a padded tile is slower than VNNI, at 12 faster); int4, whole tiles of 16 from 16 rows
-// (one tile of x rows widens the nibbles block by block as the tile unit goes: 0.65-0.95x of the
+// (one tile of x rows widens the nibbles block by block as the tile unit goes: 0.6-1.0x of the
 // VNNI tiles' time at 16 rows, where widening the whole group first lost on long rows; a padded
 // tile of 12 rows was slower than VNNI on most shapes)
 constexpr int64_t amx_rows(int bits, int64_t M) {
