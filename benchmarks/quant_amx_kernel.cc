@@ -1,7 +1,8 @@
 // hloserve.quant_linear version 2's CPU paths alone (docs/quantization.md, "Version 2"), one thread,
 // random weights in the v2 layout: the AVX512-VNNI tiles against the AMX-INT8 tiles, and the bf16
-// AMX tiles of layer_linear (linear.cc) on a bf16 matrix of the same shape; each time the median of
-// 21 repeats (the least: other processes only add time), the activations' quantization (or bf16 rounding and packing) included. Prints the
+// AMX tiles of layer_linear (linear.cc) on a bf16 matrix of the same shape; each time the least of
+// 21 repeats of this thread's CPU time (other processes only add time), the activations'
+// quantization (or bf16 rounding and packing) included. Prints the
 // largest difference between the two integer paths' outputs (they do the same f32 arithmetic: 0).
 // Built against jaxlib's FFI headers, on a CPU with AMX:
 //
@@ -9,18 +10,26 @@
 //       benchmarks/quant_amx_kernel.cc -o /tmp/quant_amx_kernel && /tmp/quant_amx_kernel N K ROWS...
 #include "../runtime/kernels/cpu/quant_linear.cc"
 #include "../runtime/kernels/cpu/linear.cc"
-#include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <random>
 using namespace hloserve;
+
+// this thread's CPU time (not wall time: on a shared machine the time slices other processes take
+// are not the kernel's)
+inline double thread_us() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return t.tv_sec * 1e6 + t.tv_nsec * 1e-3;
+}
 
 template <typename F>
 double least_us(F f) {
   std::vector<double> t;
   for (int r = 0; r < 21; ++r) {
-    auto a = std::chrono::steady_clock::now();
+    const double a = thread_us();
     for (int i = 0; i < 3; ++i) f();
-    t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count() / 3);
+    t.push_back((thread_us() - a) / 3);
   }
   std::sort(t.begin(), t.end());
   return t[0];
@@ -40,8 +49,11 @@ int main(int argc, char** argv) {
       const int64_t KP = K;
       std::vector<uint16_t> xr(M * KP);
       round_rows(x.data(), M, K, Kind::kBF16, xr.data(), KP);
-      const auto packed = amx_pack(xr.data(), KP, M, K / 32);
-      amx_rows(wb.data(), K, packed.data(), K / 32, M, 0, N, ob.data(), N);
+      std::vector<uint16_t> xz((M + 15) / 16 * 16 * KP, 0);   // x padded to whole 16-row blocks
+      std::copy(xr.begin(), xr.end(), xz.begin());
+      std::vector<uint16_t> packed((M + 15) / 16 * (KP / 32) * 512);
+      amx_pack(xz.data(), KP, (M + 15) / 16, KP / 32, packed.data());
+      amx_rows(wb.data(), K, packed.data(), KP / 32, M, 0, N / 16, ob.data(), N);
     });
     printf("N %ld K %ld M %4ld  bf16-amx %8.1f us |", N, K, M, bf);
     for (int kind = 0; kind < 3; ++kind) {   // int8, int4 sym, int4 with mins; groups of 32

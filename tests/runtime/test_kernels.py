@@ -387,13 +387,20 @@ def test_quant_linear_kernel_matches_decomposition_and_torch(library, spec, K, N
     m = np.repeat(q["min"].astype(np.float32), group, axis=2) if q["min"].size else np.zeros_like(s)
     limit = max_rows(target) or 64
     args = [stored["qweight"], stored["scale"], stored["min"]]
-    # version 2 with AMX-INT8 (quant_linear.cc amx_rows): int8, whole tiles of 16 rows (16), a
-    # padded last tile (30), tiles then VNNI rows (65, 131); int4, tiles from 32 rows (65, 131);
-    # VNNI alone (1, 5; int4 16, 30)
+    # version 2 with AMX-INT8 (quant_linear.cc amx_rows): one tile of 16 rows (16; int4 widened block
+    # by block), int8 a padded last tile (30), int4 one tile then VNNI rows (30), tiles then VNNI rows
+    # (65, 131; int4 widened once per group); VNNI alone (1, 5)
+    x_all = rng.standard_normal((131, K)).astype(np.float32)
     for rows in (1, 3, 5, limit, limit + 1, 2 * limit + 3) if version == 1 else (1, 5, 16, 30, 65, 131):
-        x = rng.standard_normal((rows, K)).astype(np.float32)
+        x = rng.standard_normal((rows, K)).astype(np.float32) if version == 1 else x_all[:rows]
         layer = np.int32(rows % 3)
         kernel = np.asarray(jax.jit(kernel_fn.call)(x, *args, layer))
+        if version == 2 and rows > 5 and max_rows(target) is None:
+            # each row of x is quantized and summed on its own, and the AMX tiles sum the same integers
+            # as the VNNI tiles and scale them alike: the rows the tiles take (16 and more) equal bit
+            # for bit what a call of 5 rows (VNNI alone) gives them
+            few = np.asarray(jax.jit(kernel_fn.call)(x[:5], *args, layer))
+            np.testing.assert_array_equal(kernel[:5], few)
         portable = np.asarray(jax.jit(portable_fn.call)(x, *args, layer))
         t = [torch.from_numpy(np.ascontiguousarray(a)) for a in args]
         if version == 1:

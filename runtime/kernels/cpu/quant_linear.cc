@@ -188,11 +188,25 @@ inline void amx8_configure() {
 }
 
 // one group of 16 rows' int4 bytes (version 2: k-steps of 8 elements, k in the low nibble and k + 4
-// in the high one) -> int8 bytes in the int8 layout (k-steps of 4 elements): each 64 bytes give 2 rows
+// in the high one) -> int8 bytes in the int8 layout (k-steps of 4 elements): each 64 bytes give 2
+// rows. Signed nibbles become two's complement bytes (0..7 -> 0..7, 8..15 -> -8..-1), unsigned ones
+// stay 0..15. With GFNI each byte's nibble is moved (and its sign bit copied up) by one affine
+// transform over its 8 bits; without it, a mask, a shift and a table lookup.
 template <bool SYM4>
 inline void widen_int4(const uint8_t* q, int64_t K, int8_t* dst) {
+#if defined(__GFNI__)
+  // gf2p8affine: output bit i of a byte is input bit src(i), the matrix's byte 7 - i = 1 << src(i)
+  const __m512i lo_bits = _mm512_set1_epi64(0x0102040808080808);   // bits 0..3, then bit 3 (sign) copied
+  const __m512i hi_bits = _mm512_set1_epi64(SYM4 ? 0x1020408080808080 : 0x1020408000000000);   // bits 4..7
   const __m512i low = _mm512_set1_epi8(0x0F);
-  // two's complement nibbles: a table lookup per byte (0..7 -> 0..7, 8..15 -> -8..-1)
+  for (int64_t s = 0; s < K / 8; ++s) {
+    const __m512i v = _mm512_loadu_si512(q + s * 64);
+    const __m512i lo = SYM4 ? _mm512_gf2p8affine_epi64_epi8(v, lo_bits, 0) : _mm512_and_si512(v, low);
+    _mm512_storeu_si512(dst + 128 * s, lo);
+    _mm512_storeu_si512(dst + 128 * s + 64, _mm512_gf2p8affine_epi64_epi8(v, hi_bits, 0));
+  }
+#else
+  const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i sign = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1));
   for (int64_t s = 0; s < K / 8; ++s) {
     const __m512i v = _mm512_loadu_si512(q + s * 64);
@@ -204,46 +218,68 @@ inline void widen_int4(const uint8_t* q, int64_t K, int8_t* dst) {
     _mm512_storeu_si512(dst + 128 * s, lo);
     _mm512_storeu_si512(dst + 128 * s + 64, hi);
   }
+#endif
 }
 
-// block b's sums of x (16 rows from xa, K apart) and the group's int8 bytes w into dst [16][16], in
-// C tile TC (A tile TA, B tile TB). A macro: GCC's tile intrinsics take the tile numbers as literals.
-#define HLOSERVE_AMX8_STEP(TC, TA, TB, b, dst) \
-  do {                                          \
-    _tile_zero(TC);                             \
-    _tile_loadd(TA, xa + (b) * kXBlock, K);     \
-    _tile_loadd(TB, w + (b) * 512, 64);         \
-    _tile_dpbssd(TC, TA, TB);                   \
-    _tile_stored(TC, dst, 64);                  \
+// block b's sums of x (16 rows from xa, K apart) and the block's int8 bytes wb (8 x 64) into dst
+// [16][16], in C tile TC (A tile TA, B tile TB). A macro: GCC's tile intrinsics take the tile
+// numbers as literals.
+#define HLOSERVE_AMX8_STEP(TC, TA, TB, b, wb, dst) \
+  do {                                              \
+    _tile_zero(TC);                                 \
+    _tile_loadd(TA, xa + (b) * kXBlock, K);         \
+    _tile_loadd(TB, wb, 64);                        \
+    _tile_dpbssd(TC, TA, TB);                       \
+    _tile_stored(TC, dst, 64);                      \
   } while (0)
 
 // The C tiles of blocks in flight: block b's in ring[b % kAmxRing], multiplied kAmxLead blocks
 // before it is scaled, so its store has reached L1 when the vector loads read it and the tile unit
-// works while the vector units scale
-constexpr int64_t kAmxRing = 16, kAmxLead = 8;
+// works while the vector units scale. int4 widened block by block (WIDE4 below): block b's int8
+// bytes are written kWideAhead blocks before the tile load reads them (a tile load waits for
+// stores to the same bytes to land), into a ring of kWideRing blocks (512 bytes each).
+constexpr int64_t kAmxRing = 16, kAmxLead = 8, kWideAhead = 4, kWideRing = 8;
 
-// one group of 16 matrix rows (int8 bytes w, scales ws [G, 16], mins wm or none) times 16 rows of x
-// from m0 (x padded to whole tiles of 16: rows past `rows` are computed, never stored)
-inline void amx8_tile(const int8_t* w, const float* ws, const float* wm, const QuantX2& x, int64_t m0, int64_t rows,
+// How amx8_tile reads a group's weights: int8 bytes where they lie (the int8 layout, or int4 widened
+// beforehand for the whole group), or int4 bytes widened block by block as the tiles go (one tile of
+// x rows: nothing to share a widened group with; the group's int8 bytes never leave L1's ring)
+enum class Wide { kNone, kSym4, kAsym4 };
+
+// one group of 16 matrix rows (w: int8 bytes, or int4 bytes with WIDE4; scales ws [G, 16], mins wm or
+// none) times 16 rows of x from m0 (x padded to whole tiles of 16: rows past `rows` are computed,
+// never stored)
+template <Wide WIDE4>
+inline void amx8_tile(const uint8_t* w, const float* ws, const float* wm, const QuantX2& x, int64_t m0, int64_t rows,
                       int64_t K, int64_t G, int64_t per_group, float* out, int64_t N) {
   const int64_t B = K / kXBlock;
   alignas(64) int32_t ring[kAmxRing][256];
+  alignas(64) int8_t wide[WIDE4 == Wide::kNone ? 1 : kWideRing][512];
   const int8_t* xa = x.xq.data() + m0 * K;
   const float* d = x.d.data() + m0 * B;
+  auto widen = [&](int64_t b) {   // int4 block b (4 k-steps of 8) -> 512 int8 bytes (8 k-steps of 4)
+    if constexpr (WIDE4 != Wide::kNone) widen_int4<WIDE4 == Wide::kSym4>(w + b * 256, kXBlock, wide[b % kWideRing]);
+  };
   auto multiply = [&](int64_t b) {   // 4 C tiles in turn: a store never waits on the multiply just issued
     int32_t* dst = ring[b % kAmxRing];
+    const void* wb = WIDE4 == Wide::kNone ? static_cast<const void*>(w + b * 512) : wide[b % kWideRing];
     switch (b % 4) {
-      case 0: HLOSERVE_AMX8_STEP(0, 4, 6, b, dst); break;
-      case 1: HLOSERVE_AMX8_STEP(1, 5, 7, b, dst); break;
-      case 2: HLOSERVE_AMX8_STEP(2, 4, 6, b, dst); break;
-      default: HLOSERVE_AMX8_STEP(3, 5, 7, b, dst); break;
+      case 0: HLOSERVE_AMX8_STEP(0, 4, 6, b, wb, dst); break;
+      case 1: HLOSERVE_AMX8_STEP(1, 5, 7, b, wb, dst); break;
+      case 2: HLOSERVE_AMX8_STEP(2, 4, 6, b, wb, dst); break;
+      default: HLOSERVE_AMX8_STEP(3, 5, 7, b, wb, dst); break;
     }
   };
+  constexpr int64_t ahead = WIDE4 == Wide::kNone ? 0 : kWideAhead;
   __m512 facc[16];
   HLOSERVE_UNROLL
   for (int j = 0; j < 16; ++j) facc[j] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < std::min(kAmxLead, B); ++b) multiply(b);
+  for (int64_t b = 0; b < std::min(ahead, B); ++b) widen(b);
+  for (int64_t b = 0; b < std::min(kAmxLead, B); ++b) {
+    if (b + ahead < B) widen(b + ahead);
+    multiply(b);
+  }
   for (int64_t b = 0; b < B; ++b) {
+    if (b + kAmxLead + ahead < B) widen(b + kAmxLead + ahead);
     if (b + kAmxLead < B) multiply(b + kAmxLead);
     const int32_t* c = ring[b % kAmxRing];
     const __m512 sv = _mm512_loadu_ps(ws + (b / per_group) * 16);
@@ -259,26 +295,32 @@ inline void amx8_tile(const int8_t* w, const float* ws, const float* wm, const Q
 }
 
 // rows [0, MA) of x (whole tiles of 16, x padded to them) times row groups [g0, g1) with AMX, then
-// rows [MA, M) with quant2_vnni
+// rows [MA, M) with quant2_vnni. int4: one tile of x rows widens each block as the tiles go
+// (amx8_tile's WIDE4); more tiles widen the group once into an int8 copy they all read.
 template <int BITS, bool SYM4>
 void quant2_amx(const QuantMatrix& w, const QuantX2& x, int64_t MA, int64_t M, int64_t g0, int64_t g1, float* out) {
   const int64_t per_group = w.group / kXBlock, K = w.K;
   const int64_t gbytes = BITS == 8 ? 16 * K : 8 * K;
-  thread_local std::vector<int8_t> wide;   // int4: the group widened to int8 bytes
-  if (BITS == 4) wide.resize(16 * K);
+  constexpr Wide kWide4 = BITS == 8 ? Wide::kNone : SYM4 ? Wide::kSym4 : Wide::kAsym4;
+  thread_local std::vector<int8_t> wide;   // int4, several tiles of x rows: the group widened to int8 bytes
+  if (BITS == 4 && MA > 16) wide.resize(16 * K);
   std::vector<float> sbuf, mbuf;
   amx8_configure();
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* q = w.q + g * gbytes;
-    const int8_t* wq = reinterpret_cast<const int8_t*>(q);
-    if constexpr (BITS == 4) {
-      widen_int4<SYM4>(q, K, wide.data());
-      wq = wide.data();
-    }
     const float* ws = group_scalars(w.scale, w.f16, g, w.G, sbuf);
     const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, g, w.G, mbuf) : nullptr;
+    if (BITS == 4 && MA == 16) {
+      amx8_tile<kWide4>(q, ws, wm, x, 0, std::min<int64_t>(16, M), K, w.G, per_group, out + g * 16, w.N);
+      continue;
+    }
+    const uint8_t* wq = q;
+    if constexpr (BITS == 4) {
+      widen_int4<SYM4>(q, K, wide.data());
+      wq = reinterpret_cast<const uint8_t*>(wide.data());
+    }
     for (int64_t m0 = 0; m0 < MA; m0 += 16)
-      amx8_tile(wq, ws, wm, x, m0, std::min<int64_t>(16, M - m0), K, w.G, per_group, out + g * 16, w.N);
+      amx8_tile<Wide::kNone>(wq, ws, wm, x, m0, std::min<int64_t>(16, M - m0), K, w.G, per_group, out + g * 16, w.N);
   }
   _tile_release();
   if (MA < M) quant2_vnni<BITS, SYM4>(w, x, MA, M, g0, g1, out);
@@ -293,11 +335,13 @@ inline void pad_rows(QuantX2& x, int64_t MA, int64_t K, int64_t G) {
 #endif
 
 // The rows of x the AMX tiles take, the rest running the VNNI tiles (benchmarks/quant_amx_kernel.cc,
-// docs/quantization.md "AMX-INT8 tiles"): int8, whole tiles of 16, the last one padded from 12
-// rows (at 8 rows a padded tile is slower than VNNI, at 12 faster); int4, whole tiles from 32 rows
-// only (its nibbles are widened to bytes per call, which one tile of 16 rows does not repay)
+// docs/quantization.md "AMX-INT8 tiles"): int8, whole tiles of 16, the last one padded from 12 rows
+// (at 8 rows a padded tile is slower than VNNI, at 12 faster); int4, whole tiles of 16 from 16 rows
+// (one tile of x rows widens the nibbles block by block as the tile unit goes: 0.6-1.0x of the
+// VNNI tiles' time at 16 rows, where widening the whole group first lost on long rows; a padded
+// tile of 12 rows was slower than VNNI on most shapes)
 constexpr int64_t amx_rows(int bits, int64_t M) {
-  if (bits == 4) return M >= 32 ? M / 16 * 16 : 0;
+  if (bits == 4) return M / 16 * 16;
   return M / 16 * 16 + (M % 16 >= 12 ? 16 : 0);
 }
 

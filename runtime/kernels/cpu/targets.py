@@ -79,7 +79,7 @@ def _quant_linear_rows(cpu: Cpu) -> int:
 
 # 16 interleaved rows per vpdpbusd: 4-5x XLA's dequantize-then-dot at 256 rows and more
 # (docs/quantization.md, "Version 2"), so every row count runs it; with AMX-INT8 the kernel itself
-# hands its tiles of 16 rows (int8 from 12 rows, int4 from 32) to tdpbssd (Xeon with AMX,
+# hands its tiles of 16 rows (int8 from 12 rows, int4 from 16) to tdpbssd (Xeon with AMX,
 # 2026-11-29, docs/quantization.md "AMX-INT8 tiles")
 def _quant_linear_v2_rows(cpu: Cpu) -> int | None:
     return None if cpu.has("avx512_vnni") else 4
