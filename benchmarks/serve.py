@@ -498,9 +498,12 @@ def engine_counters(base: str) -> dict[str, float]:
     both export; hloserve's step seconds by kind), keyed `name` or `name{kind}`; {} without /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
     try:
-        text = httpx.get(base + "/metrics", timeout=30).text
+        r = httpx.get(base + "/metrics", timeout=30)
     except httpx.HTTPError:
         return {}
+    if r.status_code != 200:          # llama-server without --metrics answers 501
+        return {}
+    text = r.text
     got = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
