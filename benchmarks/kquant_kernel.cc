@@ -1,9 +1,10 @@
-// The K-quant kernel's two paths alone (docs/quantization.md, "The CPU kernel"), one thread, random
-// blocks: version 1's row loop (quant_rows) against the 16-row tiles over the per-call copy
-// (kquant_groups), and the copy and the header decode by themselves; prints the largest difference
-// between the two paths' outputs first. Built against jaxlib's FFI headers, on a CPU with VNNI:
+// The K-quant kernel's paths alone (docs/quantization.md, "The CPU kernel"), one thread, random
+// blocks: version 1's row loop (quant_rows), the 16-row tiles over the per-call copy (kquant_groups)
+// and (below 4 rows) version 3's own row loop (kquant_row_loop), and the copy and the header decode by
+// themselves; prints the largest difference of the tiles' and the row loop's outputs from version 1's.
+// Built against jaxlib's FFI headers, on a CPU with VNNI:
 //
-//   g++ -O3 -march=native -std=c++17 -I $(python -c "import jax; print(jax.ffi.include_dir())") \
+//   g++ -O3 -march=native -fopenmp-simd -std=c++17 -I $(python -c "import jax; print(jax.ffi.include_dir())") \
 //       benchmarks/kquant_kernel.cc -o /tmp/kquant_kernel && /tmp/kquant_kernel KIND ROWS [N]
 //
 // KIND: 12 Q4_K, 13 Q5_K, 14 Q6_K; K is 1536 (SmolLM2's down matrix), N 2304 unless given.
@@ -36,11 +37,29 @@ int main(int argc, char** argv) {
   auto t3 = std::chrono::steady_clock::now();
   for (int r = 0; r < R; ++r) { QuantizedX xq = quantize_for(x.data(), M, w); quant_rows(w, xq, M, 0, N, out.data()); }
   auto t4 = std::chrono::steady_clock::now();
-  std::vector<float> o2(M * N);
+  for (int r = 0; r < R; ++r) {
+    RowX xq = quantize_for_rows(x.data(), M, w);
+    if (kind == kQ4K) kquant_row_loop<kQ4K>(w, xq, M, 0, N, out.data());
+    else if (kind == kQ5K) kquant_row_loop<kQ5K>(w, xq, M, 0, N, out.data());
+    else kquant_row_loop<kQ6K>(w, xq, M, 0, N, out.data());
+  }
+  auto t5 = std::chrono::steady_clock::now();
+  std::vector<float> o2(M * N), o3(M * N);
   { KQuantX xq = quantize_for_blocks(x.data(), M, w); kquant_groups(w, xq, M, 0, (N + 15) / 16, out.data()); }
   { QuantizedX xq = quantize_for(x.data(), M, w); quant_rows(w, xq, M, 0, N, o2.data()); }
-  double md = 0, mx = 0; for (int64_t i = 0; i < M * N; ++i) { md = std::max(md, (double)std::fabs(out[i] - o2[i])); mx = std::max(mx, (double)std::fabs(o2[i])); }
-  printf("max diff %g (max |out| %g)\n", md, mx);
+  if (M < 4) {
+    RowX xq = quantize_for_rows(x.data(), M, w);
+    if (kind == kQ4K) kquant_row_loop<kQ4K>(w, xq, M, 0, N, o3.data());
+    else if (kind == kQ5K) kquant_row_loop<kQ5K>(w, xq, M, 0, N, o3.data());
+    else kquant_row_loop<kQ6K>(w, xq, M, 0, N, o3.data());
+  }
+  double md = 0, md3 = 0, mx = 0;
+  for (int64_t i = 0; i < M * N; ++i) {
+    md = std::max(md, (double)std::fabs(out[i] - o2[i])), mx = std::max(mx, (double)std::fabs(o2[i]));
+    if (M < 4) md3 = std::max(md3, (double)std::fabs(o3[i] - o2[i]));
+  }
+  printf("max diff tiles %g, row loop %g (max |out| %g)\n", md, md3, mx);
   auto us = [&](auto a, auto b) { return std::chrono::duration<double, std::micro>(b - a).count() / R; };
-  printf("kind %ld M %ld: interleave %.1f us, whole new %.1f us, decode only %.1f us, old v1 path %.1f us\n", kind, M, us(t0, t1), us(t1, t2), us(t2, t3), us(t3, t4));
+  printf("kind %ld M %ld: interleave %.1f us, tiles %.1f us, decode only %.1f us, v1 row loop %.1f us, "
+         "v3 row loop %.1f us\n", kind, M, us(t0, t1), us(t1, t2), us(t2, t3), us(t3, t4), us(t4, t5));
 }

@@ -307,6 +307,38 @@ def llama_gguf(gguf: str, kind: str, bin_dir: str, path: str) -> str:
     return path
 
 
+def same_files(args, gguf: str, max_len: int, conc: list[int], workloads: list, logs: str,
+               starts: dict[str, float]) -> list:
+    """--same-files: each GGUF type served by hloserve (the file's own blocks, `--quantize gguf`) and then by
+    llama-server on the very same file, so the pair shares the weights' bytes and minutes of load."""
+    if args.model != "smollm2":
+        raise SystemExit("--same-files: SmolLM2 only (a shape's GGUF has no K-quant rows of 256)")
+    if not os.path.exists(args.llama_server):
+        raise SystemExit(f"--same-files: {args.llama_server} not found (`bash benchmarks/llama_server_env.sh`)")
+    from hloserve.runtime.paths import cache_dir
+    bin_dir = os.path.dirname(args.llama_server)
+    slots = max(conc + ([args.long_concurrency] if args.long_requests > 0 else []))
+    levels = []
+    for kind in [t for t in args.same_files.split(",") if t]:
+        # the preset's own type is its file as it is; the others llama-quantize's requantization of it
+        path = gguf if kind == "Q4_1" else llama_gguf(gguf, kind, bin_dir, os.path.join(cache_dir(), "bench",
+                                                                                       f"smollm2-{kind}.gguf"))
+        art = quantized_artifact(path, "gguf", os.path.join(cache_dir(), "bench", f"smollm2-gguf-{kind}-art"))
+        name = f"hloserve gguf:{kind}"
+        cmd = [sys.executable, "-m", HLOSERVE_CLI, "serve", art, "--port", str(free_port()), "--model-name", MODEL,
+               *args.serve_args.split(), *([] if max_len == 2048 else ["--max-model-len", str(max_len)])]
+        with server(name, cmd, "/ready", os.path.join(logs, f"hloserve-gguf-{kind}.log")) as (base, secs):
+            starts[f"{name}, default cache"] = secs
+            levels += bench_server(name, base, workloads, {"ignore_eos": True})
+        name = f"llama-server {kind}"
+        cmd = [args.llama_server, "-m", path, "-t", str(os.cpu_count()), "-np", str(slots), "-c", str(max_len * slots),
+               "--host", "127.0.0.1", "--port", str(free_port()), "-a", MODEL, *args.llama_server_args.split()]
+        with server(name, cmd, "/health", os.path.join(logs, f"llama-server-{kind}.log")) as (base, secs):
+            starts[f"{name}, start"] = secs
+            levels += bench_server(name, base, workloads, {"ignore_eos": True})
+    return levels
+
+
 # -- the model as a Hugging Face directory (vLLM, transformers) ----------------------------------
 def hf_model_dir(gguf: str, path: str) -> str:
     """`path`, a Hugging Face model directory of the GGUF (transformers dequantizes its Q4_1 weights to
@@ -466,9 +498,12 @@ def engine_counters(base: str) -> dict[str, float]:
     both export; hloserve's step seconds by kind), keyed `name` or `name{kind}`; {} without /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
     try:
-        text = httpx.get(base + "/metrics", timeout=30).text
+        r = httpx.get(base + "/metrics", timeout=30)
     except httpx.HTTPError:
         return {}
+    if r.status_code != 200:          # llama-server without --metrics answers 501
+        return {}
+    text = r.text
     got = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -559,7 +594,9 @@ def ratios(summaries: list[dict]) -> list[str]:
     by = {(s["system"], s["workload"], s["concurrency"]): s for s in summaries}
     lines = []
     for (system, wl, c), ours in by.items():
-        if system.startswith("hloserve "):           # a quantized artifact: against llama.cpp at its bits and bf16
+        if system.startswith("hloserve gguf:"):      # the same file through llama-server
+            others = (f"llama-server {system.split(':', 1)[1]}", "hloserve")
+        elif system.startswith("hloserve "):         # a quantized artifact: against llama.cpp at its bits and bf16
             others = (f"llama-server {SAME_BITS.get(system.split(' ', 1)[1], '?')}", "hloserve", "llama-server BF16")
         elif system == "hloserve":
             others = (VLLM, "llama-cpp-python", "transformers", "llama-server BF16")
@@ -788,6 +825,11 @@ def main() -> int:
     p.add_argument("--llama-server-args", default="--no-repack",
                    help="extra llama-server flags; the default turns off its weight repacking, whose quantized "
                         "kernels crashed (SIGSEGV at load) on the Sapphire Rapids VM of 2026-11-25")
+    p.add_argument("--same-files", default="",
+                   help="GGUF types served by hloserve (`--quantize gguf`: the file's own blocks) and then by "
+                        "llama-server on the very same file, back to back (e.g. Q8_0,Q4_0,Q4_K_M,Q4_1; Q4_1 is the "
+                        "preset's file as it is, the others llama-quantize's of it), as 'hloserve gguf:TYPE' and "
+                        "'llama-server TYPE'; SmolLM2 only, whatever --skip says")
     p.add_argument("--skip", default="", help=f"systems to skip: {','.join(SYSTEMS)}")
     p.add_argument("--write-docs", action="store_true")
     args = p.parse_args()
@@ -880,6 +922,9 @@ def main() -> int:
         with server(name, cmd, "/ready", os.path.join(logs, f"hloserve-{tag}.log")) as (base, secs):
             starts[f"{name}, default cache"] = secs
             levels += bench_server(name, base, workloads, {"ignore_eos": True})
+
+    if args.same_files:
+        levels += same_files(args, gguf, max_len, conc, workloads, logs, starts)
 
     if "llama-server" not in skip:
         if not os.path.exists(args.llama_server):

@@ -8,8 +8,9 @@
 // decoded once into f32 sub-block scales (and mins) [sub-blocks, 16]. The copy is a layout change only, no
 // arithmetic: every product is the same integer sum, scaled as the contract says. Q4_K's bytes hold
 // elements 2j (low nibble) and 2j+1 (high), so x is read even-then-odd within each 8 elements;
-// Q6_K's sub-blocks of 16 keep one int32 sum per half block. Elsewhere version 1's row loops
-// (quant_rows.h) run, each row's scales decoded as it is reached.
+// Q6_K's sub-blocks of 16 keep one int32 sum per half block. Below 4 rows of x (one request's decode)
+// a row loop reads each matrix row where it lies, its headers decoded once per super-block into
+// registers. Without VNNI version 1's portable loop (quant_rows.h) runs.
 #include "quant_rows.h"
 
 namespace {
@@ -205,18 +206,173 @@ void kquant_groups(const QuantMatrix& w, const KQuantX& x, int64_t M, int64_t g0
     for (int64_t m = 0; rows < 16 && m < M; ++m) std::memcpy(out + m * w.N + n0, tail.data() + m * 16, rows * 4);
   }
 }
+
+// -- below kTileRows rows of x: each matrix row read where it lies, super-block by super-block ------
+//
+// One request's decode step. Per super-block of NR matrix rows: each row's header decoded once into
+// registers (scales and mins), the mins' term one FMA against x's 8 group sums, and the quants by
+// 64-byte vpdpbusd steps whose 16 lanes are scaled by the sub-block scale and x's block scale of
+// their lane (a permute of the decoded scales), summed across lanes once per row.
+
+// x for the row loop: quantized per 32-element block as the contract says, its bytes in the order
+// of the weights' lanes (Q4_K: each 128 elements' evens, then their odds: the low and the high
+// nibbles of 64 weight bytes), each lane's block scale d, and (int8 weights, read as q + 128) each
+// lane's correction -128 * (sum of its 4 xq)
+struct RowX {
+  QuantX2 x;                   // d [M, K/32], xsum [M, G]; x.xq in element order
+  std::vector<int8_t> xq;      // [M, K] in lane order
+  std::vector<float> lanes;    // [M, chunks, 16]
+  std::vector<int32_t> start;  // [M, chunks, 16] (int8 weights)
+};
+
+RowX quantize_for_rows(const float* x, int64_t M, const QuantMatrix& w) {
+  const int64_t K = w.K, B = K / kXBlock, elems = w.bits == 8 ? 64 : 128, chunks = K / elems;
+  RowX r{quantize_x2(x, M, K, K / 32, 32, 0), std::vector<int8_t>(M * K), std::vector<float>(M * chunks * 16),
+         std::vector<int32_t>(w.bits == 8 ? M * chunks * 16 : 0)};
+  const int8_t* src = r.x.xq.data();
+  if (w.bits == 8) {
+    std::memcpy(r.xq.data(), src, M * K);
+  } else {
+    for (int64_t i = 0; i < M * K; i += 128)
+      for (int64_t k = 0; k < 64; ++k) r.xq[i + k] = src[i + 2 * k], r.xq[i + 64 + k] = src[i + 2 * k + 1];
+  }
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* d = r.x.d.data() + m * B + c * (elems / kXBlock);
+      _mm512_storeu_ps(r.lanes.data() + (m * chunks + c) * 16, w.bits == 8 ? per_lane<8>(d) : per_lane<4>(d));
+      if (w.bits != 8) continue;
+      const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(src + m * K + c * 64));
+      _mm512_storeu_si512(r.start.data() + (m * chunks + c) * 16, _mm512_mullo_epi32(sum, _mm512_set1_epi32(-128)));
+    }
+  return r;
+}
+
+// NR matrix rows from n times MR rows of x from m0 (M rows in all) into out [M, N]
+template <int64_t KIND, int NR, int MR>
+void kquant_row_tile(const QuantMatrix& w, const RowX& x, int64_t n, int64_t m0, float* out) {
+  constexpr int BITS = KIND == kQ4K ? 4 : 8;
+  constexpr int64_t kHead = KIND == kQ6K ? 18 : 16, kElems = BITS == 8 ? 64 : 128, kChunks = 256 / kElems;
+  const int64_t K = w.K, nb = K / 256, qrow = K * BITS / 8, chunks = K / kElems, G = K / 32;
+  const uint8_t* h = static_cast<const uint8_t*>(w.scale) + n * nb * kHead;
+  const uint8_t* q = w.q + n * qrow;
+  // lane l of step c takes sub-block scale idx[c][l]: Q4_K 4 lanes a sub-block of 32, Q5_K 8, Q6_K 4 (of 16)
+  __m512i idx[kChunks];
+  HLOSERVE_UNROLL
+  for (int c = 0; c < kChunks; ++c)
+    idx[c] = _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(c * 16),
+                                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                               KIND == kQ5K ? 3 : 2);
+  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[NR][MR];
+  __m256 macc[NR][MR];
+  HLOSERVE_UNROLL
+  for (int i = 0; i < NR; ++i)
+    HLOSERVE_UNROLL
+    for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps(), macc[i][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 sc[NR];
+    HLOSERVE_UNROLL
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* hb = h + (i * nb + b) * kHead;
+      if constexpr (KIND == kQ6K) {
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hb))));
+        sc[i] = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(static_cast<uint16_t>(hb[16] | (hb[17] << 8)))), s);
+      } else {
+        alignas(32) float s8[8], m8[8];
+        block_header(hb, s8, m8);
+        sc[i] = _mm512_castps256_ps512(_mm256_load_ps(s8));
+        HLOSERVE_UNROLL
+        for (int j = 0; j < MR; ++j)
+          macc[i][j] = _mm256_fmadd_ps(_mm256_load_ps(m8), _mm256_loadu_ps(x.x.xsum.data() + (m0 + j) * G + b * 8),
+                                       macc[i][j]);
+      }
+    }
+    HLOSERVE_UNROLL
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t chunk = b * kChunks + c;
+      __m512i lo[NR], hi[NR];
+      __m512 sl[NR];
+      HLOSERVE_UNROLL
+      for (int i = 0; i < NR; ++i) {
+        const __m512i v = _mm512_loadu_si512(q + i * qrow + chunk * 64);
+        if constexpr (BITS == 8) {
+          lo[i] = _mm512_xor_si512(v, flip);                                   // q + 128
+        } else {
+          lo[i] = _mm512_and_si512(v, low), hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        sl[i] = _mm512_permutexvar_ps(idx[c], sc[i]);
+      }
+      HLOSERVE_UNROLL
+      for (int j = 0; j < MR; ++j) {
+        const int64_t at = (m0 + j) * chunks + chunk;
+        const int8_t* xr = x.xq.data() + (m0 + j) * K + chunk * kElems;
+        const __m512 dv = _mm512_loadu_ps(x.lanes.data() + at * 16);
+        const __m512i xa = _mm512_loadu_si512(xr);
+        __m512i start = _mm512_setzero_si512(), xb = _mm512_setzero_si512();
+        if constexpr (BITS == 8) start = _mm512_loadu_si512(x.start.data() + at * 16);
+        else xb = _mm512_loadu_si512(xr + 64);
+        HLOSERVE_UNROLL
+        for (int i = 0; i < NR; ++i) {
+          __m512i part = _mm512_dpbusd_epi32(start, lo[i], xa);
+          if constexpr (BITS == 4) part = _mm512_dpbusd_epi32(part, hi[i], xb);
+          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part), _mm512_mul_ps(sl[i], dv), acc[i][j]);
+        }
+      }
+    }
+  }
+  HLOSERVE_UNROLL
+  for (int i = 0; i < NR; ++i)
+    HLOSERVE_UNROLL
+    for (int j = 0; j < MR; ++j) {
+      const __m256 m = macc[i][j];
+      __m128 t = _mm_add_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+      t = _mm_add_ss(t, _mm_movehdup_ps(t));
+      out[(m0 + j) * w.N + n + i] = _mm512_reduce_add_ps(acc[i][j]) + _mm_cvtss_f32(t);
+    }
+}
+
+// matrix rows [n0, n1) times the M (< kTileRows) rows of x: 4 matrix rows a tile for one row of x, 2 for more
+template <int64_t KIND>
+void kquant_row_loop(const QuantMatrix& w, const RowX& x, int64_t M, int64_t n0, int64_t n1, float* out) {
+  int64_t n = n0;
+  if (M == 1) {
+    for (; n + 4 <= n1; n += 4) kquant_row_tile<KIND, 4, 1>(w, x, n, 0, out);
+    for (; n < n1; ++n) kquant_row_tile<KIND, 1, 1>(w, x, n, 0, out);
+    return;
+  }
+  for (; n + 2 <= n1; n += 2) {
+    kquant_row_tile<KIND, 2, 2>(w, x, n, 0, out);
+    if (M == 3) kquant_row_tile<KIND, 2, 1>(w, x, n, 2, out);
+  }
+  for (; n < n1; ++n) {
+    kquant_row_tile<KIND, 1, 2>(w, x, n, 0, out);
+    if (M == 3) kquant_row_tile<KIND, 1, 1>(w, x, n, 2, out);
+  }
+}
+
+void kquant_rows_small(ffi::ThreadPool& pool, const float* xf, const QuantMatrix& w, int64_t M, float* op) {
+  const RowX x = quantize_for_rows(xf, M, w);
+  parallel_for(pool, (w.N + kLinearRows - 1) / kLinearRows, 1, [&](int64_t task) {
+    const int64_t n0 = task * kLinearRows, n1 = std::min(w.N, n0 + kLinearRows);
+    if (w.block == kQ4K) kquant_row_loop<kQ4K>(w, x, M, n0, n1, op);
+    else if (w.block == kQ5K) kquant_row_loop<kQ5K>(w, x, M, n0, n1, op);
+    else kquant_row_loop<kQ6K>(w, x, M, n0, n1, op);
+  });
+}
 #endif
 
-// Below this many rows of x the copy costs more than the tiles save, and version 1's row loops run
-// (each matrix row read once, its headers decoded as it is reached). Measured one thread, K 1536,
-// N 2304, Xeon with VNNI, 2026-11-29: Q6_K rows 1-2 the loops 1.3x faster, 4 even, 8 the tiles 1.5x,
-// 16 1.3-2.3x; Q4_K 1-2 even, 4 the tiles 1.2x, 8 1.45x, 16 1.85x.
+// Below this many rows of x the copy costs more than the tiles save, and the row loop above runs
+// (each matrix row read once where it lies). Measured one thread, K 1536, N 2304, Xeon with VNNI,
+// 2026-11-29 (against version 1's row loop then): Q6_K rows 1-2 the loops 1.3x faster, 4 even, 8 the
+// tiles 1.5x, 16 1.3-2.3x; Q4_K 1-2 even, 4 the tiles 1.2x, 8 1.45x, 16 1.85x.
 constexpr int64_t kTileRows = 4;
 
 // the product: 16 rows at a time with VNNI from kTileRows rows of x, version 1's row loops elsewhere
 void quant_linear_v3(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, float* op) {
 #if defined(__AVX512VNNI__)
-  if (M < kTileRows) return quant_linear_v1(pool, x, w, M, op);
+  if (M < kTileRows) return kquant_rows_small(pool, x, w, M, op);
   const KQuantX xq = quantize_for_blocks(x, M, w);
   const int64_t NG = (w.N + 15) / 16;
   constexpr int64_t kGroupsPerTask = kLinearRows / 16;
