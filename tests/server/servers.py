@@ -64,3 +64,18 @@ def metric(text: str, name: str) -> float:
     m = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
     assert m, f"metric {name} missing from /metrics"
     return float(m.group(1))
+
+
+def runners_in_budget(artifacts: dict[str, str], budget: int) -> dict:
+    """Per KV cache dtype, the model runner `hloserve serve --kv-cache-mib` would build from the
+    artifact at that path in `budget` bytes of KV cache (no server: the sizing alone)."""
+    from hloserve.runtime.artifact import LLMArtifact
+    from hloserve.server.config import ServeConfig
+    from hloserve.server.core.model_runner import ModelRunner
+
+    runners = {}
+    for kv, path in artifacts.items():
+        art = LLMArtifact.read(path)
+        _, runner_cfg, _ = ServeConfig(kv_cache_bytes=budget).resolve(art.llm)
+        runners[kv] = ModelRunner.from_artifact(art, runner_cfg)
+    return runners

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 
+from tests.server.servers import runners_in_budget
 from tests.server.test_kv_cache_int8 import _prompt_logprobs, _text_ids
 
 # The bound on the mean |difference| of the prompt log-probabilities (nats), derived from the two formats'
@@ -66,15 +67,9 @@ def test_fp8_cache_holds_1_9x_the_blocks_of_bf16_in_one_budget(artifacts):
     """The runner sizes the pool from --kv-cache-mib and the artifact's bytes per block: fp8 rows of 64
     values and a 2-byte scale (66 bytes) against 128 bytes of bf16, 1.94x the blocks."""
     from hloserve.runtime.artifact import LLMArtifact
-    from hloserve.server.config import ServeConfig
-    from hloserve.server.core.model_runner import ModelRunner
 
     budget = 64 << 20
-    runners = {}
-    for kv, path in artifacts.items():
-        art = LLMArtifact.read(path)
-        _, runner_cfg, _ = ServeConfig(kv_cache_bytes=budget).resolve(art.llm)
-        runners[kv] = ModelRunner.from_artifact(art, runner_cfg)
+    runners = runners_in_budget(artifacts, budget)
     for runner in runners.values():
         assert runner.kv_cache_bytes <= budget
     assert runners["fp8_e4m3"].num_blocks >= 1.9 * runners["bfloat16"].num_blocks, \

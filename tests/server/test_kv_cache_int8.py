@@ -13,6 +13,8 @@ import os
 import numpy as np
 import pytest
 
+from tests.server.servers import runners_in_budget
+
 TEXT = os.path.join(os.path.dirname(__file__), "..", "data", "web_genesis.txt")
 TOKENS = 1500      # the text scored (the issue's bound is stated on a 1,500-token text)
 ROWS = 250         # rows (one token each) per step call
@@ -84,15 +86,9 @@ def test_int8_cache_holds_1_9x_the_blocks_of_bf16_in_one_budget(artifacts):
     """The runner sizes the pool from --kv-cache-mib and the artifact's bytes per block: int8 rows of
     64 values, a 2-byte scale and a 1-byte zero point (67 bytes) against 128 bytes of bf16, 1.91x the blocks."""
     from hloserve.runtime.artifact import LLMArtifact, read_manifest
-    from hloserve.server.config import ServeConfig
-    from hloserve.server.core.model_runner import ModelRunner
 
     budget = 64 << 20
-    runners = {}
-    for kv, path in artifacts.items():
-        art = LLMArtifact.read(path)
-        _, runner_cfg, _ = ServeConfig(kv_cache_bytes=budget).resolve(art.llm)
-        runners[kv] = ModelRunner.from_artifact(art, runner_cfg)
+    runners = runners_in_budget(artifacts, budget)
     for runner in runners.values():
         assert runner.kv_cache_bytes <= budget
         assert sum(b for (_, what), b in runner.device_memory().items() if what == "kv_cache") == runner.kv_cache_bytes

@@ -15,7 +15,7 @@ the test cache on first use, as tests/server/test_serve_default.py does), #38 it
 
 Both servers run with --num-blocks 128 (a 2,000-token prompt fits; eight requests of ~270 tokens at
 once do not) and share one --kv-disk-dir. Prompts are token ids, so the test knows every block's
-chained hash and so its file. They are slices of data/kv_tiers_passages.md, a frozen copy of an
+chained hash and so its file. They are slices of tests/data/kv_tiers_passages.md, a frozen copy of an
 earlier docs/architecture.md. The live document changes with the code, and with it the passages:
 one edit moved a passage onto a near tie between two of its own phrases, which a batched run then
 broke the other way (CI, 2026-11-29).
@@ -81,7 +81,7 @@ def test_a_replica_serves_prefix_from_disk_preemption_swaps_to_host_damaged_entr
     kv_dir = str(tmp_path / "kv")
     args = (*ARGS, "--kv-disk-dir", kv_dir)
     with running_server(None, *args, ready_timeout=1200, log_dir=str(tmp_path)) as (base, _):
-        with open(os.path.join(os.path.dirname(__file__), "data", "kv_tiers_passages.md")) as f:
+        with open(os.path.join(os.path.dirname(__file__), "..", "data", "kv_tiers_passages.md")) as f:
             text = f.read()[:40000]
         ids = httpx.post(f"{base}/tokenize", json={"model": MODEL, "prompt": text}).json()["tokens"]
         long, short = ids[:LONG], ids[LONG:LONG + SHORT]
