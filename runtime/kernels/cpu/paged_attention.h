@@ -311,6 +311,12 @@ inline void value_block(const float* st, const float* vf, int64_t n, int64_t DP,
       for (int l = 0; l < kLanes; ++l) ot[(d0 + j) * RP + r0 + g * kLanes + l] = acc[j][g][l];
 }
 
+}  // namespace hloserve::paged
+
+#include "paged_attention_amx.h"
+
+namespace hloserve::paged {
+
 struct TileScratch {
   std::vector<float> k, v, qt, s, o, inv;
   std::vector<int32_t> lo, hi;
@@ -321,6 +327,10 @@ template <Kind K>
 void attend_tile(const float* q, float* out, int64_t stride, int64_t ntok, const int64_t* begins, const int64_t* ends,
                  const void* cache, int64_t kbase, int64_t vbase, const int32_t* table, int64_t BS, int64_t D,
                  int64_t G, float scale, float softcap) {
+#if defined(HLOSERVE_PAGED_AMX)
+  if constexpr (K == Kind::kBF16)
+    if (attend_tile_amx(q, out, stride, ntok, begins, ends, cache, kbase, vbase, table, BS, D, G, scale, softcap)) return;
+#endif
   thread_local TileScratch w;
   int64_t lo = INT64_MAX, hi = 0;                                        // over tokens that see something
   for (int64_t i = 0; i < ntok; ++i)

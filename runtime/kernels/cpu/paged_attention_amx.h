@@ -1,0 +1,254 @@
+// A prompt chunk's tile of paged attention on AMX tiles (Intel Sapphire Rapids and later), for a bf16
+// cache: the tile of attend_tile (paged_attention.h) with q.k and p.v as bf16 tile products summed in
+// f32, where attend_tile's f32 FMAs reach ~30-40 GFLOP/s a core (docs/performance.md). A long
+// prompt's attention grows with the square of its length, so this is most of a long prefill.
+//
+// The contract differs from the f32 path in two roundings, both stated in
+// runtime/artifact/kernels.py's paged attention entry: each query (times the scale) is rounded to
+// bf16 before its dot products (the cache's K rows already are bf16), and each probability is
+// rounded to bf16 before it weights a V row (the sum that normalizes them is of the rounded
+// values). Only tiles of kAmxMinTokens or more tokens take it: decode tokens and speculative
+// verification rows keep the f32 path's exact arithmetic.
+//
+// Layout, rows r = (token, query head) as in attend_tile:
+//   S [r][c] = Q [r][d] . K^T        A: Q rows, bf16          B: K^T, 16 positions x 32 dims a tile
+//   softmax along c, per row          P [r][c] bf16
+//   O [r][d] = P [r][c] . V           A: P rows                B: V, pairs of positions interleaved
+// B tiles hold pairs of bf16 of one k index side by side (the "VNNI" layout tdpbf16ps reads).
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HLOSERVE_PAGED_AMX 1
+
+namespace hloserve::paged {
+
+constexpr int64_t kAmxMinTokens = 8;   // a tile of fewer tokens keeps the f32 path
+
+// every tile 16 rows of 64 bytes (16 x 32 bf16; sums 16 x 16 f32)
+inline void amx_configure_attention() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+  _tile_loadconfig(&c);
+}
+
+// 16 rows of 16 32-bit elements, row i at rows[i] -> their transpose into dst (row r, element i =
+// rows[i] element r; dst rows 64 bytes apart): pairs of rows, pairs of pairs, then 128-bit lanes
+inline void transpose16_gather(const char* const rows[16], uint16_t* dst) {
+  __m512i r[16], t[16];
+  HLOSERVE_UNROLL
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i]);
+  HLOSERVE_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  HLOSERVE_UNROLL
+  for (int q = 0; q < 4; ++q) {
+    r[4 * q] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+    r[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+    r[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+    r[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+  }
+  char* d = reinterpret_cast<char*>(dst);
+  HLOSERVE_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    const __m512i ab_lo = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), ab_hi = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+    const __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+    const __m512i cd_hi = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+    _mm512_storeu_si512(d + j * 64, _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88));
+    _mm512_storeu_si512(d + (4 + j) * 64, _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD));
+    _mm512_storeu_si512(d + (8 + j) * 64, _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88));
+    _mm512_storeu_si512(d + (12 + j) * 64, _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD));
+  }
+}
+
+// C[i][j] = sum over `steps` k-steps of A_i . B_j for MR row tiles and NC column tiles (tiles 0-3
+// the sums, 4-5 the A tiles, 6-7 the B tiles: each loaded tile is used MR or NC times). A_i's k-step
+// s lies at a[i] + s * a_step (rows `sa` bytes apart), B_j's at b[j] + s * b_step (a VNNI tile, rows 64
+// bytes apart); C_ij is
+// stored at c[i][j], rows `sc` bytes apart.
+template <int MR, int NC>
+inline void amx_block(const uint16_t* const* a, int64_t sa, int64_t a_step, const uint16_t* const* b, int64_t b_step,
+                      int64_t steps,
+                      float* const (*c)[2], int64_t sc) {
+  _tile_zero(0);
+  if constexpr (NC > 1) _tile_zero(1);
+  if constexpr (MR > 1) _tile_zero(2);
+  if constexpr (MR > 1 && NC > 1) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, a[0] + s * a_step, sa);
+    _tile_loadd(6, b[0] + s * b_step, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NC > 1) { _tile_loadd(7, b[1] + s * b_step, 64); _tile_dpbf16ps(1, 4, 7); }
+    if constexpr (MR > 1) {
+      _tile_loadd(5, a[1] + s * a_step, sa);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NC > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c[0][0], sc);
+  if constexpr (NC > 1) _tile_stored(1, c[0][1], sc);
+  if constexpr (MR > 1) _tile_stored(2, c[1][0], sc);
+  if constexpr (MR > 1 && NC > 1) _tile_stored(3, c[1][1], sc);
+}
+
+// C = A . B over whole tiles: `mt` row tiles (A_i at a + i * a_row), `nt` column tiles (B_j at
+// b + j * b_col, k-steps b_step apart), C_ij at c + i * c_row + j * 16 (floats), in blocks of 2 x 2 tiles
+inline void amx_product(const uint16_t* a, int64_t a_row, int64_t sa, int64_t a_step, const uint16_t* b, int64_t b_col,
+                        int64_t b_step, int64_t steps, int64_t mt, int64_t nt, float* c, int64_t c_row, int64_t sc) {
+  for (int64_t i = 0; i < mt; i += 2)
+    for (int64_t j = 0; j < nt; j += 2) {
+      const bool two_r = i + 1 < mt, two_c = j + 1 < nt;
+      const uint16_t* ai[2] = {a + i * a_row, a + (i + 1) * a_row};
+      const uint16_t* bj[2] = {b + j * b_col, b + (j + 1) * b_col};
+      float* const cij[2][2] = {{c + i * c_row + j * 16, c + i * c_row + (j + 1) * 16},
+                                {c + (i + 1) * c_row + j * 16, c + (i + 1) * c_row + (j + 1) * 16}};
+      if (two_r && two_c) amx_block<2, 2>(ai, sa, a_step, bj, b_step, steps, cij, sc);
+      else if (two_r) amx_block<2, 1>(ai, sa, a_step, bj, b_step, steps, cij, sc);
+      else if (two_c) amx_block<1, 2>(ai, sa, a_step, bj, b_step, steps, cij, sc);
+      else amx_block<1, 1>(ai, sa, a_step, bj, b_step, steps, cij, sc);
+    }
+}
+
+// e^x for x <= 0, 16 lanes: exp_nonpositive's reduction and polynomial
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// lanes c0 + [0, 16) inside [a, b)
+inline __mmask16 seen_lanes(int64_t c0, int64_t a, int64_t b) {
+  const __m512i c = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(c0)),
+                                     _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  return _mm512_cmpge_epi32_mask(c, _mm512_set1_epi32(static_cast<int32_t>(a))) &
+         _mm512_cmplt_epi32_mask(c, _mm512_set1_epi32(static_cast<int32_t>(b)));
+}
+
+// One row's softmax over positions [a, b) of s[0, NP) (NP a multiple of 32): p = e^(s - max) as bf16
+// into p[0, NP), 0 outside [a, b); returns the sum of the rounded p (0 when the row sees nothing)
+inline float softmax_row_bf16(const float* s, int64_t a, int64_t b, int64_t NP, uint16_t* p) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t c = a / 16 * 16; c < b; c += 16) mx = _mm512_mask_max_ps(mx, seen_lanes(c, a, b), mx, _mm512_loadu_ps(s + c));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t c = 0; c < NP; c += 32) {
+    if (c + 32 <= a || c >= b) {                                        // a block no position of it sees
+      _mm512_storeu_si512(p + c, zero);
+      continue;
+    }
+    const __m512 e0 = _mm512_maskz_mov_ps(seen_lanes(c, a, b), exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + c), m)));
+    const __m512 e1 = _mm512_maskz_mov_ps(seen_lanes(c + 16, a, b),
+                                          exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + c + 16), m)));
+    const __m512i pb = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0));   // e0 low, e1 high
+    _mm512_storeu_si512(p + c, pb);
+    // the rounded values back to f32, summed: the normalization of what weights the V rows
+    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(pb)), 16)));
+    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(pb, 1)), 16)));
+  }
+  return b > a ? _mm512_reduce_add_ps(sum) : 0.f;
+}
+
+struct AmxScratch {
+  std::vector<uint16_t> qa, kb, vb, pa, zeros;
+  std::vector<float> s, o, inv;
+};
+
+// attend_tile's tile (same operands; a bf16 cache) on AMX tiles; false where this path does not apply
+// (head_dim not a multiple of 32, soft-capping, fewer than kAmxMinTokens tokens, or no AMX state from
+// the OS): the caller then runs the f32 path.
+inline bool attend_tile_amx(const float* q, float* out, int64_t stride, int64_t ntok, const int64_t* begins,
+                            const int64_t* ends, const void* cache, int64_t kbase, int64_t vbase, const int32_t* table,
+                            int64_t BS, int64_t D, int64_t G, float scale, float softcap) {
+  if (D % 32 != 0 || softcap > 0.f || ntok < kAmxMinTokens || !amx_usable()) return false;
+  thread_local AmxScratch w;
+  int64_t lo = INT64_MAX, hi = 0;                                        // over tokens that see something
+  for (int64_t i = 0; i < ntok; ++i)
+    if (ends[i] > begins[i]) lo = std::min(lo, begins[i]), hi = std::max(hi, ends[i]);
+  if (hi <= lo) return false;
+  const int64_t rows = ntok * G, RP = (rows + 15) / 16 * 16;
+  const int64_t n = hi - lo, NP = (n + 31) / 32 * 32;                    // positions padded to k-steps of 32
+  const int64_t JD = D / 32, DT = D / 16;                                // k-steps over d; 16-dim output tiles
+  const uint16_t* kc = static_cast<const uint16_t*>(cache);
+  w.zeros.assign(D, 0);
+  auto row = [&](int64_t base, int64_t c) -> const uint16_t* {           // position lo + c's row, or zeros
+    if (c >= n) return w.zeros.data();
+    const int64_t p = lo + c;
+    return kc + base + (static_cast<int64_t>(table[p / BS]) * BS + p % BS) * D;
+  };
+  // Q: qa[r][d] = bf16(scale * q), rows past `rows` zero
+  w.qa.assign(RP * D, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = q + (r / G) * stride + (r % G) * D;
+    for (int64_t d = 0; d < D; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.qa.data() + r * D + d),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + d),
+                                                                                     _mm512_set1_ps(scale)))));
+  }
+  // K^T: per 16 positions ct and k-step j, kb[(ct * JD + j) * 512 ...]: row i = dims 32j + 2i, +1 of the 16
+  // positions (a transpose of the rows' 32-bit pairs)
+  w.kb.resize(NP * D);
+  for (int64_t ct = 0; ct < NP / 16; ++ct) {
+    const char* rp[16];
+    for (int i = 0; i < 16; ++i) rp[i] = reinterpret_cast<const char*>(row(kbase, ct * 16 + i));
+    for (int64_t j = 0; j < JD; ++j) {
+      const char* rj[16];
+      for (int i = 0; i < 16; ++i) rj[i] = rp[i] + j * 64;
+      transpose16_gather(rj, w.kb.data() + (ct * JD + j) * 512);
+    }
+  }
+  // V: per 32 positions u and 16 dims dt, vb[(u * DT + dt) * 512 ...]: row i = positions 32u + 2i and
+  // 32u + 2i + 1 interleaved over the 16 dims
+  w.vb.resize(NP * D);
+  const __m512i pairs = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
+                                         5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  for (int64_t u = 0; u < NP / 32; ++u)
+    for (int64_t i = 0; i < 16; ++i) {
+      const uint16_t* v0 = row(vbase, u * 32 + 2 * i);
+      const uint16_t* v1 = row(vbase, u * 32 + 2 * i + 1);
+      for (int64_t dt = 0; dt < DT; ++dt) {
+        const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + dt * 16)));
+        const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + dt * 16)));
+        _mm512_storeu_si512(w.vb.data() + ((u * DT + dt) * 16 + i) * 32, _mm512_permutex2var_epi16(a, pairs, b));
+      }
+    }
+  amx_configure_attention();
+  // S [RP][NP] = Q . K^T
+  w.s.resize(RP * NP);
+  amx_product(w.qa.data(), 16 * D, D * 2, 32, w.kb.data(), JD * 512, 512, JD, RP / 16, NP / 16, w.s.data(), 16 * NP, NP * 4);
+  // P [RP][NP] bf16, row by row over each row's own positions
+  w.pa.resize(RP * NP);
+  w.inv.resize(RP);
+  for (int64_t r = 0; r < RP; ++r) {
+    int64_t a = 0, b = 0;
+    if (r < rows) a = std::max<int64_t>(begins[r / G] - lo, 0), b = std::max<int64_t>(ends[r / G] - lo, 0);
+    const float sum = softmax_row_bf16(w.s.data() + r * NP, a, std::max(a, b), NP, w.pa.data() + r * NP);
+    w.inv[r] = sum > 0.f ? 1.f / sum : 0.f;
+  }
+  // O [RP][D] = P . V
+  w.o.resize(RP * D);
+  amx_product(w.pa.data(), 16 * NP, NP * 2, 32, w.vb.data(), 512, DT * 512, NP / 32, RP / 16, DT, w.o.data(), 16 * D, D * 4);
+  _tile_release();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + (r / G) * stride + (r % G) * D;
+    const __m512 inv = _mm512_set1_ps(w.inv[r]);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + r * D + d), inv));
+  }
+  return true;
+}
+
+}  // namespace hloserve::paged
+
+#endif
