@@ -59,7 +59,7 @@ double run(int64_t S, int64_t C, int64_t L) {
   return best;
 }
 
-// A prompt chunk's tile: the last 16 tokens of a C-token prompt, each seeing the positions up to
+// A prompt chunk's tile: the last tokens of a C-token prompt (a work item's count), each seeing the positions up to
 // its own, through the tile kernel (attend_tile), every layer and KV head; GFLOP/s of q.k and p.v.
 double chunk_gflops(int64_t C, int64_t L) {
   const int64_t B = (C + BS - 1) / BS, N = 1 + B;
@@ -68,7 +68,7 @@ double chunk_gflops(int64_t C, int64_t L) {
   for (auto& v : cache) v = static_cast<uint16_t>(0x3c00 + rng() % 0x200);   // bf16 values in [2^-7, 2^-6)
   std::vector<int32_t> ids(B);
   std::iota(ids.begin(), ids.end(), 1);
-  constexpr int64_t T = 16;
+  const int64_t T = chunk_tile_tokens(Kind::kBF16, D, 0.f);   // a work item's tokens (32 on AMX, else 16)
   std::vector<float> q(T * KV * G * D), out(T * KV * G * D);
   for (auto& v : q) v = (rng() % 2000) / 1000.f - 1.f;
   std::vector<int64_t> begins(T, 0), ends(T);
@@ -92,7 +92,8 @@ double chunk_gflops(int64_t C, int64_t L) {
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "chunk") {
     const int64_t C = argc > 2 ? atoi(argv[2]) : 1800;
-    printf("chunk tile: 16 tokens at %ld, 30 layers: %.1f GFLOP/s (one thread)\n", C, chunk_gflops(C, 30));
+    printf("chunk tile: %ld tokens at %ld, 30 layers: %.1f GFLOP/s (one thread)\n",
+           chunk_tile_tokens(Kind::kBF16, D, 0.f), C, chunk_gflops(C, 30));
     return 0;
   }
   const int64_t S = argc > 1 ? atoi(argv[1]) : 16, C = argc > 2 ? atoi(argv[2]) : 300,

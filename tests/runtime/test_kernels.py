@@ -98,10 +98,11 @@ def _exported_v2(args, holds, scale=None, softcap=0.0):
 
 def _bf16_rounded_reference(args, window, holds, scale, softcap):
     """(out, tolerance per token): the torch reference as the CPU kernel's AMX tiles compute it
-    (runtime/kernels/cpu/paged_attention_amx.h: a bf16 cache's prompt-chunk tiles): q * scale and each
-    probability rounded to bf16 (to nearest even), sums exact here (f64), the output normalized by
-    the sum of the rounded probabilities. The kernel sums in f32 and its e^x differs from torch's in
-    the last bits, which can move a probability across a bf16 rounding boundary: each such flip moves
+    (runtime/kernels/cpu/paged_attention_amx.h: a bf16 cache's prompt-chunk tiles): base-2 scores
+    s = bf16(q * scale * log2 e) k^T, weights bf16(2^(s - M)) with M the integer ceiling of the token's
+    largest score (to nearest even), sums exact here (f64), the output normalized by the sum of the
+    rounded weights. The kernel sums in f32 and its 2^x differs from torch's in the last bits, which
+    can move a weight across a bf16 rounding boundary: each such flip moves
     the output by at most 2^-8 * p * max|v|; the tolerance allows two flips of the row's largest p
     (the f32 sums' error, ~1e-6 here, is far below it)."""
     q, cache, layer, tables, seq, pos, ctx = [torch.from_numpy(np.array(a)) for a in args]
@@ -117,9 +118,9 @@ def _bf16_rounded_reference(args, window, holds, scale, softcap):
     if windowed is not None:
         seen = seen & windowed
     assert not softcap                                                  # the AMX tiles do not take soft-capping
-    qb = (q.float() * scale).to(torch.bfloat16).double()
+    qb = (q.float() * np.float32(scale * np.log2(np.e))).to(torch.bfloat16).double()
     scores = torch.where(seen[None, :, None, :], torch.einsum("tkgd,ktcd->ktgc", qb, k), -torch.inf)
-    e = torch.exp(scores - scores.amax(-1, keepdim=True).clamp(min=-1e300))
+    e = torch.exp2(scores - torch.ceil(scores.amax(-1, keepdim=True)).clamp(min=-1e300))
     probs = torch.where(seen[None, :, None, :], e.float().to(torch.bfloat16).double(), 0.0)   # [KV, T, G, C]
     total = probs.sum(-1, keepdim=True)
     out = torch.einsum("ktgc,ktcd->tkgd", probs / torch.where(total > 0, total, 1.0), v)

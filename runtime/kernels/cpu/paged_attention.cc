@@ -77,10 +77,11 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                                            " (sequence " + std::to_string(seqs[t]) + ", block " + std::to_string(b) +
                                            ") is outside the cache's " + std::to_string(N) + " blocks");
   }
-  // work items: (tile, kv head); a tile is up to kTileTokens consecutive tokens of one sequence
+  // work items: (tile, kv head); a tile is up to chunk_tile_tokens consecutive tokens of one sequence
+  const int64_t tile_tokens = chunk_tile_tokens(kind, D, softcap);
   std::vector<int64_t> starts;
   for (int64_t t = 0; t < T; ++t)
-    if (t == 0 || seqs[t] != seqs[t - 1] || t - starts.back() >= kTileTokens) starts.push_back(t);
+    if (t == 0 || seqs[t] != seqs[t - 1] || t - starts.back() >= tile_tokens) starts.push_back(t);
   starts.push_back(T);
   const int64_t tiles = static_cast<int64_t>(starts.size()) - 1;
   const int64_t token_stride = KV * G * D;  // q and out, from one token to the next

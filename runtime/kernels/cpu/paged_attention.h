@@ -317,6 +317,15 @@ inline void value_block(const float* st, const float* vf, int64_t n, int64_t DP,
 
 namespace hloserve::paged {
 
+// tokens a prompt chunk's work item takes (the AMX tiles take more: their K and V packing is per item)
+inline int64_t chunk_tile_tokens(Kind kind, int64_t D, float softcap) {
+#if defined(HLOSERVE_PAGED_AMX)
+  if (kind == Kind::kBF16 && amx_tiles_apply(D, softcap)) return kAmxTileTokens;
+#endif
+  (void)kind, (void)D, (void)softcap;
+  return kTileTokens;
+}
+
 struct TileScratch {
   std::vector<float> k, v, qt, s, o, inv;
   std::vector<int32_t> lo, hi;

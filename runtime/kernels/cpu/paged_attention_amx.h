@@ -1,13 +1,14 @@
 // A prompt chunk's tile of paged attention on AMX tiles (Intel Sapphire Rapids and later), for a bf16
 // cache: the tile of attend_tile (paged_attention.h) with q.k and p.v as bf16 tile products summed in
-// f32, where attend_tile's f32 FMAs reach ~30-40 GFLOP/s a core (docs/performance.md). A long
-// prompt's attention grows with the square of its length, so this is most of a long prefill.
+// f32, where attend_tile's f32 FMAs reach ~80 GFLOP/s a core (docs/performance.md). A long prompt's
+// attention grows with the square of its length, so this is a large part of a long prefill.
 //
 // The contract differs from the f32 path in two roundings, both stated in
-// runtime/artifact/kernels.py's paged attention entry: each query (times the scale) is rounded to
-// bf16 before its dot products (the cache's K rows already are bf16), and each probability is
-// rounded to bf16 before it weights a V row (the sum that normalizes them is of the rounded
-// values). Only tiles of kAmxMinTokens or more tokens take it: decode tokens and speculative
+// runtime/artifact/kernels.py's paged attention entry: each query times scale * log2(e) is rounded
+// to bf16 before its dot products (the cache's K rows already are bf16), so the scores s come out in
+// base 2; each probability 2^(s - M), M the integer ceiling of the row's largest score, is rounded
+// to bf16 before it weights a V row, and the output is normalized by the sum of the rounded
+// probabilities. Only tiles of kAmxMinTokens or more tokens take it: decode tokens and speculative
 // verification rows keep the f32 path's exact arithmetic.
 //
 // Layout, rows r = (token, query head) as in attend_tile:
@@ -22,7 +23,12 @@
 
 namespace hloserve::paged {
 
-constexpr int64_t kAmxMinTokens = 8;   // a tile of fewer tokens keeps the f32 path
+constexpr int64_t kAmxMinTokens = 8;    // a tile of fewer tokens keeps the f32 path
+constexpr int64_t kAmxTileTokens = 32;  // tokens a work item takes (16 on the f32 path): K and V packed once for
+                                        // more rows; 32 and 64 measured alike, 16 ~20% slower (one core, 2026-11-29)
+
+// whether the AMX tiles take a bf16 cache's chunk tiles of this head_dim and soft-capping
+inline bool amx_tiles_apply(int64_t D, float softcap) { return D % 32 == 0 && softcap <= 0.f && amx_usable(); }
 
 // every tile 16 rows of 64 bytes (16 x 32 bf16; sums 16 x 16 f32)
 inline void amx_configure_attention() {
@@ -66,15 +72,22 @@ inline void transpose16_gather(const char* const rows[16], uint16_t* dst) {
 // the sums, 4-5 the A tiles, 6-7 the B tiles: each loaded tile is used MR or NC times). A_i's k-step
 // s lies at a[i] + s * a_step (rows `sa` bytes apart), B_j's at b[j] + s * b_step (a VNNI tile, rows 64
 // bytes apart); C_ij is
-// stored at c[i][j], rows `sc` bytes apart.
-template <int MR, int NC>
+// stored at c[i][j], rows `sc` bytes apart; ACC: added to what c holds (else to zeros).
+template <int MR, int NC, bool ACC>
 inline void amx_block(const uint16_t* const* a, int64_t sa, int64_t a_step, const uint16_t* const* b, int64_t b_step,
                       int64_t steps,
                       float* const (*c)[2], int64_t sc) {
-  _tile_zero(0);
-  if constexpr (NC > 1) _tile_zero(1);
-  if constexpr (MR > 1) _tile_zero(2);
-  if constexpr (MR > 1 && NC > 1) _tile_zero(3);
+  if constexpr (ACC) {
+    _tile_loadd(0, c[0][0], sc);
+    if constexpr (NC > 1) _tile_loadd(1, c[0][1], sc);
+    if constexpr (MR > 1) _tile_loadd(2, c[1][0], sc);
+    if constexpr (MR > 1 && NC > 1) _tile_loadd(3, c[1][1], sc);
+  } else {
+    _tile_zero(0);
+    if constexpr (NC > 1) _tile_zero(1);
+    if constexpr (MR > 1) _tile_zero(2);
+    if constexpr (MR > 1 && NC > 1) _tile_zero(3);
+  }
   for (int64_t s = 0; s < steps; ++s) {
     _tile_loadd(4, a[0] + s * a_step, sa);
     _tile_loadd(6, b[0] + s * b_step, 64);
@@ -93,7 +106,9 @@ inline void amx_block(const uint16_t* const* a, int64_t sa, int64_t a_step, cons
 }
 
 // C = A . B over whole tiles: `mt` row tiles (A_i at a + i * a_row), `nt` column tiles (B_j at
-// b + j * b_col, k-steps b_step apart), C_ij at c + i * c_row + j * 16 (floats), in blocks of 2 x 2 tiles
+// b + j * b_col, k-steps b_step apart), C_ij at c + i * c_row + j * 16 (floats), in blocks of 2 x 2 tiles;
+// ACC: C += A . B
+template <bool ACC>
 inline void amx_product(const uint16_t* a, int64_t a_row, int64_t sa, int64_t a_step, const uint16_t* b, int64_t b_col,
                         int64_t b_step, int64_t steps, int64_t mt, int64_t nt, float* c, int64_t c_row, int64_t sc) {
   for (int64_t i = 0; i < mt; i += 2)
@@ -103,20 +118,19 @@ inline void amx_product(const uint16_t* a, int64_t a_row, int64_t sa, int64_t a_
       const uint16_t* bj[2] = {b + j * b_col, b + (j + 1) * b_col};
       float* const cij[2][2] = {{c + i * c_row + j * 16, c + i * c_row + (j + 1) * 16},
                                 {c + (i + 1) * c_row + j * 16, c + (i + 1) * c_row + (j + 1) * 16}};
-      if (two_r && two_c) amx_block<2, 2>(ai, sa, a_step, bj, b_step, steps, cij, sc);
-      else if (two_r) amx_block<2, 1>(ai, sa, a_step, bj, b_step, steps, cij, sc);
-      else if (two_c) amx_block<1, 2>(ai, sa, a_step, bj, b_step, steps, cij, sc);
-      else amx_block<1, 1>(ai, sa, a_step, bj, b_step, steps, cij, sc);
+      if (two_r && two_c) amx_block<2, 2, ACC>(ai, sa, a_step, bj, b_step, steps, cij, sc);
+      else if (two_r) amx_block<2, 1, ACC>(ai, sa, a_step, bj, b_step, steps, cij, sc);
+      else if (two_c) amx_block<1, 2, ACC>(ai, sa, a_step, bj, b_step, steps, cij, sc);
+      else amx_block<1, 1, ACC>(ai, sa, a_step, bj, b_step, steps, cij, sc);
     }
 }
 
-// e^x for x <= 0, 16 lanes: exp_nonpositive's reduction and polynomial
-inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+// 2^x for x <= 0, 16 lanes: x = n + r, |r| <= 1/2, 2^r by its degree-6 Taylor polynomial in r ln 2
+// (relative error < 3e-7), times 2^n; x below -126 gives 0
+inline __m512 exp2_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.693147180559945f));
   __m512 p = _mm512_set1_ps(1.f / 720);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
@@ -129,121 +143,170 @@ inline __m512 exp_nonpositive16(__m512 x) {
 
 // lanes c0 + [0, 16) inside [a, b)
 inline __mmask16 seen_lanes(int64_t c0, int64_t a, int64_t b) {
+  if (a <= c0 && c0 + 16 <= b) return 0xFFFF;
   const __m512i c = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(c0)),
                                      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   return _mm512_cmpge_epi32_mask(c, _mm512_set1_epi32(static_cast<int32_t>(a))) &
          _mm512_cmplt_epi32_mask(c, _mm512_set1_epi32(static_cast<int32_t>(b)));
 }
 
-// One row's softmax over positions [a, b) of s[0, NP) (NP a multiple of 32): p = e^(s - max) as bf16
-// into p[0, NP), 0 outside [a, b); returns the sum of the rounded p (0 when the row sees nothing)
-inline float softmax_row_bf16(const float* s, int64_t a, int64_t b, int64_t NP, uint16_t* p) {
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t c = a / 16 * 16; c < b; c += 16) mx = _mm512_mask_max_ps(mx, seen_lanes(c, a, b), mx, _mm512_loadu_ps(s + c));
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-  __m512 sum = _mm512_setzero_ps();
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t c = 0; c < NP; c += 32) {
-    if (c + 32 <= a || c >= b) {                                        // a block no position of it sees
-      _mm512_storeu_si512(p + c, zero);
-      continue;
-    }
-    const __m512 e0 = _mm512_maskz_mov_ps(seen_lanes(c, a, b), exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + c), m)));
-    const __m512 e1 = _mm512_maskz_mov_ps(seen_lanes(c + 16, a, b),
-                                          exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + c + 16), m)));
-    const __m512i pb = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0));   // e0 low, e1 high
-    _mm512_storeu_si512(p + c, pb);
-    // the rounded values back to f32, summed: the normalization of what weights the V rows
-    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(pb)), 16)));
-    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                 _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(pb, 1)), 16)));
-  }
-  return b > a ? _mm512_reduce_add_ps(sum) : 0.f;
+inline float bit_cast_float(int32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 
+// bf16 bits (16 of them) -> f32
+inline __m512 bf16x16_to_f32(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
+
+// The tiles' sizes: kPosTile positions a step (one k-step of p.v), kRowGroup rows (two row tiles) at a time.
+constexpr int64_t kPosTile = 64;
+constexpr int64_t kRowGroup = 32;
+
 struct AmxScratch {
-  std::vector<uint16_t> qa, kb, vb, pa, zeros;
-  std::vector<float> s, o, inv;
+  std::vector<uint16_t> qa, kt, vt, pb, zeros;
+  std::vector<float> o, sb, m, l, alpha;
+  std::vector<int64_t> ra, rb;
 };
 
 // attend_tile's tile (same operands; a bf16 cache) on AMX tiles; false where this path does not apply
 // (head_dim not a multiple of 32, soft-capping, fewer than kAmxMinTokens tokens, or no AMX state from
 // the OS): the caller then runs the f32 path.
+//
+// Positions stream through in steps of kPosTile, flash-attention style: each step's K^T and V tiles
+// are packed once and used by every row, and each row keeps a running maximum, sum and output. The
+// scores are in base 2 (log2 e is folded into q's scale) and the running maximum is kept on the
+// integers, so a row's earlier terms are rescaled by powers of two, exactly: every probability is
+// 2^(s - M) rounded to bf16 with M the row's final integer ceiling of its largest score, whatever the
+// order in which the positions came (runtime/artifact/kernels.py states the rounding).
 inline bool attend_tile_amx(const float* q, float* out, int64_t stride, int64_t ntok, const int64_t* begins,
                             const int64_t* ends, const void* cache, int64_t kbase, int64_t vbase, const int32_t* table,
                             int64_t BS, int64_t D, int64_t G, float scale, float softcap) {
-  if (D % 32 != 0 || softcap > 0.f || ntok < kAmxMinTokens || !amx_usable()) return false;
+  if (ntok < kAmxMinTokens || !amx_tiles_apply(D, softcap)) return false;
   thread_local AmxScratch w;
   int64_t lo = INT64_MAX, hi = 0;                                        // over tokens that see something
   for (int64_t i = 0; i < ntok; ++i)
     if (ends[i] > begins[i]) lo = std::min(lo, begins[i]), hi = std::max(hi, ends[i]);
   if (hi <= lo) return false;
   const int64_t rows = ntok * G, RP = (rows + 15) / 16 * 16;
-  const int64_t n = hi - lo, NP = (n + 31) / 32 * 32;                    // positions padded to k-steps of 32
   const int64_t JD = D / 32, DT = D / 16;                                // k-steps over d; 16-dim output tiles
   const uint16_t* kc = static_cast<const uint16_t*>(cache);
   w.zeros.assign(D, 0);
-  auto row = [&](int64_t base, int64_t c) -> const uint16_t* {           // position lo + c's row, or zeros
-    if (c >= n) return w.zeros.data();
-    const int64_t p = lo + c;
+  auto row = [&](int64_t base, int64_t p) -> const uint16_t* {           // position p's row, or zeros past hi
+    if (p >= hi) return w.zeros.data();
     return kc + base + (static_cast<int64_t>(table[p / BS]) * BS + p % BS) * D;
   };
-  // Q: qa[r][d] = bf16(scale * q), rows past `rows` zero
+  // Q: qa[r][d] = bf16(q * scale * log2 e), rows past `rows` zero
   w.qa.assign(RP * D, 0);
+  const __m512 qscale = _mm512_set1_ps(scale * 1.44269504088896341f);
   for (int64_t r = 0; r < rows; ++r) {
     const float* src = q + (r / G) * stride + (r % G) * D;
     for (int64_t d = 0; d < D; d += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.qa.data() + r * D + d),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + d),
-                                                                                     _mm512_set1_ps(scale)))));
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + d), qscale))));
   }
-  // K^T: per 16 positions ct and k-step j, kb[(ct * JD + j) * 512 ...]: row i = dims 32j + 2i, +1 of the 16
-  // positions (a transpose of the rows' 32-bit pairs)
-  w.kb.resize(NP * D);
-  for (int64_t ct = 0; ct < NP / 16; ++ct) {
-    const char* rp[16];
-    for (int i = 0; i < 16; ++i) rp[i] = reinterpret_cast<const char*>(row(kbase, ct * 16 + i));
-    for (int64_t j = 0; j < JD; ++j) {
-      const char* rj[16];
-      for (int i = 0; i < 16; ++i) rj[i] = rp[i] + j * 64;
-      transpose16_gather(rj, w.kb.data() + (ct * JD + j) * 512);
-    }
+  w.o.assign(RP * D, 0.f);
+  w.m.assign(RP, -INFINITY);
+  w.l.assign(RP, 0.f);
+  w.alpha.resize(RP);
+  w.kt.resize(kPosTile / 16 * JD * 512);
+  w.vt.resize(kPosTile / 32 * DT * 512);
+  w.sb.resize(kRowGroup * kPosTile);
+  w.pb.resize(kRowGroup * kPosTile);
+  w.ra.resize(RP);
+  w.rb.resize(RP);
+  int64_t* ra = w.ra.data();
+  int64_t* rb = w.rb.data();
+  for (int64_t r = 0; r < RP; ++r) {                                     // each row's positions [ra, rb)
+    ra[r] = r < rows ? begins[r / G] : 0;
+    rb[r] = r < rows ? std::max(ends[r / G], ra[r]) : 0;
   }
-  // V: per 32 positions u and 16 dims dt, vb[(u * DT + dt) * 512 ...]: row i = positions 32u + 2i and
-  // 32u + 2i + 1 interleaved over the 16 dims
-  w.vb.resize(NP * D);
   const __m512i pairs = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
                                          5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  for (int64_t u = 0; u < NP / 32; ++u)
-    for (int64_t i = 0; i < 16; ++i) {
-      const uint16_t* v0 = row(vbase, u * 32 + 2 * i);
-      const uint16_t* v1 = row(vbase, u * 32 + 2 * i + 1);
-      for (int64_t dt = 0; dt < DT; ++dt) {
-        const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + dt * 16)));
-        const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + dt * 16)));
-        _mm512_storeu_si512(w.vb.data() + ((u * DT + dt) * 16 + i) * 32, _mm512_permutex2var_epi16(a, pairs, b));
+  amx_configure_attention();
+  for (int64_t c0 = lo; c0 < hi; c0 += kPosTile) {
+    // K^T: kPosTile / 16 x JD tiles, tile (ct, j) row i = dims 32j + 2i, +1 of positions c0 + 16ct + [0, 16)
+    for (int64_t ct = 0; ct < kPosTile / 16; ++ct) {
+      const char* rp[16];
+      for (int i = 0; i < 16; ++i) rp[i] = reinterpret_cast<const char*>(row(kbase, c0 + ct * 16 + i));
+      for (int64_t j = 0; j < JD; ++j) {
+        const char* rj[16];
+        for (int i = 0; i < 16; ++i) rj[i] = rp[i] + j * 64;
+        transpose16_gather(rj, w.kt.data() + (ct * JD + j) * 512);
       }
     }
-  amx_configure_attention();
-  // S [RP][NP] = Q . K^T
-  w.s.resize(RP * NP);
-  amx_product(w.qa.data(), 16 * D, D * 2, 32, w.kb.data(), JD * 512, 512, JD, RP / 16, NP / 16, w.s.data(), 16 * NP, NP * 4);
-  // P [RP][NP] bf16, row by row over each row's own positions
-  w.pa.resize(RP * NP);
-  w.inv.resize(RP);
-  for (int64_t r = 0; r < RP; ++r) {
-    int64_t a = 0, b = 0;
-    if (r < rows) a = std::max<int64_t>(begins[r / G] - lo, 0), b = std::max<int64_t>(ends[r / G] - lo, 0);
-    const float sum = softmax_row_bf16(w.s.data() + r * NP, a, std::max(a, b), NP, w.pa.data() + r * NP);
-    w.inv[r] = sum > 0.f ? 1.f / sum : 0.f;
+    // V: per 32 positions u, DT tiles: tile (u, dt) row i = positions c0 + 32u + 2i and the next one
+    // interleaved over dims 16dt + [0, 16)
+    for (int64_t u = 0; u < kPosTile / 32; ++u)
+      for (int64_t i = 0; i < 16; ++i) {
+        const uint16_t* v0 = row(vbase, c0 + 32 * u + 2 * i);
+        const uint16_t* v1 = row(vbase, c0 + 32 * u + 2 * i + 1);
+        for (int64_t dt = 0; dt < DT; ++dt) {
+          const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + dt * 16)));
+          const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + dt * 16)));
+          _mm512_storeu_si512(w.vt.data() + ((u * DT + dt) * 16 + i) * 32, _mm512_permutex2var_epi16(a, pairs, b));
+        }
+      }
+    for (int64_t r0 = 0; r0 < RP; r0 += kRowGroup) {
+      const int64_t nr = std::min(kRowGroup, RP - r0);                 // 16 or 32 rows
+      int64_t ga = INT64_MAX, gb = 0;                                    // does any row see this step?
+      for (int64_t r = r0; r < r0 + nr; ++r)
+        if (rb[r] > ra[r]) ga = std::min(ga, ra[r]), gb = std::max(gb, rb[r]);
+      if (gb <= c0 || ga >= c0 + kPosTile) continue;
+      // S [nr][kPosTile] = Q . K^T
+      amx_product<false>(w.qa.data() + r0 * D, 16 * D, D * 2, 32, w.kt.data(), JD * 512, 512, JD, nr / 16, kPosTile / 16,
+                  w.sb.data(), 16 * kPosTile, kPosTile * 4);
+      // each row: the running maximum on the integers, probabilities 2^(s - M) as bf16, the sum, the rescale
+      for (int64_t i = 0; i < nr; ++i) {
+        const int64_t r = r0 + i;
+        uint16_t* prow = w.pb.data() + i * kPosTile;
+        if (rb[r] <= c0 || ra[r] >= c0 + kPosTile) {
+          for (int64_t c = 0; c < kPosTile; c += 32) _mm512_storeu_si512(prow + c, _mm512_setzero_si512());
+          w.alpha[r] = 1.f;
+          continue;
+        }
+        const float* srow = w.sb.data() + i * kPosTile;
+        __mmask16 seen[kPosTile / 16];
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t v = 0; v < kPosTile / 16; ++v) {
+          seen[v] = seen_lanes(c0 + 16 * v, ra[r], rb[r]);
+          top = _mm512_mask_max_ps(top, seen[v], top, _mm512_loadu_ps(srow + 16 * v));
+        }
+        const float mnew = std::max(w.m[r], std::ceil(_mm512_reduce_max_ps(top)));
+        // 2^(m - mnew), a power of two: its bits (0 for the first positions a row sees, m = -inf)
+        const float alpha = w.m[r] == -INFINITY || w.m[r] - mnew < -126.f
+                                ? 0.f : bit_cast_float(static_cast<int32_t>(w.m[r] - mnew + 127.f) << 23);
+        w.m[r] = mnew;
+        const __m512 mv = _mm512_set1_ps(mnew);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t v = 0; v < kPosTile / 16; v += 2) {
+          const __m512 e0 = _mm512_maskz_mov_ps(seen[v], exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(srow + 16 * v), mv)));
+          const __m512 e1 = _mm512_maskz_mov_ps(seen[v + 1],
+                                                exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(srow + 16 * v + 16), mv)));
+          const __m512i pbits = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0));   // e0 low, e1 high
+          _mm512_storeu_si512(prow + 16 * v, pbits);
+          sum = _mm512_add_ps(sum, _mm512_add_ps(bf16x16_to_f32(_mm512_castsi512_si256(pbits)),
+                                                 bf16x16_to_f32(_mm512_extracti64x4_epi64(pbits, 1))));
+        }
+        w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(sum);
+        w.alpha[r] = alpha;
+      }
+      // O = O * alpha + P . V (the rows whose maximum rose rescaled first: after a row's first
+      // positions, few steps raise it)
+      for (int64_t i = 0; i < nr; ++i) {
+        if (w.alpha[r0 + i] == 1.f) continue;
+        float* o = w.o.data() + (r0 + i) * D;
+        const __m512 a = _mm512_set1_ps(w.alpha[r0 + i]);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), a));
+      }
+      amx_product<true>(w.pb.data(), 16 * kPosTile, kPosTile * 2, 32, w.vt.data(), 512, DT * 512, kPosTile / 32, nr / 16,
+                        DT, w.o.data() + r0 * D, 16 * D, D * 4);
+    }
   }
-  // O [RP][D] = P . V
-  w.o.resize(RP * D);
-  amx_product(w.pa.data(), 16 * NP, NP * 2, 32, w.vb.data(), 512, DT * 512, NP / 32, RP / 16, DT, w.o.data(), 16 * D, D * 4);
   _tile_release();
   for (int64_t r = 0; r < rows; ++r) {
     float* o = out + (r / G) * stride + (r % G) * D;
-    const __m512 inv = _mm512_set1_ps(w.inv[r]);
+    const __m512 inv = _mm512_set1_ps(w.l[r] > 0.f ? 1.f / w.l[r] : 0.f);
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + r * D + d), inv));
   }
   return true;
