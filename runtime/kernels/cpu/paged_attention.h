@@ -52,7 +52,8 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
   const int64_t n = end - begin;
   constexpr int64_t R = D + row_extra<K>;  // elements per cache row
   // each position's row in a (layer, K|V, head) plane, found once for K and V alike (no division
-  // per position), and kPrefetchRows more entries so the prefetches past the end read a valid row
+  // per position; every path reads it), and kPrefetchRows more entries so the prefetches past the
+  // end read a valid row
   thread_local std::vector<int64_t> rows;
   rows.resize(n + kPrefetchRows);
   for (int64_t c = begin, b = begin / BS, o = begin % BS; c < end; ++c) {
@@ -114,7 +115,7 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
 #endif
   {
     for (int64_t c = begin; c < end; ++c) {
-      const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
+      const int64_t off = kbase + rows[c - begin];
       const float rs = row_scale<K>(cache, off, D), rz = row_zero<K>(cache, off, D);
       float kf[D];
 #pragma omp simd
@@ -184,7 +185,7 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
 #endif
   float acc[G][D] = {};
   for (int64_t c = begin; c < end; ++c) {
-    const int64_t off = vbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
+    const int64_t off = vbase + rows[c - begin];
     const float rs = row_scale<K>(cache, off, D), rz = row_zero<K>(cache, off, D);
     float vf[D];
 #pragma omp simd
