@@ -35,7 +35,7 @@ from .metrics import STEP_BUCKETS, Histogram, MetricsSnapshot
 from .outputs import FinishReason, RequestOutput, RunnerOutput, SchedulerPlan
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .stream import RequestStream
+from .stream import RequestStream, put_all
 from .structured_output import StructuredOutputManager
 
 if TYPE_CHECKING:
@@ -424,6 +424,7 @@ class Engine:
         """Each output: its grammar advanced and its text (a complete grammar or a stop string may
         finish it here), the metrics, its stream; a finished one is released."""
         now = self._clock()
+        delivered: list[tuple[RequestStream, RequestOutput]] = []
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
@@ -442,7 +443,8 @@ class Engine:
                 self._release(out)
                 if out.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
                     self._e2e.observe(now - live.arrival)
-            live.stream._put(out)
+            delivered.append((live.stream, out))
+        put_all(delivered)
 
     def _release(self, out: RequestOutput) -> None:
         """The one end of a request's life: the scheduler forgets it and frees its blocks (a no-op when
