@@ -101,7 +101,7 @@ def _bf16_rounded_reference(args, window, holds, scale, softcap):
     (runtime/kernels/cpu/paged_attention_amx.h: a bf16 cache's prompt-chunk tiles): base-2 scores
     s = bf16(q * scale * log2 e) k^T, weights bf16(2^(s - M)) with M the integer ceiling of the token's
     largest score (to nearest even), sums exact here (f64), the output normalized by the sum of the
-    rounded weights. The kernel sums in f32 and its 2^x differs from torch's in the last bits, which
+    weights before their rounding. The kernel sums in f32 and its 2^x differs from torch's in the last bits, which
     can move a weight across a bf16 rounding boundary: each such flip moves
     the output by at most 2^-8 * p * max|v|; the tolerance allows two flips of the row's largest p
     (the f32 sums' error, ~1e-6 here, is far below it)."""
@@ -122,7 +122,7 @@ def _bf16_rounded_reference(args, window, holds, scale, softcap):
     scores = torch.where(seen[None, :, None, :], torch.einsum("tkgd,ktcd->ktgc", qb, k), -torch.inf)
     e = torch.exp2(scores - torch.ceil(scores.amax(-1, keepdim=True)).clamp(min=-1e300))
     probs = torch.where(seen[None, :, None, :], e.float().to(torch.bfloat16).double(), 0.0)   # [KV, T, G, C]
-    total = probs.sum(-1, keepdim=True)
+    total = torch.where(seen[None, :, None, :], e, 0.0).sum(-1, keepdim=True)
     out = torch.einsum("ktgc,ktcd->tkgd", probs / torch.where(total > 0, total, 1.0), v)
     tol = 2 * 2.0 ** -8 * probs.amax(dim=(0, 2, 3)) * v.abs().amax() + 1e-5        # [T]
     return out.float().numpy(), tol.numpy()

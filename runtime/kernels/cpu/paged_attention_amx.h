@@ -7,8 +7,8 @@
 // runtime/artifact/kernels.py's paged attention entry: each query times scale * log2(e) is rounded
 // to bf16 before its dot products (the cache's K rows already are bf16), so the scores s come out in
 // base 2; each probability 2^(s - M), M the integer ceiling of the row's largest score, is rounded
-// to bf16 before it weights a V row, and the output is normalized by the sum of the rounded
-// probabilities. Only tiles of kAmxMinTokens or more tokens take it: decode tokens and speculative
+// to bf16 before it weights a V row (the output is normalized by the sum of the weights before
+// their rounding). Only tiles of kAmxMinTokens or more tokens take it: decode tokens and speculative
 // verification rows keep the f32 path's exact arithmetic.
 //
 // Layout, rows r = (token, query head) as in attend_tile:
@@ -165,7 +165,7 @@ constexpr int64_t kRowGroup = 32;
 
 struct AmxScratch {
   std::vector<uint16_t> qa, kt, vt, pb, zeros;
-  std::vector<float> o, sb, m, l, alpha;
+  std::vector<float> o, sb, m, lv, alpha;
   std::vector<int64_t> ra, rb;
 };
 
@@ -178,7 +178,8 @@ struct AmxScratch {
 // scores are in base 2 (log2 e is folded into q's scale) and the running maximum is kept on the
 // integers, so a row's earlier terms are rescaled by powers of two, exactly: every probability is
 // 2^(s - M) rounded to bf16 with M the row's final integer ceiling of its largest score, whatever the
-// order in which the positions came (runtime/artifact/kernels.py states the rounding).
+// order in which the positions came (runtime/artifact/kernels.py states the rounding); the sum that
+// normalizes the output is of the weights before their rounding (f32).
 inline bool attend_tile_amx(const float* q, float* out, int64_t stride, int64_t ntok, const int64_t* begins,
                             const int64_t* ends, const void* cache, int64_t kbase, int64_t vbase, const int32_t* table,
                             int64_t BS, int64_t D, int64_t G, float scale, float softcap) {
@@ -207,7 +208,7 @@ inline bool attend_tile_amx(const float* q, float* out, int64_t stride, int64_t 
   }
   w.o.assign(RP * D, 0.f);
   w.m.assign(RP, -INFINITY);
-  w.l.assign(RP, 0.f);
+  w.lv.assign(RP * 16, 0.f);
   w.alpha.resize(RP);
   w.kt.resize(kPosTile / 16 * JD * 512);
   w.vt.resize(kPosTile / 32 * DT * 512);
@@ -267,28 +268,34 @@ inline bool attend_tile_amx(const float* q, float* out, int64_t stride, int64_t 
         }
         const float* srow = w.sb.data() + i * kPosTile;
         __mmask16 seen[kPosTile / 16];
-        __m512 top = _mm512_set1_ps(-INFINITY);
+        __m512 sv[kPosTile / 16];
+        const __m512 mold = _mm512_set1_ps(w.m[r]);
+        __mmask16 above = 0;                                             // any score above the running maximum?
         for (int64_t v = 0; v < kPosTile / 16; ++v) {
           seen[v] = seen_lanes(c0 + 16 * v, ra[r], rb[r]);
-          top = _mm512_mask_max_ps(top, seen[v], top, _mm512_loadu_ps(srow + 16 * v));
+          sv[v] = _mm512_loadu_ps(srow + 16 * v);
+          above |= _mm512_mask_cmp_ps_mask(seen[v], sv[v], mold, _CMP_GT_OQ);
         }
-        const float mnew = std::max(w.m[r], std::ceil(_mm512_reduce_max_ps(top)));
-        // 2^(m - mnew), a power of two: its bits (0 for the first positions a row sees, m = -inf)
-        const float alpha = w.m[r] == -INFINITY || w.m[r] - mnew < -126.f
-                                ? 0.f : bit_cast_float(static_cast<int32_t>(w.m[r] - mnew + 127.f) << 23);
-        w.m[r] = mnew;
-        const __m512 mv = _mm512_set1_ps(mnew);
+        float alpha = 1.f;
+        if (above) {                                                     // the maximum rises (a row's first step too)
+          __m512 top = _mm512_set1_ps(-INFINITY);
+          for (int64_t v = 0; v < kPosTile / 16; ++v) top = _mm512_mask_max_ps(top, seen[v], top, sv[v]);
+          const float mnew = std::max(w.m[r], std::ceil(_mm512_reduce_max_ps(top)));
+          // 2^(m - mnew), a power of two: its bits (0 for the first positions a row sees, m = -inf)
+          alpha = w.m[r] == -INFINITY || w.m[r] - mnew < -126.f
+                      ? 0.f : bit_cast_float(static_cast<int32_t>(w.m[r] - mnew + 127.f) << 23);
+          w.m[r] = mnew;
+        }
+        const __m512 mv = _mm512_set1_ps(w.m[r]);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t v = 0; v < kPosTile / 16; v += 2) {
-          const __m512 e0 = _mm512_maskz_mov_ps(seen[v], exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(srow + 16 * v), mv)));
-          const __m512 e1 = _mm512_maskz_mov_ps(seen[v + 1],
-                                                exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(srow + 16 * v + 16), mv)));
-          const __m512i pbits = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0));   // e0 low, e1 high
-          _mm512_storeu_si512(prow + 16 * v, pbits);
-          sum = _mm512_add_ps(sum, _mm512_add_ps(bf16x16_to_f32(_mm512_castsi512_si256(pbits)),
-                                                 bf16x16_to_f32(_mm512_extracti64x4_epi64(pbits, 1))));
+          const __m512 e0 = _mm512_maskz_mov_ps(seen[v], exp2_nonpositive16(_mm512_sub_ps(sv[v], mv)));
+          const __m512 e1 = _mm512_maskz_mov_ps(seen[v + 1], exp2_nonpositive16(_mm512_sub_ps(sv[v + 1], mv)));
+          _mm512_storeu_si512(prow + 16 * v, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));   // e0 low
+          sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
         }
-        w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(sum);
+        float* lv = w.lv.data() + r * 16;                                // the row's sum, 16 lanes until the end
+        _mm512_storeu_ps(lv, _mm512_fmadd_ps(_mm512_loadu_ps(lv), _mm512_set1_ps(alpha), sum));
         w.alpha[r] = alpha;
       }
       // O = O * alpha + P . V (the rows whose maximum rose rescaled first: after a row's first
@@ -306,7 +313,8 @@ inline bool attend_tile_amx(const float* q, float* out, int64_t stride, int64_t 
   _tile_release();
   for (int64_t r = 0; r < rows; ++r) {
     float* o = out + (r / G) * stride + (r % G) * D;
-    const __m512 inv = _mm512_set1_ps(w.l[r] > 0.f ? 1.f / w.l[r] : 0.f);
+    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(w.lv.data() + r * 16));
+    const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + r * D + d), inv));
   }
   return true;
