@@ -20,7 +20,8 @@ int main(int argc, char** argv) {
   std::vector<float> x(M * K), out(M * N);
   for (auto& v : x) v = (rng() % 2000) / 1000.f - 1.f;
   const int64_t KP = (K + 31) / 32 * 32, KC = KP / 32, blocks = (M + 15) / 16, tiles = N / 16;
-  std::vector<uint16_t> xr(blocks * 16 * KP), xp(blocks * KC * 512), wp((tiles + 1) / 2 * KC * 1024);
+  std::vector<uint16_t> xr(blocks * 16 * KP);
+  LineVector<uint16_t> xp(blocks * KC * 512), wp((tiles + 1) / 2 * KC * 1024);
   using clock = std::chrono::steady_clock;
   auto ms = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
   double best[4] = {1e9, 1e9, 1e9, 1e9};

@@ -319,12 +319,13 @@ def test_layer_linear_kernel_matches_decomposition_and_torch(library, holds, sto
             assert (np.abs(got - ref) <= bound).all(), (rows, np.abs(got - ref).max(), bound.min())
 
 
-@pytest.mark.parametrize("K,N", [(1000, 70)])
+@pytest.mark.parametrize("K,N", [(1000, 70), (2080, 40)])
 def test_layer_linear_kernel_matches_at_prompt_chunk_rows(library, monkeypatch, K, N):
-    """Prompt-chunk row counts through the kernel whatever the targets table's limit (on AMX: x swept
-    in blocks of 256 rows, K in two runs of 16 chunks with partial sums, a K that is no whole
-    chunk, an odd last 16-row block, 4 whole 16-row matrix tiles and 6 rows past them); the same
-    tolerance as above."""
+    """Prompt-chunk row counts, 128 to 2,048, through the kernel whatever the targets table's limit
+    (on AMX: x swept in blocks of 256 rows at K = 1000, 160 at K = 2080, the last sweep short; K
+    in two and five runs of chunks with partial sums, a K that is no whole chunk, an odd last
+    16-row block; 4 whole 16-row matrix tiles and 6 rows past them, or 2 and 8); the same tolerance
+    as above."""
     from hloserve.runtime.artifact.kernels import LAYER_LINEAR
     monkeypatch.setitem(TARGETS, LAYER_LINEAR.key,
                         dataclasses.replace(TARGETS[LAYER_LINEAR.key], max_rows_for=lambda cpu, attrs, shapes: None))
@@ -336,7 +337,7 @@ def test_layer_linear_kernel_matches_at_prompt_chunk_rows(library, monkeypatch, 
     assert n_kernel == 1 and "custom_call @hloserve_layer_linear" in kernel_fn.mlir_module()
     kernel_call, portable_call = jax.jit(kernel_fn.call), jax.jit(specialize(exp, None)[0].call)
     w32 = np.asarray(values.astype(jnp.float32))
-    for rows in (130, 300):
+    for rows in (128, 130, 300, 1000, 2048):
         x = rng.standard_normal((rows, K)).astype(np.float32)
         layer = np.int32(rows % 2)
         kernel = np.asarray(kernel_call(x, weights, layer))

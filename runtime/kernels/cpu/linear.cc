@@ -66,6 +66,23 @@ void amx_pack(const uint16_t* x, int64_t KP, int64_t blocks, int64_t KC, uint16_
     for (int64_t c = 0; c < KC; ++c) transpose16(x + 16 * g * KP + 32 * c, KP * 2, xp + (g * KC + c) * 512, 64);
 }
 
+// Up to 16 rows of x f32[., K] rounded to bf16 (round16_bf16) straight into one block of tiles as
+// amx_pack lays them out (rows past `rows` and elements past K zero): one pass over x where rounding
+// into rows and then packing them took two, and no rounded copy of x at all (a 2,048-row chunk's
+// is 2.4 MiB at K = 576)
+void amx_pack_f32(const float* x, int64_t rows, int64_t K, int64_t KC, uint16_t* xp) {
+  alignas(64) uint16_t t[16 * 32];   // the block's 32-element chunk c of each row
+  for (int64_t c = 0; c < KC; ++c) {
+    for (int64_t i = 0; i < 16; ++i)
+      for (int64_t h = 0; h < 32; h += 16) {
+        const __mmask16 in = i < rows ? row_mask16(K, 32 * c + h) : __mmask16(0);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(t + 32 * i + h),
+                           round16_bf16(_mm512_maskz_loadu_epi32(in, x + i * K + 32 * c + h)));
+      }
+    transpose16(t, 64, xp + c * 512, 64);
+  }
+}
+
 // The matrix rows of a task copied into whole tiles (wp): per pair of 16-row tiles and 32-column
 // chunk c, the two tiles one after the other (1 KiB each), zeros past K. One read of the rows, as
 // the unpacked tiles would need; then the tiles are contiguous: no rows K elements apart (4 KiB
@@ -81,12 +98,15 @@ void amx_pack_rows(const uint16_t* w, int64_t K, int64_t tiles, int64_t KC, uint
     }
 }
 
-// Blocking: x is swept kAmxXRows rows at a time (L2); over them, a pair of matrix tiles runs
-// kAmxChunks chunks of K (32 KiB of the matrix: it stays in L1 while the x tiles stream from L2,
-// prefetched kAmxAhead chunks ahead), the partial sums kept in memory between runs. A task's matrix
-// rows are at most kAmxRowBytes packed (L2). Up to kAmxInPlaceRows x rows the matrix is read where it
-// lies where K is whole chunks (few rows: the copy would cost as much as the products).
-constexpr int64_t kAmxXRows = 256, kAmxChunks = 16, kAmxAhead = 2, kAmxRowBytes = 1 << 20, kAmxInPlaceRows = 64;
+// Blocking: x is swept up to kAmxXRows rows at a time, at most kAmxXBytes of them (L2, beside the
+// task's packed matrix rows: at most kAmxRowBytes); over them, a pair of matrix tiles runs
+// kAmxChunks chunks of K (32 KiB of the matrix) while the x tiles stream from L2, the partial sums
+// kept in memory between runs. No software prefetch: 32 prefetches a chunk cost more than they
+// saved once the tiles lay on whole lines (2026-11-29, later: 0.61 -> 0.66 TFLOP/s at 256 x 576 x
+// 576, even elsewhere). Up to kAmxInPlaceRows x rows the matrix is read where it lies where K is
+// whole chunks (few rows: the copy would cost as much as the products).
+constexpr int64_t kAmxXRows = 256, kAmxXBytes = 768 << 10, kAmxChunks = 16, kAmxRowBytes = 1 << 20,
+                  kAmxInPlaceRows = 64;
 
 // Where a pair of matrix tiles lies: tile a (0, 1) of chunk c at p + c * chunk + a * second, its
 // 16 rows `stride` bytes apart (packed: 1 KiB tiles side by side; in place: rows K apart)
@@ -116,10 +136,6 @@ inline void amx_block(const MatrixTiles& wt, const uint16_t* xp, int64_t KC, int
   const uint16_t* x0 = xp + g * KC * 512;
   const uint16_t* x1 = x0 + KC * 512;
   for (int64_t c = c0; c < c1; ++c) {
-    for (int l = 0; l < 16; ++l) {   // a prefetch past the end is harmless (never faults)
-      _mm_prefetch(reinterpret_cast<const char*>(x0 + (c + kAmxAhead) * 512 + 32 * l), _MM_HINT_T0);
-      if constexpr (MB > 1) _mm_prefetch(reinterpret_cast<const char*>(x1 + (c + kAmxAhead) * 512 + 32 * l), _MM_HINT_T0);
-    }
     _tile_loadd(4, wt.p + c * wt.chunk, wt.stride);
     _tile_loadd(6, x0 + c * 512, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -154,8 +170,8 @@ inline void amx_block(const MatrixTiles& wt, const uint16_t* xp, int64_t KC, int
 // matrix rows [n0, n0 + 16 tiles) of w times every row of x (packed: 16-row blocks)
 void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0, int64_t tiles,
               float* out, int64_t N) {
-  thread_local std::vector<uint16_t> packed;   // kept by the pool's threads from call to call
-  thread_local std::vector<float> partial;
+  thread_local LineVector<uint16_t> packed;   // kept by the pool's threads from call to call
+  thread_local LineVector<float> partial;
   const bool in_place = M <= kAmxInPlaceRows && K % 32 == 0;
   const size_t size = in_place ? 0 : static_cast<size_t>((tiles + 1) / 2 * KC * 1024);
   if (packed.size() < size) packed.resize(size);
@@ -164,8 +180,11 @@ void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int6
   const int64_t blocks = (M + 15) / 16;
   const int64_t runs = (KC + kAmxChunks - 1) / kAmxChunks, run = (KC + runs - 1) / runs;   // chunks per run, even
   amx_configure();
-  for (int64_t g0 = 0; g0 < blocks; g0 += kAmxXRows / 16) {
-    const int64_t g1 = std::min(blocks, g0 + kAmxXRows / 16);
+  // x rows per sweep: at most kAmxXBytes of them (with the task's packed rows, at most kAmxRowBytes,
+  // they stay in L2), 32 to kAmxXRows
+  const int64_t sweep = std::clamp<int64_t>(kAmxXBytes / (KC * 64) / 32 * 32, 32, kAmxXRows) / 16;   // blocks
+  for (int64_t g0 = 0; g0 < blocks; g0 += sweep) {
+    const int64_t g1 = std::min(blocks, g0 + sweep);
     for (int64_t t = 0; t < tiles; t += 2) {
       const MatrixTiles wt = in_place ? MatrixTiles{w + (n0 + 16 * t) * K, 32, 16 * K, 2 * K}
                                       : MatrixTiles{packed.data() + t / 2 * KC * 1024, 1024, 512, 64};
@@ -187,20 +206,19 @@ void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int6
   _tile_release();
 }
 
-// Every whole 16-row tile of the matrix (N / 16 of them) times x on AMX, split over the pool: one
-// task per thread at least, more where a task's packed rows would outgrow kAmxRowBytes; task
-// boundaries on pairs of tiles. Returns the matrix rows done (the rest: the row routines).
-int64_t amx_linear(ffi::ThreadPool& pool, const uint16_t* w, int64_t K, int64_t N, const uint16_t* xb, int64_t KP,
+// Every whole 16-row tile of the matrix (N / 16 of them) times x (packed: amx_pack) on AMX, split
+// over the pool: one task per thread at least, more where a task's packed rows would outgrow
+// kAmxRowBytes; task boundaries on pairs of tiles. Returns the matrix rows done (the rest: the row
+// routines).
+int64_t amx_linear(ffi::ThreadPool& pool, const uint16_t* w, int64_t K, int64_t N, const uint16_t* xp, int64_t KP,
                    int64_t M, float* out) {
-  const int64_t KC = KP / 32, blocks = (M + 15) / 16, tiles = N / 16, pairs = (tiles + 1) / 2;
-  std::vector<uint16_t> xp(blocks * KC * 512);
-  parallel_for(pool, blocks, 1, [&](int64_t g) { amx_pack(xb + 16 * g * KP, KP, 1, KC, xp.data() + g * KC * 512); });
+  const int64_t KC = KP / 32, tiles = N / 16, pairs = (tiles + 1) / 2;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   int64_t tasks = std::max(threads, (tiles * 16 * KP * 2 + kAmxRowBytes - 1) / kAmxRowBytes);
   tasks = std::min(pairs, (tasks + threads - 1) / threads * threads);
   parallel_for(pool, tasks, 1, [&](int64_t task) {
     const int64_t t0 = 2 * (pairs * task / tasks), t1 = std::min(tiles, 2 * (pairs * (task + 1) / tasks));
-    if (t1 > t0) amx_rows(w, K, xp.data(), KC, M, 16 * t0, t1 - t0, out, N);
+    if (t1 > t0) amx_rows(w, K, xp, KC, M, 16 * t0, t1 - t0, out, N);
   });
   return tiles * 16;
 }
@@ -223,16 +241,28 @@ ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   float* op = out->typed_data();
   // x rounded to the weights' type once, each row zero-padded to a whole number of 32-element vectors
   // (and zero rows up to a whole 16-row block: AMX multiplies whole blocks)
-  const int64_t KP = (K + 31) / 32 * 32;
-  std::vector<uint16_t> xr((M + 15) / 16 * 16 * KP);
-  parallel_for(pool, (M + 15) / 16, 1, [&](int64_t g) {
-    round_rows(xp + 16 * g * K, std::min<int64_t>(16, M - 16 * g), K, kind, xr.data() + 16 * g * KP, KP);
+  const int64_t KP = (K + 31) / 32 * 32, blocks = (M + 15) / 16;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // AMX for bf16 matrices, every whole 16-row tile (the rest below): x rounded straight into tiles,
+  // and into rows only where matrix rows past the last whole tile need them
+  const bool amx = kind == Kind::kBF16 && N >= 16 && amx_usable();
+  LineVector<uint16_t> packed(amx ? blocks * KP * 16 : 0);   // tiles on whole lines (common.h)
+#else
+  const bool amx = false;
+#endif
+  const bool rows = !amx || N % 16 != 0;
+  std::vector<uint16_t> xr(rows ? blocks * 16 * KP : 0);
+  parallel_for(pool, blocks, 1, [&](int64_t g) {
+    const int64_t m = std::min<int64_t>(16, M - 16 * g);
+    if (rows) round_rows(xp + 16 * g * K, m, K, kind, xr.data() + 16 * g * KP, KP);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx) amx_pack_f32(xp + 16 * g * K, m, K, KP / 32, packed.data() + g * KP * 16);
+#endif
   });
   const uint16_t* xb = xr.data();
   int64_t done = 0;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  // AMX for bf16 matrices, every whole 16-row tile (the rest below)
-  if (kind == Kind::kBF16 && amx_usable()) done = amx_linear(pool, w, K, N, xb, KP, M, op);
+  if (amx) done = amx_linear(pool, w, K, N, packed.data(), KP, M, op);
 #endif
   const int64_t tasks = (N - done + kLinearRows - 1) / kLinearRows;
   parallel_for(pool, tasks, 1, [&](int64_t task) {

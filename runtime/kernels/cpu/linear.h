@@ -169,22 +169,31 @@ void widened_rows_avx512(const uint16_t* w, int64_t K, const uint16_t* x, int64_
 }
 #endif
 
+#if defined(__AVX512F__)
+// 16 f32 (as bits) -> 16 bf16, as f32_to_bf16
+inline __m256i round16_bf16(__m512i u) {
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), abs = _mm512_set1_epi32(0x7fffffff),
+                inf = _mm512_set1_epi32(0x7f800000), quiet = _mm512_set1_epi32(0x40);
+  const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
+  return _mm512_cvtepi32_epi16(_mm512_mask_or_epi32(_mm512_srli_epi32(up, 16), nan, _mm512_srli_epi32(u, 16), quiet));
+}
+
+// which of the 16 elements from k of a row of K lie in it
+inline __mmask16 row_mask16(int64_t K, int64_t k) {
+  return K - k >= 16 ? __mmask16(0xffff) : K > k ? static_cast<__mmask16>((1u << (K - k)) - 1) : 0;
+}
+#endif
+
 // x f32[M, K] rounded to `kind`'s 16-bit type (to nearest even), each row zero-padded to KP (a
 // whole number of 32-element vectors): the layout the row routines read.
 inline void round_rows(const float* x, int64_t M, int64_t K, Kind kind, uint16_t* xr, int64_t KP) {
 #if defined(__AVX512F__)
-  if (kind == Kind::kBF16) {   // 16 at a time, as f32_to_bf16 (a prompt chunk's rounding is not free)
-    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), abs = _mm512_set1_epi32(0x7fffffff),
-                  inf = _mm512_set1_epi32(0x7f800000), quiet = _mm512_set1_epi32(0x40);
+  if (kind == Kind::kBF16) {   // 16 at a time (a prompt chunk's rounding is not free)
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < KP; k += 16) {
-        const __mmask16 in = K - k >= 16 ? __mmask16(0xffff) : K > k ? static_cast<__mmask16>((1u << (K - k)) - 1) : 0;
-        const __m512i u = _mm512_maskz_loadu_epi32(in, x + m * K + k);
-        const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
-        const __m512i r = _mm512_mask_or_epi32(_mm512_srli_epi32(up, 16), nan, _mm512_srli_epi32(u, 16), quiet);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xr + m * KP + k), _mm512_cvtepi32_epi16(r));
-      }
+      for (int64_t k = 0; k < KP; k += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xr + m * KP + k),
+                            round16_bf16(_mm512_maskz_loadu_epi32(row_mask16(K, k), x + m * K + k)));
     return;
   }
 #endif
