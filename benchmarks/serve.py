@@ -381,7 +381,14 @@ def free_port() -> int:
 @contextlib.contextmanager
 def server(name: str, cmd: list[str], ready_path: str, log_path: str, env: dict | None = None, timeout: float = 1800):
     """Start `cmd` (a server on 127.0.0.1) in a session of its own, wait until GET ready_path answers 200,
-    yield (base URL, seconds from launch to that first 200); on exit stop its whole process group."""
+    yield (base URL, seconds from launch to that first 200); on exit stop its whole process group.
+    An hloserve server gets a prefix cache disk tier of its own, empty (beside its log), unless the
+    command names one: the default tier outlives the process, so a workload run before (the same
+    seed, the same prompts) would be served from it, and no other system here has such a cache."""
+    kv_dir = None
+    if HLOSERVE_CLI in cmd and "--kv-disk-dir" not in cmd:
+        kv_dir = tempfile.mkdtemp(prefix="kv-", dir=os.path.dirname(log_path))
+        cmd = [*cmd, "--kv-disk-dir", kv_dir]
     port = cmd[cmd.index("--port") + 1]
     base = f"http://127.0.0.1:{port}"
     print(f"  $ {' '.join(f'{k}={v}' for k, v in (env or {}).items())}{' ' if env else ''}{' '.join(cmd)}", flush=True)
@@ -419,6 +426,8 @@ def server(name: str, cmd: list[str], ready_path: str, log_path: str, env: dict 
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)      # the server's own children (vLLM's engine core)
             proc.wait()
+            if kv_dir:
+                shutil.rmtree(kv_dir, ignore_errors=True)
 
 
 # -- HTTP clients ----------------------------------------------------------------------------------

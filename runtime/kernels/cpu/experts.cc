@@ -71,10 +71,61 @@ inline void gated(const float* h, int64_t F, float* a) {
   for (int64_t f = 0; f < F; ++f) a[f] = h[f] / (1.f + std::exp(-h[f])) * h[F + f];
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// An expert with this many rows or more multiplies them on AMX tiles (linear.cc's routines, its rows
+// packed once into 16-row blocks); fewer stay with the row routines, whose one-row path streams the
+// matrix at the read rate. A prompt chunk routes tens of rows to each expert: on the row routines
+// its experts ran at ~30 GFLOP/s (qwen3-moe-style shape, 256-token chunk, docs/performance.md).
+constexpr int64_t kAmxExpertRows = 16;
+
+// the experts' products with kAmxExpertRows rows or more on AMX (bf16 matrices, N whole tiles);
+// false where it does not apply (the row routines then do them all)
+bool grouped_product_amx(ffi::ThreadPool& pool, Kind kind, const Groups& g, const uint16_t* stack, int64_t N,
+                         int64_t K, const uint16_t* xs, int64_t KP, float* out, std::vector<char>& done) {
+  if (kind != Kind::kBF16 || N % 16 != 0 || !amx_usable()) return false;
+  const int64_t E = static_cast<int64_t>(g.start.size()) - 1, KC = KP / 32;
+  std::vector<int64_t> first(E + 1, 0);                            // each expert's first packed block
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = g.start[e + 1] - g.start[e];
+    first[e + 1] = first[e] + (rows >= kAmxExpertRows ? (rows + 15) / 16 : 0);
+  }
+  if (first[E] == 0) return false;
+  LineVector<uint16_t> packed(first[E] * 16 * KP);
+  parallel_for(pool, first[E], 1, [&](int64_t b) {                // one 16-row block: its rows, zeros past them
+    const int64_t e = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
+    const int64_t r0 = g.start[e] + 16 * (b - first[e]), rows = std::min<int64_t>(16, g.start[e + 1] - r0);
+    thread_local std::vector<uint16_t> rowbuf;
+    rowbuf.resize(16 * KP);
+    uint16_t* x = rowbuf.data();
+    std::memcpy(x, xs + r0 * KP, rows * KP * 2);
+    std::fill(x + rows * KP, x + 16 * KP, uint16_t(0));
+    linear_amx_pack(x, KP, 1, KC, packed.data() + b * 16 * KP);
+  });
+  std::vector<std::pair<int64_t, int64_t>> tasks;                   // (expert, first matrix row)
+  for (int64_t e = 0; e < E; ++e)
+    if (first[e + 1] > first[e]) {
+      done[e] = 1;
+      for (int64_t n = 0; n < N; n += kLinearRows) tasks.emplace_back(e, n);
+    }
+  parallel_for(pool, static_cast<int64_t>(tasks.size()), 1, [&](int64_t i) {
+    const auto [e, n0] = tasks[i];
+    const int64_t s = g.start[e], tiles = (std::min(N, n0 + kLinearRows) - n0) / 16;
+    linear_amx_rows(stack + e * N * K, K, packed.data() + first[e] * 16 * KP, KC, g.start[e + 1] - s, n0, tiles,
+                    out + s * N, N);
+  });
+  return true;
+}
+#endif
+
 // out rows (sorted positions) = xs rows . each expert's matrix [N, K] of `stack` (rows of xs KP apart)
 void grouped_product(ffi::ThreadPool& pool, Kind kind, const Groups& g, const uint16_t* stack, int64_t N, int64_t K,
                      const uint16_t* xs, int64_t KP, float* out) {
-  const auto tasks = tasks_of(g, N);
+  std::vector<char> done(g.start.size(), 0);                       // experts already multiplied (AMX)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  grouped_product_amx(pool, kind, g, stack, N, K, xs, KP, out, done);
+#endif
+  auto tasks = tasks_of(g, N);
+  tasks.erase(std::remove_if(tasks.begin(), tasks.end(), [&](const auto& t) { return done[t.first] != 0; }), tasks.end());
   parallel_for(pool, static_cast<int64_t>(tasks.size()), 1, [&](int64_t i) {
     const auto [e, n0] = tasks[i];
     const int64_t s = g.start[e];

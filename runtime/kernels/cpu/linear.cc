@@ -224,6 +224,23 @@ int64_t amx_linear(ffi::ThreadPool& pool, const uint16_t* w, int64_t K, int64_t 
 }
 #endif
 
+}  // namespace
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+namespace hloserve {
+void linear_amx_pack(const uint16_t* x, int64_t KP, int64_t blocks, int64_t KC, uint16_t* xp) {
+  amx_pack(x, KP, blocks, KC, xp);
+}
+void linear_amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0, int64_t tiles,
+                     float* out, int64_t N) {
+  amx_rows(w, K, xp, KC, M, n0, tiles, out, N);
+}
+}  // namespace hloserve
+#endif
+
+namespace {
+using namespace hloserve;
+
 ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer weights,
                        ffi::Buffer<ffi::S32> layer, int64_t holds, ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions();

@@ -203,6 +203,15 @@ inline void round_rows(const float* x, int64_t M, int64_t K, Kind kind, uint16_t
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// linear.cc's AMX routines, shared with the grouped experts (experts.cc). linear_amx_pack: x
+// [16 * blocks, KP] bf16 rows (rows past the real ones zero) into tiles; linear_amx_rows: matrix rows
+// [n0, n0 + 16 * tiles) of w [., K] times the M rows so packed, into out [M, N] (both: linear.cc).
+void linear_amx_pack(const uint16_t* x, int64_t KP, int64_t blocks, int64_t KC, uint16_t* xp);
+void linear_amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0, int64_t tiles,
+                     float* out, int64_t N);
+#endif
+
 // out[m * N + n] = x[m] . w[n] for the matrix rows n in [n0, n1) of w [., K] and the M rows of x
 // (16-bit `kind`, rows KP apart, zero-padded): the instruction path this build has.
 inline void rows16(Kind kind, const uint16_t* w, int64_t K, const uint16_t* x, int64_t KP, int64_t M, int64_t n0,
