@@ -229,6 +229,38 @@ inline bool amx_usable() {
   return ok;
 }
 
+// 16 rows of 16 32-bit elements, row i at rows[i] -> their transpose into dst (row r, element i =
+// rows[i] element r; dst rows `ds` bytes apart): pairs of rows, pairs of pairs, then 128-bit lanes.
+// The AMX kernels' packing of B tiles (pairs of bf16 as 32-bit elements).
+inline void transpose16_rows(const char* const rows[16], void* dst, int64_t ds) {
+  __m512i r[16], t[16];
+  HLOSERVE_UNROLL
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i]);
+  HLOSERVE_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  HLOSERVE_UNROLL
+  for (int q = 0; q < 4; ++q) {
+    r[4 * q] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+    r[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+    r[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+    r[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+  }
+  char* d = static_cast<char*>(dst);
+  HLOSERVE_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    const __m512i ab_lo = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), ab_hi = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+    const __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+    const __m512i cd_hi = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+    _mm512_storeu_si512(d + j * ds, _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88));
+    _mm512_storeu_si512(d + (4 + j) * ds, _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD));
+    _mm512_storeu_si512(d + (8 + j) * ds, _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88));
+    _mm512_storeu_si512(d + (12 + j) * ds, _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD));
+  }
+}
+
 // A std::vector whose storage starts on a 64-byte line. AMX tile rows are 64 bytes: packed tiles
 // in a plain vector (malloc aligns to 16) have every row straddle two lines, two reads where one
 // is needed (measured: tile multiplies fed from such buffers ran 1.45x slower).

@@ -37,37 +37,6 @@ inline void amx_configure_attention() {
   _tile_loadconfig(&c);
 }
 
-// 16 rows of 16 32-bit elements, row i at rows[i] -> their transpose into dst (row r, element i =
-// rows[i] element r; dst rows 64 bytes apart): pairs of rows, pairs of pairs, then 128-bit lanes
-inline void transpose16_gather(const char* const rows[16], uint16_t* dst) {
-  __m512i r[16], t[16];
-  HLOSERVE_UNROLL
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i]);
-  HLOSERVE_UNROLL
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  HLOSERVE_UNROLL
-  for (int q = 0; q < 4; ++q) {
-    r[4 * q] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
-    r[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
-    r[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
-    r[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
-  }
-  char* d = reinterpret_cast<char*>(dst);
-  HLOSERVE_UNROLL
-  for (int j = 0; j < 4; ++j) {
-    const __m512i ab_lo = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), ab_hi = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
-    const __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
-    const __m512i cd_hi = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
-    _mm512_storeu_si512(d + j * 64, _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88));
-    _mm512_storeu_si512(d + (4 + j) * 64, _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD));
-    _mm512_storeu_si512(d + (8 + j) * 64, _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88));
-    _mm512_storeu_si512(d + (12 + j) * 64, _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD));
-  }
-}
-
 // C[i][j] = sum over `steps` k-steps of A_i . B_j for MR row tiles and NC column tiles (tiles 0-3
 // the sums, 4-5 the A tiles, 6-7 the B tiles: each loaded tile is used MR or NC times). A_i's k-step
 // s lies at a[i] + s * a_step (rows `sa` bytes apart), B_j's at b[j] + s * b_step (a VNNI tile, rows 64
@@ -163,9 +132,11 @@ inline __m512 bf16x16_to_f32(__m256i b) { return _mm512_castsi512_ps(_mm512_slli
 constexpr int64_t kPosTile = 64;
 constexpr int64_t kRowGroup = 32;
 
-struct AmxScratch {
-  std::vector<uint16_t> qa, kt, vt, pb, zeros;
-  std::vector<float> o, sb, m, lv, alpha;
+struct AmxScratch {                     // tile operands on whole 64-byte lines (LineVector, common.h)
+  LineVector<uint16_t> qa, kt, vt, pb;
+  LineVector<float> sb, o;
+  std::vector<uint16_t> zeros;
+  std::vector<float> m, lv, alpha;
   std::vector<int64_t> ra, rb;
 };
 
@@ -233,7 +204,7 @@ inline bool attend_tile_amx(const float* q, float* out, int64_t stride, int64_t 
       for (int64_t j = 0; j < JD; ++j) {
         const char* rj[16];
         for (int i = 0; i < 16; ++i) rj[i] = rp[i] + j * 64;
-        transpose16_gather(rj, w.kt.data() + (ct * JD + j) * 512);
+        transpose16_rows(rj, w.kt.data() + (ct * JD + j) * 512, 64);
       }
     }
     // V: per 32 positions u, DT tiles: tile (u, dt) row i = positions c0 + 32u + 2i and the next one
