@@ -40,12 +40,11 @@ inline void amx_configure_attention() {
 // C[i][j] = sum over `steps` k-steps of A_i . B_j for MR row tiles and NC column tiles (tiles 0-3
 // the sums, 4-5 the A tiles, 6-7 the B tiles: each loaded tile is used MR or NC times). A_i's k-step
 // s lies at a[i] + s * a_step (rows `sa` bytes apart), B_j's at b[j] + s * b_step (a VNNI tile, rows 64
-// bytes apart); C_ij is
-// stored at c[i][j], rows `sc` bytes apart; ACC: added to what c holds (else to zeros).
+// bytes apart); C_ij is stored at c[i][j], rows `sc` bytes apart; ACC: added to what c holds (else to
+// zeros).
 template <int MR, int NC, bool ACC>
 inline void amx_block(const uint16_t* const* a, int64_t sa, int64_t a_step, const uint16_t* const* b, int64_t b_step,
-                      int64_t steps,
-                      float* const (*c)[2], int64_t sc) {
+                      int64_t steps, float* const (*c)[2], int64_t sc) {
   if constexpr (ACC) {
     _tile_loadd(0, c[0][0], sc);
     if constexpr (NC > 1) _tile_loadd(1, c[0][1], sc);
