@@ -73,12 +73,14 @@ void amx_pack(const uint16_t* x, int64_t KP, int64_t blocks, int64_t KC, uint16_
 void amx_pack_f32(const float* x, int64_t rows, int64_t K, int64_t KC, uint16_t* xp) {
   alignas(64) uint16_t t[16 * 32];   // the block's 32-element chunk c of each row
   for (int64_t c = 0; c < KC; ++c) {
-    for (int64_t i = 0; i < 16; ++i)
+    for (int64_t i = 0; i < 16; ++i) {
+      const float* row = x + (i < rows ? i : 0) * K;   // rows past `rows`: nothing read (mask 0)
       for (int64_t h = 0; h < 32; h += 16) {
         const __mmask16 in = i < rows ? row_mask16(K, 32 * c + h) : __mmask16(0);
         _mm256_store_si256(reinterpret_cast<__m256i*>(t + 32 * i + h),
-                           round16_bf16(_mm512_maskz_loadu_epi32(in, x + i * K + 32 * c + h)));
+                           round16_bf16(_mm512_maskz_loadu_epi32(in, row + 32 * c + h)));
       }
+    }
     transpose16(t, 64, xp + c * 512, 64);
   }
 }
@@ -206,7 +208,7 @@ void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int6
   _tile_release();
 }
 
-// Every whole 16-row tile of the matrix (N / 16 of them) times x (packed: amx_pack) on AMX, split
+// Every whole 16-row tile of the matrix (N / 16 of them) times x (packed: amx_pack_f32) on AMX, split
 // over the pool: one task per thread at least, more where a task's packed rows would outgrow
 // kAmxRowBytes; task boundaries on pairs of tiles. Returns the matrix rows done (the rest: the row
 // routines).

@@ -51,12 +51,13 @@ def _whole_expert_groups(attrs: dict[str, Any]) -> bool:
 # once enough rows share the packed copy. Measured (AMD EPYC, AVX512-BF16, docs/performance.md):
 # the kernel is 2.8x faster at 1 row, 1.3x at 32, even from 128 on. With AMX (bf16 matrices; a
 # Sapphire Rapids Xeon, 2 cores, 2026-11-29, later, docs/performance.md "AMX tiles on whole lines",
-# benchmarks/layer_linear.py; medians of one run, kernel / XLA's dot): with its tiles on whole
+# benchmarks/layer_linear.py; medians, kernel / XLA's dot, two runs): with its tiles on whole
 # 64-byte lines the kernel is the faster on every shape measured (SmolLM2-135M's, a 1B Llama's) at
-# 128-512 rows (1.0-3.3x); at 1,024 rows SmolLM2's q/o (576 x 576, 0.93x) and the 1B Llama's k/v
-# (512 x 2048, 0.84x) go to XLA's dot, so smaller matrices stop at 512 rows. On matrices of 8M
-# elements and more (a 1B Llama's MLP: 8192 x 2048, 2048 x 8192) it is 1.16-3.3x faster at every
-# row count from 128 to 2,048, so it runs every row count there. Without AVX512-BF16 it widens
+# 128-512 rows in both runs (1.0-3.3x); at 1,024-2,048 rows some shape goes to XLA's dot in each
+# run (576 x 576 0.93x, 512 x 2048 0.84x, 1536 x 576 0.78x, 2048 x 2048 0.78x), so smaller
+# matrices stop at 512 rows. On matrices of 8M elements and more (a 1B Llama's MLP: 8192 x 2048,
+# 2048 x 8192) it is 1.15-3.3x faster at every row count from 128 to 2,048, so it runs every row
+# count there. Without AVX512-BF16 it widens
 # the products to f32: with AVX-512 in 4 x 4 tiles, 1.4-2.5x XLA's dot from 8 to 32 rows and slower
 # from 48 (SmolLM2 MLP shape, Xeon without AVX512-BF16, 2026-11-28, docs/performance.md); with AVX2
 # only one output at a time, so only decode-sized row counts stay with it.
