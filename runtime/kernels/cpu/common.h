@@ -229,6 +229,20 @@ inline bool amx_usable() {
   return ok;
 }
 
+// the tile configuration _tile_loadconfig reads: palette 1, each tile's rows and bytes a row
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// every tile 16 rows of 64 bytes (bf16: 16 x 32, sums 16 x 16 f32), loaded into this thread's tile state
+inline void amx_configure_16x64() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+  _tile_loadconfig(&c);
+}
+
 // 16 rows of 16 32-bit elements, row i at rows[i] -> their transpose into dst (row r, element i =
 // rows[i] element r; dst rows `ds` bytes apart): pairs of rows, pairs of pairs, then 128-bit lanes.
 // The AMX kernels' packing of B tiles (pairs of bf16 as 32-bit elements).
@@ -280,12 +294,6 @@ struct LineAllocator {
 template <class T>
 using LineVector = std::vector<T, LineAllocator<T>>;
 
-// the tile configuration _tile_loadconfig reads: palette 1, each tile's rows and bytes a row
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 #endif
 
 

@@ -20,42 +20,14 @@ using namespace hloserve;
 // elements of 16 rows (a transpose of 32-bit pairs, once per call). The sums come out transposed
 // too ([matrix row][x row]) and are transposed back into out.
 
-inline void amx_configure() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
-  _tile_loadconfig(&c);
-}
+inline void amx_configure() { amx_configure_16x64(); }
 
-// 16 rows of 16 32-bit elements (src, rows `ss` bytes apart) -> their transpose (dst row r, element
-// i = src row i, element r; rows `ds` bytes apart): pairs of rows, pairs of pairs, then 128-bit lanes
+// 16 rows of 16 32-bit elements (src, rows `ss` bytes apart) -> their transpose (dst rows `ds` bytes
+// apart): common.h's transpose16_rows
 inline void transpose16(const void* src, int64_t ss, void* dst, int64_t ds) {
-  __m512i r[16], t[16];
-  HLOSERVE_UNROLL
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(static_cast<const char*>(src) + i * ss);
-  HLOSERVE_UNROLL
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  HLOSERVE_UNROLL
-  for (int q = 0; q < 4; ++q) {
-    r[4 * q] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
-    r[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
-    r[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
-    r[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
-  }
-  // now lane l of r[4q + j] holds rows 4q..4q+3 of column 4l + j
-  char* d = static_cast<char*>(dst);
-  HLOSERVE_UNROLL
-  for (int j = 0; j < 4; ++j) {
-    const __m512i ab_lo = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), ab_hi = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
-    const __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
-    const __m512i cd_hi = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
-    _mm512_storeu_si512(d + j * ds, _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88));
-    _mm512_storeu_si512(d + (4 + j) * ds, _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD));
-    _mm512_storeu_si512(d + (8 + j) * ds, _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88));
-    _mm512_storeu_si512(d + (12 + j) * ds, _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD));
-  }
+  const char* rows[16];
+  for (int i = 0; i < 16; ++i) rows[i] = static_cast<const char*>(src) + i * ss;
+  transpose16_rows(rows, dst, ds);
 }
 
 // x [16 * blocks, KP] (bf16 bits, rows past M zero) -> xp: per 16-row block g and 32-column chunk

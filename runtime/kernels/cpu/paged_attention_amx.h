@@ -30,13 +30,6 @@ constexpr int64_t kAmxTileTokens = 32;  // tokens a work item takes (16 on the f
 // whether the AMX tiles take a bf16 cache's chunk tiles of this head_dim and soft-capping
 inline bool amx_tiles_apply(int64_t D, float softcap) { return D % 32 == 0 && softcap <= 0.f && amx_usable(); }
 
-// every tile 16 rows of 64 bytes (16 x 32 bf16; sums 16 x 16 f32)
-inline void amx_configure_attention() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
-  _tile_loadconfig(&c);
-}
-
 // C[i][j] = sum over `steps` k-steps of A_i . B_j for MR row tiles and NC column tiles (tiles 0-3
 // the sums, 4-5 the A tiles, 6-7 the B tiles: each loaded tile is used MR or NC times). A_i's k-step
 // s lies at a[i] + s * a_step (rows `sa` bytes apart), B_j's at b[j] + s * b_step (a VNNI tile, rows 64
@@ -194,7 +187,7 @@ inline bool attend_tile_amx(const float* q, float* out, int64_t stride, int64_t 
   }
   const __m512i pairs = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
                                          5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  amx_configure_attention();
+  amx_configure_16x64();
   for (int64_t c0 = lo; c0 < hi; c0 += kPosTile) {
     // K^T: kPosTile / 16 x JD tiles, tile (ct, j) row i = dims 32j + 2i, +1 of positions c0 + 16ct + [0, 16)
     for (int64_t ct = 0; ct < kPosTile / 16; ++ct) {
