@@ -47,6 +47,7 @@ from . import hf_experts, hf_layers, kv_smooth
 from . import lora as lora_hooks
 from .attention import ATTN_NAME, STEP_KWARG, StepState, register_attention
 from .hf_files import TOKENIZER_FILES, text_spec
+from .layer_plan import describe
 from .lora import LoraRequest
 from .step import SMOOTHED, StepExportOptions, contract_entries, contract_spec
 
@@ -206,7 +207,8 @@ def scan_layers(model: torch.nn.Module, opts: StepExportOptions) -> str:
     contract's example; where the model's layer loop cannot be taken over, the layers stay
     unrolled. Layers that differ only in their sliding window are one body, the window per layer
     as data (WINDOW), where that step gives the unrolled layers' logits and cache; otherwise they
-    are scanned by period. Returns how the layers run: "scan", "scan (period P)", or "unrolled: why"."""
+    are scanned by period (or by segments of their own periods, layer_plan). Returns how the layers
+    run: "scan", "scan (a period of P layers...)", "scan (N segments: ...)" or "unrolled: why"."""
     scanned = hf_layers.scan(model, STEP_KWARG, (WINDOW,))
     if scanned is None:
         return "unrolled: no list of decoder layers found"
@@ -224,8 +226,7 @@ def scan_layers(model: torch.nn.Module, opts: StepExportOptions) -> str:
         hf_layers.unscan(model)
         log.info("decoder layers exported unrolled: %s", e)
         return f"unrolled: {e}"
-    tail = f", {len(scanned.tail)} unrolled after it" if len(scanned.tail) else ""
-    return "scan" if scanned.period == 1 else f"scan (a period of {scanned.period} layers{tail})"
+    return describe(scanned.segments, scanned.num_layers)
 
 
 def _same_as_unrolled(model: torch.nn.Module, entry, got) -> bool:

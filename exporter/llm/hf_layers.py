@@ -15,7 +15,11 @@ Two rewrites of a loaded transformers model, both done once before export:
     one global layer are one body; what differs between layers as arguments (Gemma 3's local and
     global rotary tables) is selected per layer inside the body (the distinct tables stacked once,
     a per-layer index picking one). Layers that differ in any other static attribute are scanned
-    as a repeating period of layers, the last L % period unrolled after it.
+    as a repeating period of layers, the last L % period unrolled after it; where the layers'
+    pattern changes along the list (a GGUF's K-quant mix: llama.cpp gives its first and last
+    eighth and every third layer between more bits), as consecutive segments, each a scan of its
+    own period (`layer_plan`), so the step traces few layer bodies and passes few weight
+    arguments instead of unrolling the whole pattern.
 
 How the layer loop is taken over without model-specific code: the model's own forward still
 iterates over `self.layers[:n]` and calls each layer. ScannedLayers hands it one stand-in per
@@ -35,6 +39,7 @@ import torch
 from .._private import scan_lifted
 from ..composites import layer_linear, paged_attention  # noqa: F401 - registers torch.ops.hloserve.*
 from .hf_experts import expert_matrices, is_experts, sixteen_bit_experts
+from .layer_plan import Segment, layer_plan
 from .step import holds_of
 
 
@@ -181,15 +186,6 @@ def _static_signature(layer: torch.nn.Module, carried: frozenset[str] = frozense
     return tuple(out)
 
 
-def period_of(signatures: list) -> int:
-    """The smallest p such that layer i has layer (i mod p)'s signature for every i."""
-    L = len(signatures)
-    for p in range(1, L + 1):
-        if all(signatures[i] == signatures[i % p] for i in range(L)):
-            return p
-    return L
-
-
 @dataclasses.dataclass(frozen=True)
 class PerLayer:
     """A plain attribute of a decoder layer's modules (`attribute`, e.g. "sliding_window") that may
@@ -234,12 +230,14 @@ class _StandIn:
 
 
 class ScannedLayers(torch.nn.Module):
-    """The decoder layers as one scanned body over stacked weights (see the module docstring).
+    """The decoder layers as scanned bodies over stacked weights (see the module docstring).
 
-    `stack.{j}` holds the weights of the layers at position j of each period, stacked
-    [L // period, ...] (the tensors a linear module reads in place, its IN_PLACE, are passed whole
-    to the composite with the scan's iteration as `layer`; the others are sliced); `tail` are the
-    last L % period layers, unrolled.
+    `segments` (layer_plan) are the scans, in layer order. `stack.{k}` holds, for the k-th period
+    position of all segments' positions in order (one segment: position j of each period), the
+    weights of its layers stacked [iterations, ...] (the tensors a linear module reads in place,
+    its IN_PLACE, are passed whole to the composite with the scan's iteration as `layer`; the
+    others are sliced); `tail` are the layers no segment holds (one segment: the last L % period),
+    unrolled where they lie in the list.
 
     The step's attention finds the cache and the layer index in the object passed to every layer
     as keyword `step_kwarg`: `step.at(layer, cache, tensors=...)` makes the one a layer call uses
@@ -259,40 +257,42 @@ class ScannedLayers(torch.nn.Module):
         carried = tuple(c for c, vals in zip(carried, per_layer)
                         if all(len(v) == 1 for v in vals) and len({next(iter(v)) for v in vals}) > 1)
         excluded = frozenset(n for c in carried for n in c.names)
-        self.period = period_of([_static_signature(m, excluded) for m in layers])
+        self.segments = layer_plan([_static_signature(m, excluded) for m in layers])
         self.carried = carried
         self.num_layers = L
-        self.iterations = L // self.period
         self.step_kwarg = step_kwarg
-        # the templates are traced with each iteration's weights substituted; they hold no weight of
-        # their own in the artifact (kept out of the module tree)
-        object.__setattr__(self, "templates", list(layers[:self.period]))
+        # the templates (one per stack, a segment's first period) are traced with each iteration's
+        # weights substituted; they hold no weight of their own in the artifact (kept out of the module tree)
+        object.__setattr__(self, "templates", [layers[g.start + j] for g in self.segments for j in range(g.period)])
         self.stack = torch.nn.ModuleList()
-        # per period position: the stored name of each of the template's tensors, and which of them
-        # the composite reads in place (the others are sliced per iteration by the scan)
+        # per stack: the stored name of each of the template's tensors, and which of them the
+        # composite reads in place (the others are sliced per iteration by the scan)
         self.names: list[dict[str, str]] = []
         self.in_place: list[frozenset[str]] = []
         self.stacked_from: list[tuple[list[torch.Tensor], torch.Tensor]] = []   # (per-layer tensors, their stack)
-        for j in range(self.period):
-            group = [layers[i] for i in range(j, self.iterations * self.period, self.period)]
-            holder = torch.nn.Module()
-            names, in_place = {}, set()
-            for name in group[0].state_dict():       # parameters and persistent buffers (quantized weights)
-                parts = [_tensor(m, name).detach() for m in group]
-                stacked = torch.stack(parts)                                        # [L', ...]
-                self.stacked_from.append((parts, stacked))
-                if _read_in_place(group[0], name):
-                    in_place.add(name)
-                names[name] = name.replace(".", "__")
-                holder.register_buffer(names[name], stacked)
-            for c in carried:     # [L // period] int32: the layers' values of a carried attribute
-                rows = [int(next(iter(c.values(m))) or 0) for m in group]
-                holder.register_buffer(f"per_layer__{c.keyword}", torch.tensor(rows, dtype=torch.int32),
-                                       persistent=False)
-            self.stack.append(holder)
-            self.names.append(names)
-            self.in_place.append(frozenset(in_place))
-        self.tail = torch.nn.ModuleList(layers[self.iterations * self.period:])
+        for g in self.segments:
+            for j in range(g.period):
+                group = [layers[i] for i in range(g.start + j, g.stop, g.period)]
+                holder = torch.nn.Module()
+                names, in_place = {}, set()
+                for name in group[0].state_dict():       # parameters and persistent buffers (quantized weights)
+                    parts = [_tensor(m, name).detach() for m in group]
+                    stacked = torch.stack(parts)                                        # [iterations, ...]
+                    self.stacked_from.append((parts, stacked))
+                    if _read_in_place(group[0], name):
+                        in_place.add(name)
+                    names[name] = name.replace(".", "__")
+                    holder.register_buffer(names[name], stacked)
+                for c in carried:     # [iterations] int32: the layers' values of a carried attribute
+                    rows = [int(next(iter(c.values(m))) or 0) for m in group]
+                    holder.register_buffer(f"per_layer__{c.keyword}", torch.tensor(rows, dtype=torch.int32),
+                                           persistent=False)
+                self.stack.append(holder)
+                self.names.append(names)
+                self.in_place.append(frozenset(in_place))
+        scanned = {i for g in self.segments for i in range(g.start, g.stop)}
+        self.unrolled = [i for i in range(L) if i not in scanned]                # the tail's layers, in order
+        self.tail = torch.nn.ModuleList(layers[i] for i in self.unrolled)
         object.__setattr__(self, "original", layers)      # what unscan() puts back
         self._calls: list[_Call] = []
 
@@ -323,19 +323,40 @@ class ScannedLayers(torch.nn.Module):
         return self._run(calls)
 
     def _run(self, calls: list[_Call]):
-        p, n = self.period, self.iterations
         outer = calls[0].kwargs[self.step_kwarg]
+        h, cache = calls[0].hidden, outer.cache
+        first = 0                                  # the first stack of the next segment
+        unrolled = dict(zip(self.unrolled, self.tail))
+        i = 0
+        while i < self.num_layers:
+            if i in unrolled:
+                step = outer.at(torch.tensor(i, dtype=torch.int32), cache)
+                h, cache = self._layer(unrolled[i], h, calls[i].args, calls[i].kwargs, None, step)
+                i += 1
+                continue
+            g = next(g for g in self.segments if g.start == i)
+            h, cache = self._scan(g, first, calls, outer, h, cache)
+            first += g.period
+            i = g.stop
+        outer.cache = cache
+        return h
+
+    def _scan(self, g: Segment, first: int, calls: list[_Call], outer, h, cache):
+        """Segment `g` as one scan over its stacks (`first` .. `first + g.period - 1`)."""
+        p = g.period
         positions, lifted = [], {"step": outer.tensors()}
         for j in range(p):
-            rebuild, varying, shared = _split_arguments(calls[j:n * p:p], j, self.step_kwarg)
-            holder = self.stack[j]
+            rebuild, varying, shared = _split_arguments(calls[g.start + j:g.stop:p], g.start + j, self.step_kwarg)
+            holder = self.stack[first + j]
+            names, in_place_names = self.names[first + j], self.in_place[first + j]
             sliced, in_place = {}, {}
-            for name, stored in self.names[j].items():
-                (in_place if name in self.in_place[j] else sliced)[name] = holder.get_buffer(stored)
+            for name, stored in names.items():
+                (in_place if name in in_place_names else sliced)[name] = holder.get_buffer(stored)
             data = {c.keyword: holder.get_buffer(f"per_layer__{c.keyword}") for c in self.carried}
             # the template's own tensors that no stack replaces (non-persistent buffers): read as they are
-            own = {k: t for k, t in (*self.templates[j].named_parameters(), *self.templates[j].named_buffers())
-                   if k not in self.names[j] and k not in {_sibling(m, "layer") for m in in_place}}
+            template = self.templates[first + j]
+            own = {k: t for k, t in (*template.named_parameters(), *template.named_buffers())
+                   if k not in names and k not in {_sibling(m, "layer") for m in in_place}}
             positions.append((rebuild, varying, sliced, data))
             lifted[j] = {"in_place": in_place, "shared": shared, "own": own}
         xs = [t for _, varying, sliced, data in positions for t in (*varying.values(), *sliced.values(), *data.values())]
@@ -355,18 +376,13 @@ class ScannedLayers(torch.nn.Module):
                 params.update(lifted[j]["in_place"])
                 params.update({_sibling(name, "layer"): it for name in lifted[j]["in_place"]})
                 args, kwargs = rebuild(rows, lifted[j]["shared"])
-                step = outer.at(it * p + j, cache, tensors=lifted["step"], **per_layer)
-                h, cache = self._layer(self.templates[j], h, args, kwargs, params, step)
+                step = outer.at(g.start + it * p + j, cache, tensors=lifted["step"], **per_layer)
+                h, cache = self._layer(self.templates[first + j], h, args, kwargs, params, step)
             return (h, cache), h.new_zeros(())
 
-        steps = torch.arange(n, dtype=torch.int32)
-        (h, cache), _ = scan_lifted(body, (calls[0].hidden, outer.cache), (*xs, steps), lifted)
-        for k, layer in enumerate(self.tail):
-            i = n * p + k
-            step = outer.at(torch.tensor(i, dtype=torch.int32), cache)
-            h, cache = self._layer(layer, h, calls[i].args, calls[i].kwargs, None, step)
-        outer.cache = cache
-        return h
+        steps = torch.arange(g.iterations, dtype=torch.int32)
+        (h, cache), _ = scan_lifted(body, (h, cache), (*xs, steps), lifted)
+        return h, cache
 
     def _layer(self, module, h, args, kwargs, params, step):
         """One decoder layer on `h`, its attention reading and writing the cache through `step`
@@ -457,7 +473,7 @@ def _split_arguments(group: list[_Call], j: int, step_kwarg: str):
                 shared[f"a{k}"] = leaf
             continue
         if not all(isinstance(v, torch.Tensor) and v.shape == leaf.shape and v.dtype == leaf.dtype for v in values):
-            raise ScanError(f"decoder layers at period position {j} are called with different non-tensor "
+            raise ScanError(f"the decoder layers scanned with layer {j} are called with different non-tensor "
                             f"arguments (argument {k}: {type(leaf).__name__})")
         distinct: list[torch.Tensor] = []
         picks = [_index_of(distinct, v) for v in values]

@@ -57,6 +57,31 @@ def test_gemma3_sliding_and_global_layers_are_one_scanned_body(tmp_path):
     compare_last_logits(model, hf, 1e-4)
 
 
+def _llama_q4_k_m_mix(n: int) -> list[str]:
+    """The down matrices' types of an n-layer llama.cpp Q4_K_M file (use_more_bits: Q6_K)."""
+    return ["Q6_K" if i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2 else "Q4_K" for i in range(n)]
+
+
+@pytest.mark.parametrize("kinds, plan", [
+    (["a"] * 30, [(0, 1, 30)]),                                         # one body
+    (["a", "b"] * 3 + ["a"], [(0, 2, 3)]),                              # a period, one layer unrolled after it
+    (["a", "b"], [(0, 2, 1)]),                                          # nothing repeats: one pass of both
+    (["a"] * 5 + ["b"], [(0, 1, 5)]),                                   # 2 bodies, not a period of 6
+    (_llama_q4_k_m_mix(30), [(0, 1, 2), (2, 3, 8), (26, 1, 4)]),        # SmolLM2's Q4_K_M: 5 bodies, not 30
+    (_llama_q4_k_m_mix(8), [(0, 3, 2), (6, 1, 2)]),
+])
+def test_layer_plan_scans_segments_where_one_period_would_unroll(kinds, plan):
+    """layer_plan keeps one scan of the smallest period (the last L % period layers unrolled) unless
+    consecutive segments of their own periods trace fewer layer bodies; the layers no segment holds
+    run unrolled, and every layer is in at most one segment."""
+    from hloserve.exporter.llm.layer_plan import layer_plan
+    got = layer_plan(kinds)
+    assert [(g.start, g.period, g.iterations) for g in got] == plan
+    for g in got:
+        assert all(kinds[i] == kinds[i - g.period] for i in range(g.start + g.period, g.stop))
+    assert all(a.stop <= b.start for a, b in zip(got, got[1:]))
+
+
 def test_a_model_that_branches_on_its_window_is_scanned_by_period(tmp_path):
     """Cohere 2 rotates q/k only in its sliding layers (`if self.sliding_window is not None`): one
     body carrying the window as data would rotate every layer's, which the export's check (the

@@ -203,20 +203,22 @@ def _k_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
     return b.reshape(rows, -1)
 
 
-def write_k_gguf(path: str) -> str:
-    """A tiny Llama GGUF (2 layers, hidden 256, 4 heads, 2 KV heads, byte-level vocabulary of 258,
-    tied embedding) whose matrices are K_LAYERS's / K_EMBED's blocks; returns path."""
+def write_k_gguf(path: str, layers: dict[str, tuple[str, ...]] = K_LAYERS) -> str:
+    """A tiny Llama GGUF (hidden 256, 4 heads, 2 KV heads, byte-level vocabulary of 258, tied
+    embedding; as many layers as `layers` gives types) whose matrices are `layers`'s / K_EMBED's
+    blocks; returns path."""
     import transformers
 
     from tests.exporter.test_gguf import _write_gguf
-    cfg = transformers.LlamaConfig(vocab_size=258, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+    n = len(next(iter(layers.values())))
+    cfg = transformers.LlamaConfig(vocab_size=258, hidden_size=256, intermediate_size=256, num_hidden_layers=n,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                    tie_word_embeddings=True, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     state = {k: v.detach().numpy() for k, v in transformers.LlamaForCausalLM(cfg).state_dict().items()}
     rng = np.random.default_rng(0)
     raw = {"model.embed_tokens.weight": (_k_blocks(K_EMBED, 258, 256, rng), K_EMBED)}
-    for part, kinds in K_LAYERS.items():
+    for part, kinds in layers.items():
         for i, kind in enumerate(kinds):
             name = f"model.layers.{i}.{part}"
             rows, cols = state[name].shape
@@ -353,6 +355,47 @@ def test_k_quant_gguf_keeps_its_blocks_per_role(k_gguf, k_ckpt, tmp_path):
         ref, _ = entries[0].module(**{k: torch.from_numpy(v) for k, v in inputs.items()},
                                    kv_cache=torch.from_numpy(cache))
     np.testing.assert_allclose(got, ref.numpy(), atol=1e-4, rtol=0)
+
+
+def test_a_k_quant_mix_along_the_layers_is_scanned_by_segments(tmp_path):
+    """Eight layers whose down matrices are Q6_K where llama.cpp's Q4_K_M gives more bits (layers 0, 3,
+    6, 7) and Q4_K elsewhere: no period short of 8 fits, so one scan would trace all eight layers;
+    the step is two scans instead (layers 0-5 by a period of 3, 6-7 by 1: four layer bodies, four
+    attention calls in the StableHLO, each layer's blocks kept in its stack), and its logits equal
+    torch eager of the model's own unrolled layers over the same blocks (1e-4; summation order),
+    which also checks that each scanned layer reads and writes its own layer of the cache."""
+    from hloserve.exporter.export import export_artifact
+    from hloserve.exporter.llm import hf_layers
+    from hloserve.exporter.sources import load_source
+    from hloserve.runtime import load
+    from tests.support.kquants import more_bits
+
+    n = 8
+    down = tuple("Q6_K" if more_bits(i, n) else "Q4_K" for i in range(n))
+    layers = {part: (down if part == "mlp.down_proj.weight" else (kinds[0],) * n) for part, kinds in K_LAYERS.items()}
+    src = load_source(write_k_gguf(str(tmp_path / "mix.gguf"), layers), quantize="gguf", llm_step="generic")
+    entries = [e for e in src.entries if e.name == "decode"]
+    manifest = export_artifact(str(tmp_path / "art"), entries, source="tiny k-quant mix", model=src.model,
+                               weight_quant=src.weight_quant)
+    assert manifest.model["llm"]["layers"] == "scan (2 segments: layers 0-5 by 3, layers 6-7 by 1)"
+    mlir = (tmp_path / "art" / "functions" / "decode.mlir").read_text()
+    assert mlir.count('stablehlo.composite "hloserve.paged_attention"') == 4
+    blocks = {n: (w.shape[0], w.quant["block"]) for n, w in manifest.weights.items()
+              if "down_proj" in n and w.quant and w.quant["role"] == "qweight"}
+    assert sorted(blocks.values()) == [(2, "Q4_K"), (2, "Q4_K"), (2, "Q6_K"), (2, "Q6_K")], blocks
+    prompt = [257, 100, 7, 42, 255, 3, 99]
+    inputs = pack_step([(prompt, 0, [1])], 16)
+    model = load(str(tmp_path / "art"), buckets={"num_tokens": [16], "num_seqs": [1], "max_blocks": [1]})
+    cache = np.zeros(LLMSpec.from_json(manifest.model["llm"]).kv_cache.concrete_shape(2), np.float32)
+    out = model.functions["decode"](**inputs, kv_cache=cache)
+    with torch.no_grad(), hf_layers.unrolled(entries[0].module):
+        ref, ref_cache = entries[0].module(**{k: torch.from_numpy(v) for k, v in inputs.items()},
+                                           kv_cache=torch.from_numpy(cache))
+    np.testing.assert_allclose(np.asarray(out["logits"]), ref.numpy(), atol=1e-4, rtol=0)
+    # [L, 2, kv heads, blocks, 16, head dim]: block 0 is the null block, which padding rows write here
+    np.testing.assert_allclose(np.asarray(out["kv_cache"])[:, :, :, 1:], ref_cache.numpy()[:, :, :, 1:], atol=1e-4,
+                               rtol=0)
+    assert (np.abs(ref_cache.numpy()[:, :, :, 1]).max(axis=(1, 2, 3, 4)) > 0).all()     # every layer wrote its K/V
 
 
 def test_a_gguf_source_leaves_no_temporary_directory(k_gguf, tmp_path, monkeypatch):

@@ -77,13 +77,19 @@ def exported(q4_k_m, tmp_path_factory) -> str:
 @pytest.mark.slow
 def test_inspect_names_the_kept_formats(exported):
     """`hloserve inspect` lists every quantized weight with its format: 16 Q4_K and 14 Q6_K down
-    matrices (as the file has them), the rest int8 g32."""
+    matrices (as the file has them; a scanned stack [n, 576, 1536] holds n layers' of one format),
+    the rest int8 g32."""
     out = subprocess.run([sys.executable, "-m", "hloserve.server.cli", "inspect", exported], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     down = [ln for ln in lines if "down_proj" in ln]
-    assert sum(ln.endswith(": Q4_K") for ln in down) == 16 and sum(ln.endswith(": Q6_K") for ln in down) == 14, down
+
+    def matrices(kind: str) -> int:
+        shapes = [ln.rpartition(" [")[2].partition("]")[0].split(", ") for ln in down if ln.endswith(f": {kind}")]
+        return sum(int(dims[0]) if len(dims) == 3 else 1 for dims in shapes)
+
+    assert matrices("Q4_K") == 16 and matrices("Q6_K") == 14, down
     table = [ln for ln in lines if ln.endswith(("embed_tokens.weight [49152, 576]: int8 g32",
                                                 "lm_head.weight [49152, 576]: int8 g32"))]
     assert "quantized weights:" in lines and len(table) == 1, lines      # the tied table stored once

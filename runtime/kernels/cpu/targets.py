@@ -98,8 +98,10 @@ TARGETS = {
     QUANT_LINEAR_V2.key: Target("hloserve_quant_linear_v2", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
                                 result_dims=((0, 0), None)),
     # K-quant blocks: 16 rows at a time copied interleaved per call, then version 2's VNNI tiles
-    # (quant_blocks.cc); version 1's row loops without VNNI
-    QUANT_LINEAR_V3.key: Target("hloserve_quant_linear_v3", max_rows=_quant_linear_rows, result_dims=((0, 0), (1, 1))),
+    # (quant_blocks.cc), so version 2's rows: every row count with VNNI (a 256-token prompt chunk of
+    # SmolLM2's Q4_K_M: 259 ms against 546 with its 30 down matrices dequantized for XLA's dot above
+    # 64 rows, docs/performance.md 2026-11-29, later); version 1's row loops without VNNI
+    QUANT_LINEAR_V3.key: Target("hloserve_quant_linear_v3", max_rows=_quant_linear_v2_rows, result_dims=((0, 0), (1, 1))),
     # every row count: the kernel computes T k rows' products where the decomposition computes T per
     # expert taken (up to E/k times as many), reading each matrix once either way
     GROUPED_EXPERTS.key: Target("hloserve_grouped_experts"),
