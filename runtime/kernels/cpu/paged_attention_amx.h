@@ -27,8 +27,17 @@ constexpr int64_t kAmxMinTokens = 8;    // a tile of fewer tokens keeps the f32 
 constexpr int64_t kAmxTileTokens = 32;  // tokens a work item takes (16 on the f32 path): K and V packed once for
                                         // more rows; 32 and 64 measured alike, 16 ~20% slower (one core, 2026-11-29)
 
-// whether the AMX tiles take a bf16 cache's chunk tiles of this head_dim and soft-capping
-inline bool amx_tiles_apply(int64_t D, float softcap) { return D % 32 == 0 && softcap <= 0.f && amx_usable(); }
+// OFF (2026-11-29, later): with the decode path and tiles of < kAmxMinTokens tokens in f32, a token's
+// result depended on how its sequence was chunked (a prefix restored from the disk tier and its tail
+// recomputed against the same prompt computed whole), ~1e-3 where the f32 paths differ by ~1e-7, and
+// greedy text that the prefix tiers must keep identical (tests/server/test_serve_kv_tiers.py) changed
+// at a near tie. To turn it on, the f32 paths must round a bf16 cache's q and weights the same way.
+constexpr bool kAmxAttention = false;
+
+// whether attend_tile hands a bf16 cache's chunk tiles of this head_dim and soft-capping to the AMX tiles
+inline bool amx_tiles_apply(int64_t D, float softcap) {
+  return kAmxAttention && D % 32 == 0 && softcap <= 0.f && amx_usable();
+}
 
 // C[i][j] = sum over `steps` k-steps of A_i . B_j for MR row tiles and NC column tiles (tiles 0-3
 // the sums, 4-5 the A tiles, 6-7 the B tiles: each loaded tile is used MR or NC times). A_i's k-step
