@@ -101,12 +101,9 @@ bool grouped_product_amx(ffi::ThreadPool& pool, Kind kind, const Groups& g, cons
     std::fill(x + rows * KP, x + 16 * KP, uint16_t(0));
     linear_amx_pack(x, KP, 1, KC, packed.data() + b * 16 * KP);
   });
-  std::vector<std::pair<int64_t, int64_t>> tasks;                   // (expert, first matrix row)
-  for (int64_t e = 0; e < E; ++e)
-    if (first[e + 1] > first[e]) {
-      done[e] = 1;
-      for (int64_t n = 0; n < N; n += kLinearRows) tasks.emplace_back(e, n);
-    }
+  for (int64_t e = 0; e < E; ++e) done[e] = first[e + 1] > first[e];
+  auto tasks = tasks_of(g, N);                                       // those of the experts packed above
+  tasks.erase(std::remove_if(tasks.begin(), tasks.end(), [&](const auto& t) { return !done[t.first]; }), tasks.end());
   parallel_for(pool, static_cast<int64_t>(tasks.size()), 1, [&](int64_t i) {
     const auto [e, n0] = tasks[i];
     const int64_t s = g.start[e], tiles = (std::min(N, n0 + kLinearRows) - n0) / 16;
