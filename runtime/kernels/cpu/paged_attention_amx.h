@@ -3,13 +3,12 @@
 // f32, where attend_tile's f32 FMAs reach ~80 GFLOP/s a core (docs/performance.md). A long prompt's
 // attention grows with the square of its length, so this is a large part of a long prefill.
 //
-// The contract differs from the f32 path in two roundings, both stated in
-// runtime/artifact/kernels.py's paged attention entry: each query times scale * log2(e) is rounded
-// to bf16 before its dot products (the cache's K rows already are bf16), so the scores s come out in
-// base 2; each probability 2^(s - M), M the integer ceiling of the row's largest score, is rounded
-// to bf16 before it weights a V row (the output is normalized by the sum of the weights before
-// their rounding). Only tiles of kAmxMinTokens or more tokens take it: decode tokens and speculative
-// verification rows keep the f32 path's exact arithmetic.
+// Its arithmetic is the one every path of paged_attention.h computes for a bf16 cache (see
+// bf16_rounded there: the query rounded to bf16 after its scale and log2 e, base-2 scores, weights
+// bf16(2^(s - M)) with M the integer ceiling of the token's largest score, normalized by their sum
+// before rounding), so a token computes the same here as on the f32 paths, up to the order of f32
+// sums, whether its tile took this path or not. Only tiles of kAmxMinTokens or more tokens take it:
+// for fewer, packing K and V costs more than the tiles save.
 //
 // Layout, rows r = (token, query head) as in attend_tile:
 //   S [r][c] = Q [r][d] . K^T        A: Q rows, bf16          B: K^T, 16 positions x 32 dims a tile
@@ -27,16 +26,14 @@ constexpr int64_t kAmxMinTokens = 8;    // a tile of fewer tokens keeps the f32 
 constexpr int64_t kAmxTileTokens = 32;  // tokens a work item takes (16 on the f32 path): K and V packed once for
                                         // more rows; 32 and 64 measured alike, 16 ~20% slower (one core, 2026-11-29)
 
-// OFF (2026-11-29, later): with the decode path and tiles of < kAmxMinTokens tokens in f32, a token's
-// result depended on how its sequence was chunked (a prefix restored from the disk tier and its tail
-// recomputed against the same prompt computed whole), ~1e-3 where the f32 paths differ by ~1e-7, and
-// greedy text that the prefix tiers must keep identical (tests/server/test_serve_kv_tiers.py) changed
-// at a near tie. To turn it on, the f32 paths must round a bf16 cache's q and weights the same way.
-constexpr bool kAmxAttention = false;
+// On since 2026-11-29 (evening), with every path rounding as this one does (paged_attention.h's
+// bf16_rounded). It was off before: with decode and small tiles in f32, a token's result depended on
+// how its sequence was chunked (~1e-3), and the prefix tiers' identical greedy text broke at a near tie.
+constexpr bool kAmxAttention = true;
 
 // whether attend_tile hands a bf16 cache's chunk tiles of this head_dim and soft-capping to the AMX tiles
 inline bool amx_tiles_apply(int64_t D, float softcap) {
-  return kAmxAttention && D % 32 == 0 && softcap <= 0.f && amx_usable();
+  return kAmxAttention && bf16_rounded(Kind::kBF16, D, softcap) && amx_usable();
 }
 
 // C[i][j] = sum over `steps` k-steps of A_i . B_j for MR row tiles and NC column tiles (tiles 0-3
@@ -95,8 +92,8 @@ inline void amx_product(const uint16_t* a, int64_t a_row, int64_t sa, int64_t a_
     }
 }
 
-// 2^x for x <= 0, 16 lanes: x = n + r, |r| <= 1/2, 2^r by its degree-6 Taylor polynomial in r ln 2
-// (relative error < 3e-7), times 2^n; x below -126 gives 0
+// 2^x for x <= 0, 16 lanes: paged_attention.h's exp2_nonpositive, operation for operation (the f32
+// paths weight a score as this does)
 inline __m512 exp2_nonpositive16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
