@@ -131,11 +131,7 @@ PAGED_ATTENTION = Composite(
     ),
     result="f32[T, KV, G, D]: softmax(softcap(scale q k^T)) v over the positions c of the token's sequence "
            "(block_tables row seq_ids[t]) with c <= positions[t] and c < context_lens[seq]; a token that "
-           "sees no position (padding) gets unspecified finite values. A kernel reading a bfloat16 cache may compute "
-           "base-2 scores s = bf16(q * scale * log2 e) k^T and weight the V rows by bf16(2^(s - M)), M the integer "
-           "ceiling of the token's largest score, summed in f32 and normalized by the sum of those weights before "
-           "their rounding (the CPU kernel does, on every path, for head_dim a multiple of 32 without soft-capping: "
-           "runtime/kernels/cpu/paged_attention.h)",
+           "sees no position (padding) gets unspecified finite values",
 )
 
 # One layer's matrix product, read where the layer lies in a stack of 16-bit weight matrices.

@@ -52,14 +52,6 @@ inline float bf16_to_f32(uint16_t b) {
   return f;
 }
 
-// f32 -> bf16 bits, round to nearest even (NaN stays NaN)
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 inline float f16_to_f32(uint16_t h) { return static_cast<float>(*reinterpret_cast<const _Float16*>(&h)); }
 
 // Runs fn(i) for i in [0, n) over the pool's threads and the calling thread.

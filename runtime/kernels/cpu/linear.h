@@ -6,6 +6,14 @@
 #include "common.h"
 
 namespace hloserve {
+// f32 -> bf16 bits, round to nearest even (NaN stays NaN)
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 inline uint16_t f32_to_f16(float f) {
   _Float16 h = static_cast<_Float16>(f);
   uint16_t u;

@@ -23,41 +23,6 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// A bf16 cache's attention in one arithmetic on every path (the AMX chunk tiles of
-// paged_attention_amx.h; decode, small tiles and CPUs without AMX here), so a token's result does not
-// depend on which path took it: how its sequence was chunked, a prefix restored from the tiers and
-// its tail computed, a verified draft. The query times scale * log2 e is rounded to bf16 (the cache's
-// K already is), so scores s are base 2; each weight is 2^(s - M), M the integer ceiling of the
-// token's largest score, rounded to bf16 before it weights a V row; the output is normalized by
-// the sum of the weights before their rounding (runtime/artifact/kernels.py states it). The paths
-// then differ only in the order of their f32 sums. Where it applies: a bf16 cache, head_dim a
-// multiple of 32 (whole AMX k-steps), no soft-capping; elsewhere the f32 arithmetic above.
-inline bool bf16_rounded(Kind K, int64_t D, float softcap) {
-  return K == Kind::kBF16 && D % 32 == 0 && softcap <= 0.f;
-}
-constexpr float kLog2e = 1.44269504088896341f;
-
-inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
-
-// 2^x for x <= 0: x = n + r, |r| <= 1/2, 2^r by its degree-6 Taylor polynomial in r ln 2 (relative
-// error < 3e-7), times 2^n (x clamped at -126). The operations of the AMX tiles' exp2_nonpositive16,
-// one by one, so both paths give a score the same weight.
-inline float exp2_nonpositive(float x) {
-  x = std::max(x, -126.0f);
-  const float n = std::nearbyint(x);
-  const float r = (x - n) * 0.693147180559945f;
-  float p = std::fma(1.f / 720, r, 1.f / 120);
-  p = std::fma(p, r, 1.f / 24);
-  p = std::fma(p, r, 1.f / 6);
-  p = std::fma(p, r, 0.5f);
-  p = std::fma(p, r, 1.f);
-  p = std::fma(p, r, 1.f);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
 // A row of the cache into L1 ahead of its use: every 64-byte line it touches. Decode reads each
 // sequence's blocks in table order, a few KiB each, scattered over the cache: the hardware
 // prefetchers barely start on one block before the next, so without this the loop waits on memory
@@ -96,11 +61,9 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
     if (++o == BS) o = 0, ++b;
   }
   std::fill(rows.begin() + n, rows.end(), rows[n - 1]);
-  const bool rounded = bf16_rounded(K, D, softcap);                    // base-2 scores, bf16 weights (above)
-  const float qscale = rounded ? scale * kLog2e : scale;
   float qs[G][D];
   for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) qs[g][d] = rounded ? round_bf16(q[g * D + d] * qscale) : q[g * D + d] * scale;
+    for (int d = 0; d < D; ++d) qs[g][d] = q[g * D + d] * scale;
 #if defined(__AVX512F__)
   if constexpr (D % 16 == 0) {
     // 16 positions at a time: per position and head one vector of partial products, then the
@@ -174,20 +137,10 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
 #pragma omp simd reduction(max : m)   // (a scalar max is a 4-cycle chain per position: a fifth of the kernel)
     for (int64_t i = 1; i < n; ++i) m = s[i] > m ? s[i] : m;
     float sum = 0.f;
-    if (rounded) {
-      const float top = std::ceil(m);
 #pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < n; ++i) {
-        const float e = exp2_nonpositive(s[i] - top);
-        sum += e;
-        s[i] = round_bf16(e);
-      }
-    } else {
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < n; ++i) {
-        s[i] = exp_nonpositive(s[i] - m);
-        sum += s[i];
-      }
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = exp_nonpositive(s[i] - m);
+      sum += s[i];
     }
     inv[g] = 1.f / sum;
   }
@@ -255,15 +208,9 @@ void attend_any(const float* q, const void* cache, int64_t kbase, int64_t vbase,
                 float* out) {
   const int64_t n = end - begin;
   const int64_t R = D + row_extra<K>;  // elements per cache row
-  const bool rounded = bf16_rounded(K, D, softcap);                    // base-2 scores, bf16 weights (above)
-  std::vector<float> qr(rounded ? D : 0);
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = q + g * D;
     float* og = out + g * D;
-    if (rounded) {                                                       // the scale goes into q, rounded
-      for (int64_t d = 0; d < D; ++d) qr[d] = round_bf16(qg[d] * (scale * kLog2e));
-      qg = qr.data();
-    }
     for (int64_t c = begin; c < end; ++c) {
       const int64_t off = kbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
       const float rz = row_zero<K>(cache, off, D);
@@ -271,21 +218,12 @@ void attend_any(const float* q, const void* cache, int64_t kbase, int64_t vbase,
 #pragma omp simd reduction(+ : acc)
       for (int64_t d = 0; d < D; ++d) acc += qg[d] * (load<K>(cache, off + d) - rz);
       acc *= row_scale<K>(cache, off, D);
-      scores[c - begin] = rounded ? acc : softcap > 0.f ? softcap * std::tanh(acc * scale / softcap) : acc * scale;
+      scores[c - begin] = softcap > 0.f ? softcap * std::tanh(acc * scale / softcap) : acc * scale;
     }
     float m = scores[0];
     for (int64_t i = 1; i < n; ++i) m = std::max(m, scores[i]);
     float sum = 0.f;
-    if (rounded) {
-      const float top = std::ceil(m);
-      for (int64_t i = 0; i < n; ++i) {
-        const float e = exp2_nonpositive(scores[i] - top);
-        sum += e;
-        scores[i] = round_bf16(e);
-      }
-    } else {
-      for (int64_t i = 0; i < n; ++i) sum += (scores[i] = exp_nonpositive(scores[i] - m));
-    }
+    for (int64_t i = 0; i < n; ++i) sum += (scores[i] = exp_nonpositive(scores[i] - m));
     std::fill(og, og + D, 0.f);
     for (int64_t c = begin; c < end; ++c) {
       const int64_t off = vbase + (static_cast<int64_t>(table[c / BS]) * BS + c % BS) * R;
@@ -444,14 +382,10 @@ void attend_tile(const float* q, float* out, int64_t stride, int64_t ntok, const
     for (int64_t d = 0; d < D; ++d) vr[d] = (load<K>(cache, voff + d) - vz) * vs;
     std::fill(vr + D, vr + DP, 0.f);
   }
-  const bool rounded = bf16_rounded(K, D, softcap);                    // base-2 scores, bf16 weights (above)
   for (int64_t t = 0; t < ntok; ++t)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = t * G + g;
-      for (int64_t d = 0; d < D; ++d) {
-        const float x = q[t * stride + g * D + d];
-        w.qt[d * RP + r] = rounded ? round_bf16(x * (scale * kLog2e)) : x * scale;
-      }
+      for (int64_t d = 0; d < D; ++d) w.qt[d * RP + r] = q[t * stride + g * D + d] * scale;
       w.lo[r] = static_cast<int32_t>(std::max<int64_t>(begins[t] - lo, 0));
       w.hi[r] = static_cast<int32_t>(std::max<int64_t>(ends[t] - lo, 0));
     }
@@ -481,28 +415,14 @@ void attend_tile(const float* q, float* out, int64_t stride, int64_t ntok, const
         m[l] = seen ? std::max(m[l], x) : m[l];
       }
     }
-    if (rounded) {
-      for (int l = 0; l < kLanes; ++l) m[l] = std::ceil(m[l]);
-      for (int64_t c = 0; c < n; ++c) {
-        float* sc = st + c * RP + r0;
+    for (int64_t c = 0; c < n; ++c) {
+      float* sc = st + c * RP + r0;
 #pragma omp simd
-        for (int l = 0; l < kLanes; ++l) {
-          const bool seen = c >= rlo[r0 + l] && c < rhi[r0 + l];
-          const float e = seen ? exp2_nonpositive(std::min(sc[l] - m[l], 0.f)) : 0.f;
-          sc[l] = round_bf16(e);
-          sum[l] += e;
-        }
-      }
-    } else {
-      for (int64_t c = 0; c < n; ++c) {
-        float* sc = st + c * RP + r0;
-#pragma omp simd
-        for (int l = 0; l < kLanes; ++l) {
-          const bool seen = c >= rlo[r0 + l] && c < rhi[r0 + l];
-          const float p = seen ? exp_nonpositive(std::min(sc[l] - m[l], 0.f)) : 0.f;
-          sc[l] = p;
-          sum[l] += p;
-        }
+      for (int l = 0; l < kLanes; ++l) {
+        const bool seen = c >= rlo[r0 + l] && c < rhi[r0 + l];
+        const float p = seen ? exp_nonpositive(std::min(sc[l] - m[l], 0.f)) : 0.f;
+        sc[l] = p;
+        sum[l] += p;
       }
     }
     for (int l = 0; l < kLanes; ++l) w.inv[r0 + l] = sum[l] > 0.f ? 1.f / sum[l] : 0.f;

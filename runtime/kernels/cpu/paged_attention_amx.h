@@ -3,17 +3,19 @@
 // f32, where attend_tile's f32 FMAs reach ~80 GFLOP/s a core (docs/performance.md). A long prompt's
 // attention grows with the square of its length, so this is a large part of a long prefill.
 //
-// Its arithmetic is the one every path of paged_attention.h computes for a bf16 cache (see
-// bf16_rounded there: the query rounded to bf16 after its scale and log2 e, base-2 scores, weights
-// bf16(2^(s - M)) with M the integer ceiling of the token's largest score, normalized by their sum
-// before rounding), so a token computes the same here as on the f32 paths, up to the order of f32
-// sums, whether its tile took this path or not. Only tiles of kAmxMinTokens or more tokens take it:
-// for fewer, packing K and V costs more than the tiles save.
+// The arithmetic is f32's, as on the other paths: K and V rows are bf16 already (exact in a tile),
+// and the f32 operands, the scaled queries and the weights, go in as three bf16 parts each
+// (x = hi + mid + lo exactly: 3 x 8 significant bits hold f32's 24), three tile products summed in
+// f32 where one would round them to bf16 (the tiles' products are exact and their sums f32). A token
+// then computes what the f32 paths compute, up to the order of f32 sums, whether its tile ran here or
+// not: a sequence's result does not depend on how it was chunked (a bf16 rounding here made it, by
+// ~1e-3, and the prefix tiers' identical greedy text broke at a near tie; CI, 2026-11-29). Only tiles
+// of kAmxMinTokens or more tokens take it: for fewer, packing K and V costs more than the tiles save.
 //
 // Layout, rows r = (token, query head) as in attend_tile:
-//   S [r][c] = Q [r][d] . K^T        A: Q rows, bf16          B: K^T, 16 positions x 32 dims a tile
-//   softmax along c, per row          P [r][c] bf16
-//   O [r][d] = P [r][c] . V           A: P rows                B: V, pairs of positions interleaved
+//   S [r][c] = Q [r][d] . K^T        A: Q rows, 3 bf16 parts  B: K^T, 16 positions x 32 dims a tile
+//   softmax along c, per row          P [r][c] f32
+//   O [r][d] = P [r][c] . V           A: P rows, 3 bf16 parts  B: V, pairs of positions interleaved
 // B tiles hold pairs of bf16 of one k index side by side (the "VNNI" layout tdpbf16ps reads).
 #pragma once
 
@@ -26,24 +28,21 @@ constexpr int64_t kAmxMinTokens = 8;    // a tile of fewer tokens keeps the f32 
 constexpr int64_t kAmxTileTokens = 32;  // tokens a work item takes (16 on the f32 path): K and V packed once for
                                         // more rows; 32 and 64 measured alike, 16 ~20% slower (one core, 2026-11-29)
 
-// On since 2026-11-29 (evening), with every path rounding as this one does (paged_attention.h's
-// bf16_rounded). It was off before: with decode and small tiles in f32, a token's result depended on
-// how its sequence was chunked (~1e-3), and the prefix tiers' identical greedy text broke at a near tie.
-constexpr bool kAmxAttention = true;
+constexpr int64_t kParts = 3;           // bf16 parts of an f32 operand (above)
 
 // whether attend_tile hands a bf16 cache's chunk tiles of this head_dim and soft-capping to the AMX tiles
 inline bool amx_tiles_apply(int64_t D, float softcap) {
-  return kAmxAttention && bf16_rounded(Kind::kBF16, D, softcap) && amx_usable();
+  return D % 32 == 0 && softcap <= 0.f && amx_usable();
 }
 
-// C[i][j] = sum over `steps` k-steps of A_i . B_j for MR row tiles and NC column tiles (tiles 0-3
-// the sums, 4-5 the A tiles, 6-7 the B tiles: each loaded tile is used MR or NC times). A_i's k-step
-// s lies at a[i] + s * a_step (rows `sa` bytes apart), B_j's at b[j] + s * b_step (a VNNI tile, rows 64
-// bytes apart); C_ij is stored at c[i][j], rows `sc` bytes apart; ACC: added to what c holds (else to
-// zeros).
+// C[i][j] = sum over kParts parts p and `steps` k-steps s of A_i(p, s) . B_j(s) for MR row tiles and
+// NC column tiles (tiles 0-3 the sums, 4-5 the A tiles, 6-7 the B tiles: each loaded tile is used MR
+// or NC times). A_i(p, s) lies at a[i] + p * a_part + s * a_step (rows `sa` bytes apart), B_j(s) at
+// b[j] + s * b_step (a VNNI tile, rows 64 bytes apart): each part of A meets the same B tiles. C_ij
+// is stored at c[i][j], rows `sc` bytes apart; ACC: added to what c holds (else to zeros).
 template <int MR, int NC, bool ACC>
-inline void amx_block(const uint16_t* const* a, int64_t sa, int64_t a_step, const uint16_t* const* b, int64_t b_step,
-                      int64_t steps, float* const (*c)[2], int64_t sc) {
+inline void amx_block(const uint16_t* const* a, int64_t sa, int64_t a_part, int64_t a_step, const uint16_t* const* b,
+                      int64_t b_step, int64_t steps, float* const (*c)[2], int64_t sc) {
   if constexpr (ACC) {
     _tile_loadd(0, c[0][0], sc);
     if constexpr (NC > 1) _tile_loadd(1, c[0][1], sc);
@@ -56,14 +55,17 @@ inline void amx_block(const uint16_t* const* a, int64_t sa, int64_t a_step, cons
     if constexpr (MR > 1 && NC > 1) _tile_zero(3);
   }
   for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(4, a[0] + s * a_step, sa);
     _tile_loadd(6, b[0] + s * b_step, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NC > 1) { _tile_loadd(7, b[1] + s * b_step, 64); _tile_dpbf16ps(1, 4, 7); }
-    if constexpr (MR > 1) {
-      _tile_loadd(5, a[1] + s * a_step, sa);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (NC > 1) _tile_dpbf16ps(3, 5, 7);
+    if constexpr (NC > 1) _tile_loadd(7, b[1] + s * b_step, 64);
+    for (int64_t p = 0; p < kParts; ++p) {
+      _tile_loadd(4, a[0] + p * a_part + s * a_step, sa);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (NC > 1) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (MR > 1) {
+        _tile_loadd(5, a[1] + p * a_part + s * a_step, sa);
+        _tile_dpbf16ps(2, 5, 6);
+        if constexpr (NC > 1) _tile_dpbf16ps(3, 5, 7);
+      }
     }
   }
   _tile_stored(0, c[0][0], sc);
@@ -72,12 +74,13 @@ inline void amx_block(const uint16_t* const* a, int64_t sa, int64_t a_step, cons
   if constexpr (MR > 1 && NC > 1) _tile_stored(3, c[1][1], sc);
 }
 
-// C = A . B over whole tiles: `mt` row tiles (A_i at a + i * a_row), `nt` column tiles (B_j at
-// b + j * b_col, k-steps b_step apart), C_ij at c + i * c_row + j * 16 (floats), in blocks of 2 x 2 tiles;
-// ACC: C += A . B
+// C = A . B over whole tiles, A in kParts parts a_part apart: `mt` row tiles (A_i at a + i * a_row),
+// `nt` column tiles (B_j at b + j * b_col, k-steps b_step apart), C_ij at c + i * c_row + j * 16
+// (floats), in blocks of 2 x 2 tiles; ACC: C += A . B
 template <bool ACC>
-inline void amx_product(const uint16_t* a, int64_t a_row, int64_t sa, int64_t a_step, const uint16_t* b, int64_t b_col,
-                        int64_t b_step, int64_t steps, int64_t mt, int64_t nt, float* c, int64_t c_row, int64_t sc) {
+inline void amx_product(const uint16_t* a, int64_t a_row, int64_t sa, int64_t a_part, int64_t a_step, const uint16_t* b,
+                        int64_t b_col, int64_t b_step, int64_t steps, int64_t mt, int64_t nt, float* c, int64_t c_row,
+                        int64_t sc) {
   for (int64_t i = 0; i < mt; i += 2)
     for (int64_t j = 0; j < nt; j += 2) {
       const bool two_r = i + 1 < mt, two_c = j + 1 < nt;
@@ -85,15 +88,15 @@ inline void amx_product(const uint16_t* a, int64_t a_row, int64_t sa, int64_t a_
       const uint16_t* bj[2] = {b + j * b_col, b + (j + 1) * b_col};
       float* const cij[2][2] = {{c + i * c_row + j * 16, c + i * c_row + (j + 1) * 16},
                                 {c + (i + 1) * c_row + j * 16, c + (i + 1) * c_row + (j + 1) * 16}};
-      if (two_r && two_c) amx_block<2, 2, ACC>(ai, sa, a_step, bj, b_step, steps, cij, sc);
-      else if (two_r) amx_block<2, 1, ACC>(ai, sa, a_step, bj, b_step, steps, cij, sc);
-      else if (two_c) amx_block<1, 2, ACC>(ai, sa, a_step, bj, b_step, steps, cij, sc);
-      else amx_block<1, 1, ACC>(ai, sa, a_step, bj, b_step, steps, cij, sc);
+      if (two_r && two_c) amx_block<2, 2, ACC>(ai, sa, a_part, a_step, bj, b_step, steps, cij, sc);
+      else if (two_r) amx_block<2, 1, ACC>(ai, sa, a_part, a_step, bj, b_step, steps, cij, sc);
+      else if (two_c) amx_block<1, 2, ACC>(ai, sa, a_part, a_step, bj, b_step, steps, cij, sc);
+      else amx_block<1, 1, ACC>(ai, sa, a_part, a_step, bj, b_step, steps, cij, sc);
     }
 }
 
-// 2^x for x <= 0, 16 lanes: paged_attention.h's exp2_nonpositive, operation for operation (the f32
-// paths weight a score as this does)
+// 2^x for x <= 0, 16 lanes: x = n + r, |r| <= 1/2, 2^r by its degree-6 Taylor polynomial in r ln 2
+// (relative error < 3e-7), times 2^n; x below -126 gives 0
 inline __m512 exp2_nonpositive16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -126,6 +129,16 @@ inline float bit_cast_float(int32_t bits) {
 // bf16 bits (16 of them) -> f32
 inline __m512 bf16x16_to_f32(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
 
+// 16 f32 -> their kParts bf16 parts (hi + mid + lo = x exactly: each part rounds what the ones before
+// left, which has at most 16 and then 8 significant bits), stored at dst, dst + part, dst + 2 * part
+inline void split16_bf16(__m512 x, uint16_t* dst, int64_t part) {
+  for (int64_t p = 0; p < kParts; ++p) {
+    const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + p * part), b);
+    x = _mm512_sub_ps(x, bf16x16_to_f32(b));
+  }
+}
+
 // The tiles' sizes: kPosTile positions a step (one k-step of p.v), kRowGroup rows (two row tiles) at a time.
 constexpr int64_t kPosTile = 64;
 constexpr int64_t kRowGroup = 32;
@@ -145,10 +158,9 @@ struct AmxScratch {                     // tile operands on whole 64-byte lines 
 // Positions stream through in steps of kPosTile, flash-attention style: each step's K^T and V tiles
 // are packed once and used by every row, and each row keeps a running maximum, sum and output. The
 // scores are in base 2 (log2 e is folded into q's scale) and the running maximum is kept on the
-// integers, so a row's earlier terms are rescaled by powers of two, exactly: every probability is
-// 2^(s - M) rounded to bf16 with M the row's final integer ceiling of its largest score, whatever the
-// order in which the positions came (runtime/artifact/kernels.py states the rounding); the sum that
-// normalizes the output is of the weights before their rounding (f32).
+// integers, so a row's earlier terms are rescaled by powers of two, exactly: every weight is
+// 2^(s - M) with M the row's final integer ceiling of its largest score, whatever the order in which
+// the positions came, and the output is normalized by the weights' sum at the end.
 inline bool attend_tile_amx(const float* q, float* out, int64_t stride, int64_t ntok, const int64_t* begins,
                             const int64_t* ends, const void* cache, int64_t kbase, int64_t vbase, const int32_t* table,
                             int64_t BS, int64_t D, int64_t G, float scale, float softcap) {
@@ -166,14 +178,14 @@ inline bool attend_tile_amx(const float* q, float* out, int64_t stride, int64_t 
     if (p >= hi) return w.zeros.data();
     return kc + base + (static_cast<int64_t>(table[p / BS]) * BS + p % BS) * D;
   };
-  // Q: qa[r][d] = bf16(q * scale * log2 e), rows past `rows` zero
-  w.qa.assign(RP * D, 0);
+  // Q: qa[r] = the kParts bf16 parts of q * scale * log2 e, one after the other (D each), rows past `rows` zero
+  const int64_t QW = kParts * D;
+  w.qa.assign(RP * QW, 0);
   const __m512 qscale = _mm512_set1_ps(scale * 1.44269504088896341f);
   for (int64_t r = 0; r < rows; ++r) {
     const float* src = q + (r / G) * stride + (r % G) * D;
     for (int64_t d = 0; d < D; d += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.qa.data() + r * D + d),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + d), qscale))));
+      split16_bf16(_mm512_mul_ps(_mm512_loadu_ps(src + d), qscale), w.qa.data() + r * QW + d, D);
   }
   w.o.assign(RP * D, 0.f);
   w.m.assign(RP, -INFINITY);
@@ -182,7 +194,8 @@ inline bool attend_tile_amx(const float* q, float* out, int64_t stride, int64_t 
   w.kt.resize(kPosTile / 16 * JD * 512);
   w.vt.resize(kPosTile / 32 * DT * 512);
   w.sb.resize(kRowGroup * kPosTile);
-  w.pb.resize(kRowGroup * kPosTile);
+  const int64_t PW = kParts * kPosTile;                                   // a row of P: its parts one after the other
+  w.pb.resize(kRowGroup * PW);
   w.ra.resize(RP);
   w.rb.resize(RP);
   int64_t* ra = w.ra.data();
@@ -224,14 +237,14 @@ inline bool attend_tile_amx(const float* q, float* out, int64_t stride, int64_t 
         if (rb[r] > ra[r]) ga = std::min(ga, ra[r]), gb = std::max(gb, rb[r]);
       if (gb <= c0 || ga >= c0 + kPosTile) continue;
       // S [nr][kPosTile] = Q . K^T
-      amx_product<false>(w.qa.data() + r0 * D, 16 * D, D * 2, 32, w.kt.data(), JD * 512, 512, JD, nr / 16, kPosTile / 16,
-                  w.sb.data(), 16 * kPosTile, kPosTile * 4);
+      amx_product<false>(w.qa.data() + r0 * QW, 16 * QW, QW * 2, D, 32, w.kt.data(), JD * 512, 512, JD, nr / 16,
+                         kPosTile / 16, w.sb.data(), 16 * kPosTile, kPosTile * 4);
       // each row: the running maximum on the integers, probabilities 2^(s - M) as bf16, the sum, the rescale
       for (int64_t i = 0; i < nr; ++i) {
         const int64_t r = r0 + i;
-        uint16_t* prow = w.pb.data() + i * kPosTile;
+        uint16_t* prow = w.pb.data() + i * PW;
         if (rb[r] <= c0 || ra[r] >= c0 + kPosTile) {
-          for (int64_t c = 0; c < kPosTile; c += 32) _mm512_storeu_si512(prow + c, _mm512_setzero_si512());
+          for (int64_t c = 0; c < PW; c += 32) _mm512_storeu_si512(prow + c, _mm512_setzero_si512());
           w.alpha[r] = 1.f;
           continue;
         }
@@ -260,7 +273,8 @@ inline bool attend_tile_amx(const float* q, float* out, int64_t stride, int64_t 
         for (int64_t v = 0; v < kPosTile / 16; v += 2) {
           const __m512 e0 = _mm512_maskz_mov_ps(seen[v], exp2_nonpositive16(_mm512_sub_ps(sv[v], mv)));
           const __m512 e1 = _mm512_maskz_mov_ps(seen[v + 1], exp2_nonpositive16(_mm512_sub_ps(sv[v + 1], mv)));
-          _mm512_storeu_si512(prow + 16 * v, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));   // e0 low
+          split16_bf16(e0, prow + 16 * v, kPosTile);
+          split16_bf16(e1, prow + 16 * (v + 1), kPosTile);
           sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
         }
         float* lv = w.lv.data() + r * 16;                                // the row's sum, 16 lanes until the end
@@ -275,7 +289,7 @@ inline bool attend_tile_amx(const float* q, float* out, int64_t stride, int64_t 
         const __m512 a = _mm512_set1_ps(w.alpha[r0 + i]);
         for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), a));
       }
-      amx_product<true>(w.pb.data(), 16 * kPosTile, kPosTile * 2, 32, w.vt.data(), 512, DT * 512, kPosTile / 32, nr / 16,
+      amx_product<true>(w.pb.data(), 16 * PW, PW * 2, kPosTile, 32, w.vt.data(), 512, DT * 512, kPosTile / 32, nr / 16,
                         DT, w.o.data() + r0 * D, 16 * D, D * 4);
     }
   }
