@@ -91,14 +91,17 @@ bool grouped_product_amx(ffi::ThreadPool& pool, Kind kind, const Groups& g, cons
   }
   if (first[E] == 0) return false;
   LineVector<uint16_t> packed(first[E] * 16 * KP);
-  parallel_for(pool, first[E], 1, [&](int64_t b) {                // one 16-row block: its rows, zeros past them
+  parallel_for(pool, first[E], 1, [&](int64_t b) {                // one 16-row block of an expert's rows
     const int64_t e = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
     const int64_t r0 = g.start[e] + 16 * (b - first[e]), rows = std::min<int64_t>(16, g.start[e + 1] - r0);
-    thread_local std::vector<uint16_t> rowbuf;
-    rowbuf.resize(16 * KP);
-    uint16_t* x = rowbuf.data();
-    std::memcpy(x, xs + r0 * KP, rows * KP * 2);
-    std::fill(x + rows * KP, x + 16 * KP, uint16_t(0));
+    const uint16_t* x = xs + r0 * KP;                                // a whole block: packed where it lies
+    if (rows < 16) {                                                 // the expert's last block: zeros past its rows
+      thread_local std::vector<uint16_t> rowbuf;
+      rowbuf.resize(16 * KP);
+      std::memcpy(rowbuf.data(), x, rows * KP * 2);
+      std::fill(rowbuf.begin() + rows * KP, rowbuf.end(), uint16_t(0));
+      x = rowbuf.data();
+    }
     linear_amx_pack(x, KP, 1, KC, packed.data() + b * 16 * KP);
   });
   for (int64_t e = 0; e < E; ++e) done[e] = first[e + 1] > first[e];
