@@ -258,10 +258,10 @@ class KVTiers:
 
     `put_later(hashes, blocks)`: saves whose K/V is still being computed (the runner's gather, a
     device array sent with a step): reading it now would wait for the device, so it is read at
-    `land()` (the runner's `collect`, once the step is done; `close()`). Until then the hashes are
-    held, and a `get` of one lands every pending save first, so a block is never missed, nor served
-    before its save: one wait for the device in that rare case (a prefix looked up in the step
-    right after it filled, its device block already reused).
+    `land()` (the runner's `collect`, while the step behind the gather runs; `close()`). Until then
+    the hashes are held, and a `get` of one lands every pending save first, so a block is never
+    missed, nor served before its save: one wait for the device in that rare case (a prefix looked
+    up in the step right after it filled, its device block already reused).
     """
 
     def __init__(self, host: HostBlockCache | None, disk: DiskBlockCache | None):
