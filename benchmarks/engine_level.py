@@ -2,13 +2,17 @@
 
     python benchmarks/engine_level.py [--artifact DIR] [--requests 32] [--concurrency 16]
                                       [--output-len 48] [--min-input 35] [--max-input 414]
-                                      [--serve FIELD=VALUE ...]
+                                      [--serve FIELD=VALUE ...] [--dispatch]
 
 Runs `benchmarks/serve.py`'s kind of level (random-token prompts of mixed lengths, greedy,
 EOS ignored, at most --concurrency requests in flight, a new one as soon as one finishes) on the
 engine `hloserve serve` builds (same defaults: server.services.ServeConfig), driving its loop by
 hand, and prints output tokens/s and, per step-function call shape (function, T, S, B), the
 number of calls, mean and total wall time. Timings include copying the logits to the host.
+With --dispatch it times the engine thread inside `runner.dispatch` per step instead (the host
+work a step waits for before it is sent; timing each call would make dispatch wait for the step).
+The prefix cache's disk tier is a fresh directory, as in serve.py: the default one outlives the
+process, and a repeated workload (the same seed) would be served from it.
 """
 from __future__ import annotations
 
@@ -17,7 +21,9 @@ import collections
 import dataclasses
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -44,7 +50,6 @@ class TimedFunction:
 def main(argv=None) -> int:
     from hloserve.server.serve import default_artifact_path
     from hloserve.server.wiring import build_engine
-    from hloserve.server.core.sampling import SamplingParams
     from hloserve.server.services import ServeConfig
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -59,6 +64,8 @@ def main(argv=None) -> int:
                     help="LoRA adapters to load (an artifact with --lora-slots); the requests take them in turn")
     ap.add_argument("--serve", action="append", default=[], metavar="FIELD=VALUE",
                     help="a ServeConfig field to change, e.g. --serve prefill_growth=2 (repeatable)")
+    ap.add_argument("--dispatch", action="store_true",
+                    help="time runner.dispatch per step instead of each step call by shape")
     args = ap.parse_args(argv)
     if not os.path.exists(os.path.join(args.artifact, "manifest.json")):
         print(f"engine_level: no artifact at {args.artifact}; run `hloserve serve` once (it exports the default "
@@ -67,15 +74,37 @@ def main(argv=None) -> int:
 
     fields = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.serve)}
     modules = tuple(tuple(m.split("=", 1)) for m in args.lora_modules)
-    engine, _ = build_engine(args.artifact, dataclasses.replace(ServeConfig(), lora_modules=modules, **fields))
+    kv_dir = tempfile.mkdtemp(prefix="hloserve-engine-level-kv-")
+    try:
+        engine, _ = build_engine(args.artifact, dataclasses.replace(ServeConfig(), lora_modules=modules,
+                                                                    kv_disk_dir=kv_dir, **fields))
+        return run_level(engine, args, modules)
+    finally:
+        shutil.rmtree(kv_dir, ignore_errors=True)
+
+
+def run_level(engine, args, modules) -> int:
+    from hloserve.server.core.sampling import SamplingParams
+
     t0 = time.perf_counter()
     engine.warmup(lambda line: print(f"  {line}", end="\r", flush=True))
     print(f"\nwarm-up {time.perf_counter() - t0:.1f} s", flush=True)
 
     times: dict = collections.defaultdict(list)
-    fns = engine.runner.model.functions
-    for name in list(fns):
-        fns[name] = TimedFunction(name, fns[name], times)
+    dispatched: list[float] = []
+    if args.dispatch:
+        real = engine.runner.dispatch
+
+        def dispatch(plan):
+            t = time.perf_counter()
+            pending = real(plan)
+            dispatched.append(time.perf_counter() - t)
+            return pending
+        engine.runner.dispatch = dispatch      # execute() calls it too
+    else:
+        fns = engine.runner.model.functions
+        for name in list(fns):
+            fns[name] = TimedFunction(name, fns[name], times)
 
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(1000, 40000) for _ in range(rng.randint(args.min_input, args.max_input))]
@@ -99,6 +128,11 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t0
     print(f"\nlevel: {args.requests} requests at concurrency {args.concurrency}: {wall:.2f} s, {tokens} output "
           f"tokens, {tokens / wall:.1f} tok/s")
+    engine.runner.close()
+    if args.dispatch:
+        print(f"dispatch: {len(dispatched)} steps, {1e3 * sum(dispatched) / len(dispatched):.2f} ms a step, "
+              f"{sum(dispatched):.2f} s of {wall:.2f} s")
+        return 0
     print("| call (function, T, S, B) | calls | mean ms | total s |\n|---|---|---|---|")
     for key, ts in sorted(times.items(), key=lambda kv: -sum(kv[1])):
         print(f"| {key} | {len(ts)} | {1e3 * sum(ts) / len(ts):.1f} | {sum(ts):.2f} |")

@@ -255,16 +255,28 @@ class KVTiers:
 
     `holds(h)`: a save would be redundant. `get(h)`: (the block, the tier it came from) or None; a
     disk hit is kept in host RAM too. `put(h, a)`: into host RAM and queued for the disk.
+
+    `put_later(hashes, blocks)`: saves whose K/V is still being computed (the runner's gather, a
+    device array sent with a step): reading it now would wait for the device, so it is read at
+    `land()` (the runner's `collect`, while the step behind the gather runs; `close()`). Until then
+    the hashes are held, and a `get` of one lands every pending save first, so a block is never
+    missed, nor served before its save: one wait for the device in that rare case (a prefix looked
+    up in the step right after it filled, its device block already reused).
     """
 
     def __init__(self, host: HostBlockCache | None, disk: DiskBlockCache | None):
         self.host, self.disk = host, disk
         self.saved = self.loaded = 0
+        self._pending: list[tuple[Sequence[bytes], object]] = []   # (hashes, their blocks), in order
+        self._pending_hashes: set[bytes] = set()
 
     def holds(self, h: bytes) -> bool:
-        return (self.host is not None and h in self.host) or (self.disk is not None and h in self.disk)
+        return (h in self._pending_hashes or (self.host is not None and h in self.host)
+                or (self.disk is not None and h in self.disk))
 
     def get(self, h: bytes) -> tuple[np.ndarray, str] | None:
+        if h in self._pending_hashes:
+            self.land()
         a = self.host.get(h) if self.host is not None else None
         if a is not None:
             return a, HOST
@@ -286,7 +298,24 @@ class KVTiers:
         for h, a in zip(hashes, arrays):
             self.put(h, a)
 
+    def put_later(self, hashes: Sequence[bytes], blocks) -> None:
+        """Save `blocks` ([>= len(hashes), *block], anything np.asarray reads; rows past the hashes are
+        padding) under `hashes` at the next `land()`."""
+        self._pending.append((hashes, blocks))
+        self._pending_hashes.update(hashes)
+
+    def land(self) -> None:
+        """The pending saves read to the host and put, in the order they were made."""
+        pending, self._pending = self._pending, []
+        self._pending_hashes.clear()
+        for hashes, blocks in pending:
+            data = np.asarray(blocks)
+            # each block its own copy: a view would keep the whole padded gather alive past the host bound
+            self.put_all(hashes, [np.array(a) for a in data[:len(hashes)]])
+
     def close(self) -> None:
+        """Land the pending saves, then write what is queued for the disk."""
+        self.land()
         if self.disk is not None:
             self.disk.close()
 

@@ -27,9 +27,10 @@ leaving the logits on the device (jax dispatches asynchronously), and `collect` 
 samples on the host; async scheduling (core/engine.py) plans the next step between the two.
 
 With prefix-cache tiers (core/kv_tiers.py) a plan also carries block copies, made before its step:
-`kv_saves` gathered off the device into the tiers, then `kv_loads` scattered into their fresh blocks,
-each a jitted gather/scatter over the cache's block dim padded to a few bucket sizes (compiled at
-warm-up; pads read and write the null block).
+`kv_saves` gathered on the device (read into the tiers at `collect`, while the step runs: dispatch
+never waits for them), then `kv_loads` scattered into their fresh blocks, each a jitted gather/scatter over
+the cache's block dim padded to a few bucket sizes (compiled at warm-up; pads read and write the null
+block).
 """
 from __future__ import annotations
 
@@ -315,15 +316,20 @@ class ModelRunner:
             yield lo, lo + m, fit_bucket(self._copy_buckets, m, "blocks copied")
 
     def _transfer(self, plan: SchedulerPlan) -> None:
-        """The plan's block copies: saves off the device first (their blocks may be reused by a load),
-        then loads into their blocks; pads copy the null block."""
+        """The plan's block copies: saves first (their blocks may be reused by a load or this step),
+        then loads into their blocks; pads copy the null block.
+
+        A save is a gather sent to the device, not read here: reading it would wait for the gather
+        (and, with async scheduling, for the previous step) before this step is even sent. The gather
+        reads the cache as it is now (jax runs the loads' scatter and the step, which donate the cache,
+        after it) into a buffer of its own; the tiers read it at `collect` (KVTiers.land), while the
+        step runs.
+        """
         saves, loads = plan.kv_saves, plan.kv_loads
         for lo, hi, pad in self._copy_chunks(len(saves)):
             ids = np.zeros(pad, np.int32)
             ids[:hi - lo] = [b for b, _ in saves[lo:hi]]
-            data = np.asarray(self._gather(self.kv_cache, ids))
-            # each block its own copy: a view would keep the whole padded gather alive past the host bound
-            self.tiers.put_all([h for _, h in saves[lo:hi]], [np.array(a) for a in data[:hi - lo]])
+            self.tiers.put_later([h for _, h in saves[lo:hi]], self._gather(self.kv_cache, ids))
         for lo, hi, pad in self._copy_chunks(len(loads)):
             ids = np.zeros(pad, np.int32)
             ids[:hi - lo] = [b for b, _ in loads[lo:hi]]
@@ -367,7 +373,12 @@ class ModelRunner:
         return PendingStep(plan, tuple(calls), t0, time.perf_counter() - t0)
 
     def collect(self, pending: "PendingStep") -> RunnerOutput:
-        """A dispatched step's logits on the host (waiting for the device), sampled; prompt logprobs scored."""
+        """A dispatched step's logits on the host (waiting for the device), sampled; prompt logprobs scored.
+
+        Its block saves land in the tiers first: their gathers run before the step (which donates the
+        cache they read), so their host copies overlap the step instead of delaying its dispatch."""
+        if self.tiers is not None:
+            self.tiers.land()
         if pending.plan.is_empty:
             return RunnerOutput({})
         sampled, logprobs, device, ready = {}, {}, pending.dispatch_seconds, 0.0
@@ -425,7 +436,8 @@ class ModelRunner:
         return n
 
     def close(self) -> None:
-        """Release the followers of a multi-host run; write the blocks still queued for the disk tier."""
+        """Release the followers of a multi-host run; land the block saves still pending (a step dispatched
+        and never collected) and write the blocks still queued for the disk tier."""
         if self._calls is not None and self.is_leader:
             self._calls.stop()
             self._calls = None

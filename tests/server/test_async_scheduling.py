@@ -179,7 +179,7 @@ class TimedRunner(MockRunner):
         self.seconds = seconds
 
     def dispatch(self, plan):
-        return MockRunner.execute(self, plan), time.perf_counter() + self.seconds
+        return MockRunner.dispatch(self, plan), time.perf_counter() + self.seconds
 
     def collect(self, pending):
         out, done = pending

@@ -201,3 +201,71 @@ def test_tiers_off_or_host_only_still_serve(host, tmp_path):
     sched, runner = make(16, tiers)
     out = run(sched, runner, {"a": (list(range(5, 15)), 5)})
     assert out == {"a": list(range(15, 20))}
+
+
+def test_pending_saves_are_held_land_in_order_and_a_lookup_lands_them_first(tmp_path):
+    """put_later (the runner's gather, still on the device): held at once, in the tiers only at
+    land(), in the order made; a lookup of a pending hash lands them first; close() lands them too."""
+    h = [hash_block(b"", [i]) for i in range(3)]
+    tiers = KVTiers(HostBlockCache(1 << 20), None)
+    tiers.put_later(h[:2], np.stack([block(1), block(2), block(0)]))   # padded: the last row is no block
+    tiers.put_later(h[1:], np.stack([block(5), block(3)]))             # h[1] saved again, later: this one wins
+    assert all(tiers.holds(x) for x in h) and len(tiers.host) == 0 and tiers.saved == 0
+    got, tier = tiers.get(h[2])
+    assert tier == HOST and (got == block(3)).all()
+    assert [int(tiers.host.get(x)[0]) for x in h] == [1, 5, 3] and tiers.saved == 4
+    tiers.land()                                                        # nothing left: nothing saved twice
+    assert tiers.saved == 4 and len(tiers.host) == 3
+
+    disk = KVTiers(None, disk_cache(tmp_path))
+    disk.put_later(h[:1], np.stack([block(7)]))
+    assert disk.holds(h[0]) and not os.path.exists(disk.disk.path(h[0]))
+    disk.close()                                                        # a pending save is not lost at shutdown
+    assert (disk_cache(tmp_path).read(h[0]) == block(7)).all()
+
+
+class WatchedTiers(KVTiers):
+    """KVTiers counting the lookups of blocks whose save was still pending, and what they found."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.pending_gets: list[bool] = []      # found, for each get of a pending hash
+        self.pending_holds = 0
+
+    def holds(self, h):
+        self.pending_holds += h in self._pending_hashes
+        return super().holds(h)
+
+    def get(self, h):
+        pending = h in self._pending_hashes
+        got = super().get(h)
+        if pending:
+            self.pending_gets.append(got is not None)
+        return got
+
+
+def test_async_scheduling_with_tiers_gives_the_serial_tokens():
+    """With async scheduling a step is planned while the last one runs, so its lookups ask for blocks
+    whose save is still pending (landed at collect): such a block is found (its save lands first)
+    and not saved twice; preempted requests come back from host RAM with the tokens they have in the
+    serial loop, every context their own tokens. (Six requests sharing a block, 10 blocks for them:
+    the sizes where both lookups happen.)"""
+    from hloserve.server.core.engine import Engine
+    requests = {f"r{i}": ([40, 41, 42, 43, 3 + i, 9, 20 + i, 7, 1, 2, 5, 6, 30 + i], 14) for i in range(6)}
+    sched, runner = make(64, None)
+    want = run(sched, runner, requests)
+    tiers = WatchedTiers(HostBlockCache(1 << 20), None)
+    sched, runner = make(11, tiers)
+    eng = Engine(sched, runner, vocab_size=VOCAB, async_scheduling=True)
+    streams = {rid: eng.add_request(p, SamplingParams(max_tokens=n, temperature=0.0), request_id=rid)
+               for rid, (p, n) in requests.items()}
+    for _ in range(400):
+        if all(s.finished for s in streams.values()):
+            break
+        eng.run_once()
+    got = {rid: [t for o in s.drain() for t in o.new_token_ids] for rid, s in streams.items()}
+    assert got == want
+    assert tiers.pending_gets and all(tiers.pending_gets) and tiers.pending_holds > 0
+    assert sched.stats.num_preemptions > 0 and sched.stats.prefix_cache_hits_by_tier.get(HOST, 0) > 0
+    for rid, (prompt, _) in requests.items():
+        assert runner.contexts[rid] == prompt + want[rid][:-1]

@@ -10,6 +10,7 @@ no near-ties at f32 noise).
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -291,3 +292,58 @@ def test_build_engine_wires_an_artifact(tiny_llm, monkeypatch):
     assert [t for o in out for t in o.new_token_ids] == hf_greedy(hf, [4, 5, 6], GEN)
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         eng.add_request([1], SamplingParams(stop=["x"]))
+
+
+def test_block_saves_keep_what_the_plan_saw_and_land_after_dispatch(tiny_llm):
+    """Prefix-cache tiers on the real runner: a plan's saves are gathers sent with its step, in the tiers
+    only from `collect` (dispatch does not read them back), holding each block as it was when the plan
+    asked though the same step overwrites it; a lookup while the step runs finds them so too; loaded
+    back into other blocks in the next step, they give the token computing them gave."""
+    from hloserve.runtime.artifact.llm import NUM_BLOCKS
+    from hloserve.server.core.block_manager import hash_block
+    from hloserve.server.core.kv_tiers import HostBlockCache, KVTiers
+    _, art = tiny_llm
+    cfg = RunnerConfig(token_buckets=(16, 32), seq_buckets=(4,), block_buckets=(16,), num_blocks=14,
+                       kv_cache_bytes=0)
+    r = ModelRunner.from_artifact(art, cfg, platform="cpu", strict=True)
+    tiers = KVTiers(HostBlockCache(1 << 20), None)
+    r.attach_tiers(tiers)
+    r.warmup()
+    axis = list(r.llm.kv_cache.shape).index(NUM_BLOCKS)
+
+    def blocks(ids):                                   # the cache's blocks as the tiers keep them
+        return np.moveaxis(np.take(np.asarray(r.kv_cache), ids, axis=axis), axis, 0)
+
+    def seq(rid, tokens, start, table):
+        return ScheduledSeq(request_id=rid, token_ids=tuple(tokens), start=start, block_table=table,
+                            needs_logits=True, sampling=SamplingParams(temperature=0), seed=0, sample_index=0)
+
+    def chain(tokens):
+        h0 = hash_block(b"", tokens[:BLOCK])
+        return [h0, hash_block(h0, tokens[BLOCK:2 * BLOCK])]
+
+    rng = random.Random(11)
+    a, b, d = ([rng.randrange(3, VOCAB) for _ in range(n)] for n in (17, 16, 16))
+    first = r.execute(SchedulerPlan.of((seq("a", a, 0, (1, 2, 3)),)))
+    want = blocks([1, 2])
+    # blocks 1 and 2 saved and, in the same step, written with b's prompt (freed and reused)
+    plan = dataclasses.replace(SchedulerPlan.of((seq("b", b, 0, (1, 2)),)), kv_saves=tuple(zip((1, 2), chain(a))))
+    pending = r.dispatch(plan)
+    assert all(tiers.holds(h) for h in chain(a)) and len(tiers.host) == 0   # sent, not read back
+    r.collect(pending)
+    assert not np.array_equal(blocks([1, 2]), want)                         # the step overwrote them...
+    for h, w in zip(chain(a), want):                                        # ...after the save read them
+        np.testing.assert_array_equal(tiers.host.get(h), w)
+    # a's blocks loaded into 5, 6 to decode its last token; b's saved and overwritten by d's prompt
+    mid = blocks([1, 2])
+    loads = tuple((blk, tiers.get(h)[0]) for blk, h in zip((5, 6), chain(a)))
+    plan = dataclasses.replace(SchedulerPlan.of((seq("c", a[16:], 16, (5, 6, 7)), seq("d", d, 0, (1, 2)))),
+                               kv_saves=tuple(zip((1, 2), chain(b))), kv_loads=loads)
+    pending = r.dispatch(plan)
+    found = [tiers.get(h)[0] for h in chain(b)]          # looked up while the step runs (as async scheduling does)
+    out = r.collect(pending)
+    assert out.sampled["c"] == first.sampled["a"]
+    assert not np.array_equal(blocks([1, 2]), mid)
+    for f, w in zip(found, mid):
+        np.testing.assert_array_equal(f, w)
+    r.close()

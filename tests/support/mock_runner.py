@@ -24,7 +24,8 @@ class MockRunner:
     generates 7, 8, 9, ... greedily. `contexts[request_id]` records the last
     context read, so tests can check that prefix-cache hits and slot mappings
     put the right tokens in the right places. With `tiers` (core/kv_tiers.py) it makes the plan's
-    block copies as the ModelRunner does: saves (a block's token ids) first, then loads.
+    block copies as the ModelRunner does: saves (a block's token ids) first, then loads; the saves
+    land in the tiers at `collect`.
     """
 
     def __init__(self, vocab_size: int, num_blocks: int, block_size: int, *, peak: float = 20.0,
@@ -40,12 +41,20 @@ class MockRunner:
         self.steps = 0
 
     def execute(self, plan: SchedulerPlan) -> RunnerOutput:
+        return self.collect(self.dispatch(plan))
+
+    def dispatch(self, plan: SchedulerPlan) -> RunnerOutput:
+        """Async scheduling's first half: the mock computes the step here, in dispatch order, as a
+        device would; `collect` hands its output over. Its block saves are read here, before the step
+        writes, and land in the tiers at `collect`, as the ModelRunner's gathers do."""
         self.plans.append(plan)
         if self.on_execute is not None:
             self.on_execute(plan)
         bs = self.block_size
         if self.tiers is not None:
-            self.tiers.put_all([h for _, h in plan.kv_saves], [self.cache[b * bs:(b + 1) * bs].copy() for b, _ in plan.kv_saves])
+            if plan.kv_saves:
+                self.tiers.put_later([h for _, h in plan.kv_saves],
+                                     np.stack([self.cache[b * bs:(b + 1) * bs].copy() for b, _ in plan.kv_saves]))
             for b, data in plan.kv_loads:
                 self.cache[b * bs:(b + 1) * bs] = data
             self.tiers.loaded += len(plan.kv_loads)
@@ -68,12 +77,9 @@ class MockRunner:
                 logits[i + j, (ctx[p] + 1) % self.vocab_size] = self.peak
         return sample_plan(plan, logits)
 
-    def dispatch(self, plan: SchedulerPlan) -> RunnerOutput:
-        """Async scheduling's first half: the mock computes the step here, in dispatch order, as a
-        device would; `collect` hands its output over."""
-        return self.execute(plan)
-
     def collect(self, pending: RunnerOutput) -> RunnerOutput:
+        if self.tiers is not None:
+            self.tiers.land()
         return pending
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> int:
