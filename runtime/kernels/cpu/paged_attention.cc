@@ -85,13 +85,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   starts.push_back(T);
   const int64_t tiles = static_cast<int64_t>(starts.size()) - 1;
   const int64_t token_stride = KV * G * D;  // q and out, from one token to the next
-  // a decode step (every tile one token) of enough tokens to share out by token: a thread takes all
-  // of a token's KV heads in turn, which read the same rows of the next plane, so each head's item
-  // can prefetch the next one's (attend). Fewer tokens (c=1: one token's heads) keep one item a
-  // claim, every thread on them.
-  const int64_t grain = tiles == T && tiles >= 4 * std::max<int64_t>(1, pool.num_threads()) ? KV : 1;
 
-  parallel_for(pool, tiles * KV, grain, [&, kind](int64_t i) {
+  parallel_for(pool, tiles * KV, 1, [&, kind](int64_t i) {
     const int64_t tile = i / KV, h = i % KV;
     const int64_t t0 = starts[tile], ntok = starts[tile + 1] - t0;
     const int64_t s = seqs[t0];
@@ -116,8 +111,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
       const int64_t begin = begins[t0], end = ends[t0];
       thread_local std::vector<float> scores;
       if (static_cast<int64_t>(scores.size()) < G * (end - begin)) scores.resize(G * (end - begin));
-      const int64_t next = grain > 1 && h + 1 < KV ? kbase + head_stride : -1;   // the same rows, next head
-      attend<K>(qi, cdata, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores.data(), o, next);
+      attend<K>(qi, cdata, kbase, vbase, table, begin, end, BS, D, G, scale, softcap, scores.data(), o);
     });
   });
   return ffi::Error::Success();

@@ -53,21 +53,18 @@ inline void prefetch_row_l2(const void* cache, int64_t off) {
 
 // Rows this many positions ahead are prefetched: ~2 blocks of 16, about a memory latency of work.
 constexpr int64_t kPrefetchRows = 32;
-// A token's V rows are fetched into L2 during its K pass, and the next work item's K rows during
-// its V pass (the next KV head of the same token: same blocks, next plane), where a plane's rows
-// take at most this many bytes (both then sit in L2 beside the rows in use; past it, as before)
+// A token's V rows are fetched into L2 during its K pass (its V pass then starts on rows already
+// there rather than cold), where they take at most this many bytes; longer contexts, as before
 constexpr int64_t kL2AheadBytes = 256 << 10;
 
 // D and G known at compile time: the per-position loops unroll and the accumulators stay in
 // registers; a K or V row is widened once and used by every query head of its group.
 template <Kind K, int G, int D>
 void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbase, const int32_t* table,
-                  int64_t begin, int64_t end, int64_t BS, float scale, float softcap, float* scores, float* out,
-                  int64_t next_kbase) {
+                  int64_t begin, int64_t end, int64_t BS, float scale, float softcap, float* scores, float* out) {
   const int64_t n = end - begin;
   constexpr int64_t R = D + row_extra<K>;  // elements per cache row
   const bool l2_ahead = n * R * elem_size<K> <= kL2AheadBytes;
-  if (!l2_ahead) next_kbase = -1;
   // each position's row in a (layer, K|V, head) plane, found once for K and V alike (no division
   // per position; every path reads it), and kPrefetchRows more entries so the prefetches past the
   // end read a valid row
@@ -182,7 +179,6 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
     for (int64_t c = begin; c < end; ++c) {
       const int64_t off = vbase + rows[c - begin];
       prefetch_row<K, R>(cache, vbase + rows[c - begin + kPrefetchRows]);
-      if (next_kbase >= 0) prefetch_row_l2<K, R>(cache, next_kbase + rows[c - begin]);
       const float rs = row_scale<K>(cache, off, D), rz = row_zero<K>(cache, off, D);
       __m512 vv[V];
       HLOSERVE_UNROLL
@@ -256,16 +252,12 @@ void attend_any(const float* q, const void* cache, int64_t kbase, int64_t vbase,
   }
 }
 
-// One token's attention for one KV head. next_kbase: the K plane of the work item this thread takes
-// next when it reads the same rows (the token's next KV head), else -1: its rows are prefetched
-// into L2 during this item's V pass, so its K pass starts on rows already on the way.
 template <Kind K>
 void attend(const float* q, const void* cache, int64_t kbase, int64_t vbase, const int32_t* table, int64_t begin,
-            int64_t end, int64_t BS, int64_t D, int64_t G, float scale, float softcap, float* scores, float* out,
-            int64_t next_kbase) {
+            int64_t end, int64_t BS, int64_t D, int64_t G, float scale, float softcap, float* scores, float* out) {
 #define HLOSERVE_ATTEND(g, d)                                                                      \
   if (G == g && D == d)                                                                            \
-    return attend_fixed<K, g, d>(q, cache, kbase, vbase, table, begin, end, BS, scale, softcap, scores, out, next_kbase);
+    return attend_fixed<K, g, d>(q, cache, kbase, vbase, table, begin, end, BS, scale, softcap, scores, out);
   HLOSERVE_ATTEND(1, 64) HLOSERVE_ATTEND(2, 64) HLOSERVE_ATTEND(3, 64) HLOSERVE_ATTEND(4, 64)
   HLOSERVE_ATTEND(5, 64) HLOSERVE_ATTEND(6, 64) HLOSERVE_ATTEND(7, 64) HLOSERVE_ATTEND(8, 64)
   HLOSERVE_ATTEND(1, 128) HLOSERVE_ATTEND(2, 128) HLOSERVE_ATTEND(3, 128) HLOSERVE_ATTEND(4, 128)
@@ -474,7 +466,7 @@ void attend_tile(const float* q, float* out, int64_t stride, int64_t ntok, const
 // Declared for every kind here, defined in the file compiling that kind (see the top of this file).
 #define HLOSERVE_PAGED_KIND(PREFIX, K)                                                                     \
   PREFIX template void attend<K>(const float*, const void*, int64_t, int64_t, const int32_t*, int64_t, int64_t, \
-                                 int64_t, int64_t, int64_t, float, float, float*, float*, int64_t);        \
+                                 int64_t, int64_t, int64_t, float, float, float*, float*);                 \
   PREFIX template void attend_tile<K>(const float*, float*, int64_t, int64_t, const int64_t*, const int64_t*, \
                                       const void*, int64_t, int64_t, const int32_t*, int64_t, int64_t, int64_t, \
                                       float, float);
