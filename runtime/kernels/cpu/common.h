@@ -240,6 +240,9 @@ struct alignas(64) TileConfig {
 inline void amx_configure_16x64() {
   TileConfig c;
   for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+  // GCC 12 at -O3 can drop the colsb stores as dead before ldtilecfg where this is inlined (seen in
+  // a benchmark: ldtilecfg then faults on a zero-width tile); the clobber makes them visible
+  asm volatile("" : : "r"(&c) : "memory");
   _tile_loadconfig(&c);
 }
 

@@ -41,8 +41,21 @@ inline void prefetch_row(const void* cache, int64_t off) {
   prefetch_bytes(cache, off * elem_size<K>, R * elem_size<K>);    // R known: the loop unrolls
 }
 
+// The same into L2 only (prefetcht1): rows read a whole pass later, which would push the rows in
+// use out of L1 (a pass over 300 positions is 38 KiB of bf16 rows at D = 64)
+template <Kind K, int64_t R>
+inline void prefetch_row_l2(const void* cache, int64_t off) {
+  const char* p = static_cast<const char*>(cache) + off * elem_size<K>;
+  constexpr int64_t bytes = R * elem_size<K>;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+  if (bytes % 64 != 0) __builtin_prefetch(p + bytes - 1, 0, 2);
+}
+
 // Rows this many positions ahead are prefetched: ~2 blocks of 16, about a memory latency of work.
 constexpr int64_t kPrefetchRows = 32;
+// A token's V rows are fetched into L2 during its K pass (its V pass then starts on rows already
+// there rather than cold), where they take at most this many bytes; longer contexts, as before
+constexpr int64_t kL2AheadBytes = 256 << 10;
 
 // D and G known at compile time: the per-position loops unroll and the accumulators stay in
 // registers; a K or V row is widened once and used by every query head of its group.
@@ -51,6 +64,7 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
                   int64_t begin, int64_t end, int64_t BS, float scale, float softcap, float* scores, float* out) {
   const int64_t n = end - begin;
   constexpr int64_t R = D + row_extra<K>;  // elements per cache row
+  const bool l2_ahead = n * R * elem_size<K> <= kL2AheadBytes;
   // each position's row in a (layer, K|V, head) plane, found once for K and V alike (no division
   // per position; every path reads it), and kPrefetchRows more entries so the prefetches past the
   // end read a valid row
@@ -80,7 +94,10 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
       qsum[g] = _mm512_set1_ps(t);
     }
     alignas(64) float rsa[16], rza[16];
-    for (int64_t i = 0; i < kPrefetchRows && i < n; ++i) prefetch_row<K, R>(cache, kbase + rows[i]);
+    for (int64_t i = 0; i < kPrefetchRows && i < n; ++i) {
+      prefetch_row<K, R>(cache, kbase + rows[i]);
+      if (l2_ahead) prefetch_row_l2<K, R>(cache, vbase + rows[i]);
+    }
     for (int64_t c0 = begin; c0 < end; c0 += 16) {
       const int nb = static_cast<int>(std::min<int64_t>(16, end - c0));
       for (int p = 0; p < 16; ++p) {
@@ -92,6 +109,7 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
         const int64_t c = c0 + p;
         const int64_t off = kbase + rows[c - begin];
         prefetch_row<K, R>(cache, kbase + rows[c - begin + kPrefetchRows]);
+        if (l2_ahead) prefetch_row_l2<K, R>(cache, vbase + rows[c - begin + kPrefetchRows]);
         __m512 kv[V];
         for (int v = 0; v < V; ++v) kv[v] = load16<K>(cache, off + 16 * v);
         rsa[p] = row_scale<K>(cache, off, D);

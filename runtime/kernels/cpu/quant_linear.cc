@@ -184,6 +184,7 @@ void quant2_vnni(const QuantMatrix& w, const QuantX2& x, int64_t m0, int64_t M, 
 inline void amx8_configure() {
   TileConfig c;
   for (int t = 0; t < 8; ++t) c.colsb[t] = t == 4 || t == 5 ? 32 : 64, c.rows[t] = t >= 6 ? 8 : 16;
+  asm volatile("" : : "r"(&c) : "memory");   // the stores kept (common.h's amx_configure_16x64)
   _tile_loadconfig(&c);
 }
 
