@@ -83,10 +83,10 @@ def _export_checked(args: argparse.Namespace) -> int:
             raise SourceError(f"--function {', '.join(unknown)}: {args.source} provides {sorted(known)}")
         entries = [e for e in entries if e.name in args.function]
     apply_dynamic(entries, args.dynamic, args.pad.split(",") if args.pad else ())
-    model = dict(source.model, dtype=dtype)
+    model = dict(source.model, dtype=dtype, **({"batch_invariant": True} if args.batch_invariant else {}))
     manifest = export_artifact(args.output, entries, source=args.source, model=model,
                                platforms=args.platforms.split(",") if args.platforms else None, reporter=reporter, files=source.files,
-                               weight_quant=source.weight_quant)
+                               weight_quant=source.weight_quant, batch_invariant=args.batch_invariant)
     for fn in manifest.functions.values():
         ins = ", ".join(f"{t.name}: {t.describe()}" for t in fn.inputs)
         reporter.stage(f"  {fn.name}({ins})")
@@ -155,6 +155,11 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
                             "scale and an int8 zero point: about a quarter; docs/quantization.md), or fp8_e4m3 (alias "
                             "fp8: float8 e4m3 values with a bf16 scale per token and KV head); attention still "
                             "computes in float32")
+        e.add_argument("--batch-invariant", action="store_true",
+                       help="compute every row's bits independently of how many rows its call has (a sum of two "
+                            "products, as in rotary embeddings, through the hloserve.product_sum composite; XLA's CPU "
+                            "compiler fuses one product into a multiply-add by the shapes): speculative decoding's "
+                            "greedy text then equals plain decoding's; costs a few percent of a step on CPU")
         e.add_argument("--llm-step", choices=("auto", "generic", "none"), default="auto",
                        help="how a HF causal LM or a GGUF is exported: 'auto'/'generic' (the paged-cache step: the "
                             "model's own code through transformers' attention interface, layers scanned), 'none' "

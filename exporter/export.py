@@ -105,14 +105,15 @@ class Traced:
 
 
 def trace_entry(entry: EntryPoint, *, platforms: Sequence[str] = DEFAULT_PLATFORMS,
-                reporter: Reporter = QUIET) -> Traced:
-    """Capture (unless `entry.program` is given), interpret and jax.export one entry point."""
+                reporter: Reporter = QUIET, batch_invariant: bool = False) -> Traced:
+    """Capture (unless `entry.program` is given), interpret and jax.export one entry point
+    (`batch_invariant`: the Interpreter's)."""
     ep = entry.program
     if ep is None:
         reporter.stage(f"{entry.name}: torch.export + core-ATen decompositions")
         ep = capture(entry.module, entry.args, entry.dynamic_shapes)
     symbols = SymbolTable.from_program(ep, entry.dynamic_shapes)
-    interp = Interpreter(default_registry(), symbols)
+    interp = Interpreter(default_registry(), symbols, batch_invariant=batch_invariant)
     interp.check_supported(ep.graph_module)
 
     sig = ep.graph_signature
@@ -199,8 +200,8 @@ def _outputs(entry: EntryPoint, ep: Any, input_of_placeholder: Mapping[str, str]
 
 
 def lower_entry(entry: EntryPoint, out_dir: str, *, platforms: Sequence[str] = DEFAULT_PLATFORMS,
-                reporter: Reporter = QUIET) -> _Lowered:
-    traced = trace_entry(entry, platforms=platforms, reporter=reporter)
+                reporter: Reporter = QUIET, batch_invariant: bool = False) -> _Lowered:
+    traced = trace_entry(entry, platforms=platforms, reporter=reporter, batch_invariant=batch_invariant)
     exp, symbols, input_names = traced.exported, traced.symbols, [n for n, _ in traced.inputs]
     fdir = os.path.join(out_dir, "functions")
     os.makedirs(fdir, exist_ok=True)
@@ -261,8 +262,8 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
                     platforms: Sequence[str] | None = None, reporter: Reporter = QUIET,
                     extra_weights: Mapping[str, np.ndarray] | None = None,
                     files: Mapping[str, str | bytes] | None = None,
-                    weight_quant: Callable[[str, torch.Tensor], Mapping[str, Any] | None] | None = None
-                    ) -> artifact.Manifest:
+                    weight_quant: Callable[[str, torch.Tensor], Mapping[str, Any] | None] | None = None,
+                    batch_invariant: bool = False) -> artifact.Manifest:
     """Lower every entry point and write the artifact directory `out_dir`.
 
     `weight_quant(name, tensor)` gives a weight's quantization scheme for the manifest
@@ -277,7 +278,7 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
     way ends it the same way, as one HloserveError naming the disk.
 
     `platforms`: the lowering platforms (default: `default_platforms(model)`, cpu, cuda and tpu for
-    an LLM step).
+    an LLM step). `batch_invariant`: `hloserve export --batch-invariant` (the Interpreter's).
     """
     platforms = tuple(platforms) if platforms is not None else default_platforms(model)
     final = out_dir
@@ -290,7 +291,7 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
         os.makedirs(out_dir)
         manifest = _write_artifact(out_dir, entries, source=source, model=model, platforms=platforms,
                                    reporter=reporter, extra_weights=extra_weights, files=files,
-                                   weight_quant=weight_quant)
+                                   weight_quant=weight_quant, batch_invariant=batch_invariant)
     except BaseException as e:
         shutil.rmtree(out_dir, ignore_errors=True)
         if disk_full(e):
@@ -325,7 +326,8 @@ def _model_json(model: Mapping[str, Any], stored: Mapping[str, Any]) -> dict:
 def _write_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str, model: Mapping[str, Any] | None,
                     platforms: Sequence[str], reporter: Reporter, extra_weights: Mapping[str, np.ndarray] | None,
                     files: Mapping[str, str | bytes] | None,
-                    weight_quant: Callable[[str, torch.Tensor], Mapping[str, Any] | None] | None) -> artifact.Manifest:
+                    weight_quant: Callable[[str, torch.Tensor], Mapping[str, Any] | None] | None,
+                    batch_invariant: bool = False) -> artifact.Manifest:
     functions: dict[str, artifact.FunctionSpec] = {}
     symbols: dict[str, artifact.SymbolSpec] = {}
     tensors: dict[str, torch.Tensor] = {}
@@ -336,7 +338,8 @@ def _write_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
         for i, entry in enumerate(entries):
             if entry.name in functions:
                 raise HloserveError(f"two entry points are named {entry.name!r}; names must be unique")
-            lowered = lower_entry(entry, out_dir, platforms=platforms, reporter=reporter)
+            lowered = lower_entry(entry, out_dir, platforms=platforms, reporter=reporter,
+                                  batch_invariant=batch_invariant)
             rename = {}
             for name, t in lowered.weights.items():
                 rename[name] = canonical.setdefault(_identity(t, name in lowered.constants), name)

@@ -63,6 +63,11 @@ class LoweringContext:
     """What a lowering may ask about the node it lowers."""
     node: torch.fx.Node
     interpreter: "Interpreter"
+    env: dict = dataclasses.field(default_factory=dict, repr=False)   # the graph's nodes lowered so far
+
+    def value(self, node: torch.fx.Node) -> Any:
+        """What an earlier node lowered to (for a lowering that looks at its operands' producers)."""
+        return self.env[node]
 
     @property
     def out_val(self) -> Any:
@@ -93,9 +98,13 @@ class LoweringContext:
 
 
 class Interpreter:
-    def __init__(self, registry: Registry, symbols: SymbolTable):
+    """Lowers an FX graph node by node. `batch_invariant`: lowerings choose the forms whose results do
+    not depend on the sizes of the dims they do not reduce (exporter/composites/product_sum.py)."""
+
+    def __init__(self, registry: Registry, symbols: SymbolTable, *, batch_invariant: bool = False):
         self.registry = registry
         self.symbols = symbols
+        self.batch_invariant = batch_invariant
 
     def check_supported(self, gm: torch.fx.GraphModule) -> None:
         """Raise one UnsupportedOpError naming every op without a lowering."""
@@ -141,7 +150,7 @@ class Interpreter:
         if fn is None:
             raise UnsupportedOpError([node_info(node)])
         try:
-            out = fn(LoweringContext(node, self), *args, **kwargs)
+            out = fn(LoweringContext(node, self, env), *args, **kwargs)
             return _conform(out, node.meta.get("val"))
         except HloserveError:
             raise

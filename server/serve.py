@@ -51,9 +51,15 @@ KV_EXPORT_TAGS = {"int8": "int8f"}
 log = logging.getLogger("hloserve.server")
 
 
-def export_choice(quantize: str, *, default_model: bool, kv_cache_dtype: str | None = None) -> tuple[tuple[str, ...], str]:
+def export_choice(quantize: str, *, default_model: bool, kv_cache_dtype: str | None = None,
+                  batch_invariant: bool = False) -> tuple[tuple[str, ...], str]:
     """(export flags, cache tag) of `hloserve serve --quantize [--kv-cache-dtype D]` (see SERVE_QUANTIZE;
-    D: the export's --kv-cache-dtype, None: bfloat16 with bf16 weights, the checkpoint's choice otherwise)."""
+    D: the export's --kv-cache-dtype, None: bfloat16 with bf16 weights, the checkpoint's choice otherwise);
+    `batch_invariant`: exported with --batch-invariant (what `serve --speculative-config` exports: its
+    verifying steps then give plain decoding's greedy tokens), in a cache of its own ("-bi")."""
+    if batch_invariant:
+        flags, tag = export_choice(quantize, default_model=default_model, kv_cache_dtype=kv_cache_dtype)
+        return (*flags, "--batch-invariant"), f"{tag}-bi"
     if quantize == "auto":
         quantize = "bf16" if default_model else "gguf"
     kv_cache_dtype = kv_cache_dtype_name(kv_cache_dtype)     # "fp8" and "fp8_e4m3": one export
@@ -72,9 +78,10 @@ def default_artifact_path(preset: str = DEFAULT_PRESET, tag: str = DEFAULT_EXPOR
 
 
 def default_artifact(preset: str = DEFAULT_PRESET, quantize: str = SERVE_QUANTIZE,
-                     kv_cache_dtype: str | None = None) -> str:
+                     kv_cache_dtype: str | None = None, batch_invariant: bool = False) -> str:
     """The default model's artifact, exported into the cache the first time."""
-    flags, tag = export_choice(quantize, default_model=True, kv_cache_dtype=kv_cache_dtype)
+    flags, tag = export_choice(quantize, default_model=True, kv_cache_dtype=kv_cache_dtype,
+                               batch_invariant=batch_invariant)
     return exported_artifact(preset, default_artifact_path(preset, tag), flags)
 
 
@@ -144,22 +151,24 @@ def _pass_stderr_through(stream) -> str | None:
 _ERROR = b"hloserve: error: "
 
 
-def serve_target(target: str | None, quantize: str = SERVE_QUANTIZE,
-                 kv_cache_dtype: str | None = None) -> tuple[str, str | None]:
+def serve_target(target: str | None, quantize: str = SERVE_QUANTIZE, kv_cache_dtype: str | None = None,
+                 batch_invariant: bool = False) -> tuple[str, str | None]:
     """(the artifact `hloserve serve TARGET` serves, the model name it defaults to or None).
 
     TARGET: None (the default model), an artifact directory (served as it is; --quantize must stay
     auto), a .gguf file or a preset name (no path separator, nothing of that name here): exported
     into the cache once per file (path, size, mtime), format and `kv_cache_dtype` (--kv-cache-dtype;
-    an artifact directory's cache must already be stored so: ServeConfig.check_kv_cache)."""
+    an artifact directory's cache must already be stored so: ServeConfig.check_kv_cache);
+    `batch_invariant`: what is exported here is (export_choice), an artifact directory as it is."""
     if target is None:
-        return default_artifact(DEFAULT_PRESET, quantize, kv_cache_dtype), DEFAULT_PRESET
+        return default_artifact(DEFAULT_PRESET, quantize, kv_cache_dtype, batch_invariant), DEFAULT_PRESET
     if os.path.isdir(target):
         if quantize != "auto":
             raise HloserveError(f"{target} is an exported artifact; --quantize {quantize} applies to a GGUF file or "
                                 f"preset (export it again with `hloserve export SOURCE --quantize {quantize}`)")
         return target, None   # build_service checks its cache against --kv-cache-dtype
-    flags, tag = export_choice(quantize, default_model=False, kv_cache_dtype=kv_cache_dtype)
+    flags, tag = export_choice(quantize, default_model=False, kv_cache_dtype=kv_cache_dtype,
+                               batch_invariant=batch_invariant)
     if os.path.isfile(target) and target.endswith(".gguf"):
         st = os.stat(target)
         key = f"{os.path.abspath(target)}\0{st.st_size}\0{st.st_mtime_ns}".encode()
@@ -194,7 +203,8 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
     for noisy in ("jax", "absl"):   # jax's backend probing (libtpu) and cache chatter: warnings only
         logging.getLogger(noisy).setLevel(logging.WARNING)
     config = config or ServeConfig()
-    path, name = serve_target(artifact_path, quantize, config.kv_cache_dtype)
+    path, name = serve_target(artifact_path, quantize, config.kv_cache_dtype,
+                              batch_invariant=config.speculative_config is not None)
     config = resolve_draft(config)
     if name and not config.served_model_names:   # an exported preset or file keeps its own name
         config = dataclasses.replace(config, served_model_names=(name,))
@@ -250,7 +260,8 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
 def follow(artifact_path: str | None, config: ServeConfig, process, quantize: str = SERVE_QUANTIZE) -> None:
     """A multi-host run's process > 0: load the same step, then run every step the leader sends
     until the leader stops (runtime/distributed.py). Serves nothing itself."""
-    path, _ = serve_target(artifact_path, quantize, config.kv_cache_dtype)
+    path, _ = serve_target(artifact_path, quantize, config.kv_cache_dtype,
+                           batch_invariant=config.speculative_config is not None)
     art = LLMArtifact.read(path)
     _, runner_cfg, _ = config.resolve(art.llm)
     print(f"[hloserve] process {process.index}/{process.count}: loading {path}", file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from ..composites.product_sum import product_sum
 from ..registry import lower, row
 from ._util import binary, unary
 
@@ -97,6 +98,8 @@ _shr = _promoted(aten.bitwise_right_shift, fn=jnp.right_shift)
 # aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor
 @lower(aten.add)
 def _add(ctx, x, y, *, alpha=1):
+    if (ops := _products(ctx, alpha)) is not None:
+        return product_sum(*ops, ctx.out_shape, _order(ctx))
     x, y = _compute(ctx, x, y)
     return x + (y * alpha if alpha != 1 else y)
 
@@ -104,8 +107,46 @@ def _add(ctx, x, y, *, alpha=1):
 # aten::sub.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor
 @lower(aten.sub)
 def _sub(ctx, x, y, *, alpha=1):
+    if (ops := _products(ctx, alpha)) is not None:
+        a, b, c, d = ops
+        return product_sum(a, b, -c, d, ctx.out_shape, _order(ctx))     # a*b - c*d: negating c is exact
     x, y = _compute(ctx, x, y)
     return x - (y * alpha if alpha != 1 else y)
+
+
+def _products(ctx, alpha) -> list | None:
+    """[a, b, c, d] where this node adds (or subtracts) two f32 products a*b and c*d of tensors in a
+    batch-invariant export (`hloserve export --batch-invariant`), else None: such a sum goes through the hloserve.product_sum composite, whose CPU kernel rounds both
+    products (exporter/composites/product_sum.py: XLA's CPU compiler fuses one of them into a
+    multiply-add, which one depending on the shapes, and a rotary embedding then computed a token's
+    query differently in steps of one row and of several)."""
+    args = ctx.node.args
+    if not ctx.interpreter.batch_invariant or alpha != 1 or len(args) != 2 or ctx.out_dtype != jnp.float32:
+        return None
+    if not all(isinstance(n, torch.fx.Node) and n.target == aten.mul.Tensor and len(n.args) == 2 for n in args):
+        return None
+    ops = [ctx.value(v) if isinstance(v, torch.fx.Node) else v for n in args for v in n.args]
+    if not all(getattr(v, "dtype", None) == jnp.float32 for v in ops):
+        return None
+    return ops
+
+
+def _order(ctx) -> tuple[int, ...] | None:
+    """The dims' order the first product's first operand lies in, where it is a transpose of another
+    tensor (product_sum flattens in that order), else None."""
+    src = ctx.node.args[0].args[0]
+    rank = len(ctx.out_shape)
+    if not isinstance(src, torch.fx.Node) or len(getattr(src.meta.get("val"), "shape", ())) != rank:
+        return None
+    if src.target == aten.transpose.int:
+        i, j = (d % rank for d in src.args[1:3])
+        order = list(range(rank))
+        order[i], order[j] = order[j], order[i]
+        return tuple(order)
+    if src.target == aten.permute.default:
+        dims = [d % rank for d in src.args[1]]
+        return tuple(dims.index(i) for i in range(rank))
+    return None
 
 
 # aten::rsub.Scalar(Tensor self, Scalar other, Scalar alpha=1) -> Tensor

@@ -279,7 +279,18 @@ QUANT_EXPERTS = Composite(
            "Q8_0, W = q * scale (+ min) per group) and silu(g) = g sigmoid(g) in f32; sums in f32 in any order",
 )
 
+# a*b + c*d with both products rounded before the sum: a rotary embedding's q*cos + rotate(q)*sin,
+# computed with the same bits whatever the step's shape (exporter/composites/product_sum.py says why)
+PRODUCT_SUM = Composite(
+    name="hloserve.product_sum",
+    version=1,
+    operands=("a f32[N]", "b f32[N]", "c f32[N]", "d f32[N]"),
+    attributes=(),
+    result="f32[N]: f32(a*b) + f32(c*d) elementwise, each product rounded to f32 before the sum (never a "
+           "fused multiply-add)",
+)
+
 # (name, version) -> contract
 COMPOSITES = {(c.name, c.version): c for c in (PAGED_ATTENTION, PAGED_ATTENTION_V2, LAYER_LINEAR, QUANT_LINEAR,
                                                  QUANT_LINEAR_V2, QUANT_LINEAR_V3, GROUPED_EXPERTS,
-                                                 QUANT_EXPERTS)}
+                                                 QUANT_EXPERTS, PRODUCT_SUM)}

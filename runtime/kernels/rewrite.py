@@ -38,7 +38,8 @@ def composite_of(api, op) -> CompositeOp:
     ir = api.ir
     attrs = op.attributes
     name, version = ir.StringAttr(attrs["name"]).value, ir.IntegerAttr(attrs["version"]).value
-    config = {a.name: a.attr for a in ir.DictAttr(attrs["composite_attributes"])}
+    config = ({a.name: a.attr for a in ir.DictAttr(attrs["composite_attributes"])}
+              if "composite_attributes" in attrs else {})                 # a composite without attributes
     contract = COMPOSITES.get((name, version))
     operands = list(op.operands)[-len(contract.operands):] if contract else list(op.operands)
     return CompositeOp(name, version, {k: attribute_value(ir, v) for k, v in config.items()}, config, operands,

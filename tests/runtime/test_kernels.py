@@ -307,20 +307,23 @@ def test_layer_linear_kernel_matches_at_prompt_chunk_rows(library, monkeypatch, 
         assert (np.abs(kernel - portable) <= bound).all(), (rows, np.abs(kernel - portable).max(), bound.min())
 
 
-def test_layer_linear_kernel_gives_a_row_the_same_bits_alone_and_in_a_batch(library):
-    """f16 matrices run the widened path on every build (AVX-512 tiles of 4 x 4 or the AVX2 loop): one
-    accumulator per output, summed in the same order whatever the row count, so a row's outputs do
-    not depend on the rows beside it (speculative decoding and batching then pick the same greedy
-    tokens where only the step's size differs)."""
+@pytest.mark.parametrize("holds", [Holds.BF16, Holds.F16])
+def test_layer_linear_kernel_gives_a_row_the_same_bits_alone_and_in_a_batch(library, holds):
+    """Every path sums a row's products in one order whatever the row count: f16 matrices the widened
+    path (AVX-512 tiles of 4 x 4 or the AVX2 loop), bf16 ones AMX tiles (each x row its own tile row),
+    AVX512-BF16 tiles (4 x 4 or fewer rows, reduced in sum16's order: reduce16) or the widened path. So
+    a row's outputs do not depend on the rows beside it (a batch-invariant step, where speculative
+    decoding and batching pick the same greedy tokens whatever the step's size)."""
     rng = np.random.default_rng(7)
     K, N = 72, 37
-    values = jnp.asarray(rng.standard_normal((2, N, K)).astype(np.float32)).astype(jnp.float16)
+    dtype = jnp.bfloat16 if holds == Holds.BF16 else jnp.float16
+    values = jnp.asarray(rng.standard_normal((2, N, K)).astype(np.float32)).astype(dtype)
     weights = np.asarray(values.view(jnp.int16))
-    kernel_fn, n_kernel = specialize(_linear_exported(weights, 2), library)
+    kernel_fn, n_kernel = specialize(_linear_exported(weights, int(holds)), library)
     assert n_kernel == 1
     call = jax.jit(kernel_fn.call)
-    x = rng.standard_normal((max_rows("hloserve_layer_linear", {"holds": 2}, ((None, K), weights.shape, ())), K))
-    x = x.astype(np.float32)
+    limit = max_rows("hloserve_layer_linear", {"holds": int(holds)}, ((None, K), weights.shape, ()))
+    x = rng.standard_normal((min(limit or 64, 64), K)).astype(np.float32)
     batch = np.asarray(call(x, weights, np.int32(1)))
     for rows in (1, 2, 3, 5):
         np.testing.assert_array_equal(np.asarray(call(x[:rows], weights, np.int32(1))), batch[:rows])

@@ -8,6 +8,7 @@
 //   quant_blocks.cc     hloserve.quant_linear v3 (GGUF K-quant blocks; over quant_rows.h too)
 //   experts.cc          hloserve.grouped_experts v1 (over linear.h, the 16-bit row routines linear.cc shares)
 //                       and hloserve.quant_experts v1 (over quant_rows.h, quant_linear.cc's)
+//   product_sum.cc      hloserve.product_sum v1 (a*b + c*d without a fused multiply-add)
 // Each computes exactly what the composite's decomposition in the artifact computes (contracts:
 // runtime/artifact/kernels.py; decompositions: exporter/composites/). They exist because XLA:CPU
 // materializes what these read in place. Work is split over XLA's intra-op thread pool; the
@@ -192,6 +193,17 @@ inline __m512 sum16(const __m512* v) {
   const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
   const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
   return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
+}
+
+// The 16 lanes of v summed in sum16's order: per 128-bit segment (x0 + x2) + (x1 + x3), then
+// (S0 + S2) + (S1 + S3). A row's sum is then the same whether its tile summed it alone or with 15
+// others (_mm512_reduce_add_ps adds in another order: a decode row and the same row in a step of
+// four or more got different last bits from linear.h's tiles).
+inline float reduce16(__m512 v) {
+  const __m512 a = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E));              // x0 + x2, x1 + x3
+  const __m512 b = _mm512_add_ps(a, _mm512_permute_ps(a, 0xB1));              // (x0 + x2) + (x1 + x3)
+  const __m512 c = _mm512_add_ps(b, _mm512_shuffle_f32x4(b, b, 0x4E));         // S0 + S2, S1 + S3
+  return _mm512_cvtss_f32(_mm512_add_ps(c, _mm512_shuffle_f32x4(c, c, 0xB1)));
 }
 
 // 16 consecutive elements of a K or V row, as f32

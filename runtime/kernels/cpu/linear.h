@@ -86,7 +86,7 @@ inline void bf16_tile(const uint16_t* w, int64_t K, const uint16_t* x, int64_t K
     HLOSERVE_UNROLL
     for (int i = 0; i < NR; ++i)
       HLOSERVE_UNROLL
-      for (int j = 0; j < MR; ++j) out[j * N + i] = _mm512_reduce_add_ps(acc[i][j]);
+      for (int j = 0; j < MR; ++j) out[j * N + i] = reduce16(acc[i][j]);   // sum16's order: rows alike
   }
 }
 

@@ -11,7 +11,8 @@ import dataclasses
 from typing import Any, Callable
 
 from hloserve.runtime.artifact.kernels import (GROUPED_EXPERTS, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2,
-                                               QUANT_EXPERTS, QUANT_LINEAR, QUANT_LINEAR_V2, QUANT_LINEAR_V3)
+                                               PRODUCT_SUM, QUANT_EXPERTS, QUANT_LINEAR, QUANT_LINEAR_V2,
+                                               QUANT_LINEAR_V3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,4 +108,7 @@ TARGETS = {
     GROUPED_EXPERTS.key: Target("hloserve_grouped_experts"),
     # the same grouping over int8 / int4 stacks, each product quant_linear version 1's row routines
     QUANT_EXPERTS.key: Target("hloserve_quant_experts", accepts=_whole_expert_groups),
+    # not for speed: XLA fuses one of the two products into a multiply-add, which one depending on the
+    # shapes (exporter/composites/product_sum.py); the kernel rounds both, at every size
+    PRODUCT_SUM.key: Target("hloserve_product_sum"),
 }
