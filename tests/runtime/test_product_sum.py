@@ -16,15 +16,8 @@ from hloserve.exporter import _private
 from hloserve.exporter.composites.product_sum import product_sum_reference
 from hloserve.runtime import kernels
 from hloserve.runtime.artifact.kernels import PRODUCT_SUM
-from hloserve.runtime.kernels.cpu import build
 
-
-@pytest.fixture(scope="module")
-def library():
-    lib = build.library()
-    if lib is None:
-        pytest.skip("no C++ compiler here: the CPU kernels are off")
-    return kernels.CpuBackend(lib)
+from .test_kernels import library  # noqa: F401 - the module's fixture
 
 
 def _exported():
@@ -35,7 +28,7 @@ def _exported():
 
 
 @pytest.mark.parametrize("n", [1, 17, 100_003])    # one vector's tail, several, several tasks of the pool
-def test_kernel_rounds_both_products(library, n):
+def test_kernel_rounds_both_products(library, n):  # noqa: F811
     """Bit for bit numpy's f32(a*b) + f32(c*d); the decomposition within one f32 rounding of the sum's
     terms (XLA may fuse one product into a multiply-add); a*b and c*d nearly cancelling, where a fused
     multiply-add and two roundings differ most."""
@@ -59,7 +52,7 @@ def invariant_artifact():
     return default_artifact(DEFAULT_PRESET, SERVE_QUANTIZE, batch_invariant=True)
 
 
-def test_a_decode_row_has_the_same_logits_in_steps_of_any_size(library, invariant_artifact):
+def test_a_decode_row_has_the_same_logits_in_steps_of_any_size(library, invariant_artifact):  # noqa: F811
     """One sequence's decode token, padded to steps of 1, 2, 4, 8 and 16 rows (padding rows see
     nothing), over a random bf16 cache of 300 positions: the same logits, bit for bit, through the CPU
     kernels (each gives a row the same bits at any row count; XLA's own dot does not, so the

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from .servers import metric, running_server
-from .test_serve_spec import COPY, PASSAGE, client
+from .test_serve_spec import COPY, PASSAGE, client, invariant_default
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -26,12 +26,15 @@ def draft_artifact():
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, draft_artifact):
-    """(base URL without speculation, base URL with the int8 draft)."""
+    """(base URL without speculation, base URL with the int8 draft): both serving the batch-invariant
+    default (what `serve --speculative-config` exports), so speculation is all that differs."""
     logs = str(tmp_path_factory.mktemp("serve-draft"))
     spec = json.dumps({"model": draft_artifact, "num_speculative_tokens": 4})
-    with running_server(None, "--max-num-seqs", "8", ready_timeout=1200, log_dir=logs) as (plain, _):
-        with running_server(None, "--max-num-seqs", "8", "--speculative-config", spec, ready_timeout=1200,
-                            log_dir=logs) as (draft, _):
+    art = invariant_default()
+    with running_server(art, "--served-model-name", MODEL, "--max-num-seqs", "8", ready_timeout=1200,
+                        log_dir=logs) as (plain, _):
+        with running_server(art, "--served-model-name", MODEL, "--max-num-seqs", "8", "--speculative-config", spec,
+                            ready_timeout=1200, log_dir=logs) as (draft, _):
             yield plain, draft
 
 
