@@ -116,10 +116,11 @@ def _sub(ctx, x, y, *, alpha=1):
 
 def _products(ctx, alpha) -> list | None:
     """[a, b, c, d] where this node adds (or subtracts) two f32 products a*b and c*d of tensors in a
-    batch-invariant export (`hloserve export --batch-invariant`), else None: such a sum goes through the hloserve.product_sum composite, whose CPU kernel rounds both
-    products (exporter/composites/product_sum.py: XLA's CPU compiler fuses one of them into a
-    multiply-add, which one depending on the shapes, and a rotary embedding then computed a token's
-    query differently in steps of one row and of several)."""
+    batch-invariant export (`hloserve export --batch-invariant`), else None. Such a sum goes through
+    the hloserve.product_sum composite, whose CPU kernel rounds both products
+    (exporter/composites/product_sum.py: XLA's CPU compiler fuses one of them into a multiply-add,
+    which one depending on the shapes, and a rotary embedding then computed a token's query
+    differently in steps of one row and of several)."""
     args = ctx.node.args
     if not ctx.interpreter.batch_invariant or alpha != 1 or len(args) != 2 or ctx.out_dtype != jnp.float32:
         return None
