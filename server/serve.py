@@ -210,10 +210,6 @@ def serve(artifact_path: str | None, *, host: str = "127.0.0.1", port: int = 800
         config = dataclasses.replace(config, served_model_names=(name,))
     print(f"[hloserve] loading {path}", file=sys.stderr, flush=True)
     service = build_service(path, config)
-    if config.speculative_config is not None and not LLMArtifact.read(path).manifest.model.get("batch_invariant"):
-        log.warning("%s was exported without --batch-invariant: speculation's greedy text may differ from plain "
-                    "decoding's where two tokens are within a rounding (docs/api.md); export it again with "
-                    "--batch-invariant for the same text", path)
     grpc_port = config.grpc_port_for(llm=isinstance(service, LLMService))   # refused before anything compiles
     limits = BodyLimits(config.max_body_bytes, config.max_body_chunks, config.body_timeout_s)
     app = create_app(service, api_key=config.api_key, limits=limits, metrics_require_key=config.metrics_require_key)

@@ -61,6 +61,10 @@ def build_engine(artifact: LLMArtifact | str, config: ServeConfig | None = None)
     sched_cfg, runner_cfg, notes = config.resolve(llm)
     for note in notes:
         log.info("%s", note)
+    if sched_cfg.speculative is not None and not art.manifest.model.get("batch_invariant"):
+        log.warning("%s was exported without --batch-invariant: speculation's greedy text may differ from plain "
+                    "decoding's where two tokens are within a rounding (docs/api.md); export it again with "
+                    "--batch-invariant for the same text", art.path)
     draft = _draft_artifact(sched_cfg.speculative)
     if draft is not None:
         _check_draft(art, draft, config)
