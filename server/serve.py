@@ -56,10 +56,11 @@ def export_choice(quantize: str, *, default_model: bool, kv_cache_dtype: str | N
     """(export flags, cache tag) of `hloserve serve --quantize [--kv-cache-dtype D]` (see SERVE_QUANTIZE;
     D: the export's --kv-cache-dtype, None: bfloat16 with bf16 weights, the checkpoint's choice otherwise);
     `batch_invariant`: exported with --batch-invariant (what `serve --speculative-config` exports: its
-    verifying steps then give plain decoding's greedy tokens), in a cache of its own ("-bi")."""
+    verifying steps then give plain decoding's greedy tokens), in a cache of its own ("-bi2": the
+    second version, norms' sums included; "-bi" exports made before it are not reused)."""
     if batch_invariant:
         flags, tag = export_choice(quantize, default_model=default_model, kv_cache_dtype=kv_cache_dtype)
-        return (*flags, "--batch-invariant"), f"{tag}-bi"
+        return (*flags, "--batch-invariant"), f"{tag}-bi2"
     if quantize == "auto":
         quantize = "bf16" if default_model else "gguf"
     kv_cache_dtype = kv_cache_dtype_name(kv_cache_dtype)     # "fp8" and "fp8_e4m3": one export

@@ -9,6 +9,8 @@ references, its portable decomposition in jax, and the lowering that wraps the d
     quant_experts     hloserve.quant_experts v1 (the same over int8 / int4 stacks)
     product_sum       hloserve.product_sum v1 (a*b + c*d, both products rounded: emitted by the
                       lowering of aten.add / aten.sub, exporter/lowerings/elementwise.py; no torch op)
+    row_sum           hloserve.row_sum v1 (each row's sum in one order at any row count: emitted by
+                      the reductions' lowerings in a batch-invariant export; no torch op)
 
 Adding a composite: a module here, its contract in runtime/artifact/kernels.py, and its row in
 MODULES below (the registry collects the lowerings from it); a kernel is then one module per

@@ -11,6 +11,7 @@ import torch
 from jax import lax
 
 from ..registry import lower
+from .reduction import mean_of
 
 aten = torch.ops.aten
 
@@ -152,8 +153,8 @@ def _adaptive_avg_pool(ctx, x, output_size):
 def _native_layer_norm(ctx, x, normalized_shape, weight, bias, eps):
     axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
     xf = x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
-    mean = jnp.mean(xf, axis=axes, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=axes, keepdims=True)
+    mean = mean_of(ctx, xf, axes, True)        # batch-invariant exports: through hloserve.row_sum
+    var = mean_of(ctx, jnp.square(xf - mean), axes, True)
     rstd = lax.rsqrt(var + eps)
     out = (xf - mean) * rstd
     if weight is not None:

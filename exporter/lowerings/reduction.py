@@ -5,9 +5,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from jax import lax
 
+from ..composites.row_sum import reduces_trailing, trailing_sum
 from ..registry import lower
 from ._util import canon_dim, canon_dims
 
@@ -17,13 +19,29 @@ aten = torch.ops.aten
 # aten::sum.dim_IntList(Tensor self, int[1]? dim, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor
 @lower(aten.sum)
 def _sum(ctx, x, dim=None, keepdim=False, *, dtype=None):
-    return jnp.sum(x.astype(ctx.out_dtype), axis=canon_dims(dim, x.ndim), keepdims=keepdim)
+    return sum_of(ctx, x.astype(ctx.out_dtype), canon_dims(dim, x.ndim), keepdim)
 
 
 # aten::mean.dim(Tensor self, int[1]? dim, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor
 @lower(aten.mean)
 def _mean(ctx, x, dim=None, keepdim=False, *, dtype=None):
-    return jnp.mean(x.astype(ctx.out_dtype), axis=canon_dims(dim, x.ndim), keepdims=keepdim)
+    return mean_of(ctx, x.astype(ctx.out_dtype), canon_dims(dim, x.ndim), keepdim)
+
+
+def sum_of(ctx, x, axes: tuple[int, ...], keepdims: bool):
+    """jnp.sum over `axes`; in a batch-invariant export (the Interpreter's `batch_invariant`) an f32
+    sum over trailing dims goes through the hloserve.row_sum composite, whose CPU kernel sums a row in
+    one order however many rows the step has (exporter/composites/row_sum.py says why)."""
+    if ctx.interpreter.batch_invariant and (dims := reduces_trailing(x, axes)):
+        return trailing_sum(x, dims, keepdims)
+    return jnp.sum(x, axis=axes, keepdims=keepdims)
+
+
+def mean_of(ctx, x, axes: tuple[int, ...], keepdims: bool):
+    """jnp.mean over `axes`, through `sum_of` where that takes the composite."""
+    if ctx.interpreter.batch_invariant and reduces_trailing(x, axes):
+        return sum_of(ctx, x, axes, keepdims) / np.float32(math.prod(x.shape[a] for a in axes))
+    return jnp.mean(x, axis=axes, keepdims=keepdims)
 
 
 # aten::prod.dim_int(Tensor self, int dim, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor
@@ -140,7 +158,11 @@ def _logsumexp(ctx, x, dim, keepdim=False):
 def _softmax(ctx, x, dim, half_to_float=False, *rest):
     if x.ndim == 0:
         return jnp.ones_like(x)
-    return jax.nn.softmax(x.astype(ctx.out_dtype), axis=canon_dim(dim, x.ndim))
+    x, d = x.astype(ctx.out_dtype), canon_dim(dim, x.ndim)
+    if ctx.interpreter.batch_invariant and reduces_trailing(x, (d,)):   # the sum through row_sum (sum_of)
+        e = jnp.exp(x - lax.stop_gradient(x.max(axis=d, keepdims=True)))
+        return e / sum_of(ctx, e, (d,), True)
+    return jax.nn.softmax(x, axis=d)
 
 
 # aten::_log_softmax(Tensor self, int dim, bool half_to_float) -> Tensor

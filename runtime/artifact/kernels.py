@@ -290,7 +290,17 @@ PRODUCT_SUM = Composite(
            "fused multiply-add)",
 )
 
+# each row's sum in an order that does not depend on the number of rows: a norm's mean of squares,
+# computed with the same bits whatever the step's shape (exporter/composites/row_sum.py says why)
+ROW_SUM = Composite(
+    name="hloserve.row_sum",
+    version=1,
+    operands=("x f32[R, N]",),
+    attributes=(),
+    result="f32[R]: the sum of each row in f32; a kernel sums a row in one order whatever R is",
+)
+
 # (name, version) -> contract
 COMPOSITES = {(c.name, c.version): c for c in (PAGED_ATTENTION, PAGED_ATTENTION_V2, LAYER_LINEAR, QUANT_LINEAR,
                                                  QUANT_LINEAR_V2, QUANT_LINEAR_V3, GROUPED_EXPERTS,
-                                                 QUANT_EXPERTS, PRODUCT_SUM)}
+                                                 QUANT_EXPERTS, PRODUCT_SUM, ROW_SUM)}

@@ -21,7 +21,7 @@ SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_looku
 
 def invariant_default() -> str:
     """The default model exported batch-invariant (what `serve --speculative-config` serves): a row's
-    logits do not depend on its step's size (tests/runtime/test_product_sum.py)."""
+    logits do not depend on its step's size (tests/runtime/test_batch_invariance.py)."""
     from hloserve.server.serve import DEFAULT_PRESET, SERVE_QUANTIZE, default_artifact
     return default_artifact(DEFAULT_PRESET, SERVE_QUANTIZE, batch_invariant=True)
 

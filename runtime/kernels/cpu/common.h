@@ -9,6 +9,7 @@
 //   experts.cc          hloserve.grouped_experts v1 (over linear.h, the 16-bit row routines linear.cc shares)
 //                       and hloserve.quant_experts v1 (over quant_rows.h, quant_linear.cc's)
 //   product_sum.cc      hloserve.product_sum v1 (a*b + c*d without a fused multiply-add)
+//   row_sum.cc          hloserve.row_sum v1 (each row's sum in one order at any row count)
 // Each computes exactly what the composite's decomposition in the artifact computes (contracts:
 // runtime/artifact/kernels.py; decompositions: exporter/composites/). They exist because XLA:CPU
 // materializes what these read in place. Work is split over XLA's intra-op thread pool; the

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, Callable
 
 from hloserve.runtime.artifact.kernels import (GROUPED_EXPERTS, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2,
-                                               PRODUCT_SUM, QUANT_EXPERTS, QUANT_LINEAR, QUANT_LINEAR_V2,
+                                               PRODUCT_SUM, QUANT_EXPERTS, ROW_SUM, QUANT_LINEAR, QUANT_LINEAR_V2,
                                                QUANT_LINEAR_V3)
 
 
@@ -111,4 +111,7 @@ TARGETS = {
     # not for speed: XLA fuses one of the two products into a multiply-add, which one depending on the
     # shapes (exporter/composites/product_sum.py); the kernel rounds both, at every size
     PRODUCT_SUM.key: Target("hloserve_product_sum"),
+    # not for speed either: XLA's row reduce sums in another order from 8 rows up (half the rows of
+    # [T, 576] came out differently at T = 8 than at T = 1); the kernel sums a row one way at every T
+    ROW_SUM.key: Target("hloserve_row_sum", result_dims=((0, 0),)),
 }
