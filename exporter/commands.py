@@ -83,7 +83,7 @@ def _export_checked(args: argparse.Namespace) -> int:
             raise SourceError(f"--function {', '.join(unknown)}: {args.source} provides {sorted(known)}")
         entries = [e for e in entries if e.name in args.function]
     apply_dynamic(entries, args.dynamic, args.pad.split(",") if args.pad else ())
-    model = dict(source.model, dtype=dtype, **({"batch_invariant": True} if args.batch_invariant else {}))
+    model = dict(source.model, dtype=dtype)
     manifest = export_artifact(args.output, entries, source=args.source, model=model,
                                platforms=args.platforms.split(",") if args.platforms else None, reporter=reporter, files=source.files,
                                weight_quant=source.weight_quant, batch_invariant=args.batch_invariant)

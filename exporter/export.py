@@ -278,7 +278,8 @@ def export_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
     way ends it the same way, as one HloserveError naming the disk.
 
     `platforms`: the lowering platforms (default: `default_platforms(model)`, cpu, cuda and tpu for
-    an LLM step). `batch_invariant`: `hloserve export --batch-invariant` (the Interpreter's).
+    an LLM step). `batch_invariant`: `hloserve export --batch-invariant` (the Interpreter's), recorded
+    as the manifest's `model.batch_invariant: true`.
     """
     platforms = tuple(platforms) if platforms is not None else default_platforms(model)
     final = out_dir
@@ -382,6 +383,8 @@ def _write_artifact(out_dir: str, entries: Sequence[EntryPoint], *, source: str,
 
     specs = _specs(arrays)
     model = _model_json(model or {}, specs)
+    if batch_invariant:   # what the artifact's steps were lowered as, recorded where they are lowered
+        model["batch_invariant"] = True
     if files:
         for name, content in files.items():
             if isinstance(content, bytes):

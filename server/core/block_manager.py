@@ -158,15 +158,18 @@ class BlockManager:
         """The longest run of cached full blocks that prefix `token_ids`; `salt` starts the hash chain
         (a LoRA adapter's key: the same tokens under another adapter are other K/V).
 
-        At most (len - 1) // block_size blocks: the last token is always left
-        to compute, because the step needs its logits. Nothing is reserved
-        here; `allocate` takes the hit (the blocks may be evicted in between).
+        At most (len - 2) // block_size blocks: the last token is always left
+        to compute, because the step needs its logits, and the one before it
+        too, so that what is left is never one token alone (the attention
+        kernel computes a lone token in another order than a token of a
+        chunk: the scheduler's `chunk_tokens`). Nothing is reserved here;
+        `allocate` takes the hit (the blocks may be evicted in between).
         """
         bs = self.block_size
         if not self.enable_prefix_caching:
             return KVBlocks()
         ids, lower, parent = [], [], salt
-        for i in range((len(token_ids) - 1) // bs):
+        for i in range(max(len(token_ids) - 2, 0) // bs):
             parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
             b = self._cached.get(parent) if not lower else None
             if b is not None:

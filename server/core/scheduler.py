@@ -16,7 +16,8 @@ a prefill chunk is any larger run.
 1. Running requests, oldest first. Each request in decode gets exactly one
    token; the budget for all of them is reserved before any prefill chunk is
    sized, so a long prompt never starves decodes. A running request still in
-   prefill gets `min(tokens left, budget left after the reservation)`.
+   prefill gets `min(tokens left, budget left after the reservation)`, never
+   one token of a longer remainder and never leaving one alone (`chunk_tokens`).
    Blocks come from the block manager; if none are free, a prefill chunk
    shrinks to the slots available, and otherwise the NEWEST running request is
    preempted (its blocks freed, its computed tokens forgotten, back to the
@@ -200,7 +201,7 @@ class Scheduler:
                 reserved -= 1
                 want = 1
             else:
-                want = min(req.num_tokens_left, budget - reserved)
+                want = chunk_tokens(req.num_tokens_left, budget - reserved)
                 if want <= 0:
                     i += 1
                     continue
@@ -232,7 +233,7 @@ class Scheduler:
         while True:
             if self.blocks.allocate(req.request_id, req.num_computed_tokens + want) is not None:
                 return want, victims, victim_decodes
-            fit = min(self._fit_tokens(req), want) if partial_ok else 0
+            fit = chunk_tokens(req.num_tokens_left, min(self._fit_tokens(req), want)) if partial_ok else 0
             if fit > 0:
                 self.blocks.allocate(req.request_id, req.num_computed_tokens + fit)
                 return fit, victims, victim_decodes
@@ -269,7 +270,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hit = self.blocks.find_cached_prefix(req.token_ids, _salt(req))
-            n = min(len(req.token_ids) - hit.num_cached_tokens, budget)
+            n = chunk_tokens(len(req.token_ids) - hit.num_cached_tokens, budget)
+            if n <= 0:
+                break
             total = hit.num_cached_tokens + n
             new_blocks = self.blocks.new_blocks_needed(req.request_id, total, hit)
             free = self.blocks.num_free_blocks
@@ -487,6 +490,19 @@ class Scheduler:
                 self.waiting.remove(req)
             outs.append(self._finish(req, FinishReason.ERROR, (), None, error))
         return outs
+
+
+def chunk_tokens(left: int, budget: int) -> int:
+    """How many of a request's `left` tokens to compute (a prompt chunk) within `budget`: as many as fit,
+    but never one token of a longer remainder and never a remainder of one, 0 where no such chunk fits.
+    The attention kernel computes a lone token (a decode's path) in another order than the tokens of a
+    chunk (a tile's path), so a prompt token cut off alone would get other bits than in a chunk split
+    otherwise, and a greedy answer could then depend on how the step's budget fell (the kernel's own
+    tiles keep to the same rule; find_cached_prefix leaves at least two tokens to compute)."""
+    n = min(left, budget)
+    if n < left and left - n == 1:
+        n -= 1
+    return 0 if n == 1 and left > 1 else n
 
 
 def _salt(req: Request) -> bytes:

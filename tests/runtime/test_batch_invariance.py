@@ -171,3 +171,43 @@ def test_a_verifying_step_gives_each_row_the_logits_of_sequential_decodes(librar
         logits, _ = step([((tokens[j],), prompt_len + j, table) for j in range(rows)], jnp.asarray(prefilled))
         for j in range(rows):
             np.testing.assert_array_equal(logits[j], sequential[j], err_msg=f"row {j} of a {rows}-row step")
+
+
+def test_a_prompt_gets_the_same_bits_however_it_is_chunked(library, invariant_artifact):  # noqa: F811
+    """A 290-token prompt through the step the CPU server runs (`decode`: one call for chunks and
+    decodes) as one chunk, and cut where a step's budget could cut it (chunks of two or more tokens:
+    the scheduler's chunk_tokens): the same K/V in every cache row and the same logits for its last
+    token and for the token decoded after it, bit for bit. The attention kernel's tiles of 2-7 tokens
+    (a cut's tail) take the AMX path as longer ones do, and it never makes a tile of one token;
+    before, these cuts gave 0.04-0.12 of logits."""
+    import jax.numpy as jnp
+
+    from hloserve import runtime
+    from hloserve.runtime.artifact import LLMArtifact
+    from hloserve.runtime.artifact.llm import pack_step
+
+    llm = LLMArtifact.read(invariant_artifact).llm
+    prompt_len = 290
+    cuts = [[290], [257, 33], [33, 257], [145, 145], [2, 288], [100, 2, 188]]
+    blocks = -(-(prompt_len + 1) // llm.block_size)
+    sizes = sorted({n for cut in cuts for n in cut} | {1})
+    model = runtime.load(invariant_artifact, buckets={"num_tokens": sizes, "num_seqs": [1], "max_blocks": [blocks]})
+    kv, bs = llm.kv_cache, llm.block_size
+    prompt = [int(t) for t in np.random.default_rng(1).integers(100, 40000, prompt_len)]
+    table = list(range(1, blocks + 1))
+    step = model.functions["decode"]
+    results = []
+    for cut in cuts:
+        cache, start = jnp.zeros(kv.concrete_shape(1 + blocks), kv.numpy_dtype), 0
+        for n in cut:
+            out = step(**pack_step([(prompt[start:start + n], start, table)], bs, pad_blocks=blocks), **{kv.input: cache})
+            cache, start = out[kv.output], start + n
+        last, rows = np.asarray(out["logits"])[0], np.asarray(cache)
+        out = step(**pack_step([((123,), prompt_len, table)], bs, pad_blocks=blocks), **{kv.input: cache})
+        results.append((cut, rows, last, np.asarray(out["logits"])[0]))
+    _, rows0, last0, next0 = results[0]
+    assert np.isfinite(last0).all() and np.isfinite(next0).all()
+    for cut, rows, last, after in results[1:]:
+        np.testing.assert_array_equal(rows, rows0, err_msg=f"K/V of the prompt cut {cut}")
+        np.testing.assert_array_equal(last, last0, err_msg=f"the last prompt token's logits, cut {cut}")
+        np.testing.assert_array_equal(after, next0, err_msg=f"the next decode's logits, cut {cut}")

@@ -65,15 +65,16 @@ def test_freed_cached_blocks_are_revived_then_evicted_in_lru_order():
     bm.cache_full_blocks("a", p, 5)                          # blocks 1, 2 hashed (3 is partial)
     bm.free("a")                                             # free queue: 4, 3, 2, 1
     assert bm.num_free_blocks == 4
-    hit = bm.find_cached_prefix(p)
+    hit = bm.find_cached_prefix(p + [6])                     # at most (6 - 2) // 2 blocks: two left to compute
     assert hit == KVBlocks((1, 2), 4)
+    assert bm.find_cached_prefix(p) == KVBlocks((1,), 2)     # 5 tokens: (5 - 2) // 2, never one token left
     assert bm.allocate("b", 5, hit).block_ids == (1, 2, 4)   # revived 1, 2 out of the free queue; new 4
     assert bm.num_free_blocks == 1
     bm.free("b")                                             # queue: 3, 4, 2, 1
     # c needs 3 fresh blocks: takes 3, 4 (uncached) then 2, evicting 2's hash; 1 stays cached
     bm.allocate("c", 6)
     assert bm.blocks_of("c").block_ids == (3, 4, 2)
-    assert bm.find_cached_prefix(p) == KVBlocks((1,), 2)     # the chain now stops after block 1
+    assert bm.find_cached_prefix(p + [6]) == KVBlocks((1,), 2)   # the chain now stops after block 1
     bm.check_invariants()
 
 

@@ -196,8 +196,8 @@ def test_stop_with_requests_queued_and_running_ends_every_stream_and_frees_every
 
 def test_prometheus_text_uses_vllm_names():
     with make_engine() as eng:
-        list(eng.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=2, **GREEDY)))
-        list(eng.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=2, **GREEDY)))
+        list(eng.add_request([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=2, **GREEDY)))
+        list(eng.add_request([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=2, **GREEDY)))
     text = prometheus_text(eng.metrics(), model_name="m")
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_count",

@@ -114,15 +114,15 @@ def test_block_manager_saves_full_blocks_and_finds_them_below_the_device():
         tiers.put(h, block(b))
     bm.free("a")                                        # free queue 4, 3, 2, 1 (tail first)
     assert bm.allocate("b", 8).block_ids == (4, 3)      # evicts block 3 (chain[2]) from the device
-    hit = bm.find_cached_prefix(toks + [99])
+    hit = bm.find_cached_prefix(toks + [99, 98])        # two tokens past the blocks: all three may hit
     assert hit.block_ids == (1, 2) and [(h, tier) for h, _, tier in hit.lower] == [(chain[2], HOST)]
     assert hit.num_cached_tokens == 12 and hit.tokens_by_tier(BS) == {"device": 8, "host": 4}
     bm.free("b")                                        # free queue 2, 1, 3, 4
-    table = bm.allocate("c", 13, hit)
+    table = bm.allocate("c", 14, hit)
     assert table.block_ids == (1, 2, 3, 4) and table.num_cached_tokens == 12
     saves, loads = bm.take_transfers()
     assert saves == () and [(b, int(a[0])) for b, a in loads] == [(3, 3)]
-    assert bm.find_cached_prefix(toks + [99]).block_ids == (1, 2, 3)   # hashed at once: a device hit
+    assert bm.find_cached_prefix(toks + [99, 98]).block_ids == (1, 2, 3)   # hashed at once: a device hit
     bm.check_invariants()
 
 
@@ -170,7 +170,7 @@ def test_preempted_requests_come_back_from_host_with_the_same_tokens():
 
 
 def test_a_restart_serves_a_known_prefix_from_disk_and_recomputes_a_damaged_block(tmp_path):
-    prompt = list(range(1, 34))                          # 8 full blocks + 1 token
+    prompt = list(range(1, 35))                          # 8 full blocks + 2 tokens
     def tiers():
         return KVTiers(HostBlockCache(1 << 20), disk_cache(tmp_path))
     first = tiers()
@@ -251,7 +251,7 @@ def test_async_scheduling_with_tiers_gives_the_serial_tokens():
     serial loop, every context their own tokens. (Six requests sharing a block, 10 blocks for them:
     the sizes where both lookups happen.)"""
     from hloserve.server.core.engine import Engine
-    requests = {f"r{i}": ([40, 41, 42, 43, 3 + i, 9, 20 + i, 7, 1, 2, 5, 6, 30 + i], 14) for i in range(6)}
+    requests = {f"r{i}": ([40, 41, 42, 43, 3 + i, 9, 20 + i, 7, 1, 2, 5, 6, 30 + i, 8], 14) for i in range(6)}
     sched, runner = make(64, None)
     want = run(sched, runner, requests)
     tiers = WatchedTiers(HostBlockCache(1 << 20), None)

@@ -13,7 +13,7 @@ from hloserve.server.core.block_manager import BlockManager
 from hloserve.server.core.sampling import SamplingParams
 from hloserve.runtime.artifact.llm import slots
 from hloserve.server.core.outputs import RunnerOutput
-from hloserve.server.core.scheduler import Scheduler, SchedulerConfig
+from hloserve.server.core.scheduler import Scheduler, SchedulerConfig, chunk_tokens
 from tests.support.mock_runner import MockRunner
 
 VOCAB = 64
@@ -162,17 +162,43 @@ def test_abort_waiting_request():
 
 def test_prefix_cache_hit_skips_computed_blocks():
     sched, runner = make(block_size=4, max_tokens=16)
-    prompt = list(range(30, 39))                              # 9 tokens: 2 full blocks
+    prompt = list(range(30, 40))                              # 10 tokens: 2 full blocks
     sched.add_request("a", prompt, SamplingParams(max_tokens=2, **GREEDY))
     run(sched, runner)
     sched.add_request("b", prompt, SamplingParams(max_tokens=2, **GREEDY))
     plan = sched.schedule()
     (s,) = plan.seqs
-    assert s.start == 8 and s.token_ids == (38,)       # only the last token is computed
-    assert sched.stats.prefix_cache_hits == 8 and sched.stats.prefix_cache_queries == 18
+    assert s.start == 8 and s.token_ids == (38, 39)     # only the last two tokens are computed
+    assert sched.stats.prefix_cache_hits == 8 and sched.stats.prefix_cache_queries == 20
     outs = run(sched, runner)
-    assert runner.contexts["b"][:9] == prompt                 # the revived blocks hold a's tokens
+    assert runner.contexts["b"][:10] == prompt                # the revived blocks hold a's tokens
     assert outs["b"][-1].num_cached_tokens == 8
+    # 9 tokens: the second full block is computed again rather than leave the last token alone
+    sched.add_request("c", prompt[:9], SamplingParams(max_tokens=2, **GREEDY))
+    (s,) = sched.schedule().seqs
+    assert s.start == 4 and s.token_ids == tuple(prompt[4:9])
+
+
+@pytest.mark.parametrize("left,budget,want", [(10, 256, 10), (1, 256, 1), (1, 1, 1), (10, 9, 8), (10, 1, 0),
+                                              (3, 2, 0), (2, 1, 0), (2, 2, 2), (300, 256, 256), (257, 256, 255)])
+def test_a_chunk_is_never_one_token_of_more_nor_leaves_one(left, budget, want):
+    """A prompt token cut off alone would take the attention kernel's one-token path, whose sums run in
+    another order than a chunk's tile, so its bits (and a greedy answer) would depend on the budget."""
+    assert chunk_tokens(left, budget) == want
+
+
+def test_prompts_are_chunked_without_lone_tokens():
+    """Budgets that would cut one token off: every chunk of a prompt of more than one token has two or more."""
+    sched, runner = make(num_blocks=64, block_size=4, max_num_seqs=4, max_tokens=5, max_model_len=64)
+    prompts = {f"r{i}": n for i, n in enumerate((9, 10, 7, 2, 11))}
+    for rid, n in prompts.items():
+        sched.add_request(rid, list(range(20, 20 + n)), SamplingParams(max_tokens=3, **GREEDY))
+    chunks = []
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        chunks += [len(s.token_ids) for s in plan.seqs if s.start < prompts[s.request_id]]
+        sched.update(plan, runner.execute(plan))
+    assert len(chunks) > len(prompts) and min(chunks) >= 2     # some prompts were cut, none to one token
 
 
 def test_eos_and_stop_token_ids():

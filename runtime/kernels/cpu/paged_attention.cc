@@ -77,11 +77,24 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                                            " (sequence " + std::to_string(seqs[t]) + ", block " + std::to_string(b) +
                                            ") is outside the cache's " + std::to_string(N) + " blocks");
   }
-  // work items: (tile, kv head); a tile is up to chunk_tile_tokens consecutive tokens of one sequence
+  // work items: (tile, kv head); a tile is up to chunk_tile_tokens consecutive tokens of one sequence,
+  // and never one token of a longer run: a lone token takes `attend`, whose sums run in another order
+  // than a tile's, so a prompt token split off a chunk's tail (33 = 32 + 1) would get other bits than
+  // in a chunk split otherwise. A run of n >= 2 tokens is cut into tiles of the full size, the last
+  // two sharing what is left when that would leave one alone (a token's bits in a tile do not depend
+  // on the tile's other tokens).
   const int64_t tile_tokens = chunk_tile_tokens(kind, D, softcap);
   std::vector<int64_t> starts;
-  for (int64_t t = 0; t < T; ++t)
-    if (t == 0 || seqs[t] != seqs[t - 1] || t - starts.back() >= tile_tokens) starts.push_back(t);
+  for (int64_t a = 0, b; a < T; a = b) {
+    for (b = a + 1; b < T && seqs[b] == seqs[a]; ++b) {}
+    for (int64_t t = a; t < b; t += tile_tokens) {
+      starts.push_back(t);
+      if (b - t == tile_tokens + 1) {              // a full tile would leave one token: share the rest
+        starts.push_back(t + (tile_tokens + 1) / 2);
+        break;
+      }
+    }
+  }
   starts.push_back(T);
   const int64_t tiles = static_cast<int64_t>(starts.size()) - 1;
   const int64_t token_stride = KV * G * D;  // q and out, from one token to the next

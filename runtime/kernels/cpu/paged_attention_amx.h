@@ -9,8 +9,11 @@
 // f32 where one would round them to bf16 (the tiles' products are exact and their sums f32). A token
 // then computes what the f32 paths compute, up to the order of f32 sums, whether its tile ran here or
 // not: a sequence's result does not depend on how it was chunked (a bf16 rounding here made it, by
-// ~1e-3, and the prefix tiers' identical greedy text broke at a near tie; CI, 2026-11-29). Only tiles
-// of kAmxMinTokens or more tokens take it: for fewer, packing K and V costs more than the tiles save.
+// ~1e-3, and the prefix tiers' identical greedy text broke at a near tie; CI, 2026-11-29). Every tile
+// of two or more tokens takes it (the kernel never makes a tile of one: paged_attention.cc), since
+// "up to the order of f32 sums" is not the same bits: with the f32 path for tiles of under 8 tokens,
+// a chunk's 2-7-token tail got other bits than the same tokens inside a longer tile, and a prompt's
+// K/V depended on where the step's budget cut it.
 //
 // Layout, rows r = (token, query head) as in attend_tile:
 //   S [r][c] = Q [r][d] . K^T        A: Q rows, 3 bf16 parts  B: K^T, 16 positions x 32 dims a tile
@@ -24,7 +27,7 @@
 
 namespace hloserve::paged {
 
-constexpr int64_t kAmxMinTokens = 8;    // a tile of fewer tokens keeps the f32 path
+constexpr int64_t kAmxMinTokens = 2;    // a tile of fewer tokens (one: a decode) keeps the f32 path
 constexpr int64_t kAmxTileTokens = 32;  // tokens a work item takes (16 on the f32 path): K and V packed once for
                                         // more rows; 32 and 64 measured alike, 16 ~20% slower (one core, 2026-11-29)
 
@@ -152,7 +155,7 @@ struct AmxScratch {                     // tile operands on whole 64-byte lines 
 };
 
 // attend_tile's tile (same operands; a bf16 cache) on AMX tiles; false where this path does not apply
-// (head_dim not a multiple of 32, soft-capping, fewer than kAmxMinTokens tokens, or no AMX state from
+// (head_dim not a multiple of 32, soft-capping, one token (`attend`'s), or no AMX state from
 // the OS): the caller then runs the f32 path.
 //
 // Positions stream through in steps of kPosTile, flash-attention style: each step's K^T and V tiles
