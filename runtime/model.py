@@ -147,7 +147,10 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
     if kernel_support is None:
         kernel_support = kernels.support(pallas_interpret or client.platform, mesh=jmesh is not None,
                                          report=_stderr, interpret=bool(pallas_interpret))
-    specialized = {n: kernel_support.specialize(exported[n]) for n in names}
+    # a batch-invariant artifact (export --batch-invariant) runs each kernel at every row count: XLA's
+    # dot, which a kernel leaves large row counts to where it is the slower, sums in other orders
+    every_row_count = bool(manifest.model.get("batch_invariant"))
+    specialized = {n: kernel_support.specialize(exported[n], every_row_count=every_row_count) for n in names}
     on_device, shardings = _place_weights(path, reader, [manifest.functions[n] for n in names], partition_rules,
                                           jmesh, device)
     in_sharding = sharding_mod.input_sharding(jmesh, device)

@@ -44,7 +44,10 @@ class KernelBackend(Protocol):
 
     def runs(self, name: str, version: int) -> bool: ...
 
-    def specialize(self, exported: Any) -> Specialized: ...
+    def specialize(self, exported: Any, *, every_row_count: bool = False) -> Specialized:
+        """`exported` with its composites resolved; `every_row_count`: a kernel runs at every row count
+        where it runs at all (a batch-invariant artifact: a row's bits must not depend on whether its
+        step's rows went to the kernel or to the decomposition), not only where it is the faster."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +65,7 @@ class Decompositions:
     def runs(self, name: str, version: int) -> bool:
         return False
 
-    def specialize(self, exported: Any) -> Specialized:
+    def specialize(self, exported: Any, *, every_row_count: bool = False) -> Specialized:
         def replace(op, api) -> bool:
             with api.ir.InsertionPoint(op):
                 swap(op, decomposition_call(api, op))

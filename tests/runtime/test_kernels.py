@@ -329,6 +329,27 @@ def test_layer_linear_kernel_gives_a_row_the_same_bits_alone_and_in_a_batch(libr
         np.testing.assert_array_equal(np.asarray(call(x[:rows], weights, np.int32(1))), batch[:rows])
 
 
+def test_a_batch_invariant_load_runs_the_kernel_past_its_row_limit(library):
+    """Past the targets table's row limit a call runs XLA's dot, which sums in other orders than the
+    kernel: `every_row_count` (runtime.load of a batch-invariant artifact) keeps the kernel there, so
+    the rows of a long prompt chunk get the bits they get alone."""
+    rng = np.random.default_rng(11)
+    K, N = 72, 37
+    values = jnp.asarray(rng.standard_normal((2, N, K)).astype(np.float32)).astype(jnp.bfloat16)
+    weights = np.asarray(values.view(jnp.int16))
+    exp = _linear_exported(weights, int(Holds.BF16))
+    limit = max_rows("hloserve_layer_linear", {"holds": int(Holds.BF16)}, ((None, K), weights.shape, ()))
+    if limit is None:
+        pytest.skip("this CPU's layer_linear has no row limit for this shape")
+    x = rng.standard_normal((limit + 9, K)).astype(np.float32)
+    every = library.specialize(exp, every_row_count=True)
+    assert every.kernels == 1 and every.digest != library.specialize(exp).digest
+    call = jax.jit(every.exported.call)
+    batch = np.asarray(call(x, weights, np.int32(1)))
+    for r in (0, limit, limit + 8):
+        np.testing.assert_array_equal(np.asarray(call(x[r:r + 1], weights, np.int32(1)))[0], batch[r])
+
+
 def test_layer_linear_kernel_reads_only_its_layer(library):
     """Changing another layer's matrix changes nothing; changing the used one does."""
     rng = np.random.default_rng(3)
@@ -506,7 +527,7 @@ FALLBACK_SELECTION = ("(layer_linear_kernel_matches and 64-70) or (quant_linear_
                       "grouped_experts_kernel_matches or (quant_experts_kernel_matches and 6-2) or "
                       "kquant_kernel_matches or kquant_kernel_reads_only or "
                       "(paged_attention_kernel_matches and (chunk37 or (short and 3-64))) or "
-                      "rounds_both_products or row_sum_kernel")
+                      "rounds_both_products or row_sum_kernel or past_its_row_limit")
 # the other kernels' test files the fallback builds run (one build for all of them)
 FALLBACK_FILES = ("test_experts_kernel.py", "test_kquant_kernels.py", "test_batch_invariance.py")
 

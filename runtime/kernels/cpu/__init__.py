@@ -37,7 +37,7 @@ class CpuBackend:
     def runs(self, name: str, version: int) -> bool:
         return (name, version) in TARGETS
 
-    def specialize(self, exported: Any) -> Specialized:
+    def specialize(self, exported: Any, *, every_row_count: bool = False) -> Specialized:
         used = 0
         cpu = build.cpu()
         choices = []   # per composite: the kernel it may run (or none) and up to how many rows
@@ -51,7 +51,7 @@ class CpuBackend:
                     choices.append([*info.key, None, None])
                     swap(op, decomposition_call(api, op))
                     return True
-                limit = target.limit(cpu, info.attributes, _shapes(api, info.operands))
+                limit = None if every_row_count else target.limit(cpu, info.attributes, _shapes(api, info.operands))
                 new, ran = _kernel_or_decomposition(api, op, info.operands, info.config, target, limit)
             choices.append([*info.key, target.symbol if ran else None, limit])
             used += ran

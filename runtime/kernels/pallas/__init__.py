@@ -96,7 +96,7 @@ class PallasBackend:
     def runs(self, name: str, version: int) -> bool:
         return (name, version) in self.composites
 
-    def specialize(self, exported: Any) -> Specialized:
+    def specialize(self, exported: Any, *, every_row_count: bool = False) -> Specialized:
         """Pallas kernels compile for static shapes: placeholders now, the kernels per compiled shape."""
         pending, plans = specialize(exported, self.platform)
         n = sum(p.kernel is not None for p in plans)
