@@ -1,7 +1,7 @@
 """GGUF K-quant blocks kept (`hloserve.quant_linear` version 3): the header decoding against gguf-py's
 dequantization, bit for bit, in numpy, the torch op and the jax decomposition; the CPU kernel against
 the decomposition and the torch op (the kernel built for a CPU without AVX-512, the portable loop, runs
-these in tests/runtime/test_kernels.py's fallback builds).
+these in tests/runtime/test_kernel_fallbacks.py's builds).
 
 Blocks are random bytes with realistic f16 d / dmin (tests/support/kquants.py), so every 6-bit
 sub-scale, min and quant pattern occurs."""

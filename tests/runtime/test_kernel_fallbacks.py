@@ -1,0 +1,56 @@
+"""The CPU kernels as CPUs without AMX (or without AVX-512) run them: the library built here with
+another -march, then tests/runtime/test_kernels.py's instruction-picking cases (and the other kernel
+test files') run against it in a child pytest. A file of its own so that `--dist loadfile` runs these
+two builds on another worker than test_kernels.py's own build and rebuild."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from hloserve.runtime.kernels.cpu import build
+
+KERNEL_TESTS = os.path.join(os.path.dirname(__file__), "test_kernels.py")
+
+# the instruction sets a CPU of this kind may lack, each built for the features that select it
+FALLBACKS = {"x86-64-v3": "avx2",            # AVX2 only: the widened products
+             "cooperlake": "avx512_bf16"}    # AVX512-BF16 without AMX: vdpbf16ps tiles
+
+
+# what the fallback builds run: every path that picks instructions (the linears' row tiles and
+# 64-byte chunks at K=576, quantized layouts of both versions; attention's multi-row chunk with every
+# cache dtype, window and soft-cap, and the short path of one head shape with every cache dtype), not
+# the shapes that only vary the same code
+FALLBACK_SELECTION = ("(layer_linear_kernel_matches and 64-70) or (quant_linear_kernel_matches and 576-) or "
+                      "grouped_experts_kernel_matches or (quant_experts_kernel_matches and 6-2) or "
+                      "kquant_kernel_matches or kquant_kernel_reads_only or "
+                      "(paged_attention_kernel_matches and (chunk37 or (short and 3-64))) or "
+                      "rounds_both_products or row_sum_kernel or past_its_row_limit")
+# the other kernels' test files the fallback builds run (one build for all of them)
+FALLBACK_FILES = ("test_experts_kernel.py", "test_kquant_kernels.py", "test_batch_invariance.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march", sorted(FALLBACKS))
+def test_fallback_builds_pass_the_kernel_tests(march, tmp_path):
+    """The kernels as a CPU without AMX (or without AVX-512) runs them, built here with
+    -march=MARCH, pass the same comparisons against the decompositions and torch (the K-quant
+    kernel's portable integer loop included: x86-64-v3 has no AVX-512 VNNI)."""
+    if not build.enabled() or not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")):
+        pytest.skip("the CPU kernels are off or no C++ compiler is here (the portable path is tested elsewhere)")
+    flags = open("/proc/cpuinfo").read().split()
+    if FALLBACKS[march] not in flags:
+        pytest.skip(f"this CPU cannot run a -march={march} build")
+    # the child's conftest points HLOSERVE_CACHE at HLOSERVE_TEST_CACHE (else a fresh directory)
+    env = {**os.environ, "HLOSERVE_TEST_CACHE": str(tmp_path), "HLOSERVE_KERNEL_CACHE": str(tmp_path / "kernels"),
+           build.MARCH_ENV: march}
+    others = [os.path.join(os.path.dirname(__file__), name) for name in FALLBACK_FILES]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", KERNEL_TESTS, *others, "-k",
+                          FALLBACK_SELECTION],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert " passed" in out.stdout and " skipped" not in out.stdout, out.stdout[-500:]
+    assert list(tmp_path.rglob("libhloserve_cpu.so")), "the kernels were not built for this -march"
