@@ -35,16 +35,15 @@ def trailing_sum(x, dims: int, keepdims: bool):
     """The sum of f32 `x` over its last `dims` dims (static sizes) through the composite."""
     lead, trail = x.shape[:x.ndim - dims], x.shape[x.ndim - dims:]
     composite = _private.composite(row_sum_reference, ROW_SUM.name, ROW_SUM.version)
-    out = composite(x.reshape((-1, math.prod(trail)))).reshape(lead)
-    return out.reshape(lead + (1,) * dims) if keepdims else out
+    return composite(x.reshape((-1, math.prod(trail)))).reshape(lead + (1,) * dims if keepdims else lead)
 
 
 def reduces_trailing(x, axes) -> int | None:
-    """How many trailing dims `axes` (canonical, or None: all) are, where they are exactly the last
+    """How many trailing dims `axes` (canonical: non-negative) are, where they are exactly the last
     ones of an f32 tensor with static sizes there, else None."""
     if x.dtype != jnp.float32 or x.ndim == 0:
         return None
-    axes = tuple(range(x.ndim)) if axes is None else tuple(sorted(axes))
+    axes = tuple(sorted(axes))
     if not axes or axes != tuple(range(x.ndim - len(axes), x.ndim)):
         return None
     if not all(isinstance(d, int) for d in x.shape[x.ndim - len(axes):]):

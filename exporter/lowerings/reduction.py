@@ -38,9 +38,9 @@ def sum_of(ctx, x, axes: tuple[int, ...], keepdims: bool):
 
 
 def mean_of(ctx, x, axes: tuple[int, ...], keepdims: bool):
-    """jnp.mean over `axes`, through `sum_of` where that takes the composite."""
-    if ctx.interpreter.batch_invariant and reduces_trailing(x, axes):
-        return sum_of(ctx, x, axes, keepdims) / np.float32(math.prod(x.shape[a] for a in axes))
+    """jnp.mean over `axes`, its sum through the composite where `sum_of` would take it."""
+    if ctx.interpreter.batch_invariant and (dims := reduces_trailing(x, axes)):
+        return trailing_sum(x, dims, keepdims) / np.float32(math.prod(x.shape[a] for a in axes))
     return jnp.mean(x, axis=axes, keepdims=keepdims)
 
 
@@ -159,9 +159,9 @@ def _softmax(ctx, x, dim, half_to_float=False, *rest):
     if x.ndim == 0:
         return jnp.ones_like(x)
     x, d = x.astype(ctx.out_dtype), canon_dim(dim, x.ndim)
-    if ctx.interpreter.batch_invariant and reduces_trailing(x, (d,)):   # the sum through row_sum (sum_of)
+    if ctx.interpreter.batch_invariant and reduces_trailing(x, (d,)):   # the sum through row_sum, as sum_of
         e = jnp.exp(x - lax.stop_gradient(x.max(axis=d, keepdims=True)))
-        return e / sum_of(ctx, e, (d,), True)
+        return e / trailing_sum(e, 1, True)
     return jax.nn.softmax(x, axis=d)
 
 
