@@ -281,10 +281,9 @@ def test_layer_linear_kernel_matches_decomposition_and_torch(library, holds, sto
 @pytest.mark.parametrize("K,N", [(1000, 70), (2080, 40)])
 def test_layer_linear_kernel_matches_at_prompt_chunk_rows(library, monkeypatch, K, N):
     """Prompt-chunk row counts, 128 to 2,048, through the kernel whatever the targets table's limit
-    (on AMX: x swept in blocks of 256 rows at K = 1000, 160 at K = 2080, the last sweep short; K
-    in two and five runs of chunks with partial sums, a K that is no whole chunk, an odd last
-    16-row block; 4 whole 16-row matrix tiles and 6 rows past them, or 2 and 8); the same tolerance
-    as above."""
+    (on AMX: K in two and three runs of chunks with partial sums, a K that is no whole chunk, an
+    odd last 16-row block; 4 whole 16-row matrix tiles and 6 rows past them, or 2 and 8); the same
+    tolerance as above."""
     from hloserve.runtime.artifact.kernels import LAYER_LINEAR
     monkeypatch.setitem(TARGETS, LAYER_LINEAR.key,
                         dataclasses.replace(TARGETS[LAYER_LINEAR.key], max_rows_for=lambda cpu, attrs, shapes: None))
