@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import glob
 import os
 import shutil
 import subprocess
@@ -117,7 +118,8 @@ def max_rows(symbol: str, attrs: dict | None = None, shapes: tuple = ()) -> int 
     return next(t for t in TARGETS.values() if t.symbol == symbol).limit(build.cpu(), attrs or {}, shapes)
 
 
-HEADS = [(3, 64), (4, 128), (4, 256), (1, 96), (5, 32)]           # (G, D): specialized x4, generic
+# (G, D): specialized x4 (the fallback builds specialize these alone: paged_attention.h), generic
+HEADS = [(3, 64), (4, 128), (4, 256), (1, 96), (5, 32)]
 HOLDS = [0, 1, 2, 3, 4, 5]                                            # every cache element kind
 SCORES = [(0, None, 0.0), (5, None, 0.0), (0, 0.3, 2.0)]             # (window, scale, softcap)
 
@@ -537,6 +539,9 @@ def test_the_kernel_library_is_loaded_only_as_built(tmp_path):
     own.parent.mkdir(parents=True)
     for suffix in ("", ".json"):
         shutil.copyfile(built.path + suffix, str(own) + suffix)
+    # the objects the build kept: the rebuilds below link them (the next test compiles)
+    if os.path.isdir(os.path.join(kernel_dir(), "objects")):
+        shutil.copytree(os.path.join(kernel_dir(), "objects"), tmp_path / "cache" / "kernels" / "objects")
     first = run_python(LOAD_LIBRARY, env=env)
     path = first.split("LOADED ")[-1].strip()
     assert path == str(own) and "rebuilding" not in first, first
@@ -550,8 +555,46 @@ def test_the_kernel_library_is_loaded_only_as_built(tmp_path):
     assert rebuilt != noise and len(rebuilt) > 0.5 * len(good)   # rebuilt, and its record names these bytes
     assert build._check_built(path, json.load(open(path + ".json"))["key"]) is None
     key = json.load(open(path + ".json"))["key"]
-    os.remove(path + ".json")    # refused the same way, so rebuilt as above (not run again: a minute of build)
+    os.remove(path + ".json")    # refused the same way, so rebuilt as above (not run again)
     assert build._check_built(path, key) == "its build record is unreadable (FileNotFoundError)"
     os.chmod(tmp_path / "cache" / "kernels", 0o777)
     out = run_python(LOAD_LIBRARY, env=env)
     assert "writable by group or others" in out and "LOADED None" in out, out
+
+
+CHANGED_SOURCES = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+from hloserve.runtime.kernels.cpu import build
+build.HERE = {here!r}
+lib = build.library()
+print("LOADED", lib.path if lib else None)
+"""
+
+
+def test_a_changed_kernel_file_alone_is_compiled_again(tmp_path):
+    """Each .cc's object is kept beside the libraries, keyed by that file, the headers and the
+    toolchain, with a record of its bytes: a build after one file changed (row_sum.cc, a comment
+    added, in a copy of the sources) with one kept object damaged compiles those two files, links
+    the objects this run's build kept, and loads."""
+    from tests.runtime.conftest import run_python
+    if build.library() is None:
+        pytest.skip("no C++ compiler here")
+    if not os.path.isdir(os.path.join(kernel_dir(), "objects")):
+        pytest.skip("this test cache's library was built before objects were kept (a fresh HLOSERVE_TEST_CACHE runs it)")
+    here = tmp_path / "src"
+    shutil.copytree(build.HERE, here, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    with open(here / "row_sum.cc", "a") as f:
+        f.write("\n// changed\n")
+    root = tmp_path / "cache" / "kernels"
+    root.mkdir(parents=True)
+    shutil.copytree(os.path.join(kernel_dir(), "objects"), root / "objects")
+    kept = sorted((root / "objects").glob("*.o"))
+    kept[0].write_bytes(os.urandom(4096))    # its record names other bytes: compiled again
+    out = run_python(CHANGED_SOURCES.format(here=str(here)),
+                     env={"HLOSERVE_CACHE": str(tmp_path / "cache"), "HLOSERVE_KERNEL_CACHE": str(root)})
+    files = len(glob.glob(os.path.join(here, "*.cc")))
+    assert f"compiling 2 of {files} files" in out and "LOADED None" not in out, out
+    assert str(root) in out.split("LOADED ")[-1]
+    assert len(list((root / "objects").glob("*.o"))) == len(kept) + 1    # the changed file's object kept too
+    assert build._check_built(str(kept[0]), json.load(open(f"{kept[0]}.json"))["key"]) is None   # rewritten

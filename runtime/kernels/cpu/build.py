@@ -9,6 +9,10 @@ library, keyed by the sources, compiler, flags, jaxlib and CPU. A build record (
 written beside the library; a library whose record is missing or names other bytes is rebuilt,
 never loaded. The library's FFI targets (targets.py) are registered for the CPU platform only.
 
+Each file's object is kept too (<root>/objects/, keyed by that file, the headers, compiler, flags,
+jaxlib and CPU, with a record of its bytes like the library's): a build after one file changed, or
+of a library found damaged, compiles only what no kept object covers and links.
+
 The build runs in a temporary directory; the library and its record are then kept in the cache,
 each written whole or not at all. Where the cache cannot keep them (a full or read-only disk) the
 library is kept in this process's private directory instead, with one warning: the kernels run,
@@ -41,6 +45,9 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-fPIC")
 # CPU without AMX or AVX512-BF16 runs, e.g. x86-64-v3, on a CPU that has them)
 MARCH_ENV = "HLOSERVE_CPU_KERNEL_MARCH"
 ENV = "HLOSERVE_CPU_KERNELS"     # "0" turns the kernels off (the portable decompositions run)
+# "1": only the head shapes the kernel tests run get a specialized decode attention (the fallback
+# builds' tests: a quarter of the attention files' compile); never set for serving
+TESTED_SHAPES_ENV = "HLOSERVE_CPU_KERNEL_TESTED_SHAPES"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +96,20 @@ def library(report: Callable[[str], None] | None = None) -> Library | None:
 
 
 def _key(compiler: str) -> str:
-    import jax
     parts = [pathlib.Path(f).read_bytes() for f in sources()]
-    parts += [_compiler_version(compiler).encode(), " ".join(flags()).encode(), jax.__version__.encode(),
-              cpu_identity().encode()]
-    return hashlib.sha256(b"\0".join(parts)).hexdigest()
+    return hashlib.sha256(b"\0".join(parts + _toolchain(compiler))).hexdigest()
+
+
+def _object_key(compiler: str, src: str) -> str:
+    """What one .cc's object depends on: the file, every header beside it, and the toolchain."""
+    parts = [pathlib.Path(f).read_bytes() for f in [src, *(h for h in sources() if h.endswith(".h"))]]
+    return hashlib.sha256(b"\0".join(parts + _toolchain(compiler))).hexdigest()
+
+
+def _toolchain(compiler: str) -> list[bytes]:
+    import jax
+    return [_compiler_version(compiler).encode(), " ".join(flags()).encode(), jax.__version__.encode(),
+            cpu_identity().encode()]
 
 
 def _root() -> str:
@@ -137,7 +153,8 @@ def march() -> str:
 
 
 def flags() -> tuple[str, ...]:
-    return tuple(f"-march={march()}" if f == "-march=native" else f for f in FLAGS)
+    tested = ("-DHLOSERVE_TESTED_SHAPES_ONLY",) if os.environ.get(TESTED_SHAPES_ENV) == "1" else ()
+    return tuple(f"-march={march()}" if f == "-march=native" else f for f in FLAGS) + tested
 
 
 def cpu() -> Cpu:
@@ -147,23 +164,37 @@ def cpu() -> Cpu:
     return Cpu(native=march() == "native", flags=frozenset(" ".join(listed).split()))
 
 
-def _compile(compiler: str, out_dir: str) -> str | None:
-    """Each .cc to an object file in `out_dir` (in parallel), then linked into out_dir/lib.so;
-    returns an error line or None."""
+def _compile(compiler: str, out_dir: str, kept: str | None) -> str | None:
+    """Each .cc to an object file in `out_dir` (in parallel), or the one kept for it in `kept` (a
+    directory of objects and their records; None: none), then linked into out_dir/lib.so; the new
+    objects are kept there (where they cannot be, they are not). Returns an error line or None."""
     import jax
-    objects, procs = [], []
+    objects, procs, fresh = [], [], []
     for src in (s for s in sources() if s.endswith(".cc")):
+        key = _object_key(compiler, src)
+        cached = os.path.join(kept, key[:24] + ".o") if kept else None
+        if cached and os.path.exists(cached) and _check_built(cached, key) is None:
+            objects.append(cached)
+            continue
         obj = os.path.join(out_dir, os.path.basename(src) + ".o")
         objects.append(obj)
+        fresh.append((obj, cached, key))
         procs.append(subprocess.Popen([compiler, *flags(), "-c", "-I", jax.ffi.include_dir(), src, "-o", obj],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    LOG.info("CPU kernels: compiling %d of %d files (the rest kept from an earlier build)", len(procs), len(objects))
     link = [compiler, "-shared", *objects, "-o", os.path.join(out_dir, "lib.so")]
     for proc in procs:
         _, err = proc.communicate(timeout=600)
         if proc.returncode != 0:
             return _failure(compiler, proc.returncode, err)
     proc = subprocess.run(link, capture_output=True, text=True, timeout=600)
-    return _failure(compiler, proc.returncode, proc.stderr) if proc.returncode else None
+    if proc.returncode:
+        return _failure(compiler, proc.returncode, proc.stderr)
+    for obj, cached, key in fresh:
+        if cached:
+            with contextlib.suppress(OSError):    # a full or read-only disk: the next build compiles it again
+                _keep_record(obj, cached, key)
+    return None
 
 
 def _failure(compiler: str, code: int, stderr: str) -> str:
@@ -182,9 +213,12 @@ def _built(compiler: str, path: str, key: str, problem: str,
         LOG.warning("rebuilding the CPU kernel library %s: %s", path, problem)
     if report:
         report("building hloserve's CPU kernels for this machine (once per machine; about a minute on 2 cores)")
+    kept = os.path.join(os.path.dirname(os.path.dirname(path)), "objects")
+    if untrusted(kept):    # code others may have written is not linked in: compiled afresh, nothing kept
+        kept = None
     try:
         with tempfile.TemporaryDirectory(prefix="hloserve-kernels-build-") as work:
-            err = _compile(compiler, work)
+            err = _compile(compiler, work, kept)
             return (None, err) if err else (_keep(os.path.join(work, "lib.so"), path, key, private), None)
     except subprocess.TimeoutExpired as e:
         return None, f"{os.path.basename(compiler)}: {e}"
@@ -196,21 +230,31 @@ def _keep(built: str, path: str, key: str, private: str) -> str:
     """Keep the library `built` at `path` with its build record, each written whole or not at all
     (the record first: a library without one is never loaded); where that fails (a full or read-only
     disk), at `private`, this process's own, with one warning. Returns where it is kept."""
+    try:
+        _keep_record(built, path, key)
+        return path
+    except OSError as e:
+        LOG.warning("the CPU kernels cannot be kept in %s (%s): built for this process only, the next start builds "
+                    "them again; free space there or point HLOSERVE_CACHE at a disk with room",
+                    os.path.dirname(path), e.strerror or e)
+        shutil.move(built, private)
+        return private
+
+
+def _keep_record(built: str, path: str, key: str) -> None:
+    """`built` copied to `path` with its record (`path`.json: the key and the bytes' sha256), the
+    record first, each written whole or not at all; raises OSError where they cannot be written (and
+    leaves no record naming bytes that are not there)."""
     data = pathlib.Path(built).read_bytes()
     record = json.dumps({"key": key, "sha256": hashlib.sha256(data).hexdigest()}).encode()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_atomically(path + ".json", [record])
         write_atomically(path, [data])
-        return path
-    except OSError as e:
-        with contextlib.suppress(OSError):   # a record naming a library that is not there: kept nowhere either
+    except OSError:
+        with contextlib.suppress(OSError):
             os.remove(path + ".json")
-        LOG.warning("the CPU kernels cannot be kept in %s (%s): built for this process only, the next start builds "
-                    "them again; free space there or point HLOSERVE_CACHE at a disk with room",
-                    os.path.dirname(path), e.strerror or e)
-        shutil.move(built, private)
-        return private
+        raise
 
 
 @functools.cache
