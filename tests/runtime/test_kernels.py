@@ -8,9 +8,9 @@ positions without hiding a wrong position or mask (which moves outputs by O(0.1)
 from __future__ import annotations
 
 import dataclasses
+import glob
 import itertools
 import json
-import glob
 import os
 import shutil
 import subprocess

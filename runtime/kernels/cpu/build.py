@@ -100,10 +100,10 @@ def _key(compiler: str) -> str:
     return hashlib.sha256(b"\0".join(parts + _toolchain(compiler))).hexdigest()
 
 
-def _object_key(compiler: str, src: str) -> str:
-    """What one .cc's object depends on: the file, every header beside it, and the toolchain."""
-    parts = [pathlib.Path(f).read_bytes() for f in [src, *(h for h in sources() if h.endswith(".h"))]]
-    return hashlib.sha256(b"\0".join(parts + _toolchain(compiler))).hexdigest()
+def _object_key(src: str, shared: list[bytes]) -> str:
+    """What one .cc's object depends on: the file and `shared` (every header beside it and the
+    toolchain: _compile reads them once for all the files)."""
+    return hashlib.sha256(b"\0".join([pathlib.Path(src).read_bytes(), *shared])).hexdigest()
 
 
 def _toolchain(compiler: str) -> list[bytes]:
@@ -170,8 +170,9 @@ def _compile(compiler: str, out_dir: str, kept: str | None) -> str | None:
     objects are kept there (where they cannot be, they are not). Returns an error line or None."""
     import jax
     objects, procs, fresh = [], [], []
+    shared = [pathlib.Path(h).read_bytes() for h in sources() if h.endswith(".h")] + _toolchain(compiler)
     for src in (s for s in sources() if s.endswith(".cc")):
-        key = _object_key(compiler, src)
+        key = _object_key(src, shared)
         cached = os.path.join(kept, key[:24] + ".o") if kept else None
         if cached and os.path.exists(cached) and _check_built(cached, key) is None:
             objects.append(cached)

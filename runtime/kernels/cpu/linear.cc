@@ -75,9 +75,10 @@ void amx_pack_rows(const uint16_t* w, int64_t K, int64_t tiles, int64_t KC, uint
 // Blocking: a pair of x blocks (32 rows) runs up to kAmxChunks chunks of K at a time (48 KiB of x
 // tiles, held in L1) against every matrix tile pair of the task in turn (the task's packed rows, at
 // most kAmxRowBytes, stream from L2), the partial sums kept in memory between runs. This order, x
-// held and the matrix streaming, ran 1.2-1.4x faster than the matrix pair held and x streaming
-// (2026-11-30, one thread: 256 x 576 x 576 33 -> 22-25 ns a tile multiply, 512 x 2048 x 2048 24 ->
-// 18-19; the same sums in the same order). No software prefetch: 32 prefetches a chunk cost more than
+// held and the matrix streaming, ran 1.15-1.5x faster at 256+ rows than the matrix pair held and x
+// streaming (2026-11-30, one thread: 256 x 576 x 576 25.5-27.0 -> 21.2-22.2 ns a tile multiply,
+// 512 x 2048 x 2048 21.9-22.1 -> 18.3-19.4; docs/performance.md; the same sums in the same order).
+// No software prefetch: 32 prefetches a chunk cost more than
 // they saved once the tiles lay on whole lines (2026-11-29). Up to kAmxInPlaceRows x rows the matrix
 // is read where it lies where K is whole chunks (few rows: the copy would cost as much as the
 // products).
@@ -151,7 +152,7 @@ void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int6
   const size_t size = in_place ? 0 : static_cast<size_t>((tiles + 1) / 2 * KC * 1024);
   if (packed.size() < size) packed.resize(size);
   const int64_t runs = (KC + kAmxChunks - 1) / kAmxChunks, run = (KC + runs - 1) / runs;   // chunks per run, even
-  if (runs > 1 && partial.size() < static_cast<size_t>((tiles + 1) / 2 * 1024)) partial.resize((tiles + 1) / 2 * 1024);
+  if (partial.size() < static_cast<size_t>((tiles + 1) / 2 * 1024)) partial.resize((tiles + 1) / 2 * 1024);
   if (!in_place) amx_pack_rows(w + n0 * K, K, tiles, KC, packed.data());
   const int64_t blocks = (M + 15) / 16;
   amx_configure();
