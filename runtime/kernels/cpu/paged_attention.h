@@ -10,18 +10,7 @@
 namespace hloserve::paged {
 
 
-// e^x for x <= 0 (softmax arguments), vectorizable: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2;
-// relative error < 2e-7 (degree-6 Taylor polynomial of e^r); x below -87 gives 0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // Cody-Waite: ln2 split in two
-  float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
+// exp_nonpositive: common.h
 
 // A row of the cache into L1 ahead of its use: every 64-byte line it touches. Decode reads each
 // sequence's blocks in table order, a few KiB each, scattered over the cache: the hardware
