@@ -251,8 +251,8 @@ inline void widen_int4(const uint8_t* q, int64_t K, int8_t* dst) {
 
 // The C tiles of blocks in flight: block b's in C tile b % 4, stored kStoreLag blocks after its
 // multiply is issued (a tile store waits for the multiply before it, and the tile unit runs its
-// work in order: a store right behind its multiply stalled every block, 2.5x bf16's time at 16
-// rows with the weights in cache, 2026-11-30), into ring[b % kAmxRing], read by the scaling
+// work in order: a store right behind its multiply stalled every block; 5-8% of the path's time at
+// 16 rows with the weights in cache, 2026-11-30), into ring[b % kAmxRing], read by the scaling
 // kAmxLead blocks after the multiply, so the store has reached L1 when the vector loads read it
 // and the tile unit works while the vector units scale. int4 widened block by block (WIDE4 below):
 // block b's int8 bytes are written kWideAhead blocks before the tile load reads them (a tile load
@@ -260,9 +260,10 @@ inline void widen_int4(const uint8_t* q, int64_t K, int8_t* dst) {
 //
 // The weights are one sequential stream (a group's blocks side by side, the next group after them),
 // yet the tile loads from DRAM left the tile unit waiting: each block's bytes are prefetched into
-// L1 kPrefetch blocks ahead (4 KiB of int8), 1.13-1.16x the int8 path's speed at 16 rows over
-// SmolLM2's 30 layers of matrices from DRAM, one thread (2026-11-30; 4 and 8 blocks alike, 16 and 32
-// less). Prefetches past the matrix's end read nothing that faults.
+// L1 kPrefetch blocks ahead (4 KiB of int8); with the store lag 1.26x the int8 path's speed at 16
+// rows over SmolLM2's 30 layers of matrices from DRAM, one thread (benchmarks/quant_decode.cc,
+// 2026-11-30; 4 and 8 blocks ahead alike, 16 and 32 less). Prefetches past the matrix's end (or
+// the widened copy's) read nothing that faults.
 constexpr int64_t kAmxRing = 16, kAmxLead = 8, kStoreLag = 3, kWideAhead = 4, kWideRing = 8, kPrefetch = 8;
 
 // How amx8_tile reads a group's weights: int8 bytes where they lie (the int8 layout, or int4 widened
