@@ -341,6 +341,14 @@ struct NoInitAllocator : std::allocator<T> {
 template <class T>
 using Scratch = std::vector<T, NoInitAllocator<T>>;
 
+// bytes [at, at + bytes) of base into L1 (every 64-byte line they touch; __builtin_prefetch, so
+// any -march): the attention's cache rows, the quantized linears' weights and scales
+inline void prefetch_bytes(const void* base, int64_t at, int64_t bytes) {
+  const char* p = static_cast<const char*>(base) + at;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+  if (bytes % 64 != 0) __builtin_prefetch(p + bytes - 1, 0, 3);   // a row that ends mid-line
+}
+
 // e^x for x <= 0 (softmax arguments, the logistic's), vectorizable: 2^n * p(r), x = n ln2 + r,
 // |r| <= ln2/2; relative error < 2e-7 (degree-6 Taylor polynomial of e^r); x below -87 gives 0.
 inline float exp_nonpositive(float x) {

@@ -10,7 +10,7 @@
 namespace hloserve::paged {
 
 
-// exp_nonpositive: common.h
+// exp_nonpositive, prefetch_bytes: common.h
 
 // A row of the cache into L1 ahead of its use: every 64-byte line it touches. Decode reads each
 // sequence's blocks in table order, a few KiB each, scattered over the cache: the hardware
@@ -18,12 +18,6 @@ namespace hloserve::paged {
 // for each row (docs/performance.md, "Decode attention at 16 sequences").
 template <Kind K>
 constexpr int64_t elem_size = K == Kind::kF32 ? 4 : scaled_rows<K> ? 1 : 2;   // bytes an element
-
-inline void prefetch_bytes(const void* base, int64_t at, int64_t bytes) {
-  const char* p = static_cast<const char*>(base) + at;
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
-  if (bytes % 64 != 0) __builtin_prefetch(p + bytes - 1, 0, 3);   // a row that ends mid-line
-}
 
 template <Kind K, int64_t R>
 inline void prefetch_row(const void* cache, int64_t off) {

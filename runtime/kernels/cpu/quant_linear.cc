@@ -70,20 +70,15 @@ inline const float* group_scalars(const void* base, bool f16, int64_t g, int64_t
   return buf.data();
 }
 
-// row group g's scales (or mins) into L1, a group ahead of their use: the scales are a stream of
-// their own beside the weights', and read a group at a time they waited on DRAM (the f16 scales'
-// widening was 6.5% of a 16-row int8 decode step's samples, nearly all on its first load)
-inline void prefetch_scalars(const void* base, bool f16, int64_t g, int64_t G) {
-  const int64_t bytes = G * 16 * (f16 ? 2 : 4);
-  const char* p = static_cast<const char*>(base) + g * bytes;
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);   // _mm_prefetch T0, any -march
-}
-
-// the next group's scales and mins (above), where there is a next group
+// row group g's scales and mins into L1 (common.h's prefetch_bytes), a group ahead of their use,
+// where there is such a group: the scales are a stream of their own beside the weights', and read a
+// group at a time they waited on DRAM (the f16 scales' widening was 6.5% of a 16-row int8 decode
+// step's samples, nearly all on its first load)
 inline void prefetch_group_scalars(const QuantMatrix& w, int64_t g, int64_t g1) {
   if (g >= g1) return;
-  prefetch_scalars(w.scale, w.f16, g, w.G);
-  if (w.min != nullptr) prefetch_scalars(w.min, w.f16, g, w.G);
+  const int64_t bytes = w.G * 16 * (w.f16 ? 2 : 4);
+  prefetch_bytes(w.scale, g * bytes, bytes);
+  if (w.min != nullptr) prefetch_bytes(w.min, g * bytes, bytes);
 }
 
 // the integer value of element k of matrix row n in the interleaved layout (portable path)
@@ -287,9 +282,7 @@ inline void amx8_tile(const uint8_t* w, const float* ws, const float* wm, const 
   };
   auto prefetch = [&](int64_t b) {   // block b's weight bytes into L1 (past the group: the next one's)
     constexpr int64_t bytes = WIDE4 == Wide::kNone ? 512 : 256;
-    const char* p = reinterpret_cast<const char*>(w) + b * bytes;
-    HLOSERVE_UNROLL
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);   // _mm_prefetch T0, any -march
+    prefetch_bytes(w, b * bytes, bytes);
   };
   auto multiply = [&](int64_t b) {   // 4 C tiles in turn, A and B tiles alternating
     const void* wb = WIDE4 == Wide::kNone ? static_cast<const void*>(w + b * 512) : wide[b % kWideRing];
