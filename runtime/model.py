@@ -24,7 +24,7 @@ from hloserve.runtime.artifact.errors import ArtifactError
 from jax import export as jax_export
 
 from . import buckets as buckets_mod
-from . import kernels
+from . import host_pages, kernels
 from . import sharding as sharding_mod
 from .client import DEFAULT_CACHE, Client, PlatformError, connect, platform_devices
 from .exec_cache import ExecutableCache
@@ -185,7 +185,16 @@ def _place_weights(path: str, reader: weights_io.Reader, specs: Sequence[artifac
         if w not in reader:
             raise ArtifactError(f"artifact {path}: weight {w!r} is missing from {artifact.WEIGHTS}; re-export it")
     shardings = sharding_mod.weight_shardings({w: reader[w].shape for w in used}, partition_rules, jmesh, device)
-    return {w: sharding_mod.place(reader[w], shardings[w]) for w in used}, shardings
+    return {w: sharding_mod.place(_host_copy(reader[w], shardings[w]), shardings[w]) for w in used}, shardings
+
+
+def _host_copy(view: Any, sharding: Any) -> Any:
+    """A large weight bound for one CPU device: a copy in 2 MiB pages (host_pages), which jax
+    aliases; anything else: the file's view, which device_put copies or shards."""
+    devices = sharding.device_set
+    if len(devices) != 1 or next(iter(devices)).platform != "cpu" or view.nbytes < host_pages.MIN_BYTES:
+        return view
+    return host_pages.copy_in_huge_pages(view)
 
 
 def kernel_support(platform: str | None = None, *, mesh: bool = False) -> kernels.KernelBackend:
