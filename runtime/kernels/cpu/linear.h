@@ -27,11 +27,21 @@ inline uint16_t f32_to_f16(float f) {
 // each matrix row is read from memory once and reused from L1 by every group of x rows.
 // `ahead`: the matrix rows the next tiles read, prefetched while this one computes (with several
 // groups of x rows the tile is compute-bound and the hardware prefetcher falls behind: measured
-// 19.7 GB/s at 16 rows against 61.5 GB/s at 1 row). The groups share the prefetching: group g of
+// 19.7 GB/s at 16 rows against 61.5 GB/s at 1 row; none where ahead_first >= kPrefetchRows and
+// ahead_step > 1). The groups share the prefetching: group g of
 // G (G <= 4) fetches rows g, g + G, ... of the next 4, a line per 32 elements as it computes, so
 // the reads go on through every group instead of stalling the first while the others find the
 // memory idle (decode of 16 sequences, gemma3-1b shape: 128 -> 116 ms, 2026-11-26).
 constexpr int kPrefetchRows = 4;  // how far ahead (matrix rows) a tile prefetches
+// Up to this many x rows (one or two decode rows) the matrix rows are read one after the other, one
+// sequential stream per thread and no software prefetch, each row's products with every x row
+// chained in one accumulator (the tiles' order: a row's sums do not change with the row count).
+// Four rows side by side plus four prefetched ahead, as the tiles read them, held 4 KiB-page
+// streams that the hardware prefetchers restart at every page: one decode row of the default model
+// took 10-11 ms a step against 14-17, of a 1B Llama shape 67-70 against 75-86 (2-core AMD EPYC,
+// weights in 2 MiB pages, 2026-11-30, docs/performance.md); from four rows on, the tiles are the
+// faster (at 4 rows 1B: 91-97 against 83-87 ms; at 16 rows the default model 36 against 22).
+constexpr int64_t kSeqRows = 2;
 
 template <int NR, int MR>
 inline void bf16_tile(const uint16_t* w, int64_t K, const uint16_t* x, int64_t KP, float* out, int64_t N,
@@ -229,6 +239,13 @@ inline void rows16(Kind kind, const uint16_t* w, int64_t K, const uint16_t* x, i
   }
   int64_t n = n0;
 #if defined(__AVX512BF16__)
+  if (M <= kSeqRows) {   // one or two decode rows: the matrix rows one after the other
+    for (; n < n1; ++n) {
+      if (M == 2) bf16_tile<1, 2>(w + n * K, K, x, KP, out + n, N, nullptr, kPrefetchRows, 2);
+      else bf16_tile<1, 1>(w + n * K, K, x, KP, out + n, N, nullptr, kPrefetchRows, 2);
+    }
+    return;
+  }
   for (; n + 4 <= n1; n += 4) bf16_rows<4>(w + n * K, K, x, KP, M, out + n, N);
   for (; n < n1; ++n) bf16_rows<1>(w + n * K, K, x, KP, M, out + n, N);
 #else
