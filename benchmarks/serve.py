@@ -266,11 +266,13 @@ def shape_artifact(model_dir: str, path: str) -> str:
 
 
 def quantized_artifact(source: str, spec: str, path: str) -> str:
-    """hloserve's artifact of `source` exported with `--quantize spec` (once)."""
+    """hloserve's artifact of `source` exported with `--quantize spec` and a bf16 KV cache, as `hloserve
+    serve --quantize spec` exports it (once)."""
     if os.path.exists(os.path.join(path, "manifest.json")):
         return path
     t = time.time()
-    subprocess.run([sys.executable, "-m", HLOSERVE_CLI, "export", source, "--quantize", spec, "-o", path], check=True)
+    subprocess.run([sys.executable, "-m", HLOSERVE_CLI, "export", source, "--quantize", spec, "--kv-cache-dtype",
+                    "bfloat16", "-o", path], check=True)
     print(f"  exported --quantize {spec} in {time.time() - t:.1f} s", flush=True)
     return path
 
@@ -323,7 +325,7 @@ def same_files(args, gguf: str, max_len: int, conc: list[int], workloads: list, 
         # the preset's own type is its file as it is; the others llama-quantize's requantization of it
         path = gguf if kind == "Q4_1" else llama_gguf(gguf, kind, bin_dir, os.path.join(cache_dir(), "bench",
                                                                                        f"smollm2-{kind}.gguf"))
-        art = quantized_artifact(path, "gguf", os.path.join(cache_dir(), "bench", f"smollm2-gguf-{kind}-art"))
+        art = quantized_artifact(path, "gguf", os.path.join(cache_dir(), "bench", f"smollm2-gguf-{kind}-kvbf16-art"))
         name = f"hloserve gguf:{kind}"
         cmd = [sys.executable, "-m", HLOSERVE_CLI, "serve", art, "--port", str(free_port()), "--model-name", MODEL,
                *args.serve_args.split(), *([] if max_len == 2048 else ["--max-model-len", str(max_len)])]
@@ -921,7 +923,7 @@ def main() -> int:
     for spec in [q for q in args.quantize.split(",") if q] if "hloserve" not in skip else []:
         source = PRESET if args.model == "smollm2" else hf_dir
         tag = spec.replace(":", "-")
-        art = quantized_artifact(source, spec, os.path.join(cache_dir(), "bench", f"{args.model}-{tag}-art"))
+        art = quantized_artifact(source, spec, os.path.join(cache_dir(), "bench", f"{args.model}-{tag}-kvbf16-art"))
         name = f"hloserve {spec}"
         serve_args = args.serve_args.split()
         if max_len != 2048 and "--max-model-len" not in serve_args:

@@ -95,8 +95,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
                          "blocks, 'gguf', for one named here; bf16 for the default model), gguf, bf16, or any "
                          "`hloserve export --quantize` spec (int8, int4, ...)")
     sv.add_argument("--kv-cache-dtype", metavar="D",
-                    help="LLM: how a GGUF file or preset exported here stores K and V: bfloat16 (the default "
-                         "model's default), float16, int8 or fp8_e4m3 (alias fp8) (per token and KV head: ~1.9x the "
+                    help="LLM: how a GGUF file or preset exported here stores K and V: bfloat16 (the default, "
+                         "quantized weights included), float16, int8 or fp8_e4m3 (alias fp8) (per token and KV head: ~1.9x the "
                          "blocks of bf16 in --kv-cache-mib; docs/quantization.md); with an artifact directory it "
                          "must be how that artifact was exported")
     sv.add_argument("--host", default="127.0.0.1")

@@ -54,7 +54,9 @@ log = logging.getLogger("hloserve.server")
 def export_choice(quantize: str, *, default_model: bool, kv_cache_dtype: str | None = None,
                   batch_invariant: bool = False) -> tuple[tuple[str, ...], str]:
     """(export flags, cache tag) of `hloserve serve --quantize [--kv-cache-dtype D]` (see SERVE_QUANTIZE;
-    D: the export's --kv-cache-dtype, None: bfloat16 with bf16 weights, the checkpoint's choice otherwise);
+    D: the export's --kv-cache-dtype, None: bfloat16, as llama.cpp keeps a GGUF's K and V in 16 bits: a
+    GGUF alone would export an f32 cache, whose reads cost a quantized step at 16 sequences ~15%, its
+    lead over bf16 weights included; docs/performance.md, 2026-11-30);
     `batch_invariant`: exported with --batch-invariant (what `serve --speculative-config` exports: its
     verifying steps then give plain decoding's greedy tokens), in a cache of its own ("-bi2": the
     second version, norms' sums included; "-bi" exports made before it are not reused)."""
@@ -64,6 +66,8 @@ def export_choice(quantize: str, *, default_model: bool, kv_cache_dtype: str | N
     if quantize == "auto":
         quantize = "bf16" if default_model else "gguf"
     kv_cache_dtype = kv_cache_dtype_name(kv_cache_dtype)     # "fp8" and "fp8_e4m3": one export
+    if quantize != "bf16" and kv_cache_dtype is None:
+        kv_cache_dtype = "bfloat16"
     kv = () if kv_cache_dtype is None else ("--kv-cache-dtype", kv_cache_dtype)
     kv_tag = "" if kv_cache_dtype is None else f"kv{KV_EXPORT_TAGS.get(kv_cache_dtype, kv_cache_dtype.lower())}-"
     if quantize == "bf16":

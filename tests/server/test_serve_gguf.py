@@ -19,11 +19,14 @@ from .servers import running_server
 
 
 def test_export_choice_table():
-    """auto: the file's blocks for a GGUF named on the command line, bf16 for the default model."""
-    assert export_choice("auto", default_model=False) == (("--quantize", "gguf"), f"gguf-{EXPORT_STEP}")
+    """auto: the file's blocks for a GGUF named on the command line, bf16 for the default model; a
+    quantized export keeps K and V in bf16 unless --kv-cache-dtype says otherwise."""
+    assert export_choice("auto", default_model=False) == (("--quantize", "gguf", "--kv-cache-dtype", "bfloat16"),
+                                                          f"gguf-kvbfloat16-{EXPORT_STEP}")
     assert export_choice("auto", default_model=True) == (DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG)
     assert export_choice("bf16", default_model=False) == (DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG)
-    assert export_choice("int4:32:sym", default_model=False) == (("--quantize", "int4:32:sym"), f"int4_32_sym-{EXPORT_STEP}")
+    assert export_choice("int4:32:sym", default_model=False) == (
+        ("--quantize", "int4:32:sym", "--kv-cache-dtype", "bfloat16"), f"int4_32_sym-kvbfloat16-{EXPORT_STEP}")
     # --kv-cache-dtype: its own cache entry, except the default model's own bf16
     assert export_choice("auto", default_model=True, kv_cache_dtype="bfloat16") == (DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG)
     assert export_choice("auto", default_model=True, kv_cache_dtype="int8") == (
@@ -60,7 +63,7 @@ def test_serve_gguf_file_serves_its_own_blocks(tmp_path):
         r = client.completions.create(model=model, prompt="t t", max_tokens=4, temperature=0)
         assert r.usage.completion_tokens == 4
     art, name = serve_target(path)                        # already exported: found, not exported again
-    assert name == "tiny-k" and art.endswith(f"-gguf-{EXPORT_STEP}")
+    assert name == "tiny-k" and art.endswith(f"-gguf-kvbfloat16-{EXPORT_STEP}")
     with open(os.path.join(art, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["model"]["quantization"]["native"] is True
