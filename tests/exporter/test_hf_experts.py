@@ -57,8 +57,12 @@ def test_quantized_experts_are_one_quant_composite_per_layer_body(tmp_path, caps
     """--quantize int8 / int4 on the Qwen3-MoE shape: the experts stored in the linears' scheme (the
     manifest records each stack's scheme), one quant_experts composite in the decode function and no
     grouped (16-bit) one; logits as the same quantized model's torch eager forward (the custom ops'
-    references: summation order and the activations' Q8_0 rounding aside, 2e-3; a wrong expert, scale
-    or row moves them by O(0.1)), and as the f32 model's within what quantization allows: each of the
+    references) within 1e-2, test_hf_causal's bound for quantized linears: both sides round each
+    linear's input to int8 per block of 32, and f32 summation-order noise upstream can move an
+    activation across a rounding boundary, each such flip moving one product by max|x_block| / 127
+    times its weight (the AVX512-VNNI kernels' order gave 3.8e-3 on an AMD EPYC, the AMX ones' under
+    2e-3); a wrong expert, scale or row moves them by O(0.1). And as the f32 model's within what
+    quantization allows: each of the
     19 products in series (q k v o, gate_up, down per layer, the head) adds a relative error e (the
     weights' and activations' relative RMS quantization error, measured), independent from product to
     product, so the logits' RMS difference is bounded by sqrt(19) e of their RMS. The artifact's
@@ -89,7 +93,7 @@ def test_quantized_experts_are_one_quant_composite_per_layer_body(tmp_path, caps
     hf_experts.use_ours(eager)
     quantize_module(eager, config)
     assert hf_experts.quantize_experts(eager, config, QuantRecord()) == 3
-    compare_last_logits(model, eager, 2e-3, f"qwen3_moe {spec} eager")
+    compare_last_logits(model, eager, 1e-2, f"qwen3_moe {spec} eager")
 
     got, want = _last_logits(model, hf.float())
     bound = np.sqrt(19) * _quantization_error(hf, config.scheme)
