@@ -5,7 +5,6 @@ two builds on another worker than test_kernels.py's own build and rebuild."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -39,7 +38,7 @@ def test_fallback_builds_pass_the_kernel_tests(march, tmp_path):
     """The kernels as a CPU without AMX (or without AVX-512) runs them, built here with
     -march=MARCH, pass the same comparisons against the decompositions and torch (the K-quant
     kernel's portable integer loop included: x86-64-v3 has no AVX-512 VNNI)."""
-    if not build.enabled() or not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")):
+    if not build.enabled() or not build.find_compiler():
         pytest.skip("the CPU kernels are off or no C++ compiler is here (the portable path is tested elsewhere)")
     flags = open("/proc/cpuinfo").read().split()
     if FALLBACKS[march] not in flags:

@@ -71,7 +71,7 @@ def library(report: Callable[[str], None] | None = None) -> Library | None:
     they are turned off or cannot be built (then the composites run their decompositions)."""
     if not enabled():
         return None
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    compiler = find_compiler()
     if compiler is None:
         LOG.warning("no C++ compiler (g++/clang++, or $CXX): the CPU kernels are off, "
                     "attention runs its portable formulation")
@@ -95,9 +95,26 @@ def library(report: Callable[[str], None] | None = None) -> Library | None:
     return Library(path, key)
 
 
+def find_compiler() -> str | None:
+    """The C++ compiler the kernels are built with: $CXX, else g++, c++ or clang++ on the PATH."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def object_names(compiler: str) -> dict[str, str]:
+    """.cc file name -> the name its object of this build is kept under (objects/ of the kernel
+    cache, where objects of earlier sources stay beside it)."""
+    shared = _shared(compiler)
+    return {os.path.basename(src): _object_key(src, shared)[:24] + ".o" for src in sources() if src.endswith(".cc")}
+
+
 def _key(compiler: str) -> str:
     parts = [pathlib.Path(f).read_bytes() for f in sources()]
     return hashlib.sha256(b"\0".join(parts + _toolchain(compiler))).hexdigest()
+
+
+def _shared(compiler: str) -> list[bytes]:
+    """What every .cc's object depends on besides itself: the headers beside it and the toolchain."""
+    return [pathlib.Path(h).read_bytes() for h in sources() if h.endswith(".h")] + _toolchain(compiler)
 
 
 def _object_key(src: str, shared: list[bytes]) -> str:
@@ -170,7 +187,7 @@ def _compile(compiler: str, out_dir: str, kept: str | None) -> str | None:
     objects are kept there (where they cannot be, they are not). Returns an error line or None."""
     import jax
     objects, procs, fresh = [], [], []
-    shared = [pathlib.Path(h).read_bytes() for h in sources() if h.endswith(".h")] + _toolchain(compiler)
+    shared = _shared(compiler)
     for src in (s for s in sources() if s.endswith(".cc")):
         key = _object_key(src, shared)
         cached = os.path.join(kept, key[:24] + ".o") if kept else None
