@@ -266,13 +266,14 @@ def shape_artifact(model_dir: str, path: str) -> str:
 
 
 def quantized_artifact(source: str, spec: str, path: str) -> str:
-    """hloserve's artifact of `source` exported with `--quantize spec` and a bf16 KV cache, as `hloserve
-    serve --quantize spec` exports it (once)."""
+    """hloserve's artifact of `source` exported as `hloserve serve --quantize spec` exports it (its
+    flags: server.serve.export_choice; K and V in bf16), once."""
+    from hloserve.server.serve import export_choice
     if os.path.exists(os.path.join(path, "manifest.json")):
         return path
     t = time.time()
-    subprocess.run([sys.executable, "-m", HLOSERVE_CLI, "export", source, "--quantize", spec, "--kv-cache-dtype",
-                    "bfloat16", "-o", path], check=True)
+    flags, _ = export_choice(spec, default_model=False)
+    subprocess.run([sys.executable, "-m", HLOSERVE_CLI, "export", source, *flags, "-o", path], check=True)
     print(f"  exported --quantize {spec} in {time.time() - t:.1f} s", flush=True)
     return path
 

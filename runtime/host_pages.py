@@ -1,10 +1,10 @@
 """Weights on a CPU host in 2 MiB pages.
 
 An artifact's weights are memory-mapped views of its safetensors file, and jax aliases them on the
-CPU (no copy): a step then streams its matrices out of the page cache through 4 KiB mappings. The
-hardware prefetchers stop at every 4 KiB page, and a 1 GiB read with both cores of a 2-core AMD
-EPYC ran at 34 GB/s so against 59 GB/s from 2 MiB pages (2026-11-30, docs/performance.md): a
-decode step, which reads every matrix once, is bound by exactly that. So on a CPU, each large weight
+CPU (no copy): a step then streams its matrices out of the page cache through 4 KiB mappings, and
+the hardware prefetchers stop at every 4 KiB page. From 2 MiB pages a 1 GiB read with both cores of
+a 2-core AMD EPYC ran 0-5% faster (once 59 against 34 GB/s), and the 1B shape's decode step 8-15%
+faster (2026-11-30, docs/performance.md, "Weights in 2 MiB pages"). So on a CPU, each large weight
 is copied once at load into anonymous memory aligned to 2 MiB and advised MADV_HUGEPAGE (the
 kernel backs it with huge pages where it has them free; where it had not at the copy,
 MADV_COLLAPSE asks again), and the device array aliases that copy. Where the kernel has no

@@ -46,7 +46,8 @@ def test_the_copy_holds_the_values_read_only_on_a_huge_page_boundary():
 
 def test_a_loaded_models_large_weights_are_aliased_copies_in_huge_pages(tmp_path):
     """A Linear of 1024 x 1024 f32 (4 MiB) loaded on the CPU: its device array is the 2 MiB-aligned
-    copy itself (jax aliased it: one copy of the weights, not two), the outputs are torch's; and with the kernel's THP on, huge pages back the copy."""
+    copy itself (jax aliased it: one copy of the weights, not two), the outputs are torch's; and with
+    the kernel's THP on, huge pages back the copy."""
     from hloserve.exporter.export import EntryPoint, export_artifact
     from hloserve.runtime import load
 

@@ -36,10 +36,11 @@ constexpr int kPrefetchRows = 4;  // how far ahead (matrix rows) a tile prefetch
 // Up to this many x rows (one or two decode rows) the matrix rows are read one after the other, one
 // sequential stream per thread and no software prefetch, each row's products with every x row
 // chained in one accumulator (the tiles' order: a row's sums do not change with the row count).
-// Four rows side by side plus four prefetched ahead, as the tiles read them, held 4 KiB-page
-// streams that the hardware prefetchers restart at every page: one decode row of the default model
-// took 10-11 ms a step against 14-17, of a 1B Llama shape 67-70 against 75-86 (2-core AMD EPYC,
-// weights in 2 MiB pages, 2026-11-30, docs/performance.md); from four rows on, the tiles are the
+// The tiles read four rows side by side and prefetch four more: eight streams a thread, which the
+// hardware prefetchers follow worse than one (one thread read 19-20 GB/s so against 29-30 one row
+// after the other). One decode row of the default model took 10-11 ms a step against 14-17, of a
+// 1B Llama shape 67-70 against 75-86 (2-core AMD EPYC, weights in 2 MiB pages on both sides,
+// 2026-11-30, docs/performance.md); from four rows on, the tiles are the
 // faster (at 4 rows 1B: 91-97 against 83-87 ms; at 16 rows the default model 36 against 22).
 constexpr int64_t kSeqRows = 2;
 
