@@ -1,32 +1,45 @@
 #!/bin/bash
-# hloserve on one NVIDIA GPU in one go: versions, the GPU tests, the LLM step against transformers eager.
+# hloserve on one NVIDIA GPU in one go: versions and copy bandwidth; the 1B step under several XLA option
+# sets against transformers eager and a static-cache torch.compile decoder; int8/int4 steps; the served
+# model at c=1/16/64 under the fastest option set; the GPU tests; one summary JSON.
 #
 #   OUT=DIR bash benchmarks/gpu_check.sh       (from anywhere; OUT defaults to a new temporary directory)
 #
 # Made for a lent GPU machine without network whose python3 holds torch, jax with its CUDA plugin and
 # transformers: wheels of the packages it lacks (fastapi, pydantic, llguidance, gguf, ...: docs/deploy.md,
 # "Checking a GPU machine in one go") are taken from .whl/ at the repository root, installed into
-# /tmp/site, and hloserve is put on the path from this checkout (no install). No step stops the next one; each has
-# a time limit. Everything printed also goes to $OUT/gpu_check.log.
+# /tmp/site, and hloserve is put on the path from this checkout (no install); SmolLM2's tokenizer
+# files (tokenizer.json, tokenizer_config.json, chat_template.jinja) come from $TOK (default .gpu/tok)
+# so that the random-init model can be served. No step stops the next one; each has a time limit, and
+# together they fit a 10-minute call. Everything printed also goes to $OUT/gpu_check.log.
 #
 #   $OUT/gpu_check.log             the whole output, with a summary at the end
-#   $OUT/tests.xml                 pytest's junit report of the GPU tests
-#   $OUT/step_vs_transformers.json the step's latency per call shape, hloserve and transformers eager
-#   $OUT/quant_steps.txt           the same model exported with --quantize int8 and int4: its step per call
-#                                  shape against the bf16 artifact's (hloserve.quant_linear's Triton kernel)
+#   $OUT/bandwidth.json            the device's copy bandwidth (bytes read + written over time)
+#   $OUT/step_vs_transformers.json the step per call shape: hloserve under each XLA option set (with
+#                                  kernels per step and the device's busy share from a jax profile),
+#                                  transformers eager, and transformers' static cache under torch.compile
+#   $OUT/quant_steps.json          the same model exported with --quantize int8 and int4: its step per
+#                                  call shape against the bf16 artifact's (quant_linear's Triton kernel)
 #   $OUT/quant_inspect.txt         `hloserve inspect --platform cuda` of the int4 artifact (its kernels)
+#   $OUT/served.json               benchmarks/serve.py's results (c=1, 16, 64) under the fastest options
+#   $OUT/tests.xml                 pytest's junit report of the GPU tests
+#   $OUT/gpu-results.json          the summary (benchmarks/gpu_summary.py): goes to benchmarks/results/
 #
-# Knobs (environment): PYTHON (python3), TEST_S (120), BENCH_S (210) and QUANT_S (300) seconds, TEST_WORKERS (4),
-# SHAPE (llama-1b: a serve.py shape), STEP_SHAPES (1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024),
-# (the chunk shapes, 256x1@0 and 256x1@1024, have more rows than sequences: the Triton kernel's tile
-# path runs them; the decode shapes take its per-token path: docs/deploy.md, "Kernels per platform"),
-# BENCH_ARGS (more step_vs_transformers.py flags, e.g. "--layers 2 --device cpu" to rehearse on a CPU).
+# Knobs (environment): PYTHON (python3), STEP_S (300), QUANT_S (60), SERVE_S (120), TEST_S (50) seconds,
+# TEST_WORKERS (4), SHAPE (llama-1b), VARIANTS (default,unroll,graphs,unroll+graphs: step_vs_transformers.py's
+# XLA_VARIANTS), STEP_SHAPES (1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024), BENCH_ARGS (more
+# step_vs_transformers.py flags, e.g. "--layers 2 --device cpu" to rehearse on a CPU), SERVE_PLATFORM
+# (cuda), SERVE_ARGS, WHEELS (.whl; a folder without wheels skips the install, as on a CPU rehearsal).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HLOSERVE_CACHE=${HLOSERVE_CACHE:-/tmp/hloserve-gpu-check-cache}
+export WORK=$HLOSERVE_CACHE/bench/gpu-check TOK=${TOK:-$PWD/.gpu/tok}
+# exports run on the upper half of the cores while the lower half times the device
+HALF=$(( $(nproc) / 2 )); LOW="taskset -c 0-$(( HALF > 1 ? HALF - 1 : 0 ))"; HIGH="taskset -c $HALF-$(( $(nproc) - 1 ))"
+[ "$(nproc)" -ge 4 ] || { LOW=""; HIGH=""; }
 declare -a SUMMARY
 
 step() {   # step NAME LIMIT_S FUNCTION: run FUNCTION under a time limit, note its status and duration
@@ -39,10 +52,10 @@ step() {   # step NAME LIMIT_S FUNCTION: run FUNCTION under a time limit, note i
 }
 
 setup() {
-  local site=${SITE:-/tmp/site}
-  if ls .whl/*.whl >/dev/null 2>&1; then
-    echo "installing $(ls .whl/*.whl | wc -l) wheels from .whl/ into $site (no dependencies)"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+  local site=${SITE:-/tmp/site} wheels=${WHEELS:-.whl}
+  if ls "$wheels"/*.whl >/dev/null 2>&1; then
+    echo "installing $(ls "$wheels"/*.whl | wc -l) wheels from $wheels/ into $site (no dependencies)"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$wheels"/*.whl \
       || echo "WARNING: the wheels did not install; imports of the server's packages may fail"
     export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
   fi
@@ -76,8 +89,21 @@ import hloserve.runtime, hloserve.server.cli  # noqa: F401
 print("hloserve.runtime and the server import from", hloserve.runtime.__file__)
 import hloserve.exporter.export  # noqa: F401  (needs torch)
 print("hloserve.exporter imports")
+import json, os, time
+import jax.numpy as jnp
+x = jnp.ones((1 << 30,), jnp.bfloat16)                     # 2 GiB: a copy reads and writes 4 GiB
+f = jax.jit(lambda a: a + 1)
+f(x).block_until_ready()
+t0 = time.perf_counter()
+for _ in range(10):
+    y = f(x)
+y.block_until_ready()
+gb_s = 10 * 2 * x.nbytes / (time.perf_counter() - t0) / 1e9
+print(f"device copy bandwidth (read + written): {gb_s:.0f} GB/s")
+json.dump({"gb_s": gb_s, "device": str(jax.devices()[0].device_kind)}, open(os.environ["OUT"] + "/bandwidth.json", "w"))
 EOF
 }
+
 
 gpu_tests() {
   # the files holding `gpu`-marked tests; their tests that need the SmolLM2 GGUF (a PyPI download) are
@@ -86,7 +112,7 @@ gpu_tests() {
   local files
   files=$(grep -rl "mark.gpu" tests --include='test_*.py' | sort)
   echo "test files with gpu-marked tests: $files"
-  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest $files -p no:cacheprovider -q -rfEs --timeout 120 \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest $files -p no:cacheprovider -q -rfEs --timeout 60 \
     -n "${TEST_WORKERS:-4}" --junitxml "$OUT/tests.xml" -o junit_family=xunit1 \
     --deselect tests/server/test_accelerators.py::test_llm_step_is_lowered_for_every_platform_by_default \
     --deselect tests/server/test_accelerators.py::test_accelerator_path_in_interpret_mode_matches_the_cpu \
@@ -95,39 +121,77 @@ gpu_tests() {
     --deselect tests/server/test_accelerators.py::test_inspect_names_the_quantized_linears_kernels
 }
 
-bench() {
-  # each side in its own process with the device to itself; jax takes 60% of it up front
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 "$PY" benchmarks/step_vs_transformers.py --shape "${SHAPE:-llama-1b}" \
+steps() {
+  # the model is built and exported once ($WORK/hf, $WORK/art, with SmolLM2's tokenizer: servable); the
+  # int8/int4 exports start in the background on the upper cores once the bf16 one is done
+  local exports="for q in int8 int4; do [ -d $WORK/art-\$q ] || $PY -m hloserve.server.cli export $WORK/hf -o $WORK/art-\$q --quantize \$q; done"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 $LOW "$PY" benchmarks/step_vs_transformers.py --shape "${SHAPE:-llama-1b}" \
     --shapes "${STEP_SHAPES:-1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024}" --repeats 20 \
-    --work /tmp/hloserve-gpu-check-bench --json "$OUT/step_vs_transformers.json" ${BENCH_ARGS:-}
+    --sides hloserve,transformers,compiled --xla-variants "${VARIANTS:-default,unroll,graphs,unroll+graphs}" \
+    --compiled-shapes 1x1@300,16x16@300 --side-timeout hloserve=170,transformers=50,compiled=90 --tokenizer-dir "$TOK" --work "$WORK" --json "$OUT/step_vs_transformers.json" \
+    --after-export "$HIGH bash -c '$exports' > $WORK/quant_export.log 2>&1" ${BENCH_ARGS:-}
+}
+
+best_options() {   # the fastest XLA option set of the steps, as HLOSERVE_XLA_OPTIONS
+  "$PY" - <<'EOF'
+import json, os, sys
+sys.path.insert(0, "benchmarks")
+from step_vs_transformers import XLA_VARIANTS
+try:
+    best = json.load(open(os.environ["OUT"] + "/step_vs_transformers.json"))["hloserve"]["best"]
+except (OSError, KeyError, ValueError):
+    best = "default"
+print(XLA_VARIANTS[best])
+EOF
+}
+
+wait_for_exports() {   # the background int8/int4 exports (the calling step's limit bounds the wait)
+  while pgrep -f "cli export $WORK/hf" >/dev/null; do sleep 1; done
 }
 
 quant() {
-  # bench's model (its work directory) exported with --quantize int8 and int4; the plan shows that
-  # hloserve.quant_linear runs the Triton kernel (runtime/kernels/pallas/quant_gpu.py), then the steps
-  # of the bf16, int8 and int4 artifacts side by side (the ratio column: against bf16)
-  local work=/tmp/hloserve-gpu-check-bench q
-  [ -d "$work/hf" ] && [ -d "$work/art" ] || { echo "no model or bf16 artifact in $work (bench did not export)"; return 1; }
-  for q in int8 int4; do
-    [ -d "$work/art-$q" ] || "$PY" -m hloserve.server.cli export "$work/hf" -o "$work/art-$q" --quantize "$q" || return 1
-  done
-  "$PY" -m hloserve.server.cli inspect "$work/art-int4" --platform cuda > "$OUT/quant_inspect.txt" || return 1
+  # the bf16, int8 and int4 steps side by side (the ratio column: against bf16) under the fastest
+  # options; `inspect --platform cuda` shows hloserve.quant_linear on its Triton kernel
+  wait_for_exports
+  [ -d "$WORK/art-int8" ] && [ -d "$WORK/art-int4" ] || { echo "the int8/int4 exports are missing:"; tail -5 "$WORK/quant_export.log"; return 1; }
+  "$PY" -m hloserve.server.cli inspect "$WORK/art-int4" --platform cuda > "$OUT/quant_inspect.txt" || return 1
   grep -m1 "quant_linear" "$OUT/quant_inspect.txt"; grep "custom calls" "$OUT/quant_inspect.txt"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 "$PY" benchmarks/step_shapes.py "$work/art" "$work/art-int8" "$work/art-int4" \
-    --shapes "${STEP_SHAPES:-1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024}" --repeats 9 | tee "$OUT/quant_steps.txt"
+  HLOSERVE_XLA_OPTIONS=$(best_options) XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 $LOW "$PY" benchmarks/step_shapes.py \
+    "$WORK/art" "$WORK/art-int8" "$WORK/art-int4" --shapes 1x1@300,16x16@300,64x64@300,256x1@0 --repeats 9 \
+    --json "$OUT/quant_steps.json"
+}
+
+served() {
+  # the bf16 artifact served under the fastest options: c=1, 16, 64 (serve.py's streaming client)
+  local opts; opts=$(best_options)
+  echo "HLOSERVE_XLA_OPTIONS='$opts'"
+  mkdir -p "$HLOSERVE_CACHE/bench"; ln -sfn "$WORK/hf" "$HLOSERVE_CACHE/bench/${SHAPE:-llama-1b}-hf"
+  HLOSERVE_XLA_OPTIONS=$opts $LOW "$PY" benchmarks/serve.py --model "${SHAPE:-llama-1b}" --artifact "$WORK/art" \
+    --tokenizer-dir "$TOK" --skip vllm,transformers,llama-server,llama-cpp-python --no-cold-start \
+    --serve-args "--platform ${SERVE_PLATFORM:-cuda} --max-num-seqs 64 ${SERVE_ARGS:-}" \
+    --concurrency 1,16,64 --requests 6,32,128 --output-len 64 --long-requests 0
+  cp "$(ls -t /tmp/hloserve-bench-*/results.json | head -1)" "$OUT/served.json"
+}
+
+summary() {
+  "$PY" benchmarks/gpu_summary.py "$OUT" "$WORK/art" --commit "$(git rev-parse --short HEAD 2>/dev/null || echo '?')" \
+    --gpu "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)" \
+    --served "$OUT/served.json" -o "$OUT/gpu-results.json"
 }
 
 main() {
   echo "gpu_check: $(date -u +%FT%TZ) in $PWD, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), OUT=$OUT"
   setup
-  step versions 60 versions
-  step gpu-tests "${TEST_S:-120}" gpu_tests
-  step step-vs-transformers "${BENCH_S:-210}" bench
-  step quant-steps "${QUANT_S:-300}" quant
+  step versions 40 versions
+  step steps "${STEP_S:-300}" steps
+  step quant-steps "${QUANT_S:-60}" quant
+  step served "${SERVE_S:-120}" served
+  step summary 15 summary
+  step gpu-tests "${TEST_S:-50}" gpu_tests
   echo; echo "=== summary ==="
   printf '%s\n' "${SUMMARY[@]}"
 }
 
-export -f versions gpu_tests bench quant
-export PY OUT
+export -f versions gpu_tests steps best_options quant wait_for_exports served summary
+export PY OUT LOW HIGH WORK TOK
 main 2>&1 | tee "$OUT/gpu_check.log"

@@ -1,7 +1,7 @@
 """Step-function latency by call shape, for one or more LLM artifacts side by side.
 
     python benchmarks/step_shapes.py ART [ART ...] [--function decode] [--repeats 5]
-                                     [--shapes 1x1@300,16x16@300,256x1@1024]
+                                     [--shapes 1x1@300,16x16@300,256x1@1024] [--json PATH]
 
 Each shape TxS@C is one call of the function with T tokens spread evenly over S sequences, each
 sequence having C tokens already in its cache (T = S: a decode step; T > S: prompt chunks).
@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--function", default="decode")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated TxS@C (default %(default)s)")
+    ap.add_argument("--json", help="also write {artifact: {shape: ms}} here")
     args = ap.parse_args(argv)
     shapes = parse_shapes(args.shapes)
     timers = []
@@ -92,13 +93,20 @@ def main(argv=None) -> int:
     print("| T x S @ context | " + " | ".join(f"artifact {i + 1} (ms)" for i in range(len(timers)))
           + "".join(f" | {i + 1} / 1" for i in range(1, len(timers))) + " |")
     print("|---" * (1 + 2 * len(timers) - 1) + "|")
+    table: dict[str, dict[str, float]] = {path: {} for path in args.artifacts}
     for n, (T, S, C) in enumerate(shapes, 1):
         print(f"[step_shapes] shape {n}/{len(shapes)}: {T}x{S}@{C}", file=sys.stderr, flush=True)
         ms = [t.time(T, S, C, args.repeats) for t in timers]
+        for path, m in zip(args.artifacts, ms):
+            table[path][f"{T}x{S}@{C}"] = m
         print(f"| {T} x {S} @ {C} | " + " | ".join(f"{m:.1f}" for m in ms)
               + "".join(f" | {m / ms[0]:.2f}" for m in ms[1:]) + " |", flush=True)
     for i, path in enumerate(args.artifacts, 1):
         print(f"artifact {i}: {path}")
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump(table, f, indent=1)
     return 0
 
 

@@ -1,19 +1,25 @@
-"""The LLM step through hloserve's runtime against transformers eager: same weights, shapes and device.
+"""The LLM step through hloserve's runtime against transformers eager and compiled: same weights, shapes, device.
 
     python benchmarks/step_vs_transformers.py [--shape llama-1b] [--vocab 49152] [--layers N]
         [--shapes 1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024] [--repeats 20] [--device cuda|cpu]
-        [--work DIR] [--json PATH]
+        [--sides hloserve,transformers,compiled] [--xla-variants default,unroll,graphs,unroll+graphs]
+        [--work DIR] [--json PATH] [--tokenizer-dir TOK] [--side-timeout S]
 
 A random-init model of one of serve.py's shapes (`SHAPES`; `--layers` cuts its depth, `--vocab`
 sets its vocabulary, default SmolLM2's as serve.py uses), saved in bf16 as real checkpoints are,
 is exported as `hloserve export DIR` does (bf16 weight matrices and KV cache under f32 activations)
-and timed in two processes, one after the other, each with the device to itself:
+and timed in one process per side, one after the other, each with the device to itself:
 
   * hloserve: `runtime.load` on jax's default backend, the artifact's `decode` called at each shape
-    TxS@C as benchmarks/step_shapes.py does (T tokens over S sequences with C tokens cached);
+    TxS@C as benchmarks/step_shapes.py does (T tokens over S sequences with C tokens cached), once
+    per XLA option set of --xla-variants (`XLA_VARIANTS`, compiled with each through
+    $HLOSERVE_XLA_OPTIONS), each with a jax profile of ten calls of the first shape: kernels per
+    step and the share of the step some device stream is busy;
   * transformers eager (`--device`; bf16 on cuda, f32 on cpu; sdpa, DynamicCache): the same shapes:
     S sequences prefilled to C tokens untimed, then one forward of their next T/S tokens each
-    (logits of the last only), the cache cropped back to C after every call.
+    (logits of the last only), the cache cropped back to C after every call;
+  * compiled: transformers with a static KV cache and its forward under
+    torch.compile(mode="reduce-overhead") (CUDA graphs on a GPU), the decode shapes only.
 
 Each call ends with the last-token logits on the host (hloserve's server samples there); each row
 is the median of --repeats calls after warm ones, and the ratio transformers / hloserve (> 1:
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -65,18 +72,150 @@ def make_model_dir(shape: str, vocab: int, layers: int | None, path: str) -> str
     return path
 
 
-def time_hloserve(art: str, shapes, repeats: int) -> dict:
-    """Per shape the median ms of `decode` through runtime.load, and the parity prompt's logits."""
+# XLA option sets the hloserve side can time side by side (--xla-variants): each one's executables are
+# compiled with it (runtime.client.compiler_options via $HLOSERVE_XLA_OPTIONS), in the same process.
+XLA_VARIANTS = {
+    "default": "",
+    "unroll": "xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL",
+    "graphs": "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL;"
+              "xla_gpu_graph_min_graph_size=1",
+    "unroll+graphs": "xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL;"
+                     "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL;"
+                     "xla_gpu_graph_min_graph_size=1",
+    "no-graphs": "xla_gpu_enable_command_buffer=",
+}
+
+
+def device_profile(timer: Timer, shape: tuple[int, int, int], steps: int = 10) -> dict:
+    """`steps` calls of `shape` under jax's profiler: per step the device's kernels (and copies), the
+    time some stream is busy, and the wall time; {} where the trace has no device plane (CPU)."""
+    import glob
     import jax
-    timer = Timer(art, "decode", shapes)
-    rows = {f"{T}x{S}@{C}": timer.time(T, S, C, repeats) for T, S, C in shapes}
-    out = {"device": f"{jax.default_backend()} ({jax.devices()[0].device_kind})", "ms": rows,
-           "compile_s": round(timer.fn.stats.compile_seconds, 1), "kernels": timer.fn.kernels}
+    from jax.profiler import ProfileData
+    T, S, C = shape
+    ins = timer.inputs(T, S, C)
+    timer.time(T, S, C, 1)                                   # warm: nothing compiles inside the trace
+    trace = tempfile.mkdtemp(prefix="hloserve-trace-")
+    jax.profiler.start_trace(trace)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = timer.fn(**ins, **{timer.llm.kv_cache.input: timer.cache})
+        timer.cache = out[timer.llm.kv_cache.output]
+        np.asarray(out["logits"])
+    wall = (time.perf_counter() - t0) / steps
+    jax.profiler.stop_trace()
+    files = glob.glob(os.path.join(trace, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+        return {}
+    spans, kernels, copies, names = [], 0, 0, set()
+    for plane in ProfileData.from_file(files[0]).planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            names.add(f"{plane.name}: {line.name}")
+            if not line.name.startswith("Stream"):
+                continue
+            for e in line.events:
+                spans.append((e.start_ns, e.start_ns + e.duration_ns))
+                if "memcpy" in e.name.lower() or "memset" in e.name.lower():
+                    copies += 1
+                else:
+                    kernels += 1
+    if not spans:
+        return {"device_lines": sorted(names)[:20]} if names else {}
+    spans.sort()
+    busy, end = 0, spans[0][0]
+    for a, b in spans:                                       # the union of the streams' busy intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return {"shape": f"{T}x{S}@{C}", "kernels_per_step": kernels / steps, "copies_per_step": copies / steps,
+            "device_busy_ms_per_step": busy / steps / 1e6, "wall_ms_per_step": wall * 1e3,
+            "busy_share": busy / steps / 1e9 / wall}
+
+
+def time_hloserve(art: str, shapes, repeats: int, variants: list[str]) -> dict:
+    """Per XLA variant the median ms of `decode` through runtime.load at each decode shape (T == S),
+    with a device profile of the first; then the fastest variant at the prompt-chunk shapes (T > S)
+    and the parity prompt's logits."""
+    import jax
+    out = {"device": f"{jax.default_backend()} ({jax.devices()[0].device_kind})", "variants": {}}
+    decodes = [sh for sh in shapes if sh[0] == sh[1]] or shapes[:1]
+    timers = {}
+    for name in variants:
+        os.environ["HLOSERVE_XLA_OPTIONS"] = XLA_VARIANTS[name]
+        print(f"[step_vs_transformers] hloserve, XLA variant {name!r}: {XLA_VARIANTS[name] or 'defaults'}",
+              file=sys.stderr, flush=True)
+        try:
+            timer = Timer(art, "decode", shapes)
+            rows = {f"{T}x{S}@{C}": timer.time(T, S, C, repeats) for T, S, C in decodes}
+            result = {"ms": rows, "compile_s": round(timer.fn.stats.compile_seconds, 1), "kernels": timer.fn.kernels}
+            try:
+                result["profile"] = device_profile(timer, decodes[0])
+            except Exception as e:   # the profiler is a report, not the measurement
+                result["profile"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            timers[name] = timer
+        except Exception as e:
+            result = {"error": f"{type(e).__name__}: {e}"[:500]}
+        print(f"[step_vs_transformers] variant {name!r}: {result}", file=sys.stderr, flush=True)
+        out["variants"][name] = result
+    if not timers:
+        return out
+    # the first decode shape decides (one decoding sequence), then the next
+    best = min(timers, key=lambda k: tuple(out["variants"][k]["ms"].values()))
+    os.environ["HLOSERVE_XLA_OPTIONS"] = XLA_VARIANTS[best]    # (read at load; set for any later load)
+    timer = timers[best]
+    rows = out["variants"][best]["ms"]
+    for T, S, C in shapes:
+        if f"{T}x{S}@{C}" not in rows:
+            rows[f"{T}x{S}@{C}"] = timer.time(T, S, C, repeats)
+    out["variants"][best]["compile_s"] = round(timer.fn.stats.compile_seconds, 1)
+    out.update(best=best, ms={f"{T}x{S}@{C}": rows[f"{T}x{S}@{C}"] for T, S, C in shapes})
     if (PARITY_TOKENS, 1, 0) in shapes:
         ins = dict(timer.inputs(PARITY_TOKENS, 1, 0), tokens=parity_prompt(timer.llm.vocab_size))
         res = timer.fn(**ins, **{timer.llm.kv_cache.input: timer.cache})
         out["parity_logits"] = np.asarray(res["logits"])[0].astype(np.float32).tolist()
+    os.environ.pop("HLOSERVE_XLA_OPTIONS", None)
     return out
+
+
+def time_compiled(model_dir: str, shapes, repeats: int, device: str) -> dict:
+    """The decode shapes (T == S) through transformers with a static KV cache under
+    torch.compile(mode="reduce-overhead") (CUDA graphs on a GPU): the gpt-fast class of decoder."""
+    import torch
+    import transformers
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    vocab = hf.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    step = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    rows, compile_s = {}, {}
+    with torch.no_grad():
+        for T, S, C in shapes:
+            if T != S:
+                continue
+            cache = transformers.StaticCache(config=hf.config, max_cache_len=C + repeats + 8)
+            hf(torch.randint(3, vocab, (S, C), generator=gen).to(device), past_key_values=cache, use_cache=True,
+               cache_position=torch.arange(C, device=device), logits_to_keep=1)        # prefill, eager
+            ids = torch.randint(3, vocab, (S, 1), generator=gen).to(device)
+            times = []
+            t_first = time.perf_counter()
+            for i in range(repeats + 3):
+                pos = torch.tensor([C + i], device=device)
+                t0 = time.perf_counter()
+                logits = step(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=pos,
+                              position_ids=pos.expand(S, 1), logits_to_keep=1).logits
+                logits[:, -1].float().cpu()
+                if i == 2:
+                    compile_s[f"{T}x{S}@{C}"] = round(time.perf_counter() - t_first, 1)
+                if i >= 3:
+                    times.append(time.perf_counter() - t0)
+            rows[f"{T}x{S}@{C}"] = statistics.median(times) * 1e3
+            print(f"[step_vs_transformers] compiled {T}x{S}@{C}: {rows[f'{T}x{S}@{C}']:.2f} ms "
+                  f"(first 3 calls, compile included, {compile_s[f'{T}x{S}@{C}']} s)", file=sys.stderr, flush=True)
+    return {"device": f"{device} ({torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu'})",
+            "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+            "transformers": transformers.__version__, "ms": rows, "compile_s": compile_s}
 
 
 def time_transformers(model_dir: str, shapes, repeats: int, device: str) -> dict:
@@ -119,18 +258,26 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, art: str, work
     """One side in its own process (the device to itself); its result dict, or {'error': ...}."""
     out = os.path.join(work, f"{side}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--model-dir", model_dir, "--artifact", art,
-           "--shapes", args.shapes, "--repeats", str(args.repeats), "--device", args.device, "--json", out]
+           "--shapes", args.shapes, "--repeats", str(args.repeats), "--device", args.device, "--json", out,
+           "--xla-variants", args.xla_variants] + (["--compiled-shapes", args.compiled_shapes]
+                                                    if args.compiled_shapes else [])
     print(f"[step_vs_transformers] {side}: {' '.join(cmd[1:3])} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd)
+    limits = dict(p.split("=") if "=" in p else (side, p) for p in (args.side_timeout or "").split(",") if p)
+    limit = float(limits[side]) if side in limits else None
+    try:
+        proc = subprocess.run(cmd, timeout=limit)
+        status = f"exit status {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        proc, status = None, f"killed at its --side-timeout of {limit:.0f} s"
     took = time.perf_counter() - t0
-    if proc.returncode != 0 or not os.path.exists(out):
-        return {"error": f"exit status {proc.returncode} after {took:.0f} s (its output is above)"}
+    if proc is None or proc.returncode != 0 or not os.path.exists(out):
+        return {"error": f"{status} after {took:.0f} s (its output is above)"}
     with open(out) as f:
         result = json.load(f)
     result["process_s"] = round(took, 1)
     print(f"[step_vs_transformers] {side} on {result['device']} in {took:.0f} s: "
-          + ", ".join(f"{k} {v:.2f} ms" for k, v in result["ms"].items()), file=sys.stderr, flush=True)
+          + ", ".join(f"{k} {v:.2f} ms" for k, v in result.get("ms", {}).items()), file=sys.stderr, flush=True)
     return result
 
 
@@ -143,20 +290,39 @@ def compare_logits(a: list, b: list) -> dict:
 
 
 def report(result: dict, shapes) -> None:
-    ours, theirs = result.get("hloserve", {}), result.get("transformers", {})
+    ours, eager, compiled = (result.get(k, {}) for k in ("hloserve", "transformers", "compiled"))
     print(f"\nmodel: {result['model']}")
-    for name, side in (("hloserve", ours), ("transformers", theirs)):
+    for name, side in (("hloserve", ours), ("transformers", eager), ("compiled", compiled)):
         if "error" in side:
             print(f"{name}: FAILED: {side['error']}")
-        else:
-            extra = {k: v for k, v in side.items() if k not in ("ms", "parity_logits")}
+        elif side:
+            extra = {k: v for k, v in side.items() if k not in ("ms", "parity_logits", "variants")}
             print(f"{name}: {extra}")
-    print("\n| T x S @ context | hloserve ms | transformers eager ms | transformers / hloserve |\n|---|---|---|---|")
+    variants = ours.get("variants", {})
+    if variants:
+        print("\nhloserve by XLA option set (ms; kernels and device busy share of one step of the first shape):\n")
+        keys = [f"{T}x{S}@{C}" for T, S, C in shapes]
+        print("| XLA options | " + " | ".join(keys) + " | kernels / step | device busy | compile s |")
+        print("|---" * (len(keys) + 4) + "|")
+        for name, v in variants.items():
+            if "error" in v:
+                print(f"| {name} | FAILED: {v['error'][:200]} |")
+                continue
+            cells = [f"{v['ms'][key]:.2f}" if key in v["ms"] else "-" for key in keys]
+            prof = v.get("profile", {})
+            k = f"{prof['kernels_per_step']:.0f}" if "kernels_per_step" in prof else "-"
+            b = f"{prof['busy_share']:.0%}" if "busy_share" in prof else "-"
+            print(f"| {name} | " + " | ".join(cells) + f" | {k} | {b} | {v['compile_s']} |")
+        if "best" in ours:
+            print(f"\nfastest XLA option set: {ours['best']} ({XLA_VARIANTS[ours['best']] or 'defaults'})")
+    print("\n| T x S @ context | hloserve ms | transformers eager ms | eager / hloserve | torch.compile static ms "
+          "| compiled / hloserve |\n|---|---|---|---|---|---|")
     for T, S, C in shapes:
         key = f"{T}x{S}@{C}"
-        a, b = ours.get("ms", {}).get(key), theirs.get("ms", {}).get(key)
-        ratio = f"{b / a:.2f}" if a and b else "-"
-        print(f"| {T} x {S} @ {C} | {f'{a:.2f}' if a else '-'} | {f'{b:.2f}' if b else '-'} | {ratio} |")
+        a, b, c = (side.get("ms", {}).get(key) for side in (ours, eager, compiled))
+        cells = [f"{x:.2f}" if x else "-" for x in (a, b)] + [f"{b / a:.2f}" if a and b else "-"]
+        cells += [f"{c:.2f}" if c else "-", f"{c / a:.2f}" if a and c else "-"]
+        print(f"| {T} x {S} @ {C} | " + " | ".join(cells) + " |")
     if "parity" in result:
         print(f"\nlast-token logits of a {PARITY_TOKENS}-token prompt, hloserve vs transformers: {result['parity']}")
 
@@ -171,15 +337,39 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="transformers' torch device (default %(default)s)")
     ap.add_argument("--work", default=None, help="directory for the model and artifact (default: a temporary one)")
     ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--side", choices=["hloserve", "transformers"], help=argparse.SUPPRESS)
+    ap.add_argument("--tokenizer-dir", help="copy this tokenizer (the same vocabulary) into the model, so that "
+                                            "the artifact can be served")
+    ap.add_argument("--after-export", help="a shell command started in the background once the export is done "
+                                           "(e.g. more exports of the same model while the device is timed)")
+    ap.add_argument("--xla-variants", default="default",
+                    help=f"hloserve: XLA option sets to time side by side, comma-separated ({', '.join(XLA_VARIANTS)})")
+    ap.add_argument("--sides", default="hloserve,transformers",
+                    help="which to run: hloserve, transformers (eager), compiled (static cache under "
+                         "torch.compile reduce-overhead; decode shapes only)")
+    ap.add_argument("--compiled-shapes", default=None,
+                    help="the decode shapes the compiled side times (default: every T == S shape of --shapes; "
+                         "each batch size is one more torch.compile)")
+    ap.add_argument("--side-timeout", default=None,
+                    help="seconds each side's process may take: one number, or side=S pairs (hloserve=170,compiled=90)")
+    ap.add_argument("--side", choices=["hloserve", "transformers", "compiled"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--artifact", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     shapes = parse_shapes(args.shapes)
+    variants = args.xla_variants.split(",")
+    unknown = [v for v in variants if v not in XLA_VARIANTS] + [
+        s for s in args.sides.split(",") if s not in ("hloserve", "transformers", "compiled")]
+    if unknown:
+        ap.error(f"unknown --xla-variants / --sides entries: {', '.join(unknown)}")
 
     if args.side:                       # a child: one side, its numbers to --json
-        result = (time_hloserve(args.artifact, shapes, args.repeats) if args.side == "hloserve"
-                  else time_transformers(args.model_dir, shapes, args.repeats, args.device))
+        if args.side == "hloserve":
+            result = time_hloserve(args.artifact, shapes, args.repeats, variants)
+        elif args.side == "compiled":
+            result = time_compiled(args.model_dir, parse_shapes(args.compiled_shapes or args.shapes), args.repeats,
+                                   args.device)
+        else:
+            result = time_transformers(args.model_dir, shapes, args.repeats, args.device)
         with open(args.json, "w") as f:
             json.dump(result, f)
         return 0
@@ -193,25 +383,35 @@ def main(argv=None) -> int:
     make_model_dir(args.shape, args.vocab, args.layers, model_dir)
     result["build_s"] = round(time.perf_counter() - t0, 1)
     print(f"[step_vs_transformers] built and saved the model in {result['build_s']} s", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", HLOSERVE_CLI, "export", model_dir, "-o", art])
-    result["export_s"] = round(time.perf_counter() - t0, 1)
-    if proc.returncode == 0:
-        print(f"[step_vs_transformers] exported in {result['export_s']} s", file=sys.stderr, flush=True)
-        result["hloserve"] = run_side("hloserve", args, model_dir, art, work)
-    else:
-        result["hloserve"] = {"error": f"`hloserve export` failed with exit status {proc.returncode} "
-                                       f"after {result['export_s']} s (its output is above)"}
-    result["transformers"] = run_side("transformers", args, model_dir, art, work)
+    sides = args.sides.split(",")
+    if args.tokenizer_dir:              # a servable artifact: the same vocabulary's tokenizer beside the weights
+        for name in os.listdir(args.tokenizer_dir):
+            if name not in ("config.json", "generation_config.json") and not name.endswith(".safetensors"):
+                shutil.copy(os.path.join(args.tokenizer_dir, name), model_dir)
+    if "hloserve" in sides:
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", HLOSERVE_CLI, "export", model_dir, "-o", art])
+        result["export_s"] = round(time.perf_counter() - t0, 1)
+        if proc.returncode == 0:
+            print(f"[step_vs_transformers] exported in {result['export_s']} s", file=sys.stderr, flush=True)
+            if args.after_export:
+                subprocess.Popen(args.after_export, shell=True)
+            result["hloserve"] = run_side("hloserve", args, model_dir, art, work)
+        else:
+            result["hloserve"] = {"error": f"`hloserve export` failed with exit status {proc.returncode} "
+                                           f"after {result['export_s']} s (its output is above)"}
+    for side in ("transformers", "compiled"):
+        if side in sides:
+            result[side] = run_side(side, args, model_dir, art, work)
     if "parity_logits" in result["hloserve"] and "parity_logits" in result["transformers"]:
         result["parity"] = compare_logits(result["hloserve"]["parity_logits"], result["transformers"]["parity_logits"])
     report(result, shapes)
     for side in ("hloserve", "transformers"):
-        result[side].pop("parity_logits", None)
+        result.get(side, {}).pop("parity_logits", None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    return 0 if "error" not in result["hloserve"] and "error" not in result["transformers"] else 1
+    return 0 if not any("error" in result.get(side, {}) for side in sides) else 1
 
 
 if __name__ == "__main__":

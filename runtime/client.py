@@ -44,6 +44,10 @@ CPU_DOT_LIBRARIES = {
 }
 DEFAULT_CPU_DOTS = "xla"
 
+# XLA:GPU's options for every executable on a GPU, before measurement on an H200 decided them:
+# none (XLA's defaults). $HLOSERVE_XLA_OPTIONS adds or overrides options on any platform.
+GPU_OPTIONS: dict[str, str] = {}
+
 # Sentinel: the default persistent cache directory (see default_cache_dir()).
 DEFAULT_CACHE = "default"
 
@@ -52,14 +56,33 @@ class PlatformError(HloserveError):
     """The requested platform or devices are not available."""
 
 
+def parse_xla_options(text: str) -> dict[str, str]:
+    """`name=value;name=value` (XLA DebugOptions fields, as in XLA_FLAGS without the dashes; a value
+    may hold commas) -> {name: value}."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, eq, value = part.partition("=")
+        name = name.strip().removeprefix("--")
+        if not eq or not name.startswith("xla_"):
+            raise PlatformError(f"HLOSERVE_XLA_OPTIONS: {part!r} is not name=value with an xla_ option name; "
+                                "write e.g. HLOSERVE_XLA_OPTIONS='xla_gpu_graph_min_graph_size=1;"
+                                "xla_gpu_enable_command_buffer=FUSION,CUBLAS'")
+        out[name] = value.strip()
+    return out
+
+
 def compiler_options(platform: str) -> dict[str, str]:
-    """The XLA options executables on `platform` are compiled with (CPU: the dot library)."""
-    if platform != "cpu":
-        return {}
-    choice = os.environ.get("HLOSERVE_CPU_DOTS", DEFAULT_CPU_DOTS)
-    if choice not in CPU_DOT_LIBRARIES:
-        raise PlatformError(f"HLOSERVE_CPU_DOTS={choice!r} is not one of {sorted(CPU_DOT_LIBRARIES)}")
-    return dict(CPU_DOT_LIBRARIES[choice])
+    """The XLA options executables on `platform` are compiled with: CPU's dot library, GPU_OPTIONS on
+    a GPU, then $HLOSERVE_XLA_OPTIONS on top. They are part of the executable-cache key."""
+    if platform == "cpu":
+        choice = os.environ.get("HLOSERVE_CPU_DOTS", DEFAULT_CPU_DOTS)
+        if choice not in CPU_DOT_LIBRARIES:
+            raise PlatformError(f"HLOSERVE_CPU_DOTS={choice!r} is not one of {sorted(CPU_DOT_LIBRARIES)}")
+        options = dict(CPU_DOT_LIBRARIES[choice])
+    else:
+        options = dict(GPU_OPTIONS) if platform == "gpu" else {}
+    options.update(parse_xla_options(os.environ.get("HLOSERVE_XLA_OPTIONS", "")))
+    return options
 
 
 def default_cache_dir() -> str:
