@@ -1,7 +1,7 @@
 #!/bin/bash
 # hloserve on one NVIDIA GPU in one go: versions and copy bandwidth; the 1B step under several XLA option
 # sets against transformers eager and a static-cache torch.compile decoder; int8/int4 steps; the served
-# model at c=1/16/64 under the fastest option set; the GPU tests; one summary JSON.
+# model at c=1 and 16 under the fastest option set; the GPU tests; one summary JSON.
 #
 #   OUT=DIR bash benchmarks/gpu_check.sh       (from anywhere; OUT defaults to a new temporary directory)
 #
@@ -21,7 +21,7 @@
 #   $OUT/quant_steps.json          the same model exported with --quantize int8 and int4: its step per
 #                                  call shape against the bf16 artifact's (quant_linear's Triton kernel)
 #   $OUT/quant_inspect.txt         `hloserve inspect --platform cuda` of the int4 artifact (its kernels)
-#   $OUT/served.json               benchmarks/serve.py's results (c=1, 16, 64) under the fastest options
+#   $OUT/served.json               benchmarks/serve.py's results (c=1, 16) under the fastest options
 #   $OUT/tests.xml                 pytest's junit report of the GPU tests
 #   $OUT/gpu-results.json          the summary (benchmarks/gpu_summary.py): goes to benchmarks/results/
 #
@@ -29,7 +29,9 @@
 # TEST_WORKERS (4), SHAPE (llama-1b), VARIANTS (default,unroll,graphs,unroll+graphs: step_vs_transformers.py's
 # XLA_VARIANTS), STEP_SHAPES (1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024), BENCH_ARGS (more
 # step_vs_transformers.py flags, e.g. "--layers 2 --device cpu" to rehearse on a CPU), SERVE_PLATFORM
-# (cuda), SERVE_ARGS, WHEELS (.whl; a folder without wheels skips the install, as on a CPU rehearsal).
+# (cuda), SERVE_ARGS, CONCURRENCY (1,16), REQUESTS (6,32), MAX_SEQS (16: c=64 needs 64 and more
+# warm-up compiles), SIDES (hloserve,transformers,compiled), ANCHORS (an earlier run's
+# step_vs_transformers.json whose anchors the summary takes where this run has none), WHEELS (.whl; a folder without wheels skips the install, as on a CPU rehearsal).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$(mktemp -d)}
@@ -91,14 +93,16 @@ import hloserve.exporter.export  # noqa: F401  (needs torch)
 print("hloserve.exporter imports")
 import json, os, time
 import jax.numpy as jnp
-x = jnp.ones((1 << 30,), jnp.bfloat16)                     # 2 GiB: a copy reads and writes 4 GiB
-f = jax.jit(lambda a: a + 1)
-f(x).block_until_ready()
+x = jnp.ones((1 << 29,), jnp.float32)                      # 2 GiB: a copy reads and writes 4 GiB
+f = jax.jit(lambda a: a + 1, donate_argnums=0)             # donated: no allocation per call
+for _ in range(3):
+    x = f(x)
+x.block_until_ready()
 t0 = time.perf_counter()
-for _ in range(10):
-    y = f(x)
-y.block_until_ready()
-gb_s = 10 * 2 * x.nbytes / (time.perf_counter() - t0) / 1e9
+for _ in range(20):
+    x = f(x)
+x.block_until_ready()
+gb_s = 20 * 2 * x.nbytes / (time.perf_counter() - t0) / 1e9
 print(f"device copy bandwidth (read + written): {gb_s:.0f} GB/s")
 json.dump({"gb_s": gb_s, "device": str(jax.devices()[0].device_kind)}, open(os.environ["OUT"] + "/bandwidth.json", "w"))
 EOF
@@ -127,7 +131,7 @@ steps() {
   local exports="for q in int8 int4; do [ -d $WORK/art-\$q ] || $PY -m hloserve.server.cli export $WORK/hf -o $WORK/art-\$q --quantize \$q; done"
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 $LOW "$PY" benchmarks/step_vs_transformers.py --shape "${SHAPE:-llama-1b}" \
     --shapes "${STEP_SHAPES:-1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024}" --repeats 20 \
-    --sides hloserve,transformers,compiled --xla-variants "${VARIANTS:-default,unroll,graphs,unroll+graphs}" \
+    --sides "${SIDES:-hloserve,transformers,compiled}" --xla-variants "${VARIANTS:-default,unroll,graphs,unroll+graphs}" \
     --compiled-shapes 1x1@300,16x16@300 --side-timeout hloserve=170,transformers=50,compiled=90 --tokenizer-dir "$TOK" --work "$WORK" --json "$OUT/step_vs_transformers.json" \
     --after-export "$HIGH bash -c '$exports' > $WORK/quant_export.log 2>&1" ${BENCH_ARGS:-}
 }
@@ -162,21 +166,21 @@ quant() {
 }
 
 served() {
-  # the bf16 artifact served under the fastest options: c=1, 16, 64 (serve.py's streaming client)
+  # the bf16 artifact served under the fastest options: c=1 and 16 (serve.py's streaming client)
   local opts; opts=$(best_options)
   echo "HLOSERVE_XLA_OPTIONS='$opts'"
   mkdir -p "$HLOSERVE_CACHE/bench"; ln -sfn "$WORK/hf" "$HLOSERVE_CACHE/bench/${SHAPE:-llama-1b}-hf"
   HLOSERVE_XLA_OPTIONS=$opts $LOW "$PY" benchmarks/serve.py --model "${SHAPE:-llama-1b}" --artifact "$WORK/art" \
     --tokenizer-dir "$TOK" --skip vllm,transformers,llama-server,llama-cpp-python --no-cold-start \
-    --serve-args "--platform ${SERVE_PLATFORM:-cuda} --max-num-seqs 64 ${SERVE_ARGS:-}" \
-    --concurrency 1,16,64 --requests 6,32,128 --output-len 64 --long-requests 0
+    --serve-args "--platform ${SERVE_PLATFORM:-cuda} --max-num-seqs ${MAX_SEQS:-16} ${SERVE_ARGS:-}" \
+    --concurrency "${CONCURRENCY:-1,16}" --requests "${REQUESTS:-6,32}" --output-len 64 --long-requests 0
   cp "$(ls -t /tmp/hloserve-bench-*/results.json | head -1)" "$OUT/served.json"
 }
 
 summary() {
   "$PY" benchmarks/gpu_summary.py "$OUT" "$WORK/art" --commit "$(git rev-parse --short HEAD 2>/dev/null || echo '?')" \
     --gpu "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)" \
-    --served "$OUT/served.json" -o "$OUT/gpu-results.json"
+    --served "$OUT/served.json" ${ANCHORS:+--anchors "$ANCHORS"} -o "$OUT/gpu-results.json"
 }
 
 main() {

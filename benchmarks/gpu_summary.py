@@ -70,6 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", default="?")
     ap.add_argument("--gpu", default="?")
     ap.add_argument("--served", help="benchmarks/serve.py's results.json of the served run")
+    ap.add_argument("--anchors", help="an earlier run's step_vs_transformers.json (same GPU kind): its anchors "
+                                      "stand in where this run has none, marked as taken from it")
     ap.add_argument("-o", "--output", required=True)
     args = ap.parse_args(argv)
     bw = load(os.path.join(args.out, "bandwidth.json"))
@@ -78,7 +80,12 @@ def main(argv=None) -> int:
     result = {"date": datetime.date.today().isoformat(), "gpu": args.gpu, "commit": args.commit,
               "copy_bandwidth_gb_s": bw.get("gb_s"), "model": steps.get("model")}
     ours = steps.get("hloserve", {})
-    bf16 = {"step_ms": ours.get("ms"), "xla_options": ours.get("best"),
+    earlier = load(args.anchors) if args.anchors else {}
+    for side in ("transformers", "compiled"):
+        if not steps.get(side, {}).get("ms") and earlier.get(side, {}).get("ms"):
+            steps[side] = dict(earlier[side], taken_from=f"an earlier run: {args.anchors}")
+    taken = {side: steps[side]["taken_from"] for side in ("transformers", "compiled") if "taken_from" in steps.get(side, {})}
+    bf16 = {"step_ms": ours.get("ms"), "xla_options": ours.get("best"), **({"anchors_from": taken} if taken else {}),
             "variants": {k: {kk: vv for kk, vv in v.items() if kk != "kernels"} for k, v in ours.get("variants", {}).items()},
             "anchors": {"transformers_eager_ms": steps.get("transformers", {}).get("ms"),
                         "torch_compile_static_ms": steps.get("compiled", {}).get("ms")}}

@@ -194,7 +194,8 @@ def _masked_scatter(ctx, x, mask, source):
     # the k-th True of mask (row-major) takes source.flat[k]
     mask = jnp.broadcast_to(mask, ctx.out_shape)
     x = jnp.broadcast_to(x, ctx.out_shape)
-    k = jnp.cumsum(mask.reshape(-1).astype(jnp.int32)) - 1
+    # not jnp.cumsum: see the cumsum lowering (reduction.py)
+    k = lax.associative_scan(jnp.add, mask.reshape(-1).astype(jnp.int32)) - 1
     picked = jnp.take(source.reshape(-1), jnp.clip(k, 0, max(source.size - 1, 0)), mode="clip")
     return jnp.where(mask, picked.reshape(mask.shape).astype(x.dtype), x)
 

@@ -136,7 +136,9 @@ def _var_mean(ctx, x, dim=None, *, correction=None, keepdim=False):
 def _cumsum(ctx, x, dim, *, dtype=None):
     if x.ndim == 0:
         return x.astype(ctx.out_dtype)
-    return jnp.cumsum(x.astype(ctx.out_dtype), axis=canon_dim(dim, x.ndim))
+    # not jnp.cumsum: jax 0.11 lowers it to a `chlo.scan` composite that a CUDA plugin at StableHLO 1.20
+    # refuses once the step's kernels are linked (runtime/_private.link_kernels); this is plain StableHLO
+    return lax.associative_scan(jnp.add, x.astype(ctx.out_dtype), axis=canon_dim(dim, x.ndim))
 
 
 # aten::cumprod(Tensor self, int dim, *, ScalarType? dtype=None) -> Tensor

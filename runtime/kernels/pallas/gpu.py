@@ -35,6 +35,12 @@ NAME = "pallas_triton.paged_attention"
 TILE_ROWS = 16   # query rows (tokens) of one sequence per program of the tile path, times G heads
 
 
+def _cumsum(x):
+    """A running sum in plain StableHLO ops: jax 0.11 lowers jnp.cumsum to a `chlo.scan` composite that
+    a CUDA plugin at StableHLO 1.20 refuses when the linked step is serialized for it (H200, 2026-11-30)."""
+    return lax.associative_scan(jnp.add, x)
+
+
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -135,8 +141,8 @@ def tile_table(seq_ids, positions, context_lens, window, *, block_size: int, max
     order = jnp.argsort(seq, stable=True)
     sorted_seq = seq[order]
     counts = jnp.zeros((S,), jnp.int32).at[seq].add(1)
-    rank = jnp.arange(T, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[sorted_seq]   # row's place in its sequence
-    tile = jnp.cumsum((rank % tile_rows == 0).astype(jnp.int32)) - 1
+    rank = jnp.arange(T, dtype=jnp.int32) - (_cumsum(counts) - counts)[sorted_seq]   # row's place in its sequence
+    tile = _cumsum((rank % tile_rows == 0).astype(jnp.int32)) - 1
     rows = jnp.full((nt, tile_rows), T, jnp.int32).at[tile, rank % tile_rows].set(order.astype(jnp.int32))
     tile_seq = jnp.zeros((nt,), jnp.int32).at[tile].set(sorted_seq)
     pos = jnp.concatenate([positions.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])[rows]   # -1: empty slot
