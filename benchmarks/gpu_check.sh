@@ -25,8 +25,8 @@
 #   $OUT/tests.xml                 pytest's junit report of the GPU tests
 #   $OUT/gpu-results.json          the summary (benchmarks/gpu_summary.py): goes to benchmarks/results/
 #
-# Knobs (environment): PYTHON (python3), STEP_S (300), QUANT_S (60), SERVE_S (120), TEST_S (50) seconds,
-# TEST_WORKERS (4), SHAPE (llama-1b), VARIANTS (default,unroll,graphs,unroll+graphs: step_vs_transformers.py's
+# Knobs (environment): PYTHON (python3), STEP_S (270), QUANT_S (90), SERVE_S (120), TEST_S (50) seconds,
+# TEST_WORKERS (4), SHAPE (llama-1b), VARIANTS (default,dsfusion,unroll+dsfusion: step_vs_transformers.py's
 # XLA_VARIANTS), STEP_SHAPES (1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024), BENCH_ARGS (more
 # step_vs_transformers.py flags, e.g. "--layers 2 --device cpu" to rehearse on a CPU), SERVE_PLATFORM
 # (cuda), SERVE_ARGS, CONCURRENCY (1,16), REQUESTS (6,32), MAX_SEQS (16: c=64 needs 64 and more
@@ -116,7 +116,7 @@ gpu_tests() {
   local files
   files=$(grep -rl "mark.gpu" tests --include='test_*.py' | sort)
   echo "test files with gpu-marked tests: $files"
-  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest $files -p no:cacheprovider -q -rfEs --timeout 60 \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest $files -p no:cacheprovider -v --tb=short -rfEs --timeout 60 \
     -n "${TEST_WORKERS:-4}" --junitxml "$OUT/tests.xml" -o junit_family=xunit1 \
     --deselect tests/server/test_accelerators.py::test_llm_step_is_lowered_for_every_platform_by_default \
     --deselect tests/server/test_accelerators.py::test_accelerator_path_in_interpret_mode_matches_the_cpu \
@@ -127,13 +127,13 @@ gpu_tests() {
 
 steps() {
   # the model is built and exported once ($WORK/hf, $WORK/art, with SmolLM2's tokenizer: servable); the
-  # int8/int4 exports start in the background on the upper cores once the bf16 one is done
+  # int8/int4 exports start in the background on the upper cores as soon as the model is saved
   local exports="for q in int8 int4; do [ -d $WORK/art-\$q ] || $PY -m hloserve.server.cli export $WORK/hf -o $WORK/art-\$q --quantize \$q; done"
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 $LOW "$PY" benchmarks/step_vs_transformers.py --shape "${SHAPE:-llama-1b}" \
     --shapes "${STEP_SHAPES:-1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024}" --repeats 20 \
-    --sides "${SIDES:-hloserve,transformers,compiled}" --xla-variants "${VARIANTS:-default,unroll,graphs,unroll+graphs}" \
+    --sides "${SIDES:-hloserve,transformers,compiled}" --xla-variants "${VARIANTS:-default,dsfusion,unroll+dsfusion}" \
     --compiled-shapes 1x1@300,16x16@300 --side-timeout hloserve=170,transformers=50,compiled=90 --tokenizer-dir "$TOK" --work "$WORK" --json "$OUT/step_vs_transformers.json" \
-    --after-export "$HIGH bash -c '$exports' > $WORK/quant_export.log 2>&1" ${BENCH_ARGS:-}
+    --after-build "$HIGH bash -c '$exports' > $WORK/quant_export.log 2>&1" ${BENCH_ARGS:-}
 }
 
 best_options() {   # the fastest XLA option set of the steps, as HLOSERVE_XLA_OPTIONS
@@ -187,8 +187,8 @@ main() {
   echo "gpu_check: $(date -u +%FT%TZ) in $PWD, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), OUT=$OUT"
   setup
   step versions 40 versions
-  step steps "${STEP_S:-300}" steps
-  step quant-steps "${QUANT_S:-60}" quant
+  step steps "${STEP_S:-270}" steps
+  step quant-steps "${QUANT_S:-90}" quant
   step served "${SERVE_S:-120}" served
   step summary 15 summary
   step gpu-tests "${TEST_S:-50}" gpu_tests

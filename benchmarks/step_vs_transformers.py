@@ -83,6 +83,11 @@ XLA_VARIANTS = {
                      "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL;"
                      "xla_gpu_graph_min_graph_size=1",
     "no-graphs": "xla_gpu_enable_command_buffer=",
+    # cuBLAS reads a layer's weights where they lie in the stacked [layers, ...] array instead of a copy
+    # kernel slicing them out first (the scanned step's dynamic-slice feeding each GEMM)
+    "dsfusion": "xla_gpu_enable_dynamic_slice_fusion=true",
+    "unroll+dsfusion": "xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL;"
+                       "xla_gpu_enable_dynamic_slice_fusion=true",
 }
 
 
@@ -107,7 +112,7 @@ def device_profile(timer: Timer, shape: tuple[int, int, int], steps: int = 10) -
     files = glob.glob(os.path.join(trace, "**", "*.xplane.pb"), recursive=True)
     if not files:
         return {}
-    spans, kernels, copies, names = [], 0, 0, set()
+    spans, kernels, copies, names, by_name = [], 0, 0, set(), {}
     for plane in ProfileData.from_file(files[0]).planes:
         if not plane.name.startswith("/device:"):
             continue
@@ -117,6 +122,8 @@ def device_profile(timer: Timer, shape: tuple[int, int, int], steps: int = 10) -
                 continue
             for e in line.events:
                 spans.append((e.start_ns, e.start_ns + e.duration_ns))
+                n, t = by_name.get(e.name[:100], (0, 0))
+                by_name[e.name[:100]] = (n + 1, t + e.duration_ns)
                 if "memcpy" in e.name.lower() or "memset" in e.name.lower():
                     copies += 1
                 else:
@@ -131,7 +138,9 @@ def device_profile(timer: Timer, shape: tuple[int, int, int], steps: int = 10) -
             end = b
     return {"shape": f"{T}x{S}@{C}", "kernels_per_step": kernels / steps, "copies_per_step": copies / steps,
             "device_busy_ms_per_step": busy / steps / 1e6, "wall_ms_per_step": wall * 1e3,
-            "busy_share": busy / steps / 1e9 / wall}
+            "busy_share": busy / steps / 1e9 / wall,
+            "top": [{"name": k, "per_step": n / steps, "us_per_step": t / steps / 1e3}     # where the device time goes
+                    for k, (n, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]]}
 
 
 def time_hloserve(art: str, shapes, repeats: int, variants: list[str]) -> dict:
@@ -339,8 +348,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--tokenizer-dir", help="copy this tokenizer (the same vocabulary) into the model, so that "
                                             "the artifact can be served")
-    ap.add_argument("--after-export", help="a shell command started in the background once the export is done "
-                                           "(e.g. more exports of the same model while the device is timed)")
+    ap.add_argument("--after-build", help="a shell command started in the background once the model is saved "
+                                          "(e.g. more exports of it, beside the bf16 one and the device's timing)")
     ap.add_argument("--xla-variants", default="default",
                     help=f"hloserve: XLA option sets to time side by side, comma-separated ({', '.join(XLA_VARIANTS)})")
     ap.add_argument("--sides", default="hloserve,transformers",
@@ -384,6 +393,8 @@ def main(argv=None) -> int:
     result["build_s"] = round(time.perf_counter() - t0, 1)
     print(f"[step_vs_transformers] built and saved the model in {result['build_s']} s", file=sys.stderr, flush=True)
     sides = args.sides.split(",")
+    if args.after_build:
+        subprocess.Popen(args.after_build, shell=True)
     if args.tokenizer_dir:              # a servable artifact: the same vocabulary's tokenizer beside the weights
         for name in os.listdir(args.tokenizer_dir):
             if name not in ("config.json", "generation_config.json") and not name.endswith(".safetensors"):
@@ -394,8 +405,6 @@ def main(argv=None) -> int:
         result["export_s"] = round(time.perf_counter() - t0, 1)
         if proc.returncode == 0:
             print(f"[step_vs_transformers] exported in {result['export_s']} s", file=sys.stderr, flush=True)
-            if args.after_export:
-                subprocess.Popen(args.after_export, shell=True)
             result["hloserve"] = run_side("hloserve", args, model_dir, art, work)
         else:
             result["hloserve"] = {"error": f"`hloserve export` failed with exit status {proc.returncode} "
@@ -403,7 +412,7 @@ def main(argv=None) -> int:
     for side in ("transformers", "compiled"):
         if side in sides:
             result[side] = run_side(side, args, model_dir, art, work)
-    if "parity_logits" in result["hloserve"] and "parity_logits" in result["transformers"]:
+    if "parity_logits" in result.get("hloserve", {}) and "parity_logits" in result.get("transformers", {}):
         result["parity"] = compare_logits(result["hloserve"]["parity_logits"], result["transformers"]["parity_logits"])
     report(result, shapes)
     for side in ("hloserve", "transformers"):
