@@ -1,7 +1,8 @@
 #!/bin/bash
-# hloserve on one NVIDIA GPU in one go: versions and copy bandwidth; the 1B step under several XLA option
-# sets against transformers eager and a static-cache torch.compile decoder; int8/int4 steps; the served
-# model at c=1 and 16 under the fastest option set; the GPU tests; one summary JSON.
+# hloserve on one NVIDIA GPU in one go: versions and copy bandwidth; the 1B step in several variants (XLA
+# options, the GPU layer_linear kernel on or off) against transformers eager and a static-cache
+# torch.compile decoder; int8/int4 steps; the served model at c=1 and 16 in the fastest variant; the GPU
+# tests; one summary JSON.
 #
 #   OUT=DIR bash benchmarks/gpu_check.sh       (from anywhere; OUT defaults to a new temporary directory)
 #
@@ -15,8 +16,8 @@
 #
 #   $OUT/gpu_check.log             the whole output, with a summary at the end
 #   $OUT/bandwidth.json            the device's copy bandwidth (bytes read + written over time)
-#   $OUT/step_vs_transformers.json the step per call shape: hloserve under each XLA option set (with
-#                                  kernels per step and the device's busy share from a jax profile),
+#   $OUT/step_vs_transformers.json the step per call shape: hloserve in each variant (with kernels per
+#                                  step, the device's busy share and the top kernels from a jax profile),
 #                                  transformers eager, and transformers' static cache under torch.compile
 #   $OUT/quant_steps.json          the same model exported with --quantize int8 and int4: its step per
 #                                  call shape against the bf16 artifact's (quant_linear's Triton kernel)
@@ -26,8 +27,8 @@
 #   $OUT/gpu-results.json          the summary (benchmarks/gpu_summary.py): goes to benchmarks/results/
 #
 # Knobs (environment): PYTHON (python3), STEP_S (270), QUANT_S (90), SERVE_S (120), TEST_S (50) seconds,
-# TEST_WORKERS (4), SHAPE (llama-1b), VARIANTS (default,dsfusion,unroll+dsfusion: step_vs_transformers.py's
-# XLA_VARIANTS), STEP_SHAPES (1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024), BENCH_ARGS (more
+# TEST_WORKERS (4), SHAPE (llama-1b), VARIANTS (default,no-linear-kernel,no-linear-kernel+dsfusion,dsfusion:
+# step_vs_transformers.py's VARIANTS), STEP_SHAPES (1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024), BENCH_ARGS (more
 # step_vs_transformers.py flags, e.g. "--layers 2 --device cpu" to rehearse on a CPU), SERVE_PLATFORM
 # (cuda), SERVE_ARGS, CONCURRENCY (1,16), REQUESTS (6,32), MAX_SEQS (16: c=64 needs 64 and more
 # warm-up compiles), SIDES (hloserve,transformers,compiled), ANCHORS (an earlier run's
@@ -131,21 +132,21 @@ steps() {
   local exports="for q in int8 int4; do [ -d $WORK/art-\$q ] || $PY -m hloserve.server.cli export $WORK/hf -o $WORK/art-\$q --quantize \$q; done"
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 $LOW "$PY" benchmarks/step_vs_transformers.py --shape "${SHAPE:-llama-1b}" \
     --shapes "${STEP_SHAPES:-1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024}" --repeats 20 \
-    --sides "${SIDES:-hloserve,transformers,compiled}" --xla-variants "${VARIANTS:-default,dsfusion,unroll+dsfusion}" \
+    --sides "${SIDES:-hloserve,transformers,compiled}" --variants "${VARIANTS:-default,no-linear-kernel,no-linear-kernel+dsfusion,dsfusion}" \
     --compiled-shapes 1x1@300,16x16@300 --side-timeout hloserve=170,transformers=50,compiled=90 --tokenizer-dir "$TOK" --work "$WORK" --json "$OUT/step_vs_transformers.json" \
     --after-build "$HIGH bash -c '$exports' > $WORK/quant_export.log 2>&1" ${BENCH_ARGS:-}
 }
 
-best_options() {   # the fastest XLA option set of the steps, as HLOSERVE_XLA_OPTIONS
+best_env() {   # the fastest variant of the steps, as `export NAME=VALUE` lines for eval
   "$PY" - <<'EOF'
-import json, os, sys
+import json, os, shlex, sys
 sys.path.insert(0, "benchmarks")
-from step_vs_transformers import XLA_VARIANTS
+from step_vs_transformers import VARIANTS
 try:
     best = json.load(open(os.environ["OUT"] + "/step_vs_transformers.json"))["hloserve"]["best"]
 except (OSError, KeyError, ValueError):
     best = "default"
-print(XLA_VARIANTS[best])
+print("; ".join(f"export {k}={shlex.quote(v)}" for k, v in VARIANTS[best].items()) or ":")
 EOF
 }
 
@@ -160,17 +161,18 @@ quant() {
   [ -d "$WORK/art-int8" ] && [ -d "$WORK/art-int4" ] || { echo "the int8/int4 exports are missing:"; tail -5 "$WORK/quant_export.log"; return 1; }
   "$PY" -m hloserve.server.cli inspect "$WORK/art-int4" --platform cuda > "$OUT/quant_inspect.txt" || return 1
   grep -m1 "quant_linear" "$OUT/quant_inspect.txt"; grep "custom calls" "$OUT/quant_inspect.txt"
-  HLOSERVE_XLA_OPTIONS=$(best_options) XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 $LOW "$PY" benchmarks/step_shapes.py \
+  eval "$(best_env)"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 $LOW "$PY" benchmarks/step_shapes.py \
     "$WORK/art" "$WORK/art-int8" "$WORK/art-int4" --shapes 1x1@300,16x16@300,64x64@300,256x1@0 --repeats 9 \
     --json "$OUT/quant_steps.json"
 }
 
 served() {
   # the bf16 artifact served under the fastest options: c=1 and 16 (serve.py's streaming client)
-  local opts; opts=$(best_options)
-  echo "HLOSERVE_XLA_OPTIONS='$opts'"
+  local env; env=$(best_env)
+  echo "the fastest variant's environment: $env"; eval "$env"
   mkdir -p "$HLOSERVE_CACHE/bench"; ln -sfn "$WORK/hf" "$HLOSERVE_CACHE/bench/${SHAPE:-llama-1b}-hf"
-  HLOSERVE_XLA_OPTIONS=$opts $LOW "$PY" benchmarks/serve.py --model "${SHAPE:-llama-1b}" --artifact "$WORK/art" \
+  $LOW "$PY" benchmarks/serve.py --model "${SHAPE:-llama-1b}" --artifact "$WORK/art" \
     --tokenizer-dir "$TOK" --skip vllm,transformers,llama-server,llama-cpp-python --no-cold-start \
     --serve-args "--platform ${SERVE_PLATFORM:-cuda} --max-num-seqs ${MAX_SEQS:-16} ${SERVE_ARGS:-}" \
     --concurrency "${CONCURRENCY:-1,16}" --requests "${REQUESTS:-6,32}" --output-len 64 --long-requests 0
@@ -196,6 +198,6 @@ main() {
   printf '%s\n' "${SUMMARY[@]}"
 }
 
-export -f versions gpu_tests steps best_options quant wait_for_exports served summary
+export -f versions gpu_tests steps best_env quant wait_for_exports served summary
 export PY OUT LOW HIGH WORK TOK
 main 2>&1 | tee "$OUT/gpu_check.log"

@@ -2,7 +2,7 @@
 
     python benchmarks/step_vs_transformers.py [--shape llama-1b] [--vocab 49152] [--layers N]
         [--shapes 1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024] [--repeats 20] [--device cuda|cpu]
-        [--sides hloserve,transformers,compiled] [--xla-variants default,unroll,graphs,unroll+graphs]
+        [--sides hloserve,transformers,compiled] [--variants default,no-linear-kernel,dsfusion]
         [--work DIR] [--json PATH] [--tokenizer-dir TOK] [--side-timeout S]
 
 A random-init model of one of serve.py's shapes (`SHAPES`; `--layers` cuts its depth, `--vocab`
@@ -12,9 +12,10 @@ and timed in one process per side, one after the other, each with the device to 
 
   * hloserve: `runtime.load` on jax's default backend, the artifact's `decode` called at each shape
     TxS@C as benchmarks/step_shapes.py does (T tokens over S sequences with C tokens cached), once
-    per XLA option set of --xla-variants (`XLA_VARIANTS`, compiled with each through
-    $HLOSERVE_XLA_OPTIONS), each with a jax profile of ten calls of the first shape: kernels per
-    step and the share of the step some device stream is busy;
+    per variant of --variants (`VARIANTS`: XLA options through $HLOSERVE_XLA_OPTIONS, the GPU's
+    layer_linear kernel on or off) at the decode shapes, each with a jax profile of ten calls of
+    the first: kernels per step, the share of the step some device stream is busy and the kernels
+    that take the most time; the fastest variant then also at the prompt-chunk shapes;
   * transformers eager (`--device`; bf16 on cuda, f32 on cpu; sdpa, DynamicCache): the same shapes:
     S sequences prefilled to C tokens untimed, then one forward of their next T/S tokens each
     (logits of the last only), the cache cropped back to C after every call;
@@ -72,23 +73,37 @@ def make_model_dir(shape: str, vocab: int, layers: int | None, path: str) -> str
     return path
 
 
-# XLA option sets the hloserve side can time side by side (--xla-variants): each one's executables are
-# compiled with it (runtime.client.compiler_options via $HLOSERVE_XLA_OPTIONS), in the same process.
-XLA_VARIANTS = {
-    "default": "",
-    "unroll": "xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL",
-    "graphs": "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL;"
-              "xla_gpu_graph_min_graph_size=1",
-    "unroll+graphs": "xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL;"
-                     "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL;"
-                     "xla_gpu_graph_min_graph_size=1",
-    "no-graphs": "xla_gpu_enable_command_buffer=",
-    # cuBLAS reads a layer's weights where they lie in the stacked [layers, ...] array instead of a copy
-    # kernel slicing them out first (the scanned step's dynamic-slice feeding each GEMM)
-    "dsfusion": "xla_gpu_enable_dynamic_slice_fusion=true",
-    "unroll+dsfusion": "xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL;"
-                       "xla_gpu_enable_dynamic_slice_fusion=true",
+# What the hloserve side can time side by side (--variants): each a set of environment variables its
+# load reads. HLOSERVE_XLA_OPTIONS: XLA options compiled into the executables (runtime.client);
+# HLOSERVE_GPU_LAYER_LINEAR=0: a GPU runs layer_linear's decomposition instead of its Triton kernel.
+UNROLL = "xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL"
+GRAPHS = "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL;xla_gpu_graph_min_graph_size=1"
+# cuBLAS reads a layer's weights where they lie in the stacked [layers, ...] array instead of a copy
+# kernel slicing them out first (the scanned step's dynamic-slice feeding each GEMM)
+DSFUSION = "xla_gpu_enable_dynamic_slice_fusion=True"
+NO_KERNEL = {"HLOSERVE_GPU_LAYER_LINEAR": "0"}
+VARIANTS = {
+    "default": {},
+    "unroll": {"HLOSERVE_XLA_OPTIONS": UNROLL},
+    "graphs": {"HLOSERVE_XLA_OPTIONS": GRAPHS},
+    "unroll+graphs": {"HLOSERVE_XLA_OPTIONS": f"{UNROLL};{GRAPHS}"},
+    "dsfusion": {"HLOSERVE_XLA_OPTIONS": DSFUSION},
+    "no-linear-kernel": NO_KERNEL,
+    "no-linear-kernel+dsfusion": {**NO_KERNEL, "HLOSERVE_XLA_OPTIONS": DSFUSION},
+    "no-linear-kernel+unroll+dsfusion": {**NO_KERNEL, "HLOSERVE_XLA_OPTIONS": f"{UNROLL};{DSFUSION}"},
 }
+VARIANT_ENV = ("HLOSERVE_XLA_OPTIONS", "HLOSERVE_GPU_LAYER_LINEAR")
+
+
+def use_variant(name: str) -> None:
+    """Set the variant's environment (and clear what other variants set)."""
+    for key in VARIANT_ENV:
+        os.environ.pop(key, None)
+    os.environ.update(VARIANTS[name])
+
+
+def describe(name: str) -> str:
+    return " ".join(f"{k}={v!r}" for k, v in VARIANTS[name].items()) or "defaults"
 
 
 def device_profile(timer: Timer, shape: tuple[int, int, int], steps: int = 10) -> dict:
@@ -152,9 +167,8 @@ def time_hloserve(art: str, shapes, repeats: int, variants: list[str]) -> dict:
     decodes = [sh for sh in shapes if sh[0] == sh[1]] or shapes[:1]
     timers = {}
     for name in variants:
-        os.environ["HLOSERVE_XLA_OPTIONS"] = XLA_VARIANTS[name]
-        print(f"[step_vs_transformers] hloserve, XLA variant {name!r}: {XLA_VARIANTS[name] or 'defaults'}",
-              file=sys.stderr, flush=True)
+        use_variant(name)
+        print(f"[step_vs_transformers] hloserve, variant {name!r}: {describe(name)}", file=sys.stderr, flush=True)
         try:
             timer = Timer(art, "decode", shapes)
             rows = {f"{T}x{S}@{C}": timer.time(T, S, C, repeats) for T, S, C in decodes}
@@ -172,7 +186,7 @@ def time_hloserve(art: str, shapes, repeats: int, variants: list[str]) -> dict:
         return out
     # the first decode shape decides (one decoding sequence), then the next
     best = min(timers, key=lambda k: tuple(out["variants"][k]["ms"].values()))
-    os.environ["HLOSERVE_XLA_OPTIONS"] = XLA_VARIANTS[best]    # (read at load; set for any later load)
+    use_variant(best)                                          # (read at load; set for any later load)
     timer = timers[best]
     rows = out["variants"][best]["ms"]
     for T, S, C in shapes:
@@ -184,7 +198,8 @@ def time_hloserve(art: str, shapes, repeats: int, variants: list[str]) -> dict:
         ins = dict(timer.inputs(PARITY_TOKENS, 1, 0), tokens=parity_prompt(timer.llm.vocab_size))
         res = timer.fn(**ins, **{timer.llm.kv_cache.input: timer.cache})
         out["parity_logits"] = np.asarray(res["logits"])[0].astype(np.float32).tolist()
-    os.environ.pop("HLOSERVE_XLA_OPTIONS", None)
+    for key in VARIANT_ENV:
+        os.environ.pop(key, None)
     return out
 
 
@@ -268,7 +283,7 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, art: str, work
     out = os.path.join(work, f"{side}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--model-dir", model_dir, "--artifact", art,
            "--shapes", args.shapes, "--repeats", str(args.repeats), "--device", args.device, "--json", out,
-           "--xla-variants", args.xla_variants] + (["--compiled-shapes", args.compiled_shapes]
+           "--variants", args.variants] + (["--compiled-shapes", args.compiled_shapes]
                                                     if args.compiled_shapes else [])
     print(f"[step_vs_transformers] {side}: {' '.join(cmd[1:3])} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -309,9 +324,9 @@ def report(result: dict, shapes) -> None:
             print(f"{name}: {extra}")
     variants = ours.get("variants", {})
     if variants:
-        print("\nhloserve by XLA option set (ms; kernels and device busy share of one step of the first shape):\n")
+        print("\nhloserve by variant (ms; kernels and device busy share of one step of the first shape):\n")
         keys = [f"{T}x{S}@{C}" for T, S, C in shapes]
-        print("| XLA options | " + " | ".join(keys) + " | kernels / step | device busy | compile s |")
+        print("| variant | " + " | ".join(keys) + " | kernels / step | device busy | compile s |")
         print("|---" * (len(keys) + 4) + "|")
         for name, v in variants.items():
             if "error" in v:
@@ -323,7 +338,7 @@ def report(result: dict, shapes) -> None:
             b = f"{prof['busy_share']:.0%}" if "busy_share" in prof else "-"
             print(f"| {name} | " + " | ".join(cells) + f" | {k} | {b} | {v['compile_s']} |")
         if "best" in ours:
-            print(f"\nfastest XLA option set: {ours['best']} ({XLA_VARIANTS[ours['best']] or 'defaults'})")
+            print(f"\nfastest variant: {ours['best']} ({describe(ours['best'])})")
     print("\n| T x S @ context | hloserve ms | transformers eager ms | eager / hloserve | torch.compile static ms "
           "| compiled / hloserve |\n|---|---|---|---|---|---|")
     for T, S, C in shapes:
@@ -350,8 +365,8 @@ def main(argv=None) -> int:
                                             "the artifact can be served")
     ap.add_argument("--after-build", help="a shell command started in the background once the model is saved "
                                           "(e.g. more exports of it, beside the bf16 one and the device's timing)")
-    ap.add_argument("--xla-variants", default="default",
-                    help=f"hloserve: XLA option sets to time side by side, comma-separated ({', '.join(XLA_VARIANTS)})")
+    ap.add_argument("--variants", default="default",
+                    help=f"hloserve: environment sets to time side by side, comma-separated ({', '.join(VARIANTS)})")
     ap.add_argument("--sides", default="hloserve,transformers",
                     help="which to run: hloserve, transformers (eager), compiled (static cache under "
                          "torch.compile reduce-overhead; decode shapes only)")
@@ -365,11 +380,11 @@ def main(argv=None) -> int:
     ap.add_argument("--artifact", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     shapes = parse_shapes(args.shapes)
-    variants = args.xla_variants.split(",")
-    unknown = [v for v in variants if v not in XLA_VARIANTS] + [
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS] + [
         s for s in args.sides.split(",") if s not in ("hloserve", "transformers", "compiled")]
     if unknown:
-        ap.error(f"unknown --xla-variants / --sides entries: {', '.join(unknown)}")
+        ap.error(f"unknown --variants / --sides entries: {', '.join(unknown)}")
 
     if args.side:                       # a child: one side, its numbers to --json
         if args.side == "hloserve":

@@ -68,7 +68,9 @@ def parse_xla_options(text: str) -> dict[str, str]:
             raise PlatformError(f"HLOSERVE_XLA_OPTIONS: {part!r} is not name=value with an xla_ option name; "
                                 "write e.g. HLOSERVE_XLA_OPTIONS='xla_gpu_graph_min_graph_size=1;"
                                 "xla_gpu_enable_command_buffer=FUSION,CUBLAS'")
-        out[name] = value.strip()
+        value = value.strip()
+        # XLA's boolean options take "True"/"False" here (XLA_FLAGS also takes "true")
+        out[name] = value.capitalize() if value.lower() in ("true", "false") else value
     return out
 
 

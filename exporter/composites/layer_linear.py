@@ -13,9 +13,10 @@ kernels compute (avx512_bf16: twice the f32 rate; the weights half the bytes). E
 ATen it would be a bf16 matmul whose result is rounded to bf16 before widening again (mm of
 bf16 returns bf16), so the model calls this op instead.
 
-The contract is runtime/artifact/kernels.py's LAYER_LINEAR; the kernel that replaces it at load on a
-CPU is runtime/kernels/cpu/linear.cc (accelerators run the decomposition: XLA's dot). The torch
-ops are registered with torch's dispatcher when this module is first imported (idempotent).
+The contract is runtime/artifact/kernels.py's LAYER_LINEAR; the kernels that replace it at load are
+runtime/kernels/cpu/linear.cc on a CPU and runtime/kernels/pallas/linear_gpu.py on a GPU (a TPU runs
+the decomposition: XLA's dot). The torch ops are registered with torch's dispatcher when this module
+is first imported (idempotent).
 """
 from __future__ import annotations
 

@@ -24,10 +24,13 @@ What runs where (docs/deploy.md):
   allows): TPU -> `pallas_tpu.quant_linear` (quant_tpu.py), GPU -> `pallas_triton.quant_linear`
   (quant_gpu.py); the weights are read where they lie in the stack at the layer and dequantized next
   to the dot (quant.py). Version 1 (rows one by one) and version 3 (GGUF K-quants): the decomposition.
-* `hloserve.layer_linear`: XLA's dot on both (the decomposition). A TPU's MXU takes the bf16
-  operands and accumulates in f32, which is the composite's contract, and XLA:TPU/GPU read the
-  stacked layer's slice in place inside the layer loop; the CPU kernels exist because XLA:CPU copied
-  and packed that slice, which the accelerator compilers do not need.
+* `hloserve.layer_linear`: GPU (cuda) -> `pallas_triton.layer_linear` (linear_gpu.py) for
+  decode-sized calls (up to 64 rows), reading the layer's tiles in place in the stack; above 64 rows
+  that module runs XLA's dot (cuBLAS) on the sliced layer. XLA:GPU hands cuBLAS a copy of the
+  layer's slice (an H200 step 6x its bandwidth floor, docs/performance.md, 2026-11-30), which the
+  kernel avoids. TPU: XLA's dot (the decomposition): the MXU takes the bf16 operands and accumulates
+  in f32, which is the composite's contract. `HLOSERVE_GPU_LAYER_LINEAR=0` gives GPUs the
+  decomposition too (to measure the kernel against it).
 * Over a mesh, or with HLOSERVE_PALLAS_KERNELS=0, every composite's decomposition.
 """
 from __future__ import annotations
@@ -39,7 +42,7 @@ import os
 from typing import Any, Sequence
 
 from hloserve.runtime.artifact.kernels import (COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2, QUANT_LINEAR,
-                                               QUANT_LINEAR_V2)
+                                               QUANT_LINEAR_V2, Holds)
 
 from ... import _private
 from ..backend import Specialized
@@ -49,15 +52,18 @@ from .paged import PagedParams
 
 ENV = "HLOSERVE_PALLAS_KERNELS"   # "0": the accelerators run every composite's decomposition
 # composite name -> its placeholder custom call, replaced once shapes are static
-PENDING = {PAGED_ATTENTION.name: "hloserve_pallas_paged_attention", QUANT_LINEAR.name: quant.PENDING}
+PENDING = {PAGED_ATTENTION.name: "hloserve_pallas_paged_attention", QUANT_LINEAR.name: quant.PENDING,
+           LAYER_LINEAR.name: "hloserve_pallas_layer_linear"}
+LAYER_LINEAR_ENV = "HLOSERVE_GPU_LAYER_LINEAR"   # "0": GPUs run layer_linear's decomposition
 # jax's platform names for lowering (a GPU device reports "gpu")
 LOWERING = {"tpu": "tpu", "gpu": "cuda", "cuda": "cuda"}
-# the composites a Pallas kernel runs (where the cache shape suits it: `choose`)
+# the composites a Pallas kernel runs (where the cache shape suits it: `choose`), by platform
 SERVED = frozenset({PAGED_ATTENTION.key, PAGED_ATTENTION_V2.key, QUANT_LINEAR_V2.key})
-# what the layer_linear composite runs on an accelerator, and why (see the module docstring)
-XLA_DOT = "XLA's dot (the decomposition): the MXU / cuBLAS take the 16-bit operands with f32 sums, as the contract asks"
+SERVED_ON = {"tpu": SERVED, "cuda": SERVED | {LAYER_LINEAR.key}}
+# what the layer_linear composite runs on a TPU, and why (see the module docstring)
+XLA_DOT = "XLA's dot (the decomposition): the MXU takes the 16-bit operands with f32 sums, as the contract asks"
 # the result dims of each placeholder for shape refinement ((operand, dim), None: static); default: x's
-RESULT_DIMS = {QUANT_LINEAR.name: ((0, 0), None)}
+RESULT_DIMS = {QUANT_LINEAR.name: ((0, 0), None), LAYER_LINEAR.name: ((0, 0), None)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +95,10 @@ class PallasBackend:
     interpret: bool = False
     composites: frozenset[tuple[str, int]] = SERVED
 
+    def __post_init__(self):
+        if self.composites is SERVED:   # the default: what this platform's kernels serve
+            object.__setattr__(self, "composites", SERVED_ON.get(LOWERING.get(self.platform, self.platform), SERVED))
+
     @property
     def name(self) -> str:
         return f"pallas-{self.platform}"
@@ -103,13 +113,18 @@ class PallasBackend:
         if not n:
             return Specialized(pending)
         return Specialized(pending, n, functools.partial(for_shapes, pending, self.platform, interpret=self.interpret),
-                           digest(self.platform))
+                           digest(self.platform, plans))
 
 
 def _module(platform: str, composite: str = PAGED_ATTENTION.name):
     """The kernel module serving `composite` on `platform` (imported on use: each imports its Pallas
     lowering)."""
     tpu_side = LOWERING[platform] == "tpu"
+    if composite == LAYER_LINEAR.name:
+        if tpu_side:
+            return None
+        from . import linear_gpu
+        return linear_gpu
     if composite == QUANT_LINEAR.name:
         if tpu_side:
             from . import quant_tpu
@@ -123,11 +138,13 @@ def _module(platform: str, composite: str = PAGED_ATTENTION.name):
     return gpu
 
 
-def digest(platform: str) -> str:
-    """Identifies the kernels' code for `platform` (executable-cache keys)."""
+def digest(platform: str, plans: Sequence[KernelPlan] = ()) -> str:
+    """Identifies the kernels' code for `platform` and which composites run them (`plans`: a switch
+    such as HLOSERVE_GPU_LAYER_LINEAR=0 changes the function compiled): executable-cache keys."""
     import jax
     h = hashlib.sha256(jax.__version__.encode())
-    modules = [_module(platform, c).__name__.rsplit(".", 1)[1] + ".py" for c in PENDING]
+    h.update(repr(sorted({(p.composite, p.version, p.kernel) for p in plans}, key=repr)).encode())
+    modules = [m.__name__.rsplit(".", 1)[1] + ".py" for m in map(functools.partial(_module, platform), PENDING) if m]
     for name in ("paged.py", "quant.py", *modules, "__init__.py"):
         with open(os.path.join(os.path.dirname(__file__), name), "rb") as f:
             h.update(f.read())
@@ -142,7 +159,7 @@ def choose(platform: str, name: str, version: int, attrs: dict[str, Any], kv_sha
     if contract is None:
         return KernelPlan(name, version, platform, None, {}, "no kernel knows this composite (version)")
     if name == LAYER_LINEAR.name:
-        return KernelPlan(name, version, platform, None, {}, XLA_DOT)
+        return _choose_linear(platform, version, attrs)
     if name == QUANT_LINEAR.name:
         return _choose_quant(platform, version, attrs)
     assert name == PAGED_ATTENTION.name
@@ -155,6 +172,18 @@ def choose(platform: str, name: str, version: int, attrs: dict[str, Any], kv_sha
         return KernelPlan(name, version, platform, None, params, why)
     return KernelPlan(name, version, platform, module.NAME, params,
                       "reads each sequence's blocks in place from the paged cache")
+
+
+def _choose_linear(platform: str, version: int, attrs: dict[str, Any]) -> KernelPlan:
+    """The plan for a layer_linear: the GPU's kernel (decode-sized calls), or XLA's dot."""
+    name, params = LAYER_LINEAR.name, {"holds": int(attrs.get("holds", 1))}
+    if LOWERING[platform] == "tpu":
+        return KernelPlan(name, version, platform, None, {}, XLA_DOT)
+    if not enabled() or os.environ.get(LAYER_LINEAR_ENV, "1") in ("0", "false", "no", "off"):
+        return KernelPlan(name, version, platform, None, params, f"{ENV}=0 or {LAYER_LINEAR_ENV}=0")
+    return KernelPlan(name, version, platform, _module(platform, name).NAME, params,
+                      f"reads the layer's tiles in place in the stack (calls of up to {_module(platform, name).MAX_ROWS} "
+                      "rows; more: XLA's dot on the sliced layer)")
 
 
 def _choose_quant(platform: str, version: int, attrs: dict[str, Any]) -> KernelPlan:
@@ -233,7 +262,12 @@ def _build_kernel(target: str, config: dict, operand_types: list, api, *, platfo
     import jax
     from jax import export as jax_export
     attrs = {k: attribute_value(api.ir, v) for k, v in config.items()}
-    if target == quant.PENDING:
+    if target == PENDING[LAYER_LINEAR.name]:
+        contract = LAYER_LINEAR
+        holds = Holds(int(attrs.get("holds", Holds.BF16)))
+        kernel = functools.partial(_module(platform, LAYER_LINEAR.name).layer_linear, dtype=holds.dtype_name,
+                                   interpret=interpret)
+    elif target == quant.PENDING:
         contract = QUANT_LINEAR_V2
         kernel = functools.partial(_module(platform, QUANT_LINEAR.name).quant_linear,
                                    params=quant.QuantParams.from_attributes(attrs), interpret=interpret)
