@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax.numpy as jnp
+from jax import lax
+
 from ..registry import row
 
 
@@ -31,3 +34,13 @@ def unary(*targets: Any, fn: Callable, module: str) -> Callable:
 def binary(*targets: Any, fn: Callable, module: str) -> Callable:
     """Table row for an elementwise binary op (Tensor/Scalar overloads alike)."""
     return row(*targets, fn=lambda ctx, x, y, *a, **k: fn(x, y), module=module)
+
+
+def running_sum(x, axis: int):
+    """cumsum along `axis`. Over a static axis in plain StableHLO ops (lax.associative_scan): jax 0.11
+    lowers jnp.cumsum to a `chlo.scan` composite that a CUDA plugin at StableHLO 1.20 refuses once a
+    step's kernels are linked (runtime/_private.link_kernels; an H200, 2026-11-30). associative_scan
+    needs a static length, so a symbolic axis keeps jnp.cumsum."""
+    if isinstance(x.shape[axis], int):
+        return lax.associative_scan(jnp.add, x, axis=axis)
+    return jnp.cumsum(x, axis=axis)

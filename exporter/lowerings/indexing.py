@@ -17,7 +17,7 @@ from jax import lax
 
 from ..bits import from_bits, to_bits
 from ..registry import lower
-from ._util import canon_dim
+from ._util import canon_dim, running_sum
 
 # torch errors on an out-of-range row index; clamping it costs nothing per gathered element
 _IN_BOUNDS = "clip"
@@ -194,8 +194,7 @@ def _masked_scatter(ctx, x, mask, source):
     # the k-th True of mask (row-major) takes source.flat[k]
     mask = jnp.broadcast_to(mask, ctx.out_shape)
     x = jnp.broadcast_to(x, ctx.out_shape)
-    # not jnp.cumsum: see the cumsum lowering (reduction.py)
-    k = lax.associative_scan(jnp.add, mask.reshape(-1).astype(jnp.int32)) - 1
+    k = running_sum(mask.reshape(-1).astype(jnp.int32), 0) - 1
     picked = jnp.take(source.reshape(-1), jnp.clip(k, 0, max(source.size - 1, 0)), mode="clip")
     return jnp.where(mask, picked.reshape(mask.shape).astype(x.dtype), x)
 

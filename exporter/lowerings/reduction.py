@@ -11,7 +11,7 @@ from jax import lax
 
 from ..composites.row_sum import reduces_trailing, trailing_sum
 from ..registry import lower
-from ._util import canon_dim, canon_dims
+from ._util import canon_dim, canon_dims, running_sum
 
 aten = torch.ops.aten
 
@@ -136,9 +136,7 @@ def _var_mean(ctx, x, dim=None, *, correction=None, keepdim=False):
 def _cumsum(ctx, x, dim, *, dtype=None):
     if x.ndim == 0:
         return x.astype(ctx.out_dtype)
-    # not jnp.cumsum: jax 0.11 lowers it to a `chlo.scan` composite that a CUDA plugin at StableHLO 1.20
-    # refuses once the step's kernels are linked (runtime/_private.link_kernels); this is plain StableHLO
-    return lax.associative_scan(jnp.add, x.astype(ctx.out_dtype), axis=canon_dim(dim, x.ndim))
+    return running_sum(x.astype(ctx.out_dtype), canon_dim(dim, x.ndim))
 
 
 # aten::cumprod(Tensor self, int dim, *, ScalarType? dtype=None) -> Tensor
