@@ -2,7 +2,7 @@
 
     python benchmarks/step_vs_transformers.py [--shape llama-1b] [--vocab 49152] [--layers N]
         [--shapes 1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024] [--repeats 20] [--device cuda|cpu]
-        [--sides hloserve,transformers,compiled] [--variants default,no-linear-kernel,dsfusion]
+        [--sides hloserve,transformers,compiled] [--variants default,linear-kernel,dsfusion]
         [--work DIR] [--json PATH] [--tokenizer-dir TOK] [--side-timeout S]
 
 A random-init model of one of serve.py's shapes (`SHAPES`; `--layers` cuts its depth, `--vocab`
@@ -75,22 +75,22 @@ def make_model_dir(shape: str, vocab: int, layers: int | None, path: str) -> str
 
 # What the hloserve side can time side by side (--variants): each a set of environment variables its
 # load reads. HLOSERVE_XLA_OPTIONS: XLA options compiled into the executables (runtime.client);
-# HLOSERVE_GPU_LAYER_LINEAR=0: a GPU runs layer_linear's decomposition instead of its Triton kernel.
+# HLOSERVE_GPU_LAYER_LINEAR=1: a GPU runs layer_linear through its Triton kernel (off by default).
 UNROLL = "xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL"
 GRAPHS = "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL;xla_gpu_graph_min_graph_size=1"
 # cuBLAS reads a layer's weights where they lie in the stacked [layers, ...] array instead of a copy
 # kernel slicing them out first (the scanned step's dynamic-slice feeding each GEMM)
 DSFUSION = "xla_gpu_enable_dynamic_slice_fusion=True"
-NO_KERNEL = {"HLOSERVE_GPU_LAYER_LINEAR": "0"}
+KERNEL = {"HLOSERVE_GPU_LAYER_LINEAR": "1"}
 VARIANTS = {
     "default": {},
     "unroll": {"HLOSERVE_XLA_OPTIONS": UNROLL},
     "graphs": {"HLOSERVE_XLA_OPTIONS": GRAPHS},
     "unroll+graphs": {"HLOSERVE_XLA_OPTIONS": f"{UNROLL};{GRAPHS}"},
     "dsfusion": {"HLOSERVE_XLA_OPTIONS": DSFUSION},
-    "no-linear-kernel": NO_KERNEL,
-    "no-linear-kernel+dsfusion": {**NO_KERNEL, "HLOSERVE_XLA_OPTIONS": DSFUSION},
-    "no-linear-kernel+unroll+dsfusion": {**NO_KERNEL, "HLOSERVE_XLA_OPTIONS": f"{UNROLL};{DSFUSION}"},
+    "unroll+dsfusion": {"HLOSERVE_XLA_OPTIONS": f"{UNROLL};{DSFUSION}"},
+    "linear-kernel": KERNEL,
+    "linear-kernel+dsfusion": {**KERNEL, "HLOSERVE_XLA_OPTIONS": DSFUSION},
 }
 VARIANT_ENV = ("HLOSERVE_XLA_OPTIONS", "HLOSERVE_GPU_LAYER_LINEAR")
 

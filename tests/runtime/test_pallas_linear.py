@@ -81,15 +81,42 @@ def test_kernel_lowers_for_cuda():
 
 
 def test_plan_and_switch(monkeypatch):
-    """cuda runs the kernel (its backend serves the composite), TPU XLA's dot; the switch off says so."""
+    """Off by default (unmeasured on a GPU): cuda plans XLA's dot and says how to turn the kernel on;
+    with HLOSERVE_GPU_LAYER_LINEAR=1 cuda runs it (its backend serves the composite); TPU never."""
+    monkeypatch.delenv(accelerators.LAYER_LINEAR_ENV, raising=False)
+    off = accelerators.choose("cuda", LAYER_LINEAR.name, 1, {"holds": 1})
+    assert off.kernel is None and f"{accelerators.LAYER_LINEAR_ENV}=1" in off.why
+    assert not accelerators.PallasBackend("cuda").runs(LAYER_LINEAR.name, 1)
+    monkeypatch.setenv(accelerators.LAYER_LINEAR_ENV, "1")
     p = accelerators.choose("cuda", LAYER_LINEAR.name, 1, {"holds": 1})
     assert p.kernel == linear_gpu.NAME and p.params == {"holds": 1}
-    assert accelerators.choose("tpu", LAYER_LINEAR.name, 1, {"holds": 1}).kernel is None
     assert accelerators.PallasBackend("cuda").runs(LAYER_LINEAR.name, 1)
+    assert accelerators.choose("tpu", LAYER_LINEAR.name, 1, {"holds": 1}).kernel is None
     assert not accelerators.PallasBackend("tpu").runs(LAYER_LINEAR.name, 1)
-    monkeypatch.setenv(accelerators.LAYER_LINEAR_ENV, "0")
-    off = accelerators.choose("cuda", LAYER_LINEAR.name, 1, {"holds": 1})
-    assert off.kernel is None and accelerators.LAYER_LINEAR_ENV in off.why
+
+
+def test_a_bf16_step_through_the_kernel_in_interpret_mode_matches_the_cpu(tmp_path, monkeypatch):
+    """A bf16 tiny Llama's decode step on the cuda path (the kernel for every layer_linear, the LM
+    head's included, and Triton's paged attention, in Pallas interpret mode) against the same step on
+    the CPU (its C++ kernels): the same contract (x rounded to bf16, exact products, f32 sums), other
+    summation orders; logits of magnitude ~1 agree to 1e-4."""
+    import torch
+
+    from hloserve.runtime import load
+    from hloserve.runtime.model import read_exported
+    from hloserve.runtime.kernels.pallas import gpu as pallas_gpu
+    from tests.server.conftest import export_tiny_llama
+    from tests.server.test_accelerators import _step
+
+    art = export_tiny_llama(tmp_path, "bf16", 256, torch_dtype=torch.bfloat16)[1]
+    monkeypatch.setenv(accelerators.LAYER_LINEAR_ENV, "1")
+    plans = [p.kernel for p in accelerators.plan(read_exported(art, "decode"), "cuda")]
+    assert plans.count(linear_gpu.NAME) >= 8 and pallas_gpu.NAME in plans     # 7 a layer (scanned) + the head
+    outs = []
+    for how in ({}, {"pallas_interpret": "cuda"}):
+        fn = load(art, functions=["decode"], cache_dir=None, **how).functions["decode"]
+        outs.append({k: np.asarray(v) for k, v in fn(**_step(art)).items()})
+    np.testing.assert_allclose(outs[1]["logits"], outs[0]["logits"], atol=1e-4, rtol=0)
 
 
 @pytest.mark.gpu

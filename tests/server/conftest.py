@@ -8,10 +8,13 @@ import pytest
 BLOCK = 16
 
 
-def export_tiny_llama(root, name: str, vocab: int, files: dict[str, str] | None = None, lora=None, **config):
+def export_tiny_llama(root, name: str, vocab: int, files: dict[str, str] | None = None, lora=None, torch_dtype=None,
+                      **config):
     """(transformers model, artifact path): a random-init 2-layer Llama (seed 0) of `vocab` tokens
     saved under `root`/hf with `files` (file name -> text) beside it, exported as `root`/`name` (block 16,
-    context 256, at most 64 tokens and 8 sequences a step; `lora`: a LoraRequest, adapter slots)."""
+    context 256, at most 64 tokens and 8 sequences a step; `lora`: a LoraRequest, adapter slots;
+    `torch_dtype`: the dtype the checkpoint is stored in, default f32; a 16-bit one is exported as
+    `hloserve export` does: 16-bit weight matrices and KV cache under f32 activations)."""
     import torch
     import transformers
 
@@ -24,11 +27,14 @@ def export_tiny_llama(root, name: str, vocab: int, files: dict[str, str] | None 
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                    tie_word_embeddings=True, **config)
     hf = transformers.LlamaForCausalLM(cfg).eval()
+    if torch_dtype is not None:          # stored as real checkpoints are (bf16: 16-bit matrices, layer_linear)
+        hf = hf.to(torch_dtype)
     hf.save_pretrained(str(root / "hf"))
     for file, text in (files or {}).items():
         (root / "hf" / file).write_text(text)
     src = hf_causal.from_hf_directory(str(root / "hf"), opts=StepExportOptions(
-        block_size=BLOCK, max_context=256, max_tokens=64, max_seqs=8), lora=lora)
+        block_size=BLOCK, max_context=256, max_tokens=64, max_seqs=8), lora=lora,
+        weight_dtype=torch_dtype, kv_dtype=torch_dtype)   # as `hloserve export` treats a 16-bit checkpoint
     art = str(root / name)
     export_artifact(art, src.entries, source=name, model=src.model, files=src.files)
     return hf, art

@@ -28,9 +28,9 @@ What runs where (docs/deploy.md):
   decode-sized calls (up to 64 rows), reading the layer's tiles in place in the stack; above 64 rows
   that module runs XLA's dot (cuBLAS) on the sliced layer. XLA:GPU hands cuBLAS a copy of the
   layer's slice (an H200 step 6x its bandwidth floor, docs/performance.md, 2026-11-30), which the
-  kernel avoids. TPU: XLA's dot (the decomposition): the MXU takes the bf16 operands and accumulates
-  in f32, which is the composite's contract. `HLOSERVE_GPU_LAYER_LINEAR=0` gives GPUs the
-  decomposition too (to measure the kernel against it).
+  kernel avoids. Off by default until a GPU has compiled and timed it (it was written without one):
+  `HLOSERVE_GPU_LAYER_LINEAR=1` turns it on. TPU: XLA's dot (the decomposition): the MXU takes the
+  bf16 operands and accumulates in f32, which is the composite's contract.
 * Over a mesh, or with HLOSERVE_PALLAS_KERNELS=0, every composite's decomposition.
 """
 from __future__ import annotations
@@ -54,12 +54,11 @@ ENV = "HLOSERVE_PALLAS_KERNELS"   # "0": the accelerators run every composite's 
 # composite name -> its placeholder custom call, replaced once shapes are static
 PENDING = {PAGED_ATTENTION.name: "hloserve_pallas_paged_attention", QUANT_LINEAR.name: quant.PENDING,
            LAYER_LINEAR.name: "hloserve_pallas_layer_linear"}
-LAYER_LINEAR_ENV = "HLOSERVE_GPU_LAYER_LINEAR"   # "0": GPUs run layer_linear's decomposition
+LAYER_LINEAR_ENV = "HLOSERVE_GPU_LAYER_LINEAR"   # "1": GPUs run layer_linear's Triton kernel (default off)
 # jax's platform names for lowering (a GPU device reports "gpu")
 LOWERING = {"tpu": "tpu", "gpu": "cuda", "cuda": "cuda"}
-# the composites a Pallas kernel runs (where the cache shape suits it: `choose`), by platform
+# the composites a Pallas kernel runs (where the cache shape suits it: `choose`; GPUs: layer_linear opt-in)
 SERVED = frozenset({PAGED_ATTENTION.key, PAGED_ATTENTION_V2.key, QUANT_LINEAR_V2.key})
-SERVED_ON = {"tpu": SERVED, "cuda": SERVED | {LAYER_LINEAR.key}}
 # what the layer_linear composite runs on a TPU, and why (see the module docstring)
 XLA_DOT = "XLA's dot (the decomposition): the MXU takes the 16-bit operands with f32 sums, as the contract asks"
 # the result dims of each placeholder for shape refinement ((operand, dim), None: static); default: x's
@@ -87,6 +86,11 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") not in ("0", "false", "no", "off")
 
 
+def linear_kernel_on() -> bool:
+    """Whether GPUs run `hloserve.layer_linear` through linear_gpu.py's kernel (opt-in: unmeasured)."""
+    return enabled() and os.environ.get(LAYER_LINEAR_ENV, "0") in ("1", "true", "yes", "on")
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasBackend:
     """The Pallas kernels of `platform` ("tpu" or "cuda"); with `interpret`, run in Pallas interpret
@@ -96,8 +100,8 @@ class PallasBackend:
     composites: frozenset[tuple[str, int]] = SERVED
 
     def __post_init__(self):
-        if self.composites is SERVED:   # the default: what this platform's kernels serve
-            object.__setattr__(self, "composites", SERVED_ON.get(LOWERING.get(self.platform, self.platform), SERVED))
+        if self.composites is SERVED and LOWERING.get(self.platform) == "cuda" and linear_kernel_on():
+            object.__setattr__(self, "composites", SERVED | {LAYER_LINEAR.key})
 
     @property
     def name(self) -> str:
@@ -179,8 +183,9 @@ def _choose_linear(platform: str, version: int, attrs: dict[str, Any]) -> Kernel
     name, params = LAYER_LINEAR.name, {"holds": int(attrs.get("holds", 1))}
     if LOWERING[platform] == "tpu":
         return KernelPlan(name, version, platform, None, {}, XLA_DOT)
-    if not enabled() or os.environ.get(LAYER_LINEAR_ENV, "1") in ("0", "false", "no", "off"):
-        return KernelPlan(name, version, platform, None, params, f"{ENV}=0 or {LAYER_LINEAR_ENV}=0")
+    if not linear_kernel_on():
+        return KernelPlan(name, version, platform, None, params,
+                          f"XLA's dot: the Triton kernel is off until measured on a GPU ({LAYER_LINEAR_ENV}=1 turns it on)")
     return KernelPlan(name, version, platform, _module(platform, name).NAME, params,
                       f"reads the layer's tiles in place in the stack (calls of up to {_module(platform, name).MAX_ROWS} "
                       "rows; more: XLA's dot on the sliced layer)")

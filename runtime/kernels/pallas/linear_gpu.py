@@ -15,6 +15,10 @@ accumulator. Only decode-sized calls take it (M <= MAX_ROWS): above that the row
 and cuBLAS's tiles beat these, so the kernel module runs XLA's dot on the sliced layer (the
 decomposition's arithmetic). A matrix whose N or K is not a multiple of 16 (tl.dot's minimum) takes
 XLA's dot too. Runs in Pallas interpret mode on any platform (`interpret=True`, the tests).
+
+Written in a session whose device time was spent: no GPU has compiled or timed it yet, so the runtime
+runs it only with HLOSERVE_GPU_LAYER_LINEAR=1 (pallas/__init__.py); benchmarks/gpu_check.sh times it
+against the decomposition.
 """
 from __future__ import annotations
 
