@@ -27,7 +27,7 @@
 #   $OUT/gpu-results.json          the summary (benchmarks/gpu_summary.py): goes to benchmarks/results/
 #
 # Knobs (environment): PYTHON (python3), STEP_S (270), QUANT_S (90), SERVE_S (120), TEST_S (50) seconds,
-# TEST_WORKERS (4), SHAPE (llama-1b), VARIANTS (default,linear-kernel,dsfusion,linear-kernel+dsfusion:
+# TEST_WORKERS (4), SHAPE (llama-1b), VARIANTS (default,dsfusion,linear-kernel:
 # step_vs_transformers.py's VARIANTS), STEP_SHAPES (1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024), BENCH_ARGS (more
 # step_vs_transformers.py flags, e.g. "--layers 2 --device cpu" to rehearse on a CPU), SERVE_PLATFORM
 # (cuda), SERVE_ARGS, CONCURRENCY (1,16), REQUESTS (6,32), MAX_SEQS (16: c=64 needs 64 and more
@@ -132,7 +132,7 @@ steps() {
   local exports="for q in int8 int4; do [ -d $WORK/art-\$q ] || $PY -m hloserve.server.cli export $WORK/hf -o $WORK/art-\$q --quantize \$q; done"
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 $LOW "$PY" benchmarks/step_vs_transformers.py --shape "${SHAPE:-llama-1b}" \
     --shapes "${STEP_SHAPES:-1x1@300,16x16@300,64x64@300,256x1@0,256x1@1024}" --repeats 20 \
-    --sides "${SIDES:-hloserve,transformers,compiled}" --variants "${VARIANTS:-default,linear-kernel,dsfusion,linear-kernel+dsfusion}" \
+    --sides "${SIDES:-hloserve,transformers,compiled}" --variants "${VARIANTS:-default,dsfusion,linear-kernel}" \
     --compiled-shapes 1x1@300,16x16@300 --side-timeout hloserve=170,transformers=50,compiled=90 --tokenizer-dir "$TOK" --work "$WORK" --json "$OUT/step_vs_transformers.json" \
     --after-build "$HIGH bash -c '$exports' > $WORK/quant_export.log 2>&1" ${BENCH_ARGS:-}
 }
