@@ -105,6 +105,19 @@ def test_the_step_on_the_accelerator_matches_the_cpu(tiny_llm):
     np.testing.assert_allclose(got["logits"], want["logits"], atol=2e-2, rtol=0)
 
 
+@pytest.mark.gpu
+def test_a_bf16_step_through_the_layer_linear_kernel_on_the_gpu_matches_the_cpu(tmp_path, monkeypatch):
+    """A bf16 tiny Llama's step with the opt-in Triton layer_linear kernel (HLOSERVE_GPU_LAYER_LINEAR=1)
+    on the device against the CPU's: compiled and linked into the step for real. The bound is the f32
+    step's (a GPU's f32 dots outside the kernels default to TF32)."""
+    import torch
+    art = export_tiny_llama(tmp_path, "bf16", 1024, torch_dtype=torch.bfloat16)[1]
+    _, want = _decode(art, platform="cpu")
+    monkeypatch.setenv(accelerators.LAYER_LINEAR_ENV, "1")
+    _, got = _decode(art, platform=jax.default_backend())
+    np.testing.assert_allclose(got["logits"], want["logits"], atol=2e-2, rtol=0)
+
+
 @pytest.fixture(scope="module", params=["int8", "int4"])
 def tiny_quantized_llm(request, tmp_path_factory):
     """tiny_llm's model exported with `--quantize` int8 / int4 (asymmetric groups of 32)."""
