@@ -209,6 +209,29 @@ def test_unknown_platform_and_device(mlp_artifact, tmp_path):
         runtime.load(mlp_artifact, devices=[99], cache_dir=None)
 
 
+def test_xla_options_from_the_environment(mlp_artifact, eager_mlp, tmp_path, monkeypatch):
+    """$HLOSERVE_XLA_OPTIONS reaches every executable of a load (booleans as XLA's parser takes them),
+    keys the executable cache apart from the same load without it, and a malformed or unknown option
+    fails with one line naming it."""
+    from hloserve.runtime.client import PlatformError, compiler_options
+    monkeypatch.setenv("HLOSERVE_XLA_OPTIONS", "xla_gpu_enable_dynamic_slice_fusion=true; xla_gpu_graph_min_graph_size=2")
+    assert compiler_options("cpu") == {"xla_gpu_enable_dynamic_slice_fusion": "True", "xla_gpu_graph_min_graph_size": "2"}
+    cache = str(tmp_path / "cache")
+    x = _x(3)
+    fn = runtime.load(mlp_artifact, cache_dir=cache).functions["forward"]
+    np.testing.assert_allclose(np.asarray(fn(x=x)["y"]), _eager(eager_mlp, x), atol=ATOL, rtol=0)
+    monkeypatch.delenv("HLOSERVE_XLA_OPTIONS")
+    plain = runtime.load(mlp_artifact, cache_dir=cache).functions["forward"]
+    plain(x=x)
+    assert plain.stats.compiles == 1 and not any(plain.from_executable_cache(e) for e in plain.compiled_shapes)
+    monkeypatch.setenv("HLOSERVE_XLA_OPTIONS", "graph_min_graph_size=1")
+    with pytest.raises(PlatformError, match="HLOSERVE_XLA_OPTIONS: 'graph_min_graph_size=1' is not name=value with an xla_"):
+        runtime.load(mlp_artifact, cache_dir=None)
+    monkeypatch.setenv("HLOSERVE_XLA_OPTIONS", "xla_gpu_enable_dynamic_slice_fusion=maybe")
+    with pytest.raises(Exception, match="xla_gpu_enable_dynamic_slice_fusion"):
+        runtime.load(mlp_artifact, cache_dir=None).functions["forward"](x=x)
+
+
 def test_missing_platform_names_the_extra_to_install(mlp_artifact):
     import jax
     from hloserve.runtime.client import PlatformError
