@@ -158,10 +158,11 @@ def device_profile(timer: Timer, shape: tuple[int, int, int], steps: int = 10) -
                     for k, (n, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]]}
 
 
-def time_hloserve(art: str, shapes, repeats: int, variants: list[str]) -> dict:
-    """Per XLA variant the median ms of `decode` through runtime.load at each decode shape (T == S),
-    with a device profile of the first; then the fastest variant at the prompt-chunk shapes (T > S)
-    and the parity prompt's logits."""
+def time_hloserve(art: str, shapes, repeats: int, variants: list[str], save=None) -> dict:
+    """Per variant the median ms of `decode` through runtime.load at each decode shape (T == S), with
+    a device profile of the first; then the fastest variant at the prompt-chunk shapes (T > S) and the
+    parity prompt's logits. `save(out)` after each variant: a variant that kills the process (a kernel
+    the device's compiler crashes on) leaves the ones before it on disk."""
     import jax
     out = {"device": f"{jax.default_backend()} ({jax.devices()[0].device_kind})", "variants": {}}
     decodes = [sh for sh in shapes if sh[0] == sh[1]] or shapes[:1]
@@ -182,6 +183,8 @@ def time_hloserve(art: str, shapes, repeats: int, variants: list[str]) -> dict:
             result = {"error": f"{type(e).__name__}: {e}"[:500]}
         print(f"[step_vs_transformers] variant {name!r}: {result}", file=sys.stderr, flush=True)
         out["variants"][name] = result
+        if save:
+            save(out)
     if not timers:
         return out
     # the first decode shape decides (one decoding sequence), then the next
@@ -286,6 +289,8 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, art: str, work
            "--variants", args.variants] + (["--compiled-shapes", args.compiled_shapes]
                                                     if args.compiled_shapes else [])
     print(f"[step_vs_transformers] {side}: {' '.join(cmd[1:3])} ...", file=sys.stderr, flush=True)
+    if os.path.exists(out):
+        os.remove(out)                          # an earlier run's numbers are not this one's
     t0 = time.perf_counter()
     limits = dict(p.split("=") if "=" in p else (side, p) for p in (args.side_timeout or "").split(",") if p)
     limit = float(limits[side]) if side in limits else None
@@ -295,10 +300,12 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, art: str, work
     except subprocess.TimeoutExpired:
         proc, status = None, f"killed at its --side-timeout of {limit:.0f} s"
     took = time.perf_counter() - t0
-    if proc is None or proc.returncode != 0 or not os.path.exists(out):
+    if not os.path.exists(out):
         return {"error": f"{status} after {took:.0f} s (its output is above)"}
     with open(out) as f:
         result = json.load(f)
+    if proc is None or proc.returncode != 0:      # what it saved before it died (hloserve: each variant)
+        result["error"] = f"{status} after {took:.0f} s (its output is above); what it saved before is kept"
     result["process_s"] = round(took, 1)
     print(f"[step_vs_transformers] {side} on {result['device']} in {took:.0f} s: "
           + ", ".join(f"{k} {v:.2f} ms" for k, v in result.get("ms", {}).items()), file=sys.stderr, flush=True)
@@ -388,7 +395,8 @@ def main(argv=None) -> int:
 
     if args.side:                       # a child: one side, its numbers to --json
         if args.side == "hloserve":
-            result = time_hloserve(args.artifact, shapes, args.repeats, variants)
+            result = time_hloserve(args.artifact, shapes, args.repeats, variants,
+                                   save=lambda partial: json.dump(partial, open(args.json, "w")))
         elif args.side == "compiled":
             result = time_compiled(args.model_dir, parse_shapes(args.compiled_shapes or args.shapes), args.repeats,
                                    args.device)
