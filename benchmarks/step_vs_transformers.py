@@ -113,16 +113,10 @@ def device_profile(timer: Timer, shape: tuple[int, int, int], steps: int = 10) -
     import jax
     from jax.profiler import ProfileData
     T, S, C = shape
-    ins = timer.inputs(T, S, C)
     timer.time(T, S, C, 1)                                   # warm: nothing compiles inside the trace
     trace = tempfile.mkdtemp(prefix="hloserve-trace-")
     jax.profiler.start_trace(trace)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        out = timer.fn(**ins, **{timer.llm.kv_cache.input: timer.cache})
-        timer.cache = out[timer.llm.kv_cache.output]
-        np.asarray(out["logits"])
-    wall = (time.perf_counter() - t0) / steps
+    wall = timer.time(T, S, C, steps - 1) / 1e3              # `steps` calls, the median of the last steps - 1
     jax.profiler.stop_trace()
     files = glob.glob(os.path.join(trace, "**", "*.xplane.pb"), recursive=True)
     if not files:
@@ -206,13 +200,20 @@ def time_hloserve(art: str, shapes, repeats: int, variants: list[str], save=None
     return out
 
 
+def _hf_model(model_dir: str, device: str):
+    """(model, dtype) of transformers on `device`: bf16 on cuda, f32 on cpu."""
+    import torch
+    import transformers
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval(), dtype
+
+
 def time_compiled(model_dir: str, shapes, repeats: int, device: str) -> dict:
     """The decode shapes (T == S) through transformers with a static KV cache under
     torch.compile(mode="reduce-overhead") (CUDA graphs on a GPU): the gpt-fast class of decoder."""
     import torch
     import transformers
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    hf, dtype = _hf_model(model_dir, device)
     vocab = hf.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     step = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
@@ -249,8 +250,7 @@ def time_transformers(model_dir: str, shapes, repeats: int, device: str) -> dict
     """The same shapes through transformers eager on `device` (bf16 on cuda, f32 on cpu)."""
     import torch
     import transformers
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    hf, dtype = _hf_model(model_dir, device)
     vocab = hf.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     rows = {}

@@ -144,7 +144,7 @@ def _module(platform: str, composite: str = PAGED_ATTENTION.name):
 
 def digest(platform: str, plans: Sequence[KernelPlan] = ()) -> str:
     """Identifies the kernels' code for `platform` and which composites run them (`plans`: a switch
-    such as HLOSERVE_GPU_LAYER_LINEAR=0 changes the function compiled): executable-cache keys."""
+    such as HLOSERVE_GPU_LAYER_LINEAR=1 changes the function compiled): executable-cache keys."""
     import jax
     h = hashlib.sha256(jax.__version__.encode())
     h.update(repr(sorted({(p.composite, p.version, p.kernel) for p in plans}, key=repr)).encode())
@@ -186,9 +186,10 @@ def _choose_linear(platform: str, version: int, attrs: dict[str, Any]) -> Kernel
     if not linear_kernel_on():
         return KernelPlan(name, version, platform, None, params,
                           f"XLA's dot: the Triton kernel is off until measured on a GPU ({LAYER_LINEAR_ENV}=1 turns it on)")
-    return KernelPlan(name, version, platform, _module(platform, name).NAME, params,
-                      f"reads the layer's tiles in place in the stack (calls of up to {_module(platform, name).MAX_ROWS} "
-                      "rows; more: XLA's dot on the sliced layer)")
+    module = _module(platform, name)
+    return KernelPlan(name, version, platform, module.NAME, params,
+                      f"reads the layer's tiles in place in the stack (calls of up to {module.MAX_ROWS} rows; "
+                      "more: XLA's dot on the sliced layer)")
 
 
 def _choose_quant(platform: str, version: int, attrs: dict[str, Any]) -> KernelPlan:
