@@ -39,6 +39,7 @@ class Timer:
     def __init__(self, path: str, function: str, shapes: list[tuple[int, int, int]]):
         import jax.numpy as jnp
         from hloserve import runtime
+        from hloserve.runtime import host_pages
         from hloserve.runtime.artifact import read_manifest
         from hloserve.runtime.artifact.llm import LLMSpec
 
@@ -53,6 +54,7 @@ class Timer:
         self.fn = self.model.functions[function]
         kv = self.llm.kv_cache
         self.cache = jnp.zeros(kv.concrete_shape(1 + most * self.B), kv.numpy_dtype)
+        host_pages.zeroed_in_huge_pages(self.cache)   # as the server's cache (server/core/model_runner.py)
 
     def inputs(self, T: int, S: int, C: int) -> dict:
         bs, per = self.llm.block_size, T // S

@@ -1,4 +1,4 @@
-"""Weights on a CPU host in 2 MiB pages.
+"""Weights and the KV cache on a CPU host in 2 MiB pages.
 
 An artifact's weights are memory-mapped views of its safetensors file, and jax aliases them on the
 CPU (no copy): a step then streams its matrices out of the page cache through 4 KiB mappings, and
@@ -9,10 +9,16 @@ is copied once at load into anonymous memory aligned to 2 MiB and advised MADV_H
 kernel backs it with huge pages where it has them free; where it had not at the copy,
 MADV_COLLAPSE asks again), and the device array aliases that copy. Where the kernel has no
 transparent huge pages the copy still holds the weights, in 4 KiB pages, as fast as before.
+
+The server's KV cache is XLA's own buffer (a copy jax aliased could not be donated from step to
+step), so it moves onto huge pages in place, once, while it is all zeros (`zeroed_in_huge_pages`).
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
+import sys
+from typing import Any
 
 import numpy as np
 
@@ -43,3 +49,58 @@ def advise(buf: mmap.mmap, option: int | None, start: int, length: int) -> None:
         buf.madvise(option, start, length)
     except OSError:
         pass
+
+
+
+def zeroed_in_huge_pages(array: Any) -> int:
+    """Move a freshly zeroed device array's CPU buffers onto 2 MiB pages, in place: state a step reads
+    every call and keeps (the server's KV cache, donated from step to step, so its buffer stays where
+    it is). Each buffer's 2 MiB-aligned interior is advised MADV_HUGEPAGE and its pages dropped
+    (MADV_DONTNEED: anonymous memory reads back as zeros, which is what the array holds), so the
+    steps' first writes fault it back in huge pages. Collapsing the touched pages instead
+    (MADV_COLLAPSE) took 3 s a GiB. A decode step reads each sequence's blocks, a few KiB apiece, and
+    from 4 KiB pages the hardware prefetchers stop at every page boundary (docs/performance.md, "The
+    KV cache in 2 MiB pages"). Only for an array of zeros that nothing else has read the address of;
+    a buffer in memory that is not anonymous and private is left as it is. Returns the bytes moved:
+    0 off Linux, for arrays on other devices, or where the kernel refuses."""
+    if sys.platform != "linux":
+        return 0
+    done = 0
+    for shard in getattr(array, "addressable_shards", ()):
+        data = shard.data
+        if shard.device.platform != "cpu" or data.nbytes < HUGE_PAGE:
+            continue
+        start = data.unsafe_buffer_pointer()
+        first = -(-start // HUGE_PAGE) * HUGE_PAGE
+        last = (start + data.nbytes) // HUGE_PAGE * HUGE_PAGE
+        if last > first and _anonymous_private(first, last) \
+                and _madvise(first, last - first, getattr(mmap, "MADV_HUGEPAGE", 14)) \
+                and _madvise(first, last - first, getattr(mmap, "MADV_DONTNEED", 4)):
+            done += last - first
+    return done
+
+
+def _anonymous_private(first: int, last: int) -> bool:
+    """Whether [first, last) lies in private anonymous mappings of this process (/proc/self/maps: no
+    file, 'p' in the permissions), where dropped pages come back as zeros."""
+    covered = first
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(v, 16) for v in fields[0].split("-"))
+            if hi <= covered or lo > covered:
+                continue
+            if not fields[1].endswith("p") or fields[4] != "0" or (len(fields) > 5 and fields[5] != "[heap]"):
+                return False
+            covered = hi
+            if covered >= last:
+                return True
+    return False
+
+
+def _madvise(address: int, length: int, option: int) -> bool:
+    """madvise(2) on memory this process did not map through Python (a device buffer); False where
+    the kernel refuses."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(address, length, option) == 0

@@ -47,6 +47,7 @@ from hloserve.runtime.artifact.errors import ArtifactError
 from hloserve.runtime.artifact.llm import (MAX_BLOCKS, NULL_BLOCK, NUM_BLOCKS, NUM_SEQS, NUM_TOKENS, STEP_DIMS,
                                            LLMArtifact, LLMSpec)
 from hloserve.runtime.buckets import geometric
+from hloserve.runtime.host_pages import zeroed_in_huge_pages
 
 from .adapters import Adapter, AdapterError, AdapterTable
 from .outputs import RunnerOutput, SchedulerPlan
@@ -155,6 +156,7 @@ class ModelRunner:
         shape = kv.concrete_shape(self.num_blocks)                         # e.g. [L, 2, kvh, N, bs, hd]
         split = fns[policy.decode_fn].input_sharding(kv.input)            # each device allocates its part
         self.kv_cache = jax.jit(lambda: jnp.zeros(shape, kv.numpy_dtype), out_shardings=split)()
+        zeroed_in_huge_pages(self.kv_cache)    # on a CPU: the decode steps' block reads cross no 4 KiB pages
         self.kv_cache_bytes = kv.bytes_per_block * self.num_blocks
         # adapter slots (LoraSpec): the table's stacks, placed on the device after each change
         self.adapters = AdapterTable(llm.lora) if llm.lora is not None else None

@@ -75,3 +75,38 @@ def test_jax_aliases_a_huge_page_copy_on_the_cpu():
     copy = host_pages.copy_in_huge_pages(np.ones((1024, 1024), np.float32))
     placed = jax.device_put(copy, jax.devices("cpu")[0])
     assert placed.unsafe_buffer_pointer() == copy.ctypes.data
+
+
+def test_a_zeroed_cache_moves_onto_huge_pages_in_place_and_keeps_serving_its_values():
+    """The server's KV cache (server/core/model_runner.py): XLA's zeros, dropped and advised for huge
+    pages; it still reads as zeros, a donated update writes into the same buffer, and with the
+    kernel's THP on, huge pages back the written cache."""
+    shape = (4, 1024, 1024)                                        # 8 MiB of int16: 3-4 whole huge pages
+    cache = jax.jit(lambda: jax.numpy.zeros(shape, np.int16))()
+    address = cache.unsafe_buffer_pointer()
+    moved = host_pages.zeroed_in_huge_pages(cache)
+    assert moved >= 3 * host_pages.HUGE_PAGE and moved % host_pages.HUGE_PAGE == 0
+    assert not np.asarray(cache).any()
+    write = jax.jit(lambda c, v: c + v, donate_argnums=0)
+    cache = write(cache, np.int16(3))
+    assert cache.unsafe_buffer_pointer() == address, "the donated cache moved: the advice is lost"
+    got = np.asarray(cache)
+    assert got.min() == got.max() == 3
+    if _thp_mode() in ("always", "madvise"):
+        first = -(-address // host_pages.HUGE_PAGE) * host_pages.HUGE_PAGE
+        assert _huge_bytes_at(first) >= host_pages.HUGE_PAGE, "the written cache is in 4 KiB pages"
+
+
+def test_memory_that_is_not_anonymous_and_private_is_left_alone(tmp_path):
+    """Dropped pages of a file mapping would read the file back, not zeros: refused."""
+    import mmap
+    path = tmp_path / "f"
+    path.write_bytes(b"\1" * (4 * host_pages.HUGE_PAGE))
+    with open(path, "r+b") as f:
+        m = mmap.mmap(f.fileno(), 0)
+    start = np.frombuffer(m, np.uint8, count=1).ctypes.data
+    assert not host_pages._anonymous_private(start, start + host_pages.HUGE_PAGE)
+    anon = mmap.mmap(-1, 4 * host_pages.HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = np.frombuffer(anon, np.uint8, count=1).ctypes.data
+    assert host_pages._anonymous_private(start, start + 2 * host_pages.HUGE_PAGE)
+    m.close(), anon.close()
