@@ -106,6 +106,11 @@ class CachedExecutable:
             mesh = jax.sharding.Mesh(np.array([by_id[d.id] for d in devices]).reshape(o.mesh_shape), o.mesh_axes)
             self._assemble.append((o.shape, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*o.spec))))
 
+    def as_text(self) -> str:
+        """The compiled HLO, as jax's Compiled.as_text gives it (an executable read from the cache
+        answers what one just compiled does)."""
+        return "\n".join(m.to_string() for m in self._loaded.hlo_modules())
+
     def __call__(self, *args: Any) -> Any:
         results = self._loaded.execute_sharded([args[i] for i in self._kept])
         outs = []

@@ -35,12 +35,12 @@ from .wiring import load_runner
 DEFAULT_PRESET = "smollm2-135m-instruct"
 # How the default model is exported, and the cache directory's suffix naming it (a cache
 # written with other flags, or by an exporter whose step or files have changed since, is never
-# mistaken for this one: "s6" = decode attention as the hloserve.paged_attention composite, version 1,
-# fused rows grouped for tensor parallelism, the 16-bit matrices read in place through the
-# hloserve.layer_linear composite, version 1, and a preset's recommended sampling in the artifact's
-# generation_config.json).
+# mistaken for this one: "s7" = decode attention as the hloserve.paged_attention composite, version 1,
+# the 16-bit matrices read in place through the hloserve.layer_linear composite, version 1, q/k/v and
+# gate/up each one fused matrix with rows grouped for tensor parallelism (exporter/llm/hf_layers.py
+# FusedLinear), and a preset's recommended sampling in the artifact's generation_config.json).
 DEFAULT_EXPORT_FLAGS = ("--weight-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16")
-EXPORT_STEP = "s6"
+EXPORT_STEP = "s7"
 DEFAULT_EXPORT_TAG = f"bf16-{EXPORT_STEP}"
 # --kv-cache-dtype -> its part of the cache tag where the stored format changed under the same flag:
 # int8 rows with a zero point since 2026-11-28, their keys smoothed (exporter/llm/kv_smooth.py) from

@@ -265,9 +265,10 @@ def divide_rope_frequencies(model: torch.nn.Module, factors, where: str) -> None
 # Tensor parallelism (Megatron-style, as the Llama step's): the projections a layer's heads or its
 # MLP's hidden units come out of are split by output rows, the two that fold them back by input
 # columns, so each device holds whole heads and each layer needs one all-reduce after o_proj and
-# one after down_proj. Fused projections (Phi-3's qkv_proj, gate_up_proj) stay whole: an even
-# split of their rows would not hand each device whole heads or matching gate and up rows.
-COLUMN_SPLIT = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+# one after down_proj. A checkpoint's own fused projections (Phi-3's qkv_proj, gate_up_proj) stay
+# whole: an even split of their rows would not hand each device whole heads or matching gate and up
+# rows. Ours (hf_layers.FusedLinear) interleave their rows by KV head and by row, so they split.
+COLUMN_SPLIT = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", *hf_layers.FUSED.values()})
 ROW_SPLIT = frozenset({"o_proj", "down_proj"})
 
 
@@ -406,6 +407,8 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
         given = quantize.experts(model) if quantize.experts is not None else None   # a GGUF's own experts
         if given is not None or not quantize.config.native:
             hf_experts.quantize_experts(model, quantize.config, quantize.record, given)
+    if sixteen is not None:   # the 16-bit siblings that read one input: one composite call each (hf_layers.FUSED)
+        hf_layers.fuse_projections(model, geometry(model.config).num_kv_heads)
     c = _text_config(model.config)
     g = geometry(model.config)
     max_pos = int(getattr(c, "max_position_embeddings", 4096) or 4096)

@@ -127,6 +127,82 @@ def sixteen_bit(model: torch.nn.Module, dtype: torch.dtype, act: torch.dtype | N
     return swapped
 
 
+# Sibling projections that read the same input, fused into one composite call (issue #37: one
+# launch instead of three on an accelerator, one pass over the pool instead of three on a CPU), and
+# the name the fused matrix takes in their module. tensor_parallel_dims splits both by rows.
+FUSED = {("q_proj", "k_proj", "v_proj"): "fused_qkv_proj", ("gate_proj", "up_proj"): "fused_gate_up_proj"}
+
+
+class FusedLinear(LayerLinear):
+    """Sibling LayerLinears of one module that read the same input (q/k/v, gate/up) as one matrix.
+
+    Their rows are interleaved in `groups` equal blocks, each block holding every sibling's share in
+    turn (q/k/v: one block per KV head: its query heads' rows, then its key's, then its value's;
+    gate/up: one block per row of each), so an even split of the rows over devices (tensor
+    parallelism) hands each device whole blocks: whole KV heads with their query heads, matching
+    gate and up rows. `part(x, i)` is sibling i's output, its rows in their own order: the fused
+    product is computed once per input tensor (the model calls the siblings one after the other on
+    the same tensor; another tensor gets a product of its own) and the sibling's columns taken back
+    out of the blocks. Each output element is the same dot product over the same row as before."""
+
+    def __init__(self, parts: list[LayerLinear], groups: int):
+        shares = [p.out_features // groups for p in parts]
+        weight = torch.cat([p.weight.reshape(groups, n, -1) for p, n in zip(parts, shares)], dim=1)
+        bias = None
+        if parts[0].bias is not None:
+            bias = torch.nn.Parameter(torch.cat([p.bias.reshape(groups, n) for p, n in zip(parts, shares)], dim=1)
+                                      .reshape(-1), requires_grad=False)
+        super().__init__(weight.reshape(sum(p.out_features for p in parts), -1), bias, torch.bfloat16)
+        self.holds = parts[0].holds
+        self.groups, self.shares = groups, tuple(shares)
+        self._last: tuple | None = None     # (input, fused product): the siblings' shared call
+
+    def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        if self._last is None or self._last[0] is not x:
+            self._last = (x, self(x))
+        y = self._last[1].unflatten(-1, (self.groups, sum(self.shares)))       # [..., groups, block]
+        lo = sum(self.shares[:i])
+        return y[..., lo:lo + self.shares[i]].flatten(-2)
+
+
+class FusedPart(torch.nn.Module):
+    """What a fused sibling's name holds: its output, from its FusedLinear (hooks on it, a LoRA
+    adapter's, still see its input and output)."""
+
+    def __init__(self, fused: FusedLinear, index: int, like: LayerLinear):
+        super().__init__()
+        self._fused = (fused,)              # not a submodule: the fused matrix belongs to the parent
+        self.index = index
+        self.in_features, self.out_features = like.in_features, like.out_features
+
+    def forward(self, x):
+        return self._fused[0].part(x, self.index)
+
+
+def fuse_projections(model: torch.nn.Module, num_kv_heads: int) -> int:
+    """Fuse each module's q_proj/k_proj/v_proj and gate_proj/up_proj (FUSED) into one FusedLinear
+    where all of them are 16-bit LayerLinears of one input size and dtype, with biases on all or none;
+    q/k/v only where each divides into `num_kv_heads` blocks. A sibling quantized, or any other
+    layout, is left as it is. Returns how many groups were fused."""
+    fused = 0
+    for parent in list(model.modules()):
+        for names, fused_name in FUSED.items():
+            parts = [getattr(parent, n, None) for n in names]
+            if hasattr(parent, fused_name) or not all(type(p) is LayerLinear for p in parts):
+                continue
+            if len({(p.in_features, p.holds, p.weight.dtype, p.weight.dim(), p.bias is None) for p in parts}) != 1:
+                continue
+            groups = num_kv_heads if "q_proj" in names else parts[0].out_features
+            if any(p.out_features % groups for p in parts):
+                continue
+            whole = FusedLinear(parts, groups)
+            setattr(parent, fused_name, whole)
+            for i, (n, p) in enumerate(zip(names, parts)):
+                setattr(parent, n, FusedPart(whole, i, p))
+            fused += 1
+    return fused
+
+
 def _is_matrix_module(module: torch.nn.Module) -> bool:
     """Whether sixteen_bit swaps `module` for a LayerLinear (nn.Linear, GPT-2's 2-D Conv1D)."""
     return type(module) is torch.nn.Linear or (type(module).__name__ == "Conv1D" and module.weight.dim() == 2)

@@ -30,7 +30,7 @@ def test_16_bit_experts_are_one_grouped_composite_per_layer_body(tmp_path):
     manifest, model, mlir = _export(hf, tmp_path, "--dtype", "bfloat16")
     assert manifest["model"]["llm"]["layers"] == "scan"
     assert mlir.count('stablehlo.composite "hloserve.grouped_experts"') == 1
-    assert mlir.count('stablehlo.composite "hloserve.layer_linear"') == 4 + 1   # q k v o, the head (not the router)
+    assert mlir.count('stablehlo.composite "hloserve.layer_linear"') == 2 + 1   # q/k/v fused, o, the head (not the router)
     compare_last_logits(model, hf.float(), 2e-2, "qwen3_moe bf16")
 
 

@@ -100,7 +100,7 @@ def test_a_model_that_branches_on_its_window_is_scanned_by_period(tmp_path):
 def test_bf16_checkpoint_exports_as_the_serving_step(tmp_path):
     """A Qwen3 stored in bf16 (config dtype), exported with no dtype flag: 16-bit weight matrices
     and KV cache under f32 activations, every linear and the tied head through layer_linear (one
-    body: 7 calls per layer, 1 head), three layers scanned. Compared with transformers computing
+    body: 4 calls per layer, q/k/v and gate/up fused, 1 head), three layers scanned. Compared with transformers computing
     every linear as layer_linear does (weights and inputs rounded to bf16, f32 sums, K/V rounded
     to bf16): logits O(0.5) through three layers; what is left is K rounded after RoPE here and
     before it there (2^-8 relative on each score), bounded by 1e-2."""
@@ -108,7 +108,7 @@ def test_bf16_checkpoint_exports_as_the_serving_step(tmp_path):
     manifest, model, mlir = _export(hf.to(torch.bfloat16), tmp_path)
     llm = manifest["model"]["llm"]
     assert llm["kv_cache"]["holds"] == "bf16" and llm["layers"] == "scan"
-    assert mlir.count('stablehlo.composite "hloserve.layer_linear"') == 7 + 1
+    assert mlir.count('stablehlo.composite "hloserve.layer_linear"') == 4 + 1
     assert mlir.count('stablehlo.composite "hloserve.paged_attention"') == 1
     ref = hf_with_mixed_linears(hf.float(), kv_dtype=torch.bfloat16)
     compare_last_logits(model, ref, 1e-2)
@@ -152,3 +152,66 @@ def test_a_16_bit_checkpoint_loads_in_its_dtype_as_the_wide_load_would(tmp_path)
         assert x.dtype == y.dtype and torch.equal(x, y), name
     assert loaded.model.embed_tokens.embed_scale.dtype == torch.float32
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight and loaded.config.dtype == torch.float32
+
+
+def test_q_k_v_and_gate_up_fuse_into_one_matrix_each_that_splits_by_kv_head_and_row():
+    """fuse_projections on a bf16 Llama (4 query heads over 2 KV heads): every sibling returns exactly
+    what it returned alone, the three q/k/v calls on one input compute ONE fused product (a new
+    input gets its own), the model's logits are unchanged, and the fused rows are laid out so that
+    halving them hands each half whole KV groups (its query heads, its key, its value) and matching
+    gate and up rows, which is what tensor_parallel_dims' row split relies on."""
+    from hloserve.exporter.llm import hf_layers
+
+    hf = _model("LlamaForCausalLM", "LlamaConfig", num_hidden_layers=2)
+    hf_layers.sixteen_bit(hf, torch.bfloat16, torch.float32)
+    attn, mlp = hf.model.layers[0].self_attn, hf.model.layers[0].mlp
+    x = torch.randn(3, 64)
+    alone = {n: getattr(attn, n)(x) for n in ("q_proj", "k_proj", "v_proj")}
+    alone |= {n: getattr(mlp, n)(x) for n in ("gate_proj", "up_proj")}
+    rows = {n: getattr(m, n).weight.clone() for m, names in ((attn, "qkv"), (mlp, ("gate", "up")))
+            for n in [f"{k}_proj" for k in names]}
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        before = hf(ids).logits
+
+    assert hf_layers.fuse_projections(hf, num_kv_heads=2) == 4          # 2 layers x (q/k/v, gate/up)
+    qkv, gate_up = attn.fused_qkv_proj, mlp.fused_gate_up_proj
+    products = []
+    qkv.register_forward_hook(lambda m, a, out: products.append(out))
+    for n in ("q_proj", "k_proj", "v_proj"):
+        assert torch.equal(getattr(attn, n)(x), alone[n]), n
+    assert len(products) == 1, "the three siblings computed the fused product more than once"
+    other = torch.randn(3, 64)
+    assert torch.equal(attn.k_proj(other), hf_layers.LayerLinear(rows["k_proj"], None, torch.bfloat16)(other))
+    assert len(products) == 2
+    for n in ("gate_proj", "up_proj"):
+        assert torch.equal(getattr(mlp, n)(x), alone[n]), n
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, before)
+
+    half = qkv.weight.reshape(2, -1, 64)                                  # each KV group's block
+    for g in range(2):
+        want = torch.cat([rows["q_proj"][32 * g:32 * (g + 1)], rows["k_proj"][16 * g:16 * (g + 1)],
+                          rows["v_proj"][16 * g:16 * (g + 1)]])
+        assert torch.equal(half[g], want), g
+    pairs = gate_up.weight.reshape(128, 2, 64)
+    assert torch.equal(pairs[:, 0], rows["gate_proj"]) and torch.equal(pairs[:, 1], rows["up_proj"])
+    assert "fused_qkv_proj" in hf_layers.FUSED.values()
+
+
+def test_siblings_that_cannot_share_a_matrix_stay_apart():
+    """A sibling that is not a 16-bit LayerLinear (here a plain f32 Linear: as a quantized one would
+    be), or KV blocks that do not divide the rows, leave that group unfused; the others still fuse."""
+    from hloserve.exporter.llm import hf_layers
+
+    hf = _model("LlamaForCausalLM", "LlamaConfig", num_hidden_layers=1)
+    hf_layers.sixteen_bit(hf, torch.bfloat16, torch.float32)
+    layer = hf.model.layers[0]
+    layer.self_attn.k_proj = torch.nn.Linear(64, 32, bias=False)
+    assert hf_layers.fuse_projections(hf, num_kv_heads=2) == 1          # gate/up only
+    assert not hasattr(layer.self_attn, "fused_qkv_proj") and hasattr(layer.mlp, "fused_gate_up_proj")
+
+    hf = _model("LlamaForCausalLM", "LlamaConfig", num_hidden_layers=1)
+    hf_layers.sixteen_bit(hf, torch.bfloat16, torch.float32)
+    assert hf_layers.fuse_projections(hf, num_kv_heads=3) == 1          # 32 key rows are no 3 blocks
+    assert isinstance(hf.model.layers[0].self_attn.q_proj, hf_layers.LayerLinear)

@@ -111,7 +111,7 @@ def test_a_bf16_step_through_the_kernel_in_interpret_mode_matches_the_cpu(tmp_pa
     art = export_tiny_llama(tmp_path, "bf16", 256, torch_dtype=torch.bfloat16)[1]
     monkeypatch.setenv(accelerators.LAYER_LINEAR_ENV, "1")
     plans = [p.kernel for p in accelerators.plan(read_exported(art, "decode"), "cuda")]
-    assert plans.count(linear_gpu.NAME) >= 8 and pallas_gpu.NAME in plans     # 7 a layer (scanned) + the head
+    assert plans.count(linear_gpu.NAME) >= 5 and pallas_gpu.NAME in plans     # 4 a layer (q/k/v, gate/up fused) + the head
     outs = []
     for how in ({}, {"pallas_interpret": "cuda"}):
         fn = load(art, functions=["decode"], cache_dir=None, **how).functions["decode"]

@@ -113,9 +113,12 @@ def test_the_generic_step_splits_by_heads(tmp_path_factory, family, weights):
     two = report[2]
     assert two["tokens"] == report[1]["tokens"]
     split = {re.sub(r".*(stack\.0\.|model\.)", "", k): v for k, v in two["split"].items()}
-    want = {"self_attn__q_proj__weight", "self_attn__k_proj__weight", "self_attn__v_proj__weight",
-            "self_attn__o_proj__weight", "mlp__gate_proj__weight", "mlp__up_proj__weight", "mlp__down_proj__weight",
-            "kv_cache"}
+    want = {"self_attn__o_proj__weight", "mlp__down_proj__weight", "kv_cache"}
+    if weights == "bf16":   # q/k/v and gate/up as one matrix each, rows grouped by KV head and by row
+        want |= {"self_attn__fused_qkv_proj__weight", "mlp__fused_gate_up_proj__weight"}
+    else:
+        want |= {"self_attn__q_proj__weight", "self_attn__k_proj__weight", "self_attn__v_proj__weight",
+                 "mlp__gate_proj__weight", "mlp__up_proj__weight"}
     if weights == "int8":
         want |= {f"{m}__weight_scale" for m in ("self_attn__q_proj", "self_attn__k_proj", "self_attn__v_proj",
                                                  "mlp__gate_proj", "mlp__up_proj")}
