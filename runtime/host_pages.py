@@ -16,6 +16,7 @@ step), so it moves onto huge pages in place, once, while it is all zeros (`zeroe
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import sys
 from typing import Any
@@ -49,7 +50,6 @@ def advise(buf: mmap.mmap, option: int | None, start: int, length: int) -> None:
         buf.madvise(option, start, length)
     except OSError:
         pass
-
 
 
 def zeroed_in_huge_pages(array: Any) -> int:
@@ -101,6 +101,11 @@ def _anonymous_private(first: int, last: int) -> bool:
 def _madvise(address: int, length: int, option: int) -> bool:
     """madvise(2) on memory this process did not map through Python (a device buffer); False where
     the kernel refuses."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(address, length, option) == 0
+    return _libc_madvise()(address, length, option) == 0
+
+
+@functools.cache
+def _libc_madvise():
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise

@@ -407,10 +407,10 @@ def from_hf_directory(path: str, tdtype: torch.dtype = torch.float32, *, opts: S
         given = quantize.experts(model) if quantize.experts is not None else None   # a GGUF's own experts
         if given is not None or not quantize.config.native:
             hf_experts.quantize_experts(model, quantize.config, quantize.record, given)
-    if sixteen is not None:   # the 16-bit siblings that read one input: one composite call each (hf_layers.FUSED)
-        hf_layers.fuse_projections(model, geometry(model.config).num_kv_heads)
     c = _text_config(model.config)
     g = geometry(model.config)
+    if sixteen is not None:   # the 16-bit siblings that read one input: one composite call each (hf_layers.FUSED)
+        hf_layers.fuse_projections(model, g.num_kv_heads)
     max_pos = int(getattr(c, "max_position_embeddings", 4096) or 4096)
     opts = opts or StepExportOptions(max_context=min(max_pos, 32768), kv_dtype=kv_dtype)
     if opts.kv_dtype in SMOOTHED:   # before the scan: the calibration step runs the layers unrolled, without adapters

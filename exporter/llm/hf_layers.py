@@ -54,7 +54,7 @@ class LayerLinear(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
-        self.holds = holds_of(dtype)
+        self.dtype, self.holds = dtype, holds_of(dtype)
         self.in_features, self.out_features = weight.shape[-1], weight.shape[-2]
         self.weight = torch.nn.Parameter(weight, requires_grad=False)      # [out, in] int16 bits
         self.bias = bias
@@ -152,8 +152,7 @@ class FusedLinear(LayerLinear):
         if parts[0].bias is not None:
             bias = torch.nn.Parameter(torch.cat([p.bias.reshape(groups, n) for p, n in zip(parts, shares)], dim=1)
                                       .reshape(-1), requires_grad=False)
-        super().__init__(weight.reshape(sum(p.out_features for p in parts), -1), bias, torch.bfloat16)
-        self.holds = parts[0].holds
+        super().__init__(weight.reshape(sum(p.out_features for p in parts), -1), bias, parts[0].dtype)
         self.groups, self.shares = groups, tuple(shares)
         self._last: tuple | None = None     # (input, fused product): the siblings' shared call
 
@@ -190,7 +189,7 @@ def fuse_projections(model: torch.nn.Module, num_kv_heads: int) -> int:
             parts = [getattr(parent, n, None) for n in names]
             if hasattr(parent, fused_name) or not all(type(p) is LayerLinear for p in parts):
                 continue
-            if len({(p.in_features, p.holds, p.weight.dtype, p.weight.dim(), p.bias is None) for p in parts}) != 1:
+            if len({(p.in_features, p.dtype, p.weight.dim(), p.bias is None) for p in parts}) != 1:
                 continue
             groups = num_kv_heads if "q_proj" in names else parts[0].out_features
             if any(p.out_features % groups for p in parts):
