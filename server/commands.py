@@ -26,7 +26,8 @@ def _serve(args: argparse.Namespace) -> int:
              "grpc_port": args.grpc_port, "generation_config": args.generation_config,
              "override_generation_config": _json_object(args.override_generation_config),
              "speculative_config": _speculative(args.speculative_config), "kv_cache_dtype": args.kv_cache_dtype,
-             "lora_modules": _lora_modules(args.lora_modules), "async_scheduling": args.async_scheduling}
+             "lora_modules": _lora_modules(args.lora_modules), "async_scheduling": args.async_scheduling,
+             "sample_on_device": args.sample_on_device}
     config = ServeConfig(**{k: v for k, v in given.items() if v is not None})   # the rest: ServeConfig's defaults
     hosts = int(os.environ.get("JAX_NUM_PROCESSES") or 1) if args.distributed else 1
     if config.tensor_parallel_size > 1 and (config.platform or "cpu") == "cpu":
@@ -171,5 +172,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     sv.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                     help="LLM: plan each step while the one before runs on the device, hiding the host's work "
                          "(vLLM's flag; default: on for GPU and TPU, off on CPU; docs/architecture.md)")
+    sv.add_argument("--sample-on-device", action=argparse.BooleanOptionalAction,
+                    help="LLM: draw each step's tokens on the device, so only token ids (and asked-for logprobs) "
+                         "come back, not the logits; rows with penalties, logit_bias, min_tokens or a grammar are "
+                         "sampled on the host (default: on for GPU and TPU, off on CPU; docs/api.md)")
     sv.add_argument("--log-level", default="warning", help="uvicorn log level")
     sv.set_defaults(fn=_serve)

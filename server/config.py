@@ -98,6 +98,8 @@ class ServeConfig:
         (check_kv_cache). None: the export's default.
       async_scheduling: LLM: plan each step while the one before runs on the device (vLLM's
         --async-scheduling; core/engine.py states its rules). None: per platform (`async_scheduling_on`).
+      sample_on_device: LLM: draw tokens where the logits are (core/plan_sampling.py). None: per platform
+        (`sample_on_device_on`).
     """
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
@@ -135,6 +137,7 @@ class ServeConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     kv_cache_dtype: str | None = None
     async_scheduling: bool | None = None
+    sample_on_device: bool | None = None
 
     def __post_init__(self):
         if self.verify_weights not in ("stamp", "full"):
@@ -167,6 +170,13 @@ class ServeConfig:
         accelerator, where the host's work per step is a share of the step worth hiding, and off on the
         CPU, where the host and the "device" share the same cores (measured: docs/performance.md)."""
         return self.async_scheduling if self.async_scheduling is not None else platform != "cpu"
+
+    def sample_on_device_on(self, platform: str) -> bool:
+        """Whether the runner samples on the device on `platform`: as asked, else on an accelerator, where
+        copying S x vocab f32 logits back and sampling them on the host is a share of a 1-2 ms step, and
+        off on the CPU, where the logits are already in host memory and numpy samples them without a
+        sort (docs/performance.md "Sampling on the device")."""
+        return self.sample_on_device if self.sample_on_device is not None else platform != "cpu"
 
     def grpc_port_for(self, *, llm: bool) -> int:
         """The port the gRPC API listens on for this kind of artifact (0: none)."""

@@ -70,6 +70,8 @@ def build_engine(artifact: LLMArtifact | str, config: ServeConfig | None = None)
         _check_draft(art, draft, config)
         runner_cfg = _split_kv_budget(art, draft, runner_cfg)
     runner = load_runner(art, runner_cfg, config, strict=config.strict)
+    if config.sample_on_device_on(runner.model.client.platform) and not runner.multi_host:
+        runner.sample_on_device()
     # an adapter that cannot be served: AdapterError, one line
     for adapter in runner.load_adapters(config.lora_modules) if config.lora_modules else ():
         log.info("LoRA adapter %r (rank %d) from %s in slot %d", adapter.name, adapter.rank, adapter.path,

@@ -24,7 +24,9 @@ the returned one. N (num_blocks) is fixed at construction from a memory budget.
 
 `execute(plan)` is `collect(dispatch(plan))`: `dispatch` binds the inputs and sends the call(s),
 leaving the logits on the device (jax dispatches asynchronously), and `collect` waits for them and
-samples on the host; async scheduling (core/engine.py) plans the next step between the two.
+samples on the host, or, after `sample_on_device()` (the default on accelerators), samples on the
+device and waits for the token ids (plan_sampling.py); async scheduling (core/engine.py) plans the
+next step between the two.
 
 With prefix-cache tiers (core/kv_tiers.py) a plan also carries block copies, made before its step:
 `kv_saves` gathered on the device (read into the tiers at `collect`, while the step runs: dispatch
@@ -51,7 +53,8 @@ from hloserve.runtime.host_pages import zeroed_in_huge_pages
 
 from .adapters import Adapter, AdapterError, AdapterTable
 from .outputs import RunnerOutput, SchedulerPlan
-from .sampling import sample, token_logprobs, verify_draft
+from .plan_sampling import DeviceSampler, sample_plan
+from .sampling import token_logprobs
 from .step_shapes import RunnerConfig, StepPolicy, build_step, fit_bucket, warmup_shapes
 
 log = logging.getLogger("hloserve.server.runner")
@@ -81,31 +84,6 @@ def tensor_parallel_rules(llm: LLMSpec, path: str, size: int) -> dict:
     rules = [(f"^{re.escape(name)}$", (None,) * dim + (axis,)) for name, dim in tp.weights.items()]
     kv = [(f"^{re.escape(llm.kv_cache.input)}$", (None,) * tp.kv_cache_dim + (axis,))]
     return {"mesh": {axis: size}, "partition_rules": rules, "input_rules": kv}
-
-
-def sample_plan(plan: SchedulerPlan, logits: np.ndarray) -> RunnerOutput:
-    """Sample the rows of `logits` (f32[>= plan.num_rows, vocab], the plan's rows in order: one per
-    sequence, one per token of a verified draft) that need a token; a drafted sequence's rows are
-    verified together (sampling.verify_draft)."""
-    logits = np.asarray(logits)
-    first = np.cumsum([0] + [1 + len(s.draft_token_ids) for s in plan.seqs])   # each sequence's first row
-    rows = [i for i, s in enumerate(plan.seqs) if s.needs_logits and not s.draft_token_ids]
-    sampled: dict[str, tuple[int, ...]] = {}
-    logprobs: dict[str, tuple] = {}
-    if rows:
-        seqs = [plan.seqs[i] for i in rows]
-        tokens, lps = sample(logits[first[rows]], [s.sampling for s in seqs], [s.seed for s in seqs],
-                             [s.sample_index for s in seqs], [s.context for s in seqs])
-        sampled.update((s.request_id, (t,)) for s, t in zip(seqs, tokens))
-        logprobs.update((s.request_id, (lp,)) for s, lp in zip(seqs, lps) if lp is not None)
-    for i, s in enumerate(plan.seqs):
-        if s.draft_token_ids and s.needs_logits:
-            tokens, lps = verify_draft(logits[first[i]:first[i + 1]], s.draft_token_ids, s.sampling, s.seed,
-                                       s.sample_index, s.context)
-            sampled[s.request_id] = tuple(tokens)
-            if lps[0] is not None:
-                logprobs[s.request_id] = tuple(lps)
-    return RunnerOutput(sampled, logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +157,7 @@ class ModelRunner:
         self.steps = 0
         self.step_seconds = 0.0
         self.tiers: "KVTiers | None" = None     # attach_tiers
+        self.sampler: DeviceSampler | None = None   # sample_on_device
         self._copy_buckets = geometric(1, self.max_blocks, 4)
         axis = list(kv.shape).index(NUM_BLOCKS)
         self._gather = jax.jit(lambda cache, ids: jnp.moveaxis(jnp.take(cache, ids, axis=axis), axis, 0))
@@ -197,6 +176,14 @@ class ModelRunner:
         if self.multi_host:
             raise ValueError("prefix-cache tiers serve one process; a multi-host run keeps its KV on the devices")
         self.tiers = tiers
+
+    def sample_on_device(self) -> None:
+        """Sample each step's tokens where its logits are (plan_sampling.DeviceSampler): only token ids
+        and asked-for logprobs come back to the host. Call before `warmup`, which compiles the sampler.
+        One process only (a multi-host run's followers hold no sampler)."""
+        if self.multi_host:
+            raise ValueError("sampling on the device serves one process; a multi-host run samples on the host")
+        self.sampler = DeviceSampler()
 
     def block_layout(self) -> tuple[tuple[int, ...], str]:
         """One block's K/V: the cache's shape without its num_blocks dim, and its numpy dtype."""
@@ -308,7 +295,20 @@ class ModelRunner:
                 progress(f"warm-up {i}/{len(shapes)}: {fn} T={t} S={s} B={b} {how} "
                          f"({time.perf_counter() - t_start:.0f} s so far)")
         self._warm_copies()
+        if self.sampler is not None:
+            self._warm_sampler()
         return done
+
+    def _warm_sampler(self) -> None:
+        """Compile the device sampler for logits of every row bucket, placed as the step leaves them
+        (on the cache's device; replicated over a tensor-parallel mesh)."""
+        import jax
+        if self.model.mesh is not None:
+            place = jax.sharding.NamedSharding(self.model.mesh, jax.sharding.PartitionSpec())
+        else:
+            place = jax.sharding.SingleDeviceSharding(next(iter(self.kv_cache.devices())))
+        for S in self.cfg.seq_buckets:
+            self.sampler.warmup(jax.device_put(np.zeros((S, self.vocab_size), np.float32), place))
 
     def _copy_chunks(self, n: int):
         """(start, end, padded size) pieces of n block copies, each padded to a copy bucket."""
@@ -386,10 +386,17 @@ class ModelRunner:
         sampled, logprobs, device, ready = {}, {}, pending.dispatch_seconds, 0.0
         for part, num_seqs, logits in pending.calls:
             t = time.perf_counter()
-            logits = _host(logits)[:num_seqs]               # [S, vocab]
-            ready = time.perf_counter()
-            device += ready - t
-            result = sample_plan(part, logits)
+            if self.sampler is not None:     # tokens drawn on the device; the host waits for them
+                on_host = {}
+                result = self.sampler.sample_plan(
+                    part, logits, lambda: on_host.setdefault("x", _host(logits)[:num_seqs]))
+                ready = time.perf_counter()
+                device += ready - t
+            else:
+                logits = _host(logits)[:num_seqs]               # [S, vocab]
+                ready = time.perf_counter()
+                device += ready - t
+                result = sample_plan(part, logits)
             sampled.update(result.sampled)
             logprobs.update(result.logprobs)
         scored = {s.request_id: self._score(s) for s in pending.plan.seqs if s.score_prompt}

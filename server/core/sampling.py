@@ -311,7 +311,7 @@ def token_logprobs(logits: np.ndarray, token: int, k: int) -> TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
     if k > 0:
         part = np.argpartition(-lp, k - 1)[:k]
-        part = part[np.argsort(-lp[part], kind="stable")]
+        part = part[np.lexsort((part, -lp[part]))]            # most likely first, ties by token id
         top = tuple((int(t), float(lp[t])) for t in part)
     return TokenLogprobs(token, float(lp[token]), top)
 

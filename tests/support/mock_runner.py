@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 
 from hloserve.runtime.artifact.llm import NULL_BLOCK, slots
-from hloserve.server.core.model_runner import sample_plan
+from hloserve.server.core.plan_sampling import sample_plan
 from hloserve.server.core.outputs import RunnerOutput, SchedulerPlan
 
 
