@@ -196,13 +196,19 @@ REAL_VOCAB = 256
 
 
 @pytest.fixture(scope="module")
-def runners(tmp_path_factory):
-    """The same tiny artifact loaded twice: one runner samples on the host, the other on the device."""
-    from hloserve.server.core.model_runner import ModelRunner
-    from hloserve.server.core.step_shapes import RunnerConfig
+def tiny_art(tmp_path_factory):
     from tests.support.tiny_llama import tiny_llama
     _, art = tiny_llama(str(tmp_path_factory.mktemp("tiny-llm")), heads=4, kv_heads=2, max_position=256,
                         block_size=8, max_context=128)
+    return art
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_art):
+    """The same tiny artifact loaded twice: one runner samples on the host, the other on the device."""
+    from hloserve.server.core.model_runner import ModelRunner
+    from hloserve.server.core.step_shapes import RunnerConfig
+    art = tiny_art
     cfg = RunnerConfig(token_buckets=(16, 32), seq_buckets=(2, 4), block_buckets=(16,), num_blocks=40,
                        kv_cache_bytes=0)
     out = []
@@ -256,3 +262,13 @@ def test_the_full_sampler_sorts_no_vocabulary():
             np.zeros(S, np.int32), np.ones(S, np.float32), np.zeros(S, np.float32), np.zeros(S, np.float32))
     hlo = _sample_fn(True).lower(*args).compile().as_text()
     assert " sort(" not in hlo
+
+
+def test_build_engine_samples_on_the_device_when_asked(tiny_art):
+    """ServeConfig's choice reaches the runner: on a CPU, off unless asked."""
+    from hloserve.server.config import ServeConfig
+    from hloserve.server.wiring import build_engine
+    for asked, want in ((None, False), (True, True)):
+        engine, _ = build_engine(tiny_art, ServeConfig(sample_on_device=asked, max_num_seqs=2, max_model_len=64,
+                                                       num_blocks=16, enable_prefix_caching=False))
+        assert (engine.runner.sampler is not None) == want
