@@ -177,6 +177,24 @@ class FusedPart(torch.nn.Module):
     def forward(self, x):
         return self._fused[0].part(x, self.index)
 
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This sibling's rows of the fused `t` (weight or bias), in their own order."""
+        f = self._fused[0]
+        lo = sum(f.shares[:self.index])
+        blocks = t.reshape(f.groups, sum(f.shares), *t.shape[1:])
+        return blocks[:, lo:lo + f.shares[self.index]].reshape(self.out_features, *t.shape[1:])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The sibling's matrix as its LayerLinear held it (model code that reads `q_proj.weight`, its
+        dtype or shape, still finds it): a view of the fused one's rows."""
+        return self._rows(self._fused[0].weight)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        b = self._fused[0].bias
+        return None if b is None else self._rows(b)
+
 
 def fuse_projections(model: torch.nn.Module, num_kv_heads: int) -> int:
     """Fuse each module's q_proj/k_proj/v_proj and gate_proj/up_proj (FUSED) into one FusedLinear

@@ -197,6 +197,25 @@ def test_q_k_v_and_gate_up_fuse_into_one_matrix_each_that_splits_by_kv_head_and_
     pairs = gate_up.weight.reshape(128, 2, 64)
     assert torch.equal(pairs[:, 0], rows["gate_proj"]) and torch.equal(pairs[:, 1], rows["up_proj"])
     assert "fused_qkv_proj" in hf_layers.FUSED.values()
+    # model code that reads a sibling's matrix (its dtype, its shape) still finds it
+    for m, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
+        for n in names:
+            got = getattr(m, n).weight
+            assert got.dtype == rows[n].dtype and torch.equal(got, rows[n]), n
+            assert getattr(m, n).bias is None
+
+
+def test_a_fused_sibling_still_shows_its_own_bias_and_matrix():
+    """Qwen2's q/k/v carry biases: after the fusion each sibling's .weight and .bias are its own rows."""
+    from hloserve.exporter.llm import hf_layers
+
+    hf = _model("Qwen2ForCausalLM", "Qwen2Config", num_hidden_layers=1)
+    hf_layers.sixteen_bit(hf, torch.bfloat16, torch.float32)
+    attn = hf.model.layers[0].self_attn
+    before = {n: (getattr(attn, n).weight.clone(), getattr(attn, n).bias.clone()) for n in ("q_proj", "k_proj", "v_proj")}
+    assert hf_layers.fuse_projections(hf, num_kv_heads=hf.config.num_key_value_heads) == 2
+    for n, (w, b) in before.items():
+        assert torch.equal(getattr(attn, n).weight, w) and torch.equal(getattr(attn, n).bias, b), n
 
 
 def test_siblings_that_cannot_share_a_matrix_stay_apart():
