@@ -410,29 +410,55 @@ void attend_tile(const float* q, float* out, int64_t stride, int64_t ntok, const
   // softcap, mask, softmax over c: vertical, one lane per row
   const int32_t* rlo = w.lo.data();
   const int32_t* rhi = w.hi.data();
+  if (softcap > 0.f)
+    for (int64_t i = 0; i < n * RP; ++i) st[i] = softcap * std::tanh(st[i] / softcap);
   for (int64_t r0 = 0; r0 < RP; r0 += kLanes) {
+    // positions every live lane (row) of this vector sees, [clo, chi): no per-lane test there; the
+    // edges (a window's start, the causal end of the tile's tokens) test each lane. Masked terms were
+    // and are exact zeros, summed in the same order c = 0, 1, ...: the same bits as one masked loop.
+    int32_t clo = 0, chi = static_cast<int32_t>(n);
+    float live[kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      live[l] = rhi[r0 + l] > rlo[r0 + l] ? 1.f : 0.f;
+      if (live[l] != 0.f) clo = std::max(clo, rlo[r0 + l]), chi = std::min(chi, rhi[r0 + l]);
+    }
+    chi = std::max(chi, clo);
     float m[kLanes], sum[kLanes] = {};
     for (int l = 0; l < kLanes; ++l) m[l] = -INFINITY;
-    for (int64_t c = 0; c < n; ++c) {
-      float* sc = st + c * RP + r0;
+    auto max_edge = [&](int64_t c) {
+      const float* sc = st + c * RP + r0;
+      const int32_t ci = static_cast<int32_t>(c);
 #pragma omp simd
-      for (int l = 0; l < kLanes; ++l) {
-        float x = softcap > 0.f ? softcap * std::tanh(sc[l] / softcap) : sc[l];
-        const bool seen = c >= rlo[r0 + l] && c < rhi[r0 + l];
-        sc[l] = x;
-        m[l] = seen ? std::max(m[l], x) : m[l];
-      }
+      for (int l = 0; l < kLanes; ++l) m[l] = ci >= rlo[r0 + l] && ci < rhi[r0 + l] ? std::max(m[l], sc[l]) : m[l];
+    };
+    for (int64_t c = 0; c < clo; ++c) max_edge(c);
+    for (int64_t c = clo; c < chi; ++c) {
+      const float* sc = st + c * RP + r0;
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) m[l] = std::max(m[l], sc[l]);
     }
-    for (int64_t c = 0; c < n; ++c) {
+    for (int64_t c = chi; c < n; ++c) max_edge(c);
+    auto exp_edge = [&](int64_t c) {
+      float* sc = st + c * RP + r0;
+      const int32_t ci = static_cast<int32_t>(c);
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) {
+        const float p = ci >= rlo[r0 + l] && ci < rhi[r0 + l] ? exp_nonpositive(std::min(sc[l] - m[l], 0.f)) : 0.f;
+        sc[l] = p;
+        sum[l] += p;
+      }
+    };
+    for (int64_t c = 0; c < clo; ++c) exp_edge(c);
+    for (int64_t c = clo; c < chi; ++c) {           // padded lanes (m = -inf or garbage) give 0 by `live`
       float* sc = st + c * RP + r0;
 #pragma omp simd
       for (int l = 0; l < kLanes; ++l) {
-        const bool seen = c >= rlo[r0 + l] && c < rhi[r0 + l];
-        const float p = seen ? exp_nonpositive(std::min(sc[l] - m[l], 0.f)) : 0.f;
+        const float p = live[l] * exp_nonpositive(std::min(sc[l] - m[l], 0.f));
         sc[l] = p;
         sum[l] += p;
       }
     }
+    for (int64_t c = chi; c < n; ++c) exp_edge(c);
     for (int l = 0; l < kLanes; ++l) w.inv[r0 + l] = sum[l] > 0.f ? 1.f / sum[l] : 0.f;
   }
   // out[r][d] = inv[r] * sum_c p[c][r] * v[c][d], computed transposed (o[d][r]) in blocks of
