@@ -301,12 +301,9 @@ class ModelRunner:
 
     def _warm_sampler(self) -> None:
         """Compile the device sampler for logits of every row bucket, placed as the step leaves them
-        (on the cache's device; replicated over a tensor-parallel mesh)."""
+        (the step function's default placement: its device, or replicated over a tensor-parallel mesh)."""
         import jax
-        if self.model.mesh is not None:
-            place = jax.sharding.NamedSharding(self.model.mesh, jax.sharding.PartitionSpec())
-        else:
-            place = jax.sharding.SingleDeviceSharding(next(iter(self.kv_cache.devices())))
+        place = self.model.functions[self.decode_fn].input_sharding("tokens")
         for S in self.cfg.seq_buckets:
             self.sampler.warmup(jax.device_put(np.zeros((S, self.vocab_size), np.float32), place))
 
