@@ -63,6 +63,26 @@ def near_boundary(logits_row, params, seed, index, host_token, device_token) -> 
 
 
 def test_device_rows_draw_what_the_host_draws(sampler):
+    _draws_match(sampler)
+
+
+@pytest.mark.gpu
+def test_on_the_accelerator_the_draws_are_the_hosts(sampler):
+    """The same rows sampled by the GPU's (or TPU's) compile of the sampler (benchmarks/gpu_check.sh
+    runs the gpu-marked tests)."""
+    import jax
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs an accelerator")
+    _draws_match(sampler)
+    x = logits_like_a_model(np.random.default_rng(9), 4)
+    plan = SchedulerPlan.of(tuple(seq(i, SamplingParams(temperature=0, logprobs=3), seed=i) for i in range(4)))
+    got, host = sampler.sample_plan(plan, on_device(x), lambda: None), sample_plan(plan, x)
+    assert got.sampled == host.sampled
+    for rid, (h,) in host.logprobs.items():
+        assert abs(got.logprobs[rid][0].logprob - h.logprob) <= 1e-4 * max(1.0, abs(h.logprob)), rid
+
+
+def _draws_match(sampler):
     rng = np.random.default_rng(0)
     rows, differ, total = 16, 0, 0
     for round_ in range(12):
