@@ -156,6 +156,10 @@ class DeviceSampler:
         self._full(logits, np.ones(S, bool), ones, np.zeros(S, np.int32), ones, np.zeros(S, np.float32),
                    np.zeros(S, np.float32))[0].block_until_ready()
 
+    def compiles(self) -> int:
+        """Executables the two variants hold (jit's cache: one per shape and placement of the logits)."""
+        return self._greedy._cache_size() + self._full._cache_size()
+
     def sample_plan(self, plan: SchedulerPlan, logits, host_logits) -> RunnerOutput:
         """The tokens of `plan`'s rows from `logits` (device f32[>= plan.num_rows, vocab]); rows the host
         must sample (processed or masked logits) get them from `host_logits()` (the logits on the host,
