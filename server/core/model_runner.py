@@ -386,9 +386,7 @@ class ModelRunner:
         for part, num_seqs, logits in pending.calls:
             t = time.perf_counter()
             if self.sampler is not None:     # tokens drawn on the device; the host waits for them
-                on_host = {}
-                result = self.sampler.sample_plan(
-                    part, logits, lambda: on_host.setdefault("x", _host(logits)[:num_seqs]))
+                result = self.sampler.sample_plan(part, logits, lambda: _host(logits)[:num_seqs])
                 ready = time.perf_counter()
                 device += ready - t
             else:
@@ -455,8 +453,8 @@ class ModelRunner:
 
     def stats(self) -> dict[str, float]:
         fs = [f.stats for f in self.model.functions.values()]
-        late = 0 if self.sampler is None else self.sampler.compiles() - self._sampler_warm   # the device sampler's
-        return {"compiles_total": sum(s.compiles for s in fs) + (0 if self.sampler is None else self.sampler.compiles()),
-                "compiles_after_warmup_total": sum(s.compiles_after_warmup for s in fs) + late,
+        sampler = 0 if self.sampler is None else self.sampler.compiles()     # the device sampler's executables
+        return {"compiles_total": sum(s.compiles for s in fs) + sampler,
+                "compiles_after_warmup_total": sum(s.compiles_after_warmup for s in fs) + sampler - self._sampler_warm,
                 "runner_steps_total": self.steps, "runner_step_seconds_total": self.step_seconds,
                 **(self.tiers.stats() if self.tiers is not None else {})}

@@ -34,12 +34,18 @@ from .outputs import RunnerOutput, SchedulerPlan
 from .sampling import MAX_LOGPROBS, TokenLogprobs, rng_for, sample, verify_draft
 
 
+def _first_rows(plan: SchedulerPlan) -> np.ndarray:
+    """Each sequence's first row of the step (one row a sequence, one more per drafted token), and the
+    row count last."""
+    return np.cumsum([0] + [1 + len(s.draft_token_ids) for s in plan.seqs])
+
+
 def sample_plan(plan: SchedulerPlan, logits: np.ndarray) -> RunnerOutput:
     """Sample the rows of `logits` (f32[>= plan.num_rows, vocab], the plan's rows in order: one per
     sequence, one per token of a verified draft) that need a token; a drafted sequence's rows are
     verified together (sampling.verify_draft)."""
     logits = np.asarray(logits)
-    first = np.cumsum([0] + [1 + len(s.draft_token_ids) for s in plan.seqs])   # each sequence's first row
+    first = _first_rows(plan)
     rows = [i for i, s in enumerate(plan.seqs) if s.needs_logits and not s.draft_token_ids]
     sampled: dict[str, tuple[int, ...]] = {}
     logprobs: dict[str, tuple] = {}
@@ -163,15 +169,16 @@ class DeviceSampler:
     def sample_plan(self, plan: SchedulerPlan, logits, host_logits) -> RunnerOutput:
         """The tokens of `plan`'s rows from `logits` (device f32[>= plan.num_rows, vocab]); rows the host
         must sample (processed or masked logits) get them from `host_logits()` (the logits on the host,
-        fetched once, only when such a row exists). As sampling.sample_plan returns them."""
-        first = np.cumsum([0] + [1 + len(s.draft_token_ids) for s in plan.seqs])
+        called once, only when such a row exists). As sample_plan returns them."""
+        first = _first_rows(plan)
         rows: list[_Row] = []
-        host_seqs = []
+        host_seqs, host_rows = [], []    # sequences the host samples, and their rows' [start, end)
         for i, s in enumerate(plan.seqs):
             if not s.needs_logits:
                 continue
             if s.sampling.processes_logits or s.context.masks:
                 host_seqs.append(s)
+                host_rows.append((first[i], first[i + 1]))
             else:
                 rows += [_Row(int(first[i]) + j, s, s.sample_index + j) for j in range(len(s.draft_token_ids) + 1)]
         sampled: dict[str, tuple[int, ...]] = {}
@@ -188,7 +195,8 @@ class DeviceSampler:
                 if s.sampling.logprobs is not None:
                     logprobs[s.request_id] = tuple(lp for _, lp in drawn[:n])
         if host_seqs:
-            part = sample_plan(SchedulerPlan.of(tuple(host_seqs)), _rows_of(plan, host_seqs, host_logits()))
+            x = host_logits()
+            part = sample_plan(SchedulerPlan.of(tuple(host_seqs)), np.concatenate([x[a:b] for a, b in host_rows]))
             sampled.update(part.sampled)
             logprobs.update(part.logprobs)
         return RunnerOutput(sampled, logprobs)
@@ -211,8 +219,7 @@ class DeviceSampler:
             u[r.row] = rng_for(r.seq.seed, r.index).random()
         token, chosen, top_ids, top_lp = self._full(logits, greedy, temperature, top_k, top_p, min_p, u)
         token = np.asarray(token)
-        want = [r for r in rows if r.seq.sampling.logprobs is not None]
-        if want:
+        if any(r.seq.sampling.logprobs is not None for r in rows):
             chosen, top_ids, top_lp = np.asarray(chosen), np.asarray(top_ids), np.asarray(top_lp)
         lps = []
         for r in rows:
@@ -221,11 +228,3 @@ class DeviceSampler:
                 int(token[r.row]), float(chosen[r.row]),
                 tuple((int(t), float(v)) for t, v in zip(top_ids[r.row, :k], top_lp[r.row, :k]))))
         return [int(token[r.row]) for r in rows], lps
-
-
-def _rows_of(plan: SchedulerPlan, seqs: list, logits: np.ndarray) -> np.ndarray:
-    """The logits rows of `seqs` (a sequence's rows, drafts included), stacked as a plan of `seqs` alone
-    numbers them."""
-    first = np.cumsum([0] + [1 + len(s.draft_token_ids) for s in plan.seqs])
-    at = {s.request_id: i for i, s in enumerate(plan.seqs)}
-    return np.concatenate([logits[first[at[s.request_id]]:first[at[s.request_id] + 1]] for s in seqs])
