@@ -156,12 +156,16 @@ class FusedLinear(LayerLinear):
         self.groups, self.shares = groups, tuple(shares)
         self._last: tuple | None = None     # (input, fused product): the siblings' shared call
 
+    def share(self, i: int) -> slice:
+        """Sibling i's columns within each block."""
+        lo = sum(self.shares[:i])
+        return slice(lo, lo + self.shares[i])
+
     def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
         if self._last is None or self._last[0] is not x:
             self._last = (x, self(x))
         y = self._last[1].unflatten(-1, (self.groups, sum(self.shares)))       # [..., groups, block]
-        lo = sum(self.shares[:i])
-        return y[..., lo:lo + self.shares[i]].flatten(-2)
+        return y[..., self.share(i)].flatten(-2)
 
 
 class FusedPart(torch.nn.Module):
@@ -180,9 +184,8 @@ class FusedPart(torch.nn.Module):
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         """This sibling's rows of the fused `t` (weight or bias), in their own order."""
         f = self._fused[0]
-        lo = sum(f.shares[:self.index])
         blocks = t.reshape(f.groups, sum(f.shares), *t.shape[1:])
-        return blocks[:, lo:lo + f.shares[self.index]].reshape(self.out_features, *t.shape[1:])
+        return blocks[:, f.share(self.index)].reshape(self.out_features, *t.shape[1:])
 
     @property
     def weight(self) -> torch.Tensor:
