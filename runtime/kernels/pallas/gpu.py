@@ -29,16 +29,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .paged import MASKED, PagedParams, block_range, cap, scalar_operands, seen, widen
+from .paged import MASKED, PagedParams, block_range, cap, scalar_operands, seen, tile_table, tiles_in, tiles_out, widen
 
 NAME = "pallas_triton.paged_attention"
 TILE_ROWS = 16   # query rows (tokens) of one sequence per program of the tile path, times G heads
-
-
-def _cumsum(x):
-    """A running sum in plain StableHLO ops: jax 0.11 lowers jnp.cumsum to a `chlo.scan` composite that
-    a CUDA plugin at StableHLO 1.20 refuses when the linked step is serialized for it (H200, 2026-11-30)."""
-    return lax.associative_scan(jnp.add, x)
 
 
 def _pow2(n: int) -> bool:
@@ -130,28 +124,6 @@ def tiles_fit(block_size: int, head_dim: int) -> bool:
     return block_size >= 16 and head_dim >= 16
 
 
-def tile_table(seq_ids, positions, context_lens, window, *, block_size: int, max_blocks: int, tile_rows: int):
-    """The tiles of a step, computed in the graph before the kernel: the rows sorted by sequence
-    (stable) and cut into runs of `tile_rows` rows of one sequence. Returns (rows s32[nt, tile_rows]:
-    each slot's row, T for an empty slot; seq s32[nt]; first, last s32[nt]: the blocks the tile's rows
-    see, last < first for a tile that sees nothing), nt the static bound on tiles."""
-    T, S = seq_ids.shape[0], context_lens.shape[0]
-    nt = min(T, -(-(T + S * (tile_rows - 1)) // tile_rows))
-    seq = jnp.clip(seq_ids.astype(jnp.int32), 0, S - 1)
-    order = jnp.argsort(seq, stable=True)
-    sorted_seq = seq[order]
-    counts = jnp.zeros((S,), jnp.int32).at[seq].add(1)
-    rank = jnp.arange(T, dtype=jnp.int32) - (_cumsum(counts) - counts)[sorted_seq]   # row's place in its sequence
-    tile = _cumsum((rank % tile_rows == 0).astype(jnp.int32)) - 1
-    rows = jnp.full((nt, tile_rows), T, jnp.int32).at[tile, rank % tile_rows].set(order.astype(jnp.int32))
-    tile_seq = jnp.zeros((nt,), jnp.int32).at[tile].set(sorted_seq)
-    pos = jnp.concatenate([positions.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])[rows]   # -1: empty slot
-    w = window if window is not None else 0
-    first, last = block_range(pos, context_lens.astype(jnp.int32)[tile_seq][:, None], block_size, w)
-    first = jnp.where(pos >= 0, first, max_blocks).min(axis=1)
-    return rows, tile_seq, first, last.max(axis=1), pos
-
-
 def _tile_kernel(layer_ref, window_ref, tables_ref, lens_ref, seq_ref, first_ref, last_ref, pos_ref, q_ref, kv_ref,
                  o_ref, *, params: PagedParams, block_size: int, max_blocks: int):
     i, h = pl.program_id(0), pl.program_id(1)
@@ -196,8 +168,7 @@ def tiled(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, wi
     rows, tile_seq, first, last, pos = tile_table(seq_ids, positions, lens, window_s[0], block_size=BS,
                                                   max_blocks=B, tile_rows=tile_rows)
     nt = rows.shape[0]
-    qt = jnp.concatenate([qp, jnp.zeros((1, KV, Gp, D), jnp.float32)])[rows]          # [nt, Tq, KV, Gp, D]
-    qt = qt.transpose(0, 2, 1, 3, 4).reshape(nt, KV, R, D)
+    qt = tiles_in(qp, rows)                                                             # [nt, KV, R, D]
     pos_rows = jnp.repeat(pos, Gp, axis=1)                                              # [nt, R]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
@@ -211,6 +182,4 @@ def tiled(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, wi
         interpret=interpret,
         name="hloserve_paged_attention_tiles",
     )(layer_s, window_s, tables, lens, tile_seq, first, last, pos_rows, qt, kv_cache)
-    flat = out.reshape(nt, KV, tile_rows, Gp, D).transpose(0, 2, 1, 3, 4).reshape(nt * tile_rows, KV, Gp, D)
-    where = jnp.zeros((T + 1,), jnp.int32).at[rows.reshape(-1)].set(jnp.arange(nt * tile_rows, dtype=jnp.int32))
-    return flat[where[:T], :, :G]
+    return tiles_out(out, rows, T)[:, :, :G]

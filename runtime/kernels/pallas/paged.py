@@ -1,5 +1,6 @@
 """What every accelerator kernel of `hloserve.paged_attention` shares: its static parameters, the
-range of cache blocks a token reads, the mask inside a block, and the widening of stored K/V.
+range of cache blocks a token reads, the mask inside a block, the widening of stored K/V, and the
+table that cuts a step's rows into tiles of one sequence (both kernels' tile paths).
 
 The contract is runtime/artifact/kernels.py's PAGED_ATTENTION; the reference is its decomposition
 (exporter/composites/paged_attention.py). Both kernels walk only the blocks a token can see, with an online
@@ -104,6 +105,53 @@ def e4m3_values(codes):
     normal = lax.bitcast_convert_type(mag * 1048576 + (120 << 23), jnp.float32)
     value = jnp.where(mag < 8, mag.astype(jnp.float32) * (2.0 ** -9), normal)
     return jnp.where(b >= 128, -value, value)
+
+
+def _cumsum(x):
+    """A running sum in plain StableHLO ops: jax 0.11 lowers jnp.cumsum to a `chlo.scan` composite that
+    a CUDA plugin at StableHLO 1.20 refuses when the linked step is serialized for it (H200, 2026-11-30)."""
+    return lax.associative_scan(jnp.add, x)
+
+
+def tile_table(seq_ids, positions, context_lens, window, *, block_size: int, max_blocks: int, tile_rows: int):
+    """The tiles of a step, computed in the graph before the kernel: the rows sorted by sequence
+    (stable) and cut into runs of `tile_rows` rows of one sequence. Returns (rows s32[nt, tile_rows]:
+    each slot's row, T for an empty slot; seq s32[nt]; first, last s32[nt]: the blocks the tile's rows
+    see, last < first for a tile that sees nothing), nt the static bound on tiles."""
+    T, S = seq_ids.shape[0], context_lens.shape[0]
+    nt = min(T, -(-(T + S * (tile_rows - 1)) // tile_rows))
+    seq = jnp.clip(seq_ids.astype(jnp.int32), 0, S - 1)
+    order = jnp.argsort(seq, stable=True)
+    sorted_seq = seq[order]
+    counts = jnp.zeros((S,), jnp.int32).at[seq].add(1)
+    rank = jnp.arange(T, dtype=jnp.int32) - (_cumsum(counts) - counts)[sorted_seq]   # row's place in its sequence
+    tile = _cumsum((rank % tile_rows == 0).astype(jnp.int32)) - 1
+    rows = jnp.full((nt, tile_rows), T, jnp.int32).at[tile, rank % tile_rows].set(order.astype(jnp.int32))
+    tile_seq = jnp.zeros((nt,), jnp.int32).at[tile].set(sorted_seq)
+    pos = jnp.concatenate([positions.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])[rows]   # -1: empty slot
+    w = window if window is not None else 0
+    first, last = block_range(pos, context_lens.astype(jnp.int32)[tile_seq][:, None], block_size, w)
+    first = jnp.where(pos >= 0, first, max_blocks).min(axis=1)
+    return rows, tile_seq, first, last.max(axis=1), pos
+
+
+def tiles_in(q, rows):
+    """A step's query rows [T, KV, G, D] gathered into its tiles [nt, KV, tile_rows * G, D] (`rows`:
+    tile_table's; an empty slot reads zeros). A tile's query rows are (row, head) pairs, row-major."""
+    T, KV, G, D = q.shape
+    nt, tile_rows = rows.shape
+    qt = jnp.concatenate([q, jnp.zeros((1, KV, G, D), q.dtype)])[rows]                 # [nt, tile_rows, KV, G, D]
+    return qt.transpose(0, 2, 1, 3, 4).reshape(nt, KV, tile_rows * G, D)
+
+
+def tiles_out(out, rows, T: int):
+    """The tiles' outputs [nt, KV, tile_rows * G, D] back in step order [T, KV, G, D]."""
+    nt, KV, R, D = out.shape
+    tile_rows = rows.shape[1]
+    G = R // tile_rows
+    flat = out.reshape(nt, KV, tile_rows, G, D).transpose(0, 2, 1, 3, 4).reshape(nt * tile_rows, KV, G, D)
+    where = jnp.zeros((T + 1,), jnp.int32).at[rows.reshape(-1)].set(jnp.arange(nt * tile_rows, dtype=jnp.int32))
+    return flat[where[:T]]
 
 
 def cap(scores, params: PagedParams):
