@@ -77,6 +77,11 @@ def _online_softmax(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, j, fir
         o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
 
 
+def _softmax_scratch(rows: int, D: int) -> list:
+    """_online_softmax's VMEM scratch for `rows` query rows: the running max, sum and output."""
+    return [pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, D), jnp.float32)]
+
+
 def _kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, lens_ref,   # scalar prefetch (SMEM)
             q_ref, k_ref, v_ref,                                        # [G, D], [BS, R], [BS, R]
             o_ref,                                                      # [G, D]
@@ -132,8 +137,7 @@ def per_token(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens
         grid=(T, KV, B),
         in_specs=[pl.BlockSpec((None, None, G, D), lambda t, h, j, *_: (t, h, 0, 0)), kv_map(0), kv_map(1)],
         out_specs=pl.BlockSpec((None, None, G, D), lambda t, h, j, *_: (t, h, 0, 0)),
-        scratch_shapes=[pltpu.VMEM((G, 1), jnp.float32), pltpu.VMEM((G, 1), jnp.float32),
-                        pltpu.VMEM((G, D), jnp.float32)])
+        scratch_shapes=_softmax_scratch(G, D))
     return pl.pallas_call(
         functools.partial(_kernel, params=params, block_size=BS),
         grid_spec=grid_spec,
@@ -172,8 +176,7 @@ def tiled(q, kv_cache, layer, block_tables, seq_ids, positions, context_lens, wi
         in_specs=[pl.BlockSpec((None, QR, 1), lambda i, h, j, *_: (i, 0, 0)),
                   pl.BlockSpec((None, None, QR, D), lambda i, h, j, *_: (i, h, 0, 0)), kv_map(0), kv_map(1)],
         out_specs=pl.BlockSpec((None, None, QR, D), lambda i, h, j, *_: (i, h, 0, 0)),
-        scratch_shapes=[pltpu.VMEM((QR, 1), jnp.float32), pltpu.VMEM((QR, 1), jnp.float32),
-                        pltpu.VMEM((QR, D), jnp.float32)])
+        scratch_shapes=_softmax_scratch(QR, D))
     out = pl.pallas_call(
         functools.partial(_tile_kernel, params=params, block_size=BS),
         grid_spec=grid_spec,
