@@ -148,3 +148,37 @@ def test_q4_k_m_perplexity_within_one_percent_of_transformers(q4_k_m, exported):
     print(f"SmolLM2 Q4_K_M (blocks kept): perplexity {ours:.4f}, transformers' GGUF loader {theirs:.4f} "
           f"({ours / theirs - 1:+.2%})")
     assert abs(ours / theirs - 1) < 0.01, (ours, theirs)
+
+
+@pytest.mark.slow
+def test_the_tpu_path_runs_the_kquant_kernels_and_agrees_with_the_cpu(exported):
+    """The Q4_K_M artifact's decode on the TPU path, rehearsed here (runtime/kernels/pallas/, the kernels
+    in Pallas interpret mode): its Q4_K and Q6_K down matrices run `pallas_tpu.kquant_linear` (as do
+    its v2 int8 linears theirs), and a 16-token prompt's last logits agree with the CPU kernels'.
+    Bound: every path quantizes each linear's input to int8 per block of 32 from activations computed
+    in its own order, so an element rounded the other way in one layer moves everything after it by
+    one int8 step; over 30 layers that reached 0.47-0.70 on logits of magnitude 27 between any two of
+    the CPU kernels, the CPU's decompositions and the TPU and GPU paths (2026-12-01), the CPU's two
+    paths the farthest apart. So: within 5% of the largest logit, and the same next token. A wrong
+    scale, min or byte order moves logits by their own size."""
+    from hloserve.runtime import load
+    from hloserve.runtime.artifact.llm import LLMSpec, pack_step
+    from hloserve.runtime.kernels import pallas as accelerators
+    from hloserve.runtime.kernels.pallas import quant_tpu
+    from hloserve.runtime.model import read_exported
+
+    plans = [p for p in accelerators.plan(read_exported(exported, "decode"), "tpu") if p.version == 3]
+    assert plans and all(p.kernel == quant_tpu.KQUANT_NAME for p in plans), [p.describe() for p in plans]
+    logits = {}
+    for name, extra in (("cpu", {}), ("tpu", {"pallas_interpret": "tpu"})):
+        model = load(exported, functions=["decode"], cache_dir=None,
+                     buckets={"num_tokens": [16], "num_seqs": [1], "max_blocks": [2]}, **extra)
+        spec = LLMSpec.from_json(model.manifest.model["llm"])
+        cache = np.zeros(spec.kv_cache.concrete_shape(3), spec.kv_cache.numpy_dtype)
+        fn = model.functions["decode"]
+        out = fn(**pack_step([(list(range(100, 116)), 0, [1, 2])], spec.block_size), kv_cache=cache)
+        logits[name] = np.asarray(out["logits"], np.float64)
+        assert fn.kernels >= len(plans) + 1, name                         # the K-quant linears and the attention
+    want, got = logits["cpu"], logits["tpu"]
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()

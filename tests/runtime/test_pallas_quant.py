@@ -150,14 +150,14 @@ def test_kernel_lowers_for_its_platform(side, platform, call, layout):
     assert f"stablehlo.custom_call @{call}" in exported.mlir_module()
 
 
-def test_plan_names_the_kernel_for_version_2_only(monkeypatch):
-    """Version 2 gets each platform's kernel with bits and group as its static parameters; versions 1
-    and 3 (rows one by one, GGUF K-quants) say why their decomposition runs, as does the switch off."""
+def test_plan_names_the_kernel_for_version_2(monkeypatch):
+    """Version 2 gets each platform's kernel with bits and group as its static parameters; version 1
+    (rows one by one) says why its decomposition runs, as does the switch off (version 3, GGUF
+    K-quants: tests/runtime/test_pallas_kquant.py)."""
     for platform, name in (("tpu", quant_tpu.NAME), ("cuda", quant_gpu.NAME)):
         p = accelerators.choose(platform, QUANT_LINEAR.name, 2, {"bits": 4, "group": 64})
         assert p.kernel == name and p.params == {"bits": 4, "group": 64}
         assert accelerators.choose(platform, QUANT_LINEAR.name, 1, {"bits": 8, "group": 32}).why.startswith("version 1")
-        assert accelerators.choose(platform, QUANT_LINEAR.name, 3, {"kind": 12}).why.startswith("version 3")
     monkeypatch.setenv(accelerators.ENV, "0")
     off = accelerators.choose("cuda", QUANT_LINEAR.name, 2, {"bits": 8, "group": 32})
     assert off.kernel is None and off.why == f"{accelerators.ENV}=0"

@@ -23,7 +23,10 @@ What runs where (docs/deploy.md):
   asymmetric, rows interleaved by 16: what the exporter gives linear layers wherever their shape
   allows): TPU -> `pallas_tpu.quant_linear` (quant_tpu.py), GPU -> `pallas_triton.quant_linear`
   (quant_gpu.py); the weights are read where they lie in the stack at the layer and dequantized next
-  to the dot (quant.py). Version 1 (rows one by one) and version 3 (GGUF K-quants): the decomposition.
+  to the dot (quant.py). Version 3 (GGUF K-quants: Q4_K, Q5_K, Q6_K): the same modules'
+  `kquant_linear` (`pallas_tpu.kquant_linear`, `pallas_triton.kquant_linear`): the quants read in
+  place, the layer's sub-block scales decoded in the graph. Version 1 (rows one by one): the
+  decomposition.
 * `hloserve.layer_linear`: GPU (cuda) -> `pallas_triton.layer_linear` (linear_gpu.py) for
   decode-sized calls (up to 64 rows), reading the layer's tiles in place in the stack; above 64 rows
   that module runs XLA's dot (cuBLAS) on the sliced layer. XLA:GPU hands cuBLAS a copy of the
@@ -42,7 +45,7 @@ import os
 from typing import Any, Sequence
 
 from hloserve.runtime.artifact.kernels import (COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2, QUANT_LINEAR,
-                                               QUANT_LINEAR_V2, Holds)
+                                               QUANT_LINEAR_V2, QUANT_LINEAR_V3, Holds)
 
 from ... import _private
 from ..backend import Specialized
@@ -58,7 +61,7 @@ LAYER_LINEAR_ENV = "HLOSERVE_GPU_LAYER_LINEAR"   # "1": GPUs run layer_linear's 
 # jax's platform names for lowering (a GPU device reports "gpu")
 LOWERING = {"tpu": "tpu", "gpu": "cuda", "cuda": "cuda"}
 # the composites a Pallas kernel runs (where the cache shape suits it: `choose`; GPUs: layer_linear opt-in)
-SERVED = frozenset({PAGED_ATTENTION.key, PAGED_ATTENTION_V2.key, QUANT_LINEAR_V2.key})
+SERVED = frozenset({PAGED_ATTENTION.key, PAGED_ATTENTION_V2.key, QUANT_LINEAR_V2.key, QUANT_LINEAR_V3.key})
 # what the layer_linear composite runs on a TPU, and why (see the module docstring)
 XLA_DOT = "XLA's dot (the decomposition): the MXU takes the 16-bit operands with f32 sums, as the contract asks"
 # the result dims of each placeholder for shape refinement ((operand, dim), None: static); default: x's
@@ -193,15 +196,21 @@ def _choose_linear(platform: str, version: int, attrs: dict[str, Any]) -> Kernel
 
 
 def _choose_quant(platform: str, version: int, attrs: dict[str, Any]) -> KernelPlan:
-    """The plan for a quant_linear: version 2's kernel, or why its decomposition runs."""
+    """The plan for a quant_linear: version 2's or 3's kernel, or why its decomposition runs."""
     name = QUANT_LINEAR.name
     why = quant.why_not(version, attrs)
     if why:
         return KernelPlan(name, version, platform, None, {}, why)
-    params = dataclasses.asdict(quant.QuantParams.from_attributes(attrs))
+    kquant = version == QUANT_LINEAR_V3.version
+    params = dataclasses.asdict((quant.KQuantParams if kquant else quant.QuantParams).from_attributes(attrs))
     if not enabled():
         return KernelPlan(name, version, platform, None, params, f"{ENV}=0")
-    return KernelPlan(name, version, platform, _module(platform, name).NAME, params,
+    module = _module(platform, name)
+    if kquant:
+        return KernelPlan(name, version, platform, module.KQUANT_NAME, params,
+                          "reads the layer's K-quant bytes in place, its sub-block scales decoded in the graph, "
+                          "and dequantizes them next to the dot")
+    return KernelPlan(name, version, platform, module.NAME, params,
                       "reads the layer's int8 / int4 bytes in place and dequantizes them next to the dot")
 
 
@@ -273,6 +282,10 @@ def _build_kernel(target: str, config: dict, operand_types: list, api, *, platfo
         holds = Holds(int(attrs.get("holds", Holds.BF16)))
         kernel = functools.partial(_module(platform, LAYER_LINEAR.name).layer_linear, dtype=holds.dtype_name,
                                    interpret=interpret)
+    elif target == quant.PENDING and "kind" in attrs:    # version 3: K-quant blocks
+        contract = QUANT_LINEAR_V3
+        kernel = functools.partial(_module(platform, QUANT_LINEAR.name).kquant_linear,
+                                   params=quant.KQuantParams.from_attributes(attrs), interpret=interpret)
     elif target == quant.PENDING:
         contract = QUANT_LINEAR_V2
         kernel = functools.partial(_module(platform, QUANT_LINEAR.name).quant_linear,

@@ -13,16 +13,25 @@ then the sum over phases of x_p times the dequantized [U, 16] tile of bytes (a, 
 4 + c for high nibbles). A group of g elements is g / unit steps of `a` (`per_group`): a tile's
 scale rows are the groups its steps fall in, widened to f32 in registers next to the dot.
 
+Version 3 (GGUF K-quant super-blocks: Q4_K, Q5_K, Q6_K) stores each row's quants one after the
+other (Q4_K: element 2k in a byte's low nibble, 2k + 1 in its high one; Q5_K / Q6_K: one int8 each)
+and the sub-block scales packed in per-block headers. The graph decodes the headers of the layer
+picked into f32 scale and min rows (`kquant_scales`: the decomposition's own decoding, d * sc exact
+in f32; 1/8 - 1/4 of the weight's bytes, read once more by the kernel), and the kernels read the
+quants where they lie in the stack: a tile is [TN rows, TB bytes] of the layer's matrix, its
+activations split into phases by byte (`KQuantParams.unit` elements a byte: x_p[m, b] = x8[m,
+unit b + p]), its scale and min rows spread over the tile's bytes (each platform as its lowering
+allows), and the product is the sum over phases of x_p times (q_p * scale + min) transposed.
+
 Version 1 (rows stored one by one: matrices whose row count is not a multiple of 16, or groups
-that are not whole 32-element blocks) and version 3 (GGUF K-quant super-blocks, whose 6-bit
-sub-block scales are packed in per-block headers) keep their decomposition (`why_not`).
+that are not whole 32-element blocks) keeps its decomposition (`why_not`).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V2, X_BLOCK, quantize_blocks
+from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V2, QUANT_LINEAR_V3, X_BLOCK, Block, quantize_blocks
 
 ROWS = 16           # rows of one interleaved block (schemes.INTERLEAVE, the version 2 layout)
 PENDING = "hloserve_pallas_quant_linear"   # its placeholder custom call (pallas/__init__.py)
@@ -55,8 +64,13 @@ def why_not(version: int, attrs: dict[str, Any]) -> str | None:
     if version == 1:
         return "version 1 (rows one by one: a row count not a multiple of 16, or groups of other than whole " \
                "32-element blocks): the decomposition"
+    if version == QUANT_LINEAR_V3.version:
+        kind = int(attrs["kind"])
+        if kind not in Block._value2member_map_:
+            return f"version 3 kind {kind}: the kernels take the K-quant blocks {', '.join(b.name for b in Block)}"
+        return None
     if version != QUANT_LINEAR_V2.version:
-        return "version 3 (GGUF K-quant super-blocks, scales packed in each block's header): the decomposition"
+        return f"version {version}: no kernel knows it"
     p = QuantParams.from_attributes(attrs)
     if p.bits not in (8, 4) or p.group % X_BLOCK:
         return f"bits {p.bits}, group {p.group}: the kernels take bits 8 or 4 with whole 32-element groups"
@@ -73,7 +87,7 @@ def steps(params: QuantParams, k: int, cap: int) -> int:
     return u
 
 
-def phases(x, params: QuantParams, rows: int):
+def phases(x, params: "QuantParams | KQuantParams", rows: int):
     """x f32 [M, K] -> x8's phases f32 [unit, rows, K / unit] (x_p[m, a] = x8[m, unit a + p]; rows >= M,
     the extra rows zero): the activations in the weight bytes' order, before the kernel."""
     import jax.numpy as jnp
@@ -91,3 +105,63 @@ def layer_of(layer, stacked: int):
 
 def padded_rows(m: int, tile: int) -> int:
     return -(-m // tile) * tile
+
+
+@dataclasses.dataclass(frozen=True)
+class KQuantParams:
+    """Version 3's static parameters: the block type (its `kind` attribute). A tile's bytes are read
+    in `unit` phases (Q4_K: 2 elements a byte) and `group_bytes` bytes share one scale (and min)."""
+    kind: int
+
+    @classmethod
+    def from_attributes(cls, attrs: dict[str, Any]) -> "KQuantParams":
+        return cls(int(attrs["kind"]))
+
+    @property
+    def block(self) -> str:
+        return Block(self.kind).name
+
+    @property
+    def unit(self) -> int:
+        return 2 if self.block == "Q4_K" else 1
+
+    @property
+    def group(self) -> int:
+        """Elements sharing one scale: Q6_K's sub-blocks of 16, the others' of 32."""
+        return 16 if self.block == "Q6_K" else 32
+
+    @property
+    def group_bytes(self) -> int:
+        return self.group // self.unit
+
+    @property
+    def has_min(self) -> bool:
+        return self.block != "Q6_K"
+
+    def widen(self, b):
+        """A tile of stored bytes -> its f32 values per phase: Q4_K's (low, high) nibbles, unsigned;
+        Q5_K's and Q6_K's int8 as they are."""
+        import jax.numpy as jnp
+        v = b.astype(jnp.int32)
+        if self.unit == 2:
+            return (v & 15).astype(jnp.float32), ((v >> 4) & 15).astype(jnp.float32)
+        return (v.astype(jnp.float32),)
+
+
+def kquant_scales(blocks, layer, params: KQuantParams):
+    """The layer's headers (blocks u8 [L, N, K/256 * H]) -> its scale and min rows, f32 [N, K/group]
+    (Q6_K: min None): primitives.block_scales traced with jax.numpy, as the decomposition decodes them."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from hloserve.quantization import primitives
+    picked = lax.dynamic_index_in_dim(blocks, layer_of(layer, blocks.shape[0])[0], 0, False)
+    return primitives.block_scales(picked, params.block, xp=jnp)
+
+
+def weights_nt(x, w):
+    """x [BM, TB] times w [TN, TB] transposed: f32 products, f32 sums."""
+    import jax.numpy as jnp
+    from jax import lax
+    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)

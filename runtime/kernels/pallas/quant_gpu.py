@@ -10,7 +10,14 @@ x_c [BM, U] times that tile to a [BM, 16] f32 accumulator: `jnp.dot` at highest 
 with f32 operands, f32 sums: the contract's arithmetic, no TF32) where the tile has 16 or more of
 each dimension (Triton's minimum), else a broadcast product summed in f32. The dequantized weight
 never reaches memory: the matrix is read once per tile of rows, at 1 (int8) or 1/2 (int4) byte
-per element. Runs in Pallas interpret mode on any platform (`interpret=True`, the tests).
+per element.
+
+Version 3 (GGUF K-quants, `kquant_linear`): one program per (tile of BM activation rows, TN rows of
+the layer's matrix), looping over the rows' bytes in tiles of TB. The quants are read as [TN, TB /
+group, group] blocks where they lie in the stack (a view of the bytes by sub-block, no copy), so the
+layer's scale and min rows (decoded in the graph, quant.py) broadcast over each sub-block's bytes
+and the dequantized tile is reshaped to [TN, TB] for the dot.
+Runs in Pallas interpret mode on any platform (`interpret=True`, the tests).
 """
 from __future__ import annotations
 
@@ -22,11 +29,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .quant import ROWS, QuantParams, layer_of, padded_rows, phases, steps
+from .quant import ROWS, KQuantParams, QuantParams, kquant_scales, layer_of, padded_rows, phases, steps, weights_nt
 
 NAME = "pallas_triton.quant_linear"
+KQUANT_NAME = "pallas_triton.kquant_linear"
 MAX_STEPS = 32      # steps of `a` per tile: 32 x 64 bytes of a row block
 DOT_MIN = 16        # tl.dot needs 16 or more in each dimension
+KQ_BYTES = 256      # version 3: bytes of a row per tile (at most)
+KQ_ROWS = 64        # version 3: rows of the matrix per program (at most)
 
 
 def row_tile(m: int) -> int:
@@ -111,4 +121,65 @@ def quant_linear(x, qweight, scale, min_, layer, *, params: QuantParams, interpr
         interpret=interpret,
         name="hloserve_quant_linear",
     )(layer_of(layer, L), xs, w, scale, *mins)
+    return out[:M]
+
+
+def _product_nt(x, w):
+    """x [BM, TB] times w [TN, TB] transposed, f32 products and sums (tl.dot where every dimension
+    has 16 or more, else a broadcast product)."""
+    if min(*x.shape, w.shape[0]) >= DOT_MIN:
+        return weights_nt(x, w)
+    return (x[:, None, :] * w[None, :, :]).sum(axis=2)
+
+
+def _kquant_kernel(layer_ref, x_ref, w_ref, s_ref, *rest, params: KQuantParams, bm: int, tn: int, tb: int,
+                   kb: int):
+    m_ref, o_ref = rest if params.has_min else (None, rest[0])
+    i, j = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    rows, cols = pl.ds(i * bm, bm), pl.ds(j * tn, tn)
+    g = tb // params.group_bytes                                         # sub-blocks of a tile
+
+    def body(t, acc):
+        subs = pl.ds(t * g, g)
+        s = s_ref[cols, subs][:, :, None]                               # [TN, g, 1]
+        mn = None if m_ref is None else m_ref[cols, subs][:, :, None]
+        for p, qp in enumerate(params.widen(w_ref[layer, cols, subs, :])):   # [TN, g, group bytes]
+            w = (qp * s if mn is None else qp * s + mn).reshape(tn, tb)
+            acc = acc + _product_nt(x_ref[p, rows, pl.ds(t * tb, tb)], w)
+        return acc
+
+    o_ref[...] = lax.fori_loop(0, kb // tb, body, jnp.zeros((bm, tn), jnp.float32))
+
+
+def kquant_tiles(params: KQuantParams, m: int, n: int, kb: int) -> tuple[int, int, int]:
+    """(BM rows, TN matrix rows, TB bytes) per program: Triton's tiles are powers of two, so TN is
+    the largest up to KQ_ROWS dividing N (1 at worst) and TB the largest up to KQ_BYTES dividing the
+    row's bytes (a multiple of 128: K is a multiple of 256)."""
+    tn = next(t for t in (KQ_ROWS >> s for s in range(7)) if n % t == 0)
+    tb = next(t for t in (KQ_BYTES, KQ_BYTES // 2) if kb % t == 0)
+    return row_tile(m), tn, tb
+
+
+def kquant_linear(x, qweight, blocks, layer, *, params: KQuantParams, interpret: bool = False, num_warps: int = 4):
+    """The composite's operands (QUANT_LINEAR_V3: x f32[M, K], qweight [L, N, K/2] u8 (Q4_K) or [L, N, K]
+    s8, blocks u8 [L, N, K/256 * H], layer s32[]) -> f32[M, N]."""
+    M, K = x.shape
+    L, N, KB = qweight.shape
+    bm, tn, tb = kquant_tiles(params, M, N, KB)
+    mp = padded_rows(M, bm)
+    scale, low = kquant_scales(blocks, layer, params)                    # [N, K / group] f32
+    rows = (scale,) if low is None else (scale, low)
+    w = qweight.reshape(L, N, KB // params.group_bytes, params.group_bytes)   # bytes by sub-block
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    out = pl.pallas_call(
+        functools.partial(_kquant_kernel, params=params, bm=bm, tn=tn, tb=tb, kb=KB),
+        grid=(mp // bm, N // tn),
+        in_specs=[any_spec] * (3 + len(rows)),
+        out_specs=pl.BlockSpec((bm, tn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, N), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+        name="hloserve_kquant_linear",
+    )(layer_of(layer, L), phases(x, params, mp), w, *rows)
     return out[:M]

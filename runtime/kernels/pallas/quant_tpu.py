@@ -12,6 +12,12 @@ phase c's sums at lane 4 r + c, picked by 0/1 matrices (exact: one nonzero term 
 are widened to f32 with the layer picked in the graph ([N/16, G, 16], a copy of 1/4 - 1/8 of the
 weight's bytes for groups of 32: Mosaic reads no f16) and spread over a tile's lanes and steps by
 0/1 products as well. Every dot is f32 at highest precision with f32 sums (the contract).
+
+Version 3 (GGUF K-quants, `kquant_linear`): grid (tile of BM activation rows, TN rows of the layer's
+matrix, TB bytes of them), the quants DMA'd as [TN, TB] blocks of the stack at the scalar-prefetched
+layer; the layer's scale and min rows (decoded in the graph, quant.py) come as [TN, TB / group]
+blocks and are spread over the tile's bytes by 0/1 products; the phases' products are summed into
+a [BM, TN] f32 scratch.
 Runs in Pallas interpret mode on any platform (`interpret=True`, the tests).
 """
 from __future__ import annotations
@@ -24,11 +30,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .quant import ROWS, QuantParams, layer_of, padded_rows, phases, steps
+from .quant import ROWS, KQuantParams, QuantParams, kquant_scales, layer_of, padded_rows, phases, steps, weights_nt
 
 NAME = "pallas_tpu.quant_linear"
+KQUANT_NAME = "pallas_tpu.kquant_linear"
 LANES = 4 * ROWS    # bytes of one step of `a` in a 16-row block
 WHOLE_K = 512       # steps of `a` up to which one tile takes the whole row (else tiles of 128 lanes' multiples)
+KQ_BYTES = 2048     # version 3: bytes of a row per tile, up to which one tile takes the whole row
 
 
 def _dot(a, b):
@@ -137,3 +145,75 @@ def quant_linear(x, qweight, scale, min_, layer, *, params: QuantParams, interpr
         name="hloserve_quant_linear",
     )(at, phases(x, params, mp), qweight.reshape(L, NB, ka, LANES), *picked)
     return out.transpose(1, 0, 2).reshape(mp, NB * ROWS)[:M]
+
+
+def _spread_bytes(rows, group_bytes: int, width: int):
+    """Scale (or min) rows [TN, width / group_bytes] -> [TN, width], byte b taking its sub-block's
+    entry: a product with a 0/1 matrix (exact: one nonzero term)."""
+    return _dot(rows, _pick((rows.shape[1], width), lambda j: j, lambda b: lax.div(b, group_bytes)))
+
+
+def _kquant_kernel(layer_ref, x_ref, w_ref, s_ref, *rest, params: KQuantParams):
+    del layer_ref
+    m_ref, o_ref, acc_ref = rest if params.has_min else (None, *rest)
+    k = pl.program_id(2)
+
+    @pl.when(k == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    q = w_ref[...]                                                       # [TN, TB]
+    width = q.shape[1]
+    scale = _spread_bytes(s_ref[...], params.group_bytes, width)
+    low = None if m_ref is None else _spread_bytes(m_ref[...], params.group_bytes, width)
+    total = acc_ref[...]
+    for p, qp in enumerate(params.widen(q)):
+        total = total + weights_nt(x_ref[p], qp * scale if low is None else qp * scale + low)
+    acc_ref[...] = total
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _done():
+        o_ref[...] = acc_ref[...]
+
+
+def _kquant_tiles(params: KQuantParams, m: int, n: int, kb: int) -> tuple[int, int, int]:
+    """(BM rows, TN matrix rows, TB bytes) per program: TB the whole row up to KQ_BYTES (or where no
+    multiple of 128 scale lanes divides it), else the largest such multiple up to KQ_BYTES (at least
+    one); TN 256 or 128 where they divide N, else the whole N."""
+    bm = min(128, padded_rows(m, 8))
+    tn = next((t for t in (256, 128) if n % t == 0), n)
+    lanes = 128 * params.group_bytes                                     # TB whose scale blocks are whole lane tiles
+    tb = kb
+    if kb > KQ_BYTES and kb % lanes == 0:
+        tb = max([t for t in range(lanes, KQ_BYTES + 1, lanes) if kb % t == 0], default=lanes)
+    return bm, tn, tb
+
+
+def kquant_linear(x, qweight, blocks, layer, *, params: KQuantParams, interpret: bool = False):
+    """The composite's operands (QUANT_LINEAR_V3: x f32[M, K], qweight [L, N, K/2] u8 (Q4_K) or [L, N, K]
+    s8, blocks u8 [L, N, K/256 * H], layer s32[]) -> f32[M, N]."""
+    M, K = x.shape
+    L, N, KB = qweight.shape
+    bm, tn, tb = _kquant_tiles(params, M, N, KB)
+    mp = padded_rows(M, bm)
+    at = layer_of(layer, L)
+    scale, low = kquant_scales(blocks, layer, params)                    # [N, K / group] f32
+    rows = (scale,) if low is None else (scale, low)
+    g = tb // params.group_bytes
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(mp // bm, N // tn, KB // tb),
+        in_specs=[pl.BlockSpec((params.unit, bm, tb), lambda i, j, k, layer: (0, i, k)),
+                  pl.BlockSpec((None, tn, tb), lambda i, j, k, layer: (layer[0], j, k)),
+                  *[pl.BlockSpec((tn, g), lambda i, j, k, layer: (j, k))] * len(rows)],
+        out_specs=pl.BlockSpec((bm, tn), lambda i, j, k, layer: (i, j)),
+        scratch_shapes=[pltpu.VMEM((bm, tn), jnp.float32)])
+    out = pl.pallas_call(
+        functools.partial(_kquant_kernel, params=params),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((mp, N), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="hloserve_kquant_linear",
+    )(at, phases(x, params, mp), qweight, *rows)
+    return out[:M]
