@@ -17,8 +17,8 @@ Version 3 (GGUF K-quant super-blocks: Q4_K, Q5_K, Q6_K) stores each row's quants
 other (Q4_K: element 2k in a byte's low nibble, 2k + 1 in its high one; Q5_K / Q6_K: one int8 each)
 and the sub-block scales packed in per-block headers. The graph decodes the headers of the layer
 picked into f32 scale and min rows (`kquant_scales`: the decomposition's own decoding, d * sc exact
-in f32; 1/8 - 1/4 of the weight's bytes, read once more by the kernel), and the kernels read the
-quants where they lie in the stack: a tile is [TN rows, TB bytes] of the layer's matrix, its
+in f32; half of a Q4_K weight's bytes, a quarter of a Q5_K or Q6_K one's, read once more by the
+kernel), and the kernels read the quants where they lie in the stack: a tile is [TN rows, TB bytes] of the layer's matrix, its
 activations split into phases by byte (`KQuantParams.unit` elements a byte: x_p[m, b] = x8[m,
 unit b + p]), its scale and min rows spread over the tile's bytes (each platform as its lowering
 allows), and the product is the sum over phases of x_p times (q_p * scale + min) transposed.
