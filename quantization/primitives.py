@@ -26,7 +26,9 @@ import dataclasses
 
 import numpy as np
 
-from .schemes import BLOCKS, INTERLEAVE, QuantizationError, WeightScheme
+from hloserve.runtime.artifact.kernels import block_scales   # the K-quant headers, as the contract decodes them
+
+from .schemes import INTERLEAVE, QuantizationError, WeightScheme
 
 _NP_SCALE = {"f32": np.float32, "f16": np.float16}
 
@@ -140,35 +142,6 @@ def gather_rows(qweight, scale, min_, indices, bits: int, xp=np):
     def rows(a):
         return None if a is None else a[blk, :, pos]                                    # [*idx, G]
     return out, rows(scale), rows(min_)
-
-
-def _f16_at(h, at: int, xp):
-    """The float16 at byte `at` of each header h uint8 [..., nb, bytes], as float32 [..., nb]."""
-    bits = h[..., at].astype(xp.uint16) | (h[..., at + 1].astype(xp.uint16) << 8)
-    return bits.view(xp.float16).astype(xp.float32)
-
-
-def block_scales(blocks, block: str, xp=np):
-    """A K-quant weight's headers (the `scale` tensor, uint8 [..., N, nb * BLOCKS[block][3]]) -> per
-    sub-block scale d * sc and min -(dmin * m), float32 [..., N, nb * 8] (Q6_K: scale [..., N, nb * 16],
-    min None); exact in float32 (an f16 times an integer below 2^8). Q4_K / Q5_K headers are
-    [d f16 | dmin f16 | 12 bytes]: bytes 0-3 of the 12 hold sc 0-3 in their low 6 bits, bytes 4-7
-    m 0-3; sub-block 4 + i takes its low 4 bits from byte 8 + i (sc low nibble, m high nibble) and
-    its top 2 bits from the top 2 bits of byte i (sc) or 4 + i (m). Q6_K headers are [16 int8 sc | d
-    f16]. Like rows_in_order, written once for numpy and jax.numpy (`xp`): the composite's
-    decomposition traces it, the torch op and the tests run it with numpy."""
-    *lead, width = blocks.shape
-    head = BLOCKS[block][3]
-    h = blocks.reshape(*lead, width // head, head)                      # [..., N, nb, head]
-    if block == "Q6_K":
-        scale = _f16_at(h, 16, xp)[..., None] * h[..., :16].view(xp.int8).astype(xp.float32)
-        return scale.reshape(*lead, -1), None                            # [..., N, nb * 16]
-    lo_sc, lo_m, mix = h[..., 4:8], h[..., 8:12], h[..., 12:16]
-    sc = xp.concatenate([lo_sc & 0x3F, (mix & 0x0F) | ((lo_sc >> 6) << 4)], axis=-1)   # [..., N, nb, 8]
-    m = xp.concatenate([lo_m & 0x3F, (mix >> 4) | ((lo_m >> 6) << 4)], axis=-1)
-    scale = _f16_at(h, 0, xp)[..., None] * sc.astype(xp.float32)
-    mn = -(_f16_at(h, 2, xp)[..., None] * m.astype(xp.float32))
-    return scale.reshape(*lead, -1), mn.reshape(*lead, -1)              # [..., N, nb * 8]
 
 
 def dequantize_blocks(qweight: np.ndarray, blocks: np.ndarray, scheme: WeightScheme) -> np.ndarray:

@@ -41,6 +41,7 @@ import fnmatch
 from typing import Any, Mapping
 
 from hloserve.runtime.artifact.errors import HloserveError
+from hloserve.runtime.artifact.kernels import KQUANT_HEADER
 
 
 class QuantizationError(HloserveError):
@@ -56,7 +57,8 @@ ROUNDINGS = ("minmax", "mse")
 INTERLEAVE = 16   # rows of a matrix interleaved for the quant_linear version 2 kernel
 
 # GGUF K-quant block type -> (bits of its stored q, sub-block size, symmetric, header bytes per 256 elements)
-BLOCKS = {"Q4_K": (4, 32, False, 16), "Q5_K": (8, 32, False, 16), "Q6_K": (8, 16, True, 18)}
+BLOCKS = {"Q4_K": (4, 32, False, KQUANT_HEADER["Q4_K"]), "Q5_K": (8, 32, False, KQUANT_HEADER["Q5_K"]),
+          "Q6_K": (8, 16, True, KQUANT_HEADER["Q6_K"])}
 SUPER_BLOCK = 256
 
 

@@ -31,7 +31,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V2, QUANT_LINEAR_V3, X_BLOCK, Block, quantize_blocks
+from hloserve.runtime.artifact.kernels import (QUANT_LINEAR_V2, QUANT_LINEAR_V3, X_BLOCK, Block, block_scales,
+                                               quantize_blocks)
 
 ROWS = 16           # rows of one interleaved block (schemes.INTERLEAVE, the version 2 layout)
 PENDING = "hloserve_pallas_quant_linear"   # its placeholder custom call (pallas/__init__.py)
@@ -150,13 +151,11 @@ class KQuantParams:
 
 def kquant_scales(blocks, layer, params: KQuantParams):
     """The layer's headers (blocks u8 [L, N, K/256 * H]) -> its scale and min rows, f32 [N, K/group]
-    (Q6_K: min None): primitives.block_scales traced with jax.numpy, as the decomposition decodes them."""
+    (Q6_K: min None): the contract's block_scales traced with jax.numpy, as the decomposition decodes them."""
     import jax.numpy as jnp
     from jax import lax
-
-    from hloserve.quantization import primitives
     picked = lax.dynamic_index_in_dim(blocks, layer_of(layer, blocks.shape[0])[0], 0, False)
-    return primitives.block_scales(picked, params.block, xp=jnp)
+    return block_scales(picked, params.block, xp=jnp)
 
 
 def weights_nt(x, w):
