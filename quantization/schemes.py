@@ -32,7 +32,7 @@ they are, in two tensors (a lossless repack of each block's bytes, exporter/gguf
     W = q * (d * sc_j) - dmin * m_j        per sub-block j (`group`: 32, Q6_K 16; no min for Q6_K)
 
 with d * sc and dmin * m exact in float32, which is gguf's own arithmetic (bit-identical values);
-primitives.block_scales decodes the headers.
+runtime/artifact/kernels.py `block_scales` (the contract's own) decodes the headers.
 """
 from __future__ import annotations
 
