@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+import numpy as np
+
 from . import dtypes
 
 
@@ -173,7 +175,7 @@ def _f16_at(h, at: int, xp):
     return bits.view(xp.float16).astype(xp.float32)
 
 
-def block_scales(blocks, block: str, xp=None):
+def block_scales(blocks, block: str, xp=np):
     """A K-quant weight's headers (QUANT_LINEAR_V3's `blocks`, uint8 [..., N, nb * KQUANT_HEADER[block]]) -> per
     sub-block scale d * sc and min -(dmin * m), float32 [..., N, nb * 8] (Q6_K: scale [..., N, nb * 16],
     min None); exact in float32 (an f16 times an integer below 2^8). Q4_K / Q5_K headers are
@@ -182,8 +184,6 @@ def block_scales(blocks, block: str, xp=None):
     its top 2 bits from the top 2 bits of byte i (sc) or 4 + i (m). Q6_K headers are [16 int8 sc | d
     f16]. Written once for numpy and jax.numpy (`xp`, default numpy): the composite's decomposition
     and the Pallas kernels trace it, the torch op and the tests run it with numpy."""
-    if xp is None:
-        import numpy as xp
     *lead, width = blocks.shape
     head = KQUANT_HEADER[block]
     h = blocks.reshape(*lead, width // head, head)                      # [..., N, nb, head]
@@ -196,7 +196,6 @@ def block_scales(blocks, block: str, xp=None):
     scale = _f16_at(h, 0, xp)[..., None] * sc.astype(xp.float32)
     mn = -(_f16_at(h, 2, xp)[..., None] * m.astype(xp.float32))
     return scale.reshape(*lead, -1), mn.reshape(*lead, -1)              # [..., N, nb * 8]
-
 
 
 # One layer's matrix product with weight-only quantized matrices, dequantized where they are read

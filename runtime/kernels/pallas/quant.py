@@ -18,8 +18,8 @@ other (Q4_K: element 2k in a byte's low nibble, 2k + 1 in its high one; Q5_K / Q
 and the sub-block scales packed in per-block headers. The graph decodes the headers of the layer
 picked into f32 scale and min rows (`kquant_scales`: the decomposition's own decoding, d * sc exact
 in f32; half of a Q4_K weight's bytes, a quarter of a Q5_K or Q6_K one's, read once more by the
-kernel), and the kernels read the quants where they lie in the stack: a tile is [TN rows, TB bytes] of the layer's matrix, its
-activations split into phases by byte (`KQuantParams.unit` elements a byte: x_p[m, b] = x8[m,
+kernel), and the kernels read the quants where they lie in the stack: a tile is [TN rows, TB bytes]
+of the layer's matrix, its activations split into phases by byte (`KQuantParams.unit` elements a byte: x_p[m, b] = x8[m,
 unit b + p]), its scale and min rows spread over the tile's bytes (each platform as its lowering
 allows), and the product is the sum over phases of x_p times (q_p * scale + min) transposed.
 
@@ -97,6 +97,19 @@ def phases(x, params: "QuantParams | KQuantParams", rows: int):
     return x8.reshape(rows, k // params.unit, params.unit).transpose(2, 0, 1)
 
 
+def widen(b, bits: int, signed: bool):
+    """A tile of stored bytes -> its f32 values per phase: int8 as they are (bits 8), int4 as (low,
+    high) nibbles, two's complement where `signed` (symmetric) and unsigned [0, 15] otherwise."""
+    import jax.numpy as jnp
+    v = b.astype(jnp.int32)
+    if bits == 8:
+        return (v.astype(jnp.float32),)
+    lo, hi = v & 15, (v >> 4) & 15
+    if signed:
+        lo, hi = jnp.where(lo >= 8, lo - 16, lo), jnp.where(hi >= 8, hi - 16, hi)
+    return lo.astype(jnp.float32), hi.astype(jnp.float32)
+
+
 def layer_of(layer, stacked: int):
     """The layer index as s32[1], clamped into the stack (a stack of one is layer 0, as the
     decomposition reads it)."""
@@ -139,14 +152,10 @@ class KQuantParams:
     def has_min(self) -> bool:
         return self.block != "Q6_K"
 
-    def widen(self, b):
-        """A tile of stored bytes -> its f32 values per phase: Q4_K's (low, high) nibbles, unsigned;
-        Q5_K's and Q6_K's int8 as they are."""
-        import jax.numpy as jnp
-        v = b.astype(jnp.int32)
-        if self.unit == 2:
-            return (v & 15).astype(jnp.float32), ((v >> 4) & 15).astype(jnp.float32)
-        return (v.astype(jnp.float32),)
+    @property
+    def bits(self) -> int:
+        """Bits of a stored quant (`widen`): Q4_K's unsigned nibbles, Q5_K's and Q6_K's int8."""
+        return 4 if self.unit == 2 else 8
 
 
 def kquant_scales(blocks, layer, params: KQuantParams):

@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .quant import ROWS, KQuantParams, QuantParams, kquant_scales, layer_of, padded_rows, phases, steps, weights_nt
+from .quant import (ROWS, KQuantParams, QuantParams, kquant_scales, layer_of, padded_rows, phases, steps, weights_nt,
+                    widen)
 
 NAME = "pallas_triton.quant_linear"
 KQUANT_NAME = "pallas_triton.kquant_linear"
@@ -42,17 +43,6 @@ KQ_ROWS = 64        # version 3: rows of the matrix per program (at most)
 def row_tile(m: int) -> int:
     """Activation rows per program: 16 (decode steps and tl.dot's minimum), 32 or 64 for longer steps."""
     return 16 if m <= 16 else 32 if m <= 64 else 64
-
-
-def _widen(b, params: QuantParams, symmetric: bool):
-    """A tile of stored bytes -> its f32 values: int8 as they are, int4 as (low, high) nibbles."""
-    if params.bits == 8:
-        return (b.astype(jnp.float32),)
-    v = b.astype(jnp.int32)
-    lo, hi = v & 15, (v >> 4) & 15
-    if symmetric:   # two's complement nibbles
-        lo, hi = jnp.where(lo >= 8, lo - 16, lo), jnp.where(hi >= 8, hi - 16, hi)
-    return lo.astype(jnp.float32), hi.astype(jnp.float32)
 
 
 def _scale_tile(ref, layer, nb, a0, u: int, per_group: int):
@@ -87,7 +77,7 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, *rest, params: QuantParams, bm: int,
         s = _scale_tile(s_ref, layer, nb, a0, u, params.per_group)
         mn = None if symmetric else _scale_tile(m_ref, layer, nb, a0, u, params.per_group)
         for c in range(4):
-            parts = _widen(w_ref[layer, nb, pl.ds(a0, u), :, c], params, symmetric)
+            parts = widen(w_ref[layer, nb, pl.ds(a0, u), :, c], params.bits, symmetric)
             for h, q in enumerate(parts):          # int4: the high nibble is phase 4 + c
                 w = q * s if symmetric else q * s + mn
                 acc = acc + _product(x_ref[4 * h + c, rows, pl.ds(a0, u)], w)
@@ -144,7 +134,7 @@ def _kquant_kernel(layer_ref, x_ref, w_ref, s_ref, *rest, params: KQuantParams, 
         subs = pl.ds(t * g, g)
         s = s_ref[cols, subs][:, :, None]                               # [TN, g, 1]
         mn = None if m_ref is None else m_ref[cols, subs][:, :, None]
-        for p, qp in enumerate(params.widen(w_ref[layer, cols, subs, :])):   # [TN, g, group bytes]
+        for p, qp in enumerate(widen(w_ref[layer, cols, subs, :], params.bits, signed=False)):   # [TN, g, group bytes]
             w = (qp * s if mn is None else qp * s + mn).reshape(tn, tb)
             acc = acc + _product_nt(x_ref[p, rows, pl.ds(t * tb, tb)], w)
         return acc

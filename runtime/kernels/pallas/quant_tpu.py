@@ -30,7 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .quant import ROWS, KQuantParams, QuantParams, kquant_scales, layer_of, padded_rows, phases, steps, weights_nt
+from .quant import (ROWS, KQuantParams, QuantParams, kquant_scales, layer_of, padded_rows, phases, steps, weights_nt,
+                    widen)
 
 NAME = "pallas_tpu.quant_linear"
 KQUANT_NAME = "pallas_tpu.kquant_linear"
@@ -60,17 +61,6 @@ def _spread(rows, u: int, per_group: int):
     return _dot(_pick((u, rows.shape[0]), lambda a: lax.div(a, per_group), lambda j: j), lanes)
 
 
-def _widen(b, params: QuantParams, symmetric: bool):
-    """Stored bytes -> their f32 values: int8 as they are, int4 as (low, high) nibbles."""
-    v = b.astype(jnp.int32)
-    if params.bits == 8:
-        return (v.astype(jnp.float32),)
-    lo, hi = v & 15, (v >> 4) & 15
-    if symmetric:   # two's complement nibbles
-        lo, hi = jnp.where(lo >= 8, lo - 16, lo), jnp.where(hi >= 8, hi - 16, hi)
-    return lo.astype(jnp.float32), hi.astype(jnp.float32)
-
-
 def _kernel(layer_ref, x_ref, w_ref, s_ref, *rest, params: QuantParams, bm: int, u: int, groups: int,
             symmetric: bool):
     del layer_ref
@@ -87,7 +77,7 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, *rest, params: QuantParams, bm: int,
         s = _spread(s_ref[t, pl.ds(g0, groups), :], u, params.per_group)
         mn = None if symmetric else _spread(m_ref[t, pl.ds(g0, groups), :], u, params.per_group)
         total = acc_ref[t]
-        for h, q in enumerate(_widen(w_ref[t], params, symmetric)):         # int4: high nibbles are phases 4..7
+        for h, q in enumerate(widen(w_ref[t], params.bits, symmetric)):         # int4: high nibbles are phases 4..7
             w = q * s if symmetric else q * s + mn
             total = total + _dot(x_ref[4 * h:4 * h + 4].reshape(4 * bm, u), w)
         acc_ref[t] = total
@@ -167,7 +157,7 @@ def _kquant_kernel(layer_ref, x_ref, w_ref, s_ref, *rest, params: KQuantParams):
     scale = _spread_bytes(s_ref[...], params.group_bytes, width)
     low = None if m_ref is None else _spread_bytes(m_ref[...], params.group_bytes, width)
     total = acc_ref[...]
-    for p, qp in enumerate(params.widen(q)):
+    for p, qp in enumerate(widen(q, params.bits, signed=False)):
         total = total + weights_nt(x_ref[p], qp * scale if low is None else qp * scale + low)
     acc_ref[...] = total
 
