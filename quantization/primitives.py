@@ -28,7 +28,7 @@ import numpy as np
 
 from hloserve.runtime.artifact.kernels import block_scales   # the K-quant headers, as the contract decodes them
 
-from .schemes import INTERLEAVE, QuantizationError, WeightScheme
+from .schemes import FIVE_BIT_BYTES, FIVE_BIT_GROUP, INTERLEAVE, QuantizationError, WeightScheme
 
 _NP_SCALE = {"f32": np.float32, "f16": np.float16}
 
@@ -82,7 +82,9 @@ def interleave_rows(qweight: np.ndarray, scale: np.ndarray, min_: np.ndarray | N
     *lead, N, width = qweight.shape
     if N % INTERLEAVE:
         raise QuantizationError(f"interleave_rows: {N} rows is not a multiple of {INTERLEAVE}")
-    if bits == 8:
+    if bits == 5:
+        q = _interleave_five(np.asarray(qweight), lead, N)
+    elif bits == 8:
         K = width
         q = qweight.reshape(*lead, N // INTERLEAVE, INTERLEAVE, K // 4, 4)                      # [.., n/16, 16, K/4, 4]
         q = np.swapaxes(q, -3, -2).reshape(*lead, N // INTERLEAVE, INTERLEAVE * K)             # [.., n/16, K/4, 16, 4]
@@ -99,6 +101,43 @@ def interleave_rows(qweight: np.ndarray, scale: np.ndarray, min_: np.ndarray | N
     return np.ascontiguousarray(q), rows_last(scale), rows_last(min_)
 
 
+def _interleave_five(q: np.ndarray, lead: list, N: int) -> np.ndarray:
+    """5-bit values int8 [..., N, K] (in [-16, 15]) -> version 4's qweight uint8 [..., N/16, 10 K]: per
+    32-element block of 16 rows, int4's 4 k-steps of 64 bytes holding the low nibbles of u = q + 16
+    (element k of row r at byte 64 (k // 8) + 4 r + k % 4, its low nibble when k % 8 < 4, else its
+    high one), then per k-step 16 bytes of fifth bits: two little-endian 64-bit masks over that
+    step's 64 bytes, the first for the low nibbles, the second for the high ones (bit 4 r + k % 4)."""
+    K = q.shape[-1]
+    if K % FIVE_BIT_GROUP or q.min(initial=0) < -16 or q.max(initial=0) > 15:
+        raise QuantizationError(f"interleave_rows: 5-bit values must be in [-16, 15] with K ({K}) a multiple of "
+                                f"{FIVE_BIT_GROUP}")
+    u = (q.astype(np.int16) + 16).astype(np.uint8)
+    v = u.reshape(*lead, N // INTERLEAVE, INTERLEAVE, K // 8, 2, 4)                # [.., n/16, r, step, lo|hi, i]
+    nib = np.moveaxis((v[..., 0, :] & 0xF) | ((v[..., 1, :] & 0xF) << 4), -3, -2)  # [.., n/16, step, r, i]
+    high = np.moveaxis(v >> 4, -4, -2)                                           # [.., n/16, step, lo|hi, r, i]
+    masks = np.packbits(high.reshape(*high.shape[:-2], 64), axis=-1, bitorder="little")   # [.., n/16, step, 2, 8]
+    blocks = K // FIVE_BIT_GROUP
+    nib = nib.reshape(*lead, N // INTERLEAVE, blocks, 256)
+    masks = masks.reshape(*lead, N // INTERLEAVE, blocks, 64)
+    return np.concatenate([nib, masks], axis=-1).reshape(*lead, N // INTERLEAVE, blocks * FIVE_BIT_BYTES)
+
+
+def _five_in_order(qweight, xp):
+    """Version 4's qweight of one matrix (uint8 [N/16, 10 K], _interleave_five) -> int8 [N, K] in [-16, 15]."""
+    ng, width = qweight.shape
+    K = width // FIVE_BIT_BYTES * FIVE_BIT_GROUP
+    b = qweight.reshape(ng, K // FIVE_BIT_GROUP, FIVE_BIT_BYTES)
+    nib = b[..., :256].reshape(ng, K // FIVE_BIT_GROUP, 4, INTERLEAVE, 4)                  # [n/16, blk, s, r, i]
+    masks = b[..., 256:].reshape(ng, K // FIVE_BIT_GROUP, 4, 2, 8)                         # [n/16, blk, s, lo|hi, byte]
+    bit = (masks[..., None] >> xp.arange(8, dtype=xp.uint8)) & 1                           # [.., lo|hi, byte, bit]
+    bit = bit.reshape(ng, K // FIVE_BIT_GROUP, 4, 2, INTERLEAVE, 4)                        # [.., lo|hi, r, i]
+    lo = (nib & 0xF) | (bit[:, :, :, 0] << 4)
+    hi = (nib >> 4) | (bit[:, :, :, 1] << 4)
+    u = xp.stack([lo, hi], axis=3)                                                         # [n/16, blk, s, lo|hi, r, i]
+    q = u.astype(xp.int8) - xp.int8(16)
+    return q.transpose(0, 4, 1, 2, 3, 5).reshape(INTERLEAVE * ng, K)                     # [n/16, r, blk, s, lo|hi, i]
+
+
 def rows_in_order(qweight, scale, min_, bits: int, xp=np):
     """One matrix in version 2's layout (qweight [N/16, 16 K | 8 K], scale/min [N/16, G, 16]) -> its
     integer values int8 [N, K] (int4: two's complement nibbles, or unsigned ones [0, 15] when there is
@@ -107,7 +146,10 @@ def rows_in_order(qweight, scale, min_, bits: int, xp=np):
     function with jax.numpy (this package imports no jax), the torch op (modules.py) runs it on its
     tensors' memory. Only reshapes, transposes, shifts and masks, which both libraries spell alike."""
     ng, width = qweight.shape
-    if bits == 8:
+    if bits == 5:
+        q = _five_in_order(qweight, xp)
+        K = q.shape[-1]
+    elif bits == 8:
         K = width // INTERLEAVE
         q = qweight.reshape(ng, K // 4, INTERLEAVE, 4).transpose(0, 2, 1, 3)              # [n/16, 16, K/4, 4]
     else:

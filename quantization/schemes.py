@@ -20,6 +20,13 @@ package computes for Q8_0 / Q4_0 / Q4_1, so an imported GGUF tensor dequantizes 
 The scheme of each stored tensor is recorded in the artifact manifest (WeightSpec.quant, see
 `WeightScheme.manifest_entry`), never inferred from names.
 
+GGUF Q5_0 blocks are kept as 5-bit values (bits 5: group 32, symmetric, the file's f16 d as the
+scale), W = q * scale with q in [-16, 15]. A linear layer stores them interleaved by 16 rows (the
+`hloserve.quant_linear` version 4 kernel: each 32-element block of 16 rows is the int4 layout's 256
+bytes of low nibbles of q + 16, then 64 bytes of their fifth bits; primitives.interleave_rows); row
+by row (where a weight is not interleaved, or before it is) they are int8 [..., out, in], one value
+a byte, which is exactly int8's layout, so such a weight is stored as int8 (WeightScheme.for_linear).
+
 GGUF K-quant blocks (`block` "Q4_K", "Q5_K", "Q6_K": super-blocks of 256 elements) are kept as
 they are, in two tensors (a lossless repack of each block's bytes, exporter/gguf/quant.py):
 
@@ -55,6 +62,8 @@ ROUNDINGS = ("minmax", "mse")
 
 
 INTERLEAVE = 16   # rows of a matrix interleaved for the quant_linear version 2 kernel
+FIVE_BIT_GROUP = 32    # bits 5 (GGUF Q5_0): elements per scale
+FIVE_BIT_BYTES = 320   # bits 5 interleaved: bytes of one 32-element block of 16 rows (256 of nibbles, 64 of fifth bits)
 
 # GGUF K-quant block type -> (bits of its stored q, sub-block size, symmetric, header bytes per 256 elements)
 BLOCKS = {"Q4_K": (4, 32, False, KQUANT_HEADER["Q4_K"]), "Q5_K": (8, 32, False, KQUANT_HEADER["Q5_K"]),
@@ -67,7 +76,8 @@ class WeightScheme:
     """How one weight is quantized.
 
     Attributes:
-      bits: 8 (int8) or 4 (int4, stored packed two per byte).
+      bits: 8 (int8), 4 (int4, stored packed two per byte) or 5 (GGUF Q5_0's values, group 32,
+        symmetric: linear layers only, interleaved by 16 rows; see the module docstring).
       group: elements of the input dim sharing one scale; None: one scale per output channel.
       symmetric: W = q * scale (True) or W = q * scale + min (False).
       scale_dtype: "f32" or "f16" storage of scale and min (GGUF blocks carry f16).
@@ -103,8 +113,11 @@ class WeightScheme:
                     or self.rows:
                 raise QuantizationError(f"block {self.block!r}: use WeightScheme.of_block (blocks kept: {sorted(BLOCKS)})")
             return
-        if self.bits not in (4, 8):
+        if self.bits not in (4, 5, 8):
             raise QuantizationError(f"bits={self.bits} is not supported; use 8 (int8) or 4 (int4)")
+        if self.bits == 5 and (self.group != FIVE_BIT_GROUP or not self.symmetric):
+            raise QuantizationError(f"bits=5 is GGUF Q5_0's layout: group {FIVE_BIT_GROUP}, symmetric "
+                                    f"(got group {self.group}, symmetric {self.symmetric})")
         if self.group is not None and (self.group < 2 or self.group % 2):
             raise QuantizationError(f"group={self.group} must be an even number >= 2 (e.g. 32, 64, 128)")
         if self.bits == 4 and self.group is None:
@@ -128,7 +141,15 @@ class WeightScheme:
         if self.block:
             return self
         whole = (self.group or n_in) % 32 == 0
-        return dataclasses.replace(self, rows=INTERLEAVE if n_out % INTERLEAVE == 0 and whole else 0)
+        rows = INTERLEAVE if n_out % INTERLEAVE == 0 and whole else 0
+        if self.bits == 5 and not rows:   # 5-bit values row by row are int8's layout: stored as int8
+            return dataclasses.replace(self, bits=8)
+        return dataclasses.replace(self, rows=rows)
+
+    def row_by_row(self) -> "WeightScheme":
+        """This scheme for a weight stored row by row (an embedding table): 5-bit values become int8
+        (the same bytes, see the module docstring); the others are unchanged."""
+        return dataclasses.replace(self, bits=8, rows=0) if self.bits == 5 else self
 
     @property
     def name(self) -> str:
@@ -181,7 +202,7 @@ class WeightScheme:
         s = (*lead, n_in // self.group) if self.group else tuple(lead)
         if self.rows:
             *lead, n_out = lead
-            width = q[-1] * INTERLEAVE
+            width = FIVE_BIT_BYTES * n_in // FIVE_BIT_GROUP if self.bits == 5 else q[-1] * INTERLEAVE
             q, s = (*lead, n_out // INTERLEAVE, width), (*lead, n_out // INTERLEAVE, n_in // (self.group or n_in), INTERLEAVE)
         out = {"qweight": q, "scale": s}
         if not self.symmetric:
@@ -218,7 +239,8 @@ class QuantConfig:
       scheme: the scheme of every quantized weight.
       skip: fnmatch patterns of module / weight names left in float (e.g. "*embed*", "lm_head").
       spec: the user's spelling, for messages and the manifest.
-      native: keep a GGUF file's own blocks (Q8_0, Q5_0 -> int8 g32, Q4_0 -> int4 g32, Q4_1 -> int4 g32
+      native: keep a GGUF file's own blocks (Q8_0 -> int8 g32, Q5_0 -> int5 g32 in linear layers whose
+        every layer is Q5_0, else int8 g32, Q4_0 -> int4 g32, Q4_1 -> int4 g32
         asym; Q4_K / Q5_K / Q6_K linears kept as K-quant blocks, embeddings converted) instead of requantizing;
         `scheme` then applies to tensors of other ggml types.
     """

@@ -1,6 +1,7 @@
 """The `hloserve.quant_linear` composite, export side: one layer's matrix product with weight-only
 quantized matrices (int8 / int4, group-wise; GGUF Q8_0 / Q4_0 / Q4_1 blocks as they are; version 3:
-GGUF Q4_K / Q5_K / Q6_K super-blocks kept, hloserve::kquant_linear), dequantized where they are read.
+GGUF Q4_K / Q5_K / Q6_K super-blocks kept, hloserve::kquant_linear; version 4: GGUF Q5_0's 5-bit
+values kept), dequantized where they are read.
 
     torch side   hloserve::quantized_linear and hloserve::quantized_embedding live in
                  quantization/modules.py (quantization may not import the exporter); their eager
@@ -11,7 +12,7 @@ GGUF Q4_K / Q5_K / Q6_K super-blocks kept, hloserve::kquant_linear), dequantized
                  for numpy, jax and the torch op)
     lowering     hloserve::quantized_linear -> a `stablehlo.composite` carrying its decomposition
 
-The contract is runtime/artifact/kernels.py's QUANT_LINEAR / QUANT_LINEAR_V2; the kernel that replaces
+The contract is runtime/artifact/kernels.py's QUANT_LINEAR / QUANT_LINEAR_V2 (/ V3 / V4); the kernel that replaces
 it at load on a CPU is runtime/kernels/cpu/quant_linear.cc. Storage layout: quantization/schemes.py.
 
 Dequantization happens in the graph, next to its consumer, in a form XLA:CPU keeps cheap
@@ -48,7 +49,7 @@ import jax.numpy as jnp
 import torch
 from hloserve.quantization import modules as _qmodules  # noqa: F401 (defines torch.ops.hloserve.quantized_linear)
 from hloserve.quantization import primitives
-from hloserve.runtime.artifact.kernels import QUANT_LINEAR, QUANT_LINEAR_V2, QUANT_LINEAR_V3, Block
+from hloserve.runtime.artifact.kernels import QUANT_LINEAR, QUANT_LINEAR_V2, QUANT_LINEAR_V3, QUANT_LINEAR_V4, Block
 from hloserve.runtime.artifact.kernels import quantize_blocks as _contract_quantize_blocks
 from hloserve.quantization.schemes import WeightScheme
 from jax import lax
@@ -169,8 +170,8 @@ def quant_linear_reference(x, qweight, scale, min_, layer, *, bits: int, group: 
 
 
 def quant_linear_v2_reference(x, qweight, scale, min_, layer, *, bits: int, group: int):
-    """The `hloserve.quant_linear` version 2 composite's decomposition: the layer's matrix put back in
-    row order, then version 1's arithmetic (x quantized per block as Q8_0, W = q * scale + min)."""
+    """The `hloserve.quant_linear` version 2 (and 4: bits 5) composite's decomposition: the layer's matrix
+    put back in row order, then version 1's arithmetic (x quantized per block as Q8_0, W = q * scale + min)."""
     q, s, mn = primitives.rows_in_order(*_picked(qweight, scale, min_, layer), bits, xp=jnp)
     return layer_product(x, q, s, mn, 8, group)                         # int values: bits 8's dequantize
 
@@ -207,10 +208,10 @@ def _lower_quantized_linear(ctx, x, qweight, scale, min_, bias, layer, bits, gro
     *lead, k = x.shape
     L = qweight.shape[0]
     g = group or k
-    if rows:   # interleaved by 16 rows: version 2
+    if rows:   # interleaved by 16 rows: version 2 (version 4: 5-bit values, the same decomposition)
         out = qweight.shape[1] * rows
         shape = (L, out // rows, k // g, rows)                           # [L, N/16, G, 16]
-        reference, contract = quant_linear_v2_reference, QUANT_LINEAR_V2
+        reference, contract = quant_linear_v2_reference, QUANT_LINEAR_V4 if bits == 5 else QUANT_LINEAR_V2
     else:
         out = qweight.shape[1]
         shape = (L, out, k // g)                                         # [L, N, G] (per channel: G = 1)

@@ -8,7 +8,8 @@
 K-quant linears (Q4_K, Q5_K, Q6_K) keep their super-blocks (WeightScheme.of_block): the quants
 repacked into element order, each super-block's header bytes as they are (quantization/schemes.py).
 Each other ggml type in GGUF_SCHEMES converts to one of our schemes from its integer fields
-(GGUFTensor.block_fields), never through floats: Q8_0 / Q4_0 / Q4_1 / Q5_0 exactly; K-quant
+(GGUFTensor.block_fields), never through floats: Q8_0 / Q4_0 / Q4_1 / Q5_0 exactly (Q5_0 keeps its
+5-bit values in linear roles whose every layer is Q5_0, int8 elsewhere: the same values); K-quant
 embedding tables are converted too, Q4_K with its sub-block scales rounded to f16, Q6_K with
 sub-blocks of 16 paired into groups of 32 (exact on the pair's larger scale). Bounds in
 docs/quantization.md ("GGUF import").
@@ -32,7 +33,7 @@ KEPT_BLOCKS: Mapping[str, slice] = {"Q4_K": slice(0, 16), "Q5_K": slice(0, 16), 
 # ggml type -> the scheme its blocks convert to (group 32 throughout)
 GGUF_SCHEMES: Mapping[str, WeightScheme] = {
     "Q8_0": WeightScheme(8, 32, True, "f16"),    # exact: q, d
-    "Q5_0": WeightScheme(8, 32, True, "f16"),    # exact: q - 16 in [-16, 15], d
+    "Q5_0": WeightScheme(5, 32, True, "f16"),    # exact: q - 16 in [-16, 15], d (int8 where a role needs it)
     "Q4_0": WeightScheme(4, 32, True, "f16"),    # exact: q - 8, d
     "Q4_1": WeightScheme(4, 32, False, "f16"),   # exact: q, d, m
     "Q4_K": WeightScheme(4, 32, False, "f16"),   # q; d * sc and -dmin * m rounded to f16 (2^-11 relative)
@@ -85,10 +86,11 @@ _CONVERT = {
 }
 
 
-def gguf_blocks(t) -> tuple[dict[str, np.ndarray], WeightScheme]:
+def gguf_blocks(t, *, five: bool = True) -> tuple[dict[str, np.ndarray], WeightScheme]:
     """A GGUFTensor of a GGUF_SCHEMES type -> (stored tensors in our layout, its scheme), no float round trip.
 
-    Q8_0: q int8 [out, in], scale f16 [out, in/32]. Q5_0: q - 16 as int8, scale d. Q4_0: (q - 8)
+    Q8_0: q int8 [out, in], scale f16 [out, in/32]. Q5_0: q - 16 as int8, scale d, scheme int5 (int8
+    without `five`: the same bytes row by row, schemes.py). Q4_0: (q - 8)
     packed signed, scale d. Q4_1: q packed unsigned, scale = d, min = m (value q * d + m, as gguf
     computes it). Q4_K: q packed unsigned, scale and min per sub-block of 32 (see _q4_k) rounded to
     f16, or kept f32 where f16 would overflow. Q6_K: int8, f32 scale per pair of sub-blocks (_q6_k).
@@ -97,6 +99,8 @@ def gguf_blocks(t) -> tuple[dict[str, np.ndarray], WeightScheme]:
     if scheme is None:
         raise QuantizationError(f"{t.gguf_name}: ggml type {t.ggml_type} has no direct import; "
                                 f"supported: {sorted(GGUF_SCHEMES)}")
+    if not five:
+        scheme = scheme.row_by_row()
     lead, n_in = t.shape[:-1], t.shape[-1]
     q, scale, mn = _CONVERT[t.ggml_type](t.block_fields())
     sdt = np.float16 if scheme.scale_dtype == "f16" else np.float32
@@ -129,23 +133,27 @@ def _parts(ts: list, target: WeightScheme, where: str, *, linear: bool) -> list[
     e.g. a Q4_K_M file's Q4_K and Q6_K down matrices, the layers differ and the scan's period says
     how they are traced), the others as _converted makes them."""
     kept = [linear and t.ggml_type in KEPT_BLOCKS for t in ts]
-    rest = iter(_converted([t for t, k in zip(ts, kept) if not k], target, where) if not all(kept) else ())
+    rest = iter(_converted([t for t, k in zip(ts, kept) if not k], target, where, linear=linear) if not all(kept) else ())
     return [kept_blocks(t) if k else next(rest) for t, k in zip(ts, kept)]
 
 
-def _converted(ts: list, target: WeightScheme, where: str) -> list[tuple[dict[str, np.ndarray], WeightScheme]]:
+def _converted(ts: list, target: WeightScheme, where: str, *, linear: bool = False
+               ) -> list[tuple[dict[str, np.ndarray], WeightScheme]]:
     """Tensors that are one stored weight (a scanned stack's layers) -> their stored tensors
     in one scheme: each part's own blocks where its GGUF_SCHEMES entry has the scheme's bits and
     symmetry, requantized from its float values with `target` otherwise; f16 scales are widened
-    to f32 (exactly) when any part needs f32."""
+    to f32 (exactly) when any part needs f32. Q5_0 parts keep their 5-bit values where the weight is
+    `linear` and every part is Q5_0, else they are int8 (exactly: the same values, schemes.py)."""
+    five = linear and all(t.ggml_type == "Q5_0" for t in ts)
     natives = [GGUF_SCHEMES.get(t.ggml_type) for t in ts]
+    natives = [s if s is None or five else s.row_by_row() for s in natives]
     kinds = {(s.bits, s.symmetric) for s in natives if s is not None}
     if None not in natives and len(kinds) == 1:
         target = natives[0]
     out, schemes = [], []
     for t, s in zip(ts, natives):
         if s is not None and (s.bits, s.symmetric) == (target.bits, target.symmetric):
-            stored, s = gguf_blocks(t)
+            stored, s = gguf_blocks(t, five=five)
         else:
             q, s = quantize_tensor(torch.from_numpy(t.dequantize()), target, where)
             stored = {role: a.numpy() for role, a in q.items()}

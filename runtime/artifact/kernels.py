@@ -237,6 +237,28 @@ QUANT_LINEAR_V2 = Composite(
     result=QUANT_LINEAR.result,
 )
 
+# Version 4: the same product with 5-bit values (GGUF Q5_0 blocks kept: q in [-16, 15], the file's f16 d
+# as the scale of each 32 elements), interleaved by 16 rows as version 2's int4, the fifth bits beside
+# each block's nibbles (quantization/schemes.py; docs/quantization.md "Q5_0 kept").
+QUANT_LINEAR_V4 = Composite(
+    name="hloserve.quant_linear",
+    version=4,
+    operands=(
+        "x f32[M, K]: activations (K a multiple of 32)",
+        "qweight [L, N/16, 10 K] u8: per 32-element block b of 16 rows (320 bytes at (n // 16, 320 b)), the "
+        "codes u = q + 16 in [0, 31]: 256 bytes of low nibbles as version 2's int4 (element (n, k) in byte "
+        "64 (k // 8 % 4) + 4 (n % 16) + k % 4 of the block, its low nibble when k % 8 < 4, else its high one), "
+        "then 64 bytes of fifth bits, 16 per k-step s = k // 8 % 4 at 256 + 16 s: two little-endian 64-bit "
+        "masks, bit 4 (n % 16) + k % 4 of the first (k % 8 < 4) or the second (else)",
+        "scale [L, N/16, K/32, 16]: f16 or f32, row n's scale for block b at (n // 16, b, n % 16)",
+        "min f32[0]: none (symmetric)",
+        "layer s32[]: the matrix used",
+    ),
+    attributes=("bits i64: 5", "group i64: 32"),
+    result="f32[M, N]: x8 (as version 1) times W[layer] transposed, where W = (u - 16) * scale per block of 32 "
+           "(the scale widened to f32); computed in f32 in any association (the integer products are exact)",
+)
+
 # Version 3: the same product with each layer's matrix in a GGUF K-quant's super-blocks of 256, kept
 # as the file has them (quantization/schemes.py "K-quant blocks"; docs/quantization.md).
 QUANT_LINEAR_V3 = Composite(
@@ -337,5 +359,5 @@ ROW_SUM = Composite(
 
 # (name, version) -> contract
 COMPOSITES = {(c.name, c.version): c for c in (PAGED_ATTENTION, PAGED_ATTENTION_V2, LAYER_LINEAR, QUANT_LINEAR,
-                                                 QUANT_LINEAR_V2, QUANT_LINEAR_V3, GROUPED_EXPERTS,
+                                                 QUANT_LINEAR_V2, QUANT_LINEAR_V3, QUANT_LINEAR_V4, GROUPED_EXPERTS,
                                                  QUANT_EXPERTS, PRODUCT_SUM, ROW_SUM)}

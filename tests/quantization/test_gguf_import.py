@@ -40,7 +40,7 @@ def _check_bit_exact(t: GGUFTensor) -> None:
     stored, scheme = gguf_quant.gguf_blocks(t)
     ref = t.dequantize()                                              # gguf.quants.dequantize
     qa = primitives.QuantizedArray(stored["qweight"], stored["scale"], stored.get("min"), scheme, t.shape)
-    assert stored["qweight"].dtype == (np.int8 if scheme.bits == 8 else np.uint8)
+    assert stored["qweight"].dtype == (np.uint8 if scheme.bits == 4 else np.int8)   # int5 row by row: a byte each
     assert stored["scale"].dtype == np.float16 and stored["scale"].shape == (t.shape[0], t.shape[1] // 32)
     np.testing.assert_array_equal(_bits(primitives.dequantize(qa)), _bits(ref), err_msg=t.name)
     tt = {k: torch.from_numpy(v) for k, v in stored.items()}
@@ -49,6 +49,12 @@ def _check_bit_exact(t: GGUFTensor) -> None:
     got_j = jax.jit(lambda q, s, m: lowering.dequantize(q, s, m, scheme.bits, 32))(
         stored["qweight"], stored["scale"], stored.get("min"))
     np.testing.assert_array_equal(_bits(got_j), _bits(ref), err_msg=t.name)
+    if scheme.bits == 5:   # Q5_0 kept: a linear layer's version 4 layout holds the same values and scales
+        linear = scheme.for_linear(t.shape)
+        assert linear.rows == 16
+        q, sc, _ = primitives.rows_in_order(*primitives.interleave_rows(stored["qweight"], stored["scale"], None, 5), 5)
+        np.testing.assert_array_equal(q, stored["qweight"])
+        np.testing.assert_array_equal(sc, stored["scale"])
 
 
 @pytest.mark.parametrize("layer", [0, 29])

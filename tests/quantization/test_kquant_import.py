@@ -24,6 +24,7 @@ from tests.support import kquants
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYERS = 30
+FIVE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")   # Q5_0 throughout
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +39,9 @@ def q4_k_m(tmp_path_factory) -> str:
 
 def test_down_matrices_keep_their_blocks_layer_by_layer(q4_k_m):
     """stored_by_module: each layer's down matrix keeps its own block type (the role mixes Q4_K and
-    Q6_K), its stored tensors the file's bytes repacked; the Q5_0 / Q8_0 roles convert as before
-    (int8 g32, one scheme across the layers: the V matrices' Q5_0 and Q8_0 agree)."""
+    Q6_K), its stored tensors the file's bytes repacked; the roles whose every layer is Q5_0 keep its
+    5-bit values (int5 g32), the V matrices, whose layers mix Q5_0 and Q8_0, are int8 g32 (one scheme
+    across the layers, each layer's values exactly)."""
     import transformers
 
     ckpt = load_gguf(q4_k_m)
@@ -59,6 +61,8 @@ def test_down_matrices_keep_their_blocks_layer_by_layer(q4_k_m):
         assert stored["qweight"].numel() == (576 * 1536 // 2 if kind == "Q4_K" else 576 * 1536)
     v = {given[f"model.layers.{i}.self_attn.v_proj"][1] for i in range(LAYERS)}
     assert v == {WeightScheme(8, 32, True, "f16")}, v
+    five = {given[f"model.layers.{i}.{m}"][1] for i in range(LAYERS) for m in FIVE}
+    assert five == {WeightScheme(5, 32, True, "f16")}, five                   # every layer Q5_0: kept as int5
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +82,7 @@ def exported(q4_k_m, tmp_path_factory) -> str:
 def test_inspect_names_the_kept_formats(exported):
     """`hloserve inspect` lists every quantized weight with its format: 16 Q4_K and 14 Q6_K down
     matrices (as the file has them; a scanned stack [n, 576, 1536] holds n layers' of one format),
-    the rest int8 g32."""
+    the Q5_0 roles int5 g32 (Q5_0 kept), the rest int8 g32."""
     out = subprocess.run([sys.executable, "-m", "hloserve.server.cli", "inspect", exported], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -90,10 +94,13 @@ def test_inspect_names_the_kept_formats(exported):
         return sum(int(dims[0]) if len(dims) == 3 else 1 for dims in shapes)
 
     assert matrices("Q4_K") == 16 and matrices("Q6_K") == 14, down
+    five = [ln for ln in lines if ln.endswith(": int5 g32")]
+    assert sorted({ln.split()[0].rpartition(".")[0].rpartition(".")[2] for ln in five}) == sorted(
+        m.rpartition(".")[2] for m in FIVE), five                              # the Q5_0 roles, kept
     table = [ln for ln in lines if ln.endswith(("embed_tokens.weight [49152, 576]: int8 g32",
                                                 "lm_head.weight [49152, 576]: int8 g32"))]
     assert "quantized weights:" in lines and len(table) == 1, lines      # the tied table stored once
-    assert "stored as Q4_K" in lines[2] and "stored as Q6_K" in lines[2], lines[2]
+    assert all(f"stored as {k}" in lines[2] for k in ("Q4_K", "Q6_K", "int5", "int8")), lines[2]
 
 
 def _nll(logits: np.ndarray, ids: list[int]) -> np.ndarray:

@@ -187,6 +187,46 @@ def test_interleaved_rows_come_back_in_order_from_numpy_jax_and_torch(scheme, da
         assert np.asarray(got[0]).dtype == np.int8, way
 
 
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_five_bit_rows_come_back_in_order_and_each_bit_where_the_contract_says(data):
+    """Version 4's layout (5-bit values, GGUF Q5_0): rows_in_order undoes interleave_rows run by numpy,
+    traced by jax and run by the torch op, and each value's nibble and fifth bit lie at the bytes and
+    bits runtime/artifact/kernels.py QUANT_LINEAR_V4 names (read here one element at a time)."""
+    n, k = 16 * data.draw(st.integers(1, 3)), 32 * data.draw(st.integers(1, 3))
+    q = data.draw(hnp.arrays(np.int8, (n, k), elements=st.integers(-16, 15)))
+    scale = data.draw(hnp.arrays(np.float16, (n, k // 32), elements=st.floats(-1, 1, width=16)))
+    qw, sc, mn = primitives.interleave_rows(q, scale, None, 5)
+    assert qw.shape == (n // 16, 10 * k) and qw.dtype == np.uint8 and sc.shape == (n // 16, k // 32, 16) and mn is None
+    for r, c in [(0, 0), (n - 1, k - 1), (data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, k - 1)))]:
+        block = qw[r // 16, 320 * (c // 32):320 * (c // 32 + 1)]
+        step, lane, second = c // 8 % 4, 4 * (r % 16) + c % 4, c % 8 >= 4
+        byte = block[64 * step + lane]
+        low = int(byte >> 4 if second else byte & 0xF)
+        mask = int.from_bytes(block[256 + 16 * step + 8 * second:256 + 16 * step + 8 * second + 8].tobytes(), "little")
+        assert low + 16 * ((mask >> lane) & 1) - 16 == q[r, c], (r, c)
+    traced = jax.jit(lambda a, b: primitives.rows_in_order(a, b, None, 5, xp=jax.numpy))
+    ways = {"numpy": primitives.rows_in_order(qw, sc, None, 5), "jax": traced(qw, sc),
+            "torch": modules.rows_in_order(torch.from_numpy(qw), torch.from_numpy(sc), None, 5)}
+    for way, (got_q, got_s, got_m) in ways.items():
+        np.testing.assert_array_equal(np.asarray(got_q), q, err_msg=way)
+        np.testing.assert_array_equal(np.asarray(got_s), scale, err_msg=way)
+        assert got_m is None and np.asarray(got_q).dtype == np.int8, way
+
+
+def test_five_bit_values_are_gguf_q5_0s_and_stored_as_int8_row_by_row():
+    """bits 5 is Q5_0's layout only (group 32, symmetric); a linear weight whose rows are not a
+    multiple of 16 (or an embedding table) stores the same values as int8."""
+    five = WeightScheme(5, 32, True, "f16")
+    assert five.for_linear((64, 96)) == WeightScheme(5, 32, True, "f16", rows=16)
+    assert five.for_linear((40, 96)) == WeightScheme(8, 32, True, "f16")
+    assert five.row_by_row() == WeightScheme(8, 32, True, "f16")
+    assert five.for_linear((64, 96)).stored_shapes((64, 96)) == {"qweight": (4, 960), "scale": (4, 3, 16)}
+    for bad in (dict(group=64), dict(symmetric=False)):
+        with pytest.raises(QuantizationError, match="Q5_0"):
+            WeightScheme(**{**dict(bits=5, group=32, symmetric=True, scale_dtype="f16"), **bad})
+
+
 @pytest.mark.parametrize("spec, want", [
     ("int8", WeightScheme(8, 32, True, "f16")),
     ("int8:channel", WeightScheme(8, None, True, "f32")),

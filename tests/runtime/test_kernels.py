@@ -463,6 +463,50 @@ def test_quant_linear_kernel_matches_decomposition_and_torch(library, spec, K, N
             assert (np.abs(got - ref) <= bound).all(), (rows, np.abs(got - ref).max(), bound.min())
 
 
+def five_bit_stack(rng, L, N, K, f16=True):
+    """A stack of L random [N, K] matrices of 5-bit values (GGUF Q5_0's: q in [-16, 15], a scale per 32
+    elements, f16 as the file's d or f32): (q int8 [L, N, K], scale [L, N, K/32], version 4's stored
+    qweight [L, N/16, 10 K] and scale [L, N/16, K/32, 16])."""
+    from hloserve.quantization import primitives
+    q = rng.integers(-16, 16, (L, N, K)).astype(np.int8)
+    q[:, :, :32] = rng.choice([-16, 15], (L, N, 32))                                   # both extremes' bits
+    scale = (rng.uniform(0.002, 0.02, (L, N, K // 32)) * rng.choice([-1, 1], (L, N, K // 32)))
+    scale = scale.astype(np.float16 if f16 else np.float32)
+    qw, sc, _ = primitives.interleave_rows(q, scale, None, 5)
+    return q, scale, qw, sc
+
+
+@pytest.mark.parametrize("K,N,f16", [(32, 16, True), (96, 48, False), (576, 64, True)])
+def test_quant_linear_v4_kernel_matches_decomposition_and_torch(library, K, N, f16):
+    """Version 4 (5-bit values, GGUF Q5_0 kept): the kernel, the decomposition and the torch op agree
+    with a float64 product of the same values at every row count class (VNNI tiles of 6 rows and the
+    rests; the portable loop on builds without VNNI), on the layer asked for. Bound as version 2's:
+    the same integer block sums (here of u = q + 16 with the offset -16 sum(xq) started in) scaled in
+    another association, |error| <= (K + 4) 2^-24 sum_k |x8_k| (|q_k s| + 16 |s|)."""
+    from hloserve.quantization.modules import quantize_blocks, quantized_linear
+    rng = np.random.default_rng(K + N)
+    q, scale, qw, sc = five_bit_stack(rng, 3, N, K, f16)
+    mn = np.zeros((0,), np.float32)
+    exp = _quant_exported({"qweight": qw, "scale": sc, "min": mn}, 5, 32, version=4)
+    portable_fn, _ = specialize(exp, None)
+    kernel_fn, n_kernel = specialize(exp, library)
+    assert n_kernel == 1 and "custom_call @hloserve_quant_linear_v4(" in kernel_fn.mlir_module()
+    s = np.repeat(scale.astype(np.float64), 32, axis=2)                                 # [L, N, K]
+    for rows in (1, 2, 5, 6, 13, 40):
+        x = rng.standard_normal((rows, K)).astype(np.float32)
+        layer = np.int32(rows % 3)
+        x8 = quantize_blocks(torch.from_numpy(x)).numpy().astype(np.float64)
+        want = x8 @ (q[layer] * s[layer]).T
+        bound = (K + 4) * 2.0 ** -24 * (np.abs(x8) @ ((np.abs(q[layer]) + 16) * np.abs(s[layer])).T) + 1e-30
+        ref = quantized_linear(torch.from_numpy(x), torch.from_numpy(qw), torch.from_numpy(sc), None, None,
+                               torch.tensor(layer), 5, 32, 16).numpy()
+        for name, fn in (("kernel", kernel_fn), ("decomposition", portable_fn)):
+            got = np.asarray(jax.jit(fn.call)(x, qw, sc, mn, layer))
+            assert got.shape == (rows, N)
+            assert (np.abs(got - want) <= bound).all(), (name, rows, np.abs(got - want).max(), bound.min())
+        assert (np.abs(ref - want) <= bound).all(), (rows, np.abs(ref - want).max())
+
+
 def test_quant_linear_kernel_reads_only_its_layer_and_needs_whole_vectors(library):
     """Changing another layer's weights changes nothing, changing the used one does; groups that
     are not a multiple of 32 elements run the decomposition."""

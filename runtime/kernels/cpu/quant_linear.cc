@@ -1,20 +1,22 @@
-// hloserve_quant_linear (v1) and hloserve_quant_linear_v2 (rows interleaved by 16): an int8 / int4
-// matrix multiplied as integers (int8 activations, VNNI); XLA writes the dequantized f32 layer to
-// memory and reads it back. Version 1's row routines (quant_rows.h) are shared with the quantized
+// hloserve_quant_linear (v1), hloserve_quant_linear_v2 (rows interleaved by 16) and
+// hloserve_quant_linear_v4 (5-bit values, GGUF Q5_0, interleaved as v2's int4 with their fifth bits
+// beside): an int8 / int5 / int4 matrix multiplied as integers (int8 activations, VNNI); XLA writes
+// the dequantized f32 layer to memory and reads it back. Version 1's row routines (quant_rows.h) are shared with the quantized
 // experts (experts.cc) and, without VNNI, version 3 (quant_blocks.cc: GGUF K-quant blocks kept).
 #include "quant_rows.h"
 
 namespace {
 using namespace hloserve;
 
-// The operands both versions take, checked alike and read at the layer: x [M, K]; qweight, scale
-// (and min) in the version's layout, `rows` 1 (version 1: qweight [L, N, K | K/2], scale [L, N, G])
-// or 16 (version 2: [L, N/16, 16 K | 8 K], [L, N/16, G, 16]). Fills `w` and `M`, or returns an
-// InvalidArgument naming `target` and what is wrong.
-ffi::Error read_operands(const char* target, int64_t rows, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& qweight,
+// The operands the versions take, checked alike and read at the layer: x [M, K]; qweight, scale
+// (and min) in the version's layout, `version` 1 (qweight [L, N, K | K/2], scale [L, N, G]), 2
+// ([L, N/16, 16 K | 8 K], [L, N/16, G, 16]) or 4 (bits 5: [L, N/16, 10 K], [L, N/16, K/32, 16]).
+// Fills `w` and `M`, or returns an InvalidArgument naming `target` and what is wrong.
+ffi::Error read_operands(const char* target, int version, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& qweight,
                          ffi::AnyBuffer& scale, ffi::AnyBuffer& min, ffi::Buffer<ffi::S32>& layer, int64_t bits,
                          int64_t group, QuantMatrix& w, int64_t& M) {
   auto fail = [target](const char* why) { return ffi::Error::InvalidArgument(std::string(target) + ": " + why); };
+  const int64_t rows = version == 1 ? 1 : 16;
   const bool v2 = rows > 1;
   auto xd = x.dimensions();
   auto qd = qweight.dimensions();
@@ -22,13 +24,16 @@ ffi::Error read_operands(const char* target, int64_t rows, ffi::Buffer<ffi::F32>
   if (xd.size() != 2 || qd.size() != 3 || sd.size() != (v2 ? 4u : 3u))
     return fail(v2 ? "x must be [M, K], qweight [L, N/16, 16 K | 8 K], scale [L, N/16, G, 16]"
                    : "x must be [M, K], qweight [L, N, K | K/2], scale [L, N, G]");
-  if (bits != 8 && bits != 4) return fail("bits must be 8 or 4");
+  if (version == 4 ? (bits != 5 || group != kXBlock) : (bits != 8 && bits != 4))
+    return fail(version == 4 ? "bits must be 5 and group 32" : "bits must be 8 or 4");
   M = xd[0];
-  const int64_t K = xd[1], L = qd[0], N = qd[1] * rows, qrow = bits == 8 ? K : K / 2;   // qrow: bytes a row
+  const int64_t K = xd[1], L = qd[0], N = qd[1] * rows;
+  const int64_t width = bits == 5 ? 10 * K : rows * (bits == 8 ? K : K / 2);   // qweight bytes per row group
   const ffi::DataType want = bits == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
-  if (qweight.element_type() != want || qd[2] != rows * qrow)
-    return fail(v2 ? "qweight must be s8 [L, N/16, 16 K] (bits 8) or u8 [L, N/16, 8 K] (bits 4)"
-                   : "qweight must be s8 [L, N, K] (bits 8) or u8 [L, N, K/2] (bits 4)");
+  if (qweight.element_type() != want || qd[2] != width)
+    return fail(version == 4 ? "qweight must be u8 [L, N/16, 10 K]"
+                : v2 ? "qweight must be s8 [L, N/16, 16 K] (bits 8) or u8 [L, N/16, 8 K] (bits 4)"
+                     : "qweight must be s8 [L, N, K] (bits 8) or u8 [L, N, K/2] (bits 4)");
   if (group <= 0 || group % kXBlock || K % group) return fail("group must be a multiple of 32 dividing K");
   const int64_t G = K / group;
   const bool f16 = scale.element_type() == ffi::DataType::F16;
@@ -38,11 +43,11 @@ ffi::Error read_operands(const char* target, int64_t rows, ffi::Buffer<ffi::F32>
   const bool asym = min.element_count() != 0;
   if (asym && (min.element_type() != scale.element_type() || min.element_count() != scale.element_count()))
     return fail("min must have scale's dtype and shape, or no elements");
-  if (asym && bits == 8) return fail("int8 weights have no min");
+  if (asym && bits != 4) return fail("int8 and int5 weights have no min");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return fail("layer out of range");
   const int64_t per_layer = N * G * (f16 ? 2 : 4);   // bytes of a layer's scales (or mins)
-  w = QuantMatrix{static_cast<const uint8_t*>(qweight.untyped_data()) + l * N * qrow,
+  w = QuantMatrix{static_cast<const uint8_t*>(qweight.untyped_data()) + l * qd[1] * width,
                   static_cast<const char*>(scale.untyped_data()) + l * per_layer,
                   asym ? static_cast<const char*>(min.untyped_data()) + l * per_layer : nullptr,
                   f16, static_cast<int>(bits), N, K, G, group};
@@ -83,6 +88,14 @@ inline void prefetch_group_scalars(const QuantMatrix& w, int64_t g, int64_t g1) 
 
 // the integer value of element k of matrix row n in the interleaved layout (portable path)
 inline int int_of2(const QuantMatrix& w, int64_t n, int64_t k) {
+  if (w.bits == 5) {   // version 4: the block's nibble byte, then its fifth bit in the step's mask
+    const uint8_t* blk = w.q + (n / 16) * 10 * w.K + (k / 32) * 320;
+    const int64_t s = k / 8 % 4, lane = (n % 16) * 4 + k % 4, half = k % 8 < 4 ? 0 : 1;
+    const uint8_t b = blk[s * 64 + lane];
+    const int nib = half ? (b >> 4) : (b & 0xF);
+    const int high = (blk[256 + s * 16 + half * 8 + lane / 8] >> (lane % 8)) & 1;
+    return (nib | (high << 4)) - 16;
+  }
   if (w.bits == 8)
     return reinterpret_cast<const int8_t*>(w.q)[((n / 16) * (w.K / 4) + k / 4) * 64 + (n % 16) * 4 + k % 4];
   const uint8_t b = w.q[((n / 16) * (w.K / 8) + k / 8) * 64 + (n % 16) * 4 + k % 4];
@@ -119,7 +132,7 @@ template <int BITS, bool SYM4, int MR>
 inline void quant2_tile(const uint8_t* q, const float* ws, const float* wm, const QuantX2& x, int64_t m0, int64_t K,
                         int64_t G, int64_t per_group, float* out, int64_t N) {
   const int64_t B = K / kXBlock;
-  constexpr int64_t kBlockBytes = BITS == 8 ? 16 * 32 : 16 * 16;
+  constexpr int64_t kBlockBytes = BITS == 8 ? 16 * 32 : BITS == 5 ? 320 : 16 * 16;
   const __m512i flip = _mm512_set1_epi8(BITS == 8 ? static_cast<char>(0x80) : static_cast<char>(0x88));
   __m512 facc[MR];
   HLOSERVE_UNROLL
@@ -141,6 +154,18 @@ inline void quant2_tile(const uint8_t* q, const float* ws, const float* wm, cons
           iacc[j] = _mm512_dpbusd_epi32(iacc[j], w, _mm512_set1_epi32(four));
         }
       }
+    } else if constexpr (BITS == 5) {   // the nibbles as int4's, each byte's fifth bit or'd in by mask: q + 16
+      const __m512i low = _mm512_set1_epi8(0x0F), five = _mm512_set1_epi8(0x10);
+      HLOSERVE_UNROLL
+      for (int s = 0; s < 4; ++s) {
+        const __m512i v = _mm512_loadu_si512(qb + s * 64);
+        uint64_t bits[2];
+        std::memcpy(bits, qb + 256 + s * 16, 16);
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const __m512i l5 = _mm512_mask_add_epi8(lo, static_cast<__mmask64>(bits[0]), lo, five);
+        const __m512i h5 = _mm512_mask_add_epi8(hi, static_cast<__mmask64>(bits[1]), hi, five);
+        dot_step<MR>(iacc, l5, h5, xb + s * 8, K);
+      }
     } else {
       HLOSERVE_UNROLL
       for (int s = 0; s < 4; ++s) {
@@ -158,7 +183,7 @@ inline void quant2_tile(const uint8_t* q, const float* ws, const float* wm, cons
 template <int BITS, bool SYM4>
 void quant2_vnni(const QuantMatrix& w, const QuantX2& x, int64_t m0, int64_t M, int64_t g0, int64_t g1, float* out) {
   const int64_t per_group = w.group / kXBlock;
-  const int64_t gbytes = BITS == 8 ? 16 * w.K : 8 * w.K;   // bytes per group of 16 rows
+  const int64_t gbytes = BITS == 8 ? 16 * w.K : BITS == 5 ? 10 * w.K : 8 * w.K;   // bytes per group of 16 rows
   std::vector<float> sbuf, mbuf;
   for (int64_t g = g0; g < g1; ++g) {
     int64_t m = m0;
@@ -386,14 +411,15 @@ constexpr int64_t amx_rows(int bits, int64_t M) {
   return M / 16 * 16 + (M % 16 >= 12 ? 16 : 0);
 }
 
-// version 2: the same product, the layer's matrix interleaved by 16 rows
+// versions 2 and 4: the same product, the layer's matrix interleaved by 16 rows (version 4: 5-bit
+// values, VNNI tiles at every row count: no AMX path yet)
 void quant_linear_v2(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, float* op) {
   const int64_t NG = w.N / 16;
   const bool sym4 = w.bits == 4 && w.min == nullptr;
-  QuantX2 xq = quantize_x2(x, M, w.K, w.G, w.group, w.bits == 8 ? 128 : sym4 ? 8 : 0);
+  QuantX2 xq = quantize_x2(x, M, w.K, w.G, w.group, w.bits == 8 ? 128 : w.bits == 5 ? 16 : sym4 ? 8 : 0);
   int64_t MA = 0;   // rows of x the AMX tiles take: whole tiles of 16, the last one padded where it is full enough
 #if defined(__AVX512VNNI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-  MA = amx_rows(w.bits, M);
+  MA = w.bits == 5 ? 0 : amx_rows(w.bits, M);
   if (MA > 0 && !amx_usable()) MA = 0;
   if (MA > M) pad_rows(xq, MA, w.K, w.G);
 #endif
@@ -411,6 +437,7 @@ void quant_linear_v2(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w
 #endif
 #if defined(__AVX512VNNI__)
     if (w.bits == 8) quant2_vnni<8, false>(w, xq, 0, M, g0, g1, op);
+    else if (w.bits == 5) quant2_vnni<5, false>(w, xq, 0, M, g0, g1, op);
     else if (sym4) quant2_vnni<4, true>(w, xq, 0, M, g0, g1, op);
     else quant2_vnni<4, false>(w, xq, 0, M, g0, g1, op);
 #else
@@ -419,24 +446,25 @@ void quant_linear_v2(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w
   });
 }
 
-// Both versions' FFI handler: kRows 1 (version 1) or 16 (version 2, rows interleaved by 16)
-template <int64_t kRows>
+// The versions' FFI handler: kVersion 1, 2 (rows interleaved by 16) or 4 (5-bit values, interleaved)
+template <int kVersion>
 ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qweight, ffi::AnyBuffer scale,
                        ffi::AnyBuffer min, ffi::Buffer<ffi::S32> layer, int64_t bits, int64_t group,
                        ffi::ResultBuffer<ffi::F32> out) {
   QuantMatrix w;
   int64_t M;
-  const char* target = kRows == 1 ? "hloserve_quant_linear" : "hloserve_quant_linear_v2";
-  if (ffi::Error e = read_operands(target, kRows, x, qweight, scale, min, layer, bits, group, w, M); e.failure())
+  const char* target = kVersion == 1 ? "hloserve_quant_linear"
+                       : kVersion == 2 ? "hloserve_quant_linear_v2" : "hloserve_quant_linear_v4";
+  if (ffi::Error e = read_operands(target, kVersion, x, qweight, scale, min, layer, bits, group, w, M); e.failure())
     return e;
-  if constexpr (kRows == 1) quant_linear_v1(pool, x.typed_data(), w, M, out->typed_data());
+  if constexpr (kVersion == 1) quant_linear_v1(pool, x.typed_data(), w, M, out->typed_data());
   else quant_linear_v2(pool, x.typed_data(), w, M, out->typed_data());
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-// x, qweight, scale, min, layer; bits, group: both versions of hloserve.quant_linear
+// x, qweight, scale, min, layer; bits, group: versions 1, 2 and 4 of hloserve.quant_linear
 static auto QuantLinearBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
@@ -452,4 +480,6 @@ static auto QuantLinearBinding() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear, QuantLinear<1>, QuantLinearBinding());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v2, QuantLinear<16>, QuantLinearBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v2, QuantLinear<2>, QuantLinearBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v4, QuantLinear<4>, QuantLinearBinding());

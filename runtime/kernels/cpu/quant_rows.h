@@ -446,10 +446,10 @@ inline QuantX2 quantize_x2(const float* x, int64_t M, int64_t K, int64_t G, int6
 // The 16-row tiles' shared steps (quant_linear.cc version 2, quant_blocks.cc version 3): one k-step of
 // 8 int4 elements of 16 interleaved rows (4 bytes a row: low nibbles against x bytes xb[0..3], high
 // ones against xb[4..7]) added to each of MR rows of x's int32 sums (row j's x at xb + j * K)
+// (dot_step: the same with the 16 rows' unsigned bytes of the step's first and second 4 elements
+// given, lo and hi: int4's nibbles, or version 4's 5-bit codes)
 template <int MR>
-inline void int4_step(__m512i iacc[MR], __m512i v, const int8_t* xb, int64_t K) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+inline void dot_step(__m512i iacc[MR], __m512i lo, __m512i hi, const int8_t* xb, int64_t K) {
   HLOSERVE_UNROLL
   for (int j = 0; j < MR; ++j) {
     int32_t a, c;
@@ -457,6 +457,12 @@ inline void int4_step(__m512i iacc[MR], __m512i v, const int8_t* xb, int64_t K) 
     std::memcpy(&c, xb + j * K + 4, 4);
     iacc[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[j], lo, _mm512_set1_epi32(a)), hi, _mm512_set1_epi32(c));
   }
+}
+
+template <int MR>
+inline void int4_step(__m512i iacc[MR], __m512i v, const int8_t* xb, int64_t K) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  dot_step<MR>(iacc, _mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16(v, 4), low), xb, K);
 }
 
 // facc[j] += iacc[j] * (16 rows' scales sv * x row j's block scale d[j * stride])

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from hloserve.runtime.artifact.kernels import (GROUPED_EXPERTS, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2,
                                                PRODUCT_SUM, QUANT_EXPERTS, ROW_SUM, QUANT_LINEAR, QUANT_LINEAR_V2,
-                                               QUANT_LINEAR_V3)
+                                               QUANT_LINEAR_V3, QUANT_LINEAR_V4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +97,10 @@ TARGETS = {
     QUANT_LINEAR.key: Target("hloserve_quant_linear", accepts=_whole_vectors, max_rows=_quant_linear_rows,
                              result_dims=((0, 0), (1, 1))),
     QUANT_LINEAR_V2.key: Target("hloserve_quant_linear_v2", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
+                                result_dims=((0, 0), None)),
+    # 5-bit values (GGUF Q5_0 kept): version 2's int4 tiles with the fifth bits or'd in by mask (no AMX
+    # tiles yet: VNNI at every row count)
+    QUANT_LINEAR_V4.key: Target("hloserve_quant_linear_v4", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
                                 result_dims=((0, 0), None)),
     # K-quant blocks: 16 rows at a time copied interleaved per call, then version 2's VNNI tiles
     # (quant_blocks.cc), so version 2's rows: every row count with VNNI (a 256-token prompt chunk of
