@@ -120,8 +120,9 @@ def _bound(name: str, version: int, args: list, want: np.ndarray) -> np.ndarray:
         xr = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
         return K * 2.0 ** -24 * (np.abs(xr) @ np.abs(w).T) + 1e-30
     qweight, scale, mn = args[1], args[2], args[3]
-    if version == 2:   # quant_linear v2, interleaved by 16 rows: back to row order for the bound
-        bits = 4 if qweight.shape[2] == 8 * K else 8
+    five = version == 4                  # quant_linear v4: 5-bit values, offset 16 in the kernel
+    if version in (2, 4):   # quant_linear v2 / v4, interleaved by 16 rows: back to row order for the bound
+        bits = 5 if five else 4 if qweight.shape[2] == 8 * K else 8
         mats = [modules.rows_in_order(*(torch.from_numpy(a[i]) if a.size else None for a in (qweight, scale, mn)), bits)
                 for i in range(qweight.shape[0])]
         qweight = np.stack([q.numpy() for q, _, _ in mats])                 # int values [L, N, K]
@@ -133,7 +134,7 @@ def _bound(name: str, version: int, args: list, want: np.ndarray) -> np.ndarray:
     group = K // scale.shape[2]
     s = np.repeat(scale.astype(np.float32)[layer], group, axis=1)
     m = np.repeat(mn.astype(np.float32)[layer], group, axis=1) if mn.size else np.zeros_like(s)
-    offset = 0 if mn.size else 128 if bits == 8 else 8
+    offset = 16 if five else 0 if mn.size else 128 if bits == 8 else 8
     x8 = quantize_blocks(torch.from_numpy(x)).numpy()
     terms = np.abs(ints * s) + np.abs(m) + offset * np.abs(s)
     return (K + 4) * 2.0 ** -24 * (np.abs(x8) @ terms.T) + 1e-30
@@ -142,7 +143,7 @@ def _bound(name: str, version: int, args: list, want: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("name", COMPOSITE_CASES)
 def test_stored_composite_computes_what_it_did_through_kernel_and_decomposition(name):
     """A module stored with a composite at its version (tests/golden/make_composites_v1.py and
-    make_composites_v2.py, written 2026-11-26) is still recognised: on this machine's CPU kernel (where one builds) and through its
+    make_composites_v2.py, written 2026-11-26; make_composites_v4.py, 2026-12-01) is still recognised: on this machine's CPU kernel (where one builds) and through its
     decomposition it computes the stored outputs, within what reordered f32 sums allow."""
     import jax
     from jax import export
