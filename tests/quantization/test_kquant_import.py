@@ -160,8 +160,9 @@ def test_q4_k_m_perplexity_within_one_percent_of_transformers(q4_k_m, exported):
 @pytest.mark.slow
 def test_the_tpu_path_runs_the_kquant_kernels_and_agrees_with_the_cpu(exported):
     """The Q4_K_M artifact's decode on the TPU path, rehearsed here (runtime/kernels/pallas/, the kernels
-    in Pallas interpret mode): its Q4_K and Q6_K down matrices run `pallas_tpu.kquant_linear` (as do
-    its v2 int8 linears theirs), and a 16-token prompt's last logits agree with the CPU kernels'.
+    in Pallas interpret mode): its Q4_K and Q6_K down matrices run `pallas_tpu.kquant_linear`, its
+    Q5_0 roles `pallas_tpu.five_linear` (as do its v2 int8 linears theirs), and a 16-token prompt's last
+    logits agree with the CPU kernels'.
     Bound: every path quantizes each linear's input to int8 per block of 32 from activations computed
     in its own order, so an element rounded the other way in one layer moves everything after it by
     one int8 step; over 30 layers that reached 0.47-0.70 on logits of magnitude 27 between any two of
@@ -174,8 +175,11 @@ def test_the_tpu_path_runs_the_kquant_kernels_and_agrees_with_the_cpu(exported):
     from hloserve.runtime.kernels.pallas import quant_tpu
     from hloserve.runtime.model import read_exported
 
-    plans = [p for p in accelerators.plan(read_exported(exported, "decode"), "tpu") if p.version == 3]
+    every = accelerators.plan(read_exported(exported, "decode"), "tpu")
+    plans = [p for p in every if p.version == 3]
     assert plans and all(p.kernel == quant_tpu.KQUANT_NAME for p in plans), [p.describe() for p in plans]
+    five = [p for p in every if p.version == 4]                           # the Q5_0 roles, kept as 5-bit values
+    assert five and all(p.kernel == quant_tpu.FIVE_NAME for p in five), [p.describe() for p in five]
     logits = {}
     for name, extra in (("cpu", {}), ("tpu", {"pallas_interpret": "tpu"})):
         model = load(exported, functions=["decode"], cache_dir=None,
@@ -185,7 +189,7 @@ def test_the_tpu_path_runs_the_kquant_kernels_and_agrees_with_the_cpu(exported):
         fn = model.functions["decode"]
         out = fn(**pack_step([(list(range(100, 116)), 0, [1, 2])], spec.block_size), kv_cache=cache)
         logits[name] = np.asarray(out["logits"], np.float64)
-        assert fn.kernels >= len(plans) + 1, name                         # the K-quant linears and the attention
+        assert fn.kernels >= len(plans) + len(five) + 1, name             # the K-quant and 5-bit linears, the attention
     want, got = logits["cpu"], logits["tpu"]
     assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).all()

@@ -25,8 +25,9 @@ What runs where (docs/deploy.md):
   (quant_gpu.py); the weights are read where they lie in the stack at the layer and dequantized next
   to the dot (quant.py). Version 3 (GGUF K-quants: Q4_K, Q5_K, Q6_K): the same modules'
   `kquant_linear` (`pallas_tpu.kquant_linear`, `pallas_triton.kquant_linear`): the quants read in
-  place, the layer's sub-block scales decoded in the graph. Version 1 (rows one by one): the
-  decomposition.
+  place, the layer's sub-block scales decoded in the graph. Version 4 (5-bit values, GGUF Q5_0
+  kept): `five_linear` (`pallas_tpu.five_linear`, `pallas_triton.five_linear`): nibbles and
+  fifth-bit masks read in place. Version 1 (rows one by one): the decomposition.
 * `hloserve.layer_linear`: GPU (cuda) -> `pallas_triton.layer_linear` (linear_gpu.py) for
   decode-sized calls (up to 64 rows), reading the layer's tiles in place in the stack; above 64 rows
   that module runs XLA's dot (cuBLAS) on the sliced layer. XLA:GPU hands cuBLAS a copy of the
@@ -45,7 +46,7 @@ import os
 from typing import Any, Sequence
 
 from hloserve.runtime.artifact.kernels import (COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2, QUANT_LINEAR,
-                                               QUANT_LINEAR_V2, QUANT_LINEAR_V3, Holds)
+                                               QUANT_LINEAR_V2, QUANT_LINEAR_V3, QUANT_LINEAR_V4, Holds)
 
 from ... import _private
 from ..backend import Specialized
@@ -61,7 +62,8 @@ LAYER_LINEAR_ENV = "HLOSERVE_GPU_LAYER_LINEAR"   # "1": GPUs run layer_linear's 
 # jax's platform names for lowering (a GPU device reports "gpu")
 LOWERING = {"tpu": "tpu", "gpu": "cuda", "cuda": "cuda"}
 # the composites a Pallas kernel runs (where the cache shape suits it: `choose`; GPUs: layer_linear opt-in)
-SERVED = frozenset({PAGED_ATTENTION.key, PAGED_ATTENTION_V2.key, QUANT_LINEAR_V2.key, QUANT_LINEAR_V3.key})
+SERVED = frozenset({PAGED_ATTENTION.key, PAGED_ATTENTION_V2.key, QUANT_LINEAR_V2.key, QUANT_LINEAR_V3.key,
+                    QUANT_LINEAR_V4.key})
 # what the layer_linear composite runs on a TPU, and why (see the module docstring)
 XLA_DOT = "XLA's dot (the decomposition): the MXU takes the 16-bit operands with f32 sums, as the contract asks"
 # the result dims of each placeholder for shape refinement ((operand, dim), None: static); default: x's
@@ -196,7 +198,7 @@ def _choose_linear(platform: str, version: int, attrs: dict[str, Any]) -> Kernel
 
 
 def _choose_quant(platform: str, version: int, attrs: dict[str, Any]) -> KernelPlan:
-    """The plan for a quant_linear: version 2's or 3's kernel, or why its decomposition runs."""
+    """The plan for a quant_linear: version 2's, 3's or 4's kernel, or why its decomposition runs."""
     name = QUANT_LINEAR.name
     why = quant.why_not(version, attrs)
     if why:
@@ -210,6 +212,10 @@ def _choose_quant(platform: str, version: int, attrs: dict[str, Any]) -> KernelP
         return KernelPlan(name, version, platform, module.KQUANT_NAME, params,
                           "reads the layer's K-quant bytes in place, its sub-block scales decoded in the graph, "
                           "and dequantizes them next to the dot")
+    if version == QUANT_LINEAR_V4.version:
+        return KernelPlan(name, version, platform, module.FIVE_NAME, params,
+                          "reads the layer's 5-bit nibbles and fifth-bit masks in place and dequantizes them next "
+                          "to the dot")
     return KernelPlan(name, version, platform, module.NAME, params,
                       "reads the layer's int8 / int4 bytes in place and dequantizes them next to the dot")
 
@@ -286,6 +292,10 @@ def _build_kernel(target: str, config: dict, operand_types: list, api, *, platfo
         contract = QUANT_LINEAR_V3
         kernel = functools.partial(_module(platform, QUANT_LINEAR.name).kquant_linear,
                                    params=quant.KQuantParams.from_attributes(attrs), interpret=interpret)
+    elif target == quant.PENDING and int(attrs["bits"]) == 5:   # version 4: 5-bit values (GGUF Q5_0)
+        contract = QUANT_LINEAR_V4
+        kernel = functools.partial(_module(platform, QUANT_LINEAR.name).five_linear,
+                                   params=quant.QuantParams.from_attributes(attrs), interpret=interpret)
     elif target == quant.PENDING:
         contract = QUANT_LINEAR_V2
         kernel = functools.partial(_module(platform, QUANT_LINEAR.name).quant_linear,

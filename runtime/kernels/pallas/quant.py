@@ -23,6 +23,15 @@ of the layer's matrix, its activations split into phases by byte (`KQuantParams.
 unit b + p]), its scale and min rows spread over the tile's bytes (each platform as its lowering
 allows), and the product is the sum over phases of x_p times (q_p * scale + min) transposed.
 
+Version 4 (5-bit values, GGUF Q5_0 kept) is version 2's int4 layout with each 32-element block's
+fifth bits after its nibbles: a block of 16 rows is 5 runs of 64 bytes, 4 k-steps of nibbles (of
+the codes q + 16) and one of bit masks, 16 bytes a step (8 for its low nibbles, 8 for its high
+ones; bit 4 r + c of each little-endian 64-bit mask). The kernels read the block as [5, 64] bytes
+(`five_phases` orders the activations to match: phase p of step s of block b), widen the nibbles as
+int4's unsigned ones, add 16 where a lane's bit is set (each platform spreads a mask byte over the
+8 lanes it covers as its lowering allows), then run version 2's products with q = code - 16 and one
+scale per block.
+
 Version 1 (rows stored one by one: matrices whose row count is not a multiple of 16, or groups
 that are not whole 32-element blocks) keeps its decomposition (`why_not`).
 """
@@ -31,8 +40,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hloserve.runtime.artifact.kernels import (QUANT_LINEAR_V2, QUANT_LINEAR_V3, X_BLOCK, Block, block_scales,
-                                               quantize_blocks)
+from hloserve.runtime.artifact.kernels import (QUANT_LINEAR_V2, QUANT_LINEAR_V3, QUANT_LINEAR_V4, X_BLOCK, Block,
+                                               block_scales, quantize_blocks)
 
 ROWS = 16           # rows of one interleaved block (schemes.INTERLEAVE, the version 2 layout)
 PENDING = "hloserve_pallas_quant_linear"   # its placeholder custom call (pallas/__init__.py)
@@ -40,8 +49,8 @@ PENDING = "hloserve_pallas_quant_linear"   # its placeholder custom call (pallas
 
 @dataclasses.dataclass(frozen=True)
 class QuantParams:
-    """The composite's attributes the kernels are built with: bits (8 or 4) and group (elements
-    of a row sharing one scale; K: one per row)."""
+    """The composite's attributes the kernels are built with: bits (8 or 4; version 4: 5) and group
+    (elements of a row sharing one scale; K: one per row)."""
     bits: int
     group: int
 
@@ -70,6 +79,10 @@ def why_not(version: int, attrs: dict[str, Any]) -> str | None:
         if kind not in Block._value2member_map_:
             return f"version 3 kind {kind}: the kernels take the K-quant blocks {', '.join(b.name for b in Block)}"
         return None
+    if version == QUANT_LINEAR_V4.version:
+        p = QuantParams.from_attributes(attrs)
+        return None if (p.bits, p.group) == (5, X_BLOCK) else f"version 4 bits {p.bits}, group {p.group}: " \
+            "the kernels take bits 5 in groups of 32 (GGUF Q5_0)"
     if version != QUANT_LINEAR_V2.version:
         return f"version {version}: no kernel knows it"
     p = QuantParams.from_attributes(attrs)
@@ -95,6 +108,14 @@ def phases(x, params: "QuantParams | KQuantParams", rows: int):
     m, k = x.shape
     x8 = jnp.pad(quantize_blocks(x.astype(jnp.float32), jnp), ((0, rows - m), (0, 0)))   # the contract's x8
     return x8.reshape(rows, k // params.unit, params.unit).transpose(2, 0, 1)
+
+
+def five_phases(x, rows: int):
+    """Version 4: x f32 [M, K] -> x8's phases f32 [8, 4, rows, K / 32]: [p, s, m, b] = x8[m, 32 b + 8 s + p],
+    the activations of phase p of k-step s of each block, in the order the blocks lie (rows >= M,
+    the extra rows zero)."""
+    xs = phases(x, QuantParams(5, X_BLOCK), rows)                       # [8, rows, K / 8]
+    return xs.reshape(8, rows, -1, 4).transpose(0, 3, 1, 2)
 
 
 def widen(b, bits: int, signed: bool):

@@ -17,6 +17,13 @@ the layer's matrix), looping over the rows' bytes in tiles of TB. The quants are
 group, group] blocks where they lie in the stack (a view of the bytes by sub-block, no copy), so the
 layer's scale and min rows (decoded in the graph, quant.py) broadcast over each sub-block's bytes
 and the dequantized tile is reshaped to [TN, TB] for the dot.
+
+Version 4 (5-bit values, GGUF Q5_0 kept, `five_linear`): version 2's programs, looping over B blocks
+of 32 elements at a time, the layer's matrix viewed as [blocks, 5, 16, 4] bytes per 16-row block. For
+each k-step s and byte column c it loads the strided [B, 16] tile of nibbles (as int4's, unsigned)
+and, for each half, the 8 mask bytes of the step ([B, 2, 4] of the fifth run), broadcast to the 16
+rows (row r reads byte r // 2) and shifted by 4 (r % 2) + c: the lane's fifth bit, 16 added where it
+is set. One scale row per block, as the stack stores it.
 Runs in Pallas interpret mode on any platform (`interpret=True`, the tests).
 """
 from __future__ import annotations
@@ -29,15 +36,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .quant import (ROWS, KQuantParams, QuantParams, kquant_scales, layer_of, padded_rows, phases, steps, weights_nt,
-                    widen)
+from .quant import (ROWS, KQuantParams, QuantParams, five_phases, kquant_scales, layer_of, padded_rows, phases, steps,
+                    weights_nt, widen)
 
 NAME = "pallas_triton.quant_linear"
 KQUANT_NAME = "pallas_triton.kquant_linear"
+FIVE_NAME = "pallas_triton.five_linear"
 MAX_STEPS = 32      # steps of `a` per tile: 32 x 64 bytes of a row block
 DOT_MIN = 16        # tl.dot needs 16 or more in each dimension
 KQ_BYTES = 256      # version 3: bytes of a row per tile (at most)
 KQ_ROWS = 64        # version 3: rows of the matrix per program (at most)
+FIVE_BLOCKS = 16    # version 4: 32-element blocks per loop iteration (at most; a power of two dividing K / 32)
 
 
 def row_tile(m: int) -> int:
@@ -172,4 +181,52 @@ def kquant_linear(x, qweight, blocks, layer, *, params: KQuantParams, interpret:
         interpret=interpret,
         name="hloserve_kquant_linear",
     )(layer_of(layer, L), phases(x, params, mp), w, *rows)
+    return out[:M]
+
+
+def _five_kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, bm: int, b: int, nblk: int):
+    i, nb = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    rows = pl.ds(i * bm, bm)
+    row = lax.broadcasted_iota(jnp.int32, (b, ROWS), 1)
+
+    def body(t, acc):
+        blocks = pl.ds(t * b, b)
+        scale = s_ref[layer, nb, blocks, :].astype(jnp.float32)                   # [B, 16]
+        for s in range(4):
+            for h in range(2):   # the step's mask bytes of its low (h 0) or high (1) nibbles, row r's at r // 2
+                masks = w_ref[layer, nb, blocks, 4, pl.ds(4 * s + 2 * h, 2), :].reshape(b, 8).astype(jnp.int32)
+                masks = jnp.broadcast_to(masks[:, :, None], (b, 8, 2)).reshape(b, ROWS)
+                for c in range(4):
+                    code = widen(w_ref[layer, nb, blocks, s, :, c], 4, signed=False)[h]            # [B, 16]
+                    bit = lax.shift_right_logical(masks, 4 * (row & 1) + c) & 1
+                    w = (code + 16.0 * bit.astype(jnp.float32) - 16.0) * scale
+                    acc = acc + _product(x_ref[4 * h + c, s, rows, blocks], w)
+        return acc
+
+    o_ref[...] = lax.fori_loop(0, nblk // b, body, jnp.zeros((bm, ROWS), jnp.float32))
+
+
+def five_linear(x, qweight, scale, min_, layer, *, params: QuantParams, interpret: bool = False, num_warps: int = 4):
+    """The composite's operands (QUANT_LINEAR_V4: x f32[M, K], qweight u8 [L, N/16, 10 K], scale
+    [L, N/16, K/32, 16], min f32[0], layer s32[]) -> f32[M, N]."""
+    del min_, params
+    M, K = x.shape
+    L, NB = qweight.shape[:2]
+    nblk = K // 32
+    b = next(t for t in (FIVE_BLOCKS >> s for s in range(5)) if nblk % t == 0)
+    bm = row_tile(M)
+    mp = padded_rows(M, bm)
+    w = qweight.reshape(L, NB, nblk, 5, ROWS, 4)                          # block, run, row, byte column
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    out = pl.pallas_call(
+        functools.partial(_five_kernel, bm=bm, b=b, nblk=nblk),
+        grid=(mp // bm, NB),
+        in_specs=[any_spec] * 4,
+        out_specs=pl.BlockSpec((bm, ROWS), lambda i, nb: (i, nb)),
+        out_shape=jax.ShapeDtypeStruct((mp, NB * ROWS), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+        name="hloserve_five_linear",
+    )(layer_of(layer, L), five_phases(x, mp), w, scale)
     return out[:M]

@@ -18,6 +18,12 @@ matrix, TB bytes of them), the quants DMA'd as [TN, TB] blocks of the stack at t
 layer; the layer's scale and min rows (decoded in the graph, quant.py) come as [TN, TB / group]
 blocks and are spread over the tile's bytes by 0/1 products; the phases' products are summed into
 a [BM, TN] f32 scratch.
+
+Version 4 (5-bit values, GGUF Q5_0 kept, `five_linear`): version 2's grid and lane sums, the layer's
+matrix viewed as [blocks, 5, 64] bytes per 16-row block (4 k-steps of nibbles, then the masks), a
+tile [T, B, 5, 64]; per k-step, the nibbles widened as int4's and each lane's fifth bit taken from
+its mask byte (spread over the 8 lanes it covers by a 0/1 product, then shifted by the lane's place),
+one scale row per block spread over the lanes as version 2's.
 Runs in Pallas interpret mode on any platform (`interpret=True`, the tests).
 """
 from __future__ import annotations
@@ -30,14 +36,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .quant import (ROWS, KQuantParams, QuantParams, kquant_scales, layer_of, padded_rows, phases, steps, weights_nt,
-                    widen)
+from .quant import (ROWS, KQuantParams, QuantParams, five_phases, kquant_scales, layer_of, padded_rows, phases, steps,
+                    weights_nt, widen)
 
 NAME = "pallas_tpu.quant_linear"
 KQUANT_NAME = "pallas_tpu.kquant_linear"
+FIVE_NAME = "pallas_tpu.five_linear"
 LANES = 4 * ROWS    # bytes of one step of `a` in a 16-row block
 WHOLE_K = 512       # steps of `a` up to which one tile takes the whole row (else tiles of 128 lanes' multiples)
 KQ_BYTES = 2048     # version 3: bytes of a row per tile, up to which one tile takes the whole row
+FIVE_BLOCKS = 128   # version 4: 32-element blocks of a row per tile (the whole row up to this many, or where none divides)
 
 
 def _dot(a, b):
@@ -207,3 +215,77 @@ def kquant_linear(x, qweight, blocks, layer, *, params: KQuantParams, interpret:
         name="hloserve_kquant_linear",
     )(at, phases(x, params, mp), qweight, *rows)
     return out[:M]
+
+
+def _select(m, where):
+    """m [R, 64] times the 0/1 matrix [64, 64] that is 1 where where(row, column): each column takes
+    the one entry of m's row that `where` names (exact)."""
+    r = lax.broadcasted_iota(jnp.int32, (LANES, LANES), 0)
+    c = lax.broadcasted_iota(jnp.int32, (LANES, LANES), 1)
+    return _dot(m, where(r, c).astype(jnp.float32))
+
+
+def _fifth_bits(masks, step: int, high: int):
+    """A tile's mask bytes f32 [B, 64] -> 16 x each lane's fifth bit for k-step `step`'s low (high 0)
+    or high (1) nibbles, f32 [B, 64]: lane l's byte is 16 step + 8 high + l // 8, its bit l % 8."""
+    byte = _select(masks, lambda j, l: j == 16 * step + 8 * high + lax.div(l, 8)).astype(jnp.int32)
+    lane = lax.broadcasted_iota(jnp.int32, byte.shape, 1)
+    return (lax.shift_right_logical(byte, lane & 7) & 1).astype(jnp.float32) * 16.0
+
+
+def _five_kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, acc_ref, *, bm: int, b: int):
+    del layer_ref
+    k = pl.program_id(2)
+
+    @pl.when(k == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    for t in range(w_ref.shape[0]):
+        scale = _dot(s_ref[t], _pick((ROWS, LANES), lambda r: r, lambda c: lax.div(c, 4)))   # [B, 64]: block, lane
+        masks = w_ref[t, :, 4, :].astype(jnp.int32).astype(jnp.float32)                      # [B, 64]
+        total = acc_ref[t]
+        for s in range(4):
+            for h, q in enumerate(widen(w_ref[t, :, s, :], 4, signed=False)):   # codes' low 4 bits: phases h * 4 + c
+                w = (q + _fifth_bits(masks, s, h) - 16.0) * scale
+                total = total + _dot(x_ref[4 * h:4 * h + 4, s].reshape(4 * bm, b), w)
+        acc_ref[t] = total
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _done():
+        for t in range(w_ref.shape[0]):
+            sums = acc_ref[t]
+            o_ref[t] = sum(_dot(sums[c * bm:(c + 1) * bm], _pick((LANES, ROWS), lambda l: l, lambda r, c=c: 4 * r + c))
+                           for c in range(4))
+
+
+def five_linear(x, qweight, scale, min_, layer, *, params: QuantParams, interpret: bool = False):
+    """The composite's operands (QUANT_LINEAR_V4: x f32[M, K], qweight u8 [L, N/16, 10 K], scale
+    [L, N/16, K/32, 16], min f32[0], layer s32[]) -> f32[M, N]."""
+    del min_, params
+    M, K = x.shape
+    L, NB = qweight.shape[:2]
+    nblk = K // 32
+    bm = min(128, padded_rows(M, 8))
+    T = next(t for t in (8, 4, 2, 1) if NB % t == 0)
+    b = FIVE_BLOCKS if nblk > FIVE_BLOCKS and nblk % FIVE_BLOCKS == 0 else nblk
+    mp = padded_rows(M, bm)
+    at = layer_of(layer, L)
+    picked = lax.dynamic_index_in_dim(scale, at[0], 0, False).astype(jnp.float32)   # [N/16, K/32, 16]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(mp // bm, NB // T, nblk // b),
+        in_specs=[pl.BlockSpec((8, 4, bm, b), lambda i, j, k, layer: (0, 0, i, k)),
+                  pl.BlockSpec((None, T, b, 5, LANES), lambda i, j, k, layer: (layer[0], j, k, 0, 0)),
+                  pl.BlockSpec((T, b, ROWS), lambda i, j, k, layer: (j, k, 0))],
+        out_specs=pl.BlockSpec((T, bm, ROWS), lambda i, j, k, layer: (j, i, 0)),
+        scratch_shapes=[pltpu.VMEM((T, 4 * bm, LANES), jnp.float32)])
+    out = pl.pallas_call(
+        functools.partial(_five_kernel, bm=bm, b=b),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((NB, mp, ROWS), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="hloserve_five_linear",
+    )(at, five_phases(x, mp), qweight.reshape(L, NB, nblk, 5, LANES), picked)
+    return out.transpose(1, 0, 2).reshape(mp, NB * ROWS)[:M]
