@@ -73,7 +73,12 @@ def to_torch(qa: primitives.QuantizedArray, rows: int = 0) -> dict[str, torch.Te
 
 def interleaved(tensors: Mapping[str, torch.Tensor], scheme: WeightScheme) -> dict[str, torch.Tensor]:
     """Stored tensors row by row (qweight [..., N, K | K/2], scale/min [..., N, G] or per channel
-    [..., N]) -> interleaved by 16 rows (WeightScheme.rows; primitives.interleave_rows)."""
+    [..., N]) -> interleaved by 16 rows (WeightScheme.rows; primitives.interleave_rows); a K-quant
+    weight's quants only (its headers stay row by row)."""
+    if scheme.block:   # K-quants: the quants interleaved, each row's headers where they are
+        q, _, _ = primitives.interleave_rows(tensors["qweight"].numpy(), None, None, scheme.bits)
+        return {"qweight": torch.from_numpy(q), "scale": tensors["scale"]}
+
     def grouped(role):
         a = tensors.get(role)
         return None if a is None else (a if scheme.group else a[..., None]).numpy()   # [..., N, G]

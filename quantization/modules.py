@@ -3,7 +3,8 @@
     hloserve::quantized_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? min, Tensor? bias,
                                Tensor layer, int bits, int group, int rows=0) -> Tensor   # x [..., in] -> [..., out]
     hloserve::kquant_linear(Tensor x, Tensor qweight, Tensor blocks, Tensor? bias, Tensor layer,
-                            int kind) -> Tensor   # GGUF K-quant blocks kept (WeightScheme.block)
+                            int kind, int rows=0) -> Tensor   # GGUF K-quant blocks kept (WeightScheme.block;
+                                                              # rows 16: the quants interleaved)
     hloserve::quantized_embedding(Tensor qweight, Tensor scale, Tensor? min, Tensor indices,
                                   int bits, int group, ScalarType dtype, int rows=0) -> Tensor   # [*idx, hidden]
 
@@ -23,6 +24,7 @@ else.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import numpy as np
@@ -104,17 +106,17 @@ def _(x, qweight, scale, min, bias, layer, bits, group, rows=0):
 
 @torch.library.custom_op("hloserve::kquant_linear", mutates_args=())
 def kquant_linear(x: torch.Tensor, qweight: torch.Tensor, blocks: torch.Tensor, bias: Optional[torch.Tensor],
-                  layer: torch.Tensor, kind: int) -> torch.Tensor:
+                  layer: torch.Tensor, kind: int, rows: int = 0) -> torch.Tensor:
     i = int(layer)
-    scheme = WeightScheme.of_block(Block(kind).name)
+    scheme = dataclasses.replace(WeightScheme.of_block(Block(kind).name), rows=rows)
     w = torch.from_numpy(primitives.dequantize_blocks(qweight[i].numpy(), blocks[i].numpy(), scheme))
     y = F.linear(quantize_blocks(x.float()), w).to(x.dtype)
     return y if bias is None else y + bias
 
 
 @kquant_linear.register_fake
-def _(x, qweight, blocks, bias, layer, kind):
-    return x.new_empty((*x.shape[:-1], qweight.shape[-2]))
+def _(x, qweight, blocks, bias, layer, kind, rows=0):
+    return x.new_empty((*x.shape[:-1], blocks.shape[-2]))
 
 
 @torch.library.custom_op("hloserve::quantized_embedding", mutates_args=())
@@ -165,7 +167,8 @@ class QuantizedLinear(torch.nn.Module):
         if w.dim() == 2:                                                 # one matrix: a stack of one
             w, s, m = w[None], s[None], None if m is None else m[None]
         if self.scheme.block:                                            # GGUF K-quant blocks, kept
-            return torch.ops.hloserve.kquant_linear(x, w, s, self.bias, self.layer, int(Block[self.scheme.block]))
+            return torch.ops.hloserve.kquant_linear(x, w, s, self.bias, self.layer, int(Block[self.scheme.block]),
+                                                    self.scheme.rows)
         return torch.ops.hloserve.quantized_linear(x, w, s, m, self.bias, self.layer, self.scheme.bits,
                                                    self.scheme.group or 0, self.scheme.rows)
 

@@ -138,7 +138,7 @@ def _five_in_order(qweight, xp):
     return q.transpose(0, 4, 1, 2, 3, 5).reshape(INTERLEAVE * ng, K)                     # [n/16, r, blk, s, lo|hi, i]
 
 
-def rows_in_order(qweight, scale, min_, bits: int, xp=np):
+def rows_in_order(qweight, scale, min_, bits: int, xp=np, *, signed: bool | None = None):
     """One matrix in version 2's layout (qweight [N/16, 16 K | 8 K], scale/min [N/16, G, 16]) -> its
     integer values int8 [N, K] (int4: two's complement nibbles, or unsigned ones [0, 15] when there is
     a min) and scale/min [N, G]: interleave_rows undone. `xp` is the arrays' library, numpy or
@@ -155,7 +155,8 @@ def rows_in_order(qweight, scale, min_, bits: int, xp=np):
     else:
         K = width // 8
         b = qweight.view(xp.int8).reshape(ng, K // 8, INTERLEAVE, 4)                      # [n/16, K/8, 16, 4]
-        lo, hi = ((b << 4) >> 4, b >> 4) if min_ is None else (b & 0xF, (b >> 4) & 0xF)   # signed | unsigned
+        signed = min_ is None if signed is None else signed
+        lo, hi = ((b << 4) >> 4, b >> 4) if signed else (b & 0xF, (b >> 4) & 0xF)           # signed | unsigned
         q = xp.stack([lo, hi], axis=3).transpose(0, 2, 1, 3, 4)                           # [n/16, 16, K/8, 2, 4]
 
     def rows(a):
@@ -186,11 +187,22 @@ def gather_rows(qweight, scale, min_, indices, bits: int, xp=np):
     return out, rows(scale), rows(min_)
 
 
+def block_quants(qweight, scheme: WeightScheme, xp=np):
+    """One K-quant matrix's quants (schemes.py: row by row, or interleaved by 16 rows) -> their values
+    int8 [N, K] (Q4_K unsigned [0, 15]). numpy or jax.numpy (`xp`), like rows_in_order."""
+    if scheme.rows:
+        return rows_in_order(qweight, None, None, scheme.bits, xp, signed=False)[0]
+    if scheme.bits == 4:
+        b = qweight.view(xp.int8)
+        return xp.stack([b & 0xF, (b >> 4) & 0xF], axis=-1).reshape(*qweight.shape[:-1], 2 * qweight.shape[-1])
+    return qweight
+
+
 def dequantize_blocks(qweight: np.ndarray, blocks: np.ndarray, scheme: WeightScheme) -> np.ndarray:
-    """float32 [..., out, in] of a K-quant weight kept as blocks (schemes.py): q * scale + min per
-    sub-block, gguf.quants.dequantize's values bit for bit."""
+    """float32 [..., out, in] of a K-quant weight kept as blocks (schemes.py; one matrix where the
+    quants are interleaved): q * scale + min per sub-block, gguf.quants.dequantize's values bit for bit."""
     scale, mn = block_scales(np.asarray(blocks), scheme.block)
-    q = unpack_int4(qweight, signed=False) if scheme.bits == 4 else np.asarray(qweight)
+    q = block_quants(np.asarray(qweight), scheme)
     qa = QuantizedArray(q, scale, mn, dataclasses.replace(scheme, bits=8, block="", symmetric=True), q.shape)
     return dequantize(qa)
 

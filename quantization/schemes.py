@@ -39,7 +39,10 @@ they are, in two tensors (a lossless repack of each block's bytes, exporter/gguf
     W = q * (d * sc_j) - dmin * m_j        per sub-block j (`group`: 32, Q6_K 16; no min for Q6_K)
 
 with d * sc and dmin * m exact in float32, which is gguf's own arithmetic (bit-identical values);
-runtime/artifact/kernels.py `block_scales` (the contract's own) decodes the headers.
+runtime/artifact/kernels.py `block_scales` (the contract's own) decodes the headers. A linear layer
+whose rows are a multiple of 16 stores its quants interleaved by 16 rows as version 2's (rows=16: Q4_K
+as int4's unsigned nibbles, Q5_K / Q6_K as int8's bytes, `[..., out / 16, 16 * row bytes]`; the
+`hloserve.quant_linear` version 5 kernel), the headers row by row as above.
 """
 from __future__ import annotations
 
@@ -89,7 +92,8 @@ class WeightScheme:
         by 16 rows for the `hloserve.quant_linear` version 2 kernel (primitives.interleave_rows;
         linear layers only, see `for_linear`).
       block: "" (the layouts above), or a GGUF K-quant block type kept as it is ("Q4_K", "Q5_K",
-        "Q6_K"; see the module docstring; `bits`, `group` and `symmetric` are then BLOCKS' entry).
+        "Q6_K"; see the module docstring; `bits`, `group` and `symmetric` are then BLOCKS' entry;
+        `rows` 16: its quants interleaved, the headers row by row).
     """
     bits: int = 8
     group: int | None = None
@@ -110,7 +114,7 @@ class WeightScheme:
     def __post_init__(self):
         if self.block:
             if self.block not in BLOCKS or BLOCKS[self.block][:3] != (self.bits, self.group, self.symmetric) \
-                    or self.rows:
+                    or self.rows not in (0, INTERLEAVE):
                 raise QuantizationError(f"block {self.block!r}: use WeightScheme.of_block (blocks kept: {sorted(BLOCKS)})")
             return
         if self.bits not in (4, 5, 8):
@@ -138,8 +142,8 @@ class WeightScheme:
         quant_linear version 2 kernel) where out is a multiple of 16 and each group (or the row)
         whole 32-element blocks; else row by row."""
         *_, n_out, n_in = shape
-        if self.block:
-            return self
+        if self.block:   # K-quants: the quants interleaved by 16 rows (version 5) where the rows allow
+            return dataclasses.replace(self, rows=INTERLEAVE if n_out % INTERLEAVE == 0 else 0)
         whole = (self.group or n_in) % 32 == 0
         rows = INTERLEAVE if n_out % INTERLEAVE == 0 and whole else 0
         if self.bits == 5 and not rows:   # 5-bit values row by row are int8's layout: stored as int8
@@ -198,7 +202,11 @@ class WeightScheme:
         *lead, n_in = shape
         q = (*lead, n_in // 2) if self.bits == 4 else tuple(shape)
         if self.block:
-            return {"qweight": q, "scale": (*lead, n_in // SUPER_BLOCK * BLOCKS[self.block][3])}
+            heads = (*lead, n_in // SUPER_BLOCK * BLOCKS[self.block][3])
+            if self.rows:
+                *outer, n_out = lead
+                q = (*outer, n_out // INTERLEAVE, INTERLEAVE * q[-1])
+            return {"qweight": q, "scale": heads}
         s = (*lead, n_in // self.group) if self.group else tuple(lead)
         if self.rows:
             *lead, n_out = lead
@@ -213,13 +221,13 @@ class WeightScheme:
         d = {"scheme": self.name, "group": self.group, "symmetric": self.symmetric,
              "scale_dtype": self.scale_dtype, "rounding": self.rounding}
         if self.block:
-            return {**d, "block": self.block}
+            d = {**d, "block": self.block}
         return {**d, "rows": self.rows} if self.rows else d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "WeightScheme":
         if d.get("block"):
-            return cls.of_block(str(d["block"]))
+            return dataclasses.replace(cls.of_block(str(d["block"])), rows=int(d.get("rows", 0)))
         return cls(int(str(d["scheme"]).removeprefix("int")), d.get("group"), bool(d.get("symmetric", True)),
                    d.get("scale_dtype", "f32"), d.get("rounding", "minmax"), int(d.get("rows", 0)))
 

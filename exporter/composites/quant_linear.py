@@ -43,13 +43,15 @@ With f32 scales an asymmetric value may differ from NumPy's by one ulp.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
 import torch
 from hloserve.quantization import modules as _qmodules  # noqa: F401 (defines torch.ops.hloserve.quantized_linear)
 from hloserve.quantization import primitives
-from hloserve.runtime.artifact.kernels import QUANT_LINEAR, QUANT_LINEAR_V2, QUANT_LINEAR_V3, QUANT_LINEAR_V4, Block
+from hloserve.runtime.artifact.kernels import (QUANT_LINEAR, QUANT_LINEAR_V2, QUANT_LINEAR_V3, QUANT_LINEAR_V4,
+                                               QUANT_LINEAR_V5, Block)
 from hloserve.runtime.artifact.kernels import quantize_blocks as _contract_quantize_blocks
 from hloserve.quantization.schemes import WeightScheme
 from jax import lax
@@ -176,24 +178,36 @@ def quant_linear_v2_reference(x, qweight, scale, min_, layer, *, bits: int, grou
     return layer_product(x, q, s, mn, 8, group)                         # int values: bits 8's dequantize
 
 
-def quant_linear_v3_reference(x, qweight, blocks, layer, *, kind: int):
-    """The `hloserve.quant_linear` version 3 composite's decomposition: the layer's K-quant headers
-    decoded into per-sub-block scales and mins (primitives.block_scales traced with jax.numpy, exact
-    in f32), then version 1's arithmetic on the quants (int4 unsigned for Q4_K, int8 for Q5_K / Q6_K)."""
+def quant_linear_v3_reference(x, qweight, blocks, layer, *, kind: int, rows: int = 0):
+    """The `hloserve.quant_linear` version 3 (and, with rows=16, version 5) composite's decomposition:
+    the layer's K-quant headers decoded into per-sub-block scales and mins (primitives.block_scales
+    traced with jax.numpy, exact in f32), then version 1's arithmetic on the quants (int4 unsigned for
+    Q4_K, int8 for Q5_K / Q6_K; version 5's put back in row order by primitives.block_quants first)."""
     scheme = WeightScheme.of_block(Block(kind).name)
     pick = (lambda a: a[0]) if qweight.shape[0] == 1 else (lambda a: lax.dynamic_index_in_dim(a, layer, 0, False))
     scale, mn = primitives.block_scales(pick(blocks), scheme.block, xp=jnp)             # [N, K/g]
+    if rows:
+        q = primitives.block_quants(pick(qweight), dataclasses.replace(scheme, rows=rows), xp=jnp)   # [N, K] values
+        return layer_product(x, q, scale, mn, 8, scheme.group)
     return layer_product(x, pick(qweight), scale, mn, scheme.bits, scheme.group)
 
 
-# hloserve::kquant_linear(Tensor x, Tensor qweight, Tensor blocks, Tensor? bias, Tensor layer, int kind) -> Tensor
+def quant_linear_v5_reference(x, qweight, blocks, layer, *, kind: int):
+    """The version 5 composite's decomposition: version 3's with the quants interleaved by 16 rows."""
+    return quant_linear_v3_reference(x, qweight, blocks, layer, kind=kind, rows=16)
+
+
+# hloserve::kquant_linear(Tensor x, Tensor qweight, Tensor blocks, Tensor? bias, Tensor layer, int kind,
+#                         int rows=0) -> Tensor
 @lower(torch.ops.hloserve.kquant_linear.default)
-def _lower_kquant_linear(ctx, x, qweight, blocks, bias, layer, kind):
+def _lower_kquant_linear(ctx, x, qweight, blocks, bias, layer, kind, rows=0):
     *lead, k = x.shape
-    composite = _private.composite(quant_linear_v3_reference, QUANT_LINEAR_V3.name, QUANT_LINEAR_V3.version)
+    reference, contract = (quant_linear_v5_reference, QUANT_LINEAR_V5) if rows else (quant_linear_v3_reference,
+                                                                                     QUANT_LINEAR_V3)
+    composite = _private.composite(reference, contract.name, contract.version)
     y = composite(x.reshape(math.prod(lead), k).astype(jnp.float32), qweight, blocks,
                   jnp.asarray(layer, jnp.int32).reshape(()), kind=int(kind))
-    y = y.reshape(*lead, qweight.shape[1])                               # [..., N]
+    y = y.reshape(*lead, blocks.shape[1])                                # [..., N]
     if bias is not None:
         y = y + bias.astype(y.dtype)
     return y.astype(ctx.out_dtype)

@@ -279,6 +279,24 @@ QUANT_LINEAR_V3 = Composite(
            "in any association",
 )
 
+# Version 5: version 3's K-quant matrices with their quants interleaved by 16 rows as version 2's (Q4_K
+# as its int4 nibbles, Q5_K / Q6_K as its int8 bytes), the headers row by row as version 3's: what
+# version 3's kernel copied per call, done at export (quantization/schemes.py; docs/quantization.md).
+QUANT_LINEAR_V5 = Composite(
+    name="hloserve.quant_linear",
+    version=5,
+    operands=(
+        "x f32[M, K]: activations (K a multiple of 256)",
+        "qweight [L, N/16, 8 K] u8 (Q4_K: element (n, k) in byte (n // 16, 64 (k // 8) + 4 (n % 16) + k % 4), its "
+        "low nibble when k % 8 < 4, else its high one, unsigned [0, 15]), or [L, N/16, 16 K] s8 (Q5_K: [0, 31]; "
+        "Q6_K: [-32, 31]; element (n, k) at (n // 16, 64 (k // 4) + 4 (n % 16) + k % 4))",
+        "blocks [L, N, K/256 * H] u8: as version 3",
+        "layer s32[]: the matrix used",
+    ),
+    attributes=QUANT_LINEAR_V3.attributes,
+    result=QUANT_LINEAR_V3.result,
+)
+
 # Version 2 of paged attention: the window is an operand, so layers that differ only in their
 # window (Gemma's sliding and global layers) are one scanned body, each layer's window a row of the
 # scan's per-layer data. Version 1 stays for everything else (and the artifacts that have it).
@@ -359,5 +377,6 @@ ROW_SUM = Composite(
 
 # (name, version) -> contract
 COMPOSITES = {(c.name, c.version): c for c in (PAGED_ATTENTION, PAGED_ATTENTION_V2, LAYER_LINEAR, QUANT_LINEAR,
-                                                 QUANT_LINEAR_V2, QUANT_LINEAR_V3, QUANT_LINEAR_V4, GROUPED_EXPERTS,
+                                                 QUANT_LINEAR_V2, QUANT_LINEAR_V3, QUANT_LINEAR_V4, QUANT_LINEAR_V5,
+                                                 GROUPED_EXPERTS,
                                                  QUANT_EXPERTS, PRODUCT_SUM, ROW_SUM)}

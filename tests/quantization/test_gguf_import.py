@@ -330,8 +330,8 @@ def test_q6_k_import_within_half_a_step(k_ckpt):
 
 def test_k_quant_gguf_keeps_its_blocks_per_role(k_gguf, k_ckpt, tmp_path):
     """`--llm-step generic --quantize gguf`: each layer's linears keep their own blocks: q/k/v/o and
-    gate Q4_K, up Q6_K (kept as K-quant blocks), down Q6_K in layer 0 and Q5_0 (int8 g32, f16 scales,
-    bit-exact to the file) in layer 1, so the layers differ and the scan's period is 2; the runtime's
+    gate Q4_K, up Q6_K (kept as K-quant blocks), down Q6_K in layer 0 and Q5_0 (kept as 5-bit values,
+    int5 g32, f16 scales, bit-exact to the file) in layer 1, so the layers differ and the scan's period is 2; the runtime's
     logits equal torch eager of the same quantized step (1e-4; summation order)."""
     from hloserve.exporter.export import export_artifact
     from hloserve.exporter.sources import load_source
@@ -343,13 +343,13 @@ def test_k_quant_gguf_keeps_its_blocks_per_role(k_gguf, k_ckpt, tmp_path):
                                weight_quant=src.weight_quant)
     quant = {n: w.quant for n, w in manifest.weights.items() if w.quant and w.quant["role"] == "qweight"}
     want = {"q_proj": ["Q4_K", "Q4_K"], "o_proj": ["Q4_K", "Q4_K"], "gate_proj": ["Q4_K", "Q4_K"],
-            "up_proj": ["Q6_K", "Q6_K"], "down_proj": ["Q6_K", "int8"]}
+            "up_proj": ["Q6_K", "Q6_K"], "down_proj": ["Q6_K", "int5"]}
     for role, schemes in want.items():
         found = [q["scheme"] for n, q in sorted(quant.items()) if role in n]
         assert found == schemes, (role, found)
     stacked = dict(entries[0].module.model.named_buffers())          # one stack per layer: [1, ...]
     q, s = (stacked[f"model.layers.stack.1.mlp__down_proj__weight{suffix}"] for suffix in ("", "_scale"))
-    rows = modules.rows_in_order(q[0], s[0], None, 8)                 # layer 1 (Q5_0)
+    rows = modules.rows_in_order(q[0], s[0], None, 5)                 # layer 1 (Q5_0, 5-bit values)
     got = modules.dequantize(*rows, 8, 32).numpy()
     np.testing.assert_array_equal(_bits(got), _bits(k_ckpt.tensors["model.layers.1.mlp.down_proj.weight"].dequantize()))
     prompt = [257, 100, 7, 42, 255, 3, 99]

@@ -1,5 +1,5 @@
 """A Q4_K_M GGUF served as it is: its Q4_K and Q6_K blocks kept (WeightScheme.block, the
-`hloserve.quant_linear` version 3 composite), `hloserve inspect` naming each weight's format, and the
+`hloserve.quant_linear` version 5 composite: the quants interleaved by 16 rows at export), `hloserve inspect` naming each weight's format, and the
 perplexity within 1% of transformers' GGUF loader on the same file (issue #40, item 3).
 
 The file: SmolLM2-135M-Instruct (the preset's Q4_1 GGUF, dequantized) requantized as llama.cpp's Q4_K_M
@@ -147,7 +147,7 @@ def perplexities(gguf_path: str, artifact: str) -> tuple[float, float]:
 @pytest.mark.slow
 def test_q4_k_m_perplexity_within_one_percent_of_transformers(q4_k_m, exported):
     """Perplexity of 4 windows of 256 tokens of tests/data/web_genesis.txt through the artifact's
-    decode (the down matrices through the version 3 composite: its kernel up to the targets table's
+    decode (the down matrices through the version 5 composite: its kernel up to the targets table's
     row limit, its decomposition above) within 1% of transformers' on the same file (its GGUF loader
     dequantizes every block with gguf-py). What separates them is the contract's int8 activations in
     every quantized linear (the Q4_1 file's exactly imported blocks: +0.5 to +1%); one window alone
@@ -161,7 +161,8 @@ def test_q4_k_m_perplexity_within_one_percent_of_transformers(q4_k_m, exported):
 @pytest.mark.slow
 def test_the_tpu_path_runs_the_kquant_kernels_and_agrees_with_the_cpu(exported):
     """The Q4_K_M artifact's decode on the TPU path, rehearsed here (runtime/kernels/pallas/, the kernels
-    in Pallas interpret mode): its Q4_K and Q6_K down matrices run `pallas_tpu.kquant_linear`, its
+    in Pallas interpret mode): its Q4_K and Q6_K down matrices (version 5: the quants interleaved at
+    export) run `pallas_tpu.quant_linear` with their headers decoded in the graph, its
     Q5_0 roles `pallas_tpu.five_linear` (as do its v2 int8 linears theirs), and a 16-token prompt's last
     logits agree with the CPU kernels'.
     Bound: every path quantizes each linear's input to int8 per block of 32 from activations computed
@@ -177,8 +178,8 @@ def test_the_tpu_path_runs_the_kquant_kernels_and_agrees_with_the_cpu(exported):
     from hloserve.runtime.model import read_exported
 
     every = accelerators.plan(read_exported(exported, "decode"), "tpu")
-    plans = [p for p in every if p.version == 3]
-    assert plans and all(p.kernel == quant_tpu.KQUANT_NAME for p in plans), [p.describe() for p in plans]
+    plans = [p for p in every if p.version == 5]                          # K-quants, the quants interleaved
+    assert plans and all(p.kernel == quant_tpu.NAME for p in plans), [p.describe() for p in plans]
     five = [p for p in every if p.version == 4]                           # the Q5_0 roles, kept as 5-bit values
     assert five and all(p.kernel == quant_tpu.FIVE_NAME for p in five), [p.describe() for p in five]
     logits = {}

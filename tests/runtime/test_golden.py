@@ -119,6 +119,16 @@ def _bound(name: str, version: int, args: list, want: np.ndarray) -> np.ndarray:
         w = np.asarray(jnp.asarray(args[1][layer]).view(jnp.bfloat16).astype(jnp.float32))
         xr = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
         return K * 2.0 ** -24 * (np.abs(xr) @ np.abs(w).T) + 1e-30
+    if version == 5:   # K-quants, the quants interleaved: the layer's f32 weights from its blocks
+        from hloserve.quantization.schemes import WeightScheme
+        kind = name.removeprefix("quant_linear_").upper()
+        scheme = dataclasses.replace(WeightScheme.of_block(kind), rows=16)
+        w = primitives.dequantize_blocks(args[1][layer], args[2][layer], scheme)       # [N, K]
+        s, m = primitives.block_scales(args[2][layer], kind)
+        group = K // s.shape[1]
+        terms = np.abs(w) + 128 * np.repeat(np.abs(s), group, 1) + (0 if m is None else np.repeat(np.abs(m), group, 1))
+        x8 = quantize_blocks(torch.from_numpy(x)).numpy()
+        return (K + 4) * 2.0 ** -24 * (np.abs(x8) @ terms.T) + 1e-30
     qweight, scale, mn = args[1], args[2], args[3]
     five = version == 4                  # quant_linear v4: 5-bit values, offset 16 in the kernel
     if version in (2, 4):   # quant_linear v2 / v4, interleaved by 16 rows: back to row order for the bound
@@ -143,7 +153,7 @@ def _bound(name: str, version: int, args: list, want: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("name", COMPOSITE_CASES)
 def test_stored_composite_computes_what_it_did_through_kernel_and_decomposition(name):
     """A module stored with a composite at its version (tests/golden/make_composites_v1.py and
-    make_composites_v2.py, written 2026-11-26; make_composites_v4.py, 2026-12-01) is still recognised: on this machine's CPU kernel (where one builds) and through its
+    make_composites_v2.py, written 2026-11-26; make_composites_v4.py and v5, 2026-12-01) is still recognised: on this machine's CPU kernel (where one builds) and through its
     decomposition it computes the stored outputs, within what reordered f32 sums allow."""
     import jax
     from jax import export

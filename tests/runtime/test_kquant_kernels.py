@@ -22,7 +22,7 @@ from hloserve.exporter.gguf import quant as gguf_quant
 from hloserve.exporter.gguf.tensor import GGUFTensor
 from hloserve.quantization import modules, primitives
 from hloserve.quantization.schemes import WeightScheme
-from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V3, Block
+from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V3, QUANT_LINEAR_V5, Block
 from tests.runtime.test_kernels import library, max_rows, specialize  # noqa: F401 - the fixture
 from tests.support import kquants
 
@@ -79,42 +79,53 @@ def test_kept_blocks_dequantize_as_gguf_does(kind):
     np.testing.assert_array_equal(_bits(got_j), _bits(want[0]))
 
 
-def _exported(kind: str, q, blocks):
+def _exported(kind: str, q, blocks, version: int = 3):
+    reference = lowering.quant_linear_v3_reference if version == 3 else lowering.quant_linear_v5_reference
+
     def f(x, qweight, blk, layer):
-        return _private.composite(lowering.quant_linear_v3_reference, QUANT_LINEAR_V3.name, QUANT_LINEAR_V3.version)(
-            x, qweight, blk, layer, kind=int(Block[kind]))
+        return _private.composite(reference, QUANT_LINEAR_V3.name, version)(x, qweight, blk, layer, kind=int(Block[kind]))
     (m,) = export.symbolic_shape("M")
-    K = q.shape[2] * (2 if kind == "Q4_K" else 1)
+    K = blocks.shape[2] // (18 if kind == "Q6_K" else 16) * 256
     shapes = [jax.ShapeDtypeStruct((m, K), np.float32), jax.ShapeDtypeStruct(q.shape, q.dtype),
               jax.ShapeDtypeStruct(blocks.shape, blocks.dtype), jax.ShapeDtypeStruct((), np.int32)]
     return export.export(jax.jit(f), platforms=("cpu",))(*shapes)
 
 
+def interleaved(q, kind: str):
+    """A stack's quants (row by row, as kept_blocks stores them) interleaved by 16 rows: version 5's."""
+    bits = 4 if kind == "Q4_K" else 8
+    return np.stack([primitives.interleave_rows(a, None, None, bits)[0] for a in q])
+
+
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("K,N", [(256, 33), (768, 16)])
-def test_kquant_kernel_matches_decomposition_and_torch(library, kind, K, N):  # noqa: F811 - the fixture
+@pytest.mark.parametrize("K,N,version", [(256, 33, 3), (768, 16, 3), (256, 48, 5), (768, 16, 5)])
+def test_kquant_kernel_matches_decomposition_and_torch(library, kind, K, N, version):  # noqa: F811 - the fixture
     """The version 3 kernel (below 4 rows each row's sub-block scales decoded from its headers, then
     version 1's integer dot products; from 4 rows, with VNNI, 16 rows at a time copied interleaved
     with their scales decoded into [sub-blocks, 16], then 16-row tiles of up to 6 rows of x, here 7:
     one tile and a tail), the decomposition and the torch op agree on the layer asked for, up to the
-    targets table's row limit through the kernel and past it through the decomposition.
+    targets table's row limit through the kernel and past it through the decomposition; so does
+    version 5's (the quants interleaved at export: the 16-row tiles at every row count, read where
+    they lie; without VNNI the portable loop reading the interleaved bytes).
 
     Tolerance as tests/runtime/test_kernels.py derives it: the same f32 terms x8 q s (+ x8 m) in
     another association, plus the kernel's unsigned offset (Q5_K / Q6_K int8: 128 times the scale)."""
     rng = np.random.default_rng(K + N + len(kind))
     q, blocks, want, scheme = _stack(kind, 3, N, K, rng)
-    exp = _exported(kind, q, blocks)
+    stored = q if version == 3 else interleaved(q, kind)                # version 5: the quants interleaved
+    exp = _exported(kind, stored, blocks, version)
     portable_fn, _ = specialize(exp, None)
     kernel_fn, n_kernel = specialize(exp, library)
-    assert n_kernel == 1 and "custom_call @hloserve_quant_linear_v3(" in kernel_fn.mlir_module()
-    limit = max_rows("hloserve_quant_linear_v3") or 64
+    target = f"hloserve_quant_linear_v{version}"
+    assert n_kernel == 1 and f"custom_call @{target}(" in kernel_fn.mlir_module()
+    limit = max_rows(target) or 64
     for rows in (1, 3, 7, limit, limit + 1):
         x = rng.standard_normal((rows, K)).astype(np.float32)
         layer = np.int32(rows % 3)
-        kernel = np.asarray(jax.jit(kernel_fn.call)(x, q, blocks, layer))
-        portable = np.asarray(jax.jit(portable_fn.call)(x, q, blocks, layer))
-        ref = modules.kquant_linear(torch.from_numpy(x), torch.from_numpy(q), torch.from_numpy(blocks), None,
-                                    torch.tensor(layer), int(Block[kind])).numpy()
+        kernel = np.asarray(jax.jit(kernel_fn.call)(x, stored, blocks, layer))
+        portable = np.asarray(jax.jit(portable_fn.call)(x, stored, blocks, layer))
+        ref = modules.kquant_linear(torch.from_numpy(x), torch.from_numpy(stored), torch.from_numpy(blocks), None,
+                                    torch.tensor(layer), int(Block[kind]), 0 if version == 3 else 16).numpy()
         x8 = modules.quantize_blocks(torch.from_numpy(x)).numpy()
         scale, mn = primitives.block_scales(blocks[layer], kind)
         s = np.repeat(np.abs(scale), scheme.group, -1)

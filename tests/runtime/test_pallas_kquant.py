@@ -23,14 +23,16 @@ import pytest
 from jax import export
 
 from hloserve.exporter import _private
-from hloserve.exporter.composites.quant_linear import quant_linear_v3_reference, quantize_blocks
-from hloserve.runtime.artifact.kernels import QUANT_LINEAR, QUANT_LINEAR_V3, Block
+from hloserve.exporter.composites.quant_linear import (quant_linear_v3_reference, quant_linear_v5_reference,
+                                                       quantize_blocks)
+from hloserve.runtime.artifact.kernels import QUANT_LINEAR, QUANT_LINEAR_V3, QUANT_LINEAR_V5, Block
 from hloserve.runtime.kernels import pallas as accelerators
 from hloserve.runtime.kernels.pallas import quant, quant_gpu, quant_tpu
-from tests.runtime.test_kquant_kernels import _stack
+from tests.runtime.test_kquant_kernels import _stack, interleaved
 
 KINDS = ("Q4_K", "Q5_K", "Q6_K")
 KERNELS = {"gpu": quant_gpu.kquant_linear, "tpu": quant_tpu.kquant_linear}
+KERNELS16 = {"gpu": quant_gpu.kquant16_linear, "tpu": quant_tpu.kquant16_linear}   # version 5
 
 
 def _bound(x, dense):
@@ -48,6 +50,28 @@ def _check(side: str, kind: str, m: int, n: int, k: int, layers: int):
     params = quant.KQuantParams(int(Block[kind]))
     got = np.asarray(jax.jit(lambda *a: KERNELS[side](*a, params=params, interpret=True))(x, q, blocks, layer))
     assert got.shape == (m, n)
+    err = np.abs(got.astype(np.float64) - want)
+    assert (err <= _bound(x, dense[layers - 1])).all(), f"max error {err.max():.3g}"
+
+
+@pytest.mark.parametrize("side", ["gpu", "tpu"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("m,k,layers", [(1, 512, 3), (16, 256, 1), (7, 8192, 1)])
+def test_version_5_runs_version_2s_kernel_on_the_interleaved_quants(side, kind, m, k, layers):
+    """Version 5 (the quants interleaved by 16 rows at export): version 2's kernel reads them in place,
+    the layer's headers decoded in the graph into its scale and min rows; against the decomposition
+    under the same bound (K 8192: several TPU grid steps, many GPU loop steps; Q6_K's groups of 16)."""
+    rng = np.random.default_rng(m * 7 + k + len(kind))
+    q, blocks, dense, _ = _stack(kind, layers, 48, k, rng)
+    q16 = interleaved(q, kind)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    layer = np.int32(layers - 1)
+    want = np.asarray(jax.jit(lambda *a: quant_linear_v5_reference(*a, kind=int(Block[kind])))(x, q16, blocks, layer))
+    ref3 = np.asarray(jax.jit(lambda *a: quant_linear_v3_reference(*a, kind=int(Block[kind])))(x, q, blocks, layer))
+    assert (np.abs(want - ref3) <= _bound(x, dense[layers - 1])).all()   # version 3's values, summed in another order
+    params = quant.KQuantParams(int(Block[kind]))
+    got = np.asarray(jax.jit(lambda *a: KERNELS16[side](*a, params=params, interpret=True))(x, q16, blocks, layer))
+    assert got.shape == (m, 48)
     err = np.abs(got.astype(np.float64) - want)
     assert (err <= _bound(x, dense[layers - 1])).all(), f"max error {err.max():.3g}"
 
@@ -105,37 +129,43 @@ def test_plan_names_the_kernel():
             p = accelerators.choose(platform, QUANT_LINEAR.name, 3, {"kind": int(Block[kind])})
             assert p.kernel == side.KQUANT_NAME and p.params == {"kind": int(Block[kind])}
         assert accelerators.choose(platform, QUANT_LINEAR.name, 3, {"kind": 2}).kernel is None   # Q4_0 is no K-quant
+        p = accelerators.choose(platform, QUANT_LINEAR.name, 5, {"kind": int(Block.Q6_K)})
+        assert p.kernel == side.NAME and p.params == {"kind": int(Block.Q6_K)}           # version 2's, interleaved
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_substituted_at_load_in_an_exported_function(platform):
+@pytest.mark.parametrize("version", [3, 5])
+def test_substituted_at_load_in_an_exported_function(platform, version):
     """An exported function holding the composite (symbolic rows, as an artifact's step): specialized
     for the platform, the kernel linked in at static shapes, run in interpret mode here, equal to the
-    decomposition on the CPU."""
+    decomposition on the CPU (version 5: the placeholder says its version, so version 2's kernel runs)."""
     kind = "Q4_K"
     q, blocks, dense, _ = _stack(kind, 2, 48, 512, np.random.default_rng(2))
+    reference = quant_linear_v3_reference
+    if version == 5:
+        q, reference = interleaved(q, kind), quant_linear_v5_reference
 
     def f(x, qweight, blk, layer):
-        return _private.composite(quant_linear_v3_reference, QUANT_LINEAR_V3.name, QUANT_LINEAR_V3.version)(
-            x, qweight, blk, layer, kind=int(Block[kind]))
+        return _private.composite(reference, QUANT_LINEAR_V3.name, version)(x, qweight, blk, layer, kind=int(Block[kind]))
     (m,) = export.symbolic_shape("M")
     shapes = [jax.ShapeDtypeStruct((m, 512), np.float32), jax.ShapeDtypeStruct(q.shape, q.dtype),
               jax.ShapeDtypeStruct(blocks.shape, blocks.dtype), jax.ShapeDtypeStruct((), np.int32)]
     exported = export.export(jax.jit(f), platforms=("cpu",))(*shapes)
     backend = accelerators.PallasBackend(platform, interpret=True)
-    assert [p.kernel for p in accelerators.plan(exported, platform)] == [_kernel_name(platform)]
+    assert [p.kernel for p in accelerators.plan(exported, platform)] == [_kernel_name(platform, version)]
     s = backend.specialize(exported)
     x = np.random.default_rng(3).standard_normal((9, 512)).astype(np.float32)
     args = (x, q, blocks, np.int32(1))
     static = s.per_shape([jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in args])
     got = np.asarray(static.call(*args))
-    want = np.asarray(jax.jit(lambda *a: quant_linear_v3_reference(*a, kind=int(Block[kind])))(*args))
+    want = np.asarray(jax.jit(lambda *a: reference(*a, kind=int(Block[kind])))(*args))
     assert got.shape == (9, 48)
     assert (np.abs(got.astype(np.float64) - want) <= _bound(x, dense[1])).all()
 
 
-def _kernel_name(platform: str) -> str:
-    return (quant_tpu if platform == "tpu" else quant_gpu).KQUANT_NAME
+def _kernel_name(platform: str, version: int = 3) -> str:
+    side = quant_tpu if platform == "tpu" else quant_gpu
+    return side.KQUANT_NAME if version == 3 else side.NAME
 
 
 @pytest.mark.gpu

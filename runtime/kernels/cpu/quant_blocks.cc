@@ -19,9 +19,11 @@ using namespace hloserve;
 // Version 3's operands: x [M, K] (K a multiple of 256), qweight [L, N, K/2] u8 (Q4_K) or [L, N, K] s8
 // (Q5_K, Q6_K), blocks [L, N, K/256 * H] u8 (H: 16, Q6_K 18), read at the layer into `w` (its scale
 // and, where the blocks have mins, its min: the headers), or an InvalidArgument naming what is wrong.
+// Version 5 (`rows16`): qweight [L, N/16, 16 * row bytes], the quants interleaved by 16 rows.
 ffi::Error read_blocks(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& qweight, ffi::AnyBuffer& blocks,
-                       ffi::Buffer<ffi::S32>& layer, int64_t kind, QuantMatrix& w, int64_t& M) {
-  auto fail = [](const char* why) { return ffi::Error::InvalidArgument(std::string("hloserve_quant_linear_v3: ") + why); };
+                       ffi::Buffer<ffi::S32>& layer, int64_t kind, QuantMatrix& w, int64_t& M, bool rows16 = false) {
+  const char* target = rows16 ? "hloserve_quant_linear_v5: " : "hloserve_quant_linear_v3: ";
+  auto fail = [target](const char* why) { return ffi::Error::InvalidArgument(std::string(target) + why); };
   if (kind != kQ4K && kind != kQ5K && kind != kQ6K) return fail("kind must be 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K)");
   auto xd = x.dimensions();
   auto qd = qweight.dimensions();
@@ -29,11 +31,14 @@ ffi::Error read_blocks(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& qweight, ffi::A
   if (xd.size() != 2 || qd.size() != 3 || bd.size() != 3)
     return fail("x must be [M, K], qweight [L, N, K/2 | K], blocks [L, N, K/256 * H]");
   M = xd[0];
-  const int64_t K = xd[1], L = qd[0], N = qd[1], bits = kind == kQ4K ? 4 : 8, head = kind == kQ6K ? 18 : 16;
+  const int64_t K = xd[1], L = qd[0], N = bd[1], bits = kind == kQ4K ? 4 : 8, head = kind == kQ6K ? 18 : 16;
   const int64_t qrow = bits == 8 ? K : K / 2;
   if (K % 256) return fail("K must be a multiple of 256 (super-blocks)");
   const ffi::DataType want = bits == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
-  if (qweight.element_type() != want || qd[2] != qrow) return fail("qweight must be u8 [L, N, K/2] (Q4_K) or s8 [L, N, K]");
+  if (rows16 ? (qweight.element_type() != want || N % 16 || qd[1] * 16 != N || qd[2] != 16 * qrow)
+             : (qweight.element_type() != want || qd[1] != N || qd[2] != qrow))
+    return fail(rows16 ? "qweight must be u8 [L, N/16, 8 K] (Q4_K) or s8 [L, N/16, 16 K], N that of blocks"
+                       : "qweight must be u8 [L, N, K/2] (Q4_K) or s8 [L, N, K], N that of blocks");
   if (blocks.element_type() != ffi::DataType::U8 || bd[0] != L || bd[1] != N || bd[2] != K / 256 * head)
     return fail("blocks must be u8 [L, N, K/256 * 16] (Q4_K, Q5_K) or [L, N, K/256 * 18] (Q6_K)");
   const int64_t l = layer.typed_data()[0];
@@ -41,7 +46,7 @@ ffi::Error read_blocks(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& qweight, ffi::A
   const int64_t group = kind == kQ6K ? 16 : 32;
   const uint8_t* h = static_cast<const uint8_t*>(blocks.untyped_data()) + l * N * (K / 256 * head);
   w = QuantMatrix{static_cast<const uint8_t*>(qweight.untyped_data()) + l * N * qrow, h,
-                  kind == kQ6K ? nullptr : h, false, static_cast<int>(bits), N, K, K / group, group, kind};
+                  kind == kQ6K ? nullptr : h, false, static_cast<int>(bits), N, K, K / group, group, kind, rows16};
   return ffi::Error::Success();
 }
 
@@ -56,12 +61,13 @@ struct KQuantX {
 KQuantX quantize_for_blocks(const float* x, int64_t M, const QuantMatrix& w) {
   const int64_t K = w.K, B = K / kXBlock;
   std::vector<float> order;
-  if (w.bits == 4) {                        // the nibbles' order; each 32-element block keeps its elements
+  if (w.bits == 4 && !w.rows16) {           // the nibbles' order; each 32-element block keeps its elements
+                                            // (version 5's bytes hold k and k + 4, version 2's order: x as it is)
     order.resize(M * K);
     for (int64_t i = 0; i < M * K; i += 8)
       for (int64_t j = 0; j < 4; ++j) order[i + j] = x[i + 2 * j], order[i + 4 + j] = x[i + 2 * j + 1];
   }
-  KQuantX r{quantize_x2(w.bits == 4 ? order.data() : x, M, K, B, kXBlock, w.bits == 8 ? 128 : 0), {}};
+  KQuantX r{quantize_x2(order.empty() ? x : order.data(), M, K, B, kXBlock, w.bits == 8 ? 128 : 0), {}};
   if (w.block == kQ6K) {
     r.start16.resize(M * K / 16);
     for (int64_t i = 0; i < M * K / 16; ++i) {
@@ -110,24 +116,30 @@ inline void columns16(const uint8_t* const rows[16], int64_t cols, uint8_t* dst)
   }
 }
 
-// rows [n0, n0 + 16) of w (clamped at N - 1) into the interleaved scratch: q, each row's dword s at
+// rows [n0, n0 + 16) of w (clamped at N - 1): headers16 their headers decoded into ws [S, 16] and wm
+// [K/32, 16]; interleave16 also their quants into the interleaved scratch: q, each row's dword s at
 // bytes s * 64 + (row % 16) * 4; ws [S, 16] its sub-block scales (S = K / group), wm [K/32, 16] its
 // mins; tmp_s, tmp_m: [16, S] each row's as decoded
-void interleave16(const QuantMatrix& w, int64_t n0, uint8_t* q, float* ws, float* wm, float* tmp_s, float* tmp_m) {
-  const int64_t qrow = w.bits == 8 ? w.K : w.K / 2, S = w.G;
-  const uint8_t* qrows[16];
+void headers16(const QuantMatrix& w, int64_t n0, float* ws, float* wm, float* tmp_s, float* tmp_m) {
+  const int64_t S = w.G;
   const uint8_t* srows[16];
   const uint8_t* mrows[16];
   for (int64_t i = 0; i < 16; ++i) {
     const int64_t n = std::min(n0 + i, w.N - 1);
-    qrows[i] = w.q + n * qrow;
     srows[i] = reinterpret_cast<const uint8_t*>(tmp_s + i * S);
     mrows[i] = reinterpret_cast<const uint8_t*>(tmp_m + i * S);
     block_row(w, n, tmp_s + i * S, w.min != nullptr ? tmp_m + i * S : nullptr);
   }
-  columns16(qrows, qrow / 4, q);
   columns16(srows, S, reinterpret_cast<uint8_t*>(ws));
   if (w.min != nullptr) columns16(mrows, S, reinterpret_cast<uint8_t*>(wm));
+}
+
+void interleave16(const QuantMatrix& w, int64_t n0, uint8_t* q, float* ws, float* wm, float* tmp_s, float* tmp_m) {
+  const int64_t qrow = w.bits == 8 ? w.K : w.K / 2;
+  const uint8_t* qrows[16];
+  for (int64_t i = 0; i < 16; ++i) qrows[i] = w.q + std::min(n0 + i, w.N - 1) * qrow;
+  columns16(qrows, qrow / 4, q);
+  headers16(w, n0, ws, wm, tmp_s, tmp_m);
 }
 
 // 16 interleaved matrix rows times MR rows of x (from m0) into out + (m0 + j) * ostride: per block of 32
@@ -189,20 +201,27 @@ void kquant_rows(const uint8_t* q, const float* ws, const float* wm, const KQuan
 
 // groups of 16 rows [g0, g1): each interleaved into this task's scratch, then its tiles; a last,
 // partial group is computed whole (its missing rows repeat row N - 1) into `tail` and copied
+// (version 5: the quants already interleaved, read where they lie; only the headers decoded)
 void kquant_groups(const QuantMatrix& w, const KQuantX& x, int64_t M, int64_t g0, int64_t g1, float* out) {
   const int64_t qrow = w.bits == 8 ? w.K : w.K / 2;
-  std::vector<uint8_t> q(16 * qrow);
+  std::vector<uint8_t> copy(w.rows16 ? 0 : 16 * qrow);
   std::vector<float> ws(16 * w.G), wm(16 * w.G), tmp_s(16 * w.G), tmp_m(16 * w.G), tail;
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t n0 = g * 16, rows = std::min<int64_t>(16, w.N - n0);
-    interleave16(w, n0, q.data(), ws.data(), wm.data(), tmp_s.data(), tmp_m.data());
+    const uint8_t* q = copy.data();
+    if (w.rows16) {
+      q = w.q + g * 16 * qrow;
+      headers16(w, n0, ws.data(), wm.data(), tmp_s.data(), tmp_m.data());
+    } else {
+      interleave16(w, n0, copy.data(), ws.data(), wm.data(), tmp_s.data(), tmp_m.data());
+    }
     if (rows < 16) tail.assign(M * 16, 0.f);
     float* o = rows < 16 ? tail.data() : out + n0;
     const int64_t stride = rows < 16 ? 16 : w.N;
     const float* mins = w.min != nullptr ? wm.data() : nullptr;
-    if (w.block == kQ6K) kquant_rows<8, true>(q.data(), ws.data(), mins, x, M, w.K, o, stride);
-    else if (w.bits == 8) kquant_rows<8, false>(q.data(), ws.data(), mins, x, M, w.K, o, stride);
-    else kquant_rows<4, false>(q.data(), ws.data(), mins, x, M, w.K, o, stride);
+    if (w.block == kQ6K) kquant_rows<8, true>(q, ws.data(), mins, x, M, w.K, o, stride);
+    else if (w.bits == 8) kquant_rows<8, false>(q, ws.data(), mins, x, M, w.K, o, stride);
+    else kquant_rows<4, false>(q, ws.data(), mins, x, M, w.K, o, stride);
     for (int64_t m = 0; rows < 16 && m < M; ++m) std::memcpy(out + m * w.N + n0, tail.data() + m * 16, rows * 4);
   }
 }
@@ -370,9 +389,10 @@ void kquant_rows_small(ffi::ThreadPool& pool, const float* xf, const QuantMatrix
 constexpr int64_t kTileRows = 4;
 
 // the product: 16 rows at a time with VNNI from kTileRows rows of x, version 1's row loops elsewhere
+// (version 5: the tiles at every row count, its quants read where they lie)
 void quant_linear_v3(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, float* op) {
 #if defined(__AVX512VNNI__)
-  if (M < kTileRows) return kquant_rows_small(pool, x, w, M, op);
+  if (M < kTileRows && !w.rows16) return kquant_rows_small(pool, x, w, M, op);
   const KQuantX xq = quantize_for_blocks(x, M, w);
   const int64_t NG = (w.N + 15) / 16;
   constexpr int64_t kGroupsPerTask = kLinearRows / 16;
@@ -385,24 +405,30 @@ void quant_linear_v3(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w
 #endif
 }
 
+template <bool kRows16>
 ffi::Error QuantLinearK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qweight, ffi::AnyBuffer blocks,
                         ffi::Buffer<ffi::S32> layer, int64_t kind, ffi::ResultBuffer<ffi::F32> out) {
   QuantMatrix w;
   int64_t M;
-  if (ffi::Error e = read_blocks(x, qweight, blocks, layer, kind, w, M); e.failure()) return e;
+  if (ffi::Error e = read_blocks(x, qweight, blocks, layer, kind, w, M, kRows16); e.failure()) return e;
   quant_linear_v3(pool, x.typed_data(), w, M, out->typed_data());
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-// x, qweight, blocks, layer; kind: version 3 (GGUF K-quant blocks)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v3, QuantLinearK,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("kind")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// x, qweight, blocks, layer; kind: versions 3 and 5 (GGUF K-quant blocks; 5: the quants interleaved)
+static auto QuantLinearKBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Attr<int64_t>("kind")
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v3, QuantLinearK<false>, QuantLinearKBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v5, QuantLinearK<true>, QuantLinearKBinding());

@@ -86,23 +86,6 @@ inline void prefetch_group_scalars(const QuantMatrix& w, int64_t g, int64_t g1) 
   if (w.min != nullptr) prefetch_bytes(w.min, g * bytes, bytes);
 }
 
-// the integer value of element k of matrix row n in the interleaved layout (portable path)
-inline int int_of2(const QuantMatrix& w, int64_t n, int64_t k) {
-  if (w.bits == 5) {   // version 4: the block's nibble byte, then its fifth bit in the step's mask
-    const uint8_t* blk = w.q + (n / 16) * 10 * w.K + (k / 32) * 320;
-    const int64_t s = k / 8 % 4, lane = (n % 16) * 4 + k % 4, half = k % 8 < 4 ? 0 : 1;
-    const uint8_t b = blk[s * 64 + lane];
-    const int nib = half ? (b >> 4) : (b & 0xF);
-    const int high = (blk[256 + s * 16 + half * 8 + lane / 8] >> (lane % 8)) & 1;
-    return (nib | (high << 4)) - 16;
-  }
-  if (w.bits == 8)
-    return reinterpret_cast<const int8_t*>(w.q)[((n / 16) * (w.K / 4) + k / 4) * 64 + (n % 16) * 4 + k % 4];
-  const uint8_t b = w.q[((n / 16) * (w.K / 8) + k / 8) * 64 + (n % 16) * 4 + k % 4];
-  const int v = (k % 8) < 4 ? (b & 0xF) : (b >> 4);
-  return w.min == nullptr && v > 7 ? v - 16 : v;
-}
-
 // row groups [g0, g1), portably: the integer block sums (the weights as they are, signed), then f32
 void quant2_portable(const QuantMatrix& w, const QuantX2& x, int64_t M, int64_t g0, int64_t g1, float* out) {
   const int64_t B = w.K / kXBlock, per_group = w.group / kXBlock;
@@ -116,7 +99,7 @@ void quant2_portable(const QuantMatrix& w, const QuantX2& x, int64_t M, int64_t 
         const int8_t* xr = x.xq.data() + m * w.K;
         for (int64_t b = 0; b < B; ++b) {
           int32_t dot = 0;
-          for (int64_t k = b * kXBlock; k < (b + 1) * kXBlock; ++k) dot += xr[k] * int_of2(w, n, k);
+          for (int64_t k = b * kXBlock; k < (b + 1) * kXBlock; ++k) dot += xr[k] * int_of_interleaved(w, n, k);
           total += static_cast<float>(dot) * (ws[(b / per_group) * 16 + n % 16] * x.d[m * B + b]);
         }
         for (int64_t g = 0; wm != nullptr && g < w.G; ++g) total += wm[g * 16 + n % 16] * x.xsum[m * w.G + g];

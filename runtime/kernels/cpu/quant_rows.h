@@ -32,7 +32,27 @@ struct QuantMatrix {
   int bits;
   int64_t N, K, G, group;
   int64_t block = kPlain;
+  bool rows16 = false;  // v5: a K-quant matrix's quants interleaved by 16 rows as v2's (headers row by row)
 };
+
+// the integer value of element k of matrix row n in version 2's interleaved layout (and version 5's
+// quants; int4 two's complement without mins, unsigned with them or in K-quant blocks); version 4's
+// 5-bit values: the block's nibble byte, then its fifth bit in the step's mask
+inline int int_of_interleaved(const QuantMatrix& w, int64_t n, int64_t k) {
+  if (w.bits == 5) {
+    const uint8_t* blk = w.q + (n / 16) * 10 * w.K + (k / 32) * 320;
+    const int64_t s = k / 8 % 4, lane = (n % 16) * 4 + k % 4, half = k % 8 < 4 ? 0 : 1;
+    const uint8_t b = blk[s * 64 + lane];
+    const int nib = half ? (b >> 4) : (b & 0xF);
+    const int high = (blk[256 + s * 16 + half * 8 + lane / 8] >> (lane % 8)) & 1;
+    return (nib | (high << 4)) - 16;
+  }
+  if (w.bits == 8)
+    return reinterpret_cast<const int8_t*>(w.q)[((n / 16) * (w.K / 4) + k / 4) * 64 + (n % 16) * 4 + k % 4];
+  const uint8_t b = w.q[((n / 16) * (w.K / 8) + k / 8) * 64 + (n % 16) * 4 + k % 4];
+  const int v = (k % 8) < 4 ? (b & 0xF) : (b >> 4);
+  return w.min == nullptr && w.block == kPlain && v > 7 ? v - 16 : v;
+}
 
 // count scales (or mins) from element `start` of base, widened to f32 into dst
 inline void widen(const void* base, bool f16, int64_t start, int64_t count, float* dst) {
@@ -155,6 +175,7 @@ inline QuantizedX quantize_x(const float* x, int64_t M, const QuantMatrix& w) {
 
 // the integer value q of element k of matrix row n (element 2j of a byte pair is the low nibble)
 inline int int_of(const QuantMatrix& w, int64_t n, int64_t k) {
+  if (w.rows16) return int_of_interleaved(w, n, k);
   if (w.bits == 8) return reinterpret_cast<const int8_t*>(w.q)[n * w.K + k];
   const uint8_t b = w.q[n * (w.K / 2) + k / 2];
   const int v = (k % 2) ? (b >> 4) : (b & 0xF);

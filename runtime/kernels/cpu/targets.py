@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from hloserve.runtime.artifact.kernels import (GROUPED_EXPERTS, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2,
                                                PRODUCT_SUM, QUANT_EXPERTS, ROW_SUM, QUANT_LINEAR, QUANT_LINEAR_V2,
-                                               QUANT_LINEAR_V3, QUANT_LINEAR_V4)
+                                               QUANT_LINEAR_V3, QUANT_LINEAR_V4, QUANT_LINEAR_V5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +107,8 @@ TARGETS = {
     # SmolLM2's Q4_K_M: 259 ms against 546 with its 30 down matrices dequantized for XLA's dot above
     # 64 rows, docs/performance.md 2026-11-29, later); version 1's row loops without VNNI
     QUANT_LINEAR_V3.key: Target("hloserve_quant_linear_v3", max_rows=_quant_linear_v2_rows, result_dims=((0, 0), (1, 1))),
+    # the same with the quants interleaved at export: the tiles at every row count, no per-call copy
+    QUANT_LINEAR_V5.key: Target("hloserve_quant_linear_v5", max_rows=_quant_linear_v2_rows, result_dims=((0, 0), None)),
     # every row count: the kernel computes T k rows' products where the decomposition computes T per
     # expert taken (up to E/k times as many), reading each matrix once either way
     GROUPED_EXPERTS.key: Target("hloserve_grouped_experts"),

@@ -46,7 +46,8 @@ import os
 from typing import Any, Sequence
 
 from hloserve.runtime.artifact.kernels import (COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2, QUANT_LINEAR,
-                                               QUANT_LINEAR_V2, QUANT_LINEAR_V3, QUANT_LINEAR_V4, Holds)
+                                               QUANT_LINEAR_V2, QUANT_LINEAR_V3, QUANT_LINEAR_V4, QUANT_LINEAR_V5,
+                                               Holds)
 
 from ... import _private
 from ..backend import Specialized
@@ -63,7 +64,7 @@ LAYER_LINEAR_ENV = "HLOSERVE_GPU_LAYER_LINEAR"   # "1": GPUs run layer_linear's 
 LOWERING = {"tpu": "tpu", "gpu": "cuda", "cuda": "cuda"}
 # the composites a Pallas kernel runs (where the cache shape suits it: `choose`; GPUs: layer_linear opt-in)
 SERVED = frozenset({PAGED_ATTENTION.key, PAGED_ATTENTION_V2.key, QUANT_LINEAR_V2.key, QUANT_LINEAR_V3.key,
-                    QUANT_LINEAR_V4.key})
+                    QUANT_LINEAR_V4.key, QUANT_LINEAR_V5.key})
 # what the layer_linear composite runs on a TPU, and why (see the module docstring)
 XLA_DOT = "XLA's dot (the decomposition): the MXU takes the 16-bit operands with f32 sums, as the contract asks"
 # the result dims of each placeholder for shape refinement ((operand, dim), None: static); default: x's
@@ -203,11 +204,15 @@ def _choose_quant(platform: str, version: int, attrs: dict[str, Any]) -> KernelP
     why = quant.why_not(version, attrs)
     if why:
         return KernelPlan(name, version, platform, None, {}, why)
-    kquant = version == QUANT_LINEAR_V3.version
+    kquant = version in (QUANT_LINEAR_V3.version, QUANT_LINEAR_V5.version)
     params = dataclasses.asdict((quant.KQuantParams if kquant else quant.QuantParams).from_attributes(attrs))
     if not enabled():
         return KernelPlan(name, version, platform, None, params, f"{ENV}=0")
     module = _module(platform, name)
+    if version == QUANT_LINEAR_V5.version:
+        return KernelPlan(name, version, platform, module.NAME, params,
+                          "version 2's kernel on the interleaved K-quant bytes, read in place; the layer's sub-block "
+                          "scales decoded in the graph")
     if kquant:
         return KernelPlan(name, version, platform, module.KQUANT_NAME, params,
                           "reads the layer's K-quant bytes in place, its sub-block scales decoded in the graph, "
@@ -251,8 +256,10 @@ def specialize(exported: Any, platform: str) -> tuple[Any, list[KernelPlan]]:
         with api.ir.InsertionPoint(op):
             if p.kernel is None:
                 swap(op, decomposition_call(api, op))
-            else:
-                swap(op, custom_call(api, PENDING[info.name], [r.type for r in op.results], info.operands, info.config,
+            else:   # quant_linear's placeholders say their version (3 and 5 have the same attributes)
+                config = info.config if info.name != QUANT_LINEAR.name else {
+                    **info.config, "version": api.ir.IntegerAttr.get(api.ir.IntegerType.get_signless(64), info.version)}
+                swap(op, custom_call(api, PENDING[info.name], [r.type for r in op.results], info.operands, config,
                                      RESULT_DIMS.get(info.name)))
         return True
 
@@ -288,6 +295,10 @@ def _build_kernel(target: str, config: dict, operand_types: list, api, *, platfo
         holds = Holds(int(attrs.get("holds", Holds.BF16)))
         kernel = functools.partial(_module(platform, LAYER_LINEAR.name).layer_linear, dtype=holds.dtype_name,
                                    interpret=interpret)
+    elif target == quant.PENDING and int(attrs.get("version", 0)) == QUANT_LINEAR_V5.version:   # interleaved K-quants
+        contract = QUANT_LINEAR_V5
+        kernel = functools.partial(_module(platform, QUANT_LINEAR.name).kquant16_linear,
+                                   params=quant.KQuantParams.from_attributes(attrs), interpret=interpret)
     elif target == quant.PENDING and "kind" in attrs:    # version 3: K-quant blocks
         contract = QUANT_LINEAR_V3
         kernel = functools.partial(_module(platform, QUANT_LINEAR.name).kquant_linear,

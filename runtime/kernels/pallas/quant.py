@@ -32,6 +32,10 @@ int4's unsigned ones, add 16 where a lane's bit is set (each platform spreads a 
 8 lanes it covers as its lowering allows), then run version 2's products with q = code - 16 and one
 scale per block.
 
+Version 5 (K-quants whose quants were interleaved by 16 rows at export, version 2's layout) runs
+version 2's kernels on them, the layer's headers decoded in the graph into version 2's scale and min
+rows (`kquant16_operands`; groups of 32, Q6_K's of 16).
+
 Version 1 (rows stored one by one: matrices whose row count is not a multiple of 16, or groups
 that are not whole 32-element blocks) keeps its decomposition (`why_not`).
 """
@@ -40,8 +44,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hloserve.runtime.artifact.kernels import (QUANT_LINEAR_V2, QUANT_LINEAR_V3, QUANT_LINEAR_V4, X_BLOCK, Block,
-                                               block_scales, quantize_blocks)
+from hloserve.runtime.artifact.kernels import (QUANT_LINEAR_V2, QUANT_LINEAR_V3, QUANT_LINEAR_V4, QUANT_LINEAR_V5,
+                                               X_BLOCK, Block, block_scales, quantize_blocks)
 
 ROWS = 16           # rows of one interleaved block (schemes.INTERLEAVE, the version 2 layout)
 PENDING = "hloserve_pallas_quant_linear"   # its placeholder custom call (pallas/__init__.py)
@@ -74,10 +78,10 @@ def why_not(version: int, attrs: dict[str, Any]) -> str | None:
     if version == 1:
         return "version 1 (rows one by one: a row count not a multiple of 16, or groups of other than whole " \
                "32-element blocks): the decomposition"
-    if version == QUANT_LINEAR_V3.version:
+    if version in (QUANT_LINEAR_V3.version, QUANT_LINEAR_V5.version):
         kind = int(attrs["kind"])
         if kind not in Block._value2member_map_:
-            return f"version 3 kind {kind}: the kernels take the K-quant blocks {', '.join(b.name for b in Block)}"
+            return f"version {version} kind {kind}: the kernels take the K-quant blocks {', '.join(b.name for b in Block)}"
         return None
     if version == QUANT_LINEAR_V4.version:
         p = QuantParams.from_attributes(attrs)
@@ -186,6 +190,21 @@ def kquant_scales(blocks, layer, params: KQuantParams):
     from jax import lax
     picked = lax.dynamic_index_in_dim(blocks, layer_of(layer, blocks.shape[0])[0], 0, False)
     return block_scales(picked, params.block, xp=jnp)
+
+
+def kquant16_operands(blocks, layer, params: KQuantParams):
+    """Version 5 (K-quants, the quants interleaved as version 2's) on version 2's kernels: the layer's
+    headers decoded in the graph (kquant_scales) and laid out as version 2's scale and min rows, a stack
+    of one [1, N/16, K/group, 16] (the layer already picked; min f32[0] for Q6_K), and version 2's
+    parameters (Q4_K: int4 unsigned nibbles with mins; Q5_K, Q6_K: int8 bytes)."""
+    import jax.numpy as jnp
+    scale, low = kquant_scales(blocks, layer, params)                    # [N, K / group] f32
+
+    def rows(a):
+        n, g = a.shape
+        return a.reshape(n // ROWS, ROWS, g).transpose(0, 2, 1)[None]   # [1, N/16, G, 16]
+    mins = jnp.zeros((0,), jnp.float32) if low is None else rows(low)
+    return rows(scale), mins, QuantParams(params.bits, params.group)
 
 
 def weights_nt(x, w):

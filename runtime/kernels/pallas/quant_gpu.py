@@ -36,8 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .quant import (ROWS, KQuantParams, QuantParams, five_phases, kquant_scales, layer_of, padded_rows, phases, steps,
-                    weights_nt, widen)
+from .quant import (ROWS, KQuantParams, QuantParams, five_phases, kquant16_operands, kquant_scales, layer_of,
+                    padded_rows, phases, steps, weights_nt, widen)
 
 NAME = "pallas_triton.quant_linear"
 KQUANT_NAME = "pallas_triton.kquant_linear"
@@ -75,16 +75,17 @@ def _product(x, w):
 
 
 def _kernel(layer_ref, x_ref, w_ref, s_ref, *rest, params: QuantParams, bm: int, u: int, ka: int,
-            symmetric: bool):
+            symmetric: bool, picked: bool):
     m_ref, o_ref = (None, rest[0]) if symmetric else rest
     i, nb = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
+    at = 0 if picked else layer                                         # the scales' layer
     rows = pl.ds(i * bm, bm)
 
     def body(t, acc):
         a0 = t * u
-        s = _scale_tile(s_ref, layer, nb, a0, u, params.per_group)
-        mn = None if symmetric else _scale_tile(m_ref, layer, nb, a0, u, params.per_group)
+        s = _scale_tile(s_ref, at, nb, a0, u, params.per_group)
+        mn = None if symmetric else _scale_tile(m_ref, at, nb, a0, u, params.per_group)
         for c in range(4):
             parts = widen(w_ref[layer, nb, pl.ds(a0, u), :, c], params.bits, symmetric)
             for h, q in enumerate(parts):          # int4: the high nibble is phase 4 + c
@@ -96,9 +97,10 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, *rest, params: QuantParams, bm: int,
 
 
 def quant_linear(x, qweight, scale, min_, layer, *, params: QuantParams, interpret: bool = False,
-                 num_warps: int = 4):
+                 num_warps: int = 4, picked: bool = False):
     """The composite's operands (QUANT_LINEAR_V2: x f32[M, K], qweight [L, N/16, 16 K | 8 K], scale and
-    min [L, N/16, K/group, 16] or min f32[0], layer s32[]) -> f32[M, N]."""
+    min [L, N/16, K/group, 16] or min f32[0], layer s32[]) -> f32[M, N]. `picked`: scale and min are
+    the layer's already, a stack of one (version 5's decoded headers)."""
     M, K = x.shape
     L, NB = qweight.shape[:2]
     symmetric = min_.size == 0
@@ -111,7 +113,7 @@ def quant_linear(x, qweight, scale, min_, layer, *, params: QuantParams, interpr
     mins = () if symmetric else (min_,)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
-        functools.partial(_kernel, params=params, bm=bm, u=u, ka=ka, symmetric=symmetric),
+        functools.partial(_kernel, params=params, bm=bm, u=u, ka=ka, symmetric=symmetric, picked=picked),
         grid=(mp // bm, NB),
         in_specs=[any_spec] * (4 + len(mins)),
         out_specs=pl.BlockSpec((bm, ROWS), lambda i, nb: (i, nb)),
@@ -121,6 +123,15 @@ def quant_linear(x, qweight, scale, min_, layer, *, params: QuantParams, interpr
         name="hloserve_quant_linear",
     )(layer_of(layer, L), xs, w, scale, *mins)
     return out[:M]
+
+
+def kquant16_linear(x, qweight, blocks, layer, *, params: KQuantParams, interpret: bool = False,
+                    num_warps: int = 4):
+    """Version 5 (QUANT_LINEAR_V5: qweight interleaved as version 2's, blocks u8 [L, N, K/256 * H]) on
+    version 2's kernel, the layer's headers decoded in the graph (quant.kquant16_operands)."""
+    scale, mins, p = kquant16_operands(blocks, layer, params)
+    return quant_linear(x, qweight, scale, mins, layer, params=p, interpret=interpret, num_warps=num_warps,
+                        picked=True)
 
 
 def _product_nt(x, w):

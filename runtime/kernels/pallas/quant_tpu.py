@@ -36,8 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .quant import (ROWS, KQuantParams, QuantParams, five_phases, kquant_scales, layer_of, padded_rows, phases, steps,
-                    weights_nt, widen)
+from .quant import (ROWS, KQuantParams, QuantParams, five_phases, kquant16_operands, kquant_scales, layer_of,
+                    padded_rows, phases, steps, weights_nt, widen)
 
 NAME = "pallas_tpu.quant_linear"
 KQUANT_NAME = "pallas_tpu.kquant_linear"
@@ -111,9 +111,11 @@ def _tiles(params: QuantParams, m: int, k: int, nb: int) -> tuple[int, int, int]
     return bm, t, u
 
 
-def quant_linear(x, qweight, scale, min_, layer, *, params: QuantParams, interpret: bool = False):
+def quant_linear(x, qweight, scale, min_, layer, *, params: QuantParams, interpret: bool = False,
+                 picked: bool = False):
     """The composite's operands (QUANT_LINEAR_V2: x f32[M, K], qweight [L, N/16, 16 K | 8 K], scale and
-    min [L, N/16, K/group, 16] or min f32[0], layer s32[]) -> f32[M, N]."""
+    min [L, N/16, K/group, 16] or min f32[0], layer s32[]) -> f32[M, N]. `picked`: scale and min are
+    the layer's already, a stack of one (version 5's decoded headers)."""
     M, K = x.shape
     L, NB = qweight.shape[:2]
     G = scale.shape[2]
@@ -122,7 +124,7 @@ def quant_linear(x, qweight, scale, min_, layer, *, params: QuantParams, interpr
     ka = K // params.unit
     mp = padded_rows(M, bm)
     at = layer_of(layer, L)
-    picked = [lax.dynamic_index_in_dim(a, at[0], 0, False).astype(jnp.float32)
+    picked = [(a[0] if picked else lax.dynamic_index_in_dim(a, at[0], 0, False)).astype(jnp.float32)
               for a in ((scale,) if symmetric else (scale, min_))]           # [N/16, G, 16] f32
     groups = max(1, u // params.per_group)
     scale_spec = pl.BlockSpec((T, G, ROWS), lambda i, j, k, layer: (j, 0, 0))
@@ -143,6 +145,13 @@ def quant_linear(x, qweight, scale, min_, layer, *, params: QuantParams, interpr
         name="hloserve_quant_linear",
     )(at, phases(x, params, mp), qweight.reshape(L, NB, ka, LANES), *picked)
     return out.transpose(1, 0, 2).reshape(mp, NB * ROWS)[:M]
+
+
+def kquant16_linear(x, qweight, blocks, layer, *, params: KQuantParams, interpret: bool = False):
+    """Version 5 (QUANT_LINEAR_V5: qweight interleaved as version 2's, blocks u8 [L, N, K/256 * H]) on
+    version 2's kernel, the layer's headers decoded in the graph (quant.kquant16_operands)."""
+    scale, mins, p = kquant16_operands(blocks, layer, params)
+    return quant_linear(x, qweight, scale, mins, layer, params=p, interpret=interpret, picked=True)
 
 
 def _spread_bytes(rows, group_bytes: int, width: int):
