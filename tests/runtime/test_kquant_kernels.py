@@ -22,7 +22,7 @@ from hloserve.exporter.gguf import quant as gguf_quant
 from hloserve.exporter.gguf.tensor import GGUFTensor
 from hloserve.quantization import modules, primitives
 from hloserve.quantization.schemes import WeightScheme
-from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V3, QUANT_LINEAR_V5, Block
+from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V3, Block
 from tests.runtime.test_kernels import library, max_rows, specialize  # noqa: F401 - the fixture
 from tests.support import kquants
 

@@ -25,7 +25,7 @@ from jax import export
 from hloserve.exporter import _private
 from hloserve.exporter.composites.quant_linear import (quant_linear_v3_reference, quant_linear_v5_reference,
                                                        quantize_blocks)
-from hloserve.runtime.artifact.kernels import QUANT_LINEAR, QUANT_LINEAR_V3, QUANT_LINEAR_V5, Block
+from hloserve.runtime.artifact.kernels import QUANT_LINEAR, QUANT_LINEAR_V3, Block
 from hloserve.runtime.kernels import pallas as accelerators
 from hloserve.runtime.kernels.pallas import quant, quant_gpu, quant_tpu
 from tests.runtime.test_kquant_kernels import _stack, interleaved
