@@ -48,6 +48,10 @@ DEFAULT_EXPORT_TAG = f"bf16-{EXPORT_STEP}"
 # "kvint8", "kvint8zp" or "kvint8ks" export is never taken for one); fp8_e4m3 rows since 2026-11-29
 # ("kvfp8_e4m3")
 KV_EXPORT_TAGS = {"int8": "int8f"}
+# --quantize -> its part of the cache tag where the stored format changed under the same flag: a GGUF's
+# own blocks with Q5_0 kept as 5-bit values and the K-quants' quants interleaved by 16 rows since
+# 2026-12-01 ("gguf2"; an older "gguf" export is never taken for one: it serves, slower)
+QUANTIZE_EXPORT_TAGS = {"gguf": "gguf2"}
 log = logging.getLogger("hloserve.server")
 
 
@@ -74,7 +78,8 @@ def export_choice(quantize: str, *, default_model: bool, kv_cache_dtype: str | N
         if kv_cache_dtype in (None, "bfloat16"):
             return DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG
         return ("--weight-dtype", "bfloat16", *kv), f"bf16-{kv_tag}{EXPORT_STEP}"
-    return ("--quantize", quantize, *kv), f"{quantize.lower().replace(':', '_')}-{kv_tag}{EXPORT_STEP}"
+    tag = QUANTIZE_EXPORT_TAGS.get(quantize.lower(), quantize.lower().replace(':', '_'))
+    return ("--quantize", quantize, *kv), f"{tag}-{kv_tag}{EXPORT_STEP}"
 
 
 def default_artifact_path(preset: str = DEFAULT_PRESET, tag: str = DEFAULT_EXPORT_TAG) -> str:

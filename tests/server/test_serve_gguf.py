@@ -22,7 +22,7 @@ def test_export_choice_table():
     """auto: the file's blocks for a GGUF named on the command line, bf16 for the default model; a
     quantized export keeps K and V in bf16 unless --kv-cache-dtype says otherwise."""
     assert export_choice("auto", default_model=False) == (("--quantize", "gguf", "--kv-cache-dtype", "bfloat16"),
-                                                          f"gguf-kvbfloat16-{EXPORT_STEP}")
+                                                          f"gguf2-kvbfloat16-{EXPORT_STEP}")
     assert export_choice("auto", default_model=True) == (DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG)
     assert export_choice("bf16", default_model=False) == (DEFAULT_EXPORT_FLAGS, DEFAULT_EXPORT_TAG)
     assert export_choice("int4:32:sym", default_model=False) == (
@@ -32,7 +32,7 @@ def test_export_choice_table():
     assert export_choice("auto", default_model=True, kv_cache_dtype="int8") == (
         ("--weight-dtype", "bfloat16", "--kv-cache-dtype", "int8"), f"bf16-kvint8f-{EXPORT_STEP}")
     assert export_choice("auto", default_model=False, kv_cache_dtype="int8") == (
-        ("--quantize", "gguf", "--kv-cache-dtype", "int8"), f"gguf-kvint8f-{EXPORT_STEP}")
+        ("--quantize", "gguf", "--kv-cache-dtype", "int8"), f"gguf2-kvint8f-{EXPORT_STEP}")
     for name in ("fp8", "fp8_e4m3"):   # vLLM's alias: the same export
         assert export_choice("auto", default_model=True, kv_cache_dtype=name) == (
             ("--weight-dtype", "bfloat16", "--kv-cache-dtype", "fp8_e4m3"), f"bf16-kvfp8_e4m3-{EXPORT_STEP}")
@@ -50,7 +50,7 @@ def test_quantize_is_refused_for_an_exported_artifact(tmp_path):
 @pytest.mark.slow
 def test_serve_gguf_file_serves_its_own_blocks(tmp_path):
     """`hloserve serve tiny-k.gguf` exports it with --quantize gguf through the generic step (the
-    manifest says so: the Q4_K and Q6_K layers kept as blocks, the Q5_0 one int8 g32), names the model after the file and
+    manifest says so: the Q4_K and Q6_K layers kept as blocks, the Q5_0 one its 5-bit values, int5 g32), names the model after the file and
     answers a completion; a second resolution reuses the export."""
     import openai
 
@@ -63,11 +63,11 @@ def test_serve_gguf_file_serves_its_own_blocks(tmp_path):
         r = client.completions.create(model=model, prompt="t t", max_tokens=4, temperature=0)
         assert r.usage.completion_tokens == 4
     art, name = serve_target(path)                        # already exported: found, not exported again
-    assert name == "tiny-k" and art.endswith(f"-gguf-kvbfloat16-{EXPORT_STEP}")
+    assert name == "tiny-k" and art.endswith(f"-gguf2-kvbfloat16-{EXPORT_STEP}")
     with open(os.path.join(art, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["model"]["quantization"]["native"] is True
     q, down = ([w["quant"] for n, w in sorted(manifest["weights"].items())
                 if part in n and w.get("quant", {}).get("role") == "qweight"] for part in ("q_proj", "down_proj"))
     assert [w["block"] for w in q] == ["Q4_K", "Q4_K"]
-    assert [(w["scheme"], w["scale_dtype"]) for w in down] == [("Q6_K", "f16"), ("int8", "f16")]
+    assert [(w["scheme"], w["scale_dtype"]) for w in down] == [("Q6_K", "f16"), ("int5", "f16")]
