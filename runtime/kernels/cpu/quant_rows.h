@@ -110,7 +110,12 @@ inline void block_row(const QuantMatrix& w, int64_t n, float* scale, float* min)
 #endif
     if (w.block == kQ6K) {
       const float d = half(h + 16);
+#if defined(__AVX512F__)
+      const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
+      _mm512_storeu_ps(scale + b * 16, _mm512_mul_ps(_mm512_set1_ps(d), sc));
+#else
       for (int j = 0; j < 16; ++j) scale[b * 16 + j] = d * static_cast<float>(static_cast<int8_t>(h[j]));
+#endif
       continue;
     }
     const float d = half(h), dmin = half(h + 2);
