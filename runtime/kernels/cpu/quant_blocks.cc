@@ -11,6 +11,11 @@
 // Q6_K's sub-blocks of 16 keep one int32 sum per half block. Below 4 rows of x (one request's decode)
 // a row loop reads each matrix row where it lies, its headers decoded once per super-block into
 // registers. Without VNNI version 1's portable loop (quant_rows.h) runs.
+//
+// hloserve_quant_linear_v5: the same blocks with their quants interleaved by 16 rows at export, in
+// version 2's order (Q4_K: a byte holds elements k and k + 4 of an 8-element step, so x is read in
+// its own order): the tiles at every row count on the quants where they lie, only the 16 rows'
+// headers decoded per group; the portable loop reads the interleaved bytes (quant_rows.h int_of).
 #include "quant_rows.h"
 
 namespace {
