@@ -127,6 +127,30 @@ inline void columns16(const uint8_t* const rows[16], int64_t cols, uint8_t* dst)
 // mins; tmp_s, tmp_m: [16, S] each row's as decoded
 void headers16(const QuantMatrix& w, int64_t n0, float* ws, float* wm, float* tmp_s, float* tmp_m) {
   const int64_t S = w.G;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (w.block != kQ6K && n0 + 16 <= w.N) {   // Q4_K / Q5_K: 4 headers a register, the 16 rows transposed in registers
+    const int64_t nb = w.K / 256;
+    const uint8_t* h = static_cast<const uint8_t*>(w.scale) + n0 * nb * 16;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512i r[16];
+      HLOSERVE_UNROLL
+      for (int g = 0; g < 4; ++g) {
+        const uint8_t* hs[4];
+        for (int i = 0; i < 4; ++i) hs[i] = h + ((4 * g + i) * nb + b) * 16;
+        __m512 o[4];
+        block_headers4(hs, o);
+        for (int i = 0; i < 4; ++i) r[4 * g + i] = _mm512_castps_si512(o[i]);
+      }
+      transpose16(r);                                    // r[c]: value c (sc 0-7, then m 0-7) of the 16 rows
+      HLOSERVE_UNROLL
+      for (int c = 0; c < 8; ++c) {
+        _mm512_storeu_si512(ws + (b * 8 + c) * 16, r[c]);
+        if (wm != nullptr && w.min != nullptr) _mm512_storeu_si512(wm + (b * 8 + c) * 16, r[8 + c]);
+      }
+    }
+    return;
+  }
+#endif
   const uint8_t* srows[16];
   const uint8_t* mrows[16];
   for (int64_t i = 0; i < 16; ++i) {

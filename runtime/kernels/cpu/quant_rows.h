@@ -92,6 +92,38 @@ inline void block_header(const uint8_t* h, float* scale, float* min) {
   const __m256 prod = _mm256_mul_ps(_mm256_set1_ps(half(h + 2)), m);
   _mm256_storeu_ps(min, _mm256_xor_ps(prod, _mm256_set1_ps(-0.f)));   // -(dmin * m_j)
 }
+
+// block_header for four headers h[0..3] (anywhere) at once, one per 128-bit lane: out[i] holds header
+// i's 8 scales d * sc_j (lanes 0-7) and its 8 mins -(dmin * m_j) (lanes 8-15), block_header's values
+template <int I>
+inline __m512 header_lane(__m512i r, const uint8_t* h) {
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(r, I)));
+  int32_t dm;
+  std::memcpy(&dm, h, 4);                                               // d, dmin (f16)
+  const __m512 both = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                            _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(dm))));
+  const __m512 sign = _mm512_castsi512_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN,
+                                                            INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN));
+  return _mm512_xor_ps(_mm512_mul_ps(both, v), sign);                  // [d sc_j, -(dmin m_j)]
+}
+
+inline void block_headers4(const uint8_t* const h[4], __m512 out[4]) {
+  __m512i H = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h[0])));
+  H = _mm512_inserti32x4(H, _mm_loadu_si128(reinterpret_cast<const __m128i*>(h[1])), 1);
+  H = _mm512_inserti32x4(H, _mm_loadu_si128(reinterpret_cast<const __m128i*>(h[2])), 2);
+  H = _mm512_inserti32x4(H, _mm_loadu_si128(reinterpret_cast<const __m128i*>(h[3])), 3);
+  const __m512i a = _mm512_shuffle_epi8(H, _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)));
+  const __m512i top = _mm512_shuffle_epi8(H, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 5, 6, 7, 0, 0, 0, 0, 8, 9, 10, 11)));
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i two = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(top, 6), _mm512_set1_epi8(3)), 4);
+  const __m512i low6 = _mm512_and_si512(a, _mm512_set1_epi8(63));
+  const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(a, nib), two);
+  const __m512i m_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), nib), two);
+  __m512i r = _mm512_mask_blend_epi8(0x00F000F000F000F0ull, low6, sc_hi);
+  r = _mm512_mask_blend_epi8(0xF000F000F000F000ull, r, m_hi);
+  out[0] = header_lane<0>(r, h[0]), out[1] = header_lane<1>(r, h[1]);
+  out[2] = header_lane<2>(r, h[2]), out[3] = header_lane<3>(r, h[3]);
+}
 #endif
 
 // row n's sub-block scales d * sc_j (and mins -(dmin * m_j), when `min` is given) of a K-quant
