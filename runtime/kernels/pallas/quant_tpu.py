@@ -226,18 +226,11 @@ def kquant_linear(x, qweight, blocks, layer, *, params: KQuantParams, interpret:
     return out[:M]
 
 
-def _select(m, where):
-    """m [R, 64] times the 0/1 matrix [64, 64] that is 1 where where(row, column): each column takes
-    the one entry of m's row that `where` names (exact)."""
-    r = lax.broadcasted_iota(jnp.int32, (LANES, LANES), 0)
-    c = lax.broadcasted_iota(jnp.int32, (LANES, LANES), 1)
-    return _dot(m, where(r, c).astype(jnp.float32))
-
-
 def _fifth_bits(masks, step: int, high: int):
     """A tile's mask bytes f32 [B, 64] -> 16 x each lane's fifth bit for k-step `step`'s low (high 0)
     or high (1) nibbles, f32 [B, 64]: lane l's byte is 16 step + 8 high + l // 8, its bit l % 8."""
-    byte = _select(masks, lambda j, l: j == 16 * step + 8 * high + lax.div(l, 8)).astype(jnp.int32)
+    spread = _pick((LANES, LANES), lambda j: j, lambda l: 16 * step + 8 * high + lax.div(l, 8))
+    byte = _dot(masks, spread).astype(jnp.int32)                        # exact: one nonzero term
     lane = lax.broadcasted_iota(jnp.int32, byte.shape, 1)
     return (lax.shift_right_logical(byte, lane & 7) & 1).astype(jnp.float32) * 16.0
 
