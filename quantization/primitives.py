@@ -189,13 +189,11 @@ def gather_rows(qweight, scale, min_, indices, bits: int, xp=np):
 
 def block_quants(qweight, scheme: WeightScheme, xp=np):
     """One K-quant matrix's quants (schemes.py: row by row, or interleaved by 16 rows) -> their values
-    int8 [N, K] (Q4_K unsigned [0, 15]). numpy or jax.numpy (`xp`), like rows_in_order."""
+    int8 [N, K] (Q4_K unsigned [0, 15]). Interleaved: numpy or jax.numpy (`xp`), like rows_in_order;
+    row by row: numpy (version 3's decomposition reads those as they are)."""
     if scheme.rows:
         return rows_in_order(qweight, None, None, scheme.bits, xp, signed=False)[0]
-    if scheme.bits == 4:
-        b = qweight.view(xp.int8)
-        return xp.stack([b & 0xF, (b >> 4) & 0xF], axis=-1).reshape(*qweight.shape[:-1], 2 * qweight.shape[-1])
-    return qweight
+    return unpack_int4(qweight, signed=False) if scheme.bits == 4 else qweight
 
 
 def dequantize_blocks(qweight: np.ndarray, blocks: np.ndarray, scheme: WeightScheme) -> np.ndarray:

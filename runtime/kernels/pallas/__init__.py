@@ -199,7 +199,7 @@ def _choose_linear(platform: str, version: int, attrs: dict[str, Any]) -> Kernel
 
 
 def _choose_quant(platform: str, version: int, attrs: dict[str, Any]) -> KernelPlan:
-    """The plan for a quant_linear: version 2's, 3's or 4's kernel, or why its decomposition runs."""
+    """The plan for a quant_linear: version 2's, 3's, 4's or 5's kernel, or why its decomposition runs."""
     name = QUANT_LINEAR.name
     why = quant.why_not(version, attrs)
     if why:
