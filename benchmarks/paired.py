@@ -1,0 +1,168 @@
+"""Servers measured in turn within the same minutes: every system up at once, the work alternated.
+
+    python benchmarks/paired.py --hloserve ART [--hloserve ART2] [--llama-server GGUF] [--vllm HF_DIR]
+                                --tokenizer DIR [--concurrency 1] [--rounds 12] [--output-len 64]
+
+benchmarks/serve.py serves one system after the other, minutes apart; on a shared machine whose read
+bandwidth moves by half within an hour (29 to 50 GB/s, docs/performance.md) that puts the machine's
+minute into every ratio. Here all servers are started first (an idle server sleeps: hloserve's
+engine waits on its queue, llama-server's slots and vLLM's engine core block), then each round runs
+the same work on every system back to back, the order rotated round by round: at c=1 one request
+(the same prompt for every system), above that one level of --requests requests at that concurrency.
+Every round also reads the machine's bandwidth (benchmarks/read_bandwidth.cc, both cores), so a
+round's ratio can be read against the minute it ran in.
+
+Prints per round each system's c=1 TPOT (or c>1 output tok/s) and its ratio to the first system,
+then the medians and the per-round ratios' median; writes them as JSON (--json). Prompts: random
+vocabulary tokens of --min-input..--max-input tokens (serve.py's way), EOS ignored, greedy. Systems
+are named by kind and file; the servers are serve.py's (the same flags: llama-server -t <cores>
+--no-repack, vLLM one compute thread bound to core 0).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import serve as S  # noqa: E402  (benchmarks/serve.py: its servers, client and prompts)
+
+
+def bandwidth_reader(workdir: str) -> str | None:
+    """benchmarks/read_bandwidth.cc built once (None without a C++ compiler)."""
+    exe = os.path.join(workdir, "read_bandwidth")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "read_bandwidth.cc")
+    try:
+        subprocess.run(["g++", "-O2", "-march=native", "-pthread", src, "-o", exe], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return exe
+
+
+def read_bandwidth(exe: str | None) -> float | None:
+    """The machine's read bandwidth now, GB/s (the median of read_bandwidth.cc's runs)."""
+    if exe is None:
+        return None
+    out = subprocess.run([exe], capture_output=True, text=True, check=False).stdout
+    _, found, rest = out.partition("median ")
+    with contextlib.suppress(ValueError):
+        return float(rest.split()[0]) if found else None
+    return None
+
+
+def commands(args, max_len: int) -> list[tuple[str, list[str], str, dict]]:
+    """(name, command, ready path, environment) of every system, in the order given."""
+    out = []
+    for art in args.hloserve:
+        out.append((f"hloserve {os.path.basename(art.rstrip('/'))}",
+                    [sys.executable, "-m", S.HLOSERVE_CLI, "serve", art, "--port", str(S.free_port()), "--model-name",
+                     S.MODEL, "--max-model-len", str(max_len), *args.hloserve_args.split()], "/ready", {}))
+    for gguf in args.llama_server:
+        slots = max(args.concurrency)
+        out.append((f"llama-server {os.path.basename(gguf)}",
+                    [args.llama_server_bin, "-m", gguf, "-t", str(os.cpu_count()), "-np", str(slots),
+                     "-c", str(max_len * slots), "--host", "127.0.0.1", "--port", str(S.free_port()), "-a", S.MODEL,
+                     *args.llama_server_args.split()], "/health", {}))
+    if args.vllm_dir:
+        env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0", "HF_HUB_OFFLINE": "1",
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        out.append(("vLLM", [args.vllm, "serve", args.vllm_dir, "--dtype", "bfloat16", "--served-model-name", S.MODEL,
+                             "--host", "127.0.0.1", "--port", str(S.free_port()), "--max-model-len", str(max_len)],
+                    "/v1/models", env))
+    return out
+
+
+def run_round(bases: dict[str, str], order: list[str], reqs: list[S.Request], c: int) -> dict[str, float]:
+    """One round: the same requests on every system in `order`; c=1: TPOT ms, else output tok/s."""
+    got = {}
+    for name in order:
+        results, secs = asyncio.run(S.run_level_http(bases[name], reqs, c, {"ignore_eos": True}, f"{name} c={c}"))
+        level = S.Level(name, "paired", c, results, secs)
+        got[name] = level.summary()["tpot_p50_ms"] if c == 1 else level.output_tokens_per_s
+    return got
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hloserve", action="append", default=[], help="an artifact `hloserve serve` serves (repeatable)")
+    p.add_argument("--hloserve-args", default="", help="extra `hloserve serve` flags, for every artifact")
+    p.add_argument("--llama-server", action="append", default=[], help="a GGUF file llama-server serves (repeatable)")
+    p.add_argument("--llama-server-bin", default=S.LLAMA_SERVER)
+    p.add_argument("--llama-server-args", default="--no-repack")
+    p.add_argument("--vllm-dir", help="a Hugging Face directory vLLM serves (with --vllm, its venv's binary)")
+    p.add_argument("--vllm", default="/work/vllm-venv/bin/vllm")
+    p.add_argument("--tokenizer", required=True, help="a directory with the model's tokenizer.json")
+    p.add_argument("--concurrency", default="1", help="comma-separated levels, each its own rounds")
+    p.add_argument("--requests", type=int, default=32, help="requests a round above c=1")
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--min-input", type=int, default=128)
+    p.add_argument("--max-input", type=int, default=384)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the rounds and medians here")
+    args = p.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if len(args.hloserve) + len(args.llama_server) + bool(args.vllm_dir) < 2:
+        p.error("name two systems or more (--hloserve, --llama-server, --vllm-dir)")
+    import tokenizers
+    try:
+        tok = tokenizers.Tokenizer.from_file(os.path.join(args.tokenizer, "tokenizer.json"))
+    except Exception as e:  # noqa: BLE001  (tokenizers raises its own exception types)
+        p.error(f"--tokenizer {args.tokenizer}: no readable tokenizer.json ({e})")
+    rng = random.Random(args.seed)
+
+    def request() -> S.Request:
+        return S.Request(*S.random_prompt(tok, rng, rng.randint(args.min_input, args.max_input)), args.output_len)
+
+    max_len = 2048 if args.max_input + args.output_len + 16 <= 2048 else -(-(args.max_input + args.output_len + 16) // 256) * 256
+    logs = tempfile.mkdtemp(prefix="hloserve-paired-")
+    bw = bandwidth_reader(logs)
+    print(f"logs: {logs}; CPU: {S.cpu_description()}", flush=True)
+    systems = commands(args, max_len)
+    report = {"cpu": S.cpu_description(), "concurrency": {}}
+    with contextlib.ExitStack() as stack:
+        bases = {}
+        for name, cmd, ready, env in systems:
+            bases[name], _ = stack.enter_context(S.server(name, cmd, ready, os.path.join(logs, f"{len(bases)}.log"), env))
+        names = [n for n, *_ in systems]
+        warm = request()
+        for name in names:                                   # one untimed request each
+            asyncio.run(S.run_level_http(bases[name], [warm], 1, {"ignore_eos": True}))
+        for c in args.concurrency:
+            unit = "TPOT ms" if c == 1 else "output tok/s"
+            print(f"c={c}: {unit} per round; ratio to {names[0]} (lower is faster for TPOT, higher for tok/s)", flush=True)
+            rounds = []
+            for r in range(args.rounds):
+                reqs = [request() for _ in range(1 if c == 1 else args.requests)]
+                order = names[r % len(names):] + names[:r % len(names)]
+                got = run_round(bases, order, reqs, c)
+                gbs = read_bandwidth(bw)
+                rounds.append({"order": order, "values": got, "read_gb_s": gbs})
+                cells = " | ".join(f"{n} {got[n]:.1f}" + ("" if n == names[0] else f" ({got[n] / got[names[0]]:.3f}x)")
+                                   for n in names)
+                print(f"  round {r + 1}/{args.rounds}: {cells} | read {gbs if gbs is None else f'{gbs:.1f}'} GB/s",
+                      flush=True)
+            med = {n: statistics.median(rd["values"][n] for rd in rounds) for n in names}
+            ratios = {n: statistics.median(rd["values"][names[0]] / rd["values"][n] for rd in rounds)
+                      for n in names[1:]}
+            wins = {n: sum((rd["values"][names[0]] < rd["values"][n]) == (c == 1) for rd in rounds) for n in names[1:]}
+            for n in names[1:]:
+                print(f"  c={c} {names[0]} / {n}: medians {med[names[0]]:.1f} / {med[n]:.1f} {unit}; per-round ratios' "
+                      f"median {ratios[n]:.3f}; {names[0]} ahead in {wins[n]} of {len(rounds)} rounds", flush=True)
+            report["concurrency"][str(c)] = {"unit": unit, "rounds": rounds, "medians": med,
+                                             "ratio_first_to": ratios, "first_ahead_rounds": wins}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
