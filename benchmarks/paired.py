@@ -1,7 +1,7 @@
 """Servers measured in turn within the same minutes: every system up at once, the work alternated.
 
-    python benchmarks/paired.py --hloserve ART [--hloserve ART2] [--llama-server GGUF] [--vllm HF_DIR]
-                                --tokenizer DIR [--concurrency 1] [--rounds 12] [--output-len 64]
+    python benchmarks/paired.py --hloserve ART [--hloserve ART2] [--baseline TREE] [--llama-server GGUF]
+                                [--vllm-dir HF_DIR] --tokenizer DIR [--concurrency 1] [--rounds 12] [--output-len 64]
 
 benchmarks/serve.py serves one system after the other, minutes apart; on a shared machine whose read
 bandwidth moves by half within an hour (29 to 50 GB/s, docs/performance.md) that puts the machine's
@@ -12,8 +12,9 @@ the same work on every system back to back, the order rotated round by round: at
 Every round also reads the machine's bandwidth (benchmarks/read_bandwidth.cc, both cores), so a
 round's ratio can be read against the minute it ran in.
 
-Prints per round each system's c=1 TPOT (or c>1 output tok/s) and its ratio to the first system,
-then the medians and the per-round ratios' median; writes them as JSON (--json). Prompts: random
+Prints per round each system's c=1 TPOT (above c=1 output tok/s) and TTFT p50, with the ratio to the
+first system; then per metric the medians, the median of the per-round ratios and the rounds the
+first system was ahead in; writes them as JSON (--json). Prompts: random
 vocabulary tokens of --min-input..--max-input tokens (serve.py's way), EOS ignored, greedy. Systems
 are named by kind and file; the servers are serve.py's (the same flags: llama-server -t <cores>
 --no-repack, vLLM one compute thread bound to core 0).
@@ -57,13 +58,17 @@ def read_bandwidth(exe: str | None) -> float | None:
     return None
 
 
-def commands(args, max_len: int) -> list[tuple[str, list[str], str, dict]]:
+def commands(args, max_len: int, logs: str) -> list[tuple[str, list[str], str, dict]]:
     """(name, command, ready path, environment) of every system, in the order given."""
     out = []
+    trees = [("hloserve", {})] + ([("hloserve (baseline)", {"PYTHONPATH": S.baseline_path(args.baseline, logs)})]
+                                  if args.baseline else [])
     for art in args.hloserve:
-        out.append((f"hloserve {os.path.basename(art.rstrip('/'))}",
-                    [sys.executable, "-m", S.HLOSERVE_CLI, "serve", art, "--port", str(S.free_port()), "--model-name",
-                     S.MODEL, "--max-model-len", str(max_len), *args.hloserve_args.split()], "/ready", {}))
+        for label, env in trees:
+            out.append((f"{label} {os.path.basename(art.rstrip('/'))}",
+                        [sys.executable, "-m", S.HLOSERVE_CLI, "serve", art, "--port", str(S.free_port()),
+                         "--model-name", S.MODEL, "--max-model-len", str(max_len), *args.hloserve_args.split()],
+                        "/ready", env))
     for gguf in args.llama_server:
         slots = max(args.concurrency)
         out.append((f"llama-server {os.path.basename(gguf)}",
@@ -79,20 +84,46 @@ def commands(args, max_len: int) -> list[tuple[str, list[str], str, dict]]:
     return out
 
 
-def run_round(bases: dict[str, str], order: list[str], reqs: list[S.Request], c: int) -> dict[str, float]:
-    """One round: the same requests on every system in `order`; c=1: TPOT ms, else output tok/s."""
+# what a round records of each system, and whether lower is better
+METRICS = {1: {"tpot_ms": True, "ttft_ms": True}, 0: {"output_tok_s": False, "ttft_ms": True}}
+
+
+def run_round(bases: dict[str, str], order: list[str], reqs: list[S.Request], c: int) -> dict[str, dict[str, float]]:
+    """One round: the same requests on every system in `order`; per system its c=1 TPOT and TTFT (ms),
+    above c=1 its output tok/s and TTFT p50."""
     got = {}
     for name in order:
         results, secs = asyncio.run(S.run_level_http(bases[name], reqs, c, {"ignore_eos": True}, f"{name} c={c}"))
-        level = S.Level(name, "paired", c, results, secs)
-        got[name] = level.summary()["tpot_p50_ms"] if c == 1 else level.output_tokens_per_s
+        summary = S.Level(name, "paired", c, results, secs).summary()
+        got[name] = {"tpot_ms": summary["tpot_p50_ms"], "ttft_ms": summary["ttft_p50_ms"]} if c == 1 else \
+            {"output_tok_s": summary["output_tok_s"], "ttft_ms": summary["ttft_p50_ms"]}
     return got
+
+
+def summarize(names: list[str], rounds: list[dict], c: int) -> dict:
+    """Per metric: each system's median, and per other system the median of the per-round ratios first /
+    other and the rounds the first system was ahead in; printed as it goes."""
+    out = {}
+    for metric, lower in METRICS[1 if c == 1 else 0].items():
+        med = {n: statistics.median(rd["values"][n][metric] for rd in rounds) for n in names}
+        ratio = {n: statistics.median(rd["values"][names[0]][metric] / rd["values"][n][metric] for rd in rounds)
+                 for n in names[1:]}
+        ahead = {n: sum((rd["values"][names[0]][metric] < rd["values"][n][metric]) == lower for rd in rounds)
+                 for n in names[1:]}
+        for n in names[1:]:
+            print(f"  c={c} {metric}: {names[0]} {med[names[0]]:.1f}, {n} {med[n]:.1f} (medians); ratio first / other, "
+                  f"median of the rounds: {ratio[n]:.3f}; {names[0]} ahead in {ahead[n]} of {len(rounds)} rounds", flush=True)
+        out[metric] = {"medians": med, "ratio_first_to": ratio, "first_ahead_rounds": ahead}
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hloserve", action="append", default=[], help="an artifact `hloserve serve` serves (repeatable)")
     p.add_argument("--hloserve-args", default="", help="extra `hloserve serve` flags, for every artifact")
+    p.add_argument("--baseline", metavar="DIR",
+                   help="also serve every --hloserve artifact from the hloserve checkout at DIR (a `git worktree` of "
+                        "the base revision), as 'hloserve (baseline) ART', right after this tree's")
     p.add_argument("--llama-server", action="append", default=[], help="a GGUF file llama-server serves (repeatable)")
     p.add_argument("--llama-server-bin", default=S.LLAMA_SERVER)
     p.add_argument("--llama-server-args", default="--no-repack")
@@ -109,8 +140,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the rounds and medians here")
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    if len(args.hloserve) + len(args.llama_server) + bool(args.vllm_dir) < 2:
-        p.error("name two systems or more (--hloserve, --llama-server, --vllm-dir)")
+    if len(args.hloserve) * (1 + bool(args.baseline)) + len(args.llama_server) + bool(args.vllm_dir) < 2:
+        p.error("name two systems or more (--hloserve, --baseline, --llama-server, --vllm-dir)")
     import tokenizers
     try:
         tok = tokenizers.Tokenizer.from_file(os.path.join(args.tokenizer, "tokenizer.json"))
@@ -125,7 +156,7 @@ def main(argv=None) -> int:
     logs = tempfile.mkdtemp(prefix="hloserve-paired-")
     bw = bandwidth_reader(logs)
     print(f"logs: {logs}; CPU: {S.cpu_description()}", flush=True)
-    systems = commands(args, max_len)
+    systems = commands(args, max_len, logs)
     report = {"cpu": S.cpu_description(), "concurrency": {}}
     with contextlib.ExitStack() as stack:
         bases = {}
@@ -136,8 +167,8 @@ def main(argv=None) -> int:
         for name in names:                                   # one untimed request each
             asyncio.run(S.run_level_http(bases[name], [warm], 1, {"ignore_eos": True}))
         for c in args.concurrency:
-            unit = "TPOT ms" if c == 1 else "output tok/s"
-            print(f"c={c}: {unit} per round; ratio to {names[0]} (lower is faster for TPOT, higher for tok/s)", flush=True)
+            key = "tpot_ms" if c == 1 else "output_tok_s"
+            print(f"c={c}: {key} (ttft_ms) per round, the ratio to {names[0]} after each", flush=True)
             rounds = []
             for r in range(args.rounds):
                 reqs = [request() for _ in range(1 if c == 1 else args.requests)]
@@ -145,19 +176,11 @@ def main(argv=None) -> int:
                 got = run_round(bases, order, reqs, c)
                 gbs = read_bandwidth(bw)
                 rounds.append({"order": order, "values": got, "read_gb_s": gbs})
-                cells = " | ".join(f"{n} {got[n]:.1f}" + ("" if n == names[0] else f" ({got[n] / got[names[0]]:.3f}x)")
-                                   for n in names)
+                cells = " | ".join(f"{n} {got[n][key]:.1f} ({got[n]['ttft_ms']:.0f})" + (
+                    "" if n == names[0] else f" {got[n][key] / got[names[0]][key]:.3f}x") for n in names)
                 print(f"  round {r + 1}/{args.rounds}: {cells} | read {gbs if gbs is None else f'{gbs:.1f}'} GB/s",
                       flush=True)
-            med = {n: statistics.median(rd["values"][n] for rd in rounds) for n in names}
-            ratios = {n: statistics.median(rd["values"][names[0]] / rd["values"][n] for rd in rounds)
-                      for n in names[1:]}
-            wins = {n: sum((rd["values"][names[0]] < rd["values"][n]) == (c == 1) for rd in rounds) for n in names[1:]}
-            for n in names[1:]:
-                print(f"  c={c} {names[0]} / {n}: medians {med[names[0]]:.1f} / {med[n]:.1f} {unit}; per-round ratios' "
-                      f"median {ratios[n]:.3f}; {names[0]} ahead in {wins[n]} of {len(rounds)} rounds", flush=True)
-            report["concurrency"][str(c)] = {"unit": unit, "rounds": rounds, "medians": med,
-                                             "ratio_first_to": ratios, "first_ahead_rounds": wins}
+            report["concurrency"][str(c)] = {"rounds": rounds, **summarize(names, rounds, c)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
