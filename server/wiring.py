@@ -84,6 +84,8 @@ def build_engine(artifact: LLMArtifact | str, config: ServeConfig | None = None)
     blocks = BlockManager(runner.num_blocks, llm.block_size, enable_prefix_caching=sched_cfg.enable_prefix_caching,
                           tiers=tiers)
     proposer = _draft_proposer(draft, runner, config, sched_cfg.speculative) if draft is not None else None
+    if config.fit_chunks_on(runner.model.client.platform):
+        sched_cfg = dataclasses.replace(sched_cfg, token_buckets=runner_cfg.token_buckets)
     scheduler = Scheduler(sched_cfg, blocks, eos_token_ids=eos, proposer=proposer)
     engine = Engine(scheduler, runner, vocab_size=llm.vocab_size, decoder=tokenizer, grammars=grammars,
                     async_scheduling=config.async_scheduling_on(runner.model.client.platform))

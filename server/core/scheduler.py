@@ -69,6 +69,12 @@ class SchedulerConfig:
         so running decodes can grow without preempting at once.
       speculative: speculative decoding (core/spec_decode.py), None: off. Each drafted token takes one
         token of the budget and one row of the step (rows stay <= max_num_seqs).
+      token_buckets: the runner's padded step sizes (RunnerConfig.token_buckets), given where padding rows
+        cost what real ones do (a CPU: prompt chunks are compute-bound); () : steps are never cut to fit.
+        A step whose tokens would pad far up to the next bucket has its last prompt chunk cut back to the
+        bucket below (`fit_to_bucket`): a 160-token prompt runs as 128 + 32 tokens, not 256 rows.
+      step_cost_rows: what one more step costs, in rows of a step (its fixed cost: the weights read once,
+        the host's work), weighed against the padding rows a cut saves.
     """
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -76,6 +82,8 @@ class SchedulerConfig:
     admission_watermark: float
     enable_prefix_caching: bool        # read by build_engine for the BlockManager
     speculative: SpeculativeConfig | None = None
+    token_buckets: tuple[int, ...] = ()
+    step_cost_rows: int = 16
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -217,10 +225,26 @@ class Scheduler:
             budget = self._admit(budget, prefills)
         if self.proposer is not None and decodes:
             decodes = self._speculate(decodes, budget, self.config.max_num_seqs - len(decodes) - len(prefills))
+        if prefills and self.config.token_buckets:
+            prefills = self._fit_to_bucket(decodes, prefills)
         seqs = tuple(decodes + prefills)
         saves, loads = self.blocks.take_transfers()
         return SchedulerPlan(seqs=seqs, num_tokens=sum(len(s.token_ids) for s in seqs), preempted=tuple(preempted),
                              kv_saves=saves, kv_loads=loads)
+
+    def _fit_to_bucket(self, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """The step's prompt chunks, the last one cut back where that makes the step fill a token bucket
+        and the rows saved outweigh one more step (`fit_to_bucket`). The cut tokens stay the request's
+        to compute (its blocks stay allocated), so a later step runs them."""
+        total = sum(len(s.token_ids) for s in decodes) + sum(len(s.token_ids) for s in prefills)
+        last = prefills[-1]
+        keep = fit_to_bucket(total, len(last.token_ids), self.config.token_buckets, self.config.step_cost_rows)
+        if keep == len(last.token_ids):
+            return prefills
+        req = next(r for r in self.running if r.request_id == last.request_id)
+        if chunk_tokens(req.num_tokens_left, keep) != keep:     # a lone token left, or a chunk of one
+            return prefills
+        return [*prefills[:-1], self._seq(req, keep)]
 
     def _grow(self, req: Request, want: int, *, partial_ok: bool) -> tuple[int, list[str], int]:
         """Get blocks for `want` more tokens of a running request, shrinking or preempting as needed.
@@ -490,6 +514,25 @@ class Scheduler:
                 self.waiting.remove(req)
             outs.append(self._finish(req, FinishReason.ERROR, (), None, error))
         return outs
+
+
+def fit_to_bucket(total: int, chunk: int, buckets: Sequence[int], step_cost_rows: int) -> int:
+    """How many tokens of a step's last prompt chunk (`chunk` of the step's `total`) to run so the step
+    pads little: `chunk` itself unless cutting it back to the bucket below `total` costs fewer rows, the
+    cut tokens padded to a bucket of their own in a later step plus that step's fixed cost
+    (`step_cost_rows`), than padding `total` up to its bucket. Never cuts to fewer than 2 tokens.
+
+    With buckets (32, 128, 256): 160 tokens -> 128 (128 + 32 + cost rows against 256); 200 tokens
+    stay 200 (128 + 128 + cost against 256)."""
+    padded = next((b for b in buckets if b >= total), total)
+    below = [b for b in buckets if b < total]
+    if padded == total or not below:
+        return chunk
+    cut = total - below[-1]
+    later = next((b for b in buckets if b >= cut), cut)
+    if cut > chunk - 2 or below[-1] + later + step_cost_rows >= padded:
+        return chunk
+    return chunk - cut
 
 
 def chunk_tokens(left: int, budget: int) -> int:

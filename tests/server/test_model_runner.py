@@ -163,6 +163,28 @@ def test_greedy_tokens_match_transformers_with_the_kernels_off(tiny_llm, portabl
     greedy_tokens_match_transformers(tiny_llm, portable_runner)
 
 
+def test_greedy_tokens_match_transformers_with_chunks_cut_to_buckets(tiny_llm, runner):
+    """The scheduler cutting a prompt's chunk back to a token bucket (SchedulerConfig.token_buckets):
+    20 tokens run as 16 + 4, 18 as 16 + 2, 9 as one chunk; the same greedy tokens as transformers'."""
+    hf, _ = tiny_llm
+    rng = random.Random(4)
+    for n, chunks in ((20, [16, 4]), (18, [16, 2]), (9, [9])):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(n)]
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                                          admission_watermark=0.0, enable_prefix_caching=False,
+                                          token_buckets=(4, 16, 32), step_cost_rows=0),
+                          BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False))
+        sched.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True))
+        got, ran = [], []
+        while sched.has_unfinished():
+            plan = sched.schedule()
+            ran += [len(q.token_ids) for q in plan.seqs if q.start < n]
+            for o in sched.update(plan, runner.execute(plan)):
+                got += o.new_token_ids
+        assert ran == chunks
+        assert got == hf_greedy(hf, prompt, GEN), f"prompt length {n}"
+
+
 def greedy_tokens_match_transformers(tiny_llm, runner):
     """Chunked prefill, prefix-cache hits and preemption on `runner`: every request's greedy tokens
     equal transformers' on the same weights; nothing compiles after warm-up, every block comes back."""
@@ -173,7 +195,8 @@ def greedy_tokens_match_transformers(tiny_llm, runner):
     prompts += [shared + [5, 6], shared + [7]]                 # two full shared blocks -> prefix hits
     # 13 usable blocks (104 slots) for 5 requests needing 77 prompt + 50 generated tokens: preemption
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
-                                      admission_watermark=0.0, enable_prefix_caching=True), BlockManager(runner.num_blocks, runner.block_size))
+                                      admission_watermark=0.0, enable_prefix_caching=True),
+                      BlockManager(runner.num_blocks, runner.block_size))
     greedy = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     got = {}
     for i, p in enumerate(prompts):

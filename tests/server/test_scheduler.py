@@ -13,18 +13,20 @@ from hloserve.server.core.block_manager import BlockManager
 from hloserve.server.core.sampling import SamplingParams
 from hloserve.runtime.artifact.llm import slots
 from hloserve.server.core.outputs import RunnerOutput
-from hloserve.server.core.scheduler import Scheduler, SchedulerConfig, chunk_tokens
+from hloserve.server.core.scheduler import Scheduler, SchedulerConfig, chunk_tokens, fit_to_bucket
 from tests.support.mock_runner import MockRunner
 
 VOCAB = 64
 GREEDY = dict(temperature=0.0)
 
 
-def make(num_blocks=32, block_size=4, max_num_seqs=4, max_tokens=8, max_model_len=64, watermark=0.0, **kw):
+def make(num_blocks=32, block_size=4, max_num_seqs=4, max_tokens=8, max_model_len=64, watermark=0.0,
+         token_buckets=(), step_cost_rows=16, **kw):
     bm = BlockManager(num_blocks, block_size)
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                                       max_model_len=max_model_len, admission_watermark=watermark,
-                                      enable_prefix_caching=True), bm,
+                                      enable_prefix_caching=True, token_buckets=token_buckets,
+                                      step_cost_rows=step_cost_rows), bm,
                       seed_rng=random.Random(0), **kw)
     return sched, MockRunner(VOCAB, num_blocks, block_size)
 
@@ -201,6 +203,33 @@ def test_prompts_are_chunked_without_lone_tokens():
     assert len(chunks) > len(prompts) and min(chunks) >= 2     # some prompts were cut, none to one token
 
 
+@pytest.mark.parametrize("total, chunk, want", [
+    (160, 160, 128),    # 128 + 32 + 16 rows < 256: cut
+    (200, 200, 200),    # 128 + 128 + 16 >= 256: padded
+    (44, 44, 32),       # 32 + 32 + 16 < 128
+    (256, 240, 240),    # a bucket already
+    (20, 20, 20),       # below the smallest bucket: nothing to cut to
+    (150, 20, 20),      # the cut (22) is more than the last chunk can give and keep 2 tokens
+    (150, 30, 8),       # 16 decodes + others + a 30-token chunk: cut by 22
+])
+def test_fit_to_bucket(total, chunk, want):
+    assert fit_to_bucket(total, chunk, (32, 128, 256), 16) == want
+
+
+def test_prompt_chunks_fit_the_token_buckets():
+    """With the runner's token buckets given, a prompt that would pad far runs as bucket-sized chunks;
+    one that pads little, or whose cut would cost a step more than the padding, is not cut."""
+    chunks: dict[str, list[int]] = {}
+    for n in (160, 200, 300, 130):
+        sched, runner = make(num_blocks=256, block_size=16, max_num_seqs=4, max_tokens=256, max_model_len=512,
+                             token_buckets=(32, 128, 256))
+        sched.add_request(f"p{n}", list(range(n)), SamplingParams(max_tokens=2, **GREEDY))
+        outs = run(sched, runner)
+        assert tokens(outs[f"p{n}"]) == [n % VOCAB, (n + 1) % VOCAB]     # the mock's next token: the last + 1
+        chunks[n] = [len(q.token_ids) for plan in runner.plans for q in plan.seqs if q.start < n]
+    assert chunks == {160: [128, 32], 200: [200], 300: [256, 32, 12], 130: [128, 2]}
+
+
 def test_eos_and_stop_token_ids():
     sched, runner = make(eos_token_ids=[9])
     sched.add_request("a", [6], SamplingParams(max_tokens=10, **GREEDY))
@@ -285,10 +314,10 @@ workload = st.lists(st.tuples(st.integers(1, 24),          # prompt length
 
 
 @settings(max_examples=60, deadline=None)
-@given(workload, st.integers(8, 24), st.sampled_from([2, 4]))
-def test_random_workloads_keep_every_invariant(reqs, num_blocks, block_size):
+@given(workload, st.integers(8, 24), st.sampled_from([2, 4]), st.sampled_from([(), (2, 4, 8)]))
+def test_random_workloads_keep_every_invariant(reqs, num_blocks, block_size, buckets):
     sched, runner = make(num_blocks=num_blocks, block_size=block_size, max_num_seqs=3, max_tokens=8,
-                         max_model_len=40, watermark=0.05)
+                         max_model_len=40, watermark=0.05, token_buckets=buckets, step_cost_rows=0)
     prompts, aborts = {}, {}
     for i, (n, fam, max_tokens, abort_at) in enumerate(reqs):
         prompt = [(fam * 16 + k) % VOCAB for k in range(n)]
