@@ -25,7 +25,8 @@ twice: with empty compile caches (a fresh temporary directory) and again on the 
 start filled ("warm"); the workloads run on the warm server. --no-cold-start: one start each, on
 the default cache directories.
 
-Systems, one at a time:
+Systems, one at a time (minutes apart: on a machine whose memory bandwidth moves with other tenants,
+benchmarks/paired.py measures two systems within the same minutes, every server up at once):
 
   * hloserve: `hloserve serve` on the default artifact (the preset's GGUF Q4_1 dequantized; weight
     matrices and KV cache in bf16, activations f32), default settings. Its compile caches for the
