@@ -27,7 +27,7 @@ def _serve(args: argparse.Namespace) -> int:
              "override_generation_config": _json_object(args.override_generation_config),
              "speculative_config": _speculative(args.speculative_config), "kv_cache_dtype": args.kv_cache_dtype,
              "lora_modules": _lora_modules(args.lora_modules), "async_scheduling": args.async_scheduling,
-             "sample_on_device": args.sample_on_device}
+             "sample_on_device": args.sample_on_device, "fit_chunks_to_buckets": args.fit_chunks_to_buckets}
     config = ServeConfig(**{k: v for k, v in given.items() if v is not None})   # the rest: ServeConfig's defaults
     hosts = int(os.environ.get("JAX_NUM_PROCESSES") or 1) if args.distributed else 1
     if config.tensor_parallel_size > 1 and (config.platform or "cpu") == "cpu":
@@ -176,5 +176,10 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
                     help="LLM: draw each step's tokens on the device, so only token ids (and asked-for logprobs) "
                          "come back, not the logits; rows with penalties, logit_bias, min_tokens or a grammar are "
                          "sampled on the host (default: on for GPU and TPU, off on CPU; docs/api.md)")
+    sv.add_argument("--fit-chunks-to-buckets", action=argparse.BooleanOptionalAction,
+                    help="LLM: cut a step's last prompt chunk back to the token bucket below where padding the step "
+                         "up would cost more than one more step (a 160-token prompt as 128 + 32 rows, not 256) "
+                         "(default: on for CPU, where a padding row costs what a real one does, off for GPU and "
+                         "TPU; docs/architecture.md)")
     sv.add_argument("--log-level", default="warning", help="uvicorn log level")
     sv.set_defaults(fn=_serve)

@@ -230,6 +230,18 @@ def test_prompt_chunks_fit_the_token_buckets():
     assert chunks == {160: [128, 32], 200: [200], 300: [256, 32, 12], 130: [128, 2]}
 
 
+def test_fit_chunks_flag_and_its_default_per_platform():
+    from hloserve.server.cli import build_parser
+    from hloserve.server.config import ServeConfig
+    parse = build_parser("serve").parse_args
+    assert parse(["serve", "--fit-chunks-to-buckets"]).fit_chunks_to_buckets is True
+    assert parse(["serve", "--no-fit-chunks-to-buckets"]).fit_chunks_to_buckets is False
+    assert parse(["serve"]).fit_chunks_to_buckets is None
+    assert [ServeConfig().fit_chunks_on(p) for p in ("cpu", "gpu", "tpu")] == [True, False, False]
+    assert ServeConfig(fit_chunks_to_buckets=True).fit_chunks_on("tpu")
+    assert not ServeConfig(fit_chunks_to_buckets=False).fit_chunks_on("cpu")
+
+
 def test_eos_and_stop_token_ids():
     sched, runner = make(eos_token_ids=[9])
     sched.add_request("a", [6], SamplingParams(max_tokens=10, **GREEDY))
