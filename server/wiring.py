@@ -24,6 +24,7 @@ import os
 
 from hloserve.runtime.artifact.errors import HloserveError
 from hloserve.runtime.artifact.llm import LLMArtifact
+from hloserve.runtime.client import platform_devices
 from hloserve.runtime.paths import cache_dir
 
 from .config import ServeConfig
@@ -42,7 +43,10 @@ log = logging.getLogger("hloserve.server")
 
 
 def load_runner(art: LLMArtifact, runner_cfg: RunnerConfig, config: ServeConfig, *, strict: bool) -> ModelRunner:
-    """The artifact's step on the device(s) `config` names."""
+    """The artifact's step on the device(s) `config` names; where prompt chunks are fitted to the token
+    buckets (`ServeConfig.fit_chunks_on`), with finer buckets for a lone request's prompt steps."""
+    if config.fit_chunks_on(platform_devices(config.platform)[0].platform):
+        runner_cfg = runner_cfg.with_lone_buckets(config.min_token_bucket)
     return ModelRunner.from_artifact(art, runner_cfg, platform=config.platform, strict=strict,
                                      verify=config.load_verify, tensor_parallel_size=config.tensor_parallel_size)
 
@@ -85,7 +89,8 @@ def build_engine(artifact: LLMArtifact | str, config: ServeConfig | None = None)
                           tiers=tiers)
     proposer = _draft_proposer(draft, runner, config, sched_cfg.speculative) if draft is not None else None
     if config.fit_chunks_on(runner.model.client.platform):
-        sched_cfg = dataclasses.replace(sched_cfg, token_buckets=runner_cfg.token_buckets)
+        sched_cfg = dataclasses.replace(sched_cfg, token_buckets=runner.cfg.token_buckets,
+                                        lone_token_buckets=runner.cfg.lone_token_buckets)
     scheduler = Scheduler(sched_cfg, blocks, eos_token_ids=eos, proposer=proposer)
     engine = Engine(scheduler, runner, vocab_size=llm.vocab_size, decoder=tokenizer, grammars=grammars,
                     async_scheduling=config.async_scheduling_on(runner.model.client.platform))

@@ -246,7 +246,7 @@ class ModelRunner:
         kernels = runtime.kernel_support(platform, mesh=bool(split))
         policy = StepPolicy.choose(art.llm, list(art.manifest.functions), kernels, art.path)
         cfg = policy.buckets(cfg)
-        tokens = sorted(set(cfg.token_buckets) | set(cfg.seq_buckets))   # decode steps use T = S
+        tokens = sorted({*cfg.token_buckets, *cfg.lone_token_buckets, *cfg.seq_buckets})   # decode steps: T = S
         model = runtime.load(art.path, platform=platform, strict=strict, verify=verify, manifest=art.manifest,
                              kernel_support=kernels,
                              buckets={NUM_TOKENS: tokens, NUM_SEQS: list(cfg.seq_buckets),

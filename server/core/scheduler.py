@@ -73,6 +73,8 @@ class SchedulerConfig:
         cost what real ones do (a CPU: prompt chunks are compute-bound); () : steps are never cut to fit.
         A step whose tokens would pad far up to the next bucket has its last prompt chunk cut back to the
         bucket below (`fit_to_bucket`): a 160-token prompt runs as 128 + 32 tokens, not 256 rows.
+      lone_token_buckets: the runner's buckets for a step of one sequence (RunnerConfig.lone_token_buckets),
+        used instead of token_buckets for such a step; () : token_buckets.
       step_cost_rows: what one more step costs, in rows of a step (its fixed cost: the weights read once,
         the host's work), weighed against the padding rows a cut saves.
     """
@@ -83,6 +85,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool        # read by build_engine for the BlockManager
     speculative: SpeculativeConfig | None = None
     token_buckets: tuple[int, ...] = ()
+    lone_token_buckets: tuple[int, ...] = ()
     step_cost_rows: int = 16
 
     def __post_init__(self):
@@ -238,7 +241,9 @@ class Scheduler:
         to compute (its blocks stay allocated), so a later step runs them."""
         total = sum(len(s.token_ids) for s in decodes) + sum(len(s.token_ids) for s in prefills)
         last = prefills[-1]
-        keep = fit_to_bucket(total, len(last.token_ids), self.config.token_buckets, self.config.step_cost_rows)
+        lone = not decodes and len(prefills) == 1 and self.config.lone_token_buckets
+        buckets = self.config.lone_token_buckets if lone else self.config.token_buckets
+        keep = fit_to_bucket(total, len(last.token_ids), buckets, self.config.step_cost_rows)
         if keep == len(last.token_ids):
             return prefills
         req = next(r for r in self.running if r.request_id == last.request_id)

@@ -92,6 +92,24 @@ def test_step_arrays_padding():
         ("prefill", 16, 32, 8), ("prefill", 64, 32, 8)])                # 6+ tokens: T bucket 16 or 64
 
 
+def test_lone_token_buckets_pad_one_sequence_finer():
+    """with_lone_buckets: a prompt step of one sequence pads to the next 32 tokens; a step of two or more
+    sequences keeps the coarse buckets; warm-up compiles exactly the shapes build_step can produce."""
+    cfg = RunnerConfig(token_buckets=(32, 128, 256), seq_buckets=(1, 2), block_buckets=(64,), num_blocks=None,
+                       kv_cache_bytes=0).with_lone_buckets(32)
+    assert cfg.lone_token_buckets == (32, 64, 96, 128, 160, 192, 224, 256)
+    assert cfg.with_lone_buckets(32) == cfg
+    one = ScheduledSeq(request_id="a", token_ids=tuple(range(150)), start=0, block_table=tuple(range(1, 11)),
+                       needs_logits=True, sampling=SamplingParams(), seed=0, sample_index=0)
+    two = [dataclasses.replace(one, token_ids=one.token_ids[:100]),
+           dataclasses.replace(one, request_id="b", token_ids=one.token_ids[:50])]
+    assert build_step(SchedulerPlan.of([one]), cfg, 16).inputs["tokens"].shape == (160,)
+    assert build_step(SchedulerPlan.of(two), cfg, 16).inputs["tokens"].shape == (256,)
+    shapes = warmup_shapes(cfg)
+    assert sorted(t for f, t, s, _ in shapes if f == "prefill" and s == 1) == list(cfg.lone_token_buckets)
+    assert sorted(t for f, t, s, _ in shapes if f == "prefill" and s == 2) == [32, 128, 256]
+
+
 def test_step_policy_is_chosen_by_layout_and_kernel_support_before_load(monkeypatch):
     """The runner picks its functions by the layouts the contract records (not by their names) and
     makes every step one call only where the runtime will run the per-token layout's composite."""

@@ -5,6 +5,7 @@ MockRunner: next token = (last token + 1) % vocab, read back from its token-id
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -228,6 +229,19 @@ def test_prompt_chunks_fit_the_token_buckets():
         assert tokens(outs[f"p{n}"]) == [n % VOCAB, (n + 1) % VOCAB]     # the mock's next token: the last + 1
         chunks[n] = [len(q.token_ids) for plan in runner.plans for q in plan.seqs if q.start < n]
     assert chunks == {160: [128, 32], 200: [200], 300: [256, 32, 12], 130: [128, 2]}
+
+
+def test_a_lone_prompt_uses_the_lone_buckets():
+    """A step of one prompt and nothing else is padded to the finer lone buckets, so it is cut against
+    those: 150 tokens pad to 160 there, fewer rows than 128 + 32 and a step more (with the coarse
+    buckets alone it runs as 128 + 22, test_prompt_chunks_fit_the_token_buckets' rule)."""
+    sched, runner = make(num_blocks=256, block_size=16, max_num_seqs=4, max_tokens=256, max_model_len=512,
+                         token_buckets=(32, 128, 256))
+    sched = Scheduler(dataclasses.replace(sched.config, lone_token_buckets=(32, 64, 96, 128, 160, 192, 224, 256)),
+                      sched.blocks, seed_rng=random.Random(0))
+    sched.add_request("a", list(range(150)), SamplingParams(max_tokens=2, **GREEDY))
+    run(sched, runner)
+    assert [len(q.token_ids) for plan in runner.plans for q in plan.seqs if q.start < 150] == [150]
 
 
 def test_fit_chunks_flag_and_its_default_per_platform():
