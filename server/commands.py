@@ -178,7 +178,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
                          "sampled on the host (default: on for GPU and TPU, off on CPU; docs/api.md)")
     sv.add_argument("--fit-chunks-to-buckets", action=argparse.BooleanOptionalAction,
                     help="LLM: cut a step's last prompt chunk back to the token bucket below where padding the step "
-                         "up would cost more than one more step (a 160-token prompt as 128 + 32 rows, not 256) "
+                         "up would cost more than one more step (a 160-token prompt as 128 + 32 rows, not 256), "
+                         "and pad a lone request's prompt steps to the next 32 tokens "
                          "(default: on for CPU, where a padding row costs what a real one does, off for GPU and "
                          "TPU; docs/architecture.md)")
     sv.add_argument("--log-level", default="warning", help="uvicorn log level")

@@ -101,7 +101,8 @@ class ServeConfig:
       sample_on_device: LLM: draw tokens where the logits are (core/plan_sampling.py). None: per platform
         (`sample_on_device_on`).
       fit_chunks_to_buckets: LLM: cut a step's last prompt chunk back to fill a token bucket where padding
-        would cost more (SchedulerConfig.token_buckets). None: per platform (`fit_chunks_on`).
+        would cost more (SchedulerConfig.token_buckets), and compile finer buckets for a step of one
+        sequence (RunnerConfig.with_lone_buckets). None: per platform (`fit_chunks_on`).
     """
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
