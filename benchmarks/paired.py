@@ -70,22 +70,18 @@ def commands(args, max_len: int, logs: str) -> list[tuple[str, list[str], str, d
                          "--model-name", S.MODEL, "--max-model-len", str(max_len), *args.hloserve_args.split()],
                         "/ready", env))
     for gguf in args.llama_server:
-        slots = max(args.concurrency)
-        out.append((f"llama-server {os.path.basename(gguf)}",
-                    [args.llama_server_bin, "-m", gguf, "-t", str(os.cpu_count()), "-np", str(slots),
-                     "-c", str(max_len * slots), "--host", "127.0.0.1", "--port", str(S.free_port()), "-a", S.MODEL,
-                     *args.llama_server_args.split()], "/health", {}))
-    if args.vllm_dir:
-        env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0", "HF_HUB_OFFLINE": "1",
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-        out.append(("vLLM", [args.vllm, "serve", args.vllm_dir, "--dtype", "bfloat16", "--served-model-name", S.MODEL,
-                             "--host", "127.0.0.1", "--port", str(S.free_port()), "--max-model-len", str(max_len)],
-                    "/v1/models", env))
+        out.append((f"llama-server {os.path.basename(gguf)}", S.llama_server_command(
+            args.llama_server_bin, gguf, max(args.concurrency), max_len, args.llama_server_args), "/health", {}))
+    if args.vllm_dir:   # serve.py's defaults: one compute thread bound to core 0, a 2 GiB KV cache
+        out.append(("vLLM", S.vllm_command(args.vllm, args.vllm_dir, max_len, ""), "/v1/models",
+                    S.vllm_setup("1", 2)[0]))
     return out
 
 
-# what a round records of each system, and whether lower is better
-METRICS = {1: {"tpot_ms": True, "ttft_ms": True}, 0: {"output_tok_s": False, "ttft_ms": True}}
+# what a round records of each system at c=1 (key 1) and above (0): the Level.summary() field it is
+# read from, and whether lower is better
+METRICS = {1: {"tpot_ms": ("tpot_p50_ms", True), "ttft_ms": ("ttft_p50_ms", True)},
+           0: {"output_tok_s": ("output_tok_s", False), "ttft_ms": ("ttft_p50_ms", True)}}
 
 
 def run_round(bases: dict[str, str], order: list[str], reqs: list[S.Request], c: int) -> dict[str, dict[str, float]]:
@@ -95,8 +91,7 @@ def run_round(bases: dict[str, str], order: list[str], reqs: list[S.Request], c:
     for name in order:
         results, secs = asyncio.run(S.run_level_http(bases[name], reqs, c, {"ignore_eos": True}, f"{name} c={c}"))
         summary = S.Level(name, "paired", c, results, secs).summary()
-        got[name] = {"tpot_ms": summary["tpot_p50_ms"], "ttft_ms": summary["ttft_p50_ms"]} if c == 1 else \
-            {"output_tok_s": summary["output_tok_s"], "ttft_ms": summary["ttft_p50_ms"]}
+        got[name] = {metric: summary[field] for metric, (field, _) in METRICS[int(c == 1)].items()}
     return got
 
 
@@ -104,7 +99,7 @@ def summarize(names: list[str], rounds: list[dict], c: int) -> dict:
     """Per metric: each system's median, and per other system the median of the per-round ratios first /
     other and the rounds the first system was ahead in; printed as it goes."""
     out = {}
-    for metric, lower in METRICS[1 if c == 1 else 0].items():
+    for metric, (_, lower) in METRICS[int(c == 1)].items():
         med = {n: statistics.median(rd["values"][n][metric] for rd in rounds) for n in names}
         ratio = {n: statistics.median(rd["values"][names[0]][metric] / rd["values"][n][metric] for rd in rounds)
                  for n in names[1:]}

@@ -335,8 +335,7 @@ def same_files(args, gguf: str, max_len: int, conc: list[int], workloads: list, 
             starts[f"{name}, default cache"] = secs
             levels += bench_server(name, base, workloads, {"ignore_eos": True})
         name = f"llama-server {kind}"
-        cmd = [args.llama_server, "-m", path, "-t", str(os.cpu_count()), "-np", str(slots), "-c", str(max_len * slots),
-               "--host", "127.0.0.1", "--port", str(free_port()), "-a", MODEL, *args.llama_server_args.split()]
+        cmd = llama_server_command(args.llama_server, path, slots, max_len, args.llama_server_args)
         with server(name, cmd, "/health", os.path.join(logs, f"llama-server-{kind}.log")) as (base, secs):
             starts[f"{name}, start"] = secs
             levels += bench_server(name, base, workloads, {"ignore_eos": True})
@@ -432,6 +431,27 @@ def server(name: str, cmd: list[str], ready_path: str, log_path: str, env: dict 
             proc.wait()
             if kv_dir:
                 shutil.rmtree(kv_dir, ignore_errors=True)
+
+
+def llama_server_command(binary: str, gguf: str, slots: int, max_len: int, extra: str) -> list[str]:
+    """llama-server on `gguf` as the benchmarks here run it: every core, `slots` slots of `max_len`
+    tokens each, on a free loopback port, the model named MODEL; `extra`: more flags."""
+    return [binary, "-m", gguf, "-t", str(os.cpu_count()), "-np", str(slots), "-c", str(max_len * slots),
+            "--host", "127.0.0.1", "--port", str(free_port()), "-a", MODEL, *extra.split()]
+
+
+def vllm_setup(threads: str, kv_gib: float) -> tuple[dict[str, str], str]:
+    """vLLM CPU's environment for `threads` OpenMP threads ("auto": vLLM's choice) bound from core 0 and
+    a KV cache of `kv_gib` GiB, offline; returns it with the binding."""
+    bind = threads if threads == "auto" else ("0" if int(threads) == 1 else f"0-{int(threads) - 1}")
+    return {"VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}", "VLLM_CPU_OMP_THREADS_BIND": bind, "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}, bind
+
+
+def vllm_command(vllm: str, hf_dir: str, max_len: int, extra: str) -> list[str]:
+    """`vllm serve` of `hf_dir` in bf16 on a free loopback port, the model named MODEL; `extra`: more flags."""
+    return [vllm, "serve", hf_dir, "--dtype", "bfloat16", "--served-model-name", MODEL, "--host", "127.0.0.1",
+            "--port", str(free_port()), "--max-model-len", str(max_len), *extra.split()]
 
 
 # -- HTTP clients ----------------------------------------------------------------------------------
@@ -953,9 +973,7 @@ def main() -> int:
                 path = source if kind == "BF16" and args.model != "smollm2" else llama_gguf(
                     source, kind, bin_dir, os.path.join(cache_dir(), "bench", f"{args.model}-{kind}.gguf"))
                 name = f"llama-server {kind}"
-                cmd = [args.llama_server, "-m", path, "-t", str(os.cpu_count()), "-np", str(slots),
-                       "-c", str(max_len * slots), "--host", "127.0.0.1", "--port", str(free_port()), "-a", MODEL,
-                       *args.llama_server_args.split()]
+                cmd = llama_server_command(args.llama_server, path, slots, max_len, args.llama_server_args)
                 with server(name, cmd, "/health", os.path.join(logs, f"llama-server-{kind}.log")) as (base, secs):
                     starts[f"{name}, start"] = secs
                     levels += bench_server(name, base, workloads, {"ignore_eos": True})
@@ -968,14 +986,10 @@ def main() -> int:
             versions["vllm"] = subprocess.run([vpy, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
                                               capture_output=True, text=True, check=False).stdout.strip() or "?"
             threads = args.vllm_threads
-            bind = threads if threads == "auto" else ("0" if int(threads) == 1 else f"0-{int(threads) - 1}")
-            env = {"VLLM_CPU_KVCACHE_SPACE": f"{args.vllm_kv_gib:g}", "VLLM_CPU_OMP_THREADS_BIND": bind,
-                   "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+            env, bind = vllm_setup(threads, args.vllm_kv_gib)
 
             def cmd():
-                return [args.vllm, "serve", hf_dir, "--dtype", "bfloat16", "--served-model-name", MODEL,
-                        "--host", "127.0.0.1", "--port", str(free_port()), "--max-model-len", str(max_len),
-                        *args.vllm_args.split()]
+                return vllm_command(args.vllm, hf_dir, max_len, args.vllm_args)
             cache = None if args.no_cold_start else tempfile.mkdtemp(prefix="vllm-bench-cache-")
             if cache:      # its torch.compile caches (vLLM's own and inductor's) in a fresh directory
                 env.update(VLLM_CACHE_ROOT=os.path.join(cache, "vllm"), TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
