@@ -13,6 +13,7 @@
 //   g++ -O3 -march=native -std=c++17 -I $(python -c "import jax; print(jax.ffi.include_dir())") \
 //       benchmarks/amx_linear.cc -o /tmp/amx_linear && /tmp/amx_linear ROWS N K
 #include "../runtime/kernels/cpu/linear.cc"
+#include "amx_tile_rate.h"
 #include <chrono>
 #include <cstdio>
 #include <random>
@@ -30,22 +31,7 @@ int main(int argc, char** argv) {
   LineVector<uint16_t> xp(blocks * KC * 512), wp((tiles + 1) / 2 * KC * 1024);
   using clock = std::chrono::steady_clock;
   auto ms = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
-  // ns per tile multiply of a 2 x 2 loop on L1 operands, about 1 ms of it
-  auto calibrate = [&] {
-    alignas(64) static uint16_t a[4 * 512], b[4 * 512];
-    amx_configure();
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    const int iters = 4000;
-    const auto s0 = clock::now();
-    for (int i = 0; i < iters; ++i) {
-      const int o = (i & 1) * 1024;
-      _tile_loadd(4, a + o, 64); _tile_loadd(5, a + o + 512, 64); _tile_loadd(6, b + o, 64); _tile_loadd(7, b + o + 512, 64);
-      _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-    }
-    const double ns = ms(s0, clock::now()) * 1e6 / (4.0 * iters);
-    _tile_release();
-    return ns;
-  };
+  auto calibrate = [] { return tile_multiply_ns(4000); };   // about 1 ms of tile multiplies
   double best[2][4] = {{1e9, 1e9, 1e9, 1e9}, {1e9, 1e9, 1e9, 1e9}};   // [fast, slow state][step]
   int rounds[2] = {0, 0};
   for (int r = 0; r < 60; ++r) {   // the fastest of 60 in each state (a shared machine)
