@@ -19,7 +19,7 @@ static void pin(int cpu) {
 }
 
 int main() {
-  if (!amx_usable()) return fprintf(stderr, "amx_vcpus: this CPU has no usable AMX\n"), 1;
+  if (!hloserve::amx_usable()) return fprintf(stderr, "amx_vcpus: this CPU has no usable AMX\n"), 1;
   const int64_t n = 2000000;
   for (int round = 0; round < 4; ++round) {
     double alone0 = 0, alone1 = 0, both0 = 0, both1 = 0;
