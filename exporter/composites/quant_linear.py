@@ -1,7 +1,8 @@
 """The `hloserve.quant_linear` composite, export side: one layer's matrix product with weight-only
 quantized matrices (int8 / int4, group-wise; GGUF Q8_0 / Q4_0 / Q4_1 blocks as they are; version 3:
 GGUF Q4_K / Q5_K / Q6_K super-blocks kept, hloserve::kquant_linear; version 4: GGUF Q5_0's 5-bit
-values kept), dequantized where they are read.
+values kept; version 6: version 2's layout with prompt chunks of bf16_rows rows and more multiplied
+in bf16), dequantized where they are read.
 
     torch side   hloserve::quantized_linear and hloserve::quantized_embedding live in
                  quantization/modules.py (quantization may not import the exporter); their eager
@@ -12,7 +13,7 @@ values kept), dequantized where they are read.
                  for numpy, jax and the torch op)
     lowering     hloserve::quantized_linear -> a `stablehlo.composite` carrying its decomposition
 
-The contract is runtime/artifact/kernels.py's QUANT_LINEAR / QUANT_LINEAR_V2 (/ V3 / V4); the kernel that replaces
+The contract is runtime/artifact/kernels.py's QUANT_LINEAR / QUANT_LINEAR_V2 (/ V3 / V4 / V5 / V6); the kernel that replaces
 it at load on a CPU is runtime/kernels/cpu/quant_linear.cc. Storage layout: quantization/schemes.py.
 
 Dequantization happens in the graph, next to its consumer, in a form XLA:CPU keeps cheap
@@ -44,14 +45,15 @@ With f32 scales an asymmetric value may differ from NumPy's by one ulp.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax.numpy as jnp
 import torch
 from hloserve.quantization import modules as _qmodules  # noqa: F401 (defines torch.ops.hloserve.quantized_linear)
 from hloserve.quantization import primitives
-from hloserve.runtime.artifact.kernels import (QUANT_LINEAR, QUANT_LINEAR_V2, QUANT_LINEAR_V3, QUANT_LINEAR_V4,
-                                               QUANT_LINEAR_V5, Block)
+from hloserve.runtime.artifact.kernels import (QUANT_BF16_ROWS, QUANT_LINEAR, QUANT_LINEAR_V2, QUANT_LINEAR_V3,
+                                               QUANT_LINEAR_V4, QUANT_LINEAR_V5, QUANT_LINEAR_V6, Block)
 from hloserve.runtime.artifact.kernels import quantize_blocks as _contract_quantize_blocks
 from hloserve.quantization.schemes import WeightScheme
 from jax import lax
@@ -147,10 +149,11 @@ def _picked(qweight, scale, min_, layer):
     return pick(qweight), pick(scale), pick(min_) if min_.size else None
 
 
-def layer_product(x, qw, s, mn, bits: int, group: int):
-    """x f32[M, K] quantized as the contract says, times one layer's stored matrix [N, ...] (row by
-    row): whole, or in row blocks inside a loop for large matrices (see the module docstring)."""
-    xr = quantize_blocks(x)                                              # the contract's int8 activations
+def layer_product(x, qw, s, mn, bits: int, group: int, *, bf16: bool = False):
+    """x f32[M, K] quantized as the contract says (`bf16`: x and the dequantized matrix rounded to
+    bfloat16, version 6's chunks), times one layer's stored matrix [N, ...] (row by row): whole, or
+    in row blocks inside a loop for large matrices (see the module docstring)."""
+    xr = x.astype(jnp.bfloat16) if bf16 else quantize_blocks(x)         # the contract's activations
     out, n_in = qw.shape[0], x.shape[-1]
     rows = _block_rows(out, n_in)
     if rows == out:
@@ -176,6 +179,20 @@ def quant_linear_v2_reference(x, qweight, scale, min_, layer, *, bits: int, grou
     put back in row order, then version 1's arithmetic (x quantized per block as Q8_0, W = q * scale + min)."""
     q, s, mn = primitives.rows_in_order(*_picked(qweight, scale, min_, layer), bits, xp=jnp)
     return layer_product(x, q, s, mn, 8, group)                         # int values: bits 8's dequantize
+
+
+def quant_linear_v6_reference(x, qweight, scale, min_, layer, *, bits: int, group: int, bf16_rows: int):
+    """The `hloserve.quant_linear` version 6 composite's decomposition: version 2's below `bf16_rows`
+    rows of x; from there x and the dequantized matrix rounded to bfloat16 (_linear_block's dot of
+    16-bit operands with f32 sums). The row count is symbolic in an artifact: both branches are
+    lowered under a conditional on it, which XLA folds once the step's shape is known."""
+    q, s, mn = primitives.rows_in_order(*_picked(qweight, scale, min_, layer), bits, xp=jnp)
+    chunk = functools.partial(layer_product, x, q, s, mn, 8, group, bf16=True)
+    rows = functools.partial(layer_product, x, q, s, mn, 8, group)
+    m = x.shape[0]
+    if isinstance(m, int):
+        return chunk() if m >= bf16_rows else rows()
+    return lax.cond(jnp.asarray(m, jnp.int32) >= bf16_rows, chunk, rows)
 
 
 def quant_linear_v3_reference(x, qweight, blocks, layer, *, kind: int, rows: int = 0):
@@ -222,10 +239,13 @@ def _lower_quantized_linear(ctx, x, qweight, scale, min_, bias, layer, bits, gro
     *lead, k = x.shape
     L = qweight.shape[0]
     g = group or k
+    extra = {}
     if rows:   # interleaved by 16 rows: version 2 (version 4: 5-bit values, the same decomposition)
         out = qweight.shape[1] * rows
         shape = (L, out // rows, k // g, rows)                           # [L, N/16, G, 16]
         reference, contract = quant_linear_v2_reference, QUANT_LINEAR_V4 if bits == 5 else QUANT_LINEAR_V2
+        if bits != 5 and not ctx.interpreter.batch_invariant:   # version 6: prompt chunks in bf16
+            reference, contract, extra = quant_linear_v6_reference, QUANT_LINEAR_V6, {"bf16_rows": QUANT_BF16_ROWS}
     else:
         out = qweight.shape[1]
         shape = (L, out, k // g)                                         # [L, N, G] (per channel: G = 1)
@@ -234,7 +254,7 @@ def _lower_quantized_linear(ctx, x, qweight, scale, min_, bias, layer, bits, gro
     min_ = jnp.zeros((0,), jnp.float32) if min_ is None else min_.reshape(shape)
     composite = _private.composite(reference, contract.name, contract.version)
     y = composite(x.reshape(math.prod(lead), k).astype(jnp.float32), qweight, scale, min_,
-                  jnp.asarray(layer, jnp.int32).reshape(()), bits=int(bits), group=int(g))
+                  jnp.asarray(layer, jnp.int32).reshape(()), bits=int(bits), group=int(g), **extra)
     y = y.reshape(*lead, out)                                            # [..., N]
     if bias is not None:
         y = y + bias.astype(y.dtype)

@@ -237,6 +237,23 @@ QUANT_LINEAR_V2 = Composite(
     result=QUANT_LINEAR.result,
 )
 
+# Version 6: version 2's operands and layout, but a call of `bf16_rows` rows or more (a prompt chunk)
+# rounds x and the dequantized W to bfloat16 and multiplies those: a tile unit's 16-bit operands with
+# f32 sums (AMX-BF16, an MXU, tensor cores), where version 2's 32-element int8 blocks of x need a
+# rescale per block. What a call computes depends on its row count, so a batch-invariant export keeps
+# version 2 (docs/quantization.md "Prompt chunks in bf16").
+QUANT_LINEAR_V6 = Composite(
+    name="hloserve.quant_linear",
+    version=6,
+    operands=QUANT_LINEAR_V2.operands,
+    attributes=(*QUANT_LINEAR.attributes,
+                "bf16_rows i64: from this many rows of x (M >= bf16_rows) the bf16 product below is computed"),
+    result="f32[M, N]: for M < bf16_rows, version 2's result; for M >= bf16_rows, r(x) times r(W[layer]) transposed, "
+           "where W = q * scale + min per group (scale and min widened to f32, computed in f32) and r rounds to "
+           "bfloat16 (to nearest even); the products are exact in f32 and summed in f32 (in any order)",
+)
+QUANT_BF16_ROWS = 64   # the exporter's bf16_rows: chunks of 64 rows and more (docs/quantization.md says why)
+
 # Version 4: the same product with 5-bit values (GGUF Q5_0 blocks kept: q in [-16, 15], the file's f16 d
 # as the scale of each 32 elements), interleaved by 16 rows as version 2's int4, the fifth bits beside
 # each block's nibbles (quantization/schemes.py; docs/quantization.md "Q5_0 kept").
@@ -378,5 +395,5 @@ ROW_SUM = Composite(
 # (name, version) -> contract
 COMPOSITES = {(c.name, c.version): c for c in (PAGED_ATTENTION, PAGED_ATTENTION_V2, LAYER_LINEAR, QUANT_LINEAR,
                                                  QUANT_LINEAR_V2, QUANT_LINEAR_V3, QUANT_LINEAR_V4, QUANT_LINEAR_V5,
-                                                 GROUPED_EXPERTS,
+                                                 QUANT_LINEAR_V6, GROUPED_EXPERTS,
                                                  QUANT_EXPERTS, PRODUCT_SUM, ROW_SUM)}

@@ -131,7 +131,7 @@ def _bound(name: str, version: int, args: list, want: np.ndarray) -> np.ndarray:
         return (K + 4) * 2.0 ** -24 * (np.abs(x8) @ terms.T) + 1e-30
     qweight, scale, mn = args[1], args[2], args[3]
     five = version == 4                  # quant_linear v4: 5-bit values, offset 16 in the kernel
-    if version in (2, 4):   # quant_linear v2 / v4, interleaved by 16 rows: back to row order for the bound
+    if version in (2, 4, 6):   # quant_linear v2 / v4 / v6, interleaved by 16 rows: back to row order for the bound
         bits = 5 if five else 4 if qweight.shape[2] == 8 * K else 8
         mats = [modules.rows_in_order(*(torch.from_numpy(a[i]) if a.size else None for a in (qweight, scale, mn)), bits)
                 for i in range(qweight.shape[0])]
@@ -144,6 +144,10 @@ def _bound(name: str, version: int, args: list, want: np.ndarray) -> np.ndarray:
     group = K // scale.shape[2]
     s = np.repeat(scale.astype(np.float32)[layer], group, axis=1)
     m = np.repeat(mn.astype(np.float32)[layer], group, axis=1) if mn.size else np.zeros_like(s)
+    if version == 6 and x.shape[0] >= 64:   # bf16_rows (make_composites_v6.py: 64) and more: r(x) r(W)^T
+        def r(a):
+            return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
+        return K * 2.0 ** -24 * (np.abs(r(x)) @ np.abs(r(ints * s + m)).T) + 1e-30
     offset = 16 if five else 0 if mn.size else 128 if bits == 8 else 8
     x8 = quantize_blocks(torch.from_numpy(x)).numpy()
     terms = np.abs(ints * s) + np.abs(m) + offset * np.abs(s)
@@ -153,7 +157,7 @@ def _bound(name: str, version: int, args: list, want: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("name", COMPOSITE_CASES)
 def test_stored_composite_computes_what_it_did_through_kernel_and_decomposition(name):
     """A module stored with a composite at its version (tests/golden/make_composites_v1.py and
-    make_composites_v2.py, written 2026-11-26; make_composites_v4.py and v5, 2026-12-01) is still recognised: on this machine's CPU kernel (where one builds) and through its
+    make_composites_v2.py, written 2026-11-26; make_composites_v4.py, v5 and v6, 2026-12-01) is still recognised: on this machine's CPU kernel (where one builds) and through its
     decomposition it computes the stored outputs, within what reordered f32 sums allow."""
     import jax
     from jax import export

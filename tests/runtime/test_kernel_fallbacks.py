@@ -24,7 +24,7 @@ FALLBACKS = {"x86-64-v3": "avx2",            # AVX2 only: the widened products
 # cache dtype, window and soft-cap, and the short path of one head shape with every cache dtype), not
 # the shapes that only vary the same code
 FALLBACK_SELECTION = ("(layer_linear_kernel_matches and 64-70) or (quant_linear_kernel_matches and 576-) or "
-                      "(quant_linear_v4_kernel_matches and 576-) or "
+                      "(quant_linear_v4_kernel_matches and 576-) or (quant_linear_v6_kernel and 576-) or "
                       "grouped_experts_kernel_matches or (quant_experts_kernel_matches and 6-2) or "
                       "kquant_kernel_matches or kquant_kernel_reads_only or "
                       "(paged_attention_kernel_matches and (chunk37 or (short and 3-64))) or "

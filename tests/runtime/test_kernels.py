@@ -367,15 +367,16 @@ def test_layer_linear_kernel_reads_only_its_layer(library):
     assert np.abs(np.asarray(fn(x, mine, np.int32(1)))).max() == 0
 
 
-def _quant_exported(q, bits, group, version=1):
-    from hloserve.exporter.composites.quant_linear import quant_linear_reference, quant_linear_v2_reference
+def _quant_exported(q, bits, group, version=1, **attrs):
+    from hloserve.exporter.composites.quant_linear import (quant_linear_reference, quant_linear_v2_reference,
+                                                           quant_linear_v6_reference)
     from hloserve.runtime.artifact.kernels import QUANT_LINEAR
 
-    reference = quant_linear_reference if version == 1 else quant_linear_v2_reference
+    reference = {1: quant_linear_reference, 6: quant_linear_v6_reference}.get(version, quant_linear_v2_reference)
 
     def f(x, qweight, scale, mn, layer):
         return _private.composite(reference, QUANT_LINEAR.name, version)(
-            x, qweight, scale, mn, layer, bits=bits, group=group)
+            x, qweight, scale, mn, layer, bits=bits, group=group, **attrs)
     (m,) = export.symbolic_shape("M")
     K = q["scale"].shape[2] * group
     shapes = [jax.ShapeDtypeStruct((m, K), np.float32)] + [jax.ShapeDtypeStruct(q[r].shape, q[r].dtype)
@@ -461,6 +462,59 @@ def test_quant_linear_kernel_matches_decomposition_and_torch(library, spec, K, N
         for got in (kernel, portable):
             assert got.shape == (rows, N)
             assert (np.abs(got - ref) <= bound).all(), (rows, np.abs(got - ref).max(), bound.min())
+
+
+def bf16_values(a):
+    """f32 a rounded to bfloat16 (to nearest even), as float64."""
+    return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)).astype(np.float64)
+
+
+@pytest.mark.parametrize("spec", QUANT_SPECS)
+@pytest.mark.parametrize("K,N", [(64, 48), (96, 16), (576, 64)])
+def test_quant_linear_v6_kernel_rounds_chunks_to_bf16(library, spec, K, N):
+    """Version 6 (version 2's layout; from bf16_rows rows x and W = q * scale + min rounded to bf16):
+    below bf16_rows rows the kernel and the decomposition compute version 2's product (x quantized per
+    block of 32, version 2's bound); from there both compute r(x) r(W)^T, products exact in f32 and
+    summed in f32 in any order: |error| <= K 2^-24 sum_k |r(x_k) r(w_k)| against a float64 product of
+    the same rounded values. 63 / 64 rows are the boundary (a symbolic row count: the decomposition's
+    conditional); 131 rows are whole and partial 16-row tiles, and each of their rows is computed on
+    its own (its first 64 equal a 64-row call's bit for bit)."""
+    from hloserve.quantization import primitives
+    from hloserve.quantization.modules import quantize_blocks
+    rng = np.random.default_rng(K + N + len(spec) + 6)
+    q, scheme, group = _quantized_stack(rng, spec, 3, N, K)
+    qw, sc, mn = primitives.interleave_rows(q["qweight"], q["scale"], q["min"] if q["min"].size else None, scheme.bits)
+    args = [qw, sc, q["min"] if mn is None else mn]
+    exp = _quant_exported(dict(zip(("qweight", "scale", "min"), args)), scheme.bits, group, version=6, bf16_rows=64)
+    portable_fn, _ = specialize(exp, None)
+    kernel_fn, n_kernel = specialize(exp, library)
+    assert n_kernel == 1 and "custom_call @hloserve_quant_linear_v6(" in kernel_fn.mlir_module()
+    ints = (primitives.unpack_int4(q["qweight"], signed=scheme.symmetric) if scheme.bits == 4
+            else q["qweight"]).astype(np.float32)                                       # [L, N, K]
+    s = np.repeat(q["scale"].astype(np.float32), group, axis=2)
+    m = np.repeat(q["min"].astype(np.float32), group, axis=2) if q["min"].size else np.zeros_like(s)
+    x_all = rng.standard_normal((131, K)).astype(np.float32)
+    results = {}
+    for rows in (1, 16, 63, 64, 131):
+        x, layer = x_all[:rows], np.int32(rows % 3)
+        if rows < 64:
+            x8 = quantize_blocks(torch.from_numpy(x)).numpy().astype(np.float64)
+            want = x8 @ (ints[layer] * s[layer] + m[layer]).astype(np.float64).T
+            offset = 0 if q["min"].size else 128 if scheme.bits == 8 else 8
+            terms = np.abs(ints[layer] * s[layer]) + np.abs(m[layer]) + offset * np.abs(s[layer])
+            bound = (K + 4) * 2.0 ** -24 * (np.abs(x8) @ terms.T) + 1e-30
+        else:
+            xr, wr = bf16_values(x), bf16_values(ints[layer] * s[layer] + m[layer])   # W in f32, then rounded
+            want = xr @ wr.T
+            bound = K * 2.0 ** -24 * (np.abs(xr) @ np.abs(wr).T) + 1e-30
+        for name, fn in (("kernel", kernel_fn), ("decomposition", portable_fn)):
+            got = np.asarray(jax.jit(fn.call)(x, *args, layer))
+            assert got.shape == (rows, N)
+            assert (np.abs(got - want) <= bound).all(), (name, rows, np.abs(got - want).max(), bound.min())
+            results[name, rows] = got
+    # the chunk path's rows do not depend on how many there are (131 rows at layer 2, 64 at layer 1)
+    again = np.asarray(jax.jit(kernel_fn.call)(x_all, *args, np.int32(1)))
+    np.testing.assert_array_equal(again[:64], results["kernel", 64])
 
 
 def five_bit_stack(rng, L, N, K, f16=True):

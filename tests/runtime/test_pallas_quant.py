@@ -107,6 +107,66 @@ def _check(side, bits, group, symmetric, sdtype, m, n, k):
     assert (err <= _bound(x, dense, layers - 1)).all(), f"max error {err.max():.3g}"
 
 
+@pytest.mark.parametrize("side,layout", [("gpu", "int8-g32"), ("tpu", "int4-g32-asym"), ("gpu", "int4-g64-asym"),
+                                         ("tpu", "int8-channel")])
+def test_version_6_chunks_round_x_and_the_weights_to_bf16(side, layout):
+    """Version 6 at a row count of its bf16_rows or more (QuantParams.bf16): the kernel in interpret
+    mode against the version 6 decomposition at 100 rows (bf16_rows 64), both r(x) r(W)^T with exact
+    products, summed in f32 in other orders: |error| <= K 2^-23 sum_k |r(x_k) r(w_k)|."""
+    from hloserve.exporter.composites.quant_linear import quant_linear_v6_reference
+    bits, group, symmetric, sdtype = LAYOUTS[layout]
+    qw, s, mn, (q, scale, mins) = _weights(bits, group, symmetric, sdtype, 48, 3)
+    group = group or K
+    x = np.random.default_rng(6).standard_normal((100, K)).astype(np.float32)
+    want = np.asarray(jax.jit(lambda *a: quant_linear_v6_reference(*a, bits=bits, group=group, bf16_rows=64))(
+        x, qw, s, mn, np.int32(1)))
+    got = np.asarray(jax.jit(lambda *a: KERNELS[side](*a, params=quant.QuantParams(bits, group, bf16=True),
+                                                       interpret=True))(x, qw, s, mn, np.int32(1)))
+    w = q[1].astype(np.float32) * np.repeat(scale[1].astype(np.float32), group, axis=-1)
+    if mins is not None:
+        w = w + np.repeat(mins[1].astype(np.float32), group, axis=-1)
+    r = lambda a: np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa: E731
+    bound = K * 2.0 ** -23 * (np.abs(r(x)) @ np.abs(r(w)).T) + 1e-30
+    assert (np.abs(got.astype(np.float64) - want) <= bound).all()
+    assert (np.abs(want - r(x) @ r(w).T) <= bound).all()     # the decomposition is the bf16 product
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_version_6_substituted_at_load_rounds_only_its_chunks(platform):
+    """A version 6 composite in an exported function (symbolic rows, as in an artifact's step): the
+    placeholder says its version and bf16_rows, so at 9 rows the kernel computes version 2's product
+    and at 70 the bf16 one; both equal the decomposition (its conditional on the row count) within
+    the f32 bounds above, run in interpret mode here."""
+    from jax import export
+
+    from hloserve.exporter import _private
+    from hloserve.exporter.composites.quant_linear import quant_linear_v6_reference
+    from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V6
+    qw, s, mn, (q, scale, _) = _weights(8, 32, True, np.float16, 48, 2)
+
+    def f(x, qweight, sc, m, layer):
+        return _private.composite(quant_linear_v6_reference, QUANT_LINEAR_V6.name, QUANT_LINEAR_V6.version)(
+            x, qweight, sc, m, layer, bits=8, group=32, bf16_rows=64)
+    (m,) = export.symbolic_shape("M")
+    shapes = [jax.ShapeDtypeStruct((m, K), np.float32)] + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (qw, s, mn)]
+    exported = export.export(jax.jit(f), platforms=("cpu",))(*shapes, jax.ShapeDtypeStruct((), np.int32))
+    [p] = accelerators.plan(exported, platform)
+    assert p.kernel is not None and "from 64 rows" in p.why
+    backend = accelerators.PallasBackend(platform, interpret=True)
+    spec = backend.specialize(exported)
+    w = q[1].astype(np.float64) * np.repeat(scale[1].astype(np.float64), 32, axis=-1)
+    for rows in (9, 70):
+        x = np.random.default_rng(rows).standard_normal((rows, K)).astype(np.float32)
+        args = (x, qw, s, mn, np.int32(1))
+        static = spec.per_shape([jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in args])
+        got = np.asarray(static.call(*args)).astype(np.float64)
+        want = np.asarray(jax.jit(lambda *a: quant_linear_v6_reference(*a, bits=8, group=32, bf16_rows=64))(*args))
+        xr = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32), np.float64) if rows >= 64 else \
+            np.asarray(quantize_blocks(jnp.asarray(x)), np.float64)
+        bound = K * 2.0 ** -22 * (np.abs(xr) @ np.abs(w).T) + 1e-30
+        assert got.shape == (rows, 48) and (np.abs(got - want) <= bound).all(), rows
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("m", [1, 100])

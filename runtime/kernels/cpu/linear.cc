@@ -82,7 +82,7 @@ void amx_pack_rows(const uint16_t* w, int64_t K, int64_t tiles, int64_t KC, uint
 // they saved once the tiles lay on whole lines (2026-11-29). Up to kAmxInPlaceRows x rows the matrix
 // is read where it lies where K is whole chunks (few rows: the copy would cost as much as the
 // products).
-constexpr int64_t kAmxChunks = 24, kAmxRowBytes = 1 << 20, kAmxInPlaceRows = 64;
+constexpr int64_t kAmxChunks = 24, kAmxInPlaceRows = 64;
 
 // Where a pair of matrix tiles lies: tile a (0, 1) of chunk c at p + c * chunk + a * second, its
 // 16 rows `stride` bytes apart (packed: 1 KiB tiles side by side; in place: rows K apart)
@@ -143,17 +143,14 @@ inline void amx_block(const MatrixTiles& wt, const uint16_t* xp, int64_t KC, int
     }
 }
 
-// matrix rows [n0, n0 + 16 tiles) of w times every row of x (packed: 16-row blocks)
-void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0, int64_t tiles,
-              float* out, int64_t N) {
-  thread_local LineVector<uint16_t> packed;   // kept by the pool's threads from call to call
-  thread_local LineVector<float> partial;
-  const bool in_place = M <= kAmxInPlaceRows && K % 32 == 0;
-  const size_t size = in_place ? 0 : static_cast<size_t>((tiles + 1) / 2 * KC * 1024);
-  if (packed.size() < size) packed.resize(size);
+// matrix rows [n0, n0 + 16 tiles) times every row of x (packed: 16-row blocks), the matrix read in
+// place (w [., K], K whole chunks) or from its task's packed tiles (wp: amx_pack_rows's layout)
+void amx_tiles(const uint16_t* w, int64_t K, const uint16_t* wp, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0,
+               int64_t tiles, float* out, int64_t N) {
+  thread_local LineVector<float> partial;   // kept by the pool's threads from call to call
+  const bool in_place = wp == nullptr;
   const int64_t runs = (KC + kAmxChunks - 1) / kAmxChunks, run = (KC + runs - 1) / runs;   // chunks per run, even
   if (partial.size() < static_cast<size_t>((tiles + 1) / 2 * 1024)) partial.resize((tiles + 1) / 2 * 1024);
-  if (!in_place) amx_pack_rows(w + n0 * K, K, tiles, KC, packed.data());
   const int64_t blocks = (M + 15) / 16;
   amx_configure();
   for (int64_t g = 0; g < blocks; g += 2) {
@@ -162,7 +159,7 @@ void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int6
       const int64_t c1 = std::min(KC, c0 + run);
       for (int64_t t = 0; t < tiles; t += 2) {
         const MatrixTiles wt = in_place ? MatrixTiles{w + (n0 + 16 * t) * K, 32, 16 * K, 2 * K}
-                                        : MatrixTiles{packed.data() + t / 2 * KC * 1024, 1024, 512, 64};
+                                        : MatrixTiles{wp + t / 2 * KC * 1024, 1024, 512, 64};
         float* o = out + n0 + 16 * t;
         float* part = partial.data() + t / 2 * 1024;
         const bool two = t + 2 <= tiles;
@@ -176,21 +173,26 @@ void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int6
   _tile_release();
 }
 
+// matrix rows [n0, n0 + 16 tiles) of w times every row of x (packed: 16-row blocks): up to
+// kAmxInPlaceRows x rows the matrix where it lies, else its rows copied into whole tiles first
+void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0, int64_t tiles,
+              float* out, int64_t N) {
+  thread_local LineVector<uint16_t> packed;   // kept by the pool's threads from call to call
+  if (M <= kAmxInPlaceRows && K % 32 == 0) return amx_tiles(w, K, nullptr, xp, KC, M, n0, tiles, out, N);
+  const size_t size = static_cast<size_t>((tiles + 1) / 2 * KC * 1024);
+  if (packed.size() < size) packed.resize(size);
+  amx_pack_rows(w + n0 * K, K, tiles, KC, packed.data());
+  amx_tiles(w, K, packed.data(), xp, KC, M, n0, tiles, out, N);
+}
+
 // Every whole 16-row tile of the matrix (N / 16 of them) times x (packed: amx_pack_f32) on AMX, split
 // over the pool: one task per thread at least, more where a task's packed rows would outgrow
 // kAmxRowBytes; task boundaries on pairs of tiles. Returns the matrix rows done (the rest: the row
 // routines).
 int64_t amx_linear(ffi::ThreadPool& pool, const uint16_t* w, int64_t K, int64_t N, const uint16_t* xp, int64_t KP,
                    int64_t M, float* out) {
-  const int64_t KC = KP / 32, tiles = N / 16, pairs = (tiles + 1) / 2;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t tasks = std::max(threads, (tiles * 16 * KP * 2 + kAmxRowBytes - 1) / kAmxRowBytes);
-  tasks = std::min(pairs, (tasks + threads - 1) / threads * threads);
-  parallel_for(pool, tasks, 1, [&](int64_t task) {
-    const int64_t t0 = 2 * (pairs * task / tasks), t1 = std::min(tiles, 2 * (pairs * (task + 1) / tasks));
-    if (t1 > t0) amx_rows(w, K, xp, KC, M, 16 * t0, t1 - t0, out, N);
-  });
-  return tiles * 16;
+  amx_tasks(pool, N, KP, [&](int64_t t0, int64_t t1) { amx_rows(w, K, xp, KP / 32, M, 16 * t0, t1 - t0, out, N); });
+  return N / 16 * 16;
 }
 #endif
 
@@ -204,6 +206,13 @@ void linear_amx_pack(const uint16_t* x, int64_t KP, int64_t blocks, int64_t KC, 
 void linear_amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0, int64_t tiles,
                      float* out, int64_t N) {
   amx_rows(w, K, xp, KC, M, n0, tiles, out, N);
+}
+void linear_amx_pack_f32(const float* x, int64_t rows, int64_t K, int64_t KC, uint16_t* xp) {
+  amx_pack_f32(x, rows, K, KC, xp);
+}
+void linear_amx_packed(const uint16_t* wp, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0, int64_t tiles,
+                       float* out, int64_t N) {
+  amx_tiles(nullptr, 32 * KC, wp, xp, KC, M, n0, tiles, out, N);
 }
 }  // namespace hloserve
 #endif

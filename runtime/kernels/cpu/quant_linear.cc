@@ -1,8 +1,9 @@
-// hloserve_quant_linear (v1), hloserve_quant_linear_v2 (rows interleaved by 16) and
+// hloserve_quant_linear (v1), hloserve_quant_linear_v2 (rows interleaved by 16),
 // hloserve_quant_linear_v4 (5-bit values, GGUF Q5_0, interleaved as v2's int4 with their fifth bits
-// beside): an int8 / int5 / int4 matrix multiplied as integers (int8 activations, VNNI); XLA writes
+// beside) and hloserve_quant_linear_v6 (v2's, prompt chunks in bf16): an int8 / int5 / int4 matrix multiplied as integers (int8 activations, VNNI); XLA writes
 // the dequantized f32 layer to memory and reads it back. Version 1's row routines (quant_rows.h) are shared with the quantized
 // experts (experts.cc) and, without VNNI, version 3 (quant_blocks.cc: GGUF K-quant blocks kept).
+#include "linear.h"
 #include "quant_rows.h"
 
 namespace {
@@ -187,27 +188,7 @@ void quant2_vnni(const QuantMatrix& w, const QuantX2& x, int64_t m0, int64_t M, 
 }
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-// -- AMX-INT8 (Sapphire Rapids and later) --------------------------------------------------------
-//
-// A 64-byte k-step of version 2's int8 layout (16 matrix rows x 4 elements) is one row of an AMX-INT8
-// B tile, so one 32-element block of 16 matrix rows is an 8 x 64 B tile read where it lies; 16 rows
-// of x, one block each, are the 16 x 32 A tile (rows K bytes apart). tdpbssd multiplies signed by
-// signed bytes, so no offset is needed: each block's C tile holds the exact int32 sums the VNNI path
-// computes (int4: the group's nibbles are first widened to int8 bytes in the int8 layout, signed or
-// 0..15). The sums are per block, so each block's C tile is stored, and scaled in f32 as the VNNI
-// path does (cvt, mul, fma: the same arithmetic, the same results), the 16 rows' f32 sums kept in
-// registers. A tile store costs ~16 cycles (16 x 64 bytes) and is not forwarded to vector loads, so
-// the tile unit runs kAmxLead blocks ahead of the scaling.
-
-// tiles 0-3: C (16 x rows x 16 matrix rows, int32); 4-5: A (16 x rows x 32 bytes); 6-7: B (8 x 64 bytes)
-inline void amx8_configure() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) c.colsb[t] = t == 4 || t == 5 ? 32 : 64, c.rows[t] = t >= 6 ? 8 : 16;
-  asm volatile("" : : "r"(&c) : "memory");   // the stores kept (common.h's amx_configure_16x64)
-  _tile_loadconfig(&c);
-}
-
+#if defined(__AVX512BW__)
 // one group of 16 rows' int4 bytes (version 2: k-steps of 8 elements, k in the low nibble and k + 4
 // in the high one) -> int8 bytes in the int8 layout (k-steps of 4 elements): each 64 bytes give 2
 // rows. Signed nibbles become two's complement bytes (0..7 -> 0..7, 8..15 -> -8..-1), unsigned ones
@@ -240,6 +221,29 @@ inline void widen_int4(const uint8_t* q, int64_t K, int8_t* dst) {
     _mm512_storeu_si512(dst + 128 * s + 64, hi);
   }
 #endif
+}
+
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// -- AMX-INT8 (Sapphire Rapids and later) --------------------------------------------------------
+//
+// A 64-byte k-step of version 2's int8 layout (16 matrix rows x 4 elements) is one row of an AMX-INT8
+// B tile, so one 32-element block of 16 matrix rows is an 8 x 64 B tile read where it lies; 16 rows
+// of x, one block each, are the 16 x 32 A tile (rows K bytes apart). tdpbssd multiplies signed by
+// signed bytes, so no offset is needed: each block's C tile holds the exact int32 sums the VNNI path
+// computes (int4: the group's nibbles are first widened to int8 bytes in the int8 layout, signed or
+// 0..15). The sums are per block, so each block's C tile is stored, and scaled in f32 as the VNNI
+// path does (cvt, mul, fma: the same arithmetic, the same results), the 16 rows' f32 sums kept in
+// registers. A tile store costs ~16 cycles (16 x 64 bytes) and is not forwarded to vector loads, so
+// the tile unit runs kAmxLead blocks ahead of the scaling.
+
+// tiles 0-3: C (16 x rows x 16 matrix rows, int32); 4-5: A (16 x rows x 32 bytes); 6-7: B (8 x 64 bytes)
+inline void amx8_configure() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = t == 4 || t == 5 ? 32 : 64, c.rows[t] = t >= 6 ? 8 : 16;
+  asm volatile("" : : "r"(&c) : "memory");   // the stores kept (common.h's amx_configure_16x64)
+  _tile_loadconfig(&c);
 }
 
 // block b's sums of x (16 rows from xa, K apart) and the block's int8 bytes wb (8 x 64) into C tile
@@ -429,6 +433,115 @@ void quant_linear_v2(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w
   });
 }
 
+// -- hloserve_quant_linear_v6: version 2's product, prompt chunks in bf16 -------------------------
+//
+// From `bf16_rows` rows of x on (runtime/artifact/kernels.py QUANT_LINEAR_V6) x and W = q * scale
+// (+ min) are rounded to bf16 and multiplied with f32 sums: layer_linear's arithmetic, so the tiles
+// run the whole K (AMX-BF16: linear.cc's tile loop; elsewhere linear.h's row routines) where version
+// 2's AMX-INT8 tiles take 32-element blocks of x (half a tile) with a store and a rescale per block.
+// Each row group's matrix is dequantized block by block into [16][32] bf16 tiles, the tiles
+// layer_linear copies its bf16 rows into; fewer rows run version 2's path.
+
+// block b (32 elements) of row group g dequantized into dst (row i at dst + i * stride): W = q * scale
+// (+ min) in f32, rounded to bf16; ws / wm: the group's scales and mins [G, 16] (wm: none if nullptr)
+inline void dequant_block(const QuantMatrix& w, int64_t g, int64_t b, const float* ws, const float* wm, uint16_t* dst,
+                          int64_t stride) {
+  const int64_t gi = b * kXBlock / w.group;
+#if defined(__AVX512BW__)
+  alignas(64) int8_t wide[512];   // int4: the block widened to version 2's int8 layout
+  const int8_t* q8 = reinterpret_cast<const int8_t*>(w.q) + g * 16 * w.K + b * 512;
+  if (w.bits == 4) {
+    const uint8_t* q4 = w.q + g * 8 * w.K + b * 256;
+    if (w.min == nullptr) widen_int4<true>(q4, kXBlock, wide);
+    else widen_int4<false>(q4, kXBlock, wide);
+    q8 = wide;
+  }
+  // elements 4s..4s+3 of row i lie in dword 16 s + i: a gather of rows 2p and 2p + 1 (8 dwords each)
+  const __m512i idx = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 1, 17, 33, 49, 65, 81, 97, 113);
+  for (int p = 0; p < 8; ++p) {
+    const __m512i v = _mm512_i32gather_epi32(_mm512_add_epi32(idx, _mm512_set1_epi32(2 * p)), q8, 4);
+    const __m128i part[4] = {_mm512_extracti32x4_epi32(v, 0), _mm512_extracti32x4_epi32(v, 1),
+                             _mm512_extracti32x4_epi32(v, 2), _mm512_extracti32x4_epi32(v, 3)};
+    for (int h = 0; h < 2; ++h) {
+      const int i = 2 * p + h;
+      const __m512 sc = _mm512_set1_ps(ws[gi * 16 + i]);
+      for (int half = 0; half < 2; ++half) {
+        __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(part[2 * h + half])), sc);
+        if (wm != nullptr) f = _mm512_add_ps(f, _mm512_set1_ps(wm[gi * 16 + i]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i * stride + 16 * half),
+                            round16_bf16(_mm512_castps_si512(f)));
+      }
+    }
+  }
+#else
+  for (int64_t i = 0; i < 16; ++i)
+    for (int64_t k = 0; k < kXBlock; ++k) {
+      float f = static_cast<float>(int_of_interleaved(w, g * 16 + i, b * kXBlock + k)) * ws[gi * 16 + i];
+      if (wm != nullptr) f += wm[gi * 16 + i];
+      dst[i * stride + k] = f32_to_bf16(f);
+    }
+#endif
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// the chunk on AMX: x rounded straight into tiles, each task's row groups dequantized into whole tiles
+// (linear_amx_packed's layout), then layer_linear's tile loop
+void quant_chunk_amx(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, float* op) {
+  const int64_t K = w.K, KC = K / 32, blocks = (M + 15) / 16;
+  LineVector<uint16_t> xp(blocks * K * 16);
+  parallel_for(pool, blocks, 1, [&](int64_t g) {
+    linear_amx_pack_f32(x + 16 * g * K, std::min<int64_t>(16, M - 16 * g), K, KC, xp.data() + g * K * 16);
+  });
+  amx_tasks(pool, w.N, K, [&](int64_t t0, int64_t t1) {
+    thread_local LineVector<uint16_t> wp;   // kept by the pool's threads from call to call
+    const size_t size = static_cast<size_t>((t1 - t0 + 1) / 2 * KC * 1024);
+    if (wp.size() < size) wp.resize(size);
+    std::vector<float> sbuf, mbuf;
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* ws = group_scalars(w.scale, w.f16, t, w.G, sbuf);
+      const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, t, w.G, mbuf) : nullptr;
+      for (int64_t c = 0; c < KC; ++c)
+        dequant_block(w, t, c, ws, wm, wp.data() + (((t - t0) / 2 * KC + c) * 2 + (t - t0) % 2) * 512, 32);
+    }
+    linear_amx_packed(wp.data(), xp.data(), KC, M, 16 * t0, t1 - t0, op, w.N);
+  });
+}
+#endif
+
+// the chunk without AMX: x rounded into rows, each task's row groups dequantized into bf16 rows, then
+// linear.h's row routines (AVX512-BF16 tiles, or the products widened to f32)
+void quant_chunk_rows(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, float* op) {
+  const int64_t K = w.K, NG = w.N / 16;
+  std::vector<uint16_t> xr(M * K);
+  parallel_for(pool, (M + 15) / 16, 1, [&](int64_t g) {
+    round_rows(x + 16 * g * K, std::min<int64_t>(16, M - 16 * g), K, Kind::kBF16, xr.data() + 16 * g * K, K);
+  });
+  constexpr int64_t kGroupsPerTask = kLinearRows / 16;
+  parallel_for(pool, (NG + kGroupsPerTask - 1) / kGroupsPerTask, 1, [&](int64_t task) {
+    const int64_t g0 = task * kGroupsPerTask, g1 = std::min(NG, g0 + kGroupsPerTask);
+    thread_local std::vector<uint16_t> rows;
+    rows.resize((g1 - g0) * 16 * K);
+    std::vector<float> sbuf, mbuf;
+    for (int64_t g = g0; g < g1; ++g) {
+      const float* ws = group_scalars(w.scale, w.f16, g, w.G, sbuf);
+      const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, g, w.G, mbuf) : nullptr;
+      for (int64_t b = 0; b < K / kXBlock; ++b)
+        dequant_block(w, g, b, ws, wm, rows.data() + (g - g0) * 16 * K + b * kXBlock, K);
+    }
+    rows16(Kind::kBF16, rows.data(), K, xr.data(), K, M, 0, (g1 - g0) * 16, op + g0 * 16, w.N);
+  });
+}
+
+// version 6: from bf16_rows rows of x the bf16 chunk path, below it version 2's
+void quant_linear_v6(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, int64_t bf16_rows,
+                     float* op) {
+  if (M < bf16_rows) return quant_linear_v2(pool, x, w, M, op);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_usable()) return quant_chunk_amx(pool, x, w, M, op);
+#endif
+  quant_chunk_rows(pool, x, w, M, op);
+}
+
 // The versions' FFI handler: kVersion 1, 2 (rows interleaved by 16) or 4 (5-bit values, interleaved)
 template <int kVersion>
 ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qweight, ffi::AnyBuffer scale,
@@ -466,3 +579,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear, QuantLinear<1>, QuantLinear
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v2, QuantLinear<2>, QuantLinearBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v4, QuantLinear<4>, QuantLinearBinding());
+
+namespace {
+ffi::Error QuantLinearV6(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qweight, ffi::AnyBuffer scale,
+                         ffi::AnyBuffer min, ffi::Buffer<ffi::S32> layer, int64_t bf16_rows, int64_t bits, int64_t group,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  QuantMatrix w;
+  int64_t M;
+  if (ffi::Error e = read_operands("hloserve_quant_linear_v6", 2, x, qweight, scale, min, layer, bits, group, w, M);
+      e.failure())
+    return e;
+  quant_linear_v6(pool, x.typed_data(), w, M, bf16_rows, out->typed_data());
+  return ffi::Error::Success();
+}
+}  // namespace
+
+// version 6: version 2's operands and attributes, and bf16_rows
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v6, QuantLinearV6,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("bf16_rows")
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

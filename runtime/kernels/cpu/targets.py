@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 from hloserve.runtime.artifact.kernels import (GROUPED_EXPERTS, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2,
                                                PRODUCT_SUM, QUANT_EXPERTS, ROW_SUM, QUANT_LINEAR, QUANT_LINEAR_V2,
-                                               QUANT_LINEAR_V3, QUANT_LINEAR_V4, QUANT_LINEAR_V5)
+                                               QUANT_LINEAR_V3, QUANT_LINEAR_V4, QUANT_LINEAR_V5,
+                                               QUANT_LINEAR_V6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +98,9 @@ TARGETS = {
     QUANT_LINEAR.key: Target("hloserve_quant_linear", accepts=_whole_vectors, max_rows=_quant_linear_rows,
                              result_dims=((0, 0), (1, 1))),
     QUANT_LINEAR_V2.key: Target("hloserve_quant_linear_v2", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
+                                result_dims=((0, 0), None)),
+    # version 2's below bf16_rows rows; chunks in bf16 (AMX-BF16 tiles, or linear.h's row routines)
+    QUANT_LINEAR_V6.key: Target("hloserve_quant_linear_v6", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
                                 result_dims=((0, 0), None)),
     # 5-bit values (GGUF Q5_0 kept): version 2's int4 tiles with the fifth bits or'd in by mask (no AMX
     # tiles yet: VNNI at every row count)

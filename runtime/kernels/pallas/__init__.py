@@ -47,7 +47,7 @@ from typing import Any, Sequence
 
 from hloserve.runtime.artifact.kernels import (COMPOSITES, LAYER_LINEAR, PAGED_ATTENTION, PAGED_ATTENTION_V2, QUANT_LINEAR,
                                                QUANT_LINEAR_V2, QUANT_LINEAR_V3, QUANT_LINEAR_V4, QUANT_LINEAR_V5,
-                                               Holds)
+                                               QUANT_LINEAR_V6, Holds)
 
 from ... import _private
 from ..backend import Specialized
@@ -64,7 +64,7 @@ LAYER_LINEAR_ENV = "HLOSERVE_GPU_LAYER_LINEAR"   # "1": GPUs run layer_linear's 
 LOWERING = {"tpu": "tpu", "gpu": "cuda", "cuda": "cuda"}
 # the composites a Pallas kernel runs (where the cache shape suits it: `choose`; GPUs: layer_linear opt-in)
 SERVED = frozenset({PAGED_ATTENTION.key, PAGED_ATTENTION_V2.key, QUANT_LINEAR_V2.key, QUANT_LINEAR_V3.key,
-                    QUANT_LINEAR_V4.key, QUANT_LINEAR_V5.key})
+                    QUANT_LINEAR_V4.key, QUANT_LINEAR_V5.key, QUANT_LINEAR_V6.key})
 # what the layer_linear composite runs on a TPU, and why (see the module docstring)
 XLA_DOT = "XLA's dot (the decomposition): the MXU takes the 16-bit operands with f32 sums, as the contract asks"
 # the result dims of each placeholder for shape refinement ((operand, dim), None: static); default: x's
@@ -221,8 +221,10 @@ def _choose_quant(platform: str, version: int, attrs: dict[str, Any]) -> KernelP
         return KernelPlan(name, version, platform, module.FIVE_NAME, params,
                           "reads the layer's 5-bit nibbles and fifth-bit masks in place and dequantizes them next "
                           "to the dot")
+    chunks = (f"; from {attrs['bf16_rows']} rows x and the dequantized tiles rounded to bf16"
+              if version == QUANT_LINEAR_V6.version else "")
     return KernelPlan(name, version, platform, module.NAME, params,
-                      "reads the layer's int8 / int4 bytes in place and dequantizes them next to the dot")
+                      "reads the layer's int8 / int4 bytes in place and dequantizes them next to the dot" + chunks)
 
 
 def _plan_of(api, info: CompositeOp, platform: str) -> KernelPlan:
@@ -307,10 +309,14 @@ def _build_kernel(target: str, config: dict, operand_types: list, api, *, platfo
         contract = QUANT_LINEAR_V4
         kernel = functools.partial(_module(platform, QUANT_LINEAR.name).five_linear,
                                    params=quant.QuantParams.from_attributes(attrs), interpret=interpret)
-    elif target == quant.PENDING:
+    elif target == quant.PENDING:   # versions 2 and 6 (6: at bf16_rows rows and more, x and W rounded to bf16)
         contract = QUANT_LINEAR_V2
-        kernel = functools.partial(_module(platform, QUANT_LINEAR.name).quant_linear,
-                                   params=quant.QuantParams.from_attributes(attrs), interpret=interpret)
+        params = quant.QuantParams.from_attributes(attrs)
+        if int(attrs.get("version", 0)) == QUANT_LINEAR_V6.version:
+            rows = api.ir.RankedTensorType(operand_types[0]).shape[0]
+            params = dataclasses.replace(params, bf16=rows >= int(attrs["bf16_rows"]))
+        kernel = functools.partial(_module(platform, QUANT_LINEAR.name).quant_linear, params=params,
+                                   interpret=interpret)
     else:
         params = PagedParams.from_attributes(attrs)
         # the placeholder's leading operands are the contract's (version 2's window the last), then any result shapes

@@ -1,7 +1,8 @@
 """What the accelerators' `hloserve.quant_linear` kernels share (quant_gpu.py, quant_tpu.py): the
 static parameters, which layouts they serve, and the graph-side preparation of their operands.
 
-The kernels serve version 2 of the composite (runtime/artifact/kernels.py QUANT_LINEAR_V2), the
+The kernels serve version 2 of the composite (runtime/artifact/kernels.py QUANT_LINEAR_V2; version 6
+alike, its calls of bf16_rows rows and more with x and each dequantized tile rounded to bf16), the
 layout the exporter gives every linear layer whose rows come in sixteens and whose groups are
 whole 32-element blocks (quantization/schemes.py `for_linear`): int8 per channel or grouped, int4
 packed symmetric or asymmetric. Each 16-row block of a layer's matrix is a run of bytes in which
@@ -45,7 +46,7 @@ import dataclasses
 from typing import Any
 
 from hloserve.runtime.artifact.kernels import (QUANT_LINEAR_V2, QUANT_LINEAR_V3, QUANT_LINEAR_V4, QUANT_LINEAR_V5,
-                                               X_BLOCK, Block, block_scales, quantize_blocks)
+                                               QUANT_LINEAR_V6, X_BLOCK, Block, block_scales, quantize_blocks)
 
 ROWS = 16           # rows of one interleaved block (schemes.INTERLEAVE, the version 2 layout)
 PENDING = "hloserve_pallas_quant_linear"   # its placeholder custom call (pallas/__init__.py)
@@ -54,9 +55,11 @@ PENDING = "hloserve_pallas_quant_linear"   # its placeholder custom call (pallas
 @dataclasses.dataclass(frozen=True)
 class QuantParams:
     """The composite's attributes the kernels are built with: bits (8 or 4; version 4: 5) and group
-    (elements of a row sharing one scale; K: one per row)."""
+    (elements of a row sharing one scale; K: one per row); `bf16`: version 6 at a row count of its
+    bf16_rows or more (x and the dequantized tile rounded to bfloat16, not x quantized per block)."""
     bits: int
     group: int
+    bf16: bool = False
 
     @classmethod
     def from_attributes(cls, attrs: dict[str, Any]) -> "QuantParams":
@@ -87,7 +90,7 @@ def why_not(version: int, attrs: dict[str, Any]) -> str | None:
         p = QuantParams.from_attributes(attrs)
         return None if (p.bits, p.group) == (5, X_BLOCK) else f"version 4 bits {p.bits}, group {p.group}: " \
             "the kernels take bits 5 in groups of 32 (GGUF Q5_0)"
-    if version != QUANT_LINEAR_V2.version:
+    if version not in (QUANT_LINEAR_V2.version, QUANT_LINEAR_V6.version):
         return f"version {version}: no kernel knows it"
     p = QuantParams.from_attributes(attrs)
     if p.bits not in (8, 4) or p.group % X_BLOCK:
@@ -110,7 +113,10 @@ def phases(x, params: "QuantParams | KQuantParams", rows: int):
     the extra rows zero): the activations in the weight bytes' order, before the kernel."""
     import jax.numpy as jnp
     m, k = x.shape
-    x8 = jnp.pad(quantize_blocks(x.astype(jnp.float32), jnp), ((0, rows - m), (0, 0)))   # the contract's x8
+    x = x.astype(jnp.float32)
+    # the contract's x8, or version 6's chunk rows rounded to bf16 (the values kept in f32)
+    xr = x.astype(jnp.bfloat16).astype(jnp.float32) if getattr(params, "bf16", False) else quantize_blocks(x, jnp)
+    x8 = jnp.pad(xr, ((0, rows - m), (0, 0)))
     return x8.reshape(rows, k // params.unit, params.unit).transpose(2, 0, 1)
 
 
@@ -120,6 +126,13 @@ def five_phases(x, rows: int):
     the extra rows zero)."""
     xs = phases(x, QuantParams(5, X_BLOCK), rows)                       # [8, rows, K / 8]
     return xs.reshape(8, rows, -1, 4).transpose(0, 3, 1, 2)
+
+
+def rounded(w, params: QuantParams):
+    """A dequantized f32 tile as the product takes it: rounded to bf16 (kept in f32) for version 6's
+    chunks, else as it is."""
+    import jax.numpy as jnp
+    return w.astype(jnp.bfloat16).astype(jnp.float32) if params.bf16 else w
 
 
 def widen(b, bits: int, signed: bool):

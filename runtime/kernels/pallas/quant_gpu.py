@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .quant import (ROWS, KQuantParams, QuantParams, five_phases, kquant16_operands, kquant_scales, layer_of,
-                    padded_rows, phases, steps, weights_nt, widen)
+                    padded_rows, phases, rounded, steps, weights_nt, widen)
 
 NAME = "pallas_triton.quant_linear"
 KQUANT_NAME = "pallas_triton.kquant_linear"
@@ -89,7 +89,7 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, *rest, params: QuantParams, bm: int,
         for c in range(4):
             parts = widen(w_ref[layer, nb, pl.ds(a0, u), :, c], params.bits, symmetric)
             for h, q in enumerate(parts):          # int4: the high nibble is phase 4 + c
-                w = q * s if symmetric else q * s + mn
+                w = rounded(q * s if symmetric else q * s + mn, params)
                 acc = acc + _product(x_ref[4 * h + c, rows, pl.ds(a0, u)], w)
         return acc
 

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .quant import (ROWS, KQuantParams, QuantParams, five_phases, kquant16_operands, kquant_scales, layer_of,
-                    padded_rows, phases, steps, weights_nt, widen)
+                    padded_rows, phases, rounded, steps, weights_nt, widen)
 
 NAME = "pallas_tpu.quant_linear"
 KQUANT_NAME = "pallas_tpu.kquant_linear"
@@ -86,7 +86,7 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, *rest, params: QuantParams, bm: int,
         mn = None if symmetric else _spread(m_ref[t, pl.ds(g0, groups), :], u, params.per_group)
         total = acc_ref[t]
         for h, q in enumerate(widen(w_ref[t], params.bits, symmetric)):         # int4: high nibbles are phases 4..7
-            w = q * s if symmetric else q * s + mn
+            w = rounded(q * s if symmetric else q * s + mn, params)
             total = total + _dot(x_ref[4 * h:4 * h + 4].reshape(4 * bm, u), w)
         acc_ref[t] = total
 
