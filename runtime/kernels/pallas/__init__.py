@@ -206,6 +206,7 @@ def _choose_quant(platform: str, version: int, attrs: dict[str, Any]) -> KernelP
         return KernelPlan(name, version, platform, None, {}, why)
     kquant = version in (QUANT_LINEAR_V3.version, QUANT_LINEAR_V5.version)
     params = dataclasses.asdict((quant.KQuantParams if kquant else quant.QuantParams).from_attributes(attrs))
+    params.pop("bf16", None)   # a property of each compiled shape (version 6), not of the composite
     if not enabled():
         return KernelPlan(name, version, platform, None, params, f"{ENV}=0")
     module = _module(platform, name)
