@@ -470,7 +470,7 @@ def bf16_values(a):
 
 
 @pytest.mark.parametrize("spec", QUANT_SPECS)
-@pytest.mark.parametrize("K,N", [(64, 48), (96, 16), (576, 64)])
+@pytest.mark.parametrize("K,N", [(64, 48), (96, 16), (576, 64), (1536, 32)])   # 1536: two runs of K's chunks
 def test_quant_linear_v6_kernel_rounds_chunks_to_bf16(library, spec, K, N):
     """Version 6 (version 2's layout; from bf16_rows rows x and W = q * scale + min rounded to bf16):
     below bf16_rows rows the kernel and the decomposition compute version 2's product (x quantized per

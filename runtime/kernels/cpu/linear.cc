@@ -143,14 +143,17 @@ inline void amx_block(const MatrixTiles& wt, const uint16_t* xp, int64_t KC, int
     }
 }
 
-// matrix rows [n0, n0 + 16 tiles) times every row of x (packed: 16-row blocks), the matrix read in
-// place (w [., K], K whole chunks) or from its task's packed tiles (wp: amx_pack_rows's layout)
-void amx_tiles(const uint16_t* w, int64_t K, const uint16_t* wp, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0,
-               int64_t tiles, float* out, int64_t N) {
-  thread_local LineVector<float> partial;   // kept by the pool's threads from call to call
-  const bool in_place = wp == nullptr;
+// matrix rows [n0, n0 + 16 tiles) of w times every row of x (packed: 16-row blocks)
+void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0, int64_t tiles,
+              float* out, int64_t N) {
+  thread_local LineVector<uint16_t> packed;   // kept by the pool's threads from call to call
+  thread_local LineVector<float> partial;
+  const bool in_place = M <= kAmxInPlaceRows && K % 32 == 0;
+  const size_t size = in_place ? 0 : static_cast<size_t>((tiles + 1) / 2 * KC * 1024);
+  if (packed.size() < size) packed.resize(size);
   const int64_t runs = (KC + kAmxChunks - 1) / kAmxChunks, run = (KC + runs - 1) / runs;   // chunks per run, even
   if (partial.size() < static_cast<size_t>((tiles + 1) / 2 * 1024)) partial.resize((tiles + 1) / 2 * 1024);
+  if (!in_place) amx_pack_rows(w + n0 * K, K, tiles, KC, packed.data());
   const int64_t blocks = (M + 15) / 16;
   amx_configure();
   for (int64_t g = 0; g < blocks; g += 2) {
@@ -159,7 +162,7 @@ void amx_tiles(const uint16_t* w, int64_t K, const uint16_t* wp, const uint16_t*
       const int64_t c1 = std::min(KC, c0 + run);
       for (int64_t t = 0; t < tiles; t += 2) {
         const MatrixTiles wt = in_place ? MatrixTiles{w + (n0 + 16 * t) * K, 32, 16 * K, 2 * K}
-                                        : MatrixTiles{wp + t / 2 * KC * 1024, 1024, 512, 64};
+                                        : MatrixTiles{packed.data() + t / 2 * KC * 1024, 1024, 512, 64};
         float* o = out + n0 + 16 * t;
         float* part = partial.data() + t / 2 * 1024;
         const bool two = t + 2 <= tiles;
@@ -171,18 +174,6 @@ void amx_tiles(const uint16_t* w, int64_t K, const uint16_t* wp, const uint16_t*
     }
   }
   _tile_release();
-}
-
-// matrix rows [n0, n0 + 16 tiles) of w times every row of x (packed: 16-row blocks): up to
-// kAmxInPlaceRows x rows the matrix where it lies, else its rows copied into whole tiles first
-void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0, int64_t tiles,
-              float* out, int64_t N) {
-  thread_local LineVector<uint16_t> packed;   // kept by the pool's threads from call to call
-  if (M <= kAmxInPlaceRows && K % 32 == 0) return amx_tiles(w, K, nullptr, xp, KC, M, n0, tiles, out, N);
-  const size_t size = static_cast<size_t>((tiles + 1) / 2 * KC * 1024);
-  if (packed.size() < size) packed.resize(size);
-  amx_pack_rows(w + n0 * K, K, tiles, KC, packed.data());
-  amx_tiles(w, K, packed.data(), xp, KC, M, n0, tiles, out, N);
 }
 
 // Every whole 16-row tile of the matrix (N / 16 of them) times x (packed: amx_pack_f32) on AMX, split
@@ -206,13 +197,6 @@ void linear_amx_pack(const uint16_t* x, int64_t KP, int64_t blocks, int64_t KC, 
 void linear_amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0, int64_t tiles,
                      float* out, int64_t N) {
   amx_rows(w, K, xp, KC, M, n0, tiles, out, N);
-}
-void linear_amx_pack_f32(const float* x, int64_t rows, int64_t K, int64_t KC, uint16_t* xp) {
-  amx_pack_f32(x, rows, K, KC, xp);
-}
-void linear_amx_packed(const uint16_t* wp, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0, int64_t tiles,
-                       float* out, int64_t N) {
-  amx_tiles(nullptr, 32 * KC, wp, xp, KC, M, n0, tiles, out, N);
 }
 }  // namespace hloserve
 #endif

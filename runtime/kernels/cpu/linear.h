@@ -221,18 +221,11 @@ inline void round_rows(const float* x, int64_t M, int64_t K, Kind kind, uint16_t
 void linear_amx_pack(const uint16_t* x, int64_t KP, int64_t blocks, int64_t KC, uint16_t* xp);
 void linear_amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0, int64_t tiles,
                      float* out, int64_t N);
-// the same from another source: linear_amx_pack_f32, up to 16 rows of x f32 [., K] rounded to bf16
-// straight into one block of tiles (KC chunks of 32 elements); linear_amx_packed, matrix rows [n0,
-// n0 + 16 tiles) already in whole tiles (wp: per pair of 16-row tiles and 32-column chunk c, the two
-// [16][32] bf16 tiles one after the other, at ((t / 2 * KC + c) * 2 + t % 2) * 512) times the M rows
-// of x so packed (quant_linear.cc's version 6 fills wp from a quantized matrix)
-void linear_amx_pack_f32(const float* x, int64_t rows, int64_t K, int64_t KC, uint16_t* xp);
-void linear_amx_packed(const uint16_t* wp, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0, int64_t tiles,
-                       float* out, int64_t N);
 
 // The split of an AMX product over N matrix rows (N / 16 whole tiles) into tasks on pairs of tiles:
 // one task per thread at least, more where a task's packed rows (16 bf16 rows of KP elements a
-// tile) would outgrow kAmxRowBytes (L2); run(t0, t1) computes tiles [t0, t1).
+// tile) would outgrow kAmxRowBytes (L2); run(t0, t1) computes tiles [t0, t1) (layer_linear's AMX path,
+// quant_linear.cc's version 6 chunks).
 constexpr int64_t kAmxRowBytes = 1 << 20;
 
 template <class Run>

@@ -483,27 +483,148 @@ inline void dequant_block(const QuantMatrix& w, int64_t g, int64_t b, const floa
 #endif
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// the chunk on AMX: x rounded straight into tiles, each task's row groups dequantized into whole tiles
-// (linear_amx_packed's layout), then layer_linear's tile loop
-void quant_chunk_amx(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, float* op) {
-  const int64_t K = w.K, KC = K / 32, blocks = (M + 15) / 16;
-  LineVector<uint16_t> xp(blocks * K * 16);
-  parallel_for(pool, blocks, 1, [&](int64_t g) {
-    linear_amx_pack_f32(x + 16 * g * K, std::min<int64_t>(16, M - 16 * g), K, KC, xp.data() + g * K * 16);
-  });
-  amx_tasks(pool, w.N, K, [&](int64_t t0, int64_t t1) {
-    thread_local LineVector<uint16_t> wp;   // kept by the pool's threads from call to call
-    const size_t size = static_cast<size_t>((t1 - t0 + 1) / 2 * KC * 1024);
-    if (wp.size() < size) wp.resize(size);
-    std::vector<float> sbuf, mbuf;
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* ws = group_scalars(w.scale, w.f16, t, w.G, sbuf);
-      const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, t, w.G, mbuf) : nullptr;
-      for (int64_t c = 0; c < KC; ++c)
-        dequant_block(w, t, c, ws, wm, wp.data() + (((t - t0) / 2 * KC + c) * 2 + (t - t0) % 2) * 512, 32);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// The chunk on AMX, the matrix as the tile multiply's B operand: a B tile's row r holds, for each of
+// 16 matrix rows, elements 2r and 2r + 1 of a 32-element block (bf16 pairs), which is what version
+// 2's int8 layout holds per 64-byte k-step (16 rows x 4 elements: two B rows, its even and its odd
+// dwords once widened to bf16), so a block dequantizes with no transposes; x is the A operand, its
+// rounded rows as they lie, and the sums come out as out's rows (a C tile stored where it belongs,
+// no transposes back). layer_linear's loop has the matrix as A (read in place for decode rows).
+
+// row group g's block b (32 elements) dequantized into one B tile (dst: 16 rows of 32 bf16)
+inline void dequant_b_tile(const QuantMatrix& w, int64_t g, int64_t b, const float* ws, const float* wm, uint16_t* dst) {
+  const int64_t gi = b * kXBlock / w.group;
+  alignas(64) int8_t wide[512];   // int4: the block widened to version 2's int8 layout
+  const int8_t* q8 = reinterpret_cast<const int8_t*>(w.q) + g * 16 * w.K + b * 512;
+  if (w.bits == 4) {
+    const uint8_t* q4 = w.q + g * 8 * w.K + b * 256;
+    if (w.min == nullptr) widen_int4<true>(q4, kXBlock, wide);
+    else widen_int4<false>(q4, kXBlock, wide);
+    q8 = wide;
+  }
+  // a k-step's 64 bytes: matrix row n's 4 elements at 4n; quarter j of them (rows 4j..4j + 3) scaled
+  // by sq[j]: each row's scale (and min) over its 4 lanes
+  const __m512 sv = _mm512_loadu_ps(ws + gi * 16);
+  const __m512 mv = wm != nullptr ? _mm512_loadu_ps(wm + gi * 16) : _mm512_setzero_ps();
+  __m512 sq[4], mq[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * j),
+                                         _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+    sq[j] = _mm512_permutexvar_ps(idx, sv), mq[j] = _mm512_permutexvar_ps(idx, mv);
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int s = 0; s < 8; ++s) {
+    const __m512i v = _mm512_loadu_si512(q8 + 64 * s);
+    __m512 f[4];
+    f[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, 0)));
+    f[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, 1)));
+    f[2] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, 2)));
+    f[3] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, 3)));
+    for (int j = 0; j < 4; ++j) {   // W = q * scale (+ min) in f32, as the decomposition
+      f[j] = _mm512_mul_ps(f[j], sq[j]);
+      if (wm != nullptr) f[j] = _mm512_add_ps(f[j], mq[j]);
     }
-    linear_amx_packed(wp.data(), xp.data(), KC, M, 16 * t0, t1 - t0, op, w.N);
+    // rounded to bf16 (nearest even; vcvtne2ps2bf16 flushes denormals, as the tile multiply does its inputs)
+    const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]), hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+    _mm512_store_si512(dst + 64 * s, _mm512_permutex2var_epi32(lo, even, hi));        // B row 2s
+    _mm512_store_si512(dst + 64 * s + 32, _mm512_permutex2var_epi32(lo, odd, hi));    // B row 2s + 1
+  }
+}
+
+// MA blocks of 16 x rows (x0: rounded rows KP apart, a second block 16 rows on) times NB matrix tiles
+// (wb: tile t's chunks side by side, 512 elements each, the second tile KC chunks on), chunks [c0, c1):
+// sums start at zero (c0 = 0) or from `part` and go back to it, or when c1 = KC are stored in out
+// (x row m of M its first row; rows past M dropped). Tiles: sums 0-3, x 4-5, matrix 6-7.
+template <int MA, int NB>
+inline void b_block(const uint16_t* x0, int64_t KP, const uint16_t* wb, int64_t KC, int64_t c0, int64_t c1, int64_t m,
+                    int64_t M, float* part, float* out, int64_t N) {
+  if (c0 == 0) {
+    _tile_zero(0);
+    if constexpr (NB > 1) _tile_zero(1);
+    if constexpr (MA > 1) _tile_zero(2);
+    if constexpr (MA > 1 && NB > 1) _tile_zero(3);
+  } else {
+    _tile_loadd(0, part, 64);
+    if constexpr (NB > 1) _tile_loadd(1, part + 256, 64);
+    if constexpr (MA > 1) _tile_loadd(2, part + 512, 64);
+    if constexpr (MA > 1 && NB > 1) _tile_loadd(3, part + 768, 64);
+  }
+  const uint16_t* x1 = x0 + 16 * KP;
+  const uint16_t* w1 = wb + KC * 512;
+  for (int64_t c = c0; c < c1; ++c) {
+    _tile_loadd(4, x0 + 32 * c, KP * 2);
+    _tile_loadd(6, wb + c * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB > 1) { _tile_loadd(7, w1 + c * 512, 64); _tile_dpbf16ps(1, 4, 7); }
+    if constexpr (MA > 1) {
+      _tile_loadd(5, x1 + 32 * c, KP * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NB > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  if (c1 < KC || m + 16 * MA > M) {   // partial sums, or a last block of fewer than 16 rows: via `part`
+    _tile_stored(0, part, 64);
+    if constexpr (NB > 1) _tile_stored(1, part + 256, 64);
+    if constexpr (MA > 1) _tile_stored(2, part + 512, 64);
+    if constexpr (MA > 1 && NB > 1) _tile_stored(3, part + 768, 64);
+    if (c1 < KC) return;
+    for (int a = 0; a < MA; ++a)
+      for (int64_t j = 0; j < 16 && m + 16 * a + j < M; ++j)
+        for (int b = 0; b < NB; ++b) std::memcpy(out + (16 * a + j) * N + 16 * b, part + (2 * a + b) * 256 + 16 * j, 64);
+    return;
+  }
+  _tile_stored(0, out, N * 4);
+  if constexpr (NB > 1) _tile_stored(1, out + 16, N * 4);
+  if constexpr (MA > 1) _tile_stored(2, out + 16 * N, N * 4);
+  if constexpr (MA > 1 && NB > 1) _tile_stored(3, out + 16 * N + 16, N * 4);
+}
+
+// Blocking as linear.cc's amx_tiles: a pair of x blocks held for a run of up to kAmxRun chunks (in
+// L1) against each pair of the task's matrix tiles in turn (from L2)
+constexpr int64_t kAmxRun = 24;
+
+// x [M, K] rounded into rows (blocks of 16, zero rows past M), each task's row groups dequantized
+// into B tiles, then the tiles (an x block pair, a run of chunks, every matrix tile pair in turn)
+void quant_chunk_amx(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, float* op) {
+  const int64_t K = w.K, KC = K / 32, blocks = (M + 15) / 16, N = w.N;
+  LineVector<uint16_t> xr(blocks * 16 * K);
+  parallel_for(pool, blocks, 1, [&](int64_t g) {
+    const int64_t rows = std::min<int64_t>(16, M - 16 * g);
+    round_rows(x + 16 * g * K, rows, K, Kind::kBF16, xr.data() + 16 * g * K, K);
+    std::memset(xr.data() + (16 * g + rows) * K, 0, (16 - rows) * K * 2);
+  });
+  amx_tasks(pool, N, K, [&](int64_t t0, int64_t t1) {
+    thread_local LineVector<uint16_t> wb;   // kept by the pool's threads from call to call
+    thread_local LineVector<float> partial;
+    const int64_t tiles = t1 - t0;
+    if (wb.size() < static_cast<size_t>(tiles * KC * 512)) wb.resize(tiles * KC * 512);
+    if (partial.size() < static_cast<size_t>((tiles + 1) / 2 * 1024)) partial.resize((tiles + 1) / 2 * 1024);
+    std::vector<float> sbuf, mbuf;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const float* ws = group_scalars(w.scale, w.f16, t0 + t, w.G, sbuf);
+      const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, t0 + t, w.G, mbuf) : nullptr;
+      for (int64_t c = 0; c < KC; ++c) dequant_b_tile(w, t0 + t, c, ws, wm, wb.data() + (t * KC + c) * 512);
+    }
+    const int64_t runs = (KC + kAmxRun - 1) / kAmxRun, run = (KC + runs - 1) / runs;
+    amx_configure_16x64();
+    for (int64_t g = 0; g < blocks; g += 2) {
+      const bool pair = g + 2 <= blocks;
+      const uint16_t* x0 = xr.data() + 16 * g * K;
+      for (int64_t c0 = 0; c0 < KC; c0 += run) {
+        const int64_t c1 = std::min(KC, c0 + run);
+        for (int64_t t = 0; t < tiles; t += 2) {
+          const uint16_t* wt = wb.data() + t * KC * 512;
+          float* o = op + 16 * g * N + 16 * (t0 + t);
+          float* part = partial.data() + t / 2 * 1024;
+          if (t + 2 <= tiles && pair) b_block<2, 2>(x0, K, wt, KC, c0, c1, 16 * g, M, part, o, N);
+          else if (t + 2 <= tiles) b_block<1, 2>(x0, K, wt, KC, c0, c1, 16 * g, M, part, o, N);
+          else if (pair) b_block<2, 1>(x0, K, wt, KC, c0, c1, 16 * g, M, part, o, N);
+          else b_block<1, 1>(x0, K, wt, KC, c0, c1, 16 * g, M, part, o, N);
+        }
+      }
+    }
+    _tile_release();
   });
 }
 #endif
@@ -536,7 +657,7 @@ void quant_chunk_rows(ffi::ThreadPool& pool, const float* x, const QuantMatrix& 
 void quant_linear_v6(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, int64_t bf16_rows,
                      float* op) {
   if (M < bf16_rows) return quant_linear_v2(pool, x, w, M, op);
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   if (amx_usable()) return quant_chunk_amx(pool, x, w, M, op);
 #endif
   quant_chunk_rows(pool, x, w, M, op);
