@@ -168,7 +168,7 @@ def test_inspect_names_the_quantized_linears_kernels(tiny_quantized_llm, platfor
     assert proc.returncode == 0, proc.stderr
     decode = proc.stdout.split(f"on {platform}: function decode", 1)[1]
     bits = 8 if tiny_quantized_llm.endswith("int8") else 4
-    linears = decode.count(f"hloserve.quant_linear v2 -> {kernel}(bits={bits}, group=32)")
+    linears = decode.count(f"hloserve.quant_linear v6 -> {kernel}(bits={bits}, group=32)")   # version 6: v2 + bf16 chunks
     assert linears >= 2
     assert f"lowered for {platform} with its kernels: custom calls {custom_call} x{linears + 1}" in decode
 
