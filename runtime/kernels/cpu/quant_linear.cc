@@ -1,6 +1,7 @@
 // hloserve_quant_linear (v1), hloserve_quant_linear_v2 (rows interleaved by 16),
 // hloserve_quant_linear_v4 (5-bit values, GGUF Q5_0, interleaved as v2's int4 with their fifth bits
-// beside) and hloserve_quant_linear_v6 (v2's, prompt chunks in bf16): an int8 / int5 / int4 matrix multiplied as integers (int8 activations, VNNI); XLA writes
+// beside) and hloserve_quant_linear_v6 (v2's, prompt chunks in bf16): an int8 / int5 / int4 matrix
+// multiplied as integers (int8 activations, VNNI; v6's chunks as bf16 tiles); XLA writes
 // the dequantized f32 layer to memory and reads it back. Version 1's row routines (quant_rows.h) are shared with the quantized
 // experts (experts.cc) and, without VNNI, version 3 (quant_blocks.cc: GGUF K-quant blocks kept).
 #include "linear.h"
@@ -437,10 +438,22 @@ void quant_linear_v2(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w
 //
 // From `bf16_rows` rows of x on (runtime/artifact/kernels.py QUANT_LINEAR_V6) x and W = q * scale
 // (+ min) are rounded to bf16 and multiplied with f32 sums: layer_linear's arithmetic, so the tiles
-// run the whole K (AMX-BF16: linear.cc's tile loop; elsewhere linear.h's row routines) where version
-// 2's AMX-INT8 tiles take 32-element blocks of x (half a tile) with a store and a rescale per block.
-// Each row group's matrix is dequantized block by block into [16][32] bf16 tiles, the tiles
-// layer_linear copies its bf16 rows into; fewer rows run version 2's path.
+// run the whole K (AMX-BF16, below; elsewhere linear.h's row routines) where version 2's AMX-INT8
+// tiles take 32-element blocks of x (half a tile) with a store and a rescale per block. Each row
+// group's matrix is dequantized block by block (into B tiles, or into bf16 rows for the row
+// routines); fewer rows run version 2's path.
+
+#if defined(__AVX512BW__)
+// the int8 bytes of row group g's block b in version 2's int8 layout (8 k-steps of 64 bytes): where
+// they lie, or int4 widened into `wide`
+inline const int8_t* block_bytes(const QuantMatrix& w, int64_t g, int64_t b, int8_t* wide) {
+  if (w.bits == 8) return reinterpret_cast<const int8_t*>(w.q) + g * 16 * w.K + b * 512;
+  const uint8_t* q4 = w.q + g * 8 * w.K + b * 256;
+  if (w.min == nullptr) widen_int4<true>(q4, kXBlock, wide);
+  else widen_int4<false>(q4, kXBlock, wide);
+  return wide;
+}
+#endif
 
 // block b (32 elements) of row group g dequantized into dst (row i at dst + i * stride): W = q * scale
 // (+ min) in f32, rounded to bf16; ws / wm: the group's scales and mins [G, 16] (wm: none if nullptr)
@@ -449,13 +462,7 @@ inline void dequant_block(const QuantMatrix& w, int64_t g, int64_t b, const floa
   const int64_t gi = b * kXBlock / w.group;
 #if defined(__AVX512BW__)
   alignas(64) int8_t wide[512];   // int4: the block widened to version 2's int8 layout
-  const int8_t* q8 = reinterpret_cast<const int8_t*>(w.q) + g * 16 * w.K + b * 512;
-  if (w.bits == 4) {
-    const uint8_t* q4 = w.q + g * 8 * w.K + b * 256;
-    if (w.min == nullptr) widen_int4<true>(q4, kXBlock, wide);
-    else widen_int4<false>(q4, kXBlock, wide);
-    q8 = wide;
-  }
+  const int8_t* q8 = block_bytes(w, g, b, wide);
   // elements 4s..4s+3 of row i lie in dword 16 s + i: a gather of rows 2p and 2p + 1 (8 dwords each)
   const __m512i idx = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 1, 17, 33, 49, 65, 81, 97, 113);
   for (int p = 0; p < 8; ++p) {
@@ -495,13 +502,7 @@ inline void dequant_block(const QuantMatrix& w, int64_t g, int64_t b, const floa
 inline void dequant_b_tile(const QuantMatrix& w, int64_t g, int64_t b, const float* ws, const float* wm, uint16_t* dst) {
   const int64_t gi = b * kXBlock / w.group;
   alignas(64) int8_t wide[512];   // int4: the block widened to version 2's int8 layout
-  const int8_t* q8 = reinterpret_cast<const int8_t*>(w.q) + g * 16 * w.K + b * 512;
-  if (w.bits == 4) {
-    const uint8_t* q4 = w.q + g * 8 * w.K + b * 256;
-    if (w.min == nullptr) widen_int4<true>(q4, kXBlock, wide);
-    else widen_int4<false>(q4, kXBlock, wide);
-    q8 = wide;
-  }
+  const int8_t* q8 = block_bytes(w, g, b, wide);
   // a k-step's 64 bytes: matrix row n's 4 elements at 4n; quarter j of them (rows 4j..4j + 3) scaled
   // by sq[j]: each row's scale (and min) over its 4 lanes
   const __m512 sv = _mm512_loadu_ps(ws + gi * 16);
