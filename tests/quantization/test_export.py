@@ -84,6 +84,33 @@ def test_module_swap_exports_and_matches_eager(spec, tmp_path):
         assert json.load(f)["weights"][table[0]]["quant"]["scheme"] == f"int{bits}"
 
 
+def test_chunks_round_to_bf16_except_in_a_batch_invariant_export(tmp_path):
+    """An export writes quant_linear version 6 (bf16_rows 64: calls of 64 rows and more round x and
+    the dequantized weights to bf16); a batch-invariant one keeps version 2, whose result does not
+    depend on the row count. At 7 rows the two artifacts agree within ATOL (only summation order
+    differs); at 80 rows they differ by the rounding: more than ATOL, under 2% of the largest logit
+    (bf16 keeps 8 significant bits, as the activations' int8 blocks do)."""
+    model = TinyLM().eval()
+    record = quantize_module(model, QuantConfig.parse("int8"))
+    seq = torch.export.Dim("seq", min=1, max=128)
+    got = {}
+    for invariant in (False, True):
+        out = str(tmp_path / f"invariant-{invariant}")
+        entry = EntryPoint("forward", model, (torch.zeros((1, 7), dtype=torch.int64),), ({1: seq},), input_names=["ids"])
+        export_artifact(out, [entry], source="tiny", weight_quant=record, batch_invariant=invariant)
+        mlir = open(os.path.join(out, "functions", "forward.mlir")).read()
+        versions = set(re.findall(r'stablehlo.composite "hloserve.quant_linear"[^\n]*?version = (\d+)', mlir))
+        assert versions == ({"2"} if invariant else {"6"}), versions
+        assert invariant or "bf16_rows = 64" in mlir
+        fn = load(out).functions["forward"]
+        for n in (7, 80):
+            ids = (np.arange(n, dtype=np.int32)[None] * 7) % 100
+            got[invariant, n] = np.asarray(fn(ids=ids)["output"])
+    np.testing.assert_allclose(got[False, 7], got[True, 7], atol=ATOL, rtol=0)
+    diff, top = np.abs(got[False, 80] - got[True, 80]).max(), np.abs(got[True, 80]).max()
+    assert ATOL < diff < 0.02 * top, (diff, top)
+
+
 @pytest.mark.parametrize("spec", ["int8", "int4:32:asym"])
 def test_large_weight_runs_in_row_blocks(spec, tmp_path):
     """A 66000 x 64 head (> BLOCK_ABOVE) is dequantized block by block inside a loop."""
