@@ -24,6 +24,8 @@ else.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Optional
 
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import primitives
-from hloserve.runtime.artifact.kernels import X_BLOCK, Block
+from hloserve.runtime.artifact.kernels import QUANT_BF16_ROWS, X_BLOCK, Block
 
 from .schemes import MIN_SUFFIX, SCALE_SUFFIX, WeightScheme
 
@@ -85,6 +87,23 @@ def rows_in_order(qweight: torch.Tensor, scale: torch.Tensor, min: Optional[torc
     return tuple(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in out)
 
 
+# The eager op is version 2's product (x quantized per block as Q8_0) at any row count. An artifact's
+# quant_linear version 6 rounds x and the dequantized weights to bf16 in a call of QUANT_BF16_ROWS rows
+# or more, where its rows are the step's bucket, which an eager forward of the same prompt does not
+# have: a test comparing the two runs the reference under `as_step_of(bucket)` (0: version 2's).
+_STEP_ROWS = contextvars.ContextVar("hloserve_step_rows", default=0)
+
+
+@contextlib.contextmanager
+def as_step_of(rows: int):
+    """Eager quantized linears in version 2's interleaved layout compute as version 6 does in a step of `rows` rows."""
+    token = _STEP_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _STEP_ROWS.reset(token)
+
+
 @torch.library.custom_op("hloserve::quantized_linear", mutates_args=())
 def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor],
                      bias: Optional[torch.Tensor], layer: torch.Tensor, bits: int, group: int,
@@ -93,6 +112,9 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
     if rows:   # interleaved by 16 rows (WeightScheme.rows): put back in row order, then the same arithmetic
         q, s, m = rows_in_order(qweight[i], scale[i], None if min is None else min[i], bits)
         w = dequantize(q, s, m, 8, group)
+        if bits != 5 and _STEP_ROWS.get() >= QUANT_BF16_ROWS:   # version 6's chunks: x and W rounded to bf16
+            y = F.linear(x.float().bfloat16().float(), w.bfloat16().float()).to(x.dtype)
+            return y if bias is None else y + bias
     else:
         w = dequantize(qweight[i], scale[i], None if min is None else min[i], bits, group)
     y = F.linear(quantize_blocks(x.float()), w).to(x.dtype)

@@ -259,9 +259,11 @@ def test_exported_experts_keep_the_files_format(files, tmp_path, kind, arch):
     """The file exported with --quantize gguf: Q4_1 (Q4_0) experts one quant_experts composite (int4
     g32 asym (sym), as `hloserve inspect` names them), F16 experts one grouped composite holding their
     f16 values (Qwen2-MoE: its shared expert a dense MLP beside them, Q8_0 kept as int8 g32).
-    Decode's last-token logits of 1-, 17- and 40-token prompts within 2e-3 of the same stored model's
-    torch eager forward (the composites' torch references over transformers' Qwen3-MoE: summation
-    order aside; a wrong expert, scale or row moves them by O(0.1), the logits being O(0.2))."""
+    Decode's last-token logits of 1-, 17- and 40-token prompts within 4e-3 of the same stored model's
+    torch eager forward (the composites' torch references over transformers' Qwen3-MoE, the dense
+    linears as quant_linear version 6 computes them in the prompts' 64-row step: summation order
+    aside, which can flip a bf16 rounding of an activation, 2^-8 of it, where 2e-3 held with int8 blocks
+    alone; a wrong expert, scale or row moves them by O(0.1), the logits being O(0.2))."""
     from .test_hf_experts import _last_logits
     path = files(kind, arch)
     out = str(tmp_path / "art")
@@ -278,8 +280,10 @@ def test_exported_experts_keep_the_files_format(files, tmp_path, kind, arch):
     else:
         assert experts == [], experts                                   # 16-bit stacks: not quantized weights
     path_ckpt = load_gguf(path)
-    got, eager = _last_logits(model, _eager(_transformers_gguf(path), path_ckpt))
-    np.testing.assert_allclose(got, eager, atol=2e-3, rtol=0)
+    from hloserve.quantization.modules import as_step_of
+    with as_step_of(64):   # the prompts' step is the 64-token bucket: the dense linears' version 6 chunks in bf16
+        got, eager = _last_logits(model, _eager(_transformers_gguf(path), path_ckpt))
+    np.testing.assert_allclose(got, eager, atol=4e-3, rtol=0)
 
 
 @pytest.mark.slow
