@@ -98,17 +98,7 @@ struct MatrixTiles {
 template <int NA, int MB>
 inline void amx_block(const MatrixTiles& wt, const uint16_t* xp, int64_t KC, int64_t c0, int64_t c1, int64_t g,
                       int64_t M, float* part, float* out, int64_t N) {
-  if (c0 == 0) {
-    _tile_zero(0);
-    if constexpr (MB > 1) _tile_zero(1);
-    if constexpr (NA > 1) _tile_zero(2);
-    if constexpr (NA > 1 && MB > 1) _tile_zero(3);
-  } else {
-    _tile_loadd(0, part, 64);
-    if constexpr (MB > 1) _tile_loadd(1, part + 256, 64);
-    if constexpr (NA > 1) _tile_loadd(2, part + 512, 64);
-    if constexpr (NA > 1 && MB > 1) _tile_loadd(3, part + 768, 64);
-  }
+  amx_sums_begin<NA, MB>(c0 == 0, part);
   const uint16_t* x0 = xp + g * KC * 512;
   const uint16_t* x1 = x0 + KC * 512;
   for (int64_t c = c0; c < c1; ++c) {
@@ -125,10 +115,7 @@ inline void amx_block(const MatrixTiles& wt, const uint16_t* xp, int64_t KC, int
   const bool last = c1 == KC;
   alignas(64) float sums[4][16 * 16];   // [tile][matrix row i][x row j]
   float* s = last ? sums[0] : part;
-  _tile_stored(0, s, 64);
-  if constexpr (MB > 1) _tile_stored(1, s + 256, 64);
-  if constexpr (NA > 1) _tile_stored(2, s + 512, 64);
-  if constexpr (NA > 1 && MB > 1) _tile_stored(3, s + 768, 64);
+  amx_sums_store<NA, MB>(s);
   if (!last) return;
   for (int a = 0; a < NA; ++a)
     for (int b = 0; b < MB; ++b) {

@@ -222,6 +222,32 @@ void linear_amx_pack(const uint16_t* x, int64_t KP, int64_t blocks, int64_t KC, 
 void linear_amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int64_t M, int64_t n0, int64_t tiles,
                      float* out, int64_t N);
 
+// An R x C block of AMX sums (R, C <= 2) in tiles 0-3: tile 0, 1 (C = 2), 2 (R = 2), 3 (both), as
+// linear.cc's and quant_linear.cc's tile loops hold them. amx_sums_begin: zero, or loaded from `part`
+// (1 KiB a tile, side by side); amx_sums_store: into `part` likewise.
+template <int R, int C>
+inline void amx_sums_begin(bool zero, const float* part) {
+  if (zero) {
+    _tile_zero(0);
+    if constexpr (C > 1) _tile_zero(1);
+    if constexpr (R > 1) _tile_zero(2);
+    if constexpr (R > 1 && C > 1) _tile_zero(3);
+    return;
+  }
+  _tile_loadd(0, part, 64);
+  if constexpr (C > 1) _tile_loadd(1, part + 256, 64);
+  if constexpr (R > 1) _tile_loadd(2, part + 512, 64);
+  if constexpr (R > 1 && C > 1) _tile_loadd(3, part + 768, 64);
+}
+
+template <int R, int C>
+inline void amx_sums_store(float* part) {
+  _tile_stored(0, part, 64);
+  if constexpr (C > 1) _tile_stored(1, part + 256, 64);
+  if constexpr (R > 1) _tile_stored(2, part + 512, 64);
+  if constexpr (R > 1 && C > 1) _tile_stored(3, part + 768, 64);
+}
+
 // The split of an AMX product over N matrix rows (N / 16 whole tiles) into tasks on pairs of tiles:
 // one task per thread at least, more where a task's packed rows (16 bf16 rows of KP elements a
 // tile) would outgrow kAmxRowBytes (L2); run(t0, t1) computes tiles [t0, t1) (layer_linear's AMX path,

@@ -540,17 +540,7 @@ inline void dequant_b_tile(const QuantMatrix& w, int64_t g, int64_t b, const flo
 template <int MA, int NB>
 inline void b_block(const uint16_t* x0, int64_t KP, const uint16_t* wb, int64_t KC, int64_t c0, int64_t c1, int64_t m,
                     int64_t M, float* part, float* out, int64_t N) {
-  if (c0 == 0) {
-    _tile_zero(0);
-    if constexpr (NB > 1) _tile_zero(1);
-    if constexpr (MA > 1) _tile_zero(2);
-    if constexpr (MA > 1 && NB > 1) _tile_zero(3);
-  } else {
-    _tile_loadd(0, part, 64);
-    if constexpr (NB > 1) _tile_loadd(1, part + 256, 64);
-    if constexpr (MA > 1) _tile_loadd(2, part + 512, 64);
-    if constexpr (MA > 1 && NB > 1) _tile_loadd(3, part + 768, 64);
-  }
+  amx_sums_begin<MA, NB>(c0 == 0, part);
   const uint16_t* x1 = x0 + 16 * KP;
   const uint16_t* w1 = wb + KC * 512;
   for (int64_t c = c0; c < c1; ++c) {
@@ -565,10 +555,7 @@ inline void b_block(const uint16_t* x0, int64_t KP, const uint16_t* wb, int64_t 
     }
   }
   if (c1 < KC || m + 16 * MA > M) {   // partial sums, or a last block of fewer than 16 rows: via `part`
-    _tile_stored(0, part, 64);
-    if constexpr (NB > 1) _tile_stored(1, part + 256, 64);
-    if constexpr (MA > 1) _tile_stored(2, part + 512, 64);
-    if constexpr (MA > 1 && NB > 1) _tile_stored(3, part + 768, 64);
+    amx_sums_store<MA, NB>(part);
     if (c1 < KC) return;
     for (int a = 0; a < MA; ++a)
       for (int64_t j = 0; j < 16 && m + 16 * a + j < M; ++j)
@@ -682,18 +669,20 @@ ffi::Error QuantLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 
 }  // namespace
 
-// x, qweight, scale, min, layer; bits, group: versions 1, 2 and 4 of hloserve.quant_linear
-static auto QuantLinearBinding() {
+// x, qweight, scale, min, layer: every version's operands
+static auto QuantLinearOperands() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::AnyBuffer>()
       .Arg<ffi::AnyBuffer>()
       .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Attr<int64_t>("bits")
-      .Attr<int64_t>("group")
-      .Ret<ffi::Buffer<ffi::F32>>();
+      .Arg<ffi::Buffer<ffi::S32>>();
+}
+
+// bits, group: versions 1, 2 and 4 of hloserve.quant_linear
+static auto QuantLinearBinding() {
+  return QuantLinearOperands().Attr<int64_t>("bits").Attr<int64_t>("group").Ret<ffi::Buffer<ffi::F32>>();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear, QuantLinear<1>, QuantLinearBinding());
@@ -718,13 +707,7 @@ ffi::Error QuantLinearV6(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
 
 // version 6: version 2's operands and attributes, and bf16_rows
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_linear_v6, QuantLinearV6,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                              QuantLinearOperands()
                                   .Attr<int64_t>("bf16_rows")
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group")
