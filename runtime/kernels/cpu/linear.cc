@@ -72,17 +72,11 @@ void amx_pack_rows(const uint16_t* w, int64_t K, int64_t tiles, int64_t KC, uint
     }
 }
 
-// Blocking: a pair of x blocks (32 rows) runs up to kAmxChunks chunks of K at a time (48 KiB of x
-// tiles, held in L1) against every matrix tile pair of the task in turn (the task's packed rows, at
-// most kAmxRowBytes, stream from L2), the partial sums kept in memory between runs. This order, x
-// held and the matrix streaming, ran 1.15-1.5x faster at 256+ rows than the matrix pair held and x
-// streaming (2026-11-30, one thread: 256 x 576 x 576 25.5-27.0 -> 21.2-22.2 ns a tile multiply,
-// 512 x 2048 x 2048 21.9-22.1 -> 18.3-19.4; docs/performance.md; the same sums in the same order).
-// No software prefetch: 32 prefetches a chunk cost more than
+// Blocking: linear.h's amx_blocked. No software prefetch: 32 prefetches a chunk cost more than
 // they saved once the tiles lay on whole lines (2026-11-29). Up to kAmxInPlaceRows x rows the matrix
 // is read where it lies where K is whole chunks (few rows: the copy would cost as much as the
 // products).
-constexpr int64_t kAmxChunks = 24, kAmxInPlaceRows = 64;
+constexpr int64_t kAmxInPlaceRows = 64;
 
 // Where a pair of matrix tiles lies: tile a (0, 1) of chunk c at p + c * chunk + a * second, its
 // 16 rows `stride` bytes apart (packed: 1 KiB tiles side by side; in place: rows K apart)
@@ -138,28 +132,15 @@ void amx_rows(const uint16_t* w, int64_t K, const uint16_t* xp, int64_t KC, int6
   const bool in_place = M <= kAmxInPlaceRows && K % 32 == 0;
   const size_t size = in_place ? 0 : static_cast<size_t>((tiles + 1) / 2 * KC * 1024);
   if (packed.size() < size) packed.resize(size);
-  const int64_t runs = (KC + kAmxChunks - 1) / kAmxChunks, run = (KC + runs - 1) / runs;   // chunks per run, even
   if (partial.size() < static_cast<size_t>((tiles + 1) / 2 * 1024)) partial.resize((tiles + 1) / 2 * 1024);
   if (!in_place) amx_pack_rows(w + n0 * K, K, tiles, KC, packed.data());
-  const int64_t blocks = (M + 15) / 16;
   amx_configure();
-  for (int64_t g = 0; g < blocks; g += 2) {
-    const bool pair = g + 2 <= blocks;
-    for (int64_t c0 = 0; c0 < KC; c0 += run) {
-      const int64_t c1 = std::min(KC, c0 + run);
-      for (int64_t t = 0; t < tiles; t += 2) {
-        const MatrixTiles wt = in_place ? MatrixTiles{w + (n0 + 16 * t) * K, 32, 16 * K, 2 * K}
-                                        : MatrixTiles{packed.data() + t / 2 * KC * 1024, 1024, 512, 64};
-        float* o = out + n0 + 16 * t;
-        float* part = partial.data() + t / 2 * 1024;
-        const bool two = t + 2 <= tiles;
-        if (two && pair) amx_block<2, 2>(wt, xp, KC, c0, c1, g, M, part, o, N);
-        else if (two) amx_block<2, 1>(wt, xp, KC, c0, c1, g, M, part, o, N);
-        else if (pair) amx_block<1, 2>(wt, xp, KC, c0, c1, g, M, part, o, N);
-        else amx_block<1, 1>(wt, xp, KC, c0, c1, g, M, part, o, N);
-      }
-    }
-  }
+  amx_blocked((M + 15) / 16, KC, tiles, [&](int64_t g, int64_t c0, int64_t c1, int64_t t, auto na, auto mb) {
+    const MatrixTiles wt = in_place ? MatrixTiles{w + (n0 + 16 * t) * K, 32, 16 * K, 2 * K}
+                                    : MatrixTiles{packed.data() + t / 2 * KC * 1024, 1024, 512, 64};
+    amx_block<decltype(na)::value, decltype(mb)::value>(wt, xp, KC, c0, c1, g, M, partial.data() + t / 2 * 1024,
+                                                        out + n0 + 16 * t, N);
+  });
   _tile_release();
 }
 

@@ -3,6 +3,8 @@
 // for the rows routed to it). AVX512-BF16 tiles where the CPU has them, widened f32 products elsewhere.
 #pragma once
 
+#include <type_traits>
+
 #include "common.h"
 
 namespace hloserve {
@@ -246,6 +248,36 @@ inline void amx_sums_store(float* part) {
   if constexpr (C > 1) _tile_stored(1, part + 256, 64);
   if constexpr (R > 1) _tile_stored(2, part + 512, 64);
   if constexpr (R > 1 && C > 1) _tile_stored(3, part + 768, 64);
+}
+
+// The tile loops' blocking (layer_linear's AMX path, quant_linear.cc's version 6 chunks): a pair of x
+// blocks (32 rows) runs up to kAmxRun chunks of K at a time (48 KiB of x tiles, held in L1) against
+// every matrix tile pair of the task in turn (streaming from L2), the partial sums kept in memory
+// between runs. This order, x held and the matrix streaming, ran 1.15-1.5x faster at 256+ rows than
+// the matrix pair held and x streaming (2026-11-30, one thread: 256 x 576 x 576 25.5-27.0 -> 21.2-22.2
+// ns a tile multiply, 512 x 2048 x 2048 21.9-22.1 -> 18.3-19.4; docs/performance.md). block(g, c0, c1,
+// t, T, B) computes x blocks [g, g + B) times matrix tiles [t, t + T) over chunks [c0, c1), T and B
+// (1 or 2) as std::integral_constant so that the block is a template instance.
+constexpr int64_t kAmxRun = 24;
+
+template <class Block>
+inline void amx_blocked(int64_t blocks, int64_t KC, int64_t tiles, Block&& block) {
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  const int64_t runs = (KC + kAmxRun - 1) / kAmxRun, run = (KC + runs - 1) / runs;   // chunks per run, even
+  for (int64_t g = 0; g < blocks; g += 2) {
+    const bool pair = g + 2 <= blocks;
+    for (int64_t c0 = 0; c0 < KC; c0 += run) {
+      const int64_t c1 = std::min(KC, c0 + run);
+      for (int64_t t = 0; t < tiles; t += 2) {
+        const bool two = t + 2 <= tiles;
+        if (two && pair) block(g, c0, c1, t, Two{}, Two{});
+        else if (two) block(g, c0, c1, t, Two{}, One{});
+        else if (pair) block(g, c0, c1, t, One{}, Two{});
+        else block(g, c0, c1, t, One{}, One{});
+      }
+    }
+  }
 }
 
 // The split of an AMX product over N matrix rows (N / 16 whole tiles) into tasks on pairs of tiles:

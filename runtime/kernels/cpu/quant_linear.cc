@@ -405,7 +405,7 @@ void quant_linear_v2(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w
   const int64_t NG = w.N / 16;
   const bool sym4 = w.bits == 4 && w.min == nullptr;
   QuantX2 xq = quantize_x2(x, M, w.K, w.G, w.group, w.bits == 8 ? 128 : w.bits == 5 ? 16 : sym4 ? 8 : 0);
-  int64_t MA = 0;   // rows of x the AMX tiles take: whole tiles of 16, the last one padded where it is full enough
+  [[maybe_unused]] int64_t MA = 0;   // rows of x the AMX tiles take: whole tiles of 16, the last one padded where it is full enough
 #if defined(__AVX512VNNI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
   MA = w.bits == 5 ? 0 : amx_rows(w.bits, M);
   if (MA > 0 && !amx_usable()) MA = 0;
@@ -568,10 +568,6 @@ inline void b_block(const uint16_t* x0, int64_t KP, const uint16_t* wb, int64_t 
   if constexpr (MA > 1 && NB > 1) _tile_stored(3, out + 16 * N + 16, N * 4);
 }
 
-// Blocking as linear.cc's amx_tiles: a pair of x blocks held for a run of up to kAmxRun chunks (in
-// L1) against each pair of the task's matrix tiles in turn (from L2)
-constexpr int64_t kAmxRun = 24;
-
 // x [M, K] rounded into rows (blocks of 16, zero rows past M), each task's row groups dequantized
 // into B tiles, then the tiles (an x block pair, a run of chunks, every matrix tile pair in turn)
 void quant_chunk_amx(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, float* op) {
@@ -594,24 +590,12 @@ void quant_chunk_amx(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w
       const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, t0 + t, w.G, mbuf) : nullptr;
       for (int64_t c = 0; c < KC; ++c) dequant_b_tile(w, t0 + t, c, ws, wm, wb.data() + (t * KC + c) * 512);
     }
-    const int64_t runs = (KC + kAmxRun - 1) / kAmxRun, run = (KC + runs - 1) / runs;
     amx_configure_16x64();
-    for (int64_t g = 0; g < blocks; g += 2) {
-      const bool pair = g + 2 <= blocks;
-      const uint16_t* x0 = xr.data() + 16 * g * K;
-      for (int64_t c0 = 0; c0 < KC; c0 += run) {
-        const int64_t c1 = std::min(KC, c0 + run);
-        for (int64_t t = 0; t < tiles; t += 2) {
-          const uint16_t* wt = wb.data() + t * KC * 512;
-          float* o = op + 16 * g * N + 16 * (t0 + t);
-          float* part = partial.data() + t / 2 * 1024;
-          if (t + 2 <= tiles && pair) b_block<2, 2>(x0, K, wt, KC, c0, c1, 16 * g, M, part, o, N);
-          else if (t + 2 <= tiles) b_block<1, 2>(x0, K, wt, KC, c0, c1, 16 * g, M, part, o, N);
-          else if (pair) b_block<2, 1>(x0, K, wt, KC, c0, c1, 16 * g, M, part, o, N);
-          else b_block<1, 1>(x0, K, wt, KC, c0, c1, 16 * g, M, part, o, N);
-        }
-      }
-    }
+    amx_blocked(blocks, KC, tiles, [&](int64_t g, int64_t c0, int64_t c1, int64_t t, auto nb, auto ma) {
+      b_block<decltype(ma)::value, decltype(nb)::value>(xr.data() + 16 * g * K, K, wb.data() + t * KC * 512, KC, c0, c1,
+                                                        16 * g, M, partial.data() + t / 2 * 1024,
+                                                        op + 16 * g * N + 16 * (t0 + t), N);
+    });
     _tile_release();
   });
 }
