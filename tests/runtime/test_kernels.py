@@ -471,16 +471,21 @@ def bf16_values(a):
 
 @pytest.mark.parametrize("spec", QUANT_SPECS)
 @pytest.mark.parametrize("K,N", [(64, 48), (96, 16), (576, 64), (1536, 32)])   # 1536: two runs of K's chunks
-def test_quant_linear_v6_kernel_rounds_chunks_to_bf16(library, spec, K, N):
+def test_quant_linear_v6_kernel_rounds_chunks_to_bf16(library, monkeypatch, spec, K, N):
     """Version 6 (version 2's layout; from bf16_rows rows x and W = q * scale + min rounded to bf16):
     below bf16_rows rows the kernel and the decomposition compute version 2's product (x quantized per
     block of 32, version 2's bound); from there both compute r(x) r(W)^T, products exact in f32 and
     summed in f32 in any order: |error| <= K 2^-24 sum_k |r(x_k) r(w_k)| against a float64 product of
     the same rounded values. 63 / 64 rows are the boundary (a symbolic row count: the decomposition's
     conditional); 131 rows are whole and partial 16-row tiles, and each of their rows is computed on
-    its own (its first 64 equal a 64-row call's bit for bit)."""
+    its own (its first 64 equal a 64-row call's bit for bit). Every row count runs the kernel, whatever
+    the targets table's limit (without AMX the table gives chunks to XLA's dot: the kernel's row
+    routines stay tested)."""
     from hloserve.quantization import primitives
     from hloserve.quantization.modules import quantize_blocks
+    from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V6
+    monkeypatch.setitem(TARGETS, QUANT_LINEAR_V6.key, dataclasses.replace(
+        TARGETS[QUANT_LINEAR_V6.key], max_rows_for=lambda cpu, attrs, shapes: None))
     rng = np.random.default_rng(K + N + len(spec) + 6)
     q, scheme, group = _quantized_stack(rng, spec, 3, N, K)
     qw, sc, mn = primitives.interleave_rows(q["qweight"], q["scale"], q["min"] if q["min"].size else None, scheme.bits)
@@ -515,6 +520,19 @@ def test_quant_linear_v6_kernel_rounds_chunks_to_bf16(library, spec, K, N):
     # the chunk path's rows do not depend on how many there are (131 rows at layer 2, 64 at layer 1)
     again = np.asarray(jax.jit(kernel_fn.call)(x_all, *args, np.int32(1)))
     np.testing.assert_array_equal(again[:64], results["kernel", 64])
+
+
+def test_quant_linear_v6_chunks_take_the_kernel_only_on_amx():
+    """Version 6's chunks (bf16_rows rows and more) run the kernel's AMX tiles; without AMX the table
+    stops the kernel below bf16_rows, so XLA's bf16 dot of the decomposition takes the chunks (its row
+    routines were 2.6x slower there), and without VNNI version 2's portable limit holds."""
+    from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V6
+    from hloserve.runtime.kernels.cpu.targets import Cpu
+    row, attrs = TARGETS[QUANT_LINEAR_V6.key], {"bf16_rows": 64, "group": 32}
+    assert row.limit(Cpu(True, frozenset({"amx_bf16", "avx512_vnni", "avx512_bf16"})), attrs, ()) is None
+    assert row.limit(Cpu(True, frozenset({"avx512_vnni", "avx512_bf16"})), attrs, ()) == 63
+    assert row.limit(Cpu(True, frozenset({"avx2"})), attrs, ()) == 4
+    assert row.limit(Cpu(False, frozenset({"amx_bf16", "avx512_vnni"})), attrs, ()) == 4   # not built for it
 
 
 def five_bit_stack(rng, L, N, K, f16=True):
