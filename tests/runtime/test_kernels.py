@@ -479,8 +479,8 @@ def test_quant_linear_v6_kernel_rounds_chunks_to_bf16(library, monkeypatch, spec
     the same rounded values. 63 / 64 rows are the boundary (a symbolic row count: the decomposition's
     conditional); 131 rows are whole and partial 16-row tiles, and each of their rows is computed on
     its own (its first 64 equal a 64-row call's bit for bit). Every row count runs the kernel, whatever
-    the targets table's limit (without AMX the table gives chunks to XLA's dot: the kernel's row
-    routines stay tested)."""
+    the targets table's limit (the fallback builds' table stops at 4 rows: their chunk paths, the
+    row routines, are tested here too)."""
     from hloserve.quantization import primitives
     from hloserve.quantization.modules import quantize_blocks
     from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V6
@@ -520,19 +520,6 @@ def test_quant_linear_v6_kernel_rounds_chunks_to_bf16(library, monkeypatch, spec
     # the chunk path's rows do not depend on how many there are (131 rows at layer 2, 64 at layer 1)
     again = np.asarray(jax.jit(kernel_fn.call)(x_all, *args, np.int32(1)))
     np.testing.assert_array_equal(again[:64], results["kernel", 64])
-
-
-def test_quant_linear_v6_chunks_take_the_kernel_only_on_amx():
-    """Version 6's chunks (bf16_rows rows and more) run the kernel's AMX tiles; without AMX the table
-    stops the kernel below bf16_rows, so XLA's bf16 dot of the decomposition takes the chunks (its row
-    routines were 2.6x slower there), and without VNNI version 2's portable limit holds."""
-    from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V6
-    from hloserve.runtime.kernels.cpu.targets import Cpu
-    row, attrs = TARGETS[QUANT_LINEAR_V6.key], {"bf16_rows": 64, "group": 32}
-    assert row.limit(Cpu(True, frozenset({"amx_bf16", "avx512_vnni", "avx512_bf16"})), attrs, ()) is None
-    assert row.limit(Cpu(True, frozenset({"avx512_vnni", "avx512_bf16"})), attrs, ()) == 63
-    assert row.limit(Cpu(True, frozenset({"avx2"})), attrs, ()) == 4
-    assert row.limit(Cpu(False, frozenset({"amx_bf16", "avx512_vnni"})), attrs, ()) == 4   # not built for it
 
 
 def five_bit_stack(rng, L, N, K, f16=True):

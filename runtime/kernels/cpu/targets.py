@@ -91,18 +91,6 @@ def _quant_linear_v2_rows(cpu: Cpu) -> int | None:
     return None if cpu.has("avx512_vnni") else 4
 
 
-# Version 6's chunks (bf16_rows rows and more) multiply bf16 x by the dequantized bf16 matrix. With
-# AMX the kernel's tiles do it (0.97-0.99x bf16 layer_linear's time at 256 rows); without AMX its row
-# routines (dot products of 4 matrix rows at a time) took 2.6x XLA's bf16 dot of the decomposition
-# (dequantize, then dot) on a 256-token chunk of SmolLM2 (AVX512-BF16 and VNNI, no AMX: the
-# -march=cooperlake build on a Xeon with AMX switched off, 2026-12-01, docs/performance.md), so there
-# the decomposition runs them: the kernel below bf16_rows (version 2's product), XLA's dot above.
-def _quant_linear_v6_rows(cpu: Cpu, attrs: dict[str, Any], shapes: tuple) -> int | None:
-    if cpu.has("amx_bf16") and cpu.has("avx512_vnni"):
-        return None
-    return attrs["bf16_rows"] - 1 if cpu.has("avx512_vnni") else 4
-
-
 TARGETS = {
     PAGED_ATTENTION.key: Target("hloserve_paged_attention"),
     PAGED_ATTENTION_V2.key: Target("hloserve_paged_attention_v2"),
@@ -111,8 +99,8 @@ TARGETS = {
                              result_dims=((0, 0), (1, 1))),
     QUANT_LINEAR_V2.key: Target("hloserve_quant_linear_v2", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
                                 result_dims=((0, 0), None)),
-    # version 2's below bf16_rows rows; chunks in bf16 on AMX-BF16 tiles (elsewhere: XLA's bf16 dot)
-    QUANT_LINEAR_V6.key: Target("hloserve_quant_linear_v6", accepts=_whole_vectors, max_rows_for=_quant_linear_v6_rows,
+    # version 2's below bf16_rows rows; chunks in bf16 (AMX-BF16 tiles, or linear.h's row routines)
+    QUANT_LINEAR_V6.key: Target("hloserve_quant_linear_v6", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
                                 result_dims=((0, 0), None)),
     # 5-bit values (GGUF Q5_0 kept): version 2's int4 tiles with the fifth bits or'd in by mask (no AMX
     # tiles yet: VNNI at every row count)
