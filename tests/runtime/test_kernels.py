@@ -118,6 +118,13 @@ def max_rows(symbol: str, attrs: dict | None = None, shapes: tuple = ()) -> int 
     return next(t for t in TARGETS.values() if t.symbol == symbol).limit(build.cpu(), attrs or {}, shapes)
 
 
+def kernel_at_every_row_count(monkeypatch, contract):
+    """The targets table's row for `contract` (a composite's name and version) without a row limit, for
+    this test: every call runs the kernel."""
+    monkeypatch.setitem(TARGETS, contract.key,
+                        dataclasses.replace(TARGETS[contract.key], max_rows_for=lambda cpu, attrs, shapes: None))
+
+
 # (G, D): specialized x4 (the fallback builds specialize these alone: paged_attention.h), generic
 HEADS = [(3, 64), (4, 128), (4, 256), (1, 96), (5, 32)]
 HOLDS = [0, 1, 2, 3, 4, 5]                                            # every cache element kind
@@ -287,8 +294,7 @@ def test_layer_linear_kernel_matches_at_prompt_chunk_rows(library, monkeypatch, 
     odd last 16-row block; 4 whole 16-row matrix tiles and 6 rows past them, or 2 and 8); the same
     tolerance as above."""
     from hloserve.runtime.artifact.kernels import LAYER_LINEAR
-    monkeypatch.setitem(TARGETS, LAYER_LINEAR.key,
-                        dataclasses.replace(TARGETS[LAYER_LINEAR.key], max_rows_for=lambda cpu, attrs, shapes: None))
+    kernel_at_every_row_count(monkeypatch, LAYER_LINEAR)
     rng = np.random.default_rng(K + N)
     values = jnp.asarray(rng.standard_normal((2, N, K)).astype(np.float32)).astype(jnp.bfloat16)
     weights = np.asarray(values.view(jnp.int16))
@@ -484,8 +490,7 @@ def test_quant_linear_v6_kernel_rounds_chunks_to_bf16(library, monkeypatch, spec
     from hloserve.quantization import primitives
     from hloserve.quantization.modules import quantize_blocks
     from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V6
-    monkeypatch.setitem(TARGETS, QUANT_LINEAR_V6.key, dataclasses.replace(
-        TARGETS[QUANT_LINEAR_V6.key], max_rows_for=lambda cpu, attrs, shapes: None))
+    kernel_at_every_row_count(monkeypatch, QUANT_LINEAR_V6)
     rng = np.random.default_rng(K + N + len(spec) + 6)
     q, scheme, group = _quantized_stack(rng, spec, 3, N, K)
     qw, sc, mn = primitives.interleave_rows(q["qweight"], q["scale"], q["min"] if q["min"].size else None, scheme.bits)
