@@ -67,7 +67,8 @@ def link_kernels(module_bytes: bytes, targets: set[str], build) -> tuple[bytes, 
     shape refinement), then replace every custom call whose target is in `targets` by a call of a
     kernel module: `build(target, backend_config, operand_types)` returns that module's serialized
     bytes (a jax export at the now static operand shapes, whose main takes the call's leading
-    operands). The kernel's functions are merged into the module. Returns (bytes, number replaced)."""
+    operands). The kernel's functions are merged into the module, once for all the calls of one target
+    with the same attributes and operand types. Returns (bytes, number replaced)."""
     import types
 
     from jax._src import config
@@ -91,15 +92,20 @@ def link_kernels(module_bytes: bytes, targets: set[str], build) -> tuple[bytes, 
 
         module.operation.walk(visit)
         api = types.SimpleNamespace(ir=ir, hlo=hlo, func=func, mlir=mlir)
+        built: dict[tuple[str, ...], tuple[str, int]] = {}   # one kernel function per distinct call
         for i, op in enumerate(found):
             target = ir.StringAttr(op.attributes["call_target_name"]).value
             config_attr = ir.DictAttr(op.attributes["mhlo.backend_config"])
-            backend_config = {a.name: a.attr for a in config_attr}
-            kernel = _jax.mlir.deserialize_portable_artifact(build(target, backend_config,
-                                                                   [v.type for v in op.operands], api))
-            main = next(f for f in kernel.body.operations if ir.StringAttr(f.attributes["sym_name"]).value == "main")
-            n_args = len(ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value).inputs)
-            name = mlir.merge_mlir_modules(module, f"{target}_{i}", kernel)
+            key = (target, str(config_attr), *(str(v.type) for v in op.operands))
+            if key not in built:
+                backend_config = {a.name: a.attr for a in config_attr}
+                kernel = _jax.mlir.deserialize_portable_artifact(build(target, backend_config,
+                                                                       [v.type for v in op.operands], api))
+                main = next(f for f in kernel.body.operations
+                            if ir.StringAttr(f.attributes["sym_name"]).value == "main")
+                n_args = len(ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value).inputs)
+                built[key] = (mlir.merge_mlir_modules(module, f"{target}_{i}", kernel), n_args)
+            name, n_args = built[key]
             with ir.InsertionPoint(op):
                 call = func.CallOp([r.type for r in op.results], ir.FlatSymbolRefAttr.get(name),
                                    list(op.operands)[:n_args])

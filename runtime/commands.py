@@ -92,8 +92,9 @@ def _inspect_platform(path: str, m, platform: str) -> int:
         avals = [jax.ShapeDtypeStruct(m.weights[w].shape, artifact.numpy_dtype(m.weights[w].dtype)) for w in fn.weights]
         avals += [jax.ShapeDtypeStruct(artifact.concrete_shape(t, env), artifact.numpy_dtype(t.dtype)) for t in fn.inputs]
         static = pallas.for_shapes(pending, platform, avals)
-        calls = pallas.kernels_in(static)
-        listed = ", ".join(f"{k} x{n}" for k, n in sorted(calls.items())) or "none"
+        calls, linked = pallas.kernels_in(static), pallas.kernels_in(static, sites=False)
+        listed = ", ".join(f"{k} x{n}" + (f" ({linked[k]} distinct)" if linked.get(k, n) < n else "")
+                           for k, n in sorted(calls.items())) or "none"
         print(f"  lowered for {platform} with its kernels: custom calls {listed}")
     return 0
 

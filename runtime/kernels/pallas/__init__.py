@@ -341,15 +341,34 @@ def _dtype(mlir_name: str):
     return jnp.dtype(_DTYPES[mlir_name])
 
 
-def kernels_in(exported: Any) -> dict[str, int]:
-    """Custom-call targets in a lowered function's module, with their counts (what `inspect
-    --platform` names: tpu_custom_call for Mosaic, __gpu$xla.gpu.triton for Triton)."""
+def kernels_in(exported: Any, *, sites: bool = True) -> dict[str, int]:
+    """Custom-call targets a lowered function's main runs, with how many call sites each has (what
+    `inspect --platform` names: tpu_custom_call for Mosaic, __gpu$xla.gpu.triton for Triton): a
+    kernel function linked once for several composites (link_kernels) counts once per call of it;
+    with `sites` False, once (the kernels compiled)."""
+    import functools
     import re
     text = _private.module_text(exported.mlir_module_serialized)
-    counts: dict[str, int] = {}
-    for target in re.findall(r"stablehlo\.custom_call @([\w$.]+)", text):
-        if target == "shape_assertion":   # jax's shape checks, not a kernel
-            continue
-        counts[target] = counts.get(target, 0) + 1
-    return counts
+    bodies = {m.group(1): m.group(2) for m in re.finditer(r"func\.func (?:public |private )?@([\w$.]+)\((.*?)(?=\n  func\.func |\Z)",
+                                                          text, re.S)}
+
+    @functools.cache
+    def counts(name: str) -> tuple[tuple[str, int], ...]:
+        total: dict[str, int] = {}
+        body = bodies.get(name, "")
+        for target in re.findall(r"stablehlo\.custom_call @([\w$.]+)", body):
+            if target != "shape_assertion":   # jax's shape checks, not a kernel
+                total[target] = total.get(target, 0) + 1
+        for callee in re.findall(r"(?<![\w.])(?:func\.)?call @([\w$.]+)\(", body) if sites else ():
+            for target, n in counts(callee):
+                total[target] = total.get(target, 0) + n
+        return tuple(total.items())
+
+    if sites:
+        return dict(counts("main"))
+    linked: dict[str, int] = {}
+    for f in bodies:
+        for target, n in counts(f):
+            linked[target] = linked.get(target, 0) + n
+    return linked
 
