@@ -45,8 +45,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules marked `slow` run first, in their order, then the rest (with `-n 2 --dist loadfile`
-    the longest files start first instead of one of them running alone at the end). Tests marked
+    """Modules marked `slow` run first, in their order, then the rest (meant for `-n 2 --dist loadfile`:
+    the longest files starting first instead of one of them running alone at the end; but
+    pytest-xdist's loadfile then reorders the files by their number of tests unless
+    `--no-loadscope-reorder` is given: docs/performance.md, 2026-12-02). Tests marked
     `gpu` need an accelerator: skipped where jax sees only the CPU."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)    # stable: a file's tests stay together, in order
