@@ -118,9 +118,26 @@ def link_kernels(module_bytes: bytes, targets: set[str], build) -> tuple[bytes, 
                                                      False), len(found)
 
 
-def module_text(module_bytes: bytes) -> str:
-    """An exported module (portable artifact bytes) as MLIR text."""
+def calls_by_function(module_bytes: bytes) -> dict[str, tuple[list[str], list[str]]]:
+    """Per function of an exported module (portable artifact bytes): the custom-call targets in its
+    body and the functions it calls, in order."""
     from jax._src.interpreters import mlir
     from jax._src.lib import _jax
+    from jax._src.lib.mlir import ir
+
+    out = {}
     with mlir.make_ir_context():
-        return str(_jax.mlir.deserialize_portable_artifact(module_bytes))
+        module = _jax.mlir.deserialize_portable_artifact(module_bytes)
+        for f in module.body.operations:
+            targets, callees = [], []
+
+            def visit(op):
+                if op.name == "stablehlo.custom_call":
+                    targets.append(ir.StringAttr(op.attributes["call_target_name"]).value)
+                elif op.name == "func.call":
+                    callees.append(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+                return ir.WalkResult.ADVANCE
+
+            f.operation.walk(visit)
+            out[ir.StringAttr(f.attributes["sym_name"]).value] = (targets, callees)
+    return out

@@ -347,19 +347,16 @@ def kernels_in(exported: Any, *, sites: bool = True) -> dict[str, int]:
     kernel function linked once for several composites (link_kernels) counts once per call of it;
     with `sites` False, once (the kernels compiled)."""
     import functools
-    import re
-    text = _private.module_text(exported.mlir_module_serialized)
-    bodies = {m.group(1): m.group(2) for m in re.finditer(r"func\.func (?:public |private )?@([\w$.]+)\((.*?)(?=\n  func\.func |\Z)",
-                                                          text, re.S)}
+    functions = _private.calls_by_function(exported.mlir_module_serialized)
 
     @functools.cache
     def counts(name: str) -> tuple[tuple[str, int], ...]:
+        targets, callees = functions.get(name, ((), ()))
         total: dict[str, int] = {}
-        body = bodies.get(name, "")
-        for target in re.findall(r"stablehlo\.custom_call @([\w$.]+)", body):
+        for target in targets:
             if target != "shape_assertion":   # jax's shape checks, not a kernel
                 total[target] = total.get(target, 0) + 1
-        for callee in re.findall(r"(?<![\w.])(?:func\.)?call @([\w$.]+)\(", body) if sites else ():
+        for callee in callees if sites else ():
             for target, n in counts(callee):
                 total[target] = total.get(target, 0) + n
         return tuple(total.items())
@@ -367,7 +364,7 @@ def kernels_in(exported: Any, *, sites: bool = True) -> dict[str, int]:
     if sites:
         return dict(counts("main"))
     linked: dict[str, int] = {}
-    for f in bodies:
+    for f in functions:
         for target, n in counts(f):
             linked[target] = linked.get(target, 0) + n
     return linked
