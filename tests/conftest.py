@@ -33,7 +33,14 @@ def pytest_configure(config):
     The CPU kernel library is kept in that root's kernels/ for every test, also for those that point
     HLOSERVE_CACHE at a root of their own (HLOSERVE_KERNEL_CACHE, inherited): the library depends on
     the machine, not on the cache root, and building it costs about a minute of both cores. The tests
-    of the build itself (tests/runtime/test_kernels.py, test_disk_full.py) name their own place."""
+    of the build itself (tests/runtime/test_kernels.py, test_disk_full.py) name their own place.
+
+    With pytest-xdist, files are handed out in the order pytest_collection_modifyitems leaves them:
+    its loadfile scheduler would otherwise sort them by their number of tests (--loadscope-reorder,
+    on by default), and a 2-test file of several minutes would start last (docs/performance.md,
+    2026-12-02)."""
+    if getattr(config.option, "loadscopereorder", None):
+        config.option.loadscopereorder = False
     import os
     import tempfile
     root = os.environ.get("HLOSERVE_TEST_CACHE")
@@ -46,9 +53,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Modules marked `slow` run first, in their order, then the rest (meant for `-n 2 --dist loadfile`:
-    the longest files starting first instead of one of them running alone at the end; but
-    pytest-xdist's loadfile then reorders the files by their number of tests unless
-    `--no-loadscope-reorder` is given: docs/performance.md, 2026-12-02). Tests marked
+    the longest files starting first instead of one of them running alone at the end; pytest_configure
+    keeps xdist from reordering them). Tests marked
     `gpu` need an accelerator: skipped where jax sees only the CPU."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)    # stable: a file's tests stay together, in order
