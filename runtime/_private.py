@@ -36,17 +36,18 @@ def rewrite_composites(module_bytes: bytes, replace) -> tuple[bytes, int]:
     """Deserialize an exported StableHLO module, call `replace(op, mlir_api)` for every
     stablehlo.composite (it returns True when it replaced the op with its own ops), and
     serialize the result at the current StableHLO version (for this process's compile only).
-    `mlir_api` has ir, hlo, func (dialects) and mlir (jax's helpers). Returns (bytes, number replaced)."""
+    `mlir_api` has ir, hlo, func (dialects), mlir (jax's helpers) and module (the module being
+    rewritten). Returns (bytes, number replaced)."""
     import types
 
     from jax._src.interpreters import mlir
     from jax._src.lib import _jax
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import func, hlo
-    api = types.SimpleNamespace(ir=ir, hlo=hlo, func=func, mlir=mlir)
 
     with mlir.make_ir_context(), ir.Location.unknown():
         module = _jax.mlir.deserialize_portable_artifact(module_bytes)
+        api = types.SimpleNamespace(ir=ir, hlo=hlo, func=func, mlir=mlir, module=module)
         found = []
 
         def visit(op):
@@ -60,6 +61,21 @@ def rewrite_composites(module_bytes: bytes, replace) -> tuple[bytes, int]:
             return module_bytes, 0
         text = mlir.module_to_bytecode(module)
         return _jax.mlir.serialize_portable_artifact(text, hlo.get_current_version(), False), done
+
+
+def read_module(module_bytes: bytes, read):
+    """`read(mlir_api)` on an exported StableHLO module (portable artifact bytes), changing nothing;
+    returns what it returns. `mlir_api` as rewrite_composites gives it."""
+    import types
+
+    from jax._src.interpreters import mlir
+    from jax._src.lib import _jax
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import func, hlo
+
+    with mlir.make_ir_context(), ir.Location.unknown():
+        module = _jax.mlir.deserialize_portable_artifact(module_bytes)
+        return read(types.SimpleNamespace(ir=ir, hlo=hlo, func=func, mlir=mlir, module=module))
 
 
 def link_kernels(module_bytes: bytes, targets: set[str], build) -> tuple[bytes, int]:

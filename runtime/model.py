@@ -18,6 +18,7 @@ import sys
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import numpy as np
 from hloserve.runtime import artifact
 from hloserve.runtime.artifact import weights as weights_io
 from hloserve.runtime.artifact.errors import ArtifactError
@@ -43,6 +44,8 @@ class LoadedModel:
       mesh: the SPMD mesh, or None on one device.
       weights: weight name -> device array (sharded over the mesh when there is one).
       functions: function name -> callable Function.
+      layouts: weight name -> the layout its array is in, for the weights laid out for the kernels at
+        load (runtime/kernels/: the same values in another order); the rest are as the artifact has them.
     """
     path: str
     manifest: artifact.Manifest
@@ -50,6 +53,7 @@ class LoadedModel:
     mesh: Any
     weights: dict[str, jax.Array]
     functions: dict[str, Function]
+    layouts: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def warmup(self, sizes: Mapping[str, Sequence[int]] | None = None, *, functions: Sequence[str] | None = None,
                progress: Callable[[str], None] | None = None, run: bool | None = None) -> int:
@@ -150,9 +154,12 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
     # a batch-invariant artifact (export --batch-invariant) runs each kernel at every row count: XLA's
     # dot, which a kernel leaves large row counts to where it is the slower, sums in other orders
     every_row_count = bool(manifest.model.get("batch_invariant"))
-    specialized = {n: kernel_support.specialize(exported[n], every_row_count=every_row_count) for n in names}
+    layouts = _weight_layouts(kernel_support, exported, {n: manifest.functions[n] for n in names})
+    specialized = {n: kernel_support.specialize(
+        exported[n], every_row_count=every_row_count,
+        laid_out=frozenset(i for i, w in enumerate(manifest.functions[n].weights) if w in layouts)) for n in names}
     on_device, shardings = _place_weights(path, reader, [manifest.functions[n] for n in names], partition_rules,
-                                          jmesh, device)
+                                          jmesh, device, layouts)
     in_sharding = sharding_mod.input_sharding(jmesh, device)
 
     # (a multi-host run compiles on every process: executables are not shared through the cache)
@@ -173,28 +180,47 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
                                           "kernels": specialized[n].digest},
                           compiler_options=client.compiler_options, input_shardings=split_inputs,
                           kernels=specialized[n].kernels, per_shape=specialized[n].per_shape)
-    return LoadedModel(path, manifest, client, jmesh, on_device, fns)
+    return LoadedModel(path, manifest, client, jmesh, on_device, fns, {w: lay.name for w, lay in layouts.items()})
+
+
+def _weight_layouts(backend: kernels.KernelBackend, exported: Mapping[str, jax_export.Exported],
+                    specs: Mapping[str, artifact.FunctionSpec]) -> dict[str, kernels.WeightLayout]:
+    """weight name -> the layout the backend's kernels read it in, for the weights every loaded function
+    that reads them offers in one same layout (a weight one function reads as it lies stays so)."""
+    offers: dict[str, list] = {}
+    for n, exp in exported.items():
+        offered = backend.layouts(exp)
+        for i, w in enumerate(specs[n].weights):
+            offers.setdefault(w, []).append(offered.get(i))
+    return {w: got[0] for w, got in offers.items() if got[0] is not None and all(g == got[0] for g in got)}
 
 
 def _place_weights(path: str, reader: weights_io.Reader, specs: Sequence[artifact.FunctionSpec],
-                   partition_rules: sharding_mod.Rules | None, jmesh: Any, device: Any) -> tuple[dict, dict]:
+                   partition_rules: sharding_mod.Rules | None, jmesh: Any, device: Any,
+                   layouts: Mapping[str, kernels.WeightLayout]) -> tuple[dict, dict]:
     """(weight name -> device array, weight name -> sharding) for the weights `specs` read: the
-    memory-mapped views go to the device once; with a mesh each device receives only its shard."""
+    memory-mapped views go to the device once (those in `layouts` laid out on the way); with a mesh
+    each device receives only its shard."""
     used = list(dict.fromkeys(w for spec in specs for w in spec.weights))
     for w in used:
         if w not in reader:
             raise ArtifactError(f"artifact {path}: weight {w!r} is missing from {artifact.WEIGHTS}; re-export it")
     shardings = sharding_mod.weight_shardings({w: reader[w].shape for w in used}, partition_rules, jmesh, device)
-    return {w: sharding_mod.place(_host_copy(reader[w], shardings[w]), shardings[w]) for w in used}, shardings
+    return {w: sharding_mod.place(_host_copy(reader[w], shardings[w], layouts.get(w)), shardings[w])
+            for w in used}, shardings
 
 
-def _host_copy(view: Any, sharding: Any) -> Any:
+def _host_copy(view: Any, sharding: Any, layout: kernels.WeightLayout | None = None) -> Any:
     """A large weight bound for one CPU device: a copy in 2 MiB pages (host_pages), which jax
-    aliases; anything else: the file's view, which device_put copies or shards."""
+    aliases; anything else: the file's view, which device_put copies or shards. A weight with a
+    `layout` is copied so laid out (in the same pass where it goes to 2 MiB pages)."""
+    shape = view.shape
+    if layout is not None:
+        view = layout.arrange(view)
     devices = sharding.device_set
     if len(devices) != 1 or next(iter(devices)).platform != "cpu" or view.nbytes < host_pages.MIN_BYTES:
-        return view
-    return host_pages.copy_in_huge_pages(view)
+        return view if layout is None else np.ascontiguousarray(view).reshape(shape)
+    return host_pages.copy_in_huge_pages(view).reshape(shape)
 
 
 def kernel_support(platform: str | None = None, *, mesh: bool = False) -> kernels.KernelBackend:

@@ -17,11 +17,11 @@ from __future__ import annotations
 from typing import Callable
 
 from . import pallas
-from .backend import Decompositions, KernelBackend, Specialized
+from .backend import Decompositions, KernelBackend, Specialized, WeightLayout
 from .cpu import CpuBackend, build
 from .pallas import PallasBackend
 
-__all__ = ["KernelBackend", "Specialized", "Decompositions", "CpuBackend", "PallasBackend", "support"]
+__all__ = ["KernelBackend", "Specialized", "WeightLayout", "Decompositions", "CpuBackend", "PallasBackend", "support"]
 
 
 def support(platform: str, *, mesh: bool, report: Callable[[str], None] | None = None,

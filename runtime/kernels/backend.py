@@ -4,6 +4,8 @@
     backend.runs("hloserve.paged_attention", 2)         # known before the artifact loads
     s = backend.specialize(exported)                    # at load, per function
     s.exported, s.kernels, s.per_shape, s.digest
+    backend.layouts(exported)                           # {input: WeightLayout} its kernels could read
+    s = backend.specialize(exported, laid_out={3})      # input 3 laid out so at load (runtime.load)
 
 Backends: `Decompositions` (below: every composite runs the portable StableHLO the artifact
 carries), the CPU's C++ kernels (runtime/kernels/cpu/) and the Pallas kernels of TPUs and GPUs
@@ -15,6 +17,19 @@ import dataclasses
 from typing import Any, Callable, Protocol, Sequence
 
 from .rewrite import decomposition_call, rewrite, swap
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    """A layout a backend's kernel reads a weight in, other than the artifact's: the same shape,
+    dtype and values, the elements in another order. The runtime lays a weight out once at load,
+    where every function loaded reads it only through such kernels (runtime.load).
+
+    name: the layout's name (in the executable-cache key through the kernels' digest).
+    arrange: the artifact's array -> a view whose C order is the layout (copied once by the runtime).
+    """
+    name: str
+    arrange: Callable[[Any], Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +59,17 @@ class KernelBackend(Protocol):
 
     def runs(self, name: str, version: int) -> bool: ...
 
-    def specialize(self, exported: Any, *, every_row_count: bool = False) -> Specialized:
+    def layouts(self, exported: Any) -> dict[int, WeightLayout]:
+        """The inputs of `exported` (indices into its in_avals) this backend's kernels would read in a
+        layout of their own: only inputs that nothing but those kernels reads."""
+
+    def specialize(self, exported: Any, *, every_row_count: bool = False,
+                   laid_out: frozenset[int] = frozenset()) -> Specialized:
         """`exported` with its composites resolved; `every_row_count`: a kernel runs at every row count
         where it runs at all (a batch-invariant artifact: a row's bits must not depend on whether its
-        step's rows went to the kernel or to the decomposition), not only where it is the faster."""
+        step's rows went to the kernel or to the decomposition), not only where it is the faster;
+        `laid_out`: inputs the runtime lays out as `layouts` offered them (their readers then run
+        the kernels that read that layout, at every row count)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +87,11 @@ class Decompositions:
     def runs(self, name: str, version: int) -> bool:
         return False
 
-    def specialize(self, exported: Any, *, every_row_count: bool = False) -> Specialized:
+    def layouts(self, exported: Any) -> dict[int, WeightLayout]:
+        return {}
+
+    def specialize(self, exported: Any, *, every_row_count: bool = False,
+                   laid_out: frozenset[int] = frozenset()) -> Specialized:
         def replace(op, api) -> bool:
             with api.ir.InsertionPoint(op):
                 swap(op, decomposition_call(api, op))

@@ -97,3 +97,90 @@ def attribute_value(ir, attr):
         except (ValueError, TypeError):
             continue
     return attr
+
+
+def read(exported: Any, read_module: Callable[[Any], Any]) -> Any:
+    """`read_module(api)` on `exported`'s module (api as `replace` gets it, with api.module), changing
+    nothing; returns what it returns."""
+    return _private.read_module(exported.mlir_module_serialized, read_module)
+
+
+class Dataflow:
+    """Where an exported function's inputs go in its module: a value's sources followed back, an
+    input's readers followed forward, through the calls and the while loops that pass a value on
+    unchanged (a scanned layer stack reaches its layer's composites through jax.export's wrapper,
+    the scan's while loop and its body's call). Inputs are numbered as `exported.in_avals` (main
+    takes those jax kept: `module_kept_var_idx`; its global constants are none of them)."""
+
+    def __init__(self, api, kept_var_idx):
+        ir = api.ir
+        self.ir = ir
+        self.funcs = {ir.StringAttr(f.attributes["sym_name"]).value: f.operation for f in api.module.body.operations}
+        self.callers: dict[str, list] = {}
+
+        def visit(op):
+            if op.name == "func.call":
+                self.callers.setdefault(ir.FlatSymbolRefAttr(op.attributes["callee"]).value, []).append(op)
+            return ir.WalkResult.ADVANCE
+
+        api.module.operation.walk(visit)
+        main = self.funcs["main"]
+        self.main_args = main.regions[0].blocks[0].arguments
+        attrs = ir.ArrayAttr(main.attributes["arg_attrs"]) if "arg_attrs" in main.attributes else None
+        constant = [attrs is not None and "jax.global_constant" in ir.DictAttr(attrs[i]) for i in range(len(self.main_args))]
+        self.inputs = dict(zip([i for i, c in enumerate(constant) if not c], kept_var_idx))   # main arg -> input
+
+    def sources(self, value) -> frozenset[int]:
+        """The inputs whose arrays `value` can be; -1 for a value computed from anything else."""
+        ir = self.ir
+        value = value.maybe_downcast()
+        if isinstance(value, ir.BlockArgument):
+            n, parent = value.arg_number, value.owner.owner
+            if parent.operation.name == "func.func":
+                name = ir.StringAttr(parent.attributes["sym_name"]).value
+                if name == "main":
+                    return frozenset({self.inputs.get(n, -1)})
+                calls = self.callers.get(name, [])
+                return frozenset().union(*(self.sources(c.operands[n]) for c in calls)) if calls else frozenset({-1})
+            if parent.operation.name == "stablehlo.while" and self._passes_on(parent, n):
+                return self.sources(parent.operands[n])
+            return frozenset({-1})
+        if isinstance(value, ir.OpResult):
+            if value.owner.operation.name == "stablehlo.while" and self._passes_on(value.owner, value.result_number):
+                return self.sources(value.owner.operands[value.result_number])
+        return frozenset({-1})
+
+    def readers(self, index: int) -> list[tuple[Any, int]] | None:
+        """The composite ops that read input `index`, each with the operand it reads it as; None where
+        anything else reads it (it is used as it lies by some other op)."""
+        out: list[tuple[Any, int]] = []
+        args = [n for n, i in self.inputs.items() if i == index]
+        return out if all(self._follow(self.main_args[n], out) for n in args) else None
+
+    def _passes_on(self, loop, n: int) -> bool:
+        body = loop.regions[1].blocks[0]
+        ops = body.operations
+        return ops[len(ops) - 1].operands[n] == body.arguments[n]
+
+    def _follow(self, value, out: list) -> bool:
+        ir = self.ir
+        for use in value.uses:
+            op, n = use.owner, use.operand_number
+            if op.operation.name == "stablehlo.composite":
+                out.append((op, n))
+            elif op.operation.name == "func.call":
+                callee = self.funcs[ir.FlatSymbolRefAttr(op.attributes["callee"]).value]
+                if not self._follow(callee.regions[0].blocks[0].arguments[n], out):
+                    return False
+            elif op.operation.name == "stablehlo.while":
+                if not self._passes_on(op, n):
+                    return False
+                inner = [op.regions[0].blocks[0].arguments[n], op.regions[1].blocks[0].arguments[n], op.results[n]]
+                if not all(self._follow(v, out) for v in inner):
+                    return False
+            elif op.operation.name == "stablehlo.return" and op.parent.operation.name == "stablehlo.while" \
+                    and isinstance(arg := value.maybe_downcast(), ir.BlockArgument) and arg.arg_number == n:
+                continue                            # a loop body passing its argument on
+            else:
+                return False
+        return True

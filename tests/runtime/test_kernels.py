@@ -373,6 +373,70 @@ def test_layer_linear_kernel_reads_only_its_layer(library):
     assert np.abs(np.asarray(fn(x, mine, np.int32(1)))).max() == 0
 
 
+@pytest.mark.parametrize("K,N", [(64, 48), (1600, 32)])          # one run of chunks, three (partial sums)
+def test_layer_linear_tiles_reads_b_tiles_as_layer_linear_reads_rows(library, monkeypatch, K, N):
+    """`hloserve_layer_linear_tiles` over a stack laid out as B tiles (runtime/kernels/cpu/layouts.py,
+    as runtime.load lays it out) gives layer_linear's kernel's bits at every row count where that
+    kernel is AMX (decode rows and chunks: each output the same products summed in the same order;
+    odd rows and blocks past M included), and elsewhere (a library without AMX: its portable loop)
+    agrees with the decomposition within the summation bound of the tests above."""
+    from hloserve.runtime.artifact.kernels import LAYER_LINEAR
+    from hloserve.runtime.kernels.cpu import layouts
+    from hloserve.runtime.kernels.cpu.targets import LAYER_LINEAR_TILES
+    kernel_at_every_row_count(monkeypatch, LAYER_LINEAR)
+    rng = np.random.default_rng(K + N)
+    values = jnp.asarray(rng.standard_normal((2, N, K)).astype(np.float32)).astype(jnp.bfloat16)
+    weights = np.asarray(values.view(jnp.int16))
+    tiled = np.ascontiguousarray(layouts.B_TILES.arrange(weights)).reshape(weights.shape)
+    assert not np.array_equal(tiled, weights) and np.array_equal(np.sort(tiled, None), np.sort(weights, None))
+    exp = _linear_exported(weights, 1)
+    tiles = library.specialize(exp, laid_out=frozenset({1}))
+    assert tiles.kernels == 1 and f"custom_call @{LAYER_LINEAR_TILES}" in tiles.exported.mlir_module()
+    assert tiles.digest != library.specialize(exp).digest
+    amx = build.cpu().has("amx_bf16")
+    assert library.layouts(exp) == ({1: layouts.B_TILES} if amx else {})   # the stack: read by the composite only
+    tiles_call = jax.jit(tiles.exported.call)
+    rows_call = jax.jit(specialize(exp, library if amx else None)[0].call)
+    w32 = np.asarray(values.astype(jnp.float32))
+    for rows in (1, 5, 16, 17, 130):
+        x = rng.standard_normal((rows, K)).astype(np.float32)
+        layer = np.int32(rows % 2)
+        got = np.asarray(tiles_call(x, tiled, layer))
+        want = np.asarray(rows_call(x, weights, layer))
+        assert got.shape == (rows, N)
+        if amx:
+            np.testing.assert_array_equal(got, want, err_msg=f"{rows} rows")
+        else:
+            xr = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+            bound = K * 2.0 ** -24 * (np.abs(xr) @ np.abs(w32[layer]).T) + 1e-30
+            assert (np.abs(got - want) <= bound).all(), (rows, np.abs(got - want).max())
+
+
+def test_a_stack_anything_else_reads_is_not_offered_a_layout(library):
+    """layouts() offers a stack only where every reader is a layer_linear composite, followed through
+    a loop over the layers (jax.lax.fori_loop: a while loop passing the stack on) and calls; a stack
+    also read as it lies (here summed) keeps the artifact's layout, and so does an f16 one."""
+    from hloserve.exporter.composites.layer_linear import layer_linear_reference
+    from hloserve.runtime.artifact.kernels import LAYER_LINEAR
+    if not build.cpu().has("amx_bf16"):
+        pytest.skip("layouts are offered on CPUs with AMX only")
+    linear = _private.composite(layer_linear_reference, LAYER_LINEAR.name, LAYER_LINEAR.version)
+
+    def loop(x, w, v):          # w: every layer in a loop; v: the same, and summed
+        def body(i, h):
+            return linear(h, w, i, holds=1) + linear(h, v, i, holds=1)
+        return jax.lax.fori_loop(0, w.shape[0], body, x), v.astype(jnp.float32).sum()
+
+    stack = jax.ShapeDtypeStruct((3, 64, 64), np.int16)
+    exp = export.export(jax.jit(loop), platforms=("cpu",))(jax.ShapeDtypeStruct((4, 64), np.float32), stack, stack)
+    offered = library.layouts(exp)
+    assert set(offered) == {1}, offered
+    f16 = export.export(jax.jit(lambda x, w: _private.composite(layer_linear_reference, LAYER_LINEAR.name,
+                                                                LAYER_LINEAR.version)(x, w, 0, holds=2)),
+                        platforms=("cpu",))(jax.ShapeDtypeStruct((4, 64), np.float32), stack)
+    assert library.layouts(f16) == {}
+
+
 def _quant_exported(q, bits, group, version=1, **attrs):
     from hloserve.exporter.composites.quant_linear import (quant_linear_reference, quant_linear_v2_reference,
                                                            quant_linear_v6_reference)

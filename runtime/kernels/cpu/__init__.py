@@ -3,6 +3,7 @@ quant_linear.cc over common.h) as a kernel backend.
 
     backend = CpuBackend(build.library(report))       # built once per machine (build.py)
     s = backend.specialize(exported)                  # each composite with a row in targets.py -> its FFI call
+    backend.layouts(exported)                         # {input: layouts.B_TILES} where AMX reads them
 
 `specialize` replaces each composite the library has a kernel for by an FFI custom call to it, in
 this process's copy of the function only, and every other composite by a call of its
@@ -10,6 +11,10 @@ decomposition: the artifact keeps the portable decomposition, which a CPU withou
 with HLOSERVE_CPU_KERNELS=0) runs. Where a kernel beats XLA only up to a number of rows
 (targets.py) and the rows are symbolic, both are emitted under a predicate that is constant once
 the function is compiled for a shape (XLA keeps only the branch taken).
+
+On a CPU with AMX, a bf16 weight stack read only by `hloserve.layer_linear` composites is offered
+laid out as B tiles (layouts.py); where runtime.load lays it out, its readers call
+`hloserve_layer_linear_tiles` at every row count (the decomposition could not read it).
 """
 from __future__ import annotations
 
@@ -18,11 +23,13 @@ import hashlib
 import json
 from typing import Any
 
-from ..backend import Specialized
-from ..rewrite import composite_of, custom_call, decomposition_call, rewrite, swap
-from . import build
+from hloserve.runtime.artifact.kernels import LAYER_LINEAR
+
+from ..backend import Specialized, WeightLayout
+from ..rewrite import Dataflow, composite_of, custom_call, decomposition_call, read, rewrite, swap
+from . import build, layouts
 from .build import Library
-from .targets import TARGETS
+from .targets import LAYER_LINEAR_TILES, TARGETS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,15 +44,54 @@ class CpuBackend:
     def runs(self, name: str, version: int) -> bool:
         return (name, version) in TARGETS
 
-    def specialize(self, exported: Any, *, every_row_count: bool = False) -> Specialized:
+    def layouts(self, exported: Any) -> dict[int, WeightLayout]:
+        if not build.cpu().has("amx_bf16"):
+            return {}
+
+        def tiles_read(api, flow: Dataflow, op, n: int, index: int) -> bool:
+            info = composite_of(api, op)
+            return (info.key == LAYER_LINEAR.key and info.attributes.get("holds") == 1
+                    and n == len(op.operands) - len(info.operands) + 1             # the weights operand
+                    and layouts.b_tiles_fit(_shapes(api, [op.operands[n]])[0])
+                    and flow.sources(op.operands[n]) == {index})
+
+        def offer(api) -> dict[int, WeightLayout]:
+            flow = Dataflow(api, exported.module_kept_var_idx)
+            out = {}
+            for index in flow.inputs.values():
+                readers = flow.readers(index)
+                if readers and all(tiles_read(api, flow, op, n, index) for op, n in readers):
+                    out[index] = layouts.B_TILES
+            return out
+
+        return read(exported, offer)
+
+    def specialize(self, exported: Any, *, every_row_count: bool = False,
+                   laid_out: frozenset[int] = frozenset()) -> Specialized:
         used = 0
         cpu = build.cpu()
         choices = []   # per composite: the kernel it may run (or none) and up to how many rows
+        flows = {}     # the module's Dataflow, made on first need
 
         def replace(op, api) -> bool:
             nonlocal used
             info = composite_of(api, op)
             target = TARGETS.get(info.key)
+            if laid_out:
+                flow = flows.get("flow") or flows.setdefault("flow", Dataflow(api, exported.module_kept_var_idx))
+                reads = [flow.sources(v) & laid_out for v in info.operands]
+                if any(reads):
+                    if info.key != LAYER_LINEAR.key or reads[1] != flow.sources(info.operands[1]) or any(reads[::2]):
+                        raise ValueError(f"{info.name} v{info.version} reads inputs {sorted(set().union(*reads))} "
+                                         f"laid out for {LAYER_LINEAR_TILES} in another way: only "
+                                         f"layouts() offers may be laid out")
+                    with api.ir.InsertionPoint(op):
+                        new = custom_call(api, LAYER_LINEAR_TILES, [r.type for r in op.results], info.operands,
+                                          info.config, target.result_dims)
+                    choices.append([*info.key, LAYER_LINEAR_TILES, None])
+                    used += 1
+                    swap(op, new)
+                    return True
             with api.ir.InsertionPoint(op):
                 if target is None or not target.accepts(info.attributes):
                     choices.append([*info.key, None, None])

@@ -36,7 +36,7 @@ import tempfile
 from typing import Callable
 
 from ...paths import cache_dir, kernel_dir, untrusted, write_atomically
-from .targets import TARGETS, Cpu
+from .targets import SYMBOLS, Cpu
 
 LOG = logging.getLogger("hloserve.runtime")
 HERE = os.path.dirname(__file__)
@@ -280,8 +280,8 @@ def _register(path: str) -> None:
     """Load the library and register its targets with XLA (once per process and file)."""
     import jax
     lib = ctypes.CDLL(path)
-    for target in TARGETS.values():
-        jax.ffi.register_ffi_target(target.symbol, jax.ffi.pycapsule(getattr(lib, target.symbol)), platform="cpu")
+    for symbol in SYMBOLS:
+        jax.ffi.register_ffi_target(symbol, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
 
 
 @functools.cache

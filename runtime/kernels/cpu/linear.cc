@@ -220,9 +220,101 @@ ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// ---- layer linear, the matrix laid out as B tiles -----------------------------------------------
+// hloserve_layer_linear_tiles: layer_linear's operands, attribute and result, for a bf16 stack whose
+// every layer [N, K] (N a multiple of 16, K of 32) the runtime laid out once at load as the tile
+// multiply's B operand (runtime/kernels/cpu/layouts.py): matrix tile t (rows 16t..16t + 15) and
+// chunk c (elements 32c..32c + 31) at (t * K / 32 + c) * 512, its row r holding, for each row 16t + n
+// of the tile, elements 32c + 2r and 32c + 2r + 1 (at 32r + 2n, 32r + 2n + 1). x's rounded rows are
+// the A operand as they lie and the sums come out as out's rows: no copy of the matrix into tiles
+// per call and no transposes of the sums (layer_linear's AMX path does both), and the same products
+// summed in the same order as layer_linear's, so the same bits.
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+void tiles_amx(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* out) {
+  const int64_t KC = K / 32, blocks = (M + 15) / 16;
+  LineVector<uint16_t> xr(blocks * 16 * K);   // x rounded, zero rows to a whole block
+  auto round_block = [&](int64_t g) {
+    const int64_t rows = std::min<int64_t>(16, M - 16 * g);
+    round_rows(x + 16 * g * K, rows, K, Kind::kBF16, xr.data() + 16 * g * K, K);
+    std::memset(xr.data() + (16 * g + rows) * K, 0, (16 - rows) * K * 2);
+  };
+  if (blocks == 1) round_block(0);   // decode rows: no hand-off for 16 rows of rounding
+  else parallel_for(pool, blocks, 1, round_block);
+  amx_tasks(pool, N, K, [&](int64_t t0, int64_t t1) {
+    thread_local LineVector<float> partial;   // kept by the pool's threads from call to call
+    const int64_t tiles = t1 - t0;
+    if (partial.size() < static_cast<size_t>((tiles + 1) / 2 * 1024)) partial.resize((tiles + 1) / 2 * 1024);
+    amx_configure_16x64();
+    amx_blocked(blocks, KC, tiles, [&](int64_t g, int64_t c0, int64_t c1, int64_t t, auto nb, auto ma) {
+      b_block<decltype(ma)::value, decltype(nb)::value>(xr.data() + 16 * g * K, K, w + (t0 + t) * KC * 512, KC, c0,
+                                                        c1, 16 * g, M, partial.data() + t / 2 * 1024,
+                                                        out + 16 * g * N + 16 * (t0 + t), N);
+    });
+    _tile_release();
+  });
+}
+#endif
+
+// The same where AMX is not there (a library built without it, or an OS that denies the tile
+// state): each output's products in f32, summed in k's order, a matrix tile per task. Correct and
+// slow; the runtime lays weights out as tiles only where the tile path runs.
+void tiles_portable(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                    float* out) {
+  const int64_t KC = K / 32;
+  std::vector<float> xr(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xr[i] = bf16_to_f32(f32_to_bf16(x[i]));
+  parallel_for(pool, N / 16, 1, [&](int64_t t) {
+    for (int64_t m = 0; m < M; ++m) {
+      float acc[16] = {};
+      for (int64_t c = 0; c < KC; ++c)
+        for (int64_t r = 0; r < 16; ++r)
+          for (int64_t j = 0; j < 2; ++j) {
+            const float xv = xr[m * K + 32 * c + 2 * r + j];
+            const uint16_t* b = w + (t * KC + c) * 512 + 32 * r + j;
+            for (int64_t n = 0; n < 16; ++n) acc[n] += xv * bf16_to_f32(b[2 * n]);
+          }
+      std::memcpy(out + m * N + 16 * t, acc, sizeof(acc));
+    }
+  });
+}
+
+ffi::Error LayerLinearTiles(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer weights,
+                            ffi::Buffer<ffi::S32> layer, int64_t holds, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions();
+  auto wd = weights.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[2])
+    return ffi::Error::InvalidArgument("hloserve_layer_linear_tiles: x must be [M, K] and weights [L, N, K]");
+  if (holds != static_cast<int64_t>(Kind::kBF16) || wd[1] % 16 != 0 || wd[2] % 32 != 0)
+    return ffi::Error::InvalidArgument("hloserve_layer_linear_tiles: the weights must hold bf16 (holds 1), N a "
+                                       "multiple of 16 and K of 32 (the runtime lays out no other matrix as tiles)");
+  const int64_t M = xd[0], K = xd[1], L = wd[0], N = wd[1];
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("hloserve_layer_linear_tiles: layer out of range");
+  const uint16_t* w = static_cast<const uint16_t*>(weights.untyped_data()) + l * N * K;
+  if (M == 0) return ffi::Error::Success();
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_usable()) {
+    tiles_amx(pool, x.typed_data(), M, K, w, N, out->typed_data());
+    return ffi::Error::Success();
+  }
+#endif
+  tiles_portable(pool, x.typed_data(), M, K, w, N, out->typed_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_layer_linear, LayerLinear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("holds")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_layer_linear_tiles, LayerLinearTiles,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -250,6 +250,43 @@ inline void amx_sums_store(float* part) {
   if constexpr (R > 1 && C > 1) _tile_stored(3, part + 768, 64);
 }
 
+// The matrix as the tile multiply's B operand (linear.cc's layer_linear_tiles, quant_linear.cc's
+// version 6 chunks): MA blocks of 16 x rows (x0: rounded rows KP apart, a second block 16 rows on)
+// times NB matrix tiles (wb: tile t's chunks side by side, 512 elements each, the second tile KC
+// chunks on), chunks [c0, c1):
+// sums start at zero (c0 = 0) or from `part` and go back to it, or when c1 = KC are stored in out
+// (x row m of M its first row; rows past M dropped). Tiles: sums 0-3, x 4-5, matrix 6-7.
+template <int MA, int NB>
+inline void b_block(const uint16_t* x0, int64_t KP, const uint16_t* wb, int64_t KC, int64_t c0, int64_t c1, int64_t m,
+                    int64_t M, float* part, float* out, int64_t N) {
+  amx_sums_begin<MA, NB>(c0 == 0, part);
+  const uint16_t* x1 = x0 + 16 * KP;
+  const uint16_t* w1 = wb + KC * 512;
+  for (int64_t c = c0; c < c1; ++c) {
+    _tile_loadd(4, x0 + 32 * c, KP * 2);
+    _tile_loadd(6, wb + c * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB > 1) { _tile_loadd(7, w1 + c * 512, 64); _tile_dpbf16ps(1, 4, 7); }
+    if constexpr (MA > 1) {
+      _tile_loadd(5, x1 + 32 * c, KP * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NB > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  if (c1 < KC || m + 16 * MA > M) {   // partial sums, or a last block of fewer than 16 rows: via `part`
+    amx_sums_store<MA, NB>(part);
+    if (c1 < KC) return;
+    for (int a = 0; a < MA; ++a)
+      for (int64_t j = 0; j < 16 && m + 16 * a + j < M; ++j)
+        for (int b = 0; b < NB; ++b) std::memcpy(out + (16 * a + j) * N + 16 * b, part + (2 * a + b) * 256 + 16 * j, 64);
+    return;
+  }
+  _tile_stored(0, out, N * 4);
+  if constexpr (NB > 1) _tile_stored(1, out + 16, N * 4);
+  if constexpr (MA > 1) _tile_stored(2, out + 16 * N, N * 4);
+  if constexpr (MA > 1 && NB > 1) _tile_stored(3, out + 16 * N + 16, N * 4);
+}
+
 // The tile loops' blocking (layer_linear's AMX path, quant_linear.cc's version 6 chunks): a pair of x
 // blocks (32 rows) runs up to kAmxRun chunks of K at a time (48 KiB of x tiles, held in L1) against
 // every matrix tile pair of the task in turn (streaming from L2), the partial sums kept in memory

@@ -91,6 +91,10 @@ def _quant_linear_v2_rows(cpu: Cpu) -> int | None:
     return None if cpu.has("avx512_vnni") else 4
 
 
+# layer_linear over a stack the runtime laid out as B tiles at load (layouts.py, linear.cc): every row
+# count, since nothing else can read that layout
+LAYER_LINEAR_TILES = "hloserve_layer_linear_tiles"
+
 TARGETS = {
     PAGED_ATTENTION.key: Target("hloserve_paged_attention"),
     PAGED_ATTENTION_V2.key: Target("hloserve_paged_attention_v2"),
@@ -125,3 +129,6 @@ TARGETS = {
     # [T, 576] came out differently at T = 8 than at T = 1); the kernel sums a row one way at every T
     ROW_SUM.key: Target("hloserve_row_sum", result_dims=((0, 0),)),
 }
+
+# every FFI symbol the library defines (build.py registers them)
+SYMBOLS = (*(t.symbol for t in TARGETS.values()), LAYER_LINEAR_TILES)

@@ -50,7 +50,7 @@ from hloserve.runtime.artifact.kernels import (COMPOSITES, LAYER_LINEAR, PAGED_A
                                                QUANT_LINEAR_V6, Holds)
 
 from ... import _private
-from ..backend import Specialized
+from ..backend import Specialized, WeightLayout
 from ..rewrite import CompositeOp, attribute_value, composite_of, custom_call, decomposition_call, rewrite, swap
 from . import quant
 from .paged import PagedParams
@@ -116,7 +116,11 @@ class PallasBackend:
     def runs(self, name: str, version: int) -> bool:
         return (name, version) in self.composites
 
-    def specialize(self, exported: Any, *, every_row_count: bool = False) -> Specialized:
+    def layouts(self, exported: Any) -> dict[int, WeightLayout]:
+        return {}                                 # every kernel reads the artifact's layouts
+
+    def specialize(self, exported: Any, *, every_row_count: bool = False,
+                   laid_out: frozenset[int] = frozenset()) -> Specialized:
         """Pallas kernels compile for static shapes: placeholders now, the kernels per compiled shape."""
         pending, plans = specialize(exported, self.platform)
         n = sum(p.kernel is not None for p in plans)

@@ -1,0 +1,34 @@
+"""Weights the CPU kernels read in a layout of their own, laid out once at load.
+
+    layout = B_TILES                                   # a WeightLayout (runtime/kernels/backend.py)
+    packed = np.ascontiguousarray(layout.arrange(view)).reshape(view.shape)
+
+`B_TILES`: a bf16 stack [L, N, K] (N a multiple of 16, K of 32) as AMX's tile multiply takes its B
+operand, for `hloserve_layer_linear_tiles` (linear.cc): per layer, matrix tile t (rows 16t..16t + 15)
+and chunk c (elements 32c..32c + 31) as one 1 KiB tile whose row r holds, for each row 16t + n of the
+tile, elements 32c + 2r and 32c + 2r + 1. The kernel then reads each tile as it lies, for a decode
+row as for a prompt chunk; layer_linear's kernel takes the matrix as the A operand, reads it in
+place for decode rows but copies a chunk's rows into tiles on every call and transposes its sums
+back (docs/performance.md, "The matrices laid out as B tiles at load"). The same products are
+summed in the same order either way: the same bits.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import WeightLayout
+
+
+def _b_tiles(w: np.ndarray) -> np.ndarray:
+    """[L, N, K] -> the view [L, N/16, K/32, 16, 16, 2] whose C order is the B-tile layout:
+    [l, t, c, r, n, j] = w[l, 16 t + n, 32 c + 2 r + j]."""
+    L, N, K = w.shape
+    return w.reshape(L, N // 16, 16, K // 32, 16, 2).transpose(0, 1, 3, 4, 2, 5)
+
+
+B_TILES = WeightLayout("amx_b_tiles", _b_tiles)
+
+
+def b_tiles_fit(shape) -> bool:
+    """Whether a stack of this shape can be laid out as B tiles."""
+    return len(shape) == 3 and all(isinstance(d, int) for d in shape) and shape[1] % 16 == 0 and shape[2] % 32 == 0
