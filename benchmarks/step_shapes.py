@@ -2,12 +2,15 @@
 
     python benchmarks/step_shapes.py ART [ART ...] [--function decode] [--repeats 5]
                                      [--shapes 1x1@300,16x16@300,256x1@1024] [--json PATH]
+                                     [--layouts on|off|both]
 
 Each shape TxS@C is one call of the function with T tokens spread evenly over S sequences, each
 sequence having C tokens already in its cache (T = S: a decode step; T > S: prompt chunks).
 Every artifact is loaded in this process (runtime.load, weights on device, the CPU kernels where
 they build) and timed in turn, shape by shape; each row prints the median of --repeats calls
-after one untimed call, and the ratio to the first artifact.
+after one untimed call, and the ratio to the first artifact. `--layouts both` loads each artifact
+twice, its weights laid out for the kernels (runtime.load's default) and as the artifact has them
+(`ART (artifact layouts)`), to time what the load-time layouts buy.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
 class Timer:
     """One artifact's function, called with synthetic steps over a private cache."""
 
-    def __init__(self, path: str, function: str, shapes: list[tuple[int, int, int]]):
+    def __init__(self, path: str, function: str, shapes: list[tuple[int, int, int]], layouts: bool = True):
         import jax.numpy as jnp
         from hloserve import runtime
         from hloserve.runtime import host_pages
@@ -50,7 +53,7 @@ class Timer:
         most = max(s for _, s, _ in shapes)
         self.model = runtime.load(path, buckets={"num_tokens": sorted({t for t, _, _ in shapes}),
                                                  "num_seqs": sorted({s for _, s, _ in shapes}),
-                                                 "max_blocks": [self.B]})
+                                                 "max_blocks": [self.B]}, layouts=layouts)
         self.fn = self.model.functions[function]
         kv = self.llm.kv_cache
         self.cache = jnp.zeros(kv.concrete_shape(1 + most * self.B), kv.numpy_dtype)
@@ -86,12 +89,18 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated TxS@C (default %(default)s)")
     ap.add_argument("--json", help="also write {artifact: {shape: ms}} here")
+    ap.add_argument("--layouts", choices=("on", "off", "both"), default="on",
+                    help="weights laid out for the kernels at load (on), as the artifact has them (off), or each "
+                         "artifact both ways")
     args = ap.parse_args(argv)
     shapes = parse_shapes(args.shapes)
-    timers = []
+    timers, names = [], []
     for path in args.artifacts:
-        print(f"[step_shapes] loading {path}", file=sys.stderr, flush=True)
-        timers.append(Timer(path, args.function, shapes))
+        for laid_out in {"on": (True,), "off": (False,), "both": (True, False)}[args.layouts]:
+            print(f"[step_shapes] loading {path}", file=sys.stderr, flush=True)
+            timers.append(Timer(path, args.function, shapes, laid_out))
+            names.append(path if laid_out or args.layouts == "off" else f"{path} (artifact layouts)")
+    args.artifacts = names
     print("| T x S @ context | " + " | ".join(f"artifact {i + 1} (ms)" for i in range(len(timers)))
           + "".join(f" | {i + 1} / 1" for i in range(1, len(timers))) + " |")
     print("|---" * (1 + 2 * len(timers) - 1) + "|")

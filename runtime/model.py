@@ -103,7 +103,7 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
          buckets: Mapping[str, Sequence[int]] | None = None, strict: bool = False, *, verify: bool | str = True,
          functions: Sequence[str] | None = None, input_rules: sharding_mod.Rules | None = None,
          manifest: artifact.Manifest | None = None, kernel_support: kernels.KernelBackend | None = None,
-         pallas_interpret: str | None = None) -> LoadedModel:
+         pallas_interpret: str | None = None, layouts: bool = True) -> LoadedModel:
     """Load the artifact at `path` onto devices.
 
     Args:
@@ -128,6 +128,9 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
       pallas_interpret: "tpu" or "cuda": run that platform's Pallas kernels (runtime/kernels/pallas/)
         in Pallas interpret mode on this device instead of its own kernels: the accelerator path,
         substitution included, checked where no accelerator is (slow: for tests).
+      layouts: lay weights out as the kernels read them best, where they offer it (CPUs with AMX: the
+        bf16 layer stacks as tiles; LoadedModel.layouts names them); False keeps every weight as the
+        artifact has it (the same results, bit for bit: for comparisons).
     """
     manifest = manifest if manifest is not None else artifact.read_manifest(path)
     names = list(functions or manifest.functions)
@@ -154,7 +157,7 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
     # a batch-invariant artifact (export --batch-invariant) runs each kernel at every row count: XLA's
     # dot, which a kernel leaves large row counts to where it is the slower, sums in other orders
     every_row_count = bool(manifest.model.get("batch_invariant"))
-    layouts = _weight_layouts(kernel_support, exported, {n: manifest.functions[n] for n in names})
+    layouts = _weight_layouts(kernel_support, exported, {n: manifest.functions[n] for n in names}) if layouts else {}
     specialized = {n: kernel_support.specialize(
         exported[n], every_row_count=every_row_count,
         laid_out=frozenset(i for i, w in enumerate(manifest.functions[n].weights) if w in layouts)) for n in names}
@@ -214,13 +217,13 @@ def _host_copy(view: Any, sharding: Any, layout: kernels.WeightLayout | None = N
     """A large weight bound for one CPU device: a copy in 2 MiB pages (host_pages), which jax
     aliases; anything else: the file's view, which device_put copies or shards. A weight with a
     `layout` is copied so laid out (in the same pass where it goes to 2 MiB pages)."""
-    shape = view.shape
+    dtype, shape = view.dtype, view.shape
     if layout is not None:
         view = layout.arrange(view)
     devices = sharding.device_set
     if len(devices) != 1 or next(iter(devices)).platform != "cpu" or view.nbytes < host_pages.MIN_BYTES:
-        return view if layout is None else np.ascontiguousarray(view).reshape(shape)
-    return host_pages.copy_in_huge_pages(view).reshape(shape)
+        return view if layout is None else np.ascontiguousarray(view).view(dtype).reshape(shape)
+    return host_pages.copy_in_huge_pages(view).view(dtype).reshape(shape)
 
 
 def kernel_support(platform: str | None = None, *, mesh: bool = False) -> kernels.KernelBackend:

@@ -26,7 +26,8 @@ class WeightLayout:
     where every function loaded reads it only through such kernels (runtime.load).
 
     name: the layout's name (in the executable-cache key through the kernels' digest).
-    arrange: the artifact's array -> a view whose C order is the layout (copied once by the runtime).
+    arrange: the artifact's array -> a view whose C order is the layout, in any dtype (the runtime
+      copies it once, then views the copy as the weight's dtype and shape).
     """
     name: str
     arrange: Callable[[Any], Any]

@@ -387,7 +387,9 @@ def test_layer_linear_tiles_reads_b_tiles_as_layer_linear_reads_rows(library, mo
     rng = np.random.default_rng(K + N)
     values = jnp.asarray(rng.standard_normal((2, N, K)).astype(np.float32)).astype(jnp.bfloat16)
     weights = np.asarray(values.view(jnp.int16))
-    tiled = np.ascontiguousarray(layouts.B_TILES.arrange(weights)).reshape(weights.shape)
+    tiled = np.ascontiguousarray(layouts.B_TILES.arrange(weights)).view(weights.dtype).reshape(weights.shape)
+    pairs = weights.reshape(2, N // 16, 16, K // 32, 16, 2)                  # [l, t, n, c, r, j]
+    np.testing.assert_array_equal(tiled.reshape(2, N // 16, K // 32, 16, 16, 2), pairs.transpose(0, 1, 3, 4, 2, 5))
     assert not np.array_equal(tiled, weights) and np.array_equal(np.sort(tiled, None), np.sort(weights, None))
     exp = _linear_exported(weights, 1)
     tiles = library.specialize(exp, laid_out=frozenset({1}))

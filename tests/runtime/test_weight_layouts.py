@@ -5,8 +5,6 @@ the artifact's layout; what anything else reads (the tied embedding, read by the
 head) stays as the artifact has it."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -16,43 +14,18 @@ pytestmark = pytest.mark.skipif(not build.enabled() or not build.cpu().has("amx_
                                 reason="layouts are offered where the CPU kernels run AMX")
 
 
-@dataclasses.dataclass(frozen=True)
-class AsTheArtifactHasThem:
-    """A kernel backend that offers no layouts (everything else its inner backend's)."""
-    inner: object
-
-    @property
-    def name(self):
-        return self.inner.name
-
-    @property
-    def composites(self):
-        return self.inner.composites
-
-    def runs(self, name, version):
-        return self.inner.runs(name, version)
-
-    def layouts(self, exported):
-        return {}
-
-    def specialize(self, exported, **kw):
-        return self.inner.specialize(exported, **kw)
-
-
 def test_layer_stacks_go_to_the_device_as_b_tiles_and_the_steps_keep_their_bits():
     from hloserve import runtime
     from hloserve.runtime.artifact import LLMArtifact
     from hloserve.runtime.artifact.llm import pack_step
     from hloserve.runtime.kernels.cpu import layouts
-    from hloserve.runtime.model import kernel_support
     from hloserve.server.serve import DEFAULT_PRESET, SERVE_QUANTIZE, default_artifact
 
     path = default_artifact(DEFAULT_PRESET, SERVE_QUANTIZE)
     llm = LLMArtifact.read(path).llm
     buckets = {"num_tokens": [1, 64], "num_seqs": [1], "max_blocks": [8]}
-    backend = kernel_support("cpu")
-    models = {name: runtime.load(path, functions=["decode"], buckets=buckets, kernel_support=k)
-              for name, k in (("tiles", backend), ("rows", AsTheArtifactHasThem(backend)))}
+    models = {name: runtime.load(path, functions=["decode"], buckets=buckets, layouts=name == "tiles")
+              for name in ("tiles", "rows")}
     tiles = models["tiles"]
     stacks = {w for w, spec in tiles.manifest.weights.items() if len(spec.shape) == 3 and spec.dtype in ("bf16", "i16")}
     assert stacks and set(tiles.layouts) == stacks and set(tiles.layouts.values()) == {layouts.B_TILES.name}
@@ -60,7 +33,8 @@ def test_layer_stacks_go_to_the_device_as_b_tiles_and_the_steps_keep_their_bits(
     for w in sorted(stacks)[:2]:                        # the arrays hold the file's values, laid out
         file_view = np.asarray(models["rows"].weights[w])
         np.testing.assert_array_equal(np.asarray(tiles.weights[w]),
-                                      np.ascontiguousarray(layouts.B_TILES.arrange(file_view)).reshape(file_view.shape))
+                                      np.ascontiguousarray(layouts.B_TILES.arrange(file_view)).view(file_view.dtype)
+                                      .reshape(file_view.shape))
     logits = {}
     for name, model in models.items():
         fn = model.functions["decode"]

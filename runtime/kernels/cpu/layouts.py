@@ -1,7 +1,7 @@
 """Weights the CPU kernels read in a layout of their own, laid out once at load.
 
     layout = B_TILES                                   # a WeightLayout (runtime/kernels/backend.py)
-    packed = np.ascontiguousarray(layout.arrange(view)).reshape(view.shape)
+    packed = np.ascontiguousarray(layout.arrange(view)).view(view.dtype).reshape(view.shape)
 
 `B_TILES`: a bf16 stack [L, N, K] (N a multiple of 16, K of 32) as AMX's tile multiply takes its B
 operand, for `hloserve_layer_linear_tiles` (linear.cc): per layer, matrix tile t (rows 16t..16t + 15)
@@ -20,10 +20,11 @@ from ..backend import WeightLayout
 
 
 def _b_tiles(w: np.ndarray) -> np.ndarray:
-    """[L, N, K] -> the view [L, N/16, K/32, 16, 16, 2] whose C order is the B-tile layout:
-    [l, t, c, r, n, j] = w[l, 16 t + n, 32 c + 2 r + j]."""
+    """[L, N, K] -> a view whose C order is the B-tile layout, [l, t, c, r, n] = the 32-bit pair of
+    w[l, 16 t + n, 32 c + 2 r : 32 c + 2 r + 2] (as int32 pairs: numpy copies 4-byte elements about 10x
+    faster than 2-byte ones out of this transpose)."""
     L, N, K = w.shape
-    return w.reshape(L, N // 16, 16, K // 32, 16, 2).transpose(0, 1, 3, 4, 2, 5)
+    return w.view(np.int32).reshape(L, N // 16, 16, K // 32, 16).transpose(0, 1, 3, 4, 2)
 
 
 B_TILES = WeightLayout("amx_b_tiles", _b_tiles)
