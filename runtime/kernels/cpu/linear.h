@@ -251,24 +251,25 @@ inline void amx_sums_store(float* part) {
 }
 
 // The matrix as the tile multiply's B operand (linear.cc's layer_linear_tiles, quant_linear.cc's
-// version 6 chunks): MA blocks of 16 x rows (x0: rounded rows KP apart, a second block 16 rows on)
-// times NB matrix tiles (wb: tile t's chunks side by side, 512 elements each, the second tile KC
-// chunks on), chunks [c0, c1):
-// sums start at zero (c0 = 0) or from `part` and go back to it, or when c1 = KC are stored in out
+// version 6 chunks): MA blocks of 16 x rows times NB matrix tiles (wb: tile t's chunks side by side,
+// 512 elements each, the second tile KC chunks on), chunks [c0, c1). x's tiles: chunk c of the first
+// block at x0 + c * xc, its 16 rows xs bytes apart, the second block xb elements on (x's rounded rows
+// as they lie: xc = 32, xs = 2 KP, xb = 16 KP; or x laid out as tiles, round_tiles: 512, 64, KC * 512).
+// Sums start at zero (c0 = 0) or from `part` and go back to it, or when c1 = KC are stored in out
 // (x row m of M its first row; rows past M dropped). Tiles: sums 0-3, x 4-5, matrix 6-7.
 template <int MA, int NB>
-inline void b_block(const uint16_t* x0, int64_t KP, const uint16_t* wb, int64_t KC, int64_t c0, int64_t c1, int64_t m,
-                    int64_t M, float* part, float* out, int64_t N) {
+inline void b_block(const uint16_t* x0, int64_t xc, int64_t xs, int64_t xb, const uint16_t* wb, int64_t KC,
+                    int64_t c0, int64_t c1, int64_t m, int64_t M, float* part, float* out, int64_t N) {
   amx_sums_begin<MA, NB>(c0 == 0, part);
-  const uint16_t* x1 = x0 + 16 * KP;
+  const uint16_t* x1 = x0 + xb;
   const uint16_t* w1 = wb + KC * 512;
   for (int64_t c = c0; c < c1; ++c) {
-    _tile_loadd(4, x0 + 32 * c, KP * 2);
+    _tile_loadd(4, x0 + xc * c, xs);
     _tile_loadd(6, wb + c * 512, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (NB > 1) { _tile_loadd(7, w1 + c * 512, 64); _tile_dpbf16ps(1, 4, 7); }
     if constexpr (MA > 1) {
-      _tile_loadd(5, x1 + 32 * c, KP * 2);
+      _tile_loadd(5, x1 + xc * c, xs);
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (NB > 1) _tile_dpbf16ps(3, 5, 7);
     }
@@ -298,10 +299,10 @@ inline void b_block(const uint16_t* x0, int64_t KP, const uint16_t* wb, int64_t 
 constexpr int64_t kAmxRun = 24;
 
 template <class Block>
-inline void amx_blocked(int64_t blocks, int64_t KC, int64_t tiles, Block&& block) {
+inline void amx_blocked(int64_t blocks, int64_t KC, int64_t tiles, Block&& block, int64_t most = kAmxRun) {
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
-  const int64_t runs = (KC + kAmxRun - 1) / kAmxRun, run = (KC + runs - 1) / runs;   // chunks per run, even
+  const int64_t runs = (KC + most - 1) / most, run = (KC + runs - 1) / runs;   // chunks per run, even
   for (int64_t g = 0; g < blocks; g += 2) {
     const bool pair = g + 2 <= blocks;
     for (int64_t c0 = 0; c0 < KC; c0 += run) {

@@ -557,7 +557,7 @@ void quant_chunk_amx(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w
     }
     amx_configure_16x64();
     amx_blocked(blocks, KC, tiles, [&](int64_t g, int64_t c0, int64_t c1, int64_t t, auto nb, auto ma) {
-      b_block<decltype(ma)::value, decltype(nb)::value>(xr.data() + 16 * g * K, K, wb.data() + t * KC * 512, KC, c0, c1,
+      b_block<decltype(ma)::value, decltype(nb)::value>(xr.data() + 16 * g * K, 32, 2 * K, 16 * K, wb.data() + t * KC * 512, KC, c0, c1,
                                                         16 * g, M, partial.data() + t / 2 * 1024,
                                                         op + 16 * g * N + 16 * (t0 + t), N);
     });
