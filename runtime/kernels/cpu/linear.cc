@@ -318,20 +318,16 @@ ffi::Error LayerLinearTiles(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_layer_linear, LayerLinear,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("holds")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// layer_linear's operands and attribute, for both symbols
+static auto LayerLinearBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Attr<int64_t>("holds")
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_layer_linear_tiles, LayerLinearTiles,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("holds")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_layer_linear, LayerLinear, LayerLinearBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_layer_linear_tiles, LayerLinearTiles, LayerLinearBinding());
