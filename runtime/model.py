@@ -157,12 +157,12 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
     # a batch-invariant artifact (export --batch-invariant) runs each kernel at every row count: XLA's
     # dot, which a kernel leaves large row counts to where it is the slower, sums in other orders
     every_row_count = bool(manifest.model.get("batch_invariant"))
-    layouts = _weight_layouts(kernel_support, exported, {n: manifest.functions[n] for n in names}) if layouts else {}
+    chosen = _weight_layouts(kernel_support, exported, {n: manifest.functions[n] for n in names}) if layouts else {}
     specialized = {n: kernel_support.specialize(
         exported[n], every_row_count=every_row_count,
-        laid_out=frozenset(i for i, w in enumerate(manifest.functions[n].weights) if w in layouts)) for n in names}
+        laid_out=frozenset(i for i, w in enumerate(manifest.functions[n].weights) if w in chosen)) for n in names}
     on_device, shardings = _place_weights(path, reader, [manifest.functions[n] for n in names], partition_rules,
-                                          jmesh, device, layouts)
+                                          jmesh, device, chosen)
     in_sharding = sharding_mod.input_sharding(jmesh, device)
 
     # (a multi-host run compiles on every process: executables are not shared through the cache)
@@ -183,7 +183,7 @@ def load(path: str, platform: str | None = None, devices: Sequence[Any] | None =
                                           "kernels": specialized[n].digest},
                           compiler_options=client.compiler_options, input_shardings=split_inputs,
                           kernels=specialized[n].kernels, per_shape=specialized[n].per_shape)
-    return LoadedModel(path, manifest, client, jmesh, on_device, fns, {w: lay.name for w, lay in layouts.items()})
+    return LoadedModel(path, manifest, client, jmesh, on_device, fns, {w: lay.name for w, lay in chosen.items()})
 
 
 def _weight_layouts(backend: kernels.KernelBackend, exported: Mapping[str, jax_export.Exported],

@@ -71,14 +71,14 @@ class CpuBackend:
         used = 0
         cpu = build.cpu()
         choices = []   # per composite: the kernel it may run (or none) and up to how many rows
-        flows = {}     # the module's Dataflow, made on first need
+        flow = None    # the module's Dataflow, made on first need
 
         def replace(op, api) -> bool:
-            nonlocal used
+            nonlocal used, flow
             info = composite_of(api, op)
             target = TARGETS.get(info.key)
             if laid_out:
-                flow = flows.get("flow") or flows.setdefault("flow", Dataflow(api, exported.module_kept_var_idx))
+                flow = flow or Dataflow(api, exported.module_kept_var_idx)
                 reads = [flow.sources(v) & laid_out for v in info.operands]
                 if any(reads):
                     if info.key != LAYER_LINEAR.key or reads[1] != flow.sources(info.operands[1]) or any(reads[::2]):
