@@ -47,6 +47,7 @@ class Timer:
         from hloserve.runtime.artifact.llm import LLMSpec
 
         self.llm = LLMSpec.of(read_manifest(path), path)
+        self.vocab = int(self.llm.vocab_size)
         bs = self.llm.block_size
         longest = max(c + t // s for t, s, c in shapes)
         self.B = -(-longest // bs)                                       # table width: the longest context
@@ -65,7 +66,10 @@ class Timer:
         seq = np.repeat(np.arange(S, dtype=np.int32), per)                                         # [T]
         pos = np.tile(C + np.arange(per), S).astype(np.int32)                                      # [T]
         slot = (table[seq, pos // bs] * bs + pos % bs).astype(np.int32)
-        return dict(tokens=np.ones(T, np.int32), positions=pos, seq_ids=seq, slot_mapping=slot,
+        # random ids (seeded): a mixture of experts routes them as it would a real step's, where one
+        # repeated id would send every row to the same few experts
+        tokens = np.random.default_rng(T * 1_000_003 + C).integers(0, self.vocab, T, dtype=np.int32)
+        return dict(tokens=tokens, positions=pos, seq_ids=seq, slot_mapping=slot,
                     block_tables=table, context_lens=np.full(S, C + per, np.int32),
                     last_token=(np.arange(S) * per + per - 1).astype(np.int32))
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hloserve.quantization import modules as qmodules
 from hloserve.quantization.convert import QuantRecord
+from hloserve.runtime.kernels.cpu import build
 
 from .test_hf_causal import compare_last_logits
 from .test_hf_layers import _export, _model
@@ -31,6 +32,8 @@ def test_16_bit_experts_are_one_grouped_composite_per_layer_body(tmp_path):
     assert manifest["model"]["llm"]["layers"] == "scan"
     assert mlir.count('stablehlo.composite "hloserve.grouped_experts"') == 1
     assert mlir.count('stablehlo.composite "hloserve.layer_linear"') == 2 + 1   # q/k/v fused, o, the head (not the router)
+    if build.enabled() and build.cpu().has("amx_bf16"):   # the experts' stacks laid out as B tiles at load
+        assert {w for w in model.layouts if "experts" in w} == {w for w in manifest["weights"] if "experts" in w}
     compare_last_logits(model, hf.float(), 2e-2, "qwen3_moe bf16")
 
 

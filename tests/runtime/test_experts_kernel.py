@@ -60,6 +60,7 @@ def _bound(x, index, weights, gu, dn, layer, holds):
     summation bound of the down product, where a = silu(g) u and da bounds what the f32 sums of
     the gate_up product move it by (|silu'| <= 1.1, |silu(g)| <= |g|). x is taken as rounded."""
     ulp = 2.0 ** (-8 if holds == 1 else -11)
+    F = dn.shape[-1]
     xr = np.asarray(jnp.asarray(x).astype(jnp.bfloat16 if holds == 1 else jnp.float16).astype(jnp.float32))
     total = np.zeros_like(x)
     for j in range(index.shape[1]):
@@ -120,6 +121,57 @@ def test_grouped_experts_kernel_reads_only_the_chosen_experts_of_its_layer(libra
     mine[1, 2] = 0
     changed = np.abs(np.asarray(fn(x, index, weights, gate_up, mine, np.int32(1))) - base).max(-1) > 0
     np.testing.assert_array_equal(changed, (index == 2).any(-1))
+
+
+def test_grouped_experts_tiles_reads_stacks_laid_out_as_b_tiles(library):  # noqa: F811
+    """`hloserve_grouped_experts_tiles` over gate_up and down laid out as B tiles (layouts.py, as
+    runtime.load lays them out) agrees with torch within the bound above at 1, 16 and 100 tokens (an
+    expert's rows from one to dozens, experts with none), on AMX tiles or, in a library without them,
+    its portable loop; layouts() offers both stacks, and a stack also read otherwise withdraws its
+    partner's offer (the kernel reads both as tiles or neither)."""
+    from hloserve.runtime.kernels.cpu import build, layouts
+    from hloserve.runtime.kernels.cpu.targets import GROUPED_EXPERTS_TILES
+    F2 = 64                                                                  # F a multiple of 32
+    rng = np.random.default_rng(11)
+    values = [jnp.asarray(rng.standard_normal(sh).astype(np.float32) / np.sqrt(sh[-1])).astype(jnp.bfloat16)
+              for sh in ((L, E, 2 * F2, D), (L, E, D, F2))]
+    gate_up, down = (np.asarray(v.view(jnp.int16)) for v in values)
+    gu32, dn32 = (np.asarray(v.astype(jnp.float32)) for v in values)
+    tiled = [np.ascontiguousarray(layouts.B_TILES.arrange(w)).view(w.dtype).reshape(w.shape) for w in (gate_up, down)]
+    pairs = gate_up.reshape(L, E, 2 * F2 // 16, 16, D // 32, 16, 2)          # [l, e, t, n, c, r, j]
+    np.testing.assert_array_equal(tiled[0].reshape(L, E, 2 * F2 // 16, D // 32, 16, 16, 2),
+                                  pairs.transpose(0, 1, 2, 4, 5, 3, 6))
+
+    def f(*a):
+        return _private.composite(ops.grouped_experts_reference, GROUPED_EXPERTS.name, GROUPED_EXPERTS.version)(
+            *a, holds=1)
+    (t,) = export.symbolic_shape("T")
+    shapes = [jax.ShapeDtypeStruct((t, D), np.float32), jax.ShapeDtypeStruct((t, 2), np.int32),
+              jax.ShapeDtypeStruct((t, 2), np.float32), jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype),
+              jax.ShapeDtypeStruct(down.shape, down.dtype), jax.ShapeDtypeStruct((), np.int32)]
+    exp = export.export(jax.jit(f), platforms=("cpu",))(*shapes)
+    amx = build.cpu().has("amx_bf16")
+    assert library.layouts(exp) == ({3: layouts.B_TILES, 4: layouts.B_TILES} if amx else {})
+    tiles = library.specialize(exp, laid_out=frozenset({3, 4}))
+    assert tiles.kernels == 1 and f"custom_call @{GROUPED_EXPERTS_TILES}" in tiles.exported.mlir_module()
+    with pytest.raises(ValueError, match="laid out"):
+        library.specialize(exp, laid_out=frozenset({3}))
+    call = jax.jit(tiles.exported.call)
+    for T, unused in ((1, 0), (16, 2), (100, 3)):
+        x = rng.standard_normal((T, D)).astype(np.float32)
+        index, weights = _routing(rng, T, 2, unused)
+        layer = np.int32(T % L)
+        got = np.asarray(call(x, index, weights, *tiled, layer))
+        ref = ops.grouped_experts(torch.from_numpy(x), torch.from_numpy(index), torch.from_numpy(weights),
+                                  *(torch.from_numpy(w) for w in (gate_up, down)), torch.tensor(layer), 1).numpy()
+        bound = _bound(x, index, weights, gu32, dn32, layer, 1)
+        assert got.shape == (T, D) and np.abs(ref).max() > 0.1
+        assert (np.abs(got - ref) <= bound).all(), (T, np.abs(got - ref).max(), bound.min())
+
+    def shared(x, index, weights, gu, dn, layer):                           # down also summed as it lies
+        return f(x, index, weights, gu, dn, layer), dn.astype(jnp.float32).sum()
+    if amx:
+        assert library.layouts(export.export(jax.jit(shared), platforms=("cpu",))(*shapes)) == {}
 
 
 # -- the quantized experts (hloserve.quant_experts) ---------------------------------------------------

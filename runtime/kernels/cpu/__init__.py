@@ -14,7 +14,9 @@ the function is compiled for a shape (XLA keeps only the branch taken).
 
 On a CPU with AMX, a bf16 weight stack read only by `hloserve.layer_linear` composites is offered
 laid out as B tiles (layouts.py); where runtime.load lays it out, its readers call
-`hloserve_layer_linear_tiles` at every row count (the decomposition could not read it).
+`hloserve_layer_linear_tiles` at every row count (the decomposition could not read it). A mixture of
+experts' bf16 gate_up and down stacks are offered together the same way, for
+`hloserve_grouped_experts_tiles`.
 """
 from __future__ import annotations
 
@@ -23,13 +25,13 @@ import hashlib
 import json
 from typing import Any
 
-from hloserve.runtime.artifact.kernels import LAYER_LINEAR
+from hloserve.runtime.artifact.kernels import GROUPED_EXPERTS, LAYER_LINEAR
 
 from ..backend import Specialized, WeightLayout
 from ..rewrite import Dataflow, composite_of, custom_call, decomposition_call, read, rewrite, swap
 from . import build, layouts
 from .build import Library
-from .targets import LAYER_LINEAR_TILES, TARGETS
+from .targets import GROUPED_EXPERTS_TILES, LAYER_LINEAR_TILES, TARGETS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +51,17 @@ class CpuBackend:
             return {}
 
         def tiles_read(api, flow: Dataflow, op, n: int, index: int) -> bool:
+            """Whether operand n of op (a composite) reads input `index` as a B-tile kernel would: a
+            bf16 layer_linear's weights, or a bf16 grouped_experts' gate_up or down where both fit."""
             info = composite_of(api, op)
-            return (info.key == LAYER_LINEAR.key and info.attributes.get("holds") == 1
-                    and n == len(op.operands) - len(info.operands) + 1             # the weights operand
-                    and layouts.b_tiles_fit(_shapes(api, [op.operands[n]])[0])
-                    and flow.sources(op.operands[n]) == {index})
+            at = n - (len(op.operands) - len(info.operands))               # the composite's own operand
+            if info.attributes.get("holds") != 1 or flow.sources(op.operands[n]) != {index}:
+                return False
+            if info.key == LAYER_LINEAR.key:
+                return at == 1 and layouts.b_tiles_fit(_shapes(api, [op.operands[n]])[0])
+            if info.key == GROUPED_EXPERTS.key:
+                return at in (3, 4) and all(map(layouts.b_tiles_fit, _shapes(api, info.operands[3:5])))
+            return False
 
         def offer(api) -> dict[int, WeightLayout]:
             flow = Dataflow(api, exported.module_kept_var_idx)
@@ -62,7 +70,14 @@ class CpuBackend:
                 readers = flow.readers(index)
                 if readers and all(tiles_read(api, flow, op, n, index) for op, n in readers):
                     out[index] = layouts.B_TILES
-            return out
+            # the experts' kernel reads both stacks as tiles or neither: an offer whose partner is not
+            # offered (read by something else too) is withdrawn, until none is left alone
+            while True:
+                alone = {i for i in out for op, n in flow.readers(i) if _partner(api, flow, op, n) - out.keys()}
+                if not alone:
+                    return out
+                for i in alone:
+                    del out[i]
 
         return read(exported, offer)
 
@@ -81,14 +96,16 @@ class CpuBackend:
                 flow = flow or Dataflow(api, exported.module_kept_var_idx)
                 reads = [flow.sources(v) & laid_out for v in info.operands]
                 if any(reads):
-                    if info.key != LAYER_LINEAR.key or reads[1] != flow.sources(info.operands[1]) or any(reads[::2]):
+                    tiled = _TILES.get(info.key)
+                    if tiled is None or any(bool(r) != (i in tiled[1]) or (r and r != flow.sources(info.operands[i]))
+                                            for i, r in enumerate(reads)):
                         raise ValueError(f"{info.name} v{info.version} reads inputs {sorted(set().union(*reads))} "
-                                         f"laid out for {LAYER_LINEAR_TILES} in another way: only "
-                                         f"layouts() offers may be laid out")
+                                         f"laid out for the kernels in another way: only layouts() offers may "
+                                         f"be laid out")
                     with api.ir.InsertionPoint(op):
-                        new = custom_call(api, LAYER_LINEAR_TILES, [r.type for r in op.results], info.operands,
+                        new = custom_call(api, tiled[0], [r.type for r in op.results], info.operands,
                                           info.config, target.result_dims)
-                    choices.append([*info.key, LAYER_LINEAR_TILES, None])
+                    choices.append([*info.key, tiled[0], None])
                     used += 1
                     swap(op, new)
                     return True
@@ -106,6 +123,20 @@ class CpuBackend:
 
         fn, _ = rewrite(exported, replace)
         return Specialized(fn, used, digest=_digest(self.library, choices) if used else None)
+
+
+# composites with a kernel over stacks laid out as B tiles: (its symbol, which operands are laid out)
+_TILES = {LAYER_LINEAR.key: (LAYER_LINEAR_TILES, (1,)), GROUPED_EXPERTS.key: (GROUPED_EXPERTS_TILES, (3, 4))}
+
+
+def _partner(api, flow: Dataflow, op, n: int) -> set[int]:
+    """The inputs an experts composite reading its operand n as tiles needs laid out with it (the
+    other stack's); none for any other reader."""
+    info = composite_of(api, op)
+    at = n - (len(op.operands) - len(info.operands))
+    if info.key != GROUPED_EXPERTS.key or at not in (3, 4):
+        return set()
+    return set(flow.sources(info.operands[7 - at]))
 
 
 def _digest(library: Library, choices: list) -> str:

@@ -2,6 +2,8 @@
 // mixture-of-experts layer's experts, each expert's matrices read once for the rows routed to it.
 // The decomposition (a loop over the experts, each taken one multiplying every row of the step)
 // computes E/k times the products when a step's tokens reach most experts.
+#include <array>
+
 #include "linear.h"
 #include "quant_rows.h"
 
@@ -180,6 +182,95 @@ ffi::Error GroupedExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   return ffi::Error::Success();
 }
 
+// ---- grouped experts, the stacks laid out as B tiles ------------------------------------------
+// hloserve_grouped_experts_tiles: grouped_experts' operands, attribute and result, for bf16 stacks the
+// runtime laid out once at load as the tile multiply's B operand (runtime/kernels/cpu/layouts.py:
+// each expert's matrix [N, K] as layer_linear_tiles reads a layer; N a multiple of 16, K of 32).
+// Every expert with rows multiplies them on AMX tiles at any row count (linear.h's b_tiles_product:
+// its rows rounded into A tiles, each matrix tile read as it lies, the sums stored as rows), where
+// grouped_experts copies an expert's matrix into tiles per call above 64 rows, transposes the sums,
+// and leaves experts of fewer than 16 rows to the row routines. The products are exact and the
+// sums f32 either way (in another order than the row routines': the decomposition's bound holds).
+
+constexpr int64_t kTilesPerItem = 8;   // matrix tiles per work item: 128 rows of an expert's matrix
+
+// out rows (sorted positions) = xs rows [P, K] f32 . each expert's matrix [N, K] of `stack` (B tiles)
+void grouped_tiles(ffi::ThreadPool& pool, const Groups& g, const uint16_t* stack, int64_t N, int64_t K,
+                   const float* xs, float* out) {
+  const int64_t E = static_cast<int64_t>(g.start.size()) - 1, KC = K / 32;
+  std::vector<std::array<int64_t, 3>> items;   // (expert, first tile, end tile)
+  for (int64_t e = 0; e < E; ++e)
+    if (g.start[e + 1] > g.start[e])
+      for (int64_t t = 0; t < N / 16; t += kTilesPerItem) items.push_back({e, t, std::min(N / 16, t + kTilesPerItem)});
+  if (items.empty()) return;
+  const int64_t tasks = std::min<int64_t>(static_cast<int64_t>(items.size()), 4 * std::max<int64_t>(1, pool.num_threads()));
+  auto range = [&](int64_t task) {
+    const int64_t n = static_cast<int64_t>(items.size());
+    return std::pair<int64_t, int64_t>{n * task / tasks, n * (task + 1) / tasks};
+  };
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_usable()) {
+    std::vector<int64_t> first(E + 1, 0);                          // each expert's first block of A tiles
+    for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + (g.start[e + 1] - g.start[e] + 15) / 16;
+    LineVector<uint16_t> xt(first[E] * KC * 512);
+    parallel_for(pool, first[E], 4, [&](int64_t b) {
+      const int64_t e = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
+      const int64_t r0 = g.start[e] + 16 * (b - first[e]);
+      round_tiles(xs + r0 * K, std::min<int64_t>(16, g.start[e + 1] - r0), K, xt.data() + b * KC * 512);
+    });
+    parallel_for(pool, tasks, 1, [&](int64_t task) {
+      amx_configure_16x64();
+      for (auto [i, end] = range(task); i < end; ++i) {
+        const auto [e, t0, t1] = items[i];
+        const int64_t s = g.start[e];
+        b_tiles_product(xt.data() + first[e] * KC * 512, g.start[e + 1] - s, KC, stack + e * N * K, t0, t1,
+                        out + s * N, N);
+      }
+      _tile_release();
+    });
+    return;
+  }
+#endif
+  parallel_for(pool, tasks, 1, [&](int64_t task) {
+    for (auto [i, end] = range(task); i < end; ++i) {
+      const auto [e, t0, t1] = items[i];
+      const int64_t s = g.start[e];
+      b_tiles_portable(xs + s * K, g.start[e + 1] - s, K, stack + e * N * K, t0, t1, out + s * N, N);
+    }
+  });
+}
+
+ffi::Error GroupedExpertsTiles(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> index,
+                               ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
+                               ffi::Buffer<ffi::S32> layer, int64_t holds, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions(), id = index.dimensions(), wd = weights.dimensions();
+  auto gd = gate_up.dimensions(), dd = down.dimensions();
+  if (xd.size() != 2 || id.size() != 2 || wd.size() != 2 || gd.size() != 4 || dd.size() != 4 || id[0] != xd[0] ||
+      wd[0] != xd[0] || wd[1] != id[1] || gd[3] != xd[1] || gd[2] % 2 || dd[0] != gd[0] || dd[1] != gd[1] ||
+      dd[2] != xd[1] || dd[3] != gd[2] / 2)
+    return ffi::Error::InvalidArgument("hloserve_grouped_experts_tiles: x must be [T, D], index and weights [T, k], "
+                                       "gate_up [L, E, 2F, D] and down [L, E, D, F]");
+  const int64_t T = xd[0], D = xd[1], k = id[1], L = gd[0], E = gd[1], F = gd[2] / 2, P = T * k;
+  if (holds != static_cast<int64_t>(Kind::kBF16) || D % 32 != 0 || F % 32 != 0)
+    return ffi::Error::InvalidArgument("hloserve_grouped_experts_tiles: the stacks must hold bf16 (holds 1), D and F "
+                                       "multiples of 32 (the runtime lays out no other stacks as tiles)");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("hloserve_grouped_experts_tiles: layer out of range");
+  Groups g;
+  if (!group(index.typed_data(), P, E, g))
+    return ffi::Error::InvalidArgument("hloserve_grouped_experts_tiles: an expert index is outside [0, E)");
+  const uint16_t* gu = static_cast<const uint16_t*>(gate_up.untyped_data()) + l * E * 2 * F * D;
+  const uint16_t* dn = static_cast<const uint16_t*>(down.untyped_data()) + l * E * D * F;
+  Scratch<float> xs(P * D);   // each pair's token row, in sorted order
+  for (int64_t s = 0; s < P; ++s) std::memcpy(xs.data() + s * D, x.typed_data() + (g.pair[s] / k) * D, D * 4);
+  Scratch<float> h(P * 2 * F), a(P * F), y(P * D);
+  grouped_tiles(pool, g, gu, 2 * F, D, xs.data(), h.data());
+  parallel_for(pool, P, 16, [&](int64_t s) { gated(h.data() + s * 2 * F, F, a.data() + s * F); });
+  grouped_tiles(pool, g, dn, D, F, a.data(), y.data());
+  combine(pool, g, weights.typed_data(), T, k, D, y.data(), out->typed_data());
+  return ffi::Error::Success();
+}
+
 // ---- quantized experts -----------------------------------------------------------------------
 // The same layer with int8 / int4 stacks (quantization/schemes.py, row by row): gate_up qweight
 // [L, E, 2F, D | D/2] and scales (mins) [L, E, 2F, D / group], down [L, E, D, F | F/2] and
@@ -289,14 +380,18 @@ static auto RoutedRows() {
       .Arg<ffi::Buffer<ffi::F32>>();
 }
 
-// gate_up, down, layer; holds
-XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_grouped_experts, GroupedExperts,
-                              RoutedRows()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("holds")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// gate_up, down, layer; holds: both 16-bit handlers
+static auto GroupedStacks() {
+  return RoutedRows()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Attr<int64_t>("holds")
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_grouped_experts, GroupedExperts, GroupedStacks());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_grouped_experts_tiles, GroupedExpertsTiles, GroupedStacks());
 
 // gate_up, its scales, its mins, down, its scales, its mins, layer; bits and the two groups
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hloserve_quant_experts, QuantExperts,

@@ -10,7 +10,10 @@ tile, elements 32c + 2r and 32c + 2r + 1. The kernel then reads each tile as it 
 row as for a prompt chunk; layer_linear's kernel takes the matrix as the A operand, reads it in
 place for decode rows but copies a chunk's rows into tiles on every call and transposes its sums
 back (docs/performance.md, "The matrices laid out as B tiles at load"). The same products are
-summed in the same order either way: the same bits.
+summed in the same order either way: the same bits. A mixture of experts' gate_up and down stacks
+[L, E, N, K] go the same way, each expert's matrix as a layer, for `hloserve_grouped_experts_tiles`
+(experts.cc: AMX tiles for every expert with rows, where grouped_experts leaves experts of fewer
+than 16 rows to its row routines, whose sums run in another order).
 """
 from __future__ import annotations
 
@@ -20,24 +23,26 @@ from ..backend import WeightLayout
 
 
 def _b_tiles(w: np.ndarray) -> np.ndarray:
-    """[L, N, K] -> a view whose C order is the B-tile layout, [l, t, c, r, n] = the 32-bit pair of
-    w[l, 16 t + n, 32 c + 2 r : 32 c + 2 r + 2] (as int32 pairs: numpy copies 4-byte elements about 10x
+    """[..., N, K] -> a view whose C order is the B-tile layout, [..., t, c, r, n] = the 32-bit pair of
+    w[..., 16 t + n, 32 c + 2 r : 32 c + 2 r + 2] (as int32 pairs: numpy copies 4-byte elements about 10x
     faster than 2-byte ones out of this transpose)."""
-    L, N, K = w.shape
-    return w.view(np.int32).reshape(L, N // 16, 16, K // 32, 16).transpose(0, 1, 3, 4, 2)
+    *lead, N, K = w.shape
+    d = len(lead)
+    return (w.view(np.int32).reshape(*lead, N // 16, 16, K // 32, 16)
+            .transpose(*range(d), d, d + 2, d + 3, d + 1))
 
 
 B_TILES = WeightLayout("amx_b_tiles", _b_tiles)
 
 
 def b_tiles_fit(shape) -> bool:
-    """Whether a stack of this shape is laid out as B tiles: N a multiple of 16 and K of 32, and rows
-    that are not a power of two of 4 KiB or more. Measured (docs/performance.md, "The matrices laid out
-    as B tiles at load"): steps 6-40% faster for SmolLM2-135M, Qwen3-0.6B and Gemma-3-1B shapes, but
-    the Llama-3.2-1B shape's decode (K = 2048 and 8192: every tile 64 or 256 KiB, every stream of the
-    step's reads a power of two apart) ~20% slower, for a reason not found; those stacks keep the
-    artifact's layout."""
-    if len(shape) != 3 or not all(isinstance(d, int) for d in shape) or shape[1] % 16 or shape[2] % 32:
+    """Whether a stack of this shape ([L, N, K] layers or [L, E, N, K] experts) is laid out as B tiles:
+    N a multiple of 16 and K of 32, and rows that are not a power of two of 4 KiB or more. Measured
+    (docs/performance.md, "The matrices laid out as B tiles at load"): steps 6-40% faster for
+    SmolLM2-135M, Qwen3-0.6B and Gemma-3-1B shapes, but the Llama-3.2-1B shape's decode (K = 2048 and
+    8192: every tile 64 or 256 KiB, every stream of the step's reads a power of two apart) ~20% slower,
+    for a reason not found; those stacks keep the artifact's layout."""
+    if len(shape) not in (3, 4) or not all(isinstance(d, int) for d in shape) or shape[-2] % 16 or shape[-1] % 32:
         return False
-    row = 2 * shape[2]
+    row = 2 * shape[-1]
     return row < 4096 or row & (row - 1) != 0

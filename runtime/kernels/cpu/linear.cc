@@ -231,20 +231,6 @@ ffi::Error LayerLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 // summed in the same order as layer_linear's, so the same bits.
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// Up to 16 rows of x f32[., K] (K a multiple of 32) rounded to bf16 into one block of A tiles: chunk c
-// (elements 32c..32c + 31 of each row) a 1 KiB tile at xt + 512 c, rows past `rows` zero. Tiles, not
-// rows: rows 2K bytes apart all fall in one L1 set where 2K is a multiple of 4 KiB (K = 2048, 8192),
-// and a tile load's 16 lines evicted one another (16 decode rows of a 1B Llama's step 1.3x slower).
-void round_tiles(const float* x, int64_t rows, int64_t K, uint16_t* xt) {
-  const int64_t KC = K / 32;
-  for (int64_t i = 0; i < 16; ++i)
-    for (int64_t c = 0; c < KC; ++c)
-      for (int64_t h = 0; h < 32; h += 16) {
-        __m256i v = i < rows ? round16_bf16(_mm512_loadu_si512(x + i * K + 32 * c + h)) : _mm256_setzero_si256();
-        _mm256_store_si256(reinterpret_cast<__m256i*>(xt + (c * 16 + i) * 32 + h), v);
-      }
-}
-
 void tiles_amx(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* out) {
   const int64_t KC = K / 32, blocks = (M + 15) / 16;
   LineVector<uint16_t> xt(blocks * KC * 512);   // x rounded into A tiles (round_tiles), block by block
@@ -254,42 +240,17 @@ void tiles_amx(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, cons
   if (blocks == 1) round_block(0);   // decode rows: no hand-off for 16 rows of rounding
   else parallel_for(pool, blocks, 1, round_block);
   amx_tasks(pool, N, K, [&](int64_t t0, int64_t t1) {
-    thread_local LineVector<float> partial;   // kept by the pool's threads from call to call
-    const int64_t tiles = t1 - t0;
-    if (partial.size() < static_cast<size_t>((tiles + 1) / 2 * 1024)) partial.resize((tiles + 1) / 2 * 1024);
     amx_configure_16x64();
-    amx_blocked(blocks, KC, tiles, [&](int64_t g, int64_t c0, int64_t c1, int64_t t, auto nb, auto ma) {
-      b_block<decltype(ma)::value, decltype(nb)::value>(xt.data() + g * KC * 512, 512, 64, KC * 512,
-                                                        w + (t0 + t) * KC * 512, KC, c0, c1, 16 * g, M,
-                                                        partial.data() + t / 2 * 1024,
-                                                        out + 16 * g * N + 16 * (t0 + t), N);
-    }, blocks == 1 ? KC : kAmxRun);
+    b_tiles_product(xt.data(), M, KC, w, t0, t1, out, N);
     _tile_release();
   });
 }
 #endif
 
-// The same where AMX is not there (a library built without it, or an OS that denies the tile
-// state): each output's products in f32, summed in k's order, a matrix tile per task. Correct and
-// slow; the runtime lays weights out as tiles only where the tile path runs.
+// The same where AMX is not there: linear.h's b_tiles_portable, a matrix tile per task
 void tiles_portable(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                     float* out) {
-  const int64_t KC = K / 32;
-  std::vector<float> xr(M * K);
-  for (int64_t i = 0; i < M * K; ++i) xr[i] = bf16_to_f32(f32_to_bf16(x[i]));
-  parallel_for(pool, N / 16, 1, [&](int64_t t) {
-    for (int64_t m = 0; m < M; ++m) {
-      float acc[16] = {};
-      for (int64_t c = 0; c < KC; ++c)
-        for (int64_t r = 0; r < 16; ++r)
-          for (int64_t j = 0; j < 2; ++j) {
-            const float xv = xr[m * K + 32 * c + 2 * r + j];
-            const uint16_t* b = w + (t * KC + c) * 512 + 32 * r + j;
-            for (int64_t n = 0; n < 16; ++n) acc[n] += xv * bf16_to_f32(b[2 * n]);
-          }
-      std::memcpy(out + m * N + 16 * t, acc, sizeof(acc));
-    }
-  });
+  parallel_for(pool, N / 16, 1, [&](int64_t t) { b_tiles_portable(x, M, K, w, t, t + 1, out, N); });
 }
 
 ffi::Error LayerLinearTiles(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer weights,

@@ -318,6 +318,37 @@ inline void amx_blocked(int64_t blocks, int64_t KC, int64_t tiles, Block&& block
   }
 }
 
+// Up to 16 rows of x f32[., K] (K a multiple of 32) rounded to bf16 into one block of A tiles: chunk c
+// (elements 32c..32c + 31 of each row) a 1 KiB tile at xt + 512 c, rows past `rows` zero. Tiles, not
+// rows: rows 2K bytes apart all fall in one L1 set where 2K is a multiple of 4 KiB (K = 2048, 8192),
+// and a tile load's 16 lines evicted one another (16 decode rows of a 1B Llama's step 1.3x slower).
+inline void round_tiles(const float* x, int64_t rows, int64_t K, uint16_t* xt) {
+  const int64_t KC = K / 32;
+  for (int64_t i = 0; i < 16; ++i)
+    for (int64_t c = 0; c < KC; ++c)
+      for (int64_t h = 0; h < 32; h += 16) {
+        __m256i v = i < rows ? round16_bf16(_mm512_loadu_si512(x + i * K + 32 * c + h)) : _mm256_setzero_si256();
+        _mm256_store_si256(reinterpret_cast<__m256i*>(xt + (c * 16 + i) * 32 + h), v);
+      }
+}
+
+// x's rows [0, M) rounded into A tiles (round_tiles: block g's chunk c at xt + (g KC + c) 512) times
+// matrix tiles [t0, t1) of one matrix laid out as B tiles (wb: tile t's KC chunks from t KC 512, as
+// layouts.py lays a layer out), into out [M, N] (linear.cc's layer_linear_tiles, experts.cc's
+// grouped_experts_tiles). One thread, the tile configuration already loaded (amx_configure_16x64);
+// one block of rows (decode) runs the whole of K at once, more the blocking of amx_blocked.
+inline void b_tiles_product(const uint16_t* xt, int64_t M, int64_t KC, const uint16_t* wb, int64_t t0, int64_t t1,
+                            float* out, int64_t N) {
+  thread_local LineVector<float> partial;   // kept by the pool's threads from call to call
+  const int64_t blocks = (M + 15) / 16, tiles = t1 - t0;
+  if (partial.size() < static_cast<size_t>((tiles + 1) / 2 * 1024)) partial.resize((tiles + 1) / 2 * 1024);
+  amx_blocked(blocks, KC, tiles, [&](int64_t g, int64_t c0, int64_t c1, int64_t t, auto nb, auto ma) {
+    b_block<decltype(ma)::value, decltype(nb)::value>(xt + g * KC * 512, 512, 64, KC * 512, wb + (t0 + t) * KC * 512,
+                                                      KC, c0, c1, 16 * g, M, partial.data() + t / 2 * 1024,
+                                                      out + 16 * g * N + 16 * (t0 + t), N);
+  }, blocks == 1 ? KC : kAmxRun);
+}
+
 // The split of an AMX product over N matrix rows (N / 16 whole tiles) into tasks on pairs of tiles:
 // one task per thread at least, more where a task's packed rows (16 bf16 rows of KP elements a
 // tile) would outgrow kAmxRowBytes (L2); run(t0, t1) computes tiles [t0, t1) (layer_linear's AMX path,
@@ -336,6 +367,30 @@ inline void amx_tasks(ffi::ThreadPool& pool, int64_t N, int64_t KP, Run&& run) {
   });
 }
 #endif
+
+// The B-tile product where AMX is not there (a library built without it, or an OS that denies the
+// tile state): x f32 [M, K] rows (K a multiple of 32) rounded to bf16, times matrix tiles [t0, t1) of
+// wb (laid out as b_tiles_product reads it), each output's products in f32 summed in k's order, into
+// out [M, N]. Correct and slow; the runtime lays weights out as tiles only where AMX runs.
+inline void b_tiles_portable(const float* x, int64_t M, int64_t K, const uint16_t* wb, int64_t t0, int64_t t1,
+                             float* out, int64_t N) {
+  const int64_t KC = K / 32;
+  std::vector<float> xr(K);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) xr[k] = bf16_to_f32(f32_to_bf16(x[m * K + k]));
+    for (int64_t t = t0; t < t1; ++t) {
+      float acc[16] = {};
+      for (int64_t c = 0; c < KC; ++c)
+        for (int64_t r = 0; r < 16; ++r)
+          for (int64_t j = 0; j < 2; ++j) {
+            const float xv = xr[32 * c + 2 * r + j];
+            const uint16_t* b = wb + (t * KC + c) * 512 + 32 * r + j;
+            for (int64_t n = 0; n < 16; ++n) acc[n] += xv * bf16_to_f32(b[2 * n]);
+          }
+      std::memcpy(out + m * N + 16 * t, acc, sizeof(acc));
+    }
+  }
+}
 
 // out[m * N + n] = x[m] . w[n] for the matrix rows n in [n0, n1) of w [., K] and the M rows of x
 // (16-bit `kind`, rows KP apart, zero-padded): the instruction path this build has.

@@ -94,6 +94,8 @@ def _quant_linear_v2_rows(cpu: Cpu) -> int | None:
 # layer_linear over a stack the runtime laid out as B tiles at load (layouts.py, linear.cc): every row
 # count, since nothing else can read that layout
 LAYER_LINEAR_TILES = "hloserve_layer_linear_tiles"
+# grouped_experts over gate_up and down stacks laid out as B tiles (experts.cc): likewise every row count
+GROUPED_EXPERTS_TILES = "hloserve_grouped_experts_tiles"
 
 TARGETS = {
     PAGED_ATTENTION.key: Target("hloserve_paged_attention"),
@@ -131,4 +133,4 @@ TARGETS = {
 }
 
 # every FFI symbol the library defines (build.py registers them)
-SYMBOLS = (*(t.symbol for t in TARGETS.values()), LAYER_LINEAR_TILES)
+SYMBOLS = (*(t.symbol for t in TARGETS.values()), LAYER_LINEAR_TILES, GROUPED_EXPERTS_TILES)
