@@ -37,12 +37,8 @@ B_TILES = WeightLayout("amx_b_tiles", _b_tiles)
 
 def b_tiles_fit(shape) -> bool:
     """Whether a stack of this shape ([L, N, K] layers or [L, E, N, K] experts) is laid out as B tiles:
-    N a multiple of 16 and K of 32, and rows that are not a power of two of 4 KiB or more. Measured
-    (docs/performance.md, "The matrices laid out as B tiles at load"): steps 6-40% faster for
-    SmolLM2-135M, Qwen3-0.6B and Gemma-3-1B shapes, but the Llama-3.2-1B shape's decode (K = 2048 and
-    8192: every tile 64 or 256 KiB, every stream of the step's reads a power of two apart) ~20% slower,
-    for a reason not found; those stacks keep the artifact's layout."""
-    if len(shape) not in (3, 4) or not all(isinstance(d, int) for d in shape) or shape[-2] % 16 or shape[-1] % 32:
-        return False
-    row = 2 * shape[-1]
-    return row < 4096 or row & (row - 1) != 0
+    N a multiple of 16 and K of 32. Measured (docs/performance.md, "The matrices laid out as B tiles at
+    load" and its sequel of 2026-12-02): steps faster for the SmolLM2-135M, Qwen3-0.6B, Gemma-3-1B and
+    (once decode rows prefetched their tiles, linear.h's kDecodeAhead) Llama-3.2-1B shapes."""
+    return (len(shape) in (3, 4) and all(isinstance(d, int) for d in shape)
+            and shape[-2] % 16 == 0 and shape[-1] % 32 == 0)

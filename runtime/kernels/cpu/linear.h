@@ -256,14 +256,25 @@ inline void amx_sums_store(float* part) {
 // block at x0 + c * xc, its 16 rows xs bytes apart, the second block xb elements on (x's rounded rows
 // as they lie: xc = 32, xs = 2 KP, xb = 16 KP; or x laid out as tiles, round_tiles: 512, 64, KC * 512).
 // Sums start at zero (c0 = 0) or from `part` and go back to it, or when c1 = KC are stored in out
-// (x row m of M its first row; rows past M dropped). Tiles: sums 0-3, x 4-5, matrix 6-7.
+// (x row m of M its first row; rows past M dropped). Tiles: sums 0-3, x 4-5, matrix 6-7. `ahead` > 0:
+// each matrix tile's chunk that many chunks on is prefetched into L1 as this one is multiplied (for
+// decode rows, whose tiles wait on memory: see kDecodeAhead).
 template <int MA, int NB>
 inline void b_block(const uint16_t* x0, int64_t xc, int64_t xs, int64_t xb, const uint16_t* wb, int64_t KC,
-                    int64_t c0, int64_t c1, int64_t m, int64_t M, float* part, float* out, int64_t N) {
+                    int64_t c0, int64_t c1, int64_t m, int64_t M, float* part, float* out, int64_t N,
+                    int64_t ahead = 0) {
   amx_sums_begin<MA, NB>(c0 == 0, part);
   const uint16_t* x1 = x0 + xb;
   const uint16_t* w1 = wb + KC * 512;
   for (int64_t c = c0; c < c1; ++c) {
+    if (ahead > 0) {   // past the tile: the next tile's first chunks, or harmless lines past the matrix
+      const char* p0 = reinterpret_cast<const char*>(wb + (c + ahead) * 512);
+      const char* p1 = reinterpret_cast<const char*>(w1 + (c + ahead) * 512);
+      for (int i = 0; i < 16; ++i) {
+        _mm_prefetch(p0 + 64 * i, _MM_HINT_T0);
+        if constexpr (NB > 1) _mm_prefetch(p1 + 64 * i, _MM_HINT_T0);
+      }
+    }
     _tile_loadd(4, x0 + xc * c, xs);
     _tile_loadd(6, wb + c * 512, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -336,7 +347,18 @@ inline void round_tiles(const float* x, int64_t rows, int64_t K, uint16_t* xt) {
 // matrix tiles [t0, t1) of one matrix laid out as B tiles (wb: tile t's KC chunks from t KC 512, as
 // layouts.py lays a layer out), into out [M, N] (linear.cc's layer_linear_tiles, experts.cc's
 // grouped_experts_tiles). One thread, the tile configuration already loaded (amx_configure_16x64);
-// one block of rows (decode) runs the whole of K at once, more the blocking of amx_blocked.
+// one block of rows (decode) runs the whole of K at once, its matrix tiles prefetched kDecodeAhead
+// chunks ahead, more the blocking of amx_blocked.
+//
+// kDecodeAhead: a decode row's tile loads wait on memory, two streams of 1 KiB tiles a thread, which
+// the hardware prefetchers follow worse than the in-place rows' 16-32 short streams: with every line
+// of the chunk 4 on prefetched, one decode row of the default model took 0.905x the time (10 of 10
+// alternations), 16 rows 0.952x (9 of 10), and the Llama-3.2-1B shape's laid-out step 0.913x / 0.906x,
+// which put it ahead of the rows in place (0.96x / 0.97x) where it had been 1.06x behind (distances
+// 2-8 measured alike; prompt chunks, whose later passes read the matrix from L2, gained nothing:
+// 1.00x / 1.04x at 64 / 256 rows; 2026-12-02, docs/performance.md).
+constexpr int64_t kDecodeAhead = 4;
+
 inline void b_tiles_product(const uint16_t* xt, int64_t M, int64_t KC, const uint16_t* wb, int64_t t0, int64_t t1,
                             float* out, int64_t N) {
   thread_local LineVector<float> partial;   // kept by the pool's threads from call to call
@@ -345,7 +367,7 @@ inline void b_tiles_product(const uint16_t* xt, int64_t M, int64_t KC, const uin
   amx_blocked(blocks, KC, tiles, [&](int64_t g, int64_t c0, int64_t c1, int64_t t, auto nb, auto ma) {
     b_block<decltype(ma)::value, decltype(nb)::value>(xt + g * KC * 512, 512, 64, KC * 512, wb + (t0 + t) * KC * 512,
                                                       KC, c0, c1, 16 * g, M, partial.data() + t / 2 * 1024,
-                                                      out + 16 * g * N + 16 * (t0 + t), N);
+                                                      out + 16 * g * N + 16 * (t0 + t), N, blocks == 1 ? kDecodeAhead : 0);
   }, blocks == 1 ? KC : kAmxRun);
 }
 
