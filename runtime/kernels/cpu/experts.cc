@@ -142,16 +142,25 @@ void grouped_product(ffi::ThreadPool& pool, Kind kind, const Groups& g, const ui
   });
 }
 
+// the 16-bit handlers' operand shapes: x [T, D], index and weights [T, k], gate_up [L, E, 2F, D] and
+// down [L, E, D, F]
+constexpr const char* kRoutedShapes =
+    "x must be [T, D], index and weights [T, k], gate_up [L, E, 2F, D] and down [L, E, D, F]";
+
+template <class Dims>
+bool routed_shapes(const Dims& xd, const Dims& id, const Dims& wd, const Dims& gd, const Dims& dd) {
+  return xd.size() == 2 && id.size() == 2 && wd.size() == 2 && gd.size() == 4 && dd.size() == 4 && id[0] == xd[0] &&
+         wd[0] == xd[0] && wd[1] == id[1] && gd[3] == xd[1] && gd[2] % 2 == 0 && dd[0] == gd[0] && dd[1] == gd[1] &&
+         dd[2] == xd[1] && dd[3] == gd[2] / 2;
+}
+
 ffi::Error GroupedExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> index,
                           ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
                           ffi::Buffer<ffi::S32> layer, int64_t holds, ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions(), id = index.dimensions(), wd = weights.dimensions();
   auto gd = gate_up.dimensions(), dd = down.dimensions();
-  if (xd.size() != 2 || id.size() != 2 || wd.size() != 2 || gd.size() != 4 || dd.size() != 4 || id[0] != xd[0] ||
-      wd[0] != xd[0] || wd[1] != id[1] || gd[3] != xd[1] || gd[2] % 2 || dd[0] != gd[0] || dd[1] != gd[1] ||
-      dd[2] != xd[1] || dd[3] != gd[2] / 2)
-    return ffi::Error::InvalidArgument("hloserve_grouped_experts: x must be [T, D], index and weights [T, k], "
-                                       "gate_up [L, E, 2F, D] and down [L, E, D, F]");
+  if (!routed_shapes(xd, id, wd, gd, dd))
+    return ffi::Error::InvalidArgument(std::string("hloserve_grouped_experts: ") + kRoutedShapes);
   if (!valid_kind(holds) || static_cast<Kind>(holds) == Kind::kF32)
     return ffi::Error::InvalidArgument("hloserve_grouped_experts: holds must be 1 (bf16) or 2 (f16)");
   const Kind kind = static_cast<Kind>(holds);
@@ -245,11 +254,8 @@ ffi::Error GroupedExpertsTiles(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
                                ffi::Buffer<ffi::S32> layer, int64_t holds, ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions(), id = index.dimensions(), wd = weights.dimensions();
   auto gd = gate_up.dimensions(), dd = down.dimensions();
-  if (xd.size() != 2 || id.size() != 2 || wd.size() != 2 || gd.size() != 4 || dd.size() != 4 || id[0] != xd[0] ||
-      wd[0] != xd[0] || wd[1] != id[1] || gd[3] != xd[1] || gd[2] % 2 || dd[0] != gd[0] || dd[1] != gd[1] ||
-      dd[2] != xd[1] || dd[3] != gd[2] / 2)
-    return ffi::Error::InvalidArgument("hloserve_grouped_experts_tiles: x must be [T, D], index and weights [T, k], "
-                                       "gate_up [L, E, 2F, D] and down [L, E, D, F]");
+  if (!routed_shapes(xd, id, wd, gd, dd))
+    return ffi::Error::InvalidArgument(std::string("hloserve_grouped_experts_tiles: ") + kRoutedShapes);
   const int64_t T = xd[0], D = xd[1], k = id[1], L = gd[0], E = gd[1], F = gd[2] / 2, P = T * k;
   if (holds != static_cast<int64_t>(Kind::kBF16) || D % 32 != 0 || F % 32 != 0)
     return ffi::Error::InvalidArgument("hloserve_grouped_experts_tiles: the stacks must hold bf16 (holds 1), D and F "
