@@ -68,6 +68,12 @@ void combine(ffi::ThreadPool& pool, const Groups& g, const float* w, int64_t T, 
   });
 }
 
+// xs [T k, D] = each (token, slot) pair's token row of x [T, D], in sorted order (the f32 rows the
+// tile and quantized products take)
+inline void sorted_rows(const Groups& g, const float* x, int64_t k, int64_t D, float* xs) {
+  for (size_t s = 0; s < g.pair.size(); ++s) std::memcpy(xs + s * D, x + (g.pair[s] / k) * D, D * 4);
+}
+
 // a[f] = silu(h[f]) * h[F + f] for one row h [2F] ([gate; up]); a may be h. The logistic from
 // e = exp(-|h|) <= 1 (common.h's exp_nonpositive, vectorized: std::exp was a call per element, 3.4%
 // of a mixture-of-experts step's samples): 1 / (1 + e) for h >= 0, e / (1 + e) below.
@@ -267,8 +273,8 @@ ffi::Error GroupedExpertsTiles(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
     return ffi::Error::InvalidArgument("hloserve_grouped_experts_tiles: an expert index is outside [0, E)");
   const uint16_t* gu = static_cast<const uint16_t*>(gate_up.untyped_data()) + l * E * 2 * F * D;
   const uint16_t* dn = static_cast<const uint16_t*>(down.untyped_data()) + l * E * D * F;
-  Scratch<float> xs(P * D);   // each pair's token row, in sorted order
-  for (int64_t s = 0; s < P; ++s) std::memcpy(xs.data() + s * D, x.typed_data() + (g.pair[s] / k) * D, D * 4);
+  Scratch<float> xs(P * D);
+  sorted_rows(g, x.typed_data(), k, D, xs.data());
   Scratch<float> h(P * 2 * F), a(P * F), y(P * D);
   grouped_tiles(pool, g, gu, 2 * F, D, xs.data(), h.data());
   parallel_for(pool, P, 16, [&](int64_t s) { gated(h.data() + s * 2 * F, F, a.data() + s * F); });
@@ -365,8 +371,8 @@ ffi::Error QuantExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (l < 0 || l >= L) return fail("layer out of range");
   Groups g;
   if (!group(index.typed_data(), P, E, g)) return fail("an expert index is outside [0, E)");
-  std::vector<float> xs(P * D);   // each pair's token row, in sorted order
-  for (int64_t s = 0; s < P; ++s) std::memcpy(xs.data() + s * D, x.typed_data() + (g.pair[s] / k) * D, D * 4);
+  std::vector<float> xs(P * D);
+  sorted_rows(g, x.typed_data(), k, D, xs.data());
   std::vector<float> h(P * 2 * F), a(P * F), y(P * D);
   quant_grouped(pool, g, gu, l, xs.data(), h.data());
   parallel_for(pool, P, 16, [&](int64_t s) { gated(h.data() + s * 2 * F, F, a.data() + s * F); });
