@@ -247,10 +247,10 @@ void tiles_amx(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, cons
 }
 #endif
 
-// The same where AMX is not there: linear.h's b_tiles_portable, a matrix tile per task
+// The same where AMX is not there: linear.h's b_tiles_portable, a row of x per task (rounded once)
 void tiles_portable(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                     float* out) {
-  parallel_for(pool, N / 16, 1, [&](int64_t t) { b_tiles_portable(x, M, K, w, t, t + 1, out, N); });
+  parallel_for(pool, M, 1, [&](int64_t m) { b_tiles_portable(x + m * K, 1, K, w, 0, N / 16, out + m * N, N); });
 }
 
 ffi::Error LayerLinearTiles(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer weights,
