@@ -241,13 +241,17 @@ QUANT_LINEAR_V2 = Composite(
 # rounds x and the dequantized W to bfloat16 and multiplies those: a tile unit's 16-bit operands with
 # f32 sums (AMX-BF16, an MXU, tensor cores), where version 2's 32-element int8 blocks of x need a
 # rescale per block. What a call computes depends on its row count, so a batch-invariant export keeps
-# version 2 (docs/quantization.md "Prompt chunks in bf16").
+# version 2 (docs/quantization.md "Prompt chunks in bf16"). bf16_rows is where the export asks for the
+# bf16 product; a platform whose version 2 product is the faster at every row count may raise it (the
+# CPUs without AMX: VNNI's int8 products are twice bf16's per instruction; runtime/kernels/cpu/targets.py),
+# so a chunk's result, like every kernel's rounding, depends on the platform.
 QUANT_LINEAR_V6 = Composite(
     name="hloserve.quant_linear",
     version=6,
     operands=QUANT_LINEAR_V2.operands,
     attributes=(*QUANT_LINEAR.attributes,
-                "bf16_rows i64: from this many rows of x (M >= bf16_rows) the bf16 product below is computed"),
+                "bf16_rows i64: from this many rows of x (M >= bf16_rows) the bf16 product below is computed "
+                "(a platform may raise it)"),
     result="f32[M, N]: for M < bf16_rows, version 2's result; for M >= bf16_rows, r(x) times r(W[layer]) transposed, "
            "where W = q * scale + min per group (scale and min widened to f32, computed in f32) and r rounds to "
            "bfloat16 (to nearest even); the products are exact in f32 and summed in f32 (in any order)",

@@ -552,7 +552,8 @@ def test_quant_linear_v6_kernel_rounds_chunks_to_bf16(library, monkeypatch, spec
     conditional); 131 rows are whole and partial 16-row tiles, and each of their rows is computed on
     its own (its first 64 equal a 64-row call's bit for bit). Every row count runs the kernel, whatever
     the targets table's limit (the fallback builds' table stops at 4 rows: their chunk paths, the
-    row routines, are tested here too)."""
+    row routines, are tested here too), with the artifact's bf16_rows; and with this CPU's (targets.py:
+    raised past every call without AMX), where chunks get version 2's product."""
     from hloserve.quantization import primitives
     from hloserve.quantization.modules import quantize_blocks
     from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V6
@@ -563,27 +564,36 @@ def test_quant_linear_v6_kernel_rounds_chunks_to_bf16(library, monkeypatch, spec
     args = [qw, sc, q["min"] if mn is None else mn]
     exp = _quant_exported(dict(zip(("qweight", "scale", "min"), args)), scheme.bits, group, version=6, bf16_rows=64)
     portable_fn, _ = specialize(exp, None)
+    this_cpu_fn, _ = specialize(exp, library)
+    raised = "bf16_rows" in TARGETS[QUANT_LINEAR_V6.key].attributes_for(build.cpu(), {})
+    assert raised == (not build.cpu().has("amx_bf16"))
+    monkeypatch.setitem(TARGETS, QUANT_LINEAR_V6.key,
+                        dataclasses.replace(TARGETS[QUANT_LINEAR_V6.key], attributes_for=lambda cpu, attrs: {}))
     kernel_fn, n_kernel = specialize(exp, library)
     assert n_kernel == 1 and "custom_call @hloserve_quant_linear_v6(" in kernel_fn.mlir_module()
     ints = (primitives.unpack_int4(q["qweight"], signed=scheme.symmetric) if scheme.bits == 4
             else q["qweight"]).astype(np.float32)                                       # [L, N, K]
     s = np.repeat(q["scale"].astype(np.float32), group, axis=2)
     m = np.repeat(q["min"].astype(np.float32), group, axis=2) if q["min"].size else np.zeros_like(s)
+
+    def expected(x, layer, bf16: bool):
+        """(the product, its bound): version 2's, or from bf16_rows rows r(x) r(W)^T"""
+        if not bf16:
+            x8 = quantize_blocks(torch.from_numpy(x)).numpy().astype(np.float64)
+            offset = 0 if q["min"].size else 128 if scheme.bits == 8 else 8
+            terms = np.abs(ints[layer] * s[layer]) + np.abs(m[layer]) + offset * np.abs(s[layer])
+            return (x8 @ (ints[layer] * s[layer] + m[layer]).astype(np.float64).T,
+                    (K + 4) * 2.0 ** -24 * (np.abs(x8) @ terms.T) + 1e-30)
+        xr, wr = bf16_values(x), bf16_values(ints[layer] * s[layer] + m[layer])        # W in f32, then rounded
+        return xr @ wr.T, K * 2.0 ** -24 * (np.abs(xr) @ np.abs(wr).T) + 1e-30
+
     x_all = rng.standard_normal((131, K)).astype(np.float32)
     results = {}
     for rows in (1, 16, 63, 64, 131):
         x, layer = x_all[:rows], np.int32(rows % 3)
-        if rows < 64:
-            x8 = quantize_blocks(torch.from_numpy(x)).numpy().astype(np.float64)
-            want = x8 @ (ints[layer] * s[layer] + m[layer]).astype(np.float64).T
-            offset = 0 if q["min"].size else 128 if scheme.bits == 8 else 8
-            terms = np.abs(ints[layer] * s[layer]) + np.abs(m[layer]) + offset * np.abs(s[layer])
-            bound = (K + 4) * 2.0 ** -24 * (np.abs(x8) @ terms.T) + 1e-30
-        else:
-            xr, wr = bf16_values(x), bf16_values(ints[layer] * s[layer] + m[layer])   # W in f32, then rounded
-            want = xr @ wr.T
-            bound = K * 2.0 ** -24 * (np.abs(xr) @ np.abs(wr).T) + 1e-30
-        for name, fn in (("kernel", kernel_fn), ("decomposition", portable_fn)):
+        for name, fn, bf16 in (("kernel", kernel_fn, rows >= 64), ("decomposition", portable_fn, rows >= 64),
+                               ("this CPU's kernel", this_cpu_fn, rows >= 64 and not raised)):
+            want, bound = expected(x, layer, bf16)
             got = np.asarray(jax.jit(fn.call)(x, *args, layer))
             assert got.shape == (rows, N)
             assert (np.abs(got - want) <= bound).all(), (name, rows, np.abs(got - want).max(), bound.min())

@@ -115,8 +115,11 @@ class CpuBackend:
                     swap(op, decomposition_call(api, op))
                     return True
                 limit = None if every_row_count else target.limit(cpu, info.attributes, _shapes(api, info.operands))
-                new, ran = _kernel_or_decomposition(api, op, info.operands, info.config, target, limit)
-            choices.append([*info.key, target.symbol if ran else None, limit])
+                changed = target.attributes_for(cpu, info.attributes)
+                i64 = api.ir.IntegerType.get_signless(64)
+                config = {**info.config, **{k: api.ir.IntegerAttr.get(i64, v) for k, v in changed.items()}}
+                new, ran = _kernel_or_decomposition(api, op, info.operands, config, target, limit)
+            choices.append([*info.key, target.symbol if ran else None, limit, changed])
             used += ran
             swap(op, new)
             return True

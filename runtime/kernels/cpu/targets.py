@@ -35,6 +35,9 @@ class Target:
     # where the limit depends on the call too (attributes, operand shapes: a symbolic dim is None): used
     # instead of max_rows
     max_rows_for: Callable[[Cpu, dict[str, Any], tuple], int | None] | None = None
+    # attribute values the kernel's call gets on this CPU instead of the artifact's, where the contract
+    # leaves a choice to the platform ({}: the artifact's)
+    attributes_for: Callable[[Cpu, dict[str, Any]], dict[str, int]] = lambda cpu, attrs: {}
 
     def limit(self, cpu: Cpu, attrs: dict[str, Any], shapes: tuple) -> int | None:
         """Up to how many rows this call runs the kernel (None: every row count)."""
@@ -91,6 +94,21 @@ def _quant_linear_v2_rows(cpu: Cpu) -> int | None:
     return None if cpu.has("avx512_vnni") else 4
 
 
+# Version 6's prompt chunks (bf16_rows rows and more) are bf16 products of x and the dequantized
+# matrix: on AMX the bf16 tiles beat version 2's int8 tiles, which rescale every 32-element block
+# (256-token chunk 0.97x bf16's time against version 2's 1.33x; Xeon, 2026-12-01). Without AMX it is
+# the other way round: vpdpbusd does twice vdpbf16ps's products, and the chunks' bf16 path (each group
+# dequantized into rows for linear.h's row routines) took 1.41x bf16's time for the default model's
+# 256-token chunk where version 2's product took 0.77x (int4: 1.25x and 0.81x; AMD EPYC, 2026-12-02,
+# docs/quantization.md), so there the kernel computes version 2's product at every row count, as the
+# contract allows.
+_NEVER = (1 << 63) - 1
+
+
+def _quant_linear_v6_attributes(cpu: Cpu, attrs: dict[str, Any]) -> dict[str, int]:
+    return {} if cpu.has("amx_bf16") else {"bf16_rows": _NEVER}
+
+
 # layer_linear over a stack the runtime laid out as B tiles at load (layouts.py, linear.cc): every row
 # count, since nothing else can read that layout
 LAYER_LINEAR_TILES = "hloserve_layer_linear_tiles"
@@ -105,9 +123,9 @@ TARGETS = {
                              result_dims=((0, 0), (1, 1))),
     QUANT_LINEAR_V2.key: Target("hloserve_quant_linear_v2", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
                                 result_dims=((0, 0), None)),
-    # version 2's below bf16_rows rows; chunks in bf16 (AMX-BF16 tiles, or linear.h's row routines)
+    # version 2's below bf16_rows rows; chunks in bf16 on AMX-BF16 tiles (elsewhere version 2's product)
     QUANT_LINEAR_V6.key: Target("hloserve_quant_linear_v6", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
-                                result_dims=((0, 0), None)),
+                                result_dims=((0, 0), None), attributes_for=_quant_linear_v6_attributes),
     # 5-bit values (GGUF Q5_0 kept): version 2's int4 tiles with the fifth bits or'd in by mask (no AMX
     # tiles yet: VNNI at every row count)
     QUANT_LINEAR_V4.key: Target("hloserve_quant_linear_v4", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
