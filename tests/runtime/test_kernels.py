@@ -378,8 +378,9 @@ def test_layer_linear_tiles_reads_b_tiles_as_layer_linear_reads_rows(library, mo
     """`hloserve_layer_linear_tiles` over a stack laid out as B tiles (runtime/kernels/cpu/layouts.py,
     as runtime.load lays it out) gives layer_linear's kernel's bits at every row count where that
     kernel is AMX (decode rows and chunks: each output the same products summed in the same order;
-    odd rows and blocks past M included), and elsewhere (a library without AMX: its portable loop)
-    agrees with the decomposition within the summation bound of the tests above."""
+    odd rows and blocks past M included), and elsewhere (AVX512-BF16's outer products, or a library
+    without either: its portable loop) agrees with the decomposition within the summation bound of the
+    tests above, each row's bits whatever the row count (each output summed in k's order)."""
     from hloserve.runtime.artifact.kernels import LAYER_LINEAR
     from hloserve.runtime.kernels.cpu import layouts
     from hloserve.runtime.kernels.cpu.targets import LAYER_LINEAR_TILES
@@ -396,14 +397,17 @@ def test_layer_linear_tiles_reads_b_tiles_as_layer_linear_reads_rows(library, mo
     assert tiles.kernels == 1 and f"custom_call @{LAYER_LINEAR_TILES}" in tiles.exported.mlir_module()
     assert tiles.digest != library.specialize(exp).digest
     amx = build.cpu().has("amx_bf16")
-    assert library.layouts(exp) == ({1: layouts.B_TILES} if amx else {})   # the stack: read by the composite only
+    offered = amx or build.cpu().has("avx512_bf16")
+    assert library.layouts(exp) == ({1: layouts.B_TILES} if offered else {})   # the stack: read by the composite only
     tiles_call = jax.jit(tiles.exported.call)
     rows_call = jax.jit(specialize(exp, library if amx else None)[0].call)
     w32 = np.asarray(values.astype(jnp.float32))
+    x_all = rng.standard_normal((130, K)).astype(np.float32)
     for rows in (1, 5, 16, 17, 130):
-        x = rng.standard_normal((rows, K)).astype(np.float32)
-        layer = np.int32(rows % 2)
+        x = x_all[:rows]
+        layer = np.int32(1)
         got = np.asarray(tiles_call(x, tiled, layer))
+        np.testing.assert_array_equal(got[:1], np.asarray(tiles_call(x_all[:1], tiled, layer)), err_msg=f"{rows} rows")
         want = np.asarray(rows_call(x, weights, layer))
         assert got.shape == (rows, N)
         if amx:
@@ -420,8 +424,8 @@ def test_a_stack_anything_else_reads_is_not_offered_a_layout(library):
     also read as it lies (here summed) keeps the artifact's layout, and so does an f16 one."""
     from hloserve.exporter.composites.layer_linear import layer_linear_reference
     from hloserve.runtime.artifact.kernels import LAYER_LINEAR
-    if not build.cpu().has("amx_bf16"):
-        pytest.skip("layouts are offered on CPUs with AMX only")
+    if not (build.cpu().has("amx_bf16") or build.cpu().has("avx512_bf16")):
+        pytest.skip("layouts are offered on CPUs with AMX or AVX512-BF16 only")
     linear = _private.composite(layer_linear_reference, LAYER_LINEAR.name, LAYER_LINEAR.version)
 
     def loop(x, w, v):          # w: every layer in a loop; v: the same, and summed

@@ -12,9 +12,10 @@ with HLOSERVE_CPU_KERNELS=0) runs. Where a kernel beats XLA only up to a number 
 (targets.py) and the rows are symbolic, both are emitted under a predicate that is constant once
 the function is compiled for a shape (XLA keeps only the branch taken).
 
-On a CPU with AMX, a bf16 weight stack read only by `hloserve.layer_linear` composites is offered
-laid out as B tiles (layouts.py); where runtime.load lays it out, its readers call
-`hloserve_layer_linear_tiles` at every row count (the decomposition could not read it). A mixture of
+On a CPU with AMX or AVX512-BF16, a bf16 weight stack read only by `hloserve.layer_linear`
+composites is offered laid out as B tiles (layouts.py); where runtime.load lays it out, its readers
+call `hloserve_layer_linear_tiles` at every row count (the decomposition could not read it): AMX tile
+multiplies, or AVX512-BF16 outer products (linear.h's b_tiles_pairs). With AMX, a mixture of
 experts' bf16 gate_up and down stacks are offered together the same way, for
 `hloserve_grouped_experts_tiles`.
 """
@@ -47,7 +48,9 @@ class CpuBackend:
         return (name, version) in TARGETS
 
     def layouts(self, exported: Any) -> dict[int, WeightLayout]:
-        if not build.cpu().has("amx_bf16"):
+        cpu = build.cpu()
+        amx = cpu.has("amx_bf16")
+        if not (amx or cpu.has("avx512_bf16")):
             return {}
 
         def tiles_read(api, flow: Dataflow, op, n: int, index: int) -> bool:
@@ -59,7 +62,7 @@ class CpuBackend:
                 return False
             if info.key == LAYER_LINEAR.key:
                 return at == 1 and layouts.b_tiles_fit(_shapes(api, [op.operands[n]])[0])
-            if info.key == GROUPED_EXPERTS.key:
+            if info.key == GROUPED_EXPERTS.key and amx:    # the experts' tiles: AMX only (experts.cc)
                 return at in (3, 4) and all(map(layouts.b_tiles_fit, _shapes(api, info.operands[3:5])))
             return False
 

@@ -259,9 +259,12 @@ inline void amx_configure_16x64() {
   _tile_loadconfig(&c);
 }
 
+#endif
+
+#if defined(__AVX512F__)
 // 16 rows of 16 32-bit elements, row i at rows[i] -> their transpose into dst (row r, element i =
 // rows[i] element r; dst rows `ds` bytes apart): pairs of rows, pairs of pairs, then 128-bit lanes.
-// The AMX kernels' packing of B tiles (pairs of bf16 as 32-bit elements).
+// The AMX kernels' packing of B tiles and linear.h's pack_pairs (pairs of bf16 as 32-bit elements).
 inline void transpose16_rows(const char* const rows[16], void* dst, int64_t ds) {
   __m512i r[16], t[16];
   HLOSERVE_UNROLL
@@ -291,6 +294,8 @@ inline void transpose16_rows(const char* const rows[16], void* dst, int64_t ds) 
   }
 }
 
+#endif
+
 // A std::vector whose storage starts on a 64-byte line. AMX tile rows are 64 bytes: packed tiles
 // in a plain vector (malloc aligns to 16) have every row straddle two lines, two reads where one
 // is needed (measured: tile multiplies fed from such buffers ran 1.45x slower).
@@ -309,8 +314,6 @@ struct LineAllocator {
 };
 template <class T>
 using LineVector = std::vector<T, LineAllocator<T>>;
-
-#endif
 
 
 // output rows (matrix rows) per task of the linear kernels (layer_linear, quant_linear)

@@ -247,7 +247,27 @@ void tiles_amx(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, cons
 }
 #endif
 
-// The same where AMX is not there: linear.h's b_tiles_portable, a row of x per task (rounded once)
+#if defined(__AVX512BF16__)
+// Without AMX: x packed into pairs (linear.h's pack_pairs), then each thread's share of the tiles
+// (contiguous, as even as N / 16 tiles split: tasks of 64 rows handed out in turn left a thread idle
+// for a third of a 192-row matrix) through b_tiles_pairs
+void tiles_pairs(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                 float* out) {
+  const int64_t KC = K / 32, blocks = (M + 15) / 16, tiles = N / 16;
+  LineVector<int32_t> xp(blocks * KC * 256);
+  auto pack_block = [&](int64_t g) {
+    pack_pairs(x + 16 * g * K, std::min<int64_t>(16, M - 16 * g), K, xp.data() + g * KC * 256);
+  };
+  if (blocks == 1) pack_block(0);   // decode rows: no hand-off for 16 rows of rounding
+  else parallel_for(pool, blocks, 1, pack_block);
+  const int64_t tasks = std::min(tiles, std::max<int64_t>(1, pool.num_threads()));
+  parallel_for(pool, tasks, 1, [&](int64_t task) {
+    b_tiles_pairs(xp.data(), M, KC, w, tiles * task / tasks, tiles * (task + 1) / tasks, out, N);
+  });
+}
+#endif
+
+// Without AMX or AVX512-BF16: linear.h's b_tiles_portable, a row of x per task (rounded once)
 void tiles_portable(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                     float* out) {
   parallel_for(pool, M, 1, [&](int64_t m) { b_tiles_portable(x + m * K, 1, K, w, 0, N / 16, out + m * N, N); });
@@ -273,7 +293,11 @@ ffi::Error LayerLinearTiles(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     return ffi::Error::Success();
   }
 #endif
+#if defined(__AVX512BF16__)
+  tiles_pairs(pool, x.typed_data(), M, K, w, N, out->typed_data());
+#else
   tiles_portable(pool, x.typed_data(), M, K, w, N, out->typed_data());
+#endif
   return ffi::Error::Success();
 }
 
