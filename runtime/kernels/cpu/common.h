@@ -316,6 +316,16 @@ template <class T>
 using LineVector = std::vector<T, LineAllocator<T>>;
 
 
+// fn(u0, u1) over `units` split into as many contiguous, even shares as the pool has threads (fewer
+// where the units are fewer): for units that cost alike, where fixed-size tasks handed out in turn
+// leave a thread idle for part of a small matrix (a 192-row matrix as three 64-row tasks on two
+// threads: one thread takes two)
+template <typename F>
+inline void even_shares(ffi::ThreadPool& pool, int64_t units, F fn) {
+  const int64_t shares = std::min<int64_t>(units, std::max<int64_t>(1, pool.num_threads()));
+  parallel_for(pool, shares, 1, [&](int64_t s) { fn(units * s / shares, units * (s + 1) / shares); });
+}
+
 // output rows (matrix rows) per task of the linear kernels (layer_linear, quant_linear)
 constexpr int64_t kLinearRows = 64;
 

@@ -260,10 +260,7 @@ void tiles_pairs(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, co
   };
   if (blocks == 1) pack_block(0);   // decode rows: no hand-off for 16 rows of rounding
   else parallel_for(pool, blocks, 1, pack_block);
-  const int64_t tasks = std::min(tiles, std::max<int64_t>(1, pool.num_threads()));
-  parallel_for(pool, tasks, 1, [&](int64_t task) {
-    b_tiles_pairs(xp.data(), M, KC, w, tiles * task / tasks, tiles * (task + 1) / tasks, out, N);
-  });
+  even_shares(pool, tiles, [&](int64_t t0, int64_t t1) { b_tiles_pairs(xp.data(), M, KC, w, t0, t1, out, N); });
 }
 #endif
 

@@ -411,10 +411,7 @@ void quant_linear_v2(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w
   if (MA > 0 && !amx_usable()) MA = 0;
   if (MA > M) pad_rows(xq, MA, w.K, w.G);
 #endif
-  constexpr int64_t kGroupsPerTask = kLinearRows / 16;
-  const int64_t tasks = (NG + kGroupsPerTask - 1) / kGroupsPerTask;
-  parallel_for(pool, tasks, 1, [&](int64_t task) {
-    const int64_t g0 = task * kGroupsPerTask, g1 = std::min(NG, g0 + kGroupsPerTask);
+  even_shares(pool, NG, [&](int64_t g0, int64_t g1) {
 #if defined(__AVX512VNNI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
     if (MA > 0) {
       if (w.bits == 8) quant2_amx<8, false>(w, xq, MA, M, g0, g1, op);
