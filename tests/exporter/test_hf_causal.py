@@ -215,13 +215,14 @@ def compare_last_logits(model, ref, atol: float, what: str = "") -> None:
     """Last-token logits of three prompts (1, 17 and 40 tokens: inside, across and past block
     edges) through both step functions, against `ref` (a transformers model) within `atol`; a
     quantized `ref` computes as the artifact's quant_linear does in its step of 64 rows (the bucket:
-    version 6's bf16 chunks)."""
+    version 6's bf16 chunks, or version 2's product where this CPU's kernels raise bf16_rows)."""
     from hloserve.quantization.modules import as_step_of
+    from tests.support.quant_contract import step_rows
     prompts = _prompts([1, 17, 40])
     for fn in ("prefill", "decode"):
         got = Paged(model).step(fn, dict(enumerate(prompts)))
         for i, p in enumerate(prompts):
-            with torch.no_grad(), as_step_of(64):
+            with torch.no_grad(), as_step_of(step_rows(64)):
                 want = ref(torch.tensor([p])).logits[0, -1].numpy()
             np.testing.assert_allclose(got[i], want, atol=atol, rtol=0, err_msg=f"{what} {fn} {len(p)}")
 

@@ -141,7 +141,11 @@ def test_ragged_groups_keep_every_scale(symmetric):
 def _reference(path: str, scheme: str, *, contract: bool):
     """transformers' Llama in float32 with the quantized linears' weights as compressed-tensors decompresses
     them; `contract`: each of those linears rounds its input and weight as the quant_linear contract
-    (version 6) does at the tests' step of 64 rows (bf16_rows or more): both to bf16."""
+    (version 6) does at the tests' step of 64 rows (bf16_rows or more): both to bf16, or, where this
+    CPU's kernels raise bf16_rows (tests/support/quant_contract.py), its input quantized per 32-element
+    block as version 2's product does."""
+    from hloserve.quantization.modules import quantize_blocks
+    from tests.support.quant_contract import step_rows
     import transformers
     ckpt = open_checkpoint(path)
     config = transformers.AutoConfig.from_pretrained(path)
@@ -150,7 +154,10 @@ def _reference(path: str, scheme: str, *, contract: bool):
     state.update({f"{n}.weight": w for n, w in _ct_decompressed(path).items()})
     model = transformers.LlamaForCausalLM.from_pretrained(None, config=config, state_dict=state,
                                                           dtype=torch.float32).eval()
-    if contract:
+    if contract and step_rows(64) == 0:
+        for name in ckpt.quantized:
+            model.get_submodule(name).register_forward_pre_hook(lambda m, args: (quantize_blocks(args[0].float()),))
+    elif contract:
         for name in ckpt.quantized:
             linear = model.get_submodule(name)
             with torch.no_grad():
