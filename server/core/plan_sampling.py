@@ -51,8 +51,8 @@ def sample_plan(plan: SchedulerPlan, logits: np.ndarray) -> RunnerOutput:
     logprobs: dict[str, tuple] = {}
     if rows:
         seqs = [plan.seqs[i] for i in rows]
-        tokens, lps = sample(logits[first[rows]], [s.sampling for s in seqs], [s.seed for s in seqs],
-                             [s.sample_index for s in seqs], [s.context for s in seqs])
+        tokens, lps = sample(logits, [s.sampling for s in seqs], [s.seed for s in seqs],
+                             [s.sample_index for s in seqs], [s.context for s in seqs], rows=first[rows])
         sampled.update((s.request_id, (t,)) for s, t in zip(seqs, tokens))
         logprobs.update((s.request_id, (lp,)) for s, lp in zip(seqs, lps) if lp is not None)
     for i, s in enumerate(plan.seqs):

@@ -18,6 +18,19 @@ def test_greedy_is_argmax_and_ignores_top_k_p():
     assert tokens == list(np.argmax(rows, axis=-1)) and lps == [None] * 5
 
 
+def test_rows_read_in_place_equal_the_rows_copied():
+    """`rows=` reads each request's row where it lies (the runner's logits, drafted rows between them);
+    greedy and sampled rows draw what they draw from the same rows copied out first."""
+    logits = np.stack([_logits(i, 300) for i in range(7)])
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=5)]
+    rows, seeds, indexes = [0, 2, 3, 6], [1, 2, 3, 4], [0, 5, 1, 2]
+    got, _ = sample(logits, params, seeds, indexes, rows=rows)
+    want, _ = sample(logits[rows], params, seeds, indexes)
+    assert got == want
+    assert got[0] == int(np.argmax(logits[0])) and got[2] == int(np.argmax(logits[3]))
+
+
 def test_top_k_1_is_greedy_at_any_temperature():
     for i in range(10):
         x = _logits(i)
