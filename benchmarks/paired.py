@@ -61,13 +61,14 @@ def read_bandwidth(exe: str | None) -> float | None:
 def commands(args, max_len: int, logs: str) -> list[tuple[str, list[str], str, dict]]:
     """(name, command, ready path, environment) of every system, in the order given."""
     out = []
-    trees = [("hloserve", {})] + ([("hloserve (baseline)", {"PYTHONPATH": S.baseline_path(args.baseline, logs)})]
-                                  if args.baseline else [])
+    base_args = args.hloserve_args if args.baseline_args is None else args.baseline_args
+    trees = [("hloserve", {}, args.hloserve_args)] + (
+        [("hloserve (baseline)", {"PYTHONPATH": S.baseline_path(args.baseline, logs)}, base_args)] if args.baseline else [])
     for art in args.hloserve:
-        for label, env in trees:
+        for label, env, flags in trees:
             out.append((f"{label} {os.path.basename(art.rstrip('/'))}",
                         [sys.executable, "-m", S.HLOSERVE_CLI, "serve", art, "--port", str(S.free_port()),
-                         "--model-name", S.MODEL, "--max-model-len", str(max_len), *args.hloserve_args.split()],
+                         "--model-name", S.MODEL, "--max-model-len", str(max_len), *flags.split()],
                         "/ready", env))
     for gguf in args.llama_server:
         out.append((f"llama-server {os.path.basename(gguf)}", S.llama_server_command(
@@ -119,6 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", metavar="DIR",
                    help="also serve every --hloserve artifact from the hloserve checkout at DIR (a `git worktree` of "
                         "the base revision), as 'hloserve (baseline) ART', right after this tree's")
+    p.add_argument("--baseline-args", metavar="FLAGS",
+                   help="`hloserve serve` flags for the baseline instead of --hloserve-args (e.g. this checkout with a "
+                        "feature off: --baseline . --baseline-args=--no-async-scheduling)")
     p.add_argument("--llama-server", action="append", default=[], help="a GGUF file llama-server serves (repeatable)")
     p.add_argument("--llama-server-bin", default=S.LLAMA_SERVER)
     p.add_argument("--llama-server-args", default="--no-repack")

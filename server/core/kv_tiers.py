@@ -203,7 +203,7 @@ class DiskBlockCache:
                 self._write_one(h, a)
 
     def _write_one(self, h: bytes, a: np.ndarray) -> None:
-        payload = np.ascontiguousarray(a).tobytes()
+        payload = memoryview(np.ascontiguousarray(a)).cast("B")      # written and hashed where it lies
         header = EntryHeader(FORMAT, self.digest, h.hex(), self.layout.dtype, self.layout.shape,
                              hashlib.sha256(payload).hexdigest())
         try:
