@@ -32,12 +32,13 @@ def unreadable_compile_cache_entries(cache_dir: str, since: float) -> list[str]:
     return out
 
 
-def rewrite_composites(module_bytes: bytes, replace) -> tuple[bytes, int]:
+def rewrite_composites(module_bytes: bytes, replace, kinds: tuple[str, ...] = ("stablehlo.composite",)
+                       ) -> tuple[bytes, int]:
     """Deserialize an exported StableHLO module, call `replace(op, mlir_api)` for every
-    stablehlo.composite (it returns True when it replaced the op with its own ops), and
-    serialize the result at the current StableHLO version (for this process's compile only).
-    `mlir_api` has ir, hlo, func (dialects), mlir (jax's helpers) and module (the module being
-    rewritten). Returns (bytes, number replaced)."""
+    stablehlo.composite (and every op of the other `kinds` named; it returns True when it replaced
+    the op with its own ops), and serialize the result at the current StableHLO version (for this
+    process's compile only). `mlir_api` has ir, hlo, func (dialects), mlir (jax's helpers) and module
+    (the module being rewritten). Returns (bytes, number replaced)."""
     import types
 
     from jax._src.interpreters import mlir
@@ -51,7 +52,7 @@ def rewrite_composites(module_bytes: bytes, replace) -> tuple[bytes, int]:
         found = []
 
         def visit(op):
-            if op.name == "stablehlo.composite":
+            if op.name in kinds:
                 found.append(op)
             return ir.WalkResult.ADVANCE
 

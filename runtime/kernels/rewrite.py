@@ -59,10 +59,11 @@ def swap(op, new) -> None:
     op.erase()
 
 
-def rewrite(exported: Any, replace: Callable[[Any, Any], bool]) -> tuple[Any, int]:
-    """`exported` with `replace(op, api)` applied to each composite (True: it replaced the op), for
-    this process's compile only; returns (function, number replaced)."""
-    body, n = _private.rewrite_composites(exported.mlir_module_serialized, replace)
+def rewrite(exported: Any, replace: Callable[[Any, Any], bool], kinds: tuple[str, ...] = ("stablehlo.composite",)
+            ) -> tuple[Any, int]:
+    """`exported` with `replace(op, api)` applied to each composite, and each op of the other `kinds`
+    named (True: it replaced the op), for this process's compile only; returns (function, number replaced)."""
+    body, n = _private.rewrite_composites(exported.mlir_module_serialized, replace, kinds)
     return (dataclasses.replace(exported, mlir_module_serialized=body) if n else exported), n
 
 
@@ -105,11 +106,39 @@ def read(exported: Any, read_module: Callable[[Any], Any]) -> Any:
     return _private.read_module(exported.mlir_module_serialized, read_module)
 
 
+def element_bits(ir, tensor_type) -> int | None:
+    """The width of a tensor type's elements, None for anything but integers and floats."""
+    e = tensor_type.element_type
+    e = e.maybe_downcast() if hasattr(e, "maybe_downcast") else e
+    return e.width if isinstance(e, (ir.IntegerType, ir.FloatType)) else None
+
+
+def same_bytes(ir, op) -> bool:
+    """Whether `op` gives its one operand's bytes another type only, each matrix [.., N, K] where it
+    was: a bitcast_convert to a type as wide, or a reshape or broadcast_in_dim that adds or drops
+    dims of size 1 before the last two (a tied LM head reads the table [V, H] as a stack [1, V, H]).
+    A layout of the operand's bytes (WeightLayout) is then the result's as well."""
+    op = op.operation
+    if op.name not in ("stablehlo.bitcast_convert", "stablehlo.reshape", "stablehlo.broadcast_in_dim"):
+        return False
+    a, b = (ir.RankedTensorType(v.type) for v in (op.operands[0], op.results[0]))
+    if not (a.has_static_shape and b.has_static_shape) or a.rank < 2 or b.rank < 2:
+        return False
+
+    if op.name == "stablehlo.broadcast_in_dim":          # no transpose among the dims it keeps
+        dims = list(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))
+        if dims != sorted(dims):
+            return False
+    return (list(a.shape[-2:]) == list(b.shape[-2:]) and element_bits(ir, a) == element_bits(ir, b) is not None
+            and [d for d in a.shape[:-2] if d != 1] == [d for d in b.shape[:-2] if d != 1])
+
+
 class Dataflow:
     """Where an exported function's inputs go in its module: a value's sources followed back, an
     input's readers followed forward, through the calls and the while loops that pass a value on
     unchanged (a scanned layer stack reaches its layer's composites through jax.export's wrapper,
-    the scan's while loop and its body's call). Inputs are numbered as `exported.in_avals` (main
+    the scan's while loop and its body's call) and the ops that only retype its bytes (`same_bytes`).
+    A reader is a composite or a stablehlo.gather. Inputs are numbered as `exported.in_avals` (main
     takes those jax kept: `module_kept_var_idx`; its global constants are none of them)."""
 
     def __init__(self, api, kept_var_idx):
@@ -146,13 +175,16 @@ class Dataflow:
                 return self.sources(parent.operands[n])
             return frozenset({-1})
         if isinstance(value, ir.OpResult):
-            if value.owner.operation.name == "stablehlo.while" and self._passes_on(value.owner, value.result_number):
+            owner = value.owner.operation
+            if owner.name == "stablehlo.while" and self._passes_on(value.owner, value.result_number):
                 return self.sources(value.owner.operands[value.result_number])
+            if same_bytes(ir, owner):
+                return self.sources(owner.operands[0])
         return frozenset({-1})
 
     def readers(self, index: int) -> list[tuple[Any, int]] | None:
-        """The composite ops that read input `index`, each with the operand it reads it as; None where
-        anything else reads it (it is used as it lies by some other op)."""
+        """The composite and gather ops that read input `index`, each with the operand it reads it as;
+        None where anything else reads it (it is used as it lies by some other op)."""
         out: list[tuple[Any, int]] = []
         args = [n for n, i in self.inputs.items() if i == index]
         return out if all(self._follow(self.main_args[n], out) for n in args) else None
@@ -166,8 +198,11 @@ class Dataflow:
         ir = self.ir
         for use in value.uses:
             op, n = use.owner, use.operand_number
-            if op.operation.name == "stablehlo.composite":
+            if op.operation.name == "stablehlo.composite" or (op.operation.name == "stablehlo.gather" and n == 0):
                 out.append((op, n))
+            elif same_bytes(ir, op.operation):
+                if not self._follow(op.results[0], out):
+                    return False
             elif op.operation.name == "func.call":
                 callee = self.funcs[ir.FlatSymbolRefAttr(op.attributes["callee"]).value]
                 if not self._follow(callee.regions[0].blocks[0].arguments[n], out):

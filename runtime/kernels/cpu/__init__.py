@@ -17,7 +17,9 @@ composites is offered laid out as B tiles (layouts.py); where runtime.load lays 
 call `hloserve_layer_linear_tiles` at every row count (the decomposition could not read it): AMX tile
 multiplies, or AVX512-BF16 outer products (linear.h's b_tiles_pairs). With AMX, a mixture of
 experts' bf16 gate_up and down stacks are offered together the same way, for
-`hloserve_grouped_experts_tiles`.
+`hloserve_grouped_experts_tiles`. A bf16 embedding table read by a tied LM head's layer_linear and by
+the embedding's gather of rows is offered too: `specialize` then replaces that gather by one that
+reads the rows from the tiles (layouts.tile_row_gather; the same values).
 """
 from __future__ import annotations
 
@@ -54,8 +56,12 @@ class CpuBackend:
             return {}
 
         def tiles_read(api, flow: Dataflow, op, n: int, index: int) -> bool:
-            """Whether operand n of op (a composite) reads input `index` as a B-tile kernel would: a
-            bf16 layer_linear's weights, or a bf16 grouped_experts' gate_up or down where both fit."""
+            """Whether operand n of op (a composite or a gather) reads input `index` as a B-tile kernel
+            would: a bf16 layer_linear's weights, a bf16 grouped_experts' gate_up or down where both fit,
+            or a gather of the rows of a matrix that such a composite reads too (a tied embedding table,
+            its rows read from the tiles by `specialize`)."""
+            if op.operation.name == "stablehlo.gather":
+                return layouts.row_gather(api, op)
             info = composite_of(api, op)
             at = n - (len(op.operands) - len(info.operands))               # the composite's own operand
             if info.attributes.get("holds") != 1 or flow.sources(op.operands[n]) != {index}:
@@ -71,7 +77,8 @@ class CpuBackend:
             out = {}
             for index in flow.inputs.values():
                 readers = flow.readers(index)
-                if readers and all(tiles_read(api, flow, op, n, index) for op, n in readers):
+                if readers and all(tiles_read(api, flow, op, n, index) for op, n in readers) \
+                        and any(op.operation.name == "stablehlo.composite" for op, _ in readers):
                     out[index] = layouts.B_TILES
             # the experts' kernel reads both stacks as tiles or neither: an offer whose partner is not
             # offered (read by something else too) is withdrawn, until none is left alone
@@ -93,6 +100,14 @@ class CpuBackend:
 
         def replace(op, api) -> bool:
             nonlocal used, flow
+            if op.operation.name == "stablehlo.gather":     # only a laid-out table's rows (kinds below)
+                flow = flow or Dataflow(api, exported.module_kept_var_idx)
+                if not flow.sources(op.operands[0]) & laid_out:
+                    return False
+                with api.ir.InsertionPoint(op):
+                    swap(op, layouts.tile_row_gather(api, op))
+                choices.append(["gather", 0, "b_tiles_rows", None])
+                return True
             info = composite_of(api, op)
             target = TARGETS.get(info.key)
             if laid_out:
@@ -127,7 +142,8 @@ class CpuBackend:
             swap(op, new)
             return True
 
-        fn, _ = rewrite(exported, replace)
+        fn, _ = rewrite(exported, replace, ("stablehlo.composite", "stablehlo.gather") if laid_out else
+                        ("stablehlo.composite",))
         return Specialized(fn, used, digest=_digest(self.library, choices) if used else None)
 
 
@@ -138,6 +154,8 @@ _TILES = {LAYER_LINEAR.key: (LAYER_LINEAR_TILES, (1,)), GROUPED_EXPERTS.key: (GR
 def _partner(api, flow: Dataflow, op, n: int) -> set[int]:
     """The inputs an experts composite reading its operand n as tiles needs laid out with it (the
     other stack's); none for any other reader."""
+    if op.operation.name != "stablehlo.composite":
+        return set()
     info = composite_of(api, op)
     at = n - (len(op.operands) - len(info.operands))
     if info.key != GROUPED_EXPERTS.key or at not in (3, 4):

@@ -15,13 +15,17 @@ one vdpbf16ps multiplies against a broadcast pair of x (linear.h's b_tiles_pairs
 with the sums in lanes, 0.58x the row routines' time for the default model's linears at 16 rows. A mixture of experts' gate_up and down stacks
 [L, E, N, K] go the same way, each expert's matrix as a layer, for `hloserve_grouped_experts_tiles`
 (experts.cc: AMX tiles for every expert with rows, where grouped_experts leaves experts of fewer
-than 16 rows to its row routines, whose sums run in another order).
+than 16 rows to its row routines, whose sums run in another order). An embedding table [V, H] that an
+LM head reads through layer_linear too (tied) goes the same way, and its lookup, a gather of rows,
+reads them from the tiles (`tile_row_gather`): the head at 16 decode rows was 13% of a step read in
+place (docs/performance.md, "The tied LM head as B tiles").
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..backend import WeightLayout
+from ..rewrite import element_bits
 
 
 def _b_tiles(w: np.ndarray) -> np.ndarray:
@@ -35,6 +39,58 @@ def _b_tiles(w: np.ndarray) -> np.ndarray:
 
 
 B_TILES = WeightLayout("amx_b_tiles", _b_tiles)
+
+
+def row_gather(api, op) -> bool:
+    """Whether `op` is a stablehlo.gather of whole rows of a 16-bit matrix [V, H] (an embedding
+    lookup: indices [..., 1], the rows' values last), the one form `tile_row_gather` reads B tiles in."""
+    ir = api.ir
+    if op.operation.name != "stablehlo.gather":
+        return False
+    table, idx = (ir.RankedTensorType(v.type) for v in op.operands[:2])
+    if table.rank != 2 or not table.has_static_shape or not b_tiles_fit((1, *table.shape)):
+        return False
+    if element_bits(ir, table) != 16:
+        return False
+    dn = api.hlo.GatherDimensionNumbers(op.attributes["dimension_numbers"])
+    r = idx.rank
+    return (idx.shape[-1] == 1 and dn.index_vector_dim == r - 1 and list(dn.offset_dims) == [r - 1]
+            and list(dn.collapsed_slice_dims) == [0] and list(dn.start_index_map) == [0]
+            and not list(dn.operand_batching_dims)
+            and list(api.ir.DenseI64ArrayAttr(op.attributes["slice_sizes"])) == [1, table.shape[1]])
+
+
+def tile_row_gather(api, op):
+    """The rows a `row_gather` op takes, read from its matrix laid out as B tiles: row v is, for each
+    chunk c and tile row r, the pair [v // 16, c, r, v % 16] (`_b_tiles`), so one gather of the tiles
+    viewed as [V/16, H/32, 16, 16, 2] at (v // 16, v % 16) gives its H values in order. The same values
+    as the gather of the matrix as the artifact has it, for every row index in [0, V) (a tokenizer's
+    ids, which the server checks; past V the two clamp differently)."""
+    ir, hlo = api.ir, api.hlo
+    table, idx = op.operands[:2]
+    V, H = ir.RankedTensorType(table.type).shape
+    it = ir.RankedTensorType(idx.type)
+    r, i32 = it.rank, ir.IntegerType.get_signless(32)
+
+    def const(value, shape=(), t=i32):
+        return hlo.constant(ir.DenseElementsAttr.get_splat(ir.RankedTensorType.get(list(shape), t),
+                                                           ir.IntegerAttr.get(t, value)))
+
+    def dims(n):                               # idx's first n dims as a shape tensor (symbolic or not)
+        return [hlo.reshape(ir.RankedTensorType.get([1], i32), hlo.get_dimension_size(idx, d)) for d in range(n)]
+    shape = hlo.concatenate(dims(r), 0)
+    sixteen = hlo.dynamic_broadcast_in_dim(it, const(16, t=it.element_type), shape, [])
+    at = hlo.concatenate([hlo.divide(idx, sixteen), hlo.remainder(idx, sixteen)], r - 1)
+    elem = ir.RankedTensorType(table.type).element_type
+    tiles = hlo.reshape(ir.RankedTensorType.get([V // 16, H // 32, 16, 16, 2], elem), table)
+    dn = hlo.GatherDimensionNumbers.get(offset_dims=[r - 1, r, r + 1], collapsed_slice_dims=[0, 3],
+                                        operand_batching_dims=[], start_indices_batching_dims=[],
+                                        start_index_map=[0, 3], index_vector_dim=r - 1)
+    batch = list(it.shape[:-1])
+    rows = hlo.gather(tiles, at, dn, [1, H // 32, 16, 1, 2], indices_are_sorted=False,
+                      results=[ir.RankedTensorType.get([*batch, H // 32, 16, 2], elem)])
+    out = hlo.concatenate([*dims(r - 1), const(H, (1,))], 0)
+    return hlo.dynamic_reshape(op.results[0].type, rows, out).owner
 
 
 def b_tiles_fit(shape) -> bool:
