@@ -134,7 +134,9 @@ class ModelRunner:
         shape = kv.concrete_shape(self.num_blocks)                         # e.g. [L, 2, kvh, N, bs, hd]
         split = fns[policy.decode_fn].input_sharding(kv.input)            # each device allocates its part
         self.kv_cache = jax.jit(lambda: jnp.zeros(shape, kv.numpy_dtype), out_shardings=split)()
-        zeroed_in_huge_pages(self.kv_cache)    # on a CPU: the decode steps' block reads cross no 4 KiB pages
+        # on a CPU: the decode steps' block reads cross no 4 KiB pages, and the pages are faulted in
+        # by a background thread, not by the first step that writes each block
+        zeroed_in_huge_pages(self.kv_cache, populate=True)
         self.kv_cache_bytes = kv.bytes_per_block * self.num_blocks
         # adapter slots (LoraSpec): the table's stacks, placed on the device after each change
         self.adapters = AdapterTable(llm.lora) if llm.lora is not None else None

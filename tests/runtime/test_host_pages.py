@@ -97,6 +97,40 @@ def test_a_zeroed_cache_moves_onto_huge_pages_in_place_and_keeps_serving_its_val
         assert _huge_bytes_at(first) >= host_pages.HUGE_PAGE, "the written cache is in 4 KiB pages"
 
 
+def test_a_zeroed_cache_is_faulted_in_by_a_background_thread_and_keeps_its_values():
+    """With populate=True a daemon thread maps the cache's pages in (MADV_POPULATE_WRITE) before any
+    step writes them, in huge pages where the kernel's THP is on; values written meanwhile and after
+    are the values read (the thread maps pages, it writes nothing)."""
+    import os
+    import threading
+    shape = (8, 1024, 1024)                                        # 16 MiB of int16
+    cache = jax.jit(lambda: jax.numpy.zeros(shape, np.int16))()
+    address = cache.unsafe_buffer_pointer()
+    write = jax.jit(lambda c, v: c + v, donate_argnums=0)
+    moved = host_pages.zeroed_in_huge_pages(cache, populate=True)
+    assert moved >= 7 * host_pages.HUGE_PAGE
+    for t in threading.enumerate():
+        if t.name == "hloserve-populate":
+            t.join(30)
+            assert not t.is_alive()
+    release = tuple(int(v) for v in os.uname().release.split(".")[:2] if v.isdigit())
+    first = -(-address // host_pages.HUGE_PAGE) * host_pages.HUGE_PAGE
+    if _thp_mode() in ("always", "madvise") and release >= (5, 14):    # mapped in, nothing written yet
+        assert _huge_bytes_at(first) >= 7 * host_pages.HUGE_PAGE
+    assert not np.asarray(cache).any()
+    cache = write(cache, np.int16(2))
+    got = np.asarray(cache)
+    assert cache.unsafe_buffer_pointer() == address and got.min() == got.max() == 2
+    again = jax.jit(lambda: jax.numpy.zeros(shape, np.int16))()       # ... and with a step writing meanwhile
+    host_pages.zeroed_in_huge_pages(again, populate=True)
+    again = write(again, np.int16(5))
+    for t in threading.enumerate():
+        if t.name == "hloserve-populate":
+            t.join(30)
+    got = np.asarray(again)
+    assert got.min() == got.max() == 5
+
+
 def test_memory_that_is_not_anonymous_and_private_is_left_alone(tmp_path):
     """Dropped pages of a file mapping would read the file back, not zeros: refused."""
     import mmap

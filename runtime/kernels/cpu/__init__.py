@@ -102,8 +102,12 @@ class CpuBackend:
             nonlocal used, flow
             if op.operation.name == "stablehlo.gather":     # only a laid-out table's rows (kinds below)
                 flow = flow or Dataflow(api, exported.module_kept_var_idx)
-                if not flow.sources(op.operands[0]) & laid_out:
+                sources = flow.sources(op.operands[0])
+                if not sources & laid_out:
                     return False
+                if not sources <= laid_out:
+                    raise ValueError(f"a gather reads inputs {sorted(sources)}, of which only "
+                                     f"{sorted(sources & laid_out)} are laid out: only layouts() offers may be laid out")
                 with api.ir.InsertionPoint(op):
                     swap(op, layouts.tile_row_gather(api, op))
                 choices.append(["gather", 0, "b_tiles_rows", None])
