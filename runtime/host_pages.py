@@ -11,7 +11,8 @@ MADV_COLLAPSE asks again), and the device array aliases that copy. Where the ker
 transparent huge pages the copy still holds the weights, in 4 KiB pages, as fast as before.
 
 The server's KV cache is XLA's own buffer (a copy jax aliased could not be donated from step to
-step), so it moves onto huge pages in place, once, while it is all zeros (`zeroed_in_huge_pages`).
+step), so it moves onto huge pages in place, once, while it is all zeros (`zeroed_in_huge_pages`),
+and a background thread faults those pages in before the steps write them (`populate_in_background`).
 """
 from __future__ import annotations
 
@@ -85,9 +86,23 @@ def zeroed_in_huge_pages(array: Any, populate: bool = False) -> int:
                 and _madvise(first, last - first, getattr(mmap, "MADV_HUGEPAGE", 14)) \
                 and _madvise(first, last - first, getattr(mmap, "MADV_DONTNEED", 4)):
             done += last - first
-            if populate:
+            if populate and last - first <= 0.8 * available_bytes():
                 populate_in_background(first, last - first)
     return done
+
+
+def available_bytes() -> float:
+    """MemAvailable of /proc/meminfo: a cache larger than this is left to fault in as steps write it
+    (populating it all would bring the out-of-memory killer, where the blocks a server uses may fit);
+    infinite where the kernel does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return float("inf")
 
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux 5.14+

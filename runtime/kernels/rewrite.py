@@ -124,7 +124,6 @@ def same_bytes(ir, op) -> bool:
     a, b = (ir.RankedTensorType(v.type) for v in (op.operands[0], op.results[0]))
     if not (a.has_static_shape and b.has_static_shape) or a.rank < 2 or b.rank < 2:
         return False
-
     if op.name == "stablehlo.broadcast_in_dim":          # no transpose among the dims it keeps
         dims = list(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))
         if dims != sorted(dims):

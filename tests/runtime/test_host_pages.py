@@ -131,6 +131,20 @@ def test_a_zeroed_cache_is_faulted_in_by_a_background_thread_and_keeps_its_value
     assert got.min() == got.max() == 5
 
 
+def test_a_cache_larger_than_the_available_memory_is_not_populated(monkeypatch):
+    """Faulting in more than MemAvailable would bring the out-of-memory killer: such a cache is left
+    to fault in as the steps write it."""
+    import threading
+    started = []
+    monkeypatch.setattr(host_pages, "available_bytes", lambda: 4 * host_pages.HUGE_PAGE)
+    monkeypatch.setattr(host_pages, "populate_in_background", lambda *a: started.append(a))
+    cache = jax.jit(lambda: jax.numpy.zeros((8, 1024, 1024), np.int16))()   # 16 MiB > 0.8 x 8 MiB
+    assert host_pages.zeroed_in_huge_pages(cache, populate=True) >= 7 * host_pages.HUGE_PAGE
+    assert started == [] and not any(t.name == "hloserve-populate" for t in threading.enumerate())
+    monkeypatch.undo()
+    assert host_pages.available_bytes() > 16 << 20            # this machine's own figure
+
+
 def test_memory_that_is_not_anonymous_and_private_is_left_alone(tmp_path):
     """Dropped pages of a file mapping would read the file back, not zeros: refused."""
     import mmap

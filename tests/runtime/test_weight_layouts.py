@@ -67,7 +67,7 @@ def test_layer_stacks_go_to_the_device_as_b_tiles_and_the_steps_keep_their_bits(
 def test_rows_gathered_from_a_table_laid_out_as_b_tiles_are_its_rows():
     """The gather `specialize` puts in place of an embedding lookup of a laid-out table (layouts.py's
     tile_row_gather) returns each row's values exactly, at any number of ids (symbolic), every row of
-    every tile included."""
+    every tile included, and clamps an id outside the table as the gather it replaces does."""
     import jax
     import jax.numpy as jnp
     from jax import export
@@ -83,6 +83,10 @@ def test_rows_gathered_from_a_table_laid_out_as_b_tiles_are_its_rows():
     assert specialized.exported is not exp          # the gather was replaced
     tiled = np.ascontiguousarray(layouts.B_TILES.arrange(table)).view(table.dtype).reshape(V, H)
     assert not np.array_equal(tiled, table)
-    for ids in (np.arange(V, dtype=np.int32)[::-1], np.array([5], np.int32), np.array([63, 0, 16, 17, 15], np.int32)):
+    for ids in (np.arange(V, dtype=np.int32)[::-1], np.array([5], np.int32), np.array([63, 0, 16, 17, 15], np.int32),
+                np.array([64, 1000, -1, -77, 31], np.int32)):
         got = np.asarray(jax.jit(specialized.exported.call)(tiled, ids))
-        np.testing.assert_array_equal(got.view(np.uint16), table[ids].view(np.uint16))
+        want = np.asarray(jax.jit(exp.call)(table, ids))
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+        inside = (ids >= 0) & (ids < V)                   # (jax's indexing wraps negative ids before its gather)
+        np.testing.assert_array_equal(got[inside].view(np.uint16), table[ids[inside]].view(np.uint16))

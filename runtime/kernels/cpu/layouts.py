@@ -64,8 +64,8 @@ def tile_row_gather(api, op):
     """The rows a `row_gather` op takes, read from its matrix laid out as B tiles: row v is, for each
     chunk c and tile row r, the pair [v // 16, c, r, v % 16] (`_b_tiles`), so one gather of the tiles
     viewed as [V/16, H/32, 16, 16, 2] at (v // 16, v % 16) gives its H values in order. The same values
-    as the gather of the matrix as the artifact has it, for every row index in [0, V) (a tokenizer's
-    ids, which the server checks; past V the two clamp differently)."""
+    as the gather of the matrix as the artifact has it, for every index: one outside [0, V) is clamped
+    into it first, as the gather clamps its start indices (the step's tokens beyond the vocabulary)."""
     ir, hlo = api.ir, api.hlo
     table, idx = op.operands[:2]
     V, H = ir.RankedTensorType(table.type).shape
@@ -80,7 +80,8 @@ def tile_row_gather(api, op):
         return [hlo.reshape(ir.RankedTensorType.get([1], i32), hlo.get_dimension_size(idx, d)) for d in range(n)]
     shape = hlo.concatenate(dims(r), 0)
     sixteen = hlo.dynamic_broadcast_in_dim(it, const(16, t=it.element_type), shape, [])
-    at = hlo.concatenate([hlo.divide(idx, sixteen), hlo.remainder(idx, sixteen)], r - 1)
+    row = hlo.clamp(const(0, t=it.element_type), idx, const(V - 1, t=it.element_type))   # as the gather clamps
+    at = hlo.concatenate([hlo.divide(row, sixteen), hlo.remainder(row, sixteen)], r - 1)
     elem = ir.RankedTensorType(table.type).element_type
     tiles = hlo.reshape(ir.RankedTensorType.get([V // 16, H // 32, 16, 16, 2], elem), table)
     dn = hlo.GatherDimensionNumbers.get(offset_dims=[r - 1, r, r + 1], collapsed_slice_dims=[0, 3],
