@@ -74,7 +74,7 @@ def zeroed_in_huge_pages(array: Any, populate: bool = False) -> int:
     (docs/performance.md, "A fresh server's first prompts pay for the KV cache's pages")."""
     if sys.platform != "linux":
         return 0
-    done = 0
+    done, moved = 0, []
     for shard in getattr(array, "addressable_shards", ()):
         data = shard.data
         if shard.device.platform != "cpu" or data.nbytes < HUGE_PAGE:
@@ -86,23 +86,32 @@ def zeroed_in_huge_pages(array: Any, populate: bool = False) -> int:
                 and _madvise(first, last - first, getattr(mmap, "MADV_HUGEPAGE", 14)) \
                 and _madvise(first, last - first, getattr(mmap, "MADV_DONTNEED", 4)):
             done += last - first
-            if populate and last - first <= 0.8 * available_bytes():
-                populate_in_background(first, last - first)
+            moved.append((first, last - first))
+    if populate and done <= 0.8 * available_bytes():      # every shard's pages, or none
+        for first, length in moved:
+            populate_in_background(first, length)
     return done
 
 
 def available_bytes() -> float:
-    """MemAvailable of /proc/meminfo: a cache larger than this is left to fault in as steps write it
-    (populating it all would bring the out-of-memory killer, where the blocks a server uses may fit);
-    infinite where the kernel does not say."""
+    """The memory this process may still fault in: MemAvailable of /proc/meminfo, and below it the
+    room left under its cgroup's limit (a container's: /proc/meminfo there reports the whole host's);
+    infinite where neither says. A cache larger than this is left to fault in as steps write it
+    (populating it all would bring the out-of-memory killer, where the blocks a server uses may fit)."""
+    room = [float("inf")]
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            room += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
     except (OSError, ValueError, IndexError):
         pass
-    return float("inf")
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),                     # v2
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit) as f, open(usage) as g:
+                room.append(int(f.read()) - int(g.read()))          # "max" (no limit) is not a number
+        except (OSError, ValueError):
+            pass
+    return min(room)
 
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux 5.14+

@@ -145,6 +145,22 @@ def test_a_cache_larger_than_the_available_memory_is_not_populated(monkeypatch):
     assert host_pages.available_bytes() > 16 << 20            # this machine's own figure
 
 
+def test_the_available_memory_is_the_room_under_a_containers_limit(monkeypatch):
+    """In a container /proc/meminfo reports the host; the cgroup's limit less its usage bounds it."""
+    import io
+    files = {"/proc/meminfo": "MemTotal: 100000000 kB\nMemAvailable: 90000000 kB\n",
+             "/sys/fs/cgroup/memory.max": str(4 << 30), "/sys/fs/cgroup/memory.current": str(1 << 30)}
+
+    def fake_open(path, *a, **k):
+        if path not in files:
+            raise FileNotFoundError(path)
+        return io.StringIO(files[path])
+    monkeypatch.setattr(host_pages, "open", fake_open, raising=False)
+    assert host_pages.available_bytes() == 3 << 30
+    files["/sys/fs/cgroup/memory.max"] = "max"                       # no limit: the host's figure
+    assert host_pages.available_bytes() == 90000000 * 1024
+
+
 def test_memory_that_is_not_anonymous_and_private_is_left_alone(tmp_path):
     """Dropped pages of a file mapping would read the file back, not zeros: refused."""
     import mmap
