@@ -67,6 +67,21 @@ def rewrite(exported: Any, replace: Callable[[Any, Any], bool], kinds: tuple[str
     return (dataclasses.replace(exported, mlir_module_serialized=body) if n else exported), n
 
 
+def constant(api, value: int, shape=(), element=None):
+    """A constant integer tensor of `shape` holding `value` everywhere (i32 unless `element` says)."""
+    ir = api.ir
+    element = element or ir.IntegerType.get_signless(32)
+    return api.hlo.constant(ir.DenseElementsAttr.get_splat(ir.RankedTensorType.get(list(shape), element),
+                                                           ir.IntegerAttr.get(element, value)))
+
+
+def dim_size(api, value, d: int):
+    """Dimension d of `value` (static or symbolic) as an i32[1], for the shape tensors of dynamic ops."""
+    ir = api.ir
+    return api.hlo.reshape(ir.RankedTensorType.get([1], ir.IntegerType.get_signless(32)),
+                           api.hlo.get_dimension_size(value, d))
+
+
 def custom_call(api, target: str, result_types, operands, config, dims=None):
     """An FFI custom call `target` (api v4) replacing a composite: `config` (the composite's
     attributes) as its backend config, and, where the result has symbolic dims, those dims as
@@ -74,16 +89,10 @@ def custom_call(api, target: str, result_types, operands, config, dims=None):
     ir, hlo = api.ir, api.hlo
     shape = None
     if not all(ir.RankedTensorType(t).has_static_shape for t in result_types):
-        i32 = ir.IntegerType.get_signless(32)
         dims = dims or [(0, d) for d in range(ir.RankedTensorType(operands[0].type).rank)]
         result = ir.RankedTensorType(result_types[0])
-
-        def size(r: int, where):
-            if where is None:   # a static dim of the result
-                return hlo.constant(ir.DenseElementsAttr.get_splat(ir.RankedTensorType.get([1], i32),
-                                                                   ir.IntegerAttr.get(i32, result.get_dim_size(r))))
-            return hlo.reshape(ir.RankedTensorType.get([1], i32), hlo.get_dimension_size(operands[where[0]], where[1]))
-        shape = [hlo.concatenate([size(r, where) for r, where in enumerate(dims)], 0)]
+        shape = [hlo.concatenate([constant(api, result.get_dim_size(r), (1,)) if where is None   # a static dim
+                                  else dim_size(api, operands[where[0]], where[1]) for r, where in enumerate(dims)], 0)]
     return api.mlir.custom_call(target, result_types=result_types, operands=operands, backend_config=config,
                                 api_version=4, result_shapes=shape)
 

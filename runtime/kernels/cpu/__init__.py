@@ -31,7 +31,7 @@ from typing import Any
 from hloserve.runtime.artifact.kernels import GROUPED_EXPERTS, LAYER_LINEAR
 
 from ..backend import Specialized, WeightLayout
-from ..rewrite import Dataflow, composite_of, custom_call, decomposition_call, read, rewrite, swap
+from ..rewrite import Dataflow, composite_of, constant, custom_call, decomposition_call, read, rewrite, swap
 from . import build, layouts
 from .build import Library
 from .targets import GROUPED_EXPERTS_TILES, LAYER_LINEAR_TILES, TARGETS
@@ -196,10 +196,8 @@ def _kernel_or_decomposition(api, op, operands, config, target, limit: int | Non
         return decomposition_call(api, op), 0
     if limit is None or static:
         return kernel(), 1
-    i32 = ir.IntegerType.get_signless(32)
     n = hlo.get_dimension_size(operands[0], 0)
-    bound = hlo.constant(ir.DenseElementsAttr.get_splat(ir.RankedTensorType.get([], i32), ir.IntegerAttr.get(i32, limit)))
-    new = hlo.IfOp(result_types, hlo.compare(n, bound, hlo.ComparisonDirectionAttr.get("LE")))
+    new = hlo.IfOp(result_types, hlo.compare(n, constant(api, limit), hlo.ComparisonDirectionAttr.get("LE")))
     with ir.InsertionPoint(new.true_branch.blocks.append()):
         hlo.return_(list(kernel().results))
     with ir.InsertionPoint(new.false_branch.blocks.append()):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import WeightLayout
-from ..rewrite import element_bits
+from ..rewrite import constant, dim_size, element_bits
 
 
 def _b_tiles(w: np.ndarray) -> np.ndarray:
@@ -70,17 +70,10 @@ def tile_row_gather(api, op):
     table, idx = op.operands[:2]
     V, H = ir.RankedTensorType(table.type).shape
     it = ir.RankedTensorType(idx.type)
-    r, i32 = it.rank, ir.IntegerType.get_signless(32)
-
-    def const(value, shape=(), t=i32):
-        return hlo.constant(ir.DenseElementsAttr.get_splat(ir.RankedTensorType.get(list(shape), t),
-                                                           ir.IntegerAttr.get(t, value)))
-
-    def dims(n):                               # idx's first n dims as a shape tensor (symbolic or not)
-        return [hlo.reshape(ir.RankedTensorType.get([1], i32), hlo.get_dimension_size(idx, d)) for d in range(n)]
-    shape = hlo.concatenate(dims(r), 0)
-    sixteen = hlo.dynamic_broadcast_in_dim(it, const(16, t=it.element_type), shape, [])
-    row = hlo.clamp(const(0, t=it.element_type), idx, const(V - 1, t=it.element_type))   # as the gather clamps
+    r, e = it.rank, it.element_type
+    shape = hlo.concatenate([dim_size(api, idx, d) for d in range(r)], 0)     # symbolic or not
+    sixteen = hlo.dynamic_broadcast_in_dim(it, constant(api, 16, element=e), shape, [])
+    row = hlo.clamp(constant(api, 0, element=e), idx, constant(api, V - 1, element=e))   # as the gather clamps
     at = hlo.concatenate([hlo.divide(row, sixteen), hlo.remainder(row, sixteen)], r - 1)
     elem = ir.RankedTensorType(table.type).element_type
     tiles = hlo.reshape(ir.RankedTensorType.get([V // 16, H // 32, 16, 16, 2], elem), table)
@@ -90,7 +83,7 @@ def tile_row_gather(api, op):
     batch = list(it.shape[:-1])
     rows = hlo.gather(tiles, at, dn, [1, H // 32, 16, 1, 2], indices_are_sorted=False,
                       results=[ir.RankedTensorType.get([*batch, H // 32, 16, 2], elem)])
-    out = hlo.concatenate([*dims(r - 1), const(H, (1,))], 0)
+    out = hlo.concatenate([*(dim_size(api, idx, d) for d in range(r - 1)), constant(api, H, (1,))], 0)
     return hlo.dynamic_reshape(op.results[0].type, rows, out).owner
 
 
