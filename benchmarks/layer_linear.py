@@ -2,12 +2,14 @@
 per matrix shape and row count, in TFLOP/s.
 
     PYTHONPATH=.hl:. python benchmarks/layer_linear.py [--shapes 576x576,1536x576,576x1536]
-                                                       [--rows 64,128,256,512,2048] [--repeats 7]
+                                                       [--rows 64,128,256,512,2048] [--repeats 7] [--tiles]
 
 A shape is NxK (the matrix's output rows x input columns; bf16, a stack of 2 layers). Every row
 count runs the kernel here (the targets table's row limit set aside: this is what sets it) and the
 decomposition, alternately call by call; each prints the median of --repeats calls after one
 untimed one (and the fastest, the machine being shared), and the kernel's speed-up (medians).
+`--tiles` times the kernel over the matrix laid out as B tiles (`hloserve_layer_linear_tiles`, as
+runtime.load lays a stack out where this CPU's kernels read tiles) instead of the rows kernel.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=f"{SMOLLM2},{LLAMA_1B}")
     ap.add_argument("--rows", default="64,128,256,512,2048")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--tiles", action="store_true", help="the kernel reads the matrix laid out as B tiles")
     args = ap.parse_args(argv)
 
     import jax
@@ -37,7 +40,7 @@ def main(argv=None) -> int:
     from hloserve.exporter.composites.layer_linear import layer_linear_reference
     from hloserve.runtime import kernels
     from hloserve.runtime.artifact.kernels import LAYER_LINEAR
-    from hloserve.runtime.kernels.cpu import build, targets
+    from hloserve.runtime.kernels.cpu import build, layouts, targets
 
     lib = build.library()
     if lib is None:
@@ -60,21 +63,24 @@ def main(argv=None) -> int:
         exp = export.export(jax.jit(f), platforms=("cpu",))(
             jax.ShapeDtypeStruct((m, K), np.float32), jax.ShapeDtypeStruct(w.shape, w.dtype),
             jax.ShapeDtypeStruct((), np.int32))
-        spec = backend.specialize(exp)
+        spec = backend.specialize(exp, laid_out=frozenset({1}) if args.tiles else frozenset())
         assert spec.kernels == 1
         print(f"{shape}: the targets table's limit on this CPU: "
               f"{row.limit(build.cpu(), {'holds': 1}, ((None, K), w.shape, ()))} rows")
         fns = {"kernel": jax.jit(spec.exported.call), "xla": jax.jit(portable.specialize(exp).exported.call)}
         wd = jax.device_put(w)
+        wk = jax.device_put(np.ascontiguousarray(layouts.B_TILES.arrange(w)).view(w.dtype).reshape(w.shape)
+                            if args.tiles else w)
         for rows in (int(r) for r in args.rows.split(",")):
             x = jax.device_put(rng.standard_normal((rows, K)).astype(np.float32))
             times = {name: [] for name in fns}
+            operand = {"kernel": wk, "xla": wd}
             for name, fn in fns.items():
-                fn(x, wd, np.int32(1)).block_until_ready()
+                fn(x, operand[name], np.int32(1)).block_until_ready()
             for _ in range(args.repeats):
                 for name, fn in fns.items():
                     t0 = time.perf_counter()
-                    fn(x, wd, np.int32(1)).block_until_ready()
+                    fn(x, operand[name], np.int32(1)).block_until_ready()
                     times[name].append(time.perf_counter() - t0)
             k, x_ = statistics.median(times["kernel"]), statistics.median(times["xla"])
             flops = 2.0 * rows * N * K

@@ -160,9 +160,22 @@ def quantize_blocks(x, xp):
     decomposition's and the Pallas kernels' operand; the torch twin is quantization.modules')."""
     m, k = x.shape
     xb = xp.pad(x, ((0, 0), (0, -k % X_BLOCK))).reshape(m, -1, X_BLOCK)     # [M, B, 32]
-    d = xp.max(xp.abs(xb), axis=-1, keepdims=True) / xp.float32(127)
-    q = xp.where(d > 0, xp.round(xb / xp.where(d > 0, d, 1)), 0)           # round half to even
+    amax = xp.max(xp.abs(xb), axis=-1, keepdims=True)
+    d = _divide(amax, xp.float32(127), xp)
+    q = xp.where(d > 0, xp.round(_divide(xb, xp.where(d > 0, d, 1), xp)), 0)   # round half to even
     return (q * d).reshape(m, -1)[:, :k]                                  # [M, K]
+
+
+def _divide(a, b, xp):
+    """a / b (b broadcast to a's shape), an IEEE division under every array library. XLA's
+    simplifier turns a division by a broadcast value into a multiply by its reciprocal, which can be
+    an ulp off the quotient, and round(x / d) then takes the other side of a tie (a step's logits moved
+    by 0.1 where the kernels' division and torch's agreed): under jax the divisor goes behind an
+    optimization barrier at a's shape, where the simplifier cannot see it."""
+    if getattr(xp, "__name__", "") != "jax.numpy":
+        return a / b
+    import jax
+    return a / jax.lax.optimization_barrier(xp.broadcast_to(b, a.shape))
 
 
 # bytes of one K-quant super-block's header (QUANT_LINEAR_V3's `blocks`), by block type

@@ -398,9 +398,15 @@ def test_a_k_quant_mix_along_the_layers_is_scanned_by_segments(tmp_path):
         ref, ref_cache = entries[0].module(**{k: torch.from_numpy(v) for k, v in inputs.items()},
                                            kv_cache=torch.from_numpy(cache))
     np.testing.assert_allclose(np.asarray(out["logits"]), ref.numpy(), atol=1e-4, rtol=0)
-    # [L, 2, kv heads, blocks, 16, head dim]: block 0 is the null block, which padding rows write here
-    np.testing.assert_allclose(np.asarray(out["kv_cache"])[:, :, :, 1:], ref_cache.numpy()[:, :, :, 1:], atol=1e-4,
-                               rtol=0)
+    # [L, 2, kv heads, blocks, 16, head dim]: block 0 is the null block, which padding rows write here.
+    # Each linear quantizes its activations to int8 per 32-element block (Q8_0), so where a sum lies an
+    # ulp from a rounding boundary, another summation order (the decomposition's dot, not the kernel's:
+    # a CPU without VNNI runs it at 16 rows) moves its code by one, and that step of max|x| / 127 goes on
+    # through the later layers' K/V: a bound of 2e-3 of the cache's largest value (0.0027 of 13
+    # measured on such a CPU), where a layer reading or writing another's cache is off by its values.
+    want_cache = ref_cache.numpy()[:, :, :, 1:]
+    np.testing.assert_allclose(np.asarray(out["kv_cache"])[:, :, :, 1:], want_cache,
+                               atol=2e-3 * np.abs(want_cache).max(), rtol=0)
     assert (np.abs(ref_cache.numpy()[:, :, :, 1]).max(axis=(1, 2, 3, 4)) > 0).all()     # every layer wrote its K/V
 
 

@@ -28,6 +28,9 @@
 #include <string>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include <sys/syscall.h>

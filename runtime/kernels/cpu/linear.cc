@@ -264,7 +264,23 @@ void tiles_pairs(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, co
 }
 #endif
 
-// Without AMX or AVX512-BF16: linear.h's b_tiles_portable, a row of x per task (rounded once)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+// With AVX2 and FMA only: x packed as f32 pairs (linear.h's pack_pairs_f32), then each thread's
+// share of the tiles through b_tiles_avx2
+void tiles_avx2(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                float* out) {
+  const int64_t KC = K / 32, blocks = (M + 15) / 16, tiles = N / 16;
+  LineVector<float> xp(blocks * KC * 512);
+  auto pack_block = [&](int64_t g) {
+    pack_pairs_f32(x + 16 * g * K, std::min<int64_t>(16, M - 16 * g), K, xp.data() + g * KC * 512);
+  };
+  if (blocks == 1) pack_block(0);
+  else parallel_for(pool, blocks, 1, pack_block);
+  even_shares(pool, tiles, [&](int64_t t0, int64_t t1) { b_tiles_avx2(xp.data(), M, KC, w, t0, t1, out, N); });
+}
+#endif
+
+// Without AMX, AVX512-BF16 or AVX2: linear.h's b_tiles_portable, a row of x per task (rounded once)
 void tiles_portable(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                     float* out) {
   parallel_for(pool, M, 1, [&](int64_t m) { b_tiles_portable(x + m * K, 1, K, w, 0, N / 16, out + m * N, N); });
@@ -292,6 +308,8 @@ ffi::Error LayerLinearTiles(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 #endif
 #if defined(__AVX512BF16__)
   tiles_pairs(pool, x.typed_data(), M, K, w, N, out->typed_data());
+#elif defined(__AVX2__) && defined(__FMA__)
+  tiles_avx2(pool, x.typed_data(), M, K, w, N, out->typed_data());
 #else
   tiles_portable(pool, x.typed_data(), M, K, w, N, out->typed_data());
 #endif

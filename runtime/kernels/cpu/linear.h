@@ -415,6 +415,106 @@ inline void b_tiles_portable(const float* x, int64_t M, int64_t K, const uint16_
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+// The B-tile product with AVX2 and FMA only (CPUs without AVX-512: AMD Zen 2 / Zen 3, Intel before
+// Ice Lake). A tile row's 16 pairs are two 256-bit vectors of 8 pairs; each pair's even element is
+// its low half shifted up 16 bits, its odd one its high half masked: two exact f32 vectors per load,
+// each multiplied against a broadcast of one x row's element and added in f32 (the exact products,
+// in k's order, even before odd, as b_tiles_portable sums them). Up to 4 x rows share every tile row
+// the loads bring (8 accumulators, 4 widened halves: 14 of the 16 ymm registers); 16 FMAs per 2
+// loads, 8 broadcasts and 4 integer operations, so the FMA ports bound it.
+//
+// x's rows as the kernel reads them (pack_pairs_f32): block g (16 rows) chunk c tile row r as the
+// even elements of the 16 rows then their odd ones, each rounded to bf16 and widened back to f32,
+// at xp[((g KC + c) 16 + r) 32 + (j 16 + i)], rows past M zero.
+inline __m256 round8_bf16(__m256 v) {   // as f32_to_bf16, kept in f32 (low 16 bits zero)
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  const __m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000));
+  const __m256i up = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                          _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+  const __m256i r = _mm256_blendv_epi8(up, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+inline void pack_pairs_f32(const float* x, int64_t rows, int64_t K, float* xp) {
+  const int64_t KC = K / 32;
+  alignas(32) float t[32];
+  for (int64_t c = 0; c < KC; ++c)
+    for (int64_t i = 0; i < 16; ++i) {
+      if (i < rows) {
+        const float* src = x + i * K + 32 * c;
+        for (int q = 0; q < 4; ++q) _mm256_store_ps(t + 8 * q, round8_bf16(_mm256_loadu_ps(src + 8 * q)));
+      } else {
+        std::memset(t, 0, sizeof(t));
+      }
+      float* dst = xp + c * 512 + i;
+      for (int r = 0; r < 16; ++r) {
+        dst[32 * r] = t[2 * r];
+        dst[32 * r + 16] = t[2 * r + 1];
+      }
+    }
+}
+
+constexpr int64_t kPairsAheadAvx2 = 8;   // chunks prefetched ahead, as kPairsAhead
+
+// MR packed rows (xp: the block's chunks, from row m0 of it) times one tile (wt: KC chunks) into out
+// (the tile's 16 columns of MR rows, N apart)
+template <int MR>
+inline void b_tile_avx2(const float* xp, int64_t KC, const uint16_t* wt, float* out, int64_t N) {
+  __m256 acc[MR][2];
+  HLOSERVE_UNROLL
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t c = 0; c < KC; ++c) {
+    const char* ahead = reinterpret_cast<const char*>(wt + (c + kPairsAheadAvx2) * 512);
+    HLOSERVE_UNROLL
+    for (int l = 0; l < 16; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+    HLOSERVE_UNROLL
+    for (int r = 0; r < 16; ++r) {
+      const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wt + c * 512 + 32 * r));
+      const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wt + c * 512 + 32 * r + 16));
+      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, high));
+      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, high));
+      const float* p = xp + (c * 16 + r) * 32;
+      HLOSERVE_UNROLL
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xe = _mm256_broadcast_ss(p + m);
+        acc[m][0] = _mm256_fmadd_ps(e0, xe, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(e1, xe, acc[m][1]);
+        const __m256 xo = _mm256_broadcast_ss(p + 16 + m);
+        acc[m][0] = _mm256_fmadd_ps(o0, xo, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(o1, xo, acc[m][1]);
+      }
+    }
+  }
+  HLOSERVE_UNROLL
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(out + m * N, acc[m][0]);
+    _mm256_storeu_ps(out + m * N + 8, acc[m][1]);
+  }
+}
+
+// x's rows [0, M) packed (pack_pairs_f32, block g at xp + g KC 512) times matrix tiles [t0, t1) of
+// wb, into out [M, N]: per tile, every block of rows in turn, 4 rows at a time
+inline void b_tiles_avx2(const float* xp, int64_t M, int64_t KC, const uint16_t* wb, int64_t t0, int64_t t1,
+                         float* out, int64_t N) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint16_t* wt = wb + t * KC * 512;
+    for (int64_t m = 0; m < M; m += 4) {
+      const float* xb = xp + (m / 16) * KC * 512 + m % 16;
+      float* o = out + m * N + 16 * t;
+      switch (std::min<int64_t>(4, M - m)) {
+        case 1: b_tile_avx2<1>(xb, KC, wt, o, N); break;
+        case 2: b_tile_avx2<2>(xb, KC, wt, o, N); break;
+        case 3: b_tile_avx2<3>(xb, KC, wt, o, N); break;
+        default: b_tile_avx2<4>(xb, KC, wt, o, N); break;
+      }
+    }
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // The B-tile product with AVX512-BF16 (CPUs without AMX: the AMD EPYC kind): a B tile's row r holds
 // 16 matrix rows' pairs (elements 2r, 2r + 1 of a 32-element chunk), so one vdpbf16ps of that row

@@ -105,8 +105,11 @@ def _quant_linear_v2_rows(cpu: Cpu) -> int | None:
 _NEVER = (1 << 63) - 1
 
 
+# Without VNNI the kernel runs only decode-sized row counts (_quant_linear_v2_rows), the decomposition
+# the chunks, with the artifact's bf16_rows: raising it there would make the kernel's rows and the
+# decomposition's disagree about which product a call of that many rows gets.
 def _quant_linear_v6_attributes(cpu: Cpu, attrs: dict[str, Any]) -> dict[str, int]:
-    return {} if cpu.has("amx_bf16") else {"bf16_rows": _NEVER}
+    return {} if cpu.has("amx_bf16") or _quant_linear_v2_rows(cpu) is not None else {"bf16_rows": _NEVER}
 
 
 # layer_linear over a stack the runtime laid out as B tiles at load (layouts.py, linear.cc): every row
