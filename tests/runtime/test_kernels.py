@@ -378,8 +378,8 @@ def test_layer_linear_tiles_reads_b_tiles_as_layer_linear_reads_rows(library, mo
     """`hloserve_layer_linear_tiles` over a stack laid out as B tiles (runtime/kernels/cpu/layouts.py,
     as runtime.load lays it out) gives layer_linear's kernel's bits at every row count where that
     kernel is AMX (decode rows and chunks: each output the same products summed in the same order;
-    odd rows and blocks past M included), and elsewhere (AVX512-BF16's outer products, or a library
-    without either: its portable loop) agrees with the decomposition within the summation bound of the
+    odd rows and blocks past M included), and elsewhere (AVX512-BF16's outer products, AVX2's widened
+    ones, or a library without any: its portable loop) agrees with the decomposition within the summation bound of the
     tests above, each row's bits whatever the row count (each output summed in k's order)."""
     from hloserve.runtime.artifact.kernels import LAYER_LINEAR
     from hloserve.runtime.kernels.cpu import layouts
@@ -397,7 +397,7 @@ def test_layer_linear_tiles_reads_b_tiles_as_layer_linear_reads_rows(library, mo
     assert tiles.kernels == 1 and f"custom_call @{LAYER_LINEAR_TILES}" in tiles.exported.mlir_module()
     assert tiles.digest != library.specialize(exp).digest
     amx = build.cpu().has("amx_bf16")
-    offered = amx or build.cpu().has("avx512_bf16")
+    offered = layouts.b_tiles_read(build.cpu())
     assert library.layouts(exp) == ({1: layouts.B_TILES} if offered else {})   # the stack: read by the composite only
     tiles_call = jax.jit(tiles.exported.call)
     rows_call = jax.jit(specialize(exp, library if amx else None)[0].call)
@@ -424,8 +424,9 @@ def test_a_stack_anything_else_reads_is_not_offered_a_layout(library):
     also read as it lies (here summed) keeps the artifact's layout, and so does an f16 one."""
     from hloserve.exporter.composites.layer_linear import layer_linear_reference
     from hloserve.runtime.artifact.kernels import LAYER_LINEAR
-    if not (build.cpu().has("amx_bf16") or build.cpu().has("avx512_bf16")):
-        pytest.skip("layouts are offered on CPUs with AMX or AVX512-BF16 only")
+    from hloserve.runtime.kernels.cpu import layouts
+    if not layouts.b_tiles_read(build.cpu()):
+        pytest.skip("layouts are offered on CPUs with AMX, AVX512-BF16 or AVX2 and FMA only")
     linear = _private.composite(layer_linear_reference, LAYER_LINEAR.name, LAYER_LINEAR.version)
 
     def loop(x, w, v):          # w: every layer in a loop; v: the same, and summed
@@ -570,7 +571,7 @@ def test_quant_linear_v6_kernel_rounds_chunks_to_bf16(library, monkeypatch, spec
     portable_fn, _ = specialize(exp, None)
     this_cpu_fn, _ = specialize(exp, library)
     raised = "bf16_rows" in TARGETS[QUANT_LINEAR_V6.key].attributes_for(build.cpu(), {})
-    assert raised == (not build.cpu().has("amx_bf16"))
+    assert raised == (not build.cpu().has("amx_bf16") and build.cpu().has("avx512_vnni"))
     monkeypatch.setitem(TARGETS, QUANT_LINEAR_V6.key,
                         dataclasses.replace(TARGETS[QUANT_LINEAR_V6.key], attributes_for=lambda cpu, attrs: {}))
     kernel_fn, n_kernel = specialize(exp, library)

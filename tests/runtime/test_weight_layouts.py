@@ -1,18 +1,18 @@
 """Weights laid out for the kernels at load (runtime/kernels/backend.py WeightLayout): on a CPU with
-AMX or AVX512-BF16, the default model's bf16 layer stacks and its tied embedding table go to the
+AMX, AVX512-BF16 or AVX2 and FMA, the default model's bf16 layer stacks and its tied embedding table go to the
 device as B tiles (runtime/kernels/cpu/layouts.py) and its steps call `hloserve_layer_linear_tiles`
 (the table's rows for the embedding read from the tiles by a gather of their own), with the same
 logits bit for bit as a load that keeps the artifact's layout where both run AMX tiles (AVX512-BF16:
-within what the kernels and the decompositions differ by)."""
+within what the kernels and the decompositions differ by; AVX2 likewise)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from hloserve.runtime.kernels.cpu import build
+from hloserve.runtime.kernels.cpu import build, layouts
 
-pytestmark = pytest.mark.skipif(not build.enabled() or not (build.cpu().has("amx_bf16") or build.cpu().has("avx512_bf16")),
-                                reason="layouts are offered where the CPU kernels run AMX or AVX512-BF16")
+pytestmark = pytest.mark.skipif(not build.enabled() or not layouts.b_tiles_read(build.cpu()),
+                                reason="layouts are offered where the CPU kernels run AMX, AVX512-BF16 or AVX2 and FMA")
 
 
 def test_layer_stacks_go_to_the_device_as_b_tiles_and_the_steps_keep_their_bits():

@@ -52,7 +52,7 @@ class CpuBackend:
     def layouts(self, exported: Any) -> dict[int, WeightLayout]:
         cpu = build.cpu()
         amx = cpu.has("amx_bf16")
-        if not (amx or cpu.has("avx512_bf16") or (cpu.has("avx2") and cpu.has("fma"))):
+        if not layouts.b_tiles_read(cpu):
             return {}
 
         def tiles_read(api, flow: Dataflow, op, n: int, index: int) -> bool:

@@ -234,6 +234,39 @@ inline __m512 load16(const void* base, int64_t i) {
 #endif
 
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The AVX2 twins of sum16 and load16, for CPUs without AVX-512 (AMD Zen 2 / Zen 3, Intel before
+// Skylake-SP). Lane k of the result: the sum of v[k]'s 8 lanes (the same tree: pairs, then pairs of
+// pairs within each 128-bit segment, then the two segments).
+inline __m256 sum8(const __m256* v) {
+  __m256 a[4], b[2];
+  for (int p = 0; p < 4; ++p)
+    a[p] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm256_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+  for (int p = 0; p < 2; ++p) {
+    const __m256d lo = _mm256_unpacklo_pd(_mm256_castps_pd(a[2 * p]), _mm256_castps_pd(a[2 * p + 1]));
+    const __m256d hi = _mm256_unpackhi_pd(_mm256_castps_pd(a[2 * p]), _mm256_castps_pd(a[2 * p + 1]));
+    b[p] = _mm256_add_ps(_mm256_castpd_ps(lo), _mm256_castpd_ps(hi));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+
+// 8 consecutive elements of a K or V row, as f32 (fp8 rows by load16's float16 trick, F16C)
+template <Kind K>
+inline __m256 load8(const void* base, int64_t i) {
+  if constexpr (K == Kind::kF32) return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  if constexpr (int8_rows<K>)
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i))));
+  if constexpr (K == Kind::kF8E4M3Rows) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(-16512)));
+  }
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+  if constexpr (K == Kind::kBF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+#endif
+
 #if defined(__AMX_TILE__)
 // AMX (Intel Sapphire Rapids and later; linear.cc's bf16 tiles, quant_linear.cc's int8 ones): Linux
 // hands out the tile state on request (once per process; false where it refuses)

@@ -87,6 +87,16 @@ def tile_row_gather(api, op):
     return hlo.dynamic_reshape(op.results[0].type, rows, out).owner
 
 
+def b_tiles_read(cpu) -> bool:
+    """Whether this CPU's kernels (`build.cpu()`) read B tiles faster than the artifact's rows: AMX's
+    tile multiply, AVX512-BF16's outer products (linear.h b_tiles_pairs) or, with AVX2 and FMA only,
+    the same outer products widened to f32 (b_tiles_avx2: the default model's 16-row decode step 1.86x
+    the artifact's layout, whose 16-bit rows run XLA's dot past 4 rows there; docs/performance.md,
+    "AVX2 only"). Not on a library built for another -march (cpu.has is then False): b_tiles_portable
+    is a correct, slow loop."""
+    return cpu.has("amx_bf16") or cpu.has("avx512_bf16") or (cpu.has("avx2") and cpu.has("fma"))
+
+
 def b_tiles_fit(shape) -> bool:
     """Whether a stack of this shape ([L, N, K] layers or [L, E, N, K] experts) is laid out as B tiles:
     N a multiple of 16 and K of 32. Measured (docs/performance.md, "The matrices laid out as B tiles at

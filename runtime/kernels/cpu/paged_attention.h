@@ -113,6 +113,57 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
       }
     }
   } else
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (D % 8 == 0) {
+    // the AVX-512 path's with 8 positions at a time (sum8); the same scores, rows and prefetches
+    constexpr int V = D / 8;
+    __m256 part[G][8];
+    __m256 qsum[G];
+    for (int g = 0; g < G; ++g) {
+      float t = 0.f;
+      for (int d = 0; d < D; ++d) t += qs[g][d];
+      qsum[g] = _mm256_set1_ps(t);
+    }
+    alignas(32) float rsa[8], rza[8], lanes[8];
+    for (int64_t i = 0; i < kPrefetchRows && i < n; ++i) {
+      prefetch_row<K, R>(cache, kbase + rows[i]);
+      if (l2_ahead) prefetch_row_l2<K, R>(cache, vbase + rows[i]);
+    }
+    for (int64_t c0 = begin; c0 < end; c0 += 8) {
+      const int nb = static_cast<int>(std::min<int64_t>(8, end - c0));
+      for (int p = 0; p < 8; ++p) {
+        if (p >= nb) {
+          for (int g = 0; g < G; ++g) part[g][p] = _mm256_setzero_ps();
+          rsa[p] = rza[p] = 0.f;
+          continue;
+        }
+        const int64_t c = c0 + p;
+        const int64_t off = kbase + rows[c - begin];
+        prefetch_row<K, R>(cache, kbase + rows[c - begin + kPrefetchRows]);
+        if (l2_ahead) prefetch_row_l2<K, R>(cache, vbase + rows[c - begin + kPrefetchRows]);
+        __m256 kv[V];
+        HLOSERVE_UNROLL
+        for (int v = 0; v < V; ++v) kv[v] = load8<K>(cache, off + 8 * v);
+        rsa[p] = row_scale<K>(cache, off, D);
+        rza[p] = row_zero<K>(cache, off, D);
+        HLOSERVE_UNROLL
+        for (int g = 0; g < G; ++g) {
+          __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qs[g]), kv[0]);
+          HLOSERVE_UNROLL
+          for (int v = 1; v < V; ++v) a = _mm256_fmadd_ps(_mm256_loadu_ps(qs[g] + 8 * v), kv[v], a);
+          part[g][p] = a;
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        __m256 sums = sum8(part[g]);
+        if constexpr (int8_rows<K>)
+          sums = _mm256_mul_ps(_mm256_fnmadd_ps(_mm256_load_ps(rza), qsum[g], sums), _mm256_load_ps(rsa));
+        if constexpr (K == Kind::kF8E4M3Rows) sums = _mm256_mul_ps(sums, _mm256_load_ps(rsa));
+        _mm256_store_ps(lanes, sums);
+        std::memcpy(scores + g * n + (c0 - begin), lanes, nb * sizeof(float));
+      }
+    }
+  } else
 #endif
   {
     for (int64_t c = begin; c < end; ++c) {
@@ -181,6 +232,50 @@ void attend_fixed(const float* q, const void* cache, int64_t kbase, int64_t vbas
       for (int v = 0; v < V; ++v)
         _mm512_storeu_ps(out + g * D + 16 * v, _mm512_mul_ps(_mm512_sub_ps(vacc[g][v], _mm512_set1_ps(zsum[g])),
                                                               _mm512_set1_ps(inv[g])));
+    return;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (D % 8 == 0) {
+    // 16 ymm registers: the G heads' sums for VC of the row's V vectors at a time (G VC + VC <= 16:
+    // D = 64, G = 3 in two passes of 32 dims over the positions, the second reading rows from L1/L2),
+    // each in registers for the whole pass; the same sums in the same order as the AVX-512 path's
+    constexpr int V = D / 8;
+    constexpr int VC = [] {
+      int best = 1;
+      for (int c = 1; c <= V; ++c)
+        if (V % c == 0 && (G + 1) * c <= 16) best = c;
+      return best;
+    }();
+    for (int v0 = 0; v0 < V; v0 += VC) {
+      __m256 vacc[G][VC];
+      HLOSERVE_UNROLL
+      for (int g = 0; g < G; ++g)
+        HLOSERVE_UNROLL
+        for (int v = 0; v < VC; ++v) vacc[g][v] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < kPrefetchRows && i < n; ++i) prefetch_row<K, R>(cache, vbase + rows[i]);
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t off = vbase + rows[c - begin];
+        prefetch_row<K, R>(cache, vbase + rows[c - begin + kPrefetchRows]);
+        const float rs = row_scale<K>(cache, off, D);
+        __m256 vv[VC];
+        HLOSERVE_UNROLL
+        for (int v = 0; v < VC; ++v) vv[v] = load8<K>(cache, off + 8 * (v0 + v));
+        HLOSERVE_UNROLL
+        for (int g = 0; g < G; ++g) {
+          const float p = scores[g * n + (c - begin)] * rs;
+          if (v0 == 0) zsum[g] += p * row_zero<K>(cache, off, D);
+          const __m256 pv = _mm256_set1_ps(p);
+          HLOSERVE_UNROLL
+          for (int v = 0; v < VC; ++v) vacc[g][v] = _mm256_fmadd_ps(pv, vv[v], vacc[g][v]);
+        }
+      }
+      HLOSERVE_UNROLL
+      for (int g = 0; g < G; ++g)
+        HLOSERVE_UNROLL
+        for (int v = 0; v < VC; ++v)
+          _mm256_storeu_ps(out + g * D + 8 * (v0 + v), _mm256_mul_ps(_mm256_sub_ps(vacc[g][v], _mm256_set1_ps(zsum[g])),
+                                                                     _mm256_set1_ps(inv[g])));
+    }
     return;
   }
 #endif
