@@ -140,7 +140,7 @@ def _block_rows(out: int, n_in: int) -> int:
 
 def quantize_blocks(x):
     """x f32 [M, K] as the contract's int8 activations (runtime.artifact.kernels.quantize_blocks)."""
-    return _contract_quantize_blocks(x, jnp)
+    return _contract_quantize_blocks(x, jnp, barrier=lax.optimization_barrier)
 
 
 def _picked(qweight, scale, min_, layer):

@@ -153,29 +153,25 @@ LAYER_LINEAR = Composite(
 X_BLOCK = 32   # the quant composites' activations are quantized per block of this many elements of a row
 
 
-def quantize_blocks(x, xp):
+def quantize_blocks(x, xp, barrier=None):
     """The quant composites' activation rule (llama.cpp's Q8_0): x f32 [M, K] quantized to int8 per
     block of X_BLOCK elements (d = max|x| / 127, round half to even, 0 where d = 0; a last shorter
     block zero-padded) and multiplied back, over the array library `xp` (jax.numpy: the
-    decomposition's and the Pallas kernels' operand; the torch twin is quantization.modules')."""
+    decomposition's and the Pallas kernels' operand; the torch twin is quantization.modules').
+
+    Both divisions are IEEE divisions, as the kernels' and torch's are. XLA's simplifier turns a
+    division by a broadcast value into a multiply by its reciprocal, which can be an ulp off the
+    quotient, and round(x / d) then takes the other side of a tie (a step's logits moved by 0.1 where
+    the kernels and torch agreed): under jax pass `barrier=jax.lax.optimization_barrier`, and each
+    divisor goes behind it at the dividend's shape, where the simplifier cannot see it."""
+    def divide(a, b):
+        return a / (b if barrier is None else barrier(xp.broadcast_to(b, a.shape)))
+
     m, k = x.shape
     xb = xp.pad(x, ((0, 0), (0, -k % X_BLOCK))).reshape(m, -1, X_BLOCK)     # [M, B, 32]
-    amax = xp.max(xp.abs(xb), axis=-1, keepdims=True)
-    d = _divide(amax, xp.float32(127), xp)
-    q = xp.where(d > 0, xp.round(_divide(xb, xp.where(d > 0, d, 1), xp)), 0)   # round half to even
+    d = divide(xp.max(xp.abs(xb), axis=-1, keepdims=True), xp.float32(127))
+    q = xp.where(d > 0, xp.round(divide(xb, xp.where(d > 0, d, 1))), 0)    # round half to even
     return (q * d).reshape(m, -1)[:, :k]                                  # [M, K]
-
-
-def _divide(a, b, xp):
-    """a / b (b broadcast to a's shape), an IEEE division under every array library. XLA's
-    simplifier turns a division by a broadcast value into a multiply by its reciprocal, which can be
-    an ulp off the quotient, and round(x / d) then takes the other side of a tie (a step's logits moved
-    by 0.1 where the kernels' division and torch's agreed): under jax the divisor goes behind an
-    optimization barrier at a's shape, where the simplifier cannot see it."""
-    if getattr(xp, "__name__", "") != "jax.numpy":
-        return a / b
-    import jax
-    return a / jax.lax.optimization_barrier(xp.broadcast_to(b, a.shape))
 
 
 # bytes of one K-quant super-block's header (QUANT_LINEAR_V3's `blocks`), by block type

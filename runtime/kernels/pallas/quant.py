@@ -111,11 +111,13 @@ def steps(params: QuantParams, k: int, cap: int) -> int:
 def phases(x, params: "QuantParams | KQuantParams", rows: int):
     """x f32 [M, K] -> x8's phases f32 [unit, rows, K / unit] (x_p[m, a] = x8[m, unit a + p]; rows >= M,
     the extra rows zero): the activations in the weight bytes' order, before the kernel."""
+    import jax
     import jax.numpy as jnp
     m, k = x.shape
     x = x.astype(jnp.float32)
     # the contract's x8, or version 6's chunk rows rounded to bf16 (the values kept in f32)
-    xr = x.astype(jnp.bfloat16).astype(jnp.float32) if getattr(params, "bf16", False) else quantize_blocks(x, jnp)
+    xr = (x.astype(jnp.bfloat16).astype(jnp.float32) if getattr(params, "bf16", False)
+          else quantize_blocks(x, jnp, jax.lax.optimization_barrier))
     x8 = jnp.pad(xr, ((0, rows - m), (0, 0)))
     return x8.reshape(rows, k // params.unit, params.unit).transpose(2, 0, 1)
 
