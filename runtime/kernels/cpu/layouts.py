@@ -12,7 +12,8 @@ place for decode rows but copies a chunk's rows into tiles on every call and tra
 back (docs/performance.md, "The matrices laid out as B tiles at load"). The same products are
 summed in the same order either way: the same bits. Without AMX (AVX512-BF16), a tile row is what
 one vdpbf16ps multiplies against a broadcast pair of x (linear.h's b_tiles_pairs): outer products
-with the sums in lanes, 0.58x the row routines' time for the default model's linears at 16 rows. A mixture of experts' gate_up and down stacks
+with the sums in lanes, 0.58x the row routines' time for the default model's linears at 16 rows; with
+AVX2 and FMA only, the same outer products widened to f32 (b_tiles_avx2). A mixture of experts' gate_up and down stacks
 [L, E, N, K] go the same way, each expert's matrix as a layer, for `hloserve_grouped_experts_tiles`
 (experts.cc: AMX tiles for every expert with rows, where grouped_experts leaves experts of fewer
 than 16 rows to its row routines, whose sums run in another order). An embedding table [V, H] that an

@@ -65,7 +65,8 @@ def _whole_expert_groups(attrs: dict[str, Any]) -> bool:
 # count there. Without AVX512-BF16 it widens
 # the products to f32: with AVX-512 in 4 x 4 tiles, 1.4-2.5x XLA's dot from 8 to 32 rows and slower
 # from 48 (SmolLM2 MLP shape, Xeon without AVX512-BF16, 2026-11-28, docs/performance.md); with AVX2
-# only one output at a time, so only decode-sized row counts stay with it.
+# only one output at a time, so only decode-sized row counts stay with it (a stack laid out as B tiles
+# runs every row count on AVX2 too: layouts.b_tiles_read, docs/performance.md "AVX2 only").
 _AMX_EVERY_ROW_COUNT = 8 << 20     # matrix elements from which AMX runs every row count
 _AMX_ROWS = 512                    # the limit below that
 
