@@ -28,7 +28,8 @@ FALLBACK_SELECTION = ("(layer_linear_kernel_matches and 64-70) or (quant_linear_
                       "grouped_experts_kernel_matches or (quant_experts_kernel_matches and 6-2) or "
                       "kquant_kernel_matches or kquant_kernel_reads_only or "
                       "(paged_attention_kernel_matches and (chunk37 or (short and 3-64))) or "
-                      "rounds_both_products or row_sum_kernel or past_its_row_limit or layer_linear_tiles or grouped_experts_tiles")
+                      "rounds_both_products or row_sum_kernel or past_its_row_limit or layer_linear_tiles or grouped_experts_tiles or "
+                      "both_ends_of_their_range")
 # the other kernels' test files the fallback builds run (one build for all of them)
 FALLBACK_FILES = ("test_experts_kernel.py", "test_kquant_kernels.py", "test_batch_invariance.py")
 

@@ -477,6 +477,36 @@ def _quantized_stack(rng, spec, L, N, K):
 QUANT_SPECS = ["int8:channel", "int8", "int4:32:sym", "int4:32", "int4:64"]   # per-channel f32; Q8_0; Q4_0; Q4_1
 
 
+def test_quant_linear_v2_kernel_takes_int8_weights_at_both_ends_of_their_range(library, monkeypatch):
+    """A checkpoint's int8 weights may hold -128 (compressed-tensors' symmetric int8 does; hloserve's
+    own quantizer stops at -127), which a product that moves the weights' signs onto x (AVX2's
+    vpmaddubsw path) must still multiply as -128: the kernel at every row count class (tiles of 3 and
+    6 rows and their rests) against a float64 product of the same quantized x and weights, within the
+    f32 bound of the test above."""
+    from hloserve.quantization import primitives
+    from hloserve.runtime.artifact.kernels import QUANT_LINEAR_V2, quantize_blocks
+    kernel_at_every_row_count(monkeypatch, QUANT_LINEAR_V2)
+    rng = np.random.default_rng(128)
+    L, N, K, group = 2, 32, 128, 32
+    qint = rng.integers(-128, 128, (L, N, K)).astype(np.int8)
+    qint[:, :, ::3] = -128                                       # every third weight at the bottom end
+    qint[:, :, 1::7] = 127
+    scale = (rng.random((L, N, K // group)) * 0.01 + 0.001).astype(np.float32)
+    qw, sc, _ = primitives.interleave_rows(qint, scale, None, 8)
+    exp = _quant_exported({"qweight": qw, "scale": sc, "min": np.zeros((0,), np.float32)}, 8, group, 2)
+    kernel_fn, n_kernel = specialize(exp, library)
+    assert n_kernel == 1 and "custom_call @hloserve_quant_linear_v2(" in kernel_fn.mlir_module()
+    call = jax.jit(kernel_fn.call)
+    w = qint[1].astype(np.float64) * np.repeat(scale[1], group, axis=1)          # [N, K]
+    for rows in (1, 2, 3, 4, 7, 16):
+        x = rng.standard_normal((rows, K)).astype(np.float32)
+        x8 = quantize_blocks(x, np).astype(np.float64)
+        got = np.asarray(call(x, qw, sc, np.zeros((0,), np.float32), np.int32(1)))
+        want = x8 @ w.T
+        bound = (K + 4 + 128) * 2.0 ** -24 * (np.abs(x8) @ np.abs(w).T) + 1e-30
+        assert (np.abs(got - want) <= bound).all(), (rows, np.abs(got - want).max())
+
+
 @pytest.mark.parametrize("spec", QUANT_SPECS)
 @pytest.mark.parametrize("K,N,version", [(64, 70, 1), (96, 33, 1), (576, 17, 1),   # half chunks of 64 bytes; odd N
                                          (64, 48, 2), (96, 16, 2), (576, 64, 2)])  # 16 interleaved rows
@@ -571,7 +601,8 @@ def test_quant_linear_v6_kernel_rounds_chunks_to_bf16(library, monkeypatch, spec
     portable_fn, _ = specialize(exp, None)
     this_cpu_fn, _ = specialize(exp, library)
     raised = "bf16_rows" in TARGETS[QUANT_LINEAR_V6.key].attributes_for(build.cpu(), {})
-    assert raised == (not build.cpu().has("amx_bf16") and build.cpu().has("avx512_vnni"))
+    cpu = build.cpu()
+    assert raised == (not cpu.has("amx_bf16") and (cpu.has("avx512_vnni") or cpu.has("avx2")))
     monkeypatch.setitem(TARGETS, QUANT_LINEAR_V6.key,
                         dataclasses.replace(TARGETS[QUANT_LINEAR_V6.key], attributes_for=lambda cpu, attrs: {}))
     kernel_fn, n_kernel = specialize(exp, library)

@@ -189,6 +189,117 @@ void quant2_vnni(const QuantMatrix& w, const QuantX2& x, int64_t m0, int64_t M, 
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+// Without VNNI (AVX2 CPUs: AMD Zen 2 / Zen 3): quant2_tile's product with vpmaddubsw and vpmaddwd in
+// place of vpdpbusd, 16 matrix rows as two 256-bit halves (rows 0-7, 8-15). vpmaddubsw adds two
+// u8 x s8 products into a saturating int16, so int8 weights go in as |w| (the unsigned operand: a
+// checkpoint's -128 is 128) against x with w's signs (vpsignb; x lies in -127..127, so its negation
+// is exact), pairs within +-32,512 (no flip, no offset correction: x quantized with offset 0; |x|
+// against w with x's signs, llama.cpp's AVX2 form, gets -128's sign wrong); int4 nibbles (0..15, sym after the same +8 flip) are the
+// unsigned operand as they are. The int32 sums are exact, so every output is the VNNI path's, bit
+// for bit (the same f32 scaling in the same order).
+template <int BITS, bool SYM4, int MR>
+inline void quant2_tile_avx2(const uint8_t* q, const float* ws, const float* wm, const QuantX2& x, int64_t m0,
+                             int64_t K, int64_t G, int64_t per_group, float* out, int64_t N) {
+  const int64_t B = K / kXBlock;
+  constexpr int64_t kBlockBytes = BITS == 8 ? 16 * 32 : 16 * 16;
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F),
+                flip = _mm256_set1_epi8(static_cast<char>(0x88));
+  __m256 facc[MR][2];
+  HLOSERVE_UNROLL
+  for (int j = 0; j < MR; ++j) facc[j][0] = facc[j][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    __m256i iacc[MR][2];
+    HLOSERVE_UNROLL
+    for (int j = 0; j < MR; ++j) iacc[j][0] = iacc[j][1] = _mm256_set1_epi32(x.start[(m0 + j) * B + b]);
+    const uint8_t* qb = q + b * kBlockBytes;
+    const int8_t* xb = x.xq.data() + m0 * K + b * kXBlock;
+    if constexpr (BITS == 8) {
+      HLOSERVE_UNROLL
+      for (int s = 0; s < 8; ++s) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + s * 64));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + s * 64 + 32));
+        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);   // |w|: -128 -> 128 unsigned
+        HLOSERVE_UNROLL
+        for (int j = 0; j < MR; ++j) {
+          int32_t four;
+          std::memcpy(&four, xb + j * K + s * 4, 4);
+          const __m256i xv = _mm256_set1_epi32(four);
+          iacc[j][0] = _mm256_add_epi32(iacc[j][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv, w0)), ones));
+          iacc[j][1] = _mm256_add_epi32(iacc[j][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, w1)), ones));
+        }
+      }
+    } else {
+      HLOSERVE_UNROLL
+      for (int s = 0; s < 4; ++s) {
+        __m256i v[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + s * 64)),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + s * 64 + 32))};
+        __m256i lo[2], hi[2];
+        HLOSERVE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (SYM4) v[h] = _mm256_xor_si256(v[h], flip);                   // q + 8, both nibbles
+          lo[h] = _mm256_and_si256(v[h], low);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v[h], 4), low);
+        }
+        HLOSERVE_UNROLL
+        for (int j = 0; j < MR; ++j) {
+          int32_t a, c;
+          std::memcpy(&a, xb + j * K + s * 8, 4);
+          std::memcpy(&c, xb + j * K + s * 8 + 4, 4);
+          const __m256i av = _mm256_set1_epi32(a), cv = _mm256_set1_epi32(c);
+          HLOSERVE_UNROLL
+          for (int h = 0; h < 2; ++h)
+            iacc[j][h] = _mm256_add_epi32(
+                iacc[j][h], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo[h], av), ones),
+                                             _mm256_madd_epi16(_mm256_maddubs_epi16(hi[h], cv), ones)));
+        }
+      }
+    }
+    const float* sv = ws + (b / per_group) * 16;
+    HLOSERVE_UNROLL
+    for (int j = 0; j < MR; ++j) {
+      const __m256 d = _mm256_set1_ps(x.d[(m0 + j) * B + b]);
+      HLOSERVE_UNROLL
+      for (int h = 0; h < 2; ++h)
+        facc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[j][h]), _mm256_mul_ps(_mm256_loadu_ps(sv + 8 * h), d),
+                                     facc[j][h]);
+    }
+  }
+  for (int64_t g = 0; wm != nullptr && g < G; ++g)
+    HLOSERVE_UNROLL
+    for (int j = 0; j < MR; ++j)
+      HLOSERVE_UNROLL
+      for (int h = 0; h < 2; ++h)
+        facc[j][h] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + g * 16 + 8 * h), _mm256_set1_ps(x.xsum[(m0 + j) * G + g]),
+                                     facc[j][h]);
+  HLOSERVE_UNROLL
+  for (int j = 0; j < MR; ++j) {
+    _mm256_storeu_ps(out + (m0 + j) * N, facc[j][0]);
+    _mm256_storeu_ps(out + (m0 + j) * N + 8, facc[j][1]);
+  }
+}
+
+// rows [0, M) of x times row groups [g0, g1), 3 rows of x at a time (12 accumulators of 16 registers)
+template <int BITS, bool SYM4>
+void quant2_avx2(const QuantMatrix& w, const QuantX2& x, int64_t M, int64_t g0, int64_t g1, float* out) {
+  const int64_t per_group = w.group / kXBlock;
+  const int64_t gbytes = BITS == 8 ? 16 * w.K : 8 * w.K;   // bytes per group of 16 rows
+  std::vector<float> sbuf, mbuf;
+  for (int64_t g = g0; g < g1; ++g) {
+    int64_t m = 0;
+    const uint8_t* q = w.q + g * gbytes;
+    const float* ws = group_scalars(w.scale, w.f16, g, w.G, sbuf);
+    const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, g, w.G, mbuf) : nullptr;
+    float* o = out + g * 16;
+    for (; m + 3 <= M; m += 3) quant2_tile_avx2<BITS, SYM4, 3>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N);
+    switch (M - m) {
+      case 2: quant2_tile_avx2<BITS, SYM4, 2>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+      case 1: quant2_tile_avx2<BITS, SYM4, 1>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+    }
+  }
+}
+#endif
+
 #if defined(__AVX512BW__)
 // one group of 16 rows' int4 bytes (version 2: k-steps of 8 elements, k in the low nibble and k + 4
 // in the high one) -> int8 bytes in the int8 layout (k-steps of 4 elements): each 64 bytes give 2
@@ -404,7 +515,12 @@ constexpr int64_t amx_rows(int bits, int64_t M) {
 void quant_linear_v2(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w, int64_t M, float* op) {
   const int64_t NG = w.N / 16;
   const bool sym4 = w.bits == 4 && w.min == nullptr;
-  QuantX2 xq = quantize_x2(x, M, w.K, w.G, w.group, w.bits == 8 ? 128 : w.bits == 5 ? 16 : sym4 ? 8 : 0);
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+  constexpr int offset8 = 0;     // quant2_avx2's int8 product: signed weights, no offset
+#else
+  constexpr int offset8 = 128;
+#endif
+  QuantX2 xq = quantize_x2(x, M, w.K, w.G, w.group, w.bits == 8 ? offset8 : w.bits == 5 ? 16 : sym4 ? 8 : 0);
   [[maybe_unused]] int64_t MA = 0;   // rows of x the AMX tiles take: whole tiles of 16, the last one padded where it is full enough
 #if defined(__AVX512VNNI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
   MA = w.bits == 5 ? 0 : amx_rows(w.bits, M);
@@ -425,6 +541,11 @@ void quant_linear_v2(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w
     else if (w.bits == 5) quant2_vnni<5, false>(w, xq, 0, M, g0, g1, op);
     else if (sym4) quant2_vnni<4, true>(w, xq, 0, M, g0, g1, op);
     else quant2_vnni<4, false>(w, xq, 0, M, g0, g1, op);
+#elif defined(__AVX2__)
+    if (w.bits == 8) quant2_avx2<8, false>(w, xq, M, g0, g1, op);
+    else if (w.bits == 5) quant2_portable(w, xq, M, g0, g1, op);
+    else if (sym4) quant2_avx2<4, true>(w, xq, M, g0, g1, op);
+    else quant2_avx2<4, false>(w, xq, M, g0, g1, op);
 #else
     quant2_portable(w, xq, M, g0, g1, op);
 #endif

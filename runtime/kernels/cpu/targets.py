@@ -95,6 +95,13 @@ def _quant_linear_v2_rows(cpu: Cpu) -> int | None:
     return None if cpu.has("avx512_vnni") else 4
 
 
+# Versions 2 and 6 (int8 and int4; version 4's 5-bit values keep the portable loop): with AVX2 the
+# tiles' product by vpmaddubsw / vpmaddwd (quant_linear.cc quant2_avx2, the VNNI path's bits) at every
+# row count too (docs/performance.md, "AVX2 only")
+def _quant2_rows(cpu: Cpu) -> int | None:
+    return None if cpu.has("avx512_vnni") or cpu.has("avx2") else 4
+
+
 # Version 6's prompt chunks (bf16_rows rows and more) are bf16 products of x and the dequantized
 # matrix: on AMX the bf16 tiles beat version 2's int8 tiles, which rescale every 32-element block
 # (256-token chunk 0.97x bf16's time against version 2's 1.33x; Xeon, 2026-12-01). Without AMX it is
@@ -106,11 +113,11 @@ def _quant_linear_v2_rows(cpu: Cpu) -> int | None:
 _NEVER = (1 << 63) - 1
 
 
-# Without VNNI the kernel runs only decode-sized row counts (_quant_linear_v2_rows), the decomposition
+# Without VNNI or AVX2 the kernel runs only decode-sized row counts (_quant2_rows), the decomposition
 # the chunks, with the artifact's bf16_rows: raising it there would make the kernel's rows and the
 # decomposition's disagree about which product a call of that many rows gets.
 def _quant_linear_v6_attributes(cpu: Cpu, attrs: dict[str, Any]) -> dict[str, int]:
-    return {} if cpu.has("amx_bf16") or _quant_linear_v2_rows(cpu) is not None else {"bf16_rows": _NEVER}
+    return {} if cpu.has("amx_bf16") or _quant2_rows(cpu) is not None else {"bf16_rows": _NEVER}
 
 
 # layer_linear over a stack the runtime laid out as B tiles at load (layouts.py, linear.cc): every row
@@ -125,10 +132,10 @@ TARGETS = {
     LAYER_LINEAR.key: Target("hloserve_layer_linear", max_rows_for=_layer_linear_rows, result_dims=((0, 0), (1, 1))),
     QUANT_LINEAR.key: Target("hloserve_quant_linear", accepts=_whole_vectors, max_rows=_quant_linear_rows,
                              result_dims=((0, 0), (1, 1))),
-    QUANT_LINEAR_V2.key: Target("hloserve_quant_linear_v2", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
+    QUANT_LINEAR_V2.key: Target("hloserve_quant_linear_v2", accepts=_whole_vectors, max_rows=_quant2_rows,
                                 result_dims=((0, 0), None)),
     # version 2's below bf16_rows rows; chunks in bf16 on AMX-BF16 tiles (elsewhere version 2's product)
-    QUANT_LINEAR_V6.key: Target("hloserve_quant_linear_v6", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
+    QUANT_LINEAR_V6.key: Target("hloserve_quant_linear_v6", accepts=_whole_vectors, max_rows=_quant2_rows,
                                 result_dims=((0, 0), None), attributes_for=_quant_linear_v6_attributes),
     # 5-bit values (GGUF Q5_0 kept): version 2's int4 tiles with the fifth bits or'd in by mask (no AMX
     # tiles yet: VNNI at every row count)
