@@ -1,7 +1,7 @@
-"""The CPU kernels as CPUs without AMX (or without AVX-512) run them: the library built here with
-another -march, then tests/runtime/test_kernels.py's instruction-picking cases (and the other kernel
+"""The CPU kernels as CPUs without AMX, without AVX-512 or without AVX2 run them: the library built
+here with another -march, then tests/runtime/test_kernels.py's instruction-picking cases (and the other kernel
 test files') run against it in a child pytest. A file of its own so that `--dist loadfile` runs these
-two builds on another worker than test_kernels.py's own build and rebuild."""
+builds on another worker than test_kernels.py's own build and rebuild."""
 from __future__ import annotations
 
 import os
@@ -15,8 +15,12 @@ from hloserve.runtime.kernels.cpu import build
 KERNEL_TESTS = os.path.join(os.path.dirname(__file__), "test_kernels.py")
 
 # the instruction sets a CPU of this kind may lack, each built for the features that select it
-FALLBACKS = {"x86-64-v3": "avx2",            # AVX2 only: the widened products
+FALLBACKS = {"x86-64-v2": "sse4_2",          # no AVX2: the portable loops
+             "x86-64-v3": "avx2",            # AVX2 only: the widened products
              "cooperlake": "avx512_bf16"}    # AVX512-BF16 without AMX: vdpbf16ps tiles
+# a build that would take the paths this CPU's own build takes (the suite's native kernels) is not
+# built again: on a CPU without AVX-512 the native build is the AVX2 one
+SAME_AS_NATIVE = {"x86-64-v3": "avx512f"}   # march -> the flag whose absence makes it the native build
 
 
 # what the fallback builds run: every path that picks instructions (the linears' row tiles and
@@ -37,14 +41,16 @@ FALLBACK_FILES = ("test_experts_kernel.py", "test_kquant_kernels.py", "test_batc
 @pytest.mark.slow
 @pytest.mark.parametrize("march", sorted(FALLBACKS))
 def test_fallback_builds_pass_the_kernel_tests(march, tmp_path):
-    """The kernels as a CPU without AMX (or without AVX-512) runs them, built here with
-    -march=MARCH, pass the same comparisons against the decompositions and torch (the K-quant
-    kernel's portable integer loop included: x86-64-v3 has no AVX-512 VNNI)."""
+    """The kernels as a CPU without AMX (or without AVX-512, or without AVX2) runs them, built here
+    with -march=MARCH, pass the same comparisons against the decompositions and torch (x86-64-v3:
+    AVX2's integer steps, no AVX-512 VNNI; x86-64-v2: the portable loops, B tiles included)."""
     if not build.enabled() or not build.find_compiler():
         pytest.skip("the CPU kernels are off or no C++ compiler is here (the portable path is tested elsewhere)")
     flags = open("/proc/cpuinfo").read().split()
     if FALLBACKS[march] not in flags:
         pytest.skip(f"this CPU cannot run a -march={march} build")
+    if march in SAME_AS_NATIVE and SAME_AS_NATIVE[march] not in flags:
+        pytest.skip(f"this CPU's own build takes the -march={march} paths (the native kernel tests ran them)")
     # the child's conftest points HLOSERVE_CACHE at HLOSERVE_TEST_CACHE (else a fresh directory)
     # TESTED_SHAPES_ENV: the decode attention specialized for test_kernels.py's head shapes alone (the
     # same code for them; a quarter of the attention files' compile)

@@ -106,7 +106,8 @@ def test_kquant_kernel_matches_decomposition_and_torch(library, kind, K, N, vers
     one tile and a tail), the decomposition and the torch op agree on the layer asked for, up to the
     targets table's row limit through the kernel and past it through the decomposition; so does
     version 5's (the quants interleaved at export: the 16-row tiles at every row count, read where
-    they lie; without VNNI the portable loop reading the interleaved bytes).
+    they lie; without VNNI AVX2's steps, and without AVX2 the portable loop reading the interleaved
+    bytes).
 
     Tolerance as tests/runtime/test_kernels.py derives it: the same f32 terms x8 q s (+ x8 m) in
     another association, plus the kernel's unsigned offset (Q5_K / Q6_K int8: 128 times the scale)."""

@@ -15,7 +15,8 @@
 // hloserve_quant_linear_v5: the same blocks with their quants interleaved by 16 rows at export, in
 // version 2's order (Q4_K: a byte holds elements k and k + 4 of an 8-element step, so x is read in
 // its own order): the tiles at every row count on the quants where they lie, only the 16 rows'
-// headers decoded per group; the portable loop reads the interleaved bytes (quant_rows.h int_of).
+// headers decoded per group; with AVX2 and no VNNI the same tiles by quant_rows.h's AVX2 steps;
+// without AVX2 the portable loop reads the interleaved bytes (quant_rows.h int_of).
 #include "quant_rows.h"
 
 namespace {
@@ -55,9 +56,9 @@ ffi::Error read_blocks(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& qweight, ffi::A
   return ffi::Error::Success();
 }
 
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
 // The per-call operands of the 16-row tiles: x quantized (Q4_K: each 8 elements even then odd) and,
-// Q6_K, each half block's offset correction -128 * (sum of its xq)
+// Q6_K, each half block's offset correction -128 * (sum of its xq) (0 for the AVX2 steps: no offset)
 struct KQuantX {
   QuantX2 x;
   std::vector<int32_t> start16;   // [M, K / 16] (Q6_K only)
@@ -72,17 +73,25 @@ KQuantX quantize_for_blocks(const float* x, int64_t M, const QuantMatrix& w) {
     for (int64_t i = 0; i < M * K; i += 8)
       for (int64_t j = 0; j < 4; ++j) order[i + j] = x[i + 2 * j], order[i + 4 + j] = x[i + 2 * j + 1];
   }
-  KQuantX r{quantize_x2(order.empty() ? x : order.data(), M, K, B, kXBlock, w.bits == 8 ? 128 : 0), {}};
+#if defined(__AVX512VNNI__)
+  constexpr int offset8 = 128;   // vpdpbusd: int8 weights made unsigned, q + 128
+#else
+  constexpr int offset8 = 0;     // the AVX2 steps: signed weights as they are (quant_rows.h int8_step_avx2)
+#endif
+  KQuantX r{quantize_x2(order.empty() ? x : order.data(), M, K, B, kXBlock, w.bits == 8 ? offset8 : 0), {}};
   if (w.block == kQ6K) {
     r.start16.resize(M * K / 16);
     for (int64_t i = 0; i < M * K / 16; ++i) {
       int32_t sum = 0;
       for (int64_t k = 0; k < 16; ++k) sum += r.x.xq[i * 16 + k];
-      r.start16[i] = -128 * sum;
+      r.start16[i] = -offset8 * sum;
     }
   }
   return r;
 }
+#endif
+
+#if defined(__AVX512VNNI__)
 
 // r[i] = row i of a 16 x 16 matrix of 32-bit elements -> r[c] = its column c (within 128-bit lanes
 // by unpacks, then across lanes by two rounds of shuffle_i32x4)
@@ -121,13 +130,16 @@ inline void columns16(const uint8_t* const rows[16], int64_t cols, uint8_t* dst)
   }
 }
 
+#endif
+
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
 // rows [n0, n0 + 16) of w (clamped at N - 1): headers16 their headers decoded into ws [S, 16] and wm
 // [K/32, 16]; interleave16 also their quants into the interleaved scratch: q, each row's dword s at
 // bytes s * 64 + (row % 16) * 4; ws [S, 16] its sub-block scales (S = K / group), wm [K/32, 16] its
 // mins; tmp_s, tmp_m: [16, S] each row's as decoded
 void headers16(const QuantMatrix& w, int64_t n0, float* ws, float* wm, float* tmp_s, float* tmp_m) {
   const int64_t S = w.G;
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   if (w.block != kQ6K && n0 + 16 <= w.N) {   // Q4_K / Q5_K: 4 headers a register, the 16 rows transposed in registers
     const int64_t nb = w.K / 256;
     const uint8_t* h = static_cast<const uint8_t*>(w.scale) + n0 * nb * 16;
@@ -151,17 +163,28 @@ void headers16(const QuantMatrix& w, int64_t n0, float* ws, float* wm, float* tm
     return;
   }
 #endif
+  for (int64_t i = 0; i < 16; ++i)
+    block_row(w, std::min(n0 + i, w.N - 1), tmp_s + i * S, w.min != nullptr ? tmp_m + i * S : nullptr);
+#if defined(__AVX512VNNI__)
   const uint8_t* srows[16];
   const uint8_t* mrows[16];
   for (int64_t i = 0; i < 16; ++i) {
-    const int64_t n = std::min(n0 + i, w.N - 1);
     srows[i] = reinterpret_cast<const uint8_t*>(tmp_s + i * S);
     mrows[i] = reinterpret_cast<const uint8_t*>(tmp_m + i * S);
-    block_row(w, n, tmp_s + i * S, w.min != nullptr ? tmp_m + i * S : nullptr);
   }
   columns16(srows, S, reinterpret_cast<uint8_t*>(ws));
   if (w.min != nullptr) columns16(mrows, S, reinterpret_cast<uint8_t*>(wm));
+#else
+  for (int64_t i = 0; i < 16; ++i)
+    for (int64_t c = 0; c < S; ++c) {
+      ws[c * 16 + i] = tmp_s[i * S + c];
+      if (w.min != nullptr) wm[c * 16 + i] = tmp_m[i * S + c];
+    }
+#endif
 }
+#endif
+
+#if defined(__AVX512VNNI__)
 
 void interleave16(const QuantMatrix& w, int64_t n0, uint8_t* q, float* ws, float* wm, float* tmp_s, float* tmp_m) {
   const int64_t qrow = w.bits == 8 ? w.K : w.K / 2;
@@ -411,6 +434,67 @@ void kquant_rows_small(ffi::ThreadPool& pool, const float* xf, const QuantMatrix
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+// Version 5 without VNNI (AVX2 CPUs): kquant_tile's product with quant_rows.h's AVX2 steps (Q5_K /
+// Q6_K bytes as |q| against x with q's signs, no offset; Q4_K's nibbles unsigned as they are), every
+// row count; the 16 rows' headers decoded per group (block_header's shuffles with SSE4.1 blends,
+// then transposed to [sub-blocks, 16]). Version 3 (quants row by row) keeps version 1's loops.
+template <int BITS, bool SUB16, int MR>
+inline void kquant_tile_avx2(const uint8_t* q, const float* ws, const float* wm, const KQuantX& kx, int64_t m0,
+                             int64_t K, float* out, int64_t ostride) {
+  const QuantX2& x = kx.x;
+  const int64_t B = K / kXBlock;
+  constexpr int64_t kBlockBytes = BITS == 8 ? 16 * 32 : 16 * 16;
+  constexpr int kHalves = SUB16 ? 2 : 1, kSteps = BITS == 8 ? 8 / kHalves : 4;
+  __m256 facc[MR][2];
+  HLOSERVE_UNROLL
+  for (int j = 0; j < MR; ++j) facc[j][0] = facc[j][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const int8_t* xb = x.xq.data() + m0 * K + b * kXBlock;
+    HLOSERVE_UNROLL
+    for (int h = 0; h < kHalves; ++h) {
+      __m256i iacc[MR][2];
+      HLOSERVE_UNROLL
+      for (int j = 0; j < MR; ++j) iacc[j][0] = iacc[j][1] = _mm256_setzero_si256();   // no offset to correct
+      const uint8_t* qb = q + b * kBlockBytes + h * kSteps * 64;
+      HLOSERVE_UNROLL
+      for (int s = 0; s < kSteps; ++s) {
+        if constexpr (BITS == 8) int8_step_avx2<MR>(iacc, qb + s * 64, xb + (h * kSteps + s) * 4, K);
+        else int4_step_avx2<MR>(iacc, qb + s * 64, xb + s * 8, K);
+      }
+      scale_sums_avx2<MR>(facc, iacc, ws + (b * kHalves + h) * 16, x.d.data() + m0 * B + b, B);
+    }
+  }
+  mins_and_store_avx2<MR>(facc, wm, x.xsum.data() + m0 * B, B, out + m0 * ostride, ostride);
+}
+
+// rows of x 3 at a time (12 accumulators of 16 registers)
+template <int BITS, bool SUB16>
+void kquant_rows_avx2(const uint8_t* q, const float* ws, const float* wm, const KQuantX& x, int64_t M, int64_t K,
+                      float* o, int64_t ostride) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) kquant_tile_avx2<BITS, SUB16, 3>(q, ws, wm, x, m, K, o, ostride);
+  switch (M - m) {
+    case 2: kquant_tile_avx2<BITS, SUB16, 2>(q, ws, wm, x, m, K, o, ostride); break;
+    case 1: kquant_tile_avx2<BITS, SUB16, 1>(q, ws, wm, x, m, K, o, ostride); break;
+  }
+}
+
+// version 5's groups of 16 rows [g0, g1) (N a multiple of 16: the export interleaves only such matrices)
+void kquant_groups_avx2(const QuantMatrix& w, const KQuantX& x, int64_t M, int64_t g0, int64_t g1, float* out) {
+  const int64_t qrow = w.bits == 8 ? w.K : w.K / 2;
+  std::vector<float> ws(16 * w.G), wm(16 * w.G), tmp_s(16 * w.G), tmp_m(16 * w.G);
+  const float* mins = w.min != nullptr ? wm.data() : nullptr;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* q = w.q + g * 16 * qrow;
+    headers16(w, g * 16, ws.data(), wm.data(), tmp_s.data(), tmp_m.data());
+    if (w.block == kQ6K) kquant_rows_avx2<8, true>(q, ws.data(), mins, x, M, w.K, out + g * 16, w.N);
+    else if (w.bits == 8) kquant_rows_avx2<8, false>(q, ws.data(), mins, x, M, w.K, out + g * 16, w.N);
+    else kquant_rows_avx2<4, false>(q, ws.data(), mins, x, M, w.K, out + g * 16, w.N);
+  }
+}
+#endif
+
 // Below this many rows of x the copy costs more than the tiles save, and the row loop above runs
 // (each matrix row read once where it lies). Measured one thread, K 1536, N 2304, Xeon with VNNI,
 // 2026-11-29 (against version 1's row loop then): Q6_K rows 1-2 the loops 1.3x faster, 4 even, 8 the
@@ -430,6 +514,13 @@ void quant_linear_v3(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w
     kquant_groups(w, xq, M, g0, std::min(NG, g0 + kGroupsPerTask), op);
   });
 #else
+#if defined(__AVX2__)
+  if (w.rows16) {
+    const KQuantX xq = quantize_for_blocks(x, M, w);
+    even_shares(pool, w.N / 16, [&](int64_t g0, int64_t g1) { kquant_groups_avx2(w, xq, M, g0, g1, op); });
+    return;
+  }
+#endif
   quant_linear_v1(pool, x, w, M, op);
 #endif
 }

@@ -190,21 +190,18 @@ void quant2_vnni(const QuantMatrix& w, const QuantX2& x, int64_t m0, int64_t M, 
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512VNNI__)
-// Without VNNI (AVX2 CPUs: AMD Zen 2 / Zen 3): quant2_tile's product with vpmaddubsw and vpmaddwd in
-// place of vpdpbusd, 16 matrix rows as two 256-bit halves (rows 0-7, 8-15). vpmaddubsw adds two
-// u8 x s8 products into a saturating int16, so int8 weights go in as |w| (the unsigned operand: a
-// checkpoint's -128 is 128) against x with w's signs (vpsignb; x lies in -127..127, so its negation
-// is exact), pairs within +-32,512 (no flip, no offset correction: x quantized with offset 0; |x|
-// against w with x's signs, llama.cpp's AVX2 form, gets -128's sign wrong); int4 nibbles (0..15, sym after the same +8 flip) are the
-// unsigned operand as they are. The int32 sums are exact, so every output is the VNNI path's, bit
-// for bit (the same f32 scaling in the same order).
+// Without VNNI (AVX2 CPUs: AMD Zen 2 / Zen 3): quant2_tile's product with quant_rows.h's AVX2 steps
+// (vpmaddubsw and vpmaddwd in place of vpdpbusd), 16 matrix rows as two 256-bit halves. int8 weights
+// go in as |w| against x with w's signs (x quantized with offset 0: no flip, no offset correction;
+// |x| against w with x's signs, llama.cpp's AVX2 form, gets a checkpoint's -128 wrong); int4 nibbles
+// (0..15, sym after the +8 flip) and version 4's 5-bit codes (q + 16, each fifth bit spread to its
+// byte) are the unsigned operand as they are. The int32 sums are exact, so every output is the VNNI
+// path's, bit for bit (the same f32 scaling in the same order).
 template <int BITS, bool SYM4, int MR>
 inline void quant2_tile_avx2(const uint8_t* q, const float* ws, const float* wm, const QuantX2& x, int64_t m0,
                              int64_t K, int64_t G, int64_t per_group, float* out, int64_t N) {
   const int64_t B = K / kXBlock;
-  constexpr int64_t kBlockBytes = BITS == 8 ? 16 * 32 : 16 * 16;
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F),
-                flip = _mm256_set1_epi8(static_cast<char>(0x88));
+  constexpr int64_t kBlockBytes = BITS == 8 ? 16 * 32 : BITS == 5 ? 320 : 16 * 16;
   __m256 facc[MR][2];
   HLOSERVE_UNROLL
   for (int j = 0; j < MR; ++j) facc[j][0] = facc[j][1] = _mm256_setzero_ps();
@@ -216,74 +213,36 @@ inline void quant2_tile_avx2(const uint8_t* q, const float* ws, const float* wm,
     const int8_t* xb = x.xq.data() + m0 * K + b * kXBlock;
     if constexpr (BITS == 8) {
       HLOSERVE_UNROLL
-      for (int s = 0; s < 8; ++s) {
-        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + s * 64));
-        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + s * 64 + 32));
-        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);   // |w|: -128 -> 128 unsigned
-        HLOSERVE_UNROLL
-        for (int j = 0; j < MR; ++j) {
-          int32_t four;
-          std::memcpy(&four, xb + j * K + s * 4, 4);
-          const __m256i xv = _mm256_set1_epi32(four);
-          iacc[j][0] = _mm256_add_epi32(iacc[j][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv, w0)), ones));
-          iacc[j][1] = _mm256_add_epi32(iacc[j][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, w1)), ones));
-        }
-      }
-    } else {
+      for (int s = 0; s < 8; ++s) int8_step_avx2<MR>(iacc, qb + s * 64, xb + s * 4, K);
+    } else if constexpr (BITS == 5) {
+      const __m256i low = _mm256_set1_epi8(0x0F);
       HLOSERVE_UNROLL
       for (int s = 0; s < 4; ++s) {
-        __m256i v[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + s * 64)),
-                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + s * 64 + 32))};
+        uint32_t bits[4];   // the step's fifth bits: lo nibbles' 64, then hi nibbles' 64, 32 a half
+        std::memcpy(bits, qb + 256 + s * 16, 16);
         __m256i lo[2], hi[2];
         HLOSERVE_UNROLL
         for (int h = 0; h < 2; ++h) {
-          if constexpr (SYM4) v[h] = _mm256_xor_si256(v[h], flip);                   // q + 8, both nibbles
-          lo[h] = _mm256_and_si256(v[h], low);
-          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v[h], 4), low);
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + s * 64 + 32 * h));
+          lo[h] = _mm256_or_si256(_mm256_and_si256(v, low), fifth_bits(bits[h]));
+          hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), fifth_bits(bits[2 + h]));
         }
-        HLOSERVE_UNROLL
-        for (int j = 0; j < MR; ++j) {
-          int32_t a, c;
-          std::memcpy(&a, xb + j * K + s * 8, 4);
-          std::memcpy(&c, xb + j * K + s * 8 + 4, 4);
-          const __m256i av = _mm256_set1_epi32(a), cv = _mm256_set1_epi32(c);
-          HLOSERVE_UNROLL
-          for (int h = 0; h < 2; ++h)
-            iacc[j][h] = _mm256_add_epi32(
-                iacc[j][h], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo[h], av), ones),
-                                             _mm256_madd_epi16(_mm256_maddubs_epi16(hi[h], cv), ones)));
-        }
+        dot_step_avx2<MR>(iacc, lo, hi, xb + s * 8, K);
       }
-    }
-    const float* sv = ws + (b / per_group) * 16;
-    HLOSERVE_UNROLL
-    for (int j = 0; j < MR; ++j) {
-      const __m256 d = _mm256_set1_ps(x.d[(m0 + j) * B + b]);
+    } else {
       HLOSERVE_UNROLL
-      for (int h = 0; h < 2; ++h)
-        facc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[j][h]), _mm256_mul_ps(_mm256_loadu_ps(sv + 8 * h), d),
-                                     facc[j][h]);
+      for (int s = 0; s < 4; ++s) int4_step_avx2<MR, SYM4>(iacc, qb + s * 64, xb + s * 8, K);
     }
+    scale_sums_avx2<MR>(facc, iacc, ws + (b / per_group) * 16, x.d.data() + m0 * B + b, B);
   }
-  for (int64_t g = 0; wm != nullptr && g < G; ++g)
-    HLOSERVE_UNROLL
-    for (int j = 0; j < MR; ++j)
-      HLOSERVE_UNROLL
-      for (int h = 0; h < 2; ++h)
-        facc[j][h] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + g * 16 + 8 * h), _mm256_set1_ps(x.xsum[(m0 + j) * G + g]),
-                                     facc[j][h]);
-  HLOSERVE_UNROLL
-  for (int j = 0; j < MR; ++j) {
-    _mm256_storeu_ps(out + (m0 + j) * N, facc[j][0]);
-    _mm256_storeu_ps(out + (m0 + j) * N + 8, facc[j][1]);
-  }
+  mins_and_store_avx2<MR>(facc, wm, x.xsum.data() + m0 * G, G, out + m0 * N, N);
 }
 
 // rows [0, M) of x times row groups [g0, g1), 3 rows of x at a time (12 accumulators of 16 registers)
 template <int BITS, bool SYM4>
 void quant2_avx2(const QuantMatrix& w, const QuantX2& x, int64_t M, int64_t g0, int64_t g1, float* out) {
   const int64_t per_group = w.group / kXBlock;
-  const int64_t gbytes = BITS == 8 ? 16 * w.K : 8 * w.K;   // bytes per group of 16 rows
+  const int64_t gbytes = BITS == 8 ? 16 * w.K : BITS == 5 ? 10 * w.K : 8 * w.K;   // bytes per group of 16 rows
   std::vector<float> sbuf, mbuf;
   for (int64_t g = g0; g < g1; ++g) {
     int64_t m = 0;
@@ -543,7 +502,7 @@ void quant_linear_v2(ffi::ThreadPool& pool, const float* x, const QuantMatrix& w
     else quant2_vnni<4, false>(w, xq, 0, M, g0, g1, op);
 #elif defined(__AVX2__)
     if (w.bits == 8) quant2_avx2<8, false>(w, xq, M, g0, g1, op);
-    else if (w.bits == 5) quant2_portable(w, xq, M, g0, g1, op);
+    else if (w.bits == 5) quant2_avx2<5, false>(w, xq, M, g0, g1, op);
     else if (sym4) quant2_avx2<4, true>(w, xq, M, g0, g1, op);
     else quant2_avx2<4, false>(w, xq, M, g0, g1, op);
 #else

@@ -65,11 +65,14 @@ inline void widen(const void* base, bool f16, int64_t start, int64_t count, floa
 #if defined(__AVX512F__)
   for (; i + 16 <= count; i += 16)
     _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
 #endif
   for (; i < count; ++i) dst[i] = f16_to_f32(h[i]);
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#if (defined(__AVX512BW__) && defined(__AVX512VL__)) || defined(__AVX2__)
 // one Q4_K / Q5_K super-block header h -> its 8 scales d * sc_j (and mins -(dmin * m_j), when `min` is
 // given), as block_row's scalar loop computes them: bytes 0-7 of r hold sc_j, 8-15 m_j, gathered by
 // one shuffle (sc_j, m_j for j < 4: their bytes' low 6 bits; j >= 4: a nibble and 2 high bits)
@@ -82,8 +85,13 @@ inline void block_header(const uint8_t* h, float* scale, float* min) {
   const __m128i low6 = _mm_and_si128(a, _mm_set1_epi8(63));
   const __m128i sc_hi = _mm_or_si128(_mm_and_si128(a, nib), two);
   const __m128i m_hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), nib), two);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
   __m128i r = _mm_mask_blend_epi8(0x00F0, low6, sc_hi);
   r = _mm_mask_blend_epi8(static_cast<__mmask16>(0xF000), r, m_hi);
+#else   // the same bytes by SSE4.1's byte blends (AVX2 CPUs)
+  __m128i r = _mm_blendv_epi8(low6, sc_hi, _mm_setr_epi8(0, 0, 0, 0, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0));
+  r = _mm_blendv_epi8(r, m_hi, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1));
+#endif
   auto half = [](const uint8_t* p) { return f16_to_f32(static_cast<uint16_t>(p[0] | (p[1] << 8))); };
   const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(r));
   _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(half(h)), sc));
@@ -92,6 +100,9 @@ inline void block_header(const uint8_t* h, float* scale, float* min) {
   const __m256 prod = _mm256_mul_ps(_mm256_set1_ps(half(h + 2)), m);
   _mm256_storeu_ps(min, _mm256_xor_ps(prod, _mm256_set1_ps(-0.f)));   // -(dmin * m_j)
 }
+#endif
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
 
 // block_header for four headers h[0..3] (anywhere) at once, one per 128-bit lane: out[i] holds header
 // i's 8 scales d * sc_j (lanes 0-7) and its 8 mins -(dmin * m_j) (lanes 8-15), block_header's values.
@@ -136,7 +147,7 @@ inline void block_row(const QuantMatrix& w, int64_t n, float* scale, float* min)
   const uint8_t* h = static_cast<const uint8_t*>(w.scale) + n * nb * head;
   auto half = [](const uint8_t* p) { return f16_to_f32(static_cast<uint16_t>(p[0] | (p[1] << 8))); };
   for (int64_t b = 0; b < nb; ++b, h += head) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#if (defined(__AVX512BW__) && defined(__AVX512VL__)) || defined(__AVX2__)
     if (w.block != kQ6K) {   // the 12 bytes of 6-bit sc_j, m_j unpacked in one register, then widened
       block_header(h, scale + b * 8, min != nullptr ? min + b * 8 : nullptr);
       continue;
@@ -147,6 +158,11 @@ inline void block_row(const QuantMatrix& w, int64_t n, float* scale, float* min)
 #if defined(__AVX512F__)
       const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
       _mm512_storeu_ps(scale + b * 16, _mm512_mul_ps(_mm512_set1_ps(d), sc));
+#elif defined(__AVX2__)
+      for (int j = 0; j < 16; j += 8) {
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h + j))));
+        _mm256_storeu_ps(scale + b * 16 + j, _mm256_mul_ps(_mm256_set1_ps(d), sc));
+      }
 #else
       for (int j = 0; j < 16; ++j) scale[b * 16 + j] = d * static_cast<float>(static_cast<int8_t>(h[j]));
 #endif
@@ -485,6 +501,25 @@ inline QuantX2 quantize_x2(const float* x, int64_t M, int64_t K, int64_t G, int6
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qc));
         sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
       }
+#elif defined(__AVX2__)
+      __m256 v[4], amax8 = _mm256_setzero_ps();
+      const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i), amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[i], abs_mask));
+      __m128 t = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+      t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+      d = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t))) / 127.f;
+      if (d > 0.f) {
+        const __m256 dv = _mm256_set1_ps(d);   // true division and round-to-nearest-even, as the reference
+        __m256i q[4], total = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_div_ps(v[i], dv)), total = _mm256_add_epi32(total, q[i]);
+        // |q| <= 127: the packs saturate nothing; packs work within 128-bit lanes, so the dwords go back in order
+        const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                            _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+      }
 #else
       float amax = 0.f;
       for (int64_t k = 0; k < kXBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
@@ -544,6 +579,104 @@ inline void mins_and_store(__m512 facc[MR], const float* wm, const float* xsum, 
   }
   HLOSERVE_UNROLL
   for (int j = 0; j < MR; ++j) _mm512_storeu_ps(out + j * ostride, facc[j]);
+}
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+// The same steps without VNNI (AVX2 CPUs: AMD Zen 2 / Zen 3), vpmaddubsw and vpmaddwd in place of
+// vpdpbusd, the 16 rows as two 256-bit halves (rows 0-7, 8-15). vpmaddubsw adds two u8 x s8 products
+// into a saturating int16: the unsigned operands here (int4 nibbles, 5-bit codes, |int8|) keep each
+// pair within +-32,512, so every int32 sum is exact, the VNNI path's.
+
+// 4 unsigned bytes u times 4 signed bytes s, summed per dword
+inline __m256i madd4(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
+
+// dot_step's: the 16 rows' unsigned bytes of a step's first 4 elements (lo) and second 4 (hi)
+template <int MR>
+inline void dot_step_avx2(__m256i (&iacc)[MR][2], const __m256i (&lo)[2], const __m256i (&hi)[2], const int8_t* xb,
+                          int64_t K) {
+  HLOSERVE_UNROLL
+  for (int j = 0; j < MR; ++j) {
+    int32_t a, c;
+    std::memcpy(&a, xb + j * K, 4);
+    std::memcpy(&c, xb + j * K + 4, 4);
+    const __m256i av = _mm256_set1_epi32(a), cv = _mm256_set1_epi32(c);
+    HLOSERVE_UNROLL
+    for (int h = 0; h < 2; ++h)
+      iacc[j][h] = _mm256_add_epi32(iacc[j][h], _mm256_add_epi32(madd4(lo[h], av), madd4(hi[h], cv)));
+  }
+}
+
+// one 64-byte k-step of signed int8 weights (16 rows x 4 elements) at qs: |w| against x with w's
+// signs (x lies in -127..127, so its negation is exact; a weight of -128 is 128 unsigned)
+template <int MR>
+inline void int8_step_avx2(__m256i (&iacc)[MR][2], const uint8_t* qs, const int8_t* xb, int64_t K) {
+  const __m256i w[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32))};
+  const __m256i a[2] = {_mm256_abs_epi8(w[0]), _mm256_abs_epi8(w[1])};
+  HLOSERVE_UNROLL
+  for (int j = 0; j < MR; ++j) {
+    int32_t four;
+    std::memcpy(&four, xb + j * K, 4);
+    const __m256i xv = _mm256_set1_epi32(four);
+    HLOSERVE_UNROLL
+    for (int h = 0; h < 2; ++h) iacc[j][h] = _mm256_add_epi32(iacc[j][h], madd4(a[h], _mm256_sign_epi8(xv, w[h])));
+  }
+}
+
+// int4_step's: 64 bytes of nibbles (`flip` xor'd first: 0x88 makes two's complement nibbles q + 8)
+template <int MR, bool FLIP = false>
+inline void int4_step_avx2(__m256i (&iacc)[MR][2], const uint8_t* qs, const int8_t* xb, int64_t K) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256i lo[2], hi[2];
+  HLOSERVE_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * h));
+    if constexpr (FLIP) v = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x88)));
+    lo[h] = _mm256_and_si256(v, low), hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  }
+  dot_step_avx2<MR>(iacc, lo, hi, xb, K);
+}
+
+// byte i = 0x10 where bit i of m is set, else 0 (version 4's fifth bits: each byte picks its
+// mask byte i / 8 by a shuffle within 128-bit lanes, then tests bit i % 8)
+inline __m256i fifth_bits(uint32_t m) {
+  const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
+                                        3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i spread = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(m)), pick), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(spread, bit), _mm256_set1_epi8(0x10));
+}
+
+// facc[j] += iacc[j] * (16 rows' scales sv * x row j's block scale d[j * stride]) (scale_sums')
+template <int MR>
+inline void scale_sums_avx2(__m256 (&facc)[MR][2], const __m256i (&iacc)[MR][2], const float* sv, const float* d,
+                            int64_t stride) {
+  HLOSERVE_UNROLL
+  for (int j = 0; j < MR; ++j) {
+    const __m256 dj = _mm256_set1_ps(d[j * stride]);
+    HLOSERVE_UNROLL
+    for (int h = 0; h < 2; ++h)
+      facc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[j][h]), _mm256_mul_ps(_mm256_loadu_ps(sv + 8 * h), dj),
+                                   facc[j][h]);
+  }
+}
+
+// mins_and_store's
+template <int MR>
+inline void mins_and_store_avx2(__m256 (&facc)[MR][2], const float* wm, const float* xsum, int64_t G, float* out,
+                                int64_t ostride) {
+  for (int64_t g = 0; wm != nullptr && g < G; ++g)
+    HLOSERVE_UNROLL
+    for (int j = 0; j < MR; ++j)
+      HLOSERVE_UNROLL
+      for (int h = 0; h < 2; ++h)
+        facc[j][h] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + g * 16 + 8 * h), _mm256_set1_ps(xsum[j * G + g]), facc[j][h]);
+  HLOSERVE_UNROLL
+  for (int j = 0; j < MR; ++j) {
+    _mm256_storeu_ps(out + j * ostride, facc[j][0]);
+    _mm256_storeu_ps(out + j * ostride + 8, facc[j][1]);
+  }
 }
 #endif
 

@@ -95,9 +95,9 @@ def _quant_linear_v2_rows(cpu: Cpu) -> int | None:
     return None if cpu.has("avx512_vnni") else 4
 
 
-# Versions 2 and 6 (int8 and int4; version 4's 5-bit values keep the portable loop): with AVX2 the
-# tiles' product by vpmaddubsw / vpmaddwd (quant_linear.cc quant2_avx2, the VNNI path's bits) at every
-# row count too (docs/performance.md, "AVX2 only")
+# Versions 2, 4 and 6 (int8, 5-bit and int4) and 5 (K-quants interleaved): with AVX2 the tiles'
+# product by vpmaddubsw / vpmaddwd (quant_linear.cc quant2_avx2, quant_blocks.cc kquant_tile_avx2,
+# the VNNI path's integer sums) at every row count too (docs/performance.md, "AVX2 only")
 def _quant2_rows(cpu: Cpu) -> int | None:
     return None if cpu.has("avx512_vnni") or cpu.has("avx2") else 4
 
@@ -138,8 +138,8 @@ TARGETS = {
     QUANT_LINEAR_V6.key: Target("hloserve_quant_linear_v6", accepts=_whole_vectors, max_rows=_quant2_rows,
                                 result_dims=((0, 0), None), attributes_for=_quant_linear_v6_attributes),
     # 5-bit values (GGUF Q5_0 kept): version 2's int4 tiles with the fifth bits or'd in by mask (no AMX
-    # tiles yet: VNNI at every row count)
-    QUANT_LINEAR_V4.key: Target("hloserve_quant_linear_v4", accepts=_whole_vectors, max_rows=_quant_linear_v2_rows,
+    # tiles yet: VNNI, or AVX2's steps, at every row count)
+    QUANT_LINEAR_V4.key: Target("hloserve_quant_linear_v4", accepts=_whole_vectors, max_rows=_quant2_rows,
                                 result_dims=((0, 0), None)),
     # K-quant blocks: 16 rows at a time copied interleaved per call, then version 2's VNNI tiles
     # (quant_blocks.cc), so version 2's rows: every row count with VNNI (a 256-token prompt chunk of
@@ -147,7 +147,8 @@ TARGETS = {
     # 64 rows, docs/performance.md 2026-11-29, later); version 1's row loops without VNNI
     QUANT_LINEAR_V3.key: Target("hloserve_quant_linear_v3", max_rows=_quant_linear_v2_rows, result_dims=((0, 0), (1, 1))),
     # the same with the quants interleaved at export: the tiles at every row count, no per-call copy
-    QUANT_LINEAR_V5.key: Target("hloserve_quant_linear_v5", max_rows=_quant_linear_v2_rows, result_dims=((0, 0), None)),
+    # (with AVX2 too: kquant_tile_avx2)
+    QUANT_LINEAR_V5.key: Target("hloserve_quant_linear_v5", max_rows=_quant2_rows, result_dims=((0, 0), None)),
     # every row count: the kernel computes T k rows' products where the decomposition computes T per
     # expert taken (up to E/k times as many), reading each matrix once either way
     GROUPED_EXPERTS.key: Target("hloserve_grouped_experts"),
