@@ -373,7 +373,8 @@ def test_layer_linear_kernel_reads_only_its_layer(library):
     assert np.abs(np.asarray(fn(x, mine, np.int32(1)))).max() == 0
 
 
-@pytest.mark.parametrize("K,N", [(64, 48), (1600, 32)])          # one run of chunks, three (partial sums)
+# one run of chunks, three (partial sums); 13 tiles: decode rows' several tiles side by side and the rest
+@pytest.mark.parametrize("K,N", [(64, 48), (1600, 32), (96, 208)])
 def test_layer_linear_tiles_reads_b_tiles_as_layer_linear_reads_rows(library, monkeypatch, K, N):
     """`hloserve_layer_linear_tiles` over a stack laid out as B tiles (runtime/kernels/cpu/layouts.py,
     as runtime.load lays it out) gives layer_linear's kernel's bits at every row count where that
@@ -403,7 +404,7 @@ def test_layer_linear_tiles_reads_b_tiles_as_layer_linear_reads_rows(library, mo
     rows_call = jax.jit(specialize(exp, library if amx else None)[0].call)
     w32 = np.asarray(values.astype(jnp.float32))
     x_all = rng.standard_normal((130, K)).astype(np.float32)
-    for rows in (1, 5, 16, 17, 130):
+    for rows in (1, 2, 4, 5, 8, 16, 17, 130):
         x = x_all[:rows]
         layer = np.int32(1)
         got = np.asarray(tiles_call(x, tiled, layer))

@@ -575,11 +575,15 @@ inline void pack_pairs(const float* x, int64_t rows, int64_t K, int32_t* xp) {
 // it ends, tiles lying one after the other): 4 measured 0.93x 8's speed, 12 and 16 no faster than 8
 constexpr int64_t kPairsAhead = 8;
 
-// One decode row (a request's decode, bound by the weights' reads): 4 tiles side by side, none
-// prefetched by hand. A harness of one row over 2 GB of tiles, two threads (Zen 4 EPYC, 2026-12-03,
-// GB/s, medians of 7 against a plain read's 32-33): one tile prefetching 8 chunks ahead 26.6-27.1;
-// 4 tiles prefetching 8 ahead 29.3; 4, 6, 8, 12 or 16 tiles without prefetches 30.2-33.0. The
-// hardware's prefetchers keep up with 4 streams a thread; the hand-made ones took load slots from them.
+// Decode steps of up to 8 rows (bound by the weights' reads): 4 tiles side by side up to 4 rows, 2 up
+// to 8, none prefetched by hand; 9-16 rows (bound by the products) one tile at a time, prefetching.
+// A harness of M rows over 2 GB of tiles, two threads (Zen 4 EPYC, 2026-12-03, GB/s, medians of 7;
+// the machine's plain read moved between 32 and 57 through the runs, so compare within a line):
+// one row, one tile prefetching 8 chunks ahead 26.6-27.1, 4 tiles prefetching 29.3, 4-16 tiles
+// without prefetches 30.2-33.0 (read 32-33); 2 rows 23.2 / 33.0 (one tile prefetching / 2 tiles
+// without), 4 rows 20.4 / 46.5 (4 tiles), 8 rows 22.5 / 36.4 (2 tiles; read 55-57); 16 rows, one
+// tile, 17.8 prefetching, 15.6 without. The hardware's prefetchers keep up with 4 streams a thread;
+// the hand-made ones took load slots from them.
 constexpr int kRowTiles = 4;
 
 // MR packed rows of one block (xp) times NT consecutive tiles (wt: the first, KC chunks each, tstride
@@ -623,12 +627,30 @@ inline void b_tile_pairs(const int32_t* xp, int64_t KC, const uint16_t* wt, int6
 
 // x's rows [0, M) packed (pack_pairs, block g at xp + g KC 256) times matrix tiles [t0, t1) of wb (laid
 // out as b_tiles_product reads it), into out [M, N]: per tile, every block of rows in turn
+// Tiles [t, t1) of wb, NT at a time, times the one block of MR <= 8 rows (no hand-made prefetches);
+// t ends at the first tile of the remainder (fewer than NT)
+template <int MR, int NT>
+inline void b_tiles_side(const int32_t* xp, int64_t KC, const uint16_t* wb, int64_t& t, int64_t t1, float* out,
+                         int64_t N) {
+  const int64_t ts = KC * 512;
+  for (; t + NT <= t1; t += NT) b_tile_pairs<MR, NT, 0>(xp, KC, wb + t * ts, ts, out + 16 * t, N);
+}
+
 inline void b_tiles_pairs(const int32_t* xp, int64_t M, int64_t KC, const uint16_t* wb, int64_t t0, int64_t t1,
                           float* out, int64_t N) {
   const int64_t ts = KC * 512;
   int64_t t = t0;
-  if (M == 1)
-    for (; t + kRowTiles <= t1; t += kRowTiles) b_tile_pairs<1, kRowTiles, 0>(xp, KC, wb + t * ts, ts, out + 16 * t, N);
+  switch (M) {   // decode steps of up to 8 rows: several tiles side by side (kRowTiles)
+    case 1: b_tiles_side<1, kRowTiles>(xp, KC, wb, t, t1, out, N); break;
+    case 2: b_tiles_side<2, 4>(xp, KC, wb, t, t1, out, N); break;
+    case 3: b_tiles_side<3, 4>(xp, KC, wb, t, t1, out, N); break;
+    case 4: b_tiles_side<4, 4>(xp, KC, wb, t, t1, out, N); break;
+    case 5: b_tiles_side<5, 2>(xp, KC, wb, t, t1, out, N); break;
+    case 6: b_tiles_side<6, 2>(xp, KC, wb, t, t1, out, N); break;
+    case 7: b_tiles_side<7, 2>(xp, KC, wb, t, t1, out, N); break;
+    case 8: b_tiles_side<8, 2>(xp, KC, wb, t, t1, out, N); break;
+    default: break;
+  }
   for (; t < t1; ++t) {
     const uint16_t* wt = wb + t * ts;
     for (int64_t g = 0; 16 * g < M; ++g) {
