@@ -404,7 +404,7 @@ def test_layer_linear_tiles_reads_b_tiles_as_layer_linear_reads_rows(library, mo
     rows_call = jax.jit(specialize(exp, library if amx else None)[0].call)
     w32 = np.asarray(values.astype(jnp.float32))
     x_all = rng.standard_normal((130, K)).astype(np.float32)
-    for rows in (1, 2, 4, 5, 8, 16, 17, 130):
+    for rows in (1, 2, 4, 5, 8, 12, 16, 17, 130):
         x = x_all[:rows]
         layer = np.int32(1)
         got = np.asarray(tiles_call(x, tiled, layer))
