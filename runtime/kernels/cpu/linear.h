@@ -583,7 +583,7 @@ constexpr int64_t kPairsAhead = 8;
 // without prefetches 30.2-33.0 (read 32-33); 2 rows 23.2 / 33.0 (one tile prefetching / 2 tiles
 // without), 4 rows 20.4 / 46.5 (4 tiles), 8 rows 22.5 / 36.4 (2 tiles; read 55-57); 16 rows, one
 // tile, 17.8 prefetching, 15.6 without, and as two halves of 8 rows over 3 tiles side by side
-// (b_tiles_halves: half the broadcasts a product) 18.9-19.4 against 15.9 (bound by the products
+// (b_tiles3: half the broadcasts a product) 18.9-19.4 against 15.9 (bound by the products
 // there). The hardware's prefetchers keep up with 4 streams a thread; the hand-made ones took load
 // slots from them.
 constexpr int kRowTiles = 4;
@@ -638,16 +638,28 @@ inline void b_tiles_side(const int32_t* xp, int64_t KC, const uint16_t* wb, int6
   for (; t + NT <= t1; t += NT) b_tile_pairs<MR, NT, 0>(xp, KC, wb + t * ts, ts, out + 16 * t, N);
 }
 
-// Tiles [t, t1) of wb, 3 at a time, times the one block of 8 + MR2 rows (9-16) as two halves: rows
-// 0-7, then the rest, each half's products from the 3 tiles side by side (the second half reads them
-// from L1/L2); t ends at the first tile of the remainder
-template <int MR2>
-inline void b_tiles_halves(const int32_t* xp, int64_t KC, const uint16_t* wb, int64_t& t, int64_t t1, float* out,
-                           int64_t N) {
-  const int64_t ts = KC * 512;
-  for (; t + 3 <= t1; t += 3) {
-    b_tile_pairs<8, 3, 0>(xp, KC, wb + t * ts, ts, out + 16 * t, N);
-    b_tile_pairs<MR2, 3, 0>(xp + 8, KC, wb + t * ts, ts, out + 8 * N + 16 * t, N);
+// One block of mr rows (xb) times 3 consecutive tiles (wt: the first, tstride apart), into out: up to
+// 8 rows at once, so 9-16 as two halves (rows 0-7, then the rest; the second reads the tiles from
+// L1/L2), each half's products from the 3 tiles side by side (a broadcast of x serves 3 products)
+template <int MR>
+inline void b_tiles3_half(const int32_t* xb, int64_t KC, const uint16_t* wt, int64_t ts, float* o, int64_t N) {
+  b_tile_pairs<MR, 3, 0>(xb, KC, wt, ts, o, N);
+}
+
+inline void b_tiles3(const int32_t* xb, int64_t mr, int64_t KC, const uint16_t* wt, int64_t ts, float* o, int64_t N) {
+  if (mr > 8) {
+    b_tiles3_half<8>(xb, KC, wt, ts, o, N);
+    xb += 8, o += 8 * N, mr -= 8;
+  }
+  switch (mr) {
+    case 1: b_tiles3_half<1>(xb, KC, wt, ts, o, N); break;
+    case 2: b_tiles3_half<2>(xb, KC, wt, ts, o, N); break;
+    case 3: b_tiles3_half<3>(xb, KC, wt, ts, o, N); break;
+    case 4: b_tiles3_half<4>(xb, KC, wt, ts, o, N); break;
+    case 5: b_tiles3_half<5>(xb, KC, wt, ts, o, N); break;
+    case 6: b_tiles3_half<6>(xb, KC, wt, ts, o, N); break;
+    case 7: b_tiles3_half<7>(xb, KC, wt, ts, o, N); break;
+    default: b_tiles3_half<8>(xb, KC, wt, ts, o, N); break;
   }
 }
 
@@ -664,15 +676,11 @@ inline void b_tiles_pairs(const int32_t* xp, int64_t M, int64_t KC, const uint16
     case 6: b_tiles_side<6, 2>(xp, KC, wb, t, t1, out, N); break;
     case 7: b_tiles_side<7, 2>(xp, KC, wb, t, t1, out, N); break;
     case 8: b_tiles_side<8, 2>(xp, KC, wb, t, t1, out, N); break;
-    case 9: b_tiles_halves<1>(xp, KC, wb, t, t1, out, N); break;
-    case 10: b_tiles_halves<2>(xp, KC, wb, t, t1, out, N); break;
-    case 11: b_tiles_halves<3>(xp, KC, wb, t, t1, out, N); break;
-    case 12: b_tiles_halves<4>(xp, KC, wb, t, t1, out, N); break;
-    case 13: b_tiles_halves<5>(xp, KC, wb, t, t1, out, N); break;
-    case 14: b_tiles_halves<6>(xp, KC, wb, t, t1, out, N); break;
-    case 15: b_tiles_halves<7>(xp, KC, wb, t, t1, out, N); break;
-    case 16: b_tiles_halves<8>(xp, KC, wb, t, t1, out, N); break;
-    default: break;
+    default:   // 9 rows and more: 3 tiles at a time, every block of x in turn over them
+      for (; t + 3 <= t1; t += 3)
+        for (int64_t g = 0; 16 * g < M; ++g)
+          b_tiles3(xp + g * KC * 256, std::min<int64_t>(16, M - 16 * g), KC, wb + t * ts, ts, out + 16 * g * N + 16 * t, N);
+      break;
   }
   for (; t < t1; ++t) {
     const uint16_t* wt = wb + t * ts;
