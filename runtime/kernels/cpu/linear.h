@@ -576,7 +576,8 @@ inline void pack_pairs(const float* x, int64_t rows, int64_t K, int32_t* xp) {
 constexpr int64_t kPairsAhead = 8;
 
 // Decode steps of up to 8 rows (bound by the weights' reads): 4 tiles side by side up to 4 rows, 2 up
-// to 8, none prefetched by hand; 9-16 rows (bound by the products) one tile at a time, prefetching.
+// to 8; 9 rows and more (bound by the products) as halves of 8 rows over 3 tiles; none prefetched by
+// hand (the tiles left over past the last whole group run one at a time, prefetching).
 // A harness of M rows over 2 GB of tiles, two threads (Zen 4 EPYC, 2026-12-03, GB/s, medians of 7;
 // the machine's plain read moved between 32 and 57 through the runs, so compare within a line):
 // one row, one tile prefetching 8 chunks ahead 26.6-27.1, 4 tiles prefetching 29.3, 4-16 tiles
@@ -586,7 +587,6 @@ constexpr int64_t kPairsAhead = 8;
 // (b_tiles3: half the broadcasts a product) 18.9-19.4 against 15.9 (bound by the products
 // there). The hardware's prefetchers keep up with 4 streams a thread; the hand-made ones took load
 // slots from them.
-constexpr int kRowTiles = 4;
 
 // MR packed rows of one block (xp) times NT consecutive tiles (wt: the first, KC chunks each, tstride
 // apart), into out (each tile's 16 columns of MR rows, N apart), AHEAD chunks of each tile prefetched
@@ -627,8 +627,6 @@ inline void b_tile_pairs(const int32_t* xp, int64_t KC, const uint16_t* wt, int6
     for (int m = 0; m < MR; ++m) _mm512_storeu_ps(out + m * N + 16 * t, acc[t][m]);
 }
 
-// x's rows [0, M) packed (pack_pairs, block g at xp + g KC 256) times matrix tiles [t0, t1) of wb (laid
-// out as b_tiles_product reads it), into out [M, N]: per tile, every block of rows in turn
 // Tiles [t, t1) of wb, NT at a time, times the one block of MR <= 8 rows (no hand-made prefetches);
 // t ends at the first tile of the remainder (fewer than NT)
 template <int MR, int NT>
@@ -641,34 +639,32 @@ inline void b_tiles_side(const int32_t* xp, int64_t KC, const uint16_t* wb, int6
 // One block of mr rows (xb) times 3 consecutive tiles (wt: the first, tstride apart), into out: up to
 // 8 rows at once, so 9-16 as two halves (rows 0-7, then the rest; the second reads the tiles from
 // L1/L2), each half's products from the 3 tiles side by side (a broadcast of x serves 3 products)
-template <int MR>
-inline void b_tiles3_half(const int32_t* xb, int64_t KC, const uint16_t* wt, int64_t ts, float* o, int64_t N) {
-  b_tile_pairs<MR, 3, 0>(xb, KC, wt, ts, o, N);
-}
-
 inline void b_tiles3(const int32_t* xb, int64_t mr, int64_t KC, const uint16_t* wt, int64_t ts, float* o, int64_t N) {
   if (mr > 8) {
-    b_tiles3_half<8>(xb, KC, wt, ts, o, N);
+    b_tile_pairs<8, 3, 0>(xb, KC, wt, ts, o, N);
     xb += 8, o += 8 * N, mr -= 8;
   }
   switch (mr) {
-    case 1: b_tiles3_half<1>(xb, KC, wt, ts, o, N); break;
-    case 2: b_tiles3_half<2>(xb, KC, wt, ts, o, N); break;
-    case 3: b_tiles3_half<3>(xb, KC, wt, ts, o, N); break;
-    case 4: b_tiles3_half<4>(xb, KC, wt, ts, o, N); break;
-    case 5: b_tiles3_half<5>(xb, KC, wt, ts, o, N); break;
-    case 6: b_tiles3_half<6>(xb, KC, wt, ts, o, N); break;
-    case 7: b_tiles3_half<7>(xb, KC, wt, ts, o, N); break;
-    default: b_tiles3_half<8>(xb, KC, wt, ts, o, N); break;
+    case 1: b_tile_pairs<1, 3, 0>(xb, KC, wt, ts, o, N); break;
+    case 2: b_tile_pairs<2, 3, 0>(xb, KC, wt, ts, o, N); break;
+    case 3: b_tile_pairs<3, 3, 0>(xb, KC, wt, ts, o, N); break;
+    case 4: b_tile_pairs<4, 3, 0>(xb, KC, wt, ts, o, N); break;
+    case 5: b_tile_pairs<5, 3, 0>(xb, KC, wt, ts, o, N); break;
+    case 6: b_tile_pairs<6, 3, 0>(xb, KC, wt, ts, o, N); break;
+    case 7: b_tile_pairs<7, 3, 0>(xb, KC, wt, ts, o, N); break;
+    default: b_tile_pairs<8, 3, 0>(xb, KC, wt, ts, o, N); break;
   }
 }
 
+// x's rows [0, M) packed (pack_pairs, block g at xp + g KC 256) times matrix tiles [t0, t1) of wb (laid
+// out as b_tiles_product reads it), into out [M, N]: groups of tiles side by side (as measured above),
+// every block of rows in turn over each group; then the tiles left over one at a time
 inline void b_tiles_pairs(const int32_t* xp, int64_t M, int64_t KC, const uint16_t* wb, int64_t t0, int64_t t1,
                           float* out, int64_t N) {
   const int64_t ts = KC * 512;
   int64_t t = t0;
   switch (M) {   // decode steps: several tiles side by side
-    case 1: b_tiles_side<1, kRowTiles>(xp, KC, wb, t, t1, out, N); break;
+    case 1: b_tiles_side<1, 4>(xp, KC, wb, t, t1, out, N); break;
     case 2: b_tiles_side<2, 4>(xp, KC, wb, t, t1, out, N); break;
     case 3: b_tiles_side<3, 4>(xp, KC, wb, t, t1, out, N); break;
     case 4: b_tiles_side<4, 4>(xp, KC, wb, t, t1, out, N); break;
