@@ -571,29 +571,25 @@ inline void pack_pairs(const float* x, int64_t rows, int64_t K, int32_t* xp) {
   }
 }
 
-// Chunks a tile prefetches ahead of the one it multiplies (into L1; the next tile's first chunks as
-// it ends, tiles lying one after the other): 4 measured 0.93x 8's speed, 12 and 16 no faster than 8
-constexpr int64_t kPairsAhead = 8;
-
 // Decode steps of up to 8 rows (bound by the weights' reads): 4 tiles side by side up to 4 rows, 2 up
-// to 8; 9 rows and more (bound by the products) as halves of 8 rows over 3 tiles; none prefetched by
-// hand (the tiles left over past the last whole group run one at a time, prefetching).
+// to 8; 9 rows and more (bound by the products) as halves of 8 rows over 3 tiles; the tiles left over
+// past the last whole group 2, then 1 at a time; none prefetched by hand.
 // A harness of M rows over 2 GB of tiles, two threads (Zen 4 EPYC, 2026-12-03, GB/s, medians of 7;
 // the machine's plain read moved between 32 and 57 through the runs, so compare within a line):
 // one row, one tile prefetching 8 chunks ahead 26.6-27.1, 4 tiles prefetching 29.3, 4-16 tiles
 // without prefetches 30.2-33.0 (read 32-33); 2 rows 23.2 / 33.0 (one tile prefetching / 2 tiles
 // without), 4 rows 20.4 / 46.5 (4 tiles), 8 rows 22.5 / 36.4 (2 tiles; read 55-57); 16 rows, one
 // tile, 17.8 prefetching, 15.6 without, and as two halves of 8 rows over 3 tiles side by side
-// (b_tiles3: half the broadcasts a product) 18.9-19.4 against 15.9 (bound by the products
+// (b_block_tiles<3>: half the broadcasts a product) 18.9-19.4 against 15.9 (bound by the products
 // there). The hardware's prefetchers keep up with 4 streams a thread; the hand-made ones took load
 // slots from them.
 
 // MR packed rows of one block (xp) times NT consecutive tiles (wt: the first, KC chunks each, tstride
-// apart), into out (each tile's 16 columns of MR rows, N apart), AHEAD chunks of each tile prefetched
-// ahead (0: none). Every output's sum is one chain in k's order whatever MR and NT are; NT tiles side
-// by side give one row several independent chains (one row of one tile is a chain of 16 vdpbf16ps a
-// chunk, each waiting on the one before)
-template <int MR, int NT = 1, int AHEAD = kPairsAhead>
+// apart), into out (each tile's 16 columns of MR rows, N apart). Every output's sum is one chain in k's
+// order whatever MR and NT are; NT tiles side by side give one row several independent chains (one row
+// of one tile is a chain of 16 vdpbf16ps a chunk, each waiting on the one before) and let one
+// broadcast of x serve NT products
+template <int MR, int NT>
 inline void b_tile_pairs(const int32_t* xp, int64_t KC, const uint16_t* wt, int64_t tstride, float* out, int64_t N) {
   __m512 acc[NT][MR];
   HLOSERVE_UNROLL
@@ -601,14 +597,6 @@ inline void b_tile_pairs(const int32_t* xp, int64_t KC, const uint16_t* wt, int6
     HLOSERVE_UNROLL
     for (int m = 0; m < MR; ++m) acc[t][m] = _mm512_setzero_ps();
   for (int64_t c = 0; c < KC; ++c) {
-    if constexpr (AHEAD > 0) {
-      HLOSERVE_UNROLL
-      for (int t = 0; t < NT; ++t) {
-        const char* ahead = reinterpret_cast<const char*>(wt + t * tstride + (c + AHEAD) * 512);
-        HLOSERVE_UNROLL
-        for (int l = 0; l < 16; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
-      }
-    }
     HLOSERVE_UNROLL
     for (int r = 0; r < 16; ++r) {
       const int32_t* pr = xp + (c * 16 + r) * 16;
@@ -627,82 +615,51 @@ inline void b_tile_pairs(const int32_t* xp, int64_t KC, const uint16_t* wt, int6
     for (int m = 0; m < MR; ++m) _mm512_storeu_ps(out + m * N + 16 * t, acc[t][m]);
 }
 
-// Tiles [t, t1) of wb, NT at a time, times the one block of MR <= 8 rows (no hand-made prefetches);
-// t ends at the first tile of the remainder (fewer than NT)
-template <int MR, int NT>
-inline void b_tiles_side(const int32_t* xp, int64_t KC, const uint16_t* wb, int64_t& t, int64_t t1, float* out,
-                         int64_t N) {
-  const int64_t ts = KC * 512;
-  for (; t + NT <= t1; t += NT) b_tile_pairs<MR, NT, 0>(xp, KC, wb + t * ts, ts, out + 16 * t, N);
-}
-
-// One block of mr rows (xb) times 3 consecutive tiles (wt: the first, tstride apart), into out: up to
-// 8 rows at once, so 9-16 as two halves (rows 0-7, then the rest; the second reads the tiles from
-// L1/L2), each half's products from the 3 tiles side by side (a broadcast of x serves 3 products)
-inline void b_tiles3(const int32_t* xb, int64_t mr, int64_t KC, const uint16_t* wt, int64_t ts, float* o, int64_t N) {
+// One block of mr <= 16 rows (xb) times NT consecutive tiles (wt: the first, tstride apart), into out:
+// up to 8 rows at once, so 9-16 as two halves (rows 0-7, then the rest; the second reads the tiles
+// from L1/L2)
+template <int NT>
+inline void b_block_tiles(const int32_t* xb, int64_t mr, int64_t KC, const uint16_t* wt, int64_t ts, float* o,
+                          int64_t N) {
   if (mr > 8) {
-    b_tile_pairs<8, 3, 0>(xb, KC, wt, ts, o, N);
+    b_tile_pairs<8, NT>(xb, KC, wt, ts, o, N);
     xb += 8, o += 8 * N, mr -= 8;
   }
   switch (mr) {
-    case 1: b_tile_pairs<1, 3, 0>(xb, KC, wt, ts, o, N); break;
-    case 2: b_tile_pairs<2, 3, 0>(xb, KC, wt, ts, o, N); break;
-    case 3: b_tile_pairs<3, 3, 0>(xb, KC, wt, ts, o, N); break;
-    case 4: b_tile_pairs<4, 3, 0>(xb, KC, wt, ts, o, N); break;
-    case 5: b_tile_pairs<5, 3, 0>(xb, KC, wt, ts, o, N); break;
-    case 6: b_tile_pairs<6, 3, 0>(xb, KC, wt, ts, o, N); break;
-    case 7: b_tile_pairs<7, 3, 0>(xb, KC, wt, ts, o, N); break;
-    default: b_tile_pairs<8, 3, 0>(xb, KC, wt, ts, o, N); break;
+    case 1: b_tile_pairs<1, NT>(xb, KC, wt, ts, o, N); break;
+    case 2: b_tile_pairs<2, NT>(xb, KC, wt, ts, o, N); break;
+    case 3: b_tile_pairs<3, NT>(xb, KC, wt, ts, o, N); break;
+    case 4: b_tile_pairs<4, NT>(xb, KC, wt, ts, o, N); break;
+    case 5: b_tile_pairs<5, NT>(xb, KC, wt, ts, o, N); break;
+    case 6: b_tile_pairs<6, NT>(xb, KC, wt, ts, o, N); break;
+    case 7: b_tile_pairs<7, NT>(xb, KC, wt, ts, o, N); break;
+    default: b_tile_pairs<8, NT>(xb, KC, wt, ts, o, N); break;
   }
+}
+
+// Tiles [t, t1) of wb NT at a time, every block of x's M rows in turn over each group; returns the
+// first tile of the remainder (fewer than NT)
+template <int NT>
+inline int64_t b_tile_groups(const int32_t* xp, int64_t M, int64_t KC, const uint16_t* wb, int64_t t, int64_t t1,
+                             float* out, int64_t N) {
+  const int64_t ts = KC * 512;
+  for (; t + NT <= t1; t += NT)
+    for (int64_t g = 0; 16 * g < M; ++g)
+      b_block_tiles<NT>(xp + g * KC * 256, std::min<int64_t>(16, M - 16 * g), KC, wb + t * ts, ts,
+                        out + 16 * g * N + 16 * t, N);
+  return t;
 }
 
 // x's rows [0, M) packed (pack_pairs, block g at xp + g KC 256) times matrix tiles [t0, t1) of wb (laid
 // out as b_tiles_product reads it), into out [M, N]: groups of tiles side by side (as measured above),
-// every block of rows in turn over each group; then the tiles left over one at a time
+// then what is left 2 and 1 at a time
 inline void b_tiles_pairs(const int32_t* xp, int64_t M, int64_t KC, const uint16_t* wb, int64_t t0, int64_t t1,
                           float* out, int64_t N) {
-  const int64_t ts = KC * 512;
-  int64_t t = t0;
-  switch (M) {   // decode steps: several tiles side by side
-    case 1: b_tiles_side<1, 4>(xp, KC, wb, t, t1, out, N); break;
-    case 2: b_tiles_side<2, 4>(xp, KC, wb, t, t1, out, N); break;
-    case 3: b_tiles_side<3, 4>(xp, KC, wb, t, t1, out, N); break;
-    case 4: b_tiles_side<4, 4>(xp, KC, wb, t, t1, out, N); break;
-    case 5: b_tiles_side<5, 2>(xp, KC, wb, t, t1, out, N); break;
-    case 6: b_tiles_side<6, 2>(xp, KC, wb, t, t1, out, N); break;
-    case 7: b_tiles_side<7, 2>(xp, KC, wb, t, t1, out, N); break;
-    case 8: b_tiles_side<8, 2>(xp, KC, wb, t, t1, out, N); break;
-    default:   // 9 rows and more: 3 tiles at a time, every block of x in turn over them
-      for (; t + 3 <= t1; t += 3)
-        for (int64_t g = 0; 16 * g < M; ++g)
-          b_tiles3(xp + g * KC * 256, std::min<int64_t>(16, M - 16 * g), KC, wb + t * ts, ts, out + 16 * g * N + 16 * t, N);
-      break;
-  }
-  for (; t < t1; ++t) {
-    const uint16_t* wt = wb + t * ts;
-    for (int64_t g = 0; 16 * g < M; ++g) {
-      const int32_t* xb = xp + g * KC * 256;
-      float* o = out + 16 * g * N + 16 * t;
-      switch (std::min<int64_t>(16, M - 16 * g)) {
-        case 1: b_tile_pairs<1>(xb, KC, wt, ts, o, N); break;
-        case 2: b_tile_pairs<2>(xb, KC, wt, ts, o, N); break;
-        case 3: b_tile_pairs<3>(xb, KC, wt, ts, o, N); break;
-        case 4: b_tile_pairs<4>(xb, KC, wt, ts, o, N); break;
-        case 5: b_tile_pairs<5>(xb, KC, wt, ts, o, N); break;
-        case 6: b_tile_pairs<6>(xb, KC, wt, ts, o, N); break;
-        case 7: b_tile_pairs<7>(xb, KC, wt, ts, o, N); break;
-        case 8: b_tile_pairs<8>(xb, KC, wt, ts, o, N); break;
-        case 9: b_tile_pairs<9>(xb, KC, wt, ts, o, N); break;
-        case 10: b_tile_pairs<10>(xb, KC, wt, ts, o, N); break;
-        case 11: b_tile_pairs<11>(xb, KC, wt, ts, o, N); break;
-        case 12: b_tile_pairs<12>(xb, KC, wt, ts, o, N); break;
-        case 13: b_tile_pairs<13>(xb, KC, wt, ts, o, N); break;
-        case 14: b_tile_pairs<14>(xb, KC, wt, ts, o, N); break;
-        case 15: b_tile_pairs<15>(xb, KC, wt, ts, o, N); break;
-        default: b_tile_pairs<16>(xb, KC, wt, ts, o, N); break;
-      }
-    }
-  }
+  int64_t t = M <= 4   ? b_tile_groups<4>(xp, M, KC, wb, t0, t1, out, N)
+              : M <= 8 ? b_tile_groups<2>(xp, M, KC, wb, t0, t1, out, N)
+                       : b_tile_groups<3>(xp, M, KC, wb, t0, t1, out, N);
+  t = b_tile_groups<2>(xp, M, KC, wb, t, t1, out, N);
+  b_tile_groups<1>(xp, M, KC, wb, t, t1, out, N);
 }
 #endif
 
