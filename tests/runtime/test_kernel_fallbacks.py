@@ -18,10 +18,6 @@ KERNEL_TESTS = os.path.join(os.path.dirname(__file__), "test_kernels.py")
 FALLBACKS = {"x86-64-v2": "sse4_2",          # no AVX2: the portable loops
              "x86-64-v3": "avx2",            # AVX2 only: the widened products
              "cooperlake": "avx512_bf16"}    # AVX512-BF16 without AMX: vdpbf16ps tiles
-# a build that would take the paths this CPU's own build takes (the suite's native kernels) is not
-# built again: on a CPU without AVX-512 the native build is the AVX2 one
-SAME_AS_NATIVE = {"x86-64-v3": "avx512f"}   # march -> the flag whose absence makes it the native build
-
 
 # what the fallback builds run: every path that picks instructions (the linears' row tiles and
 # 64-byte chunks at K=576, quantized layouts of both versions; attention's multi-row chunk with every
@@ -36,6 +32,20 @@ FALLBACK_SELECTION = ("(layer_linear_kernel_matches and 64-70) or (quant_linear_
                       "both_ends_of_their_range")
 # the other kernels' test files the fallback builds run (one build for all of them)
 FALLBACK_FILES = ("test_experts_kernel.py", "test_kquant_kernels.py", "test_batch_invariance.py")
+# what GFNI changes: quant_linear.cc's widen_int4 (int4 bytes to int8, one affine transform a half)
+GFNI_SELECTION = "(quant_linear_kernel_matches and 576- and int4) or (quant_linear_v6_kernel and 576- and int4)"
+
+
+def selection(march: str, flags: list[str]) -> str | None:
+    """The tests the -march=MARCH build runs on a CPU with these flags; None where this CPU's own build
+    (the suite's native kernels) takes the same paths, so that build is not made again."""
+    if march == "x86-64-v3" and "avx512f" not in flags:
+        return None                    # without AVX-512 the native build is the AVX2 one
+    if march == "cooperlake" and "amx_tile" not in flags:
+        # the native build is AVX512-BF16 (and VNNI) without AMX as well (Zen 4, Zen 5): the two
+        # differ where the native one has GFNI, and only there
+        return GFNI_SELECTION if "gfni" in flags else None
+    return FALLBACK_SELECTION
 
 
 @pytest.mark.slow
@@ -49,7 +59,8 @@ def test_fallback_builds_pass_the_kernel_tests(march, tmp_path):
     flags = open("/proc/cpuinfo").read().split()
     if FALLBACKS[march] not in flags:
         pytest.skip(f"this CPU cannot run a -march={march} build")
-    if march in SAME_AS_NATIVE and SAME_AS_NATIVE[march] not in flags:
+    chosen = selection(march, flags)
+    if chosen is None:
         pytest.skip(f"this CPU's own build takes the -march={march} paths (the native kernel tests ran them)")
     # the child's conftest points HLOSERVE_CACHE at HLOSERVE_TEST_CACHE (else a fresh directory)
     # TESTED_SHAPES_ENV: the decode attention specialized for test_kernels.py's head shapes alone (the
@@ -63,8 +74,7 @@ def test_fallback_builds_pass_the_kernel_tests(march, tmp_path):
            "JAX_COMPILATION_CACHE_DIR": os.path.join(os.environ["HLOSERVE_TEST_CACHE"], "jax-kernel-tests"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
     others = [os.path.join(os.path.dirname(__file__), name) for name in FALLBACK_FILES]
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", KERNEL_TESTS, *others, "-k",
-                          FALLBACK_SELECTION],
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", KERNEL_TESTS, *others, "-k", chosen],
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:]
     assert " passed" in out.stdout and " skipped" not in out.stdout, out.stdout[-500:]

@@ -821,3 +821,46 @@ def test_a_changed_kernel_file_alone_is_compiled_again(tmp_path):
     assert str(root) in out.split("LOADED ")[-1]
     assert len(list((root / "objects").glob("*.o"))) == len(kept) + 1    # the changed file's object kept too
     assert build._check_built(str(current[0]), json.load(open(f"{current[0]}.json"))["key"]) is None   # rewritten
+
+
+WAIT_THEN_LOAD = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+from hloserve.runtime.kernels.cpu import build
+print("START", flush=True)
+lib = build.library()
+print("LOADED", lib.path if lib else None)
+"""
+
+
+def test_processes_starting_together_build_the_library_once(tmp_path, monkeypatch):
+    """Two processes that need the library while neither finds it built (replicas starting on one
+    cache, the suite's workers): one builds it (here only a link: every object is kept), the other
+    waits on the build's lock and loads what the first built. The test holds that lock until both
+    have started asking, so neither can finish before the other begins."""
+    import time
+    from hloserve.runtime.paths import made_once
+    from tests.runtime.conftest import REPO
+    if build.library() is None:
+        pytest.skip("no C++ compiler here")
+    if not os.path.isdir(os.path.join(kernel_dir(), "objects")):
+        pytest.skip("this test cache's library was built before objects were kept (a fresh HLOSERVE_TEST_CACHE runs it)")
+    root = tmp_path / "cache" / "kernels"
+    root.mkdir(parents=True)
+    shutil.copytree(os.path.join(kernel_dir(), "objects"), root / "objects")
+    env = dict(os.environ, HLOSERVE_CACHE=str(tmp_path / "cache"), HLOSERVE_KERNEL_CACHE=str(root),
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    key = build._key(build.find_compiler())
+    path = str(root / key[:24] / "libhloserve_cpu.so")
+    monkeypatch.setenv("HLOSERVE_CACHE", str(tmp_path / "cache"))     # the lock the children take
+    with made_once(path):
+        procs = [subprocess.Popen([sys.executable, "-c", WAIT_THEN_LOAD], stdout=subprocess.PIPE, text=True, env=env,
+                                  cwd=REPO) for _ in range(2)]
+        for proc in procs:
+            assert proc.stdout.readline().strip() == "START"
+        time.sleep(3.0)     # both are in library() by now, waiting on the lock this test holds
+        assert all(proc.poll() is None for proc in procs) and not os.path.exists(path)
+    outs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), outs
+    assert sum("CPU kernels: compiling 0 of" in out for out in outs) == 1, outs    # one linked it
+    assert all(out.split("LOADED ")[-1].strip() == path for out in outs), outs

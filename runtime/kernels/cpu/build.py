@@ -16,7 +16,9 @@ of a library found damaged, compiles only what no kept object covers and links.
 The build runs in a temporary directory; the library and its record are then kept in the cache,
 each written whole or not at all. Where the cache cannot keep them (a full or read-only disk) the
 library is kept in this process's private directory instead, with one warning: the kernels run,
-and the next start builds them again.
+and the next start builds them again. Processes that start together on a cache without the library
+(replicas sharing it, the suite's workers) build it once: the others wait on a lock
+(paths.made_once), then load what it built.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import subprocess
 import tempfile
 from typing import Callable
 
-from ...paths import cache_dir, kernel_dir, untrusted, write_atomically
+from ...paths import cache_dir, kernel_dir, made_once, untrusted, write_atomically
 from .targets import SYMBOLS, Cpu
 
 LOG = logging.getLogger("hloserve.runtime")
@@ -87,10 +89,14 @@ def library(report: Callable[[str], None] | None = None) -> Library | None:
         return None
     problem = _check_built(path, key) if os.path.exists(path) else "not built yet"
     if problem:
-        path, err = _built(compiler, path, key, problem, report)
-        if err:
-            LOG.warning("the CPU kernels could not be built (%s); attention runs its portable formulation", err)
-            return None
+        with made_once(path):   # processes starting together (replicas, the suite's workers) build it once
+            problem = _check_built(path, key) if os.path.exists(path) else "not built yet"
+            if problem:
+                path, err = _built(compiler, path, key, problem, report)
+                if err:
+                    LOG.warning("the CPU kernels could not be built (%s); attention runs its portable formulation",
+                                err)
+                    return None
     _register(path)
     return Library(path, key)
 
