@@ -111,169 +111,125 @@ void quant2_portable(const QuantMatrix& w, const QuantX2& x, int64_t M, int64_t 
 }
 
 #if defined(__AVX512VNNI__)
-// one group of 16 matrix rows times MR rows of x (from m0): per block, int32 sums started at the
-// offset correction, then one f32 scaling per row of x; outputs 16 contiguous floats per row of x
-template <int BITS, bool SYM4, int MR>
-inline void quant2_tile(const uint8_t* q, const float* ws, const float* wm, const QuantX2& x, int64_t m0, int64_t K,
-                        int64_t G, int64_t per_group, float* out, int64_t N) {
+// NG consecutive groups of 16 matrix rows (q: the first, gbytes apart; their scales ws[h], mins wm[h]
+// or none) times MR rows of x (from m0): per block, int32 sums started at the offset correction, then
+// one f32 scaling per row of x; each broadcast of x serves the NG groups' products; outputs 16 NG
+// contiguous floats per row of x
+template <int BITS, bool SYM4, int MR, int NG>
+inline void quant2_tile(const uint8_t* q, int64_t gbytes, const float* const* ws, const float* const* wm,
+                        const QuantX2& x, int64_t m0, int64_t K, int64_t G, int64_t per_group, float* out, int64_t N) {
   const int64_t B = K / kXBlock;
   constexpr int64_t kBlockBytes = BITS == 8 ? 16 * 32 : BITS == 5 ? 320 : 16 * 16;
   const __m512i flip = _mm512_set1_epi8(BITS == 8 ? static_cast<char>(0x80) : static_cast<char>(0x88));
-  __m512 facc[MR];
+  const __m512i low = _mm512_set1_epi8(0x0F), five = _mm512_set1_epi8(0x10);
+  __m512 facc[NG][MR];
   HLOSERVE_UNROLL
-  for (int j = 0; j < MR; ++j) facc[j] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < B; ++b) {
-    __m512i iacc[MR];
-    HLOSERVE_UNROLL
-    for (int j = 0; j < MR; ++j) iacc[j] = _mm512_set1_epi32(x.start[(m0 + j) * B + b]);
-    const uint8_t* qb = q + b * kBlockBytes;
-    const int8_t* xb = x.xq.data() + m0 * K + b * kXBlock;
-    if constexpr (BITS == 8) {
-      HLOSERVE_UNROLL
-      for (int s = 0; s < 8; ++s) {
-        const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(qb + s * 64), flip);   // q + 128
-        HLOSERVE_UNROLL
-        for (int j = 0; j < MR; ++j) {
-          int32_t four;
-          std::memcpy(&four, xb + j * K + s * 4, 4);
-          iacc[j] = _mm512_dpbusd_epi32(iacc[j], w, _mm512_set1_epi32(four));
-        }
-      }
-    } else if constexpr (BITS == 5) {   // the nibbles as int4's, each byte's fifth bit or'd in by mask: q + 16
-      const __m512i low = _mm512_set1_epi8(0x0F), five = _mm512_set1_epi8(0x10);
-      HLOSERVE_UNROLL
-      for (int s = 0; s < 4; ++s) {
-        const __m512i v = _mm512_loadu_si512(qb + s * 64);
-        uint64_t bits[2];
-        std::memcpy(bits, qb + 256 + s * 16, 16);
-        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        const __m512i l5 = _mm512_mask_add_epi8(lo, static_cast<__mmask64>(bits[0]), lo, five);
-        const __m512i h5 = _mm512_mask_add_epi8(hi, static_cast<__mmask64>(bits[1]), hi, five);
-        dot_step<MR>(iacc, l5, h5, xb + s * 8, K);
-      }
-    } else {
-      HLOSERVE_UNROLL
-      for (int s = 0; s < 4; ++s) {
-        __m512i v = _mm512_loadu_si512(qb + s * 64);
-        if constexpr (SYM4) v = _mm512_xor_si512(v, flip);                          // q + 8, both nibbles
-        int4_step<MR>(iacc, v, xb + s * 8, K);
-      }
-    }
-    scale_sums<MR>(facc, iacc, _mm512_loadu_ps(ws + (b / per_group) * 16), x.d.data() + m0 * B + b, B);
-  }
-  mins_and_store<MR>(facc, wm, x.xsum.data() + m0 * G, G, out + m0 * N, N);
-}
-
-// two consecutive groups of 16 matrix rows (q: the first, gbytes apart; their scales ws[2], mins wm[2])
-// times MR rows of x (from m0): quant2_tile's sums (int8 and int4), each broadcast of x serving both
-// groups' products; outputs 32 contiguous floats per row of x
-template <int BITS, bool SYM4, int MR>
-inline void quant2_tile2(const uint8_t* q, int64_t gbytes, const float* const ws[2], const float* const wm[2],
-                         const QuantX2& x, int64_t m0, int64_t K, int64_t G, int64_t per_group, float* out, int64_t N) {
-  static_assert(BITS == 8 || BITS == 4);
-  const int64_t B = K / kXBlock;
-  constexpr int64_t kBlockBytes = BITS == 8 ? 16 * 32 : 16 * 16;
-  const __m512i flip = _mm512_set1_epi8(BITS == 8 ? static_cast<char>(0x80) : static_cast<char>(0x88));
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 facc[2][MR];
-  HLOSERVE_UNROLL
-  for (int h = 0; h < 2; ++h)
+  for (int h = 0; h < NG; ++h)
     HLOSERVE_UNROLL
     for (int j = 0; j < MR; ++j) facc[h][j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
-    __m512i iacc[2][MR];
+    __m512i iacc[NG][MR];
     HLOSERVE_UNROLL
-    for (int j = 0; j < MR; ++j) iacc[0][j] = iacc[1][j] = _mm512_set1_epi32(x.start[(m0 + j) * B + b]);
+    for (int j = 0; j < MR; ++j) {
+      const __m512i start = _mm512_set1_epi32(x.start[(m0 + j) * B + b]);
+      HLOSERVE_UNROLL
+      for (int h = 0; h < NG; ++h) iacc[h][j] = start;
+    }
     const uint8_t* qb = q + b * kBlockBytes;
     const int8_t* xb = x.xq.data() + m0 * K + b * kXBlock;
     if constexpr (BITS == 8) {
       HLOSERVE_UNROLL
       for (int s = 0; s < 8; ++s) {
-        const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(qb + s * 64), flip);
-        const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(qb + gbytes + s * 64), flip);
+        __m512i w[NG];
+        HLOSERVE_UNROLL
+        for (int h = 0; h < NG; ++h) w[h] = _mm512_xor_si512(_mm512_loadu_si512(qb + h * gbytes + s * 64), flip);   // q + 128
         HLOSERVE_UNROLL
         for (int j = 0; j < MR; ++j) {
           int32_t four;
           std::memcpy(&four, xb + j * K + s * 4, 4);
           const __m512i xv = _mm512_set1_epi32(four);
-          iacc[0][j] = _mm512_dpbusd_epi32(iacc[0][j], w0, xv);
-          iacc[1][j] = _mm512_dpbusd_epi32(iacc[1][j], w1, xv);
+          HLOSERVE_UNROLL
+          for (int h = 0; h < NG; ++h) iacc[h][j] = _mm512_dpbusd_epi32(iacc[h][j], w[h], xv);
         }
       }
-    } else {
+    } else {   // k-steps of 8: each row's 4 low nibbles against x's first 4 bytes, the high ones the next 4
       HLOSERVE_UNROLL
       for (int s = 0; s < 4; ++s) {
-        __m512i v0 = _mm512_loadu_si512(qb + s * 64), v1 = _mm512_loadu_si512(qb + gbytes + s * 64);
-        if constexpr (SYM4) v0 = _mm512_xor_si512(v0, flip), v1 = _mm512_xor_si512(v1, flip);
-        const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-        const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+        __m512i lo[NG], hi[NG];
+        HLOSERVE_UNROLL
+        for (int h = 0; h < NG; ++h) {
+          const uint8_t* qh = qb + h * gbytes;
+          __m512i v = _mm512_loadu_si512(qh + s * 64);
+          if constexpr (BITS == 4 && SYM4) v = _mm512_xor_si512(v, flip);               // q + 8, both nibbles
+          lo[h] = _mm512_and_si512(v, low), hi[h] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          if constexpr (BITS == 5) {   // each byte's fifth bit or'd in by mask: q + 16
+            uint64_t bits[2];
+            std::memcpy(bits, qh + 256 + s * 16, 16);
+            lo[h] = _mm512_mask_add_epi8(lo[h], static_cast<__mmask64>(bits[0]), lo[h], five);
+            hi[h] = _mm512_mask_add_epi8(hi[h], static_cast<__mmask64>(bits[1]), hi[h], five);
+          }
+        }
         HLOSERVE_UNROLL
         for (int j = 0; j < MR; ++j) {
           int32_t a, c;
           std::memcpy(&a, xb + j * K + s * 8, 4);
           std::memcpy(&c, xb + j * K + s * 8 + 4, 4);
           const __m512i av = _mm512_set1_epi32(a), cv = _mm512_set1_epi32(c);
-          iacc[0][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[0][j], lo0, av), hi0, cv);
-          iacc[1][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[1][j], lo1, av), hi1, cv);
+          HLOSERVE_UNROLL
+          for (int h = 0; h < NG; ++h) iacc[h][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[h][j], lo[h], av), hi[h], cv);
         }
       }
     }
     HLOSERVE_UNROLL
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < NG; ++h)
       scale_sums<MR>(facc[h], iacc[h], _mm512_loadu_ps(ws[h] + (b / per_group) * 16), x.d.data() + m0 * B + b, B);
   }
   HLOSERVE_UNROLL
-  for (int h = 0; h < 2; ++h) mins_and_store<MR>(facc[h], wm[h], x.xsum.data() + m0 * G, G, out + 16 * h + m0 * N, N);
+  for (int h = 0; h < NG; ++h) mins_and_store<MR>(facc[h], wm[h], x.xsum.data() + m0 * G, G, out + 16 * h + m0 * N, N);
 }
 
-// Calls of more rows than this (prompt chunks) run int8 and int4 two groups at a time (quant2_tile2):
-// the default model's 256-token chunk, the trees alternated 5 times on a Zen 4 EPYC (2026-12-03),
-// int4 167-250 -> 148-194 ms (faster in 5 of 5 pairs), int8 138-183 -> 146-166 (4 of 5); one and 16
-// decode rows were not faster that way (int8 slower in 3 of 3), so they keep one group at a time
+// Calls of more rows than this (prompt chunks) run int8 and int4 two groups at a time: the default
+// model's 256-token chunk, the trees alternated 5 times on a Zen 4 EPYC (2026-12-03), int4 167-250 ->
+// 148-194 ms (faster in 5 of 5 pairs), int8 138-183 -> 146-166 (4 of 5); one and 16 decode rows were
+// not faster that way (int8 slower in 3 of 3), so they keep one group at a time
 constexpr int64_t kTwoGroupRows = 16;
 
-// rows [m0, M) of x times row groups [g0, g1), 6 rows of x at a time (a prompt chunk's int8 and int4:
-// 4 rows of x over two groups at a time)
-template <int BITS, bool SYM4>
-void quant2_vnni(const QuantMatrix& w, const QuantX2& x, int64_t m0, int64_t M, int64_t g0, int64_t g1, float* out) {
+// groups [g, g + NG) times rows [m, M) of x: 6 rows of x a tile for one group, 4 for two (the
+// accumulators in registers)
+template <int BITS, bool SYM4, int NG>
+inline void quant2_groups(const QuantMatrix& w, const QuantX2& x, int64_t m, int64_t M, int64_t g, int64_t g1,
+                          float* out, std::vector<float> (&sbuf)[2], std::vector<float> (&mbuf)[2]) {
+  constexpr int kRows = NG == 1 ? 6 : 4;
   const int64_t per_group = w.group / kXBlock;
   const int64_t gbytes = BITS == 8 ? 16 * w.K : BITS == 5 ? 10 * w.K : 8 * w.K;   // bytes per group of 16 rows
-  std::vector<float> sbuf, mbuf;
+  const float* ws[NG];
+  const float* wm[NG];
+  for (int h = 0; h < NG; ++h) {
+    ws[h] = group_scalars(w.scale, w.f16, g + h, w.G, sbuf[h]);
+    wm[h] = w.min != nullptr ? group_scalars(w.min, w.f16, g + h, w.G, mbuf[h]) : nullptr;
+  }
+  prefetch_group_scalars(w, g + NG, g1);
+  const uint8_t* q = w.q + g * gbytes;
+  float* o = out + g * 16;
+  for (; m + kRows <= M; m += kRows) quant2_tile<BITS, SYM4, kRows, NG>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N);
+  switch (M - m) {
+    case 5: if constexpr (kRows > 5) quant2_tile<BITS, SYM4, 5, NG>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+    case 4: if constexpr (kRows > 4) quant2_tile<BITS, SYM4, 4, NG>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+    case 3: quant2_tile<BITS, SYM4, 3, NG>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+    case 2: quant2_tile<BITS, SYM4, 2, NG>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+    case 1: quant2_tile<BITS, SYM4, 1, NG>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+  }
+}
+
+// rows [m0, M) of x times row groups [g0, g1): a prompt chunk's int8 and int4 two groups at a time,
+// everything else one
+template <int BITS, bool SYM4>
+void quant2_vnni(const QuantMatrix& w, const QuantX2& x, int64_t m0, int64_t M, int64_t g0, int64_t g1, float* out) {
+  std::vector<float> sbuf[2], mbuf[2];
   int64_t g = g0;
-  if constexpr (BITS != 5) {   // prompt chunks two groups at a time: a broadcast of x serves both
-    std::vector<float> sbuf1, mbuf1;
-    for (; M - m0 > kTwoGroupRows && g + 2 <= g1; g += 2) {
-      const float* ws[2] = {group_scalars(w.scale, w.f16, g, w.G, sbuf), group_scalars(w.scale, w.f16, g + 1, w.G, sbuf1)};
-      const float* wm[2] = {w.min != nullptr ? group_scalars(w.min, w.f16, g, w.G, mbuf) : nullptr,
-                            w.min != nullptr ? group_scalars(w.min, w.f16, g + 1, w.G, mbuf1) : nullptr};
-      prefetch_group_scalars(w, g + 2, g1);
-      const uint8_t* q = w.q + g * gbytes;
-      float* o = out + g * 16;
-      int64_t m = m0;
-      for (; m + 4 <= M; m += 4) quant2_tile2<BITS, SYM4, 4>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N);
-      switch (M - m) {
-        case 3: quant2_tile2<BITS, SYM4, 3>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
-        case 2: quant2_tile2<BITS, SYM4, 2>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
-        case 1: quant2_tile2<BITS, SYM4, 1>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
-      }
-    }
-  }
-  for (; g < g1; ++g) {
-    int64_t m = m0;
-    const uint8_t* q = w.q + g * gbytes;
-    const float* ws = group_scalars(w.scale, w.f16, g, w.G, sbuf);
-    const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, g, w.G, mbuf) : nullptr;
-    prefetch_group_scalars(w, g + 1, g1);
-    float* o = out + g * 16;
-    for (; m + 6 <= M; m += 6) quant2_tile<BITS, SYM4, 6>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N);
-    switch (M - m) {
-      case 5: quant2_tile<BITS, SYM4, 5>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
-      case 4: quant2_tile<BITS, SYM4, 4>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
-      case 3: quant2_tile<BITS, SYM4, 3>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
-      case 2: quant2_tile<BITS, SYM4, 2>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
-      case 1: quant2_tile<BITS, SYM4, 1>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
-    }
-  }
+  if constexpr (BITS != 5)
+    for (; M - m0 > kTwoGroupRows && g + 2 <= g1; g += 2) quant2_groups<BITS, SYM4, 2>(w, x, m0, M, g, g1, out, sbuf, mbuf);
+  for (; g < g1; ++g) quant2_groups<BITS, SYM4, 1>(w, x, m0, M, g, g1, out, sbuf, mbuf);
 }
 #endif
 
