@@ -87,10 +87,9 @@ def library(report: Callable[[str], None] | None = None) -> Library | None:
         LOG.warning("the CPU kernels in %s are not loaded: %s (the library runs in this process); fix the "
                     "permissions or point HLOSERVE_CACHE elsewhere. The portable formulations run.", root, refused)
         return None
-    problem = _check_built(path, key) if os.path.exists(path) else "not built yet"
-    if problem:
+    if _problem(path, key):
         with made_once(path):   # processes starting together (replicas, the suite's workers) build it once
-            problem = _check_built(path, key) if os.path.exists(path) else "not built yet"
+            problem = _problem(path, key)     # looked at again: another process may have built it meanwhile
             if problem:
                 path, err = _built(compiler, path, key, problem, report)
                 if err:
@@ -154,6 +153,11 @@ def _private_dir() -> str:
 def _digest(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _problem(path: str, key: str) -> str | None:
+    """Why the library at `path` cannot be loaded as it is ("not built yet", or _check_built's reason), or None."""
+    return _check_built(path, key) if os.path.exists(path) else "not built yet"
 
 
 def _check_built(path: str, key: str) -> str | None:
