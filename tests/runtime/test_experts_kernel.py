@@ -127,7 +127,8 @@ def test_grouped_experts_tiles_reads_stacks_laid_out_as_b_tiles(library):  # noq
     """`hloserve_grouped_experts_tiles` over gate_up and down laid out as B tiles (layouts.py, as
     runtime.load lays them out) agrees with torch within the bound above at 1, 16 and 100 tokens (an
     expert's rows from one to dozens, experts with none), on AMX tiles or, in a library without them,
-    its portable loop; layouts() offers both stacks, and a stack also read otherwise withdraws its
+    AVX512-BF16's or AVX2's outer products, or its portable loop; layouts() offers both stacks where
+    the build reads B tiles, and a stack also read otherwise withdraws its
     partner's offer (the kernel reads both as tiles or neither)."""
     from hloserve.runtime.kernels.cpu import build, layouts
     from hloserve.runtime.kernels.cpu.targets import GROUPED_EXPERTS_TILES
@@ -150,8 +151,8 @@ def test_grouped_experts_tiles_reads_stacks_laid_out_as_b_tiles(library):  # noq
               jax.ShapeDtypeStruct((t, 2), np.float32), jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype),
               jax.ShapeDtypeStruct(down.shape, down.dtype), jax.ShapeDtypeStruct((), np.int32)]
     exp = export.export(jax.jit(f), platforms=("cpu",))(*shapes)
-    amx = build.cpu().has("amx_bf16")
-    assert library.layouts(exp) == ({3: layouts.B_TILES, 4: layouts.B_TILES} if amx else {})
+    tiled_here = layouts.b_tiles_read(build.cpu())
+    assert library.layouts(exp) == ({3: layouts.B_TILES, 4: layouts.B_TILES} if tiled_here else {})
     tiles = library.specialize(exp, laid_out=frozenset({3, 4}))
     assert tiles.kernels == 1 and f"custom_call @{GROUPED_EXPERTS_TILES}" in tiles.exported.mlir_module()
     with pytest.raises(ValueError, match="laid out"):
@@ -170,7 +171,7 @@ def test_grouped_experts_tiles_reads_stacks_laid_out_as_b_tiles(library):  # noq
 
     def shared(x, index, weights, gu, dn, layer):                           # down also summed as it lies
         return f(x, index, weights, gu, dn, layer), dn.astype(jnp.float32).sum()
-    if amx:
+    if tiled_here:
         assert library.layouts(export.export(jax.jit(shared), platforms=("cpu",))(*shapes)) == {}
 
 

@@ -15,11 +15,12 @@ the function is compiled for a shape (XLA keeps only the branch taken).
 On a CPU with AMX or AVX512-BF16, a bf16 weight stack read only by `hloserve.layer_linear`
 composites is offered laid out as B tiles (layouts.py); where runtime.load lays it out, its readers
 call `hloserve_layer_linear_tiles` at every row count (the decomposition could not read it): AMX tile
-multiplies, or AVX512-BF16 outer products (linear.h's b_tiles_pairs). With AMX, a mixture of
-experts' bf16 gate_up and down stacks are offered together the same way, for
-`hloserve_grouped_experts_tiles`. A bf16 embedding table read by a tied LM head's layer_linear and by
-the embedding's gather of rows is offered too: `specialize` then replaces that gather by one that
-reads the rows from the tiles (layouts.tile_row_gather; the same values).
+multiplies, or AVX512-BF16 outer products (linear.h's b_tiles_pairs; AVX2's widened to f32). A
+mixture of experts' bf16 gate_up and down stacks are offered together the same way, for
+`hloserve_grouped_experts_tiles` (the same tile products, an expert's rows at a time). A bf16
+embedding table read by a tied LM head's layer_linear and by the embedding's gather of rows is
+offered too: `specialize` then replaces that gather by one that reads the rows from the tiles
+(layouts.tile_row_gather; the same values).
 """
 from __future__ import annotations
 
@@ -51,7 +52,6 @@ class CpuBackend:
 
     def layouts(self, exported: Any) -> dict[int, WeightLayout]:
         cpu = build.cpu()
-        amx = cpu.has("amx_bf16")
         if not layouts.b_tiles_read(cpu):
             return {}
 
@@ -68,7 +68,7 @@ class CpuBackend:
                 return False
             if info.key == LAYER_LINEAR.key:
                 return at == 1 and layouts.b_tiles_fit(_shapes(api, [op.operands[n]])[0])
-            if info.key == GROUPED_EXPERTS.key and amx:    # the experts' tiles: AMX only (experts.cc)
+            if info.key == GROUPED_EXPERTS.key:
                 return at in (3, 4) and all(map(layouts.b_tiles_fit, _shapes(api, info.operands[3:5])))
             return False
 

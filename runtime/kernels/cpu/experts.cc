@@ -2,8 +2,6 @@
 // mixture-of-experts layer's experts, each expert's matrices read once for the rows routed to it.
 // The decomposition (a loop over the experts, each taken one multiplying every row of the step)
 // computes E/k times the products when a step's tokens reach most experts.
-#include <array>
-
 #include "linear.h"
 #include "quant_rows.h"
 
@@ -201,58 +199,144 @@ ffi::Error GroupedExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
 // hloserve_grouped_experts_tiles: grouped_experts' operands, attribute and result, for bf16 stacks the
 // runtime laid out once at load as the tile multiply's B operand (runtime/kernels/cpu/layouts.py:
 // each expert's matrix [N, K] as layer_linear_tiles reads a layer; N a multiple of 16, K of 32).
-// Every expert with rows multiplies them on AMX tiles at any row count (linear.h's b_tiles_product:
-// its rows rounded into A tiles, each matrix tile read as it lies, the sums stored as rows), where
-// grouped_experts copies an expert's matrix into tiles per call above 64 rows, transposes the sums,
-// and leaves experts of fewer than 16 rows to the row routines. The products are exact and the
-// sums f32 either way (in another order than the row routines': the decomposition's bound holds).
+// Every expert with rows multiplies them through linear.h's B-tile product at any row count, the
+// build's as layer_linear_tiles runs it: AMX tiles (b_tiles_product), else AVX512-BF16's outer
+// products (b_tiles_pairs), else AVX2's widened to f32 (b_tiles_avx2), else b_tiles_portable; its
+// rows packed once per call in 16-row blocks as that product reads them, each matrix tile read as it
+// lies, the sums stored as rows. grouped_experts instead copies an expert's matrix into tiles per call
+// above 64 rows (AMX only), transposes the sums, and leaves the other experts to the row routines. The
+// products are exact and the sums f32 either way (in another order than the row routines': the
+// decomposition's bound holds).
 
-constexpr int64_t kTilesPerItem = 8;   // matrix tiles per work item: 128 rows of an expert's matrix
+// What a matrix tile costs, in rows of products: a tile is read from memory whatever its rows, which
+// a decode step's 1-4 rows an expert do not hide; a prompt chunk's tens of rows are bound by the
+// products. The experts' tiles are cut into kSharesPerThread pieces of equal cost a thread, handed
+// out in turn (ExpertShares), so a pool thread that wakes late takes fewer; 4 and 16 a thread measured
+// alike (the mixture-of-experts shape's 1- and 2-token steps, 2026-12-03).
+constexpr int64_t kTileReadRows = 16;
+constexpr int64_t kSharesPerThread = 4;
+
+// run(share, shares, product) calls product(expert, first tile, end tile) for the tiles of piece
+// `share` of `shares`: every expert's N / 16 tiles in order, a tile of expert e costing its rows +
+// kTileReadRows, cut into contiguous pieces of equal cost (a tile goes to the piece its cost starts
+// in), each cut inside an expert moved up to a multiple of group(its rows), the tiles the product
+// runs side by side (no piece leaves a remainder to slower groups of fewer tiles)
+struct ExpertShares {
+  const Groups& g;
+  int64_t tiles;                 // N / 16
+  int64_t (*group)(int64_t);     // rows -> tiles side by side
+  std::vector<int64_t> cost;     // [E + 1]: the cost of the experts before e
+
+  ExpertShares(const Groups& groups, int64_t N, int64_t (*tiles_side_by_side)(int64_t))
+      : g(groups), tiles(N / 16), group(tiles_side_by_side), cost(groups.start.size(), 0) {
+    for (size_t e = 0; e + 1 < g.start.size(); ++e) {
+      const int64_t rows = g.start[e + 1] - g.start[e];
+      cost[e + 1] = cost[e] + (rows > 0 ? (rows + kTileReadRows) * tiles : 0);
+    }
+  }
+  int64_t pieces(int64_t threads) const { return std::min(kSharesPerThread * std::max<int64_t>(1, threads), cost.back()); }
+
+  template <class Product>
+  void run(int64_t share, int64_t shares, Product&& product) const {
+    const int64_t lo = cost.back() * share / shares, hi = cost.back() * (share + 1) / shares;
+    for (size_t e = 0; e + 1 < g.start.size(); ++e) {
+      if (cost[e + 1] <= lo || cost[e] >= hi) continue;          // no rows, or outside the piece
+      const int64_t rows = g.start[e + 1] - g.start[e], per = rows + kTileReadRows, u = group(rows);
+      auto cut = [&](int64_t at) {                                // the first tile whose cost starts at or past `at`
+        const int64_t t = (std::max<int64_t>(at - cost[e], 0) + per - 1) / per;
+        return std::min(tiles, (t + u - 1) / u * u);
+      };
+      const int64_t t0 = cut(lo), t1 = cut(hi);
+      if (t1 > t0) product(static_cast<int64_t>(e), t0, t1);
+    }
+  }
+};
+
+// Blocks a thread packs at once: packing a block takes about a microsecond, waking a pool thread
+// tens, so a decode step's few blocks are packed where the call runs (with 4: the mixture-of-experts
+// shape's 2-token step 1.05x the row routines', 2026-12-03)
+constexpr int64_t kPackGrain = 32;
+
+// Each expert's sorted rows of xs [P, K] packed by `pack(x, rows, K, block)` into blocks of 16 rows,
+// `elems` elements a block, every element written; first[e] is expert e's first block
+template <class T, class Pack>
+LineScratch<T> packed_blocks(ffi::ThreadPool& pool, const Groups& g, const float* xs, int64_t K, int64_t elems,
+                             std::vector<int64_t>& first, Pack&& pack) {
+  const int64_t E = static_cast<int64_t>(g.start.size()) - 1;
+  first.assign(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + (g.start[e + 1] - g.start[e] + 15) / 16;
+  LineScratch<T> blocks(first[E] * elems);
+  parallel_for(pool, first[E], kPackGrain, [&](int64_t b) {
+    const int64_t e = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
+    const int64_t r0 = g.start[e] + 16 * (b - first[e]);
+    pack(xs + r0 * K, std::min<int64_t>(16, g.start[e + 1] - r0), K, blocks.data() + b * elems);
+  });
+  return blocks;
+}
+
+// out rows (sorted positions) = xs rows [P, K] f32 . each expert's matrix [N, K] of `stack` (B tiles):
+// the rows packed as `pack` lays them out (`elems` a block), then the pieces of the experts' tiles
+// (ExpertShares, `group` tiles side by side) through product(expert's packed rows, rows, matrix,
+// first tile, end tile, out rows) on the pool's threads, begin() and end() around each thread's turn
+template <class T, class Pack, class Product, class Begin, class End>
+void tile_pieces(ffi::ThreadPool& pool, const Groups& g, const uint16_t* stack, int64_t N, int64_t K, const float* xs,
+                 float* out, int64_t elems, int64_t (*group)(int64_t), Pack&& pack, Product&& product, Begin&& begin,
+                 End&& end) {
+  const ExpertShares work(g, N, group);
+  const int64_t pieces = work.pieces(pool.num_threads());
+  if (pieces == 0) return;
+  std::vector<int64_t> first;
+  const auto xb = packed_blocks<T>(pool, g, xs, K, elems, first, pack);
+  std::atomic<int64_t> next{0};
+  parallel_for(pool, std::min<int64_t>(pieces, std::max<int64_t>(1, pool.num_threads())), 1, [&](int64_t) {
+    begin();
+    for (int64_t piece; (piece = next.fetch_add(1)) < pieces;)
+      work.run(piece, pieces, [&](int64_t e, int64_t t0, int64_t t1) {
+        const int64_t s = g.start[e];
+        product(xb.data() + first[e] * elems, g.start[e + 1] - s, stack + e * N * K, t0, t1, out + s * N);
+      });
+    end();
+  });
+}
+
+[[maybe_unused]] int64_t one_tile(int64_t) { return 1; }
 
 // out rows (sorted positions) = xs rows [P, K] f32 . each expert's matrix [N, K] of `stack` (B tiles)
 void grouped_tiles(ffi::ThreadPool& pool, const Groups& g, const uint16_t* stack, int64_t N, int64_t K,
                    const float* xs, float* out) {
-  const int64_t E = static_cast<int64_t>(g.start.size()) - 1, KC = K / 32;
-  std::vector<std::array<int64_t, 3>> items;   // (expert, first tile, end tile)
-  for (int64_t e = 0; e < E; ++e)
-    if (g.start[e + 1] > g.start[e])
-      for (int64_t t = 0; t < N / 16; t += kTilesPerItem) items.push_back({e, t, std::min(N / 16, t + kTilesPerItem)});
-  if (items.empty()) return;
-  const int64_t tasks = std::min<int64_t>(static_cast<int64_t>(items.size()), 4 * std::max<int64_t>(1, pool.num_threads()));
-  auto range = [&](int64_t task) {
-    const int64_t n = static_cast<int64_t>(items.size());
-    return std::pair<int64_t, int64_t>{n * task / tasks, n * (task + 1) / tasks};
-  };
+  [[maybe_unused]] const int64_t KC = K / 32;
+  auto nothing = [] {};
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (amx_usable()) {
-    std::vector<int64_t> first(E + 1, 0);                          // each expert's first block of A tiles
-    for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + (g.start[e + 1] - g.start[e] + 15) / 16;
-    LineVector<uint16_t> xt(first[E] * KC * 512);
-    parallel_for(pool, first[E], 4, [&](int64_t b) {
-      const int64_t e = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
-      const int64_t r0 = g.start[e] + 16 * (b - first[e]);
-      round_tiles(xs + r0 * K, std::min<int64_t>(16, g.start[e + 1] - r0), K, xt.data() + b * KC * 512);
-    });
-    parallel_for(pool, tasks, 1, [&](int64_t task) {
-      amx_configure_16x64();
-      for (auto [i, end] = range(task); i < end; ++i) {
-        const auto [e, t0, t1] = items[i];
-        const int64_t s = g.start[e];
-        b_tiles_product(xt.data() + first[e] * KC * 512, g.start[e + 1] - s, KC, stack + e * N * K, t0, t1,
-                        out + s * N, N);
-      }
-      _tile_release();
-    });
+    tile_pieces<uint16_t>(pool, g, stack, N, K, xs, out, KC * 512, one_tile, round_tiles,
+        [&](const uint16_t* xt, int64_t M, const uint16_t* wb, int64_t t0, int64_t t1, float* o) {
+          b_tiles_product(xt, M, KC, wb, t0, t1, o, N);
+        },
+        [] { amx_configure_16x64(); }, [] { _tile_release(); });
     return;
   }
 #endif
-  parallel_for(pool, tasks, 1, [&](int64_t task) {
-    for (auto [i, end] = range(task); i < end; ++i) {
-      const auto [e, t0, t1] = items[i];
-      const int64_t s = g.start[e];
-      b_tiles_portable(xs + s * K, g.start[e + 1] - s, K, stack + e * N * K, t0, t1, out + s * N, N);
-    }
-  });
+#if defined(__AVX512BF16__)
+  tile_pieces<int32_t>(pool, g, stack, N, K, xs, out, KC * 256, b_tiles_pairs_group, pack_pairs,
+      [&](const int32_t* xp, int64_t M, const uint16_t* wb, int64_t t0, int64_t t1, float* o) {
+        b_tiles_pairs(xp, M, KC, wb, t0, t1, o, N);
+      },
+      nothing, nothing);
+#elif defined(__AVX2__) && defined(__FMA__)
+  tile_pieces<float>(pool, g, stack, N, K, xs, out, KC * 512, b_tiles_avx2_group, pack_pairs_f32,
+      [&](const float* xp, int64_t M, const uint16_t* wb, int64_t t0, int64_t t1, float* o) {
+        b_tiles_avx2(xp, M, KC, wb, t0, t1, o, N);
+      },
+      nothing, nothing);
+#else
+  // b_tiles_portable rounds x's rows itself: the rows go as they are (a "block" of 16 rows, K apart)
+  tile_pieces<float>(pool, g, stack, N, K, xs, out, 16 * K, one_tile,
+      [&](const float* x, int64_t rows, int64_t, float* block) { std::memcpy(block, x, rows * K * 4); },
+      [&](const float* x, int64_t M, const uint16_t* wb, int64_t t0, int64_t t1, float* o) {
+        b_tiles_portable(x, M, K, wb, t0, t1, o, N);
+      },
+      nothing, nothing);
+#endif
 }
 
 ffi::Error GroupedExpertsTiles(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> index,

@@ -516,6 +516,10 @@ inline void b_tile_avx2(const float* xp, int64_t KC, const uint16_t* wt, int64_t
 // decode) 4 tiles at a time (b_tile_avx2's independent chains: the default model's one-row step 11.5
 // -> 10.4 ms, a 1B Llama's 71.7 -> 70.1, Zen 3 EPYC, 2026-12-03; two rows 2 tiles at a time spilled
 // registers and lost 8% on the 1B shape, so two rows and more keep one tile)
+// the tiles b_tiles_avx2 runs side by side for M rows: a range cut at a multiple of it leaves none
+// to one-tile groups (experts.cc's shares)
+inline int64_t b_tiles_avx2_group(int64_t M) { return M == 1 ? 4 : 1; }
+
 inline void b_tiles_avx2(const float* xp, int64_t M, int64_t KC, const uint16_t* wb, int64_t t0, int64_t t1,
                          float* out, int64_t N) {
   const int64_t ts = KC * 512;
@@ -653,6 +657,10 @@ inline int64_t b_tile_groups(const int32_t* xp, int64_t M, int64_t KC, const uin
 // x's rows [0, M) packed (pack_pairs, block g at xp + g KC 256) times matrix tiles [t0, t1) of wb (laid
 // out as b_tiles_product reads it), into out [M, N]: groups of tiles side by side (as measured above),
 // then what is left 2 and 1 at a time
+// the tiles b_tiles_pairs runs side by side for M rows: a range cut at a multiple of it leaves none
+// to the 2- and 1-tile groups (experts.cc's shares)
+inline int64_t b_tiles_pairs_group(int64_t M) { return M <= 4 ? 4 : M <= 8 ? 2 : 3; }
+
 inline void b_tiles_pairs(const int32_t* xp, int64_t M, int64_t KC, const uint16_t* wb, int64_t t0, int64_t t1,
                           float* out, int64_t N) {
   int64_t t = M <= 4   ? b_tile_groups<4>(xp, M, KC, wb, t0, t1, out, N)
