@@ -577,7 +577,8 @@ inline void pack_pairs(const float* x, int64_t rows, int64_t K, int32_t* xp) {
 
 // Decode steps of up to 8 rows (bound by the weights' reads): 4 tiles side by side up to 4 rows, 2 up
 // to 8; 9 rows and more (bound by the products) as halves of 8 rows over 3 tiles; the tiles left over
-// past the last whole group 2, then 1 at a time; none prefetched by hand.
+// past the last whole group 2, then 1 at a time; none prefetched by hand but the next group of tiles
+// behind a 9-16-row block's second half (b_block_tiles).
 // A harness of M rows over 2 GB of tiles, two threads (Zen 4 EPYC, 2026-12-03, GB/s, medians of 7;
 // the machine's plain read moved between 32 and 57 through the runs, so compare within a line):
 // one row, one tile prefetching 8 chunks ahead 26.6-27.1, 4 tiles prefetching 29.3, 4-16 tiles
