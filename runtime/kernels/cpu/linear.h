@@ -511,20 +511,20 @@ inline void b_tile_avx2(const float* xp, int64_t KC, const uint16_t* wt, int64_t
     }
 }
 
+// the tiles b_tiles_avx2 runs side by side for M rows: a range cut at a multiple of it leaves none
+// to one-tile groups (experts.cc's shares)
+inline int64_t b_tiles_avx2_group(int64_t M) { return M == 1 ? 4 : 1; }
+
 // x's rows [0, M) packed (pack_pairs_f32, block g at xp + g KC 512) times matrix tiles [t0, t1) of
 // wb, into out [M, N]: per tile, every block of rows in turn, 4 rows at a time; one row (a request's
 // decode) 4 tiles at a time (b_tile_avx2's independent chains: the default model's one-row step 11.5
 // -> 10.4 ms, a 1B Llama's 71.7 -> 70.1, Zen 3 EPYC, 2026-12-03; two rows 2 tiles at a time spilled
 // registers and lost 8% on the 1B shape, so two rows and more keep one tile)
-// the tiles b_tiles_avx2 runs side by side for M rows: a range cut at a multiple of it leaves none
-// to one-tile groups (experts.cc's shares)
-inline int64_t b_tiles_avx2_group(int64_t M) { return M == 1 ? 4 : 1; }
-
 inline void b_tiles_avx2(const float* xp, int64_t M, int64_t KC, const uint16_t* wb, int64_t t0, int64_t t1,
                          float* out, int64_t N) {
   const int64_t ts = KC * 512;
   int64_t t = t0;
-  if (M == 1)
+  if (b_tiles_avx2_group(M) == 4)
     for (; t + 4 <= t1; t += 4) b_tile_avx2<1, 4>(xp, KC, wb + t * ts, ts, out + 16 * t, N);
   for (; t < t1; ++t) {
     const uint16_t* wt = wb + t * ts;
@@ -679,18 +679,19 @@ inline int64_t b_tile_groups(const int32_t* xp, int64_t M, int64_t KC, const uin
   return t;
 }
 
-// x's rows [0, M) packed (pack_pairs, block g at xp + g KC 256) times matrix tiles [t0, t1) of wb (laid
-// out as b_tiles_product reads it), into out [M, N]: groups of tiles side by side (as measured above),
-// then what is left 2 and 1 at a time
-// the tiles b_tiles_pairs runs side by side for M rows: a range cut at a multiple of it leaves none
-// to the 2- and 1-tile groups (experts.cc's shares)
+// the tiles b_tiles_pairs runs side by side for M rows (as measured above): a range cut at a multiple
+// of it leaves none to the 2- and 1-tile groups (experts.cc's shares)
 inline int64_t b_tiles_pairs_group(int64_t M) { return M <= 4 ? 4 : M <= 8 ? 2 : 3; }
 
+// x's rows [0, M) packed (pack_pairs, block g at xp + g KC 256) times matrix tiles [t0, t1) of wb (laid
+// out as b_tiles_product reads it), into out [M, N]: groups of b_tiles_pairs_group(M) tiles side by
+// side, then what is left 2 and 1 at a time
 inline void b_tiles_pairs(const int32_t* xp, int64_t M, int64_t KC, const uint16_t* wb, int64_t t0, int64_t t1,
                           float* out, int64_t N) {
-  int64_t t = M <= 4   ? b_tile_groups<4>(xp, M, KC, wb, t0, t1, out, N)
-              : M <= 8 ? b_tile_groups<2>(xp, M, KC, wb, t0, t1, out, N)
-                       : b_tile_groups<3>(xp, M, KC, wb, t0, t1, out, N);
+  const int64_t group = b_tiles_pairs_group(M);
+  int64_t t = group == 4   ? b_tile_groups<4>(xp, M, KC, wb, t0, t1, out, N)
+              : group == 2 ? b_tile_groups<2>(xp, M, KC, wb, t0, t1, out, N)
+                           : b_tile_groups<3>(xp, M, KC, wb, t0, t1, out, N);
   t = b_tile_groups<2>(xp, M, KC, wb, t, t1, out, N);
   b_tile_groups<1>(xp, M, KC, wb, t, t1, out, N);
 }
