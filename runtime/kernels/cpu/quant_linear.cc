@@ -114,10 +114,12 @@ void quant2_portable(const QuantMatrix& w, const QuantX2& x, int64_t M, int64_t 
 // NG consecutive groups of 16 matrix rows (q: the first, gbytes apart; their scales ws[h], mins wm[h]
 // or none) times MR rows of x (from m0): per block, int32 sums started at the offset correction, then
 // one f32 scaling per row of x; each broadcast of x serves the NG groups' products; outputs 16 NG
-// contiguous floats per row of x
-template <int BITS, bool SYM4, int MR, int NG>
+// contiguous floats per row of x. PF: block b also prefetches block b of the `nextg` groups from
+// `next` (gbytes apart) into L2, so the tile sweeps the next groups' bytes in while it multiplies
+template <int BITS, bool SYM4, int MR, int NG, bool PF = false>
 inline void quant2_tile(const uint8_t* q, int64_t gbytes, const float* const* ws, const float* const* wm,
-                        const QuantX2& x, int64_t m0, int64_t K, int64_t G, int64_t per_group, float* out, int64_t N) {
+                        const QuantX2& x, int64_t m0, int64_t K, int64_t G, int64_t per_group, float* out, int64_t N,
+                        const uint8_t* next = nullptr, int nextg = 0) {
   const int64_t B = K / kXBlock;
   constexpr int64_t kBlockBytes = BITS == 8 ? 16 * 32 : BITS == 5 ? 320 : 16 * 16;
   const __m512i flip = _mm512_set1_epi8(BITS == 8 ? static_cast<char>(0x80) : static_cast<char>(0x88));
@@ -137,6 +139,10 @@ inline void quant2_tile(const uint8_t* q, int64_t gbytes, const float* const* ws
     }
     const uint8_t* qb = q + b * kBlockBytes;
     const int8_t* xb = x.xq.data() + m0 * K + b * kXBlock;
+    if constexpr (PF)
+      for (int h = 0; h < nextg; ++h)
+        HLOSERVE_UNROLL
+        for (int64_t l = 0; l < kBlockBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(next + h * gbytes + b * kBlockBytes + l), _MM_HINT_T1);
     if constexpr (BITS == 8) {
       HLOSERVE_UNROLL
       for (int s = 0; s < 8; ++s) {
@@ -211,13 +217,24 @@ inline void quant2_groups(const QuantMatrix& w, const QuantX2& x, int64_t m, int
   prefetch_group_scalars(w, g + NG, g1);
   const uint8_t* q = w.q + g * gbytes;
   float* o = out + g * 16;
-  for (; m + kRows <= M; m += kRows) quant2_tile<BITS, SYM4, kRows, NG>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N);
+  // the first tile reads the groups from memory, the later ones from L1/L2: the second one prefetches
+  // the next groups of this share (up to NG) into L2 meanwhile
+  const int nextg = static_cast<int>(std::min<int64_t>(NG, g1 - g - NG));
+  const int64_t second = m + kRows;
+  auto tile = [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    if (m == second && nextg > 0)
+      quant2_tile<BITS, SYM4, R, NG, true>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N, q + NG * gbytes, nextg);
+    else
+      quant2_tile<BITS, SYM4, R, NG>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N);
+  };
+  for (; m + kRows <= M; m += kRows) tile(std::integral_constant<int, kRows>{});
   switch (M - m) {
-    case 5: if constexpr (kRows > 5) quant2_tile<BITS, SYM4, 5, NG>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
-    case 4: if constexpr (kRows > 4) quant2_tile<BITS, SYM4, 4, NG>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
-    case 3: quant2_tile<BITS, SYM4, 3, NG>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
-    case 2: quant2_tile<BITS, SYM4, 2, NG>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
-    case 1: quant2_tile<BITS, SYM4, 1, NG>(q, gbytes, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+    case 5: if constexpr (kRows > 5) tile(std::integral_constant<int, 5>{}); break;
+    case 4: if constexpr (kRows > 4) tile(std::integral_constant<int, 4>{}); break;
+    case 3: tile(std::integral_constant<int, 3>{}); break;
+    case 2: tile(std::integral_constant<int, 2>{}); break;
+    case 1: tile(std::integral_constant<int, 1>{}); break;
   }
 }
 
