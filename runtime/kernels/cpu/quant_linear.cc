@@ -257,10 +257,12 @@ void quant2_vnni(const QuantMatrix& w, const QuantX2& x, int64_t m0, int64_t M, 
 // |x| against w with x's signs, llama.cpp's AVX2 form, gets a checkpoint's -128 wrong); int4 nibbles
 // (0..15, sym after the +8 flip) and version 4's 5-bit codes (q + 16, each fifth bit spread to its
 // byte) are the unsigned operand as they are. The int32 sums are exact, so every output is the VNNI
-// path's, bit for bit (the same f32 scaling in the same order).
-template <int BITS, bool SYM4, int MR>
+// path's, bit for bit (the same f32 scaling in the same order). PF: block b also prefetches block b
+// of the group at `next` into L2 (quant2_tile's prefetch)
+template <int BITS, bool SYM4, int MR, bool PF = false>
 inline void quant2_tile_avx2(const uint8_t* q, const float* ws, const float* wm, const QuantX2& x, int64_t m0,
-                             int64_t K, int64_t G, int64_t per_group, float* out, int64_t N) {
+                             int64_t K, int64_t G, int64_t per_group, float* out, int64_t N,
+                             const uint8_t* next = nullptr) {
   const int64_t B = K / kXBlock;
   constexpr int64_t kBlockBytes = BITS == 8 ? 16 * 32 : BITS == 5 ? 320 : 16 * 16;
   __m256 facc[MR][2];
@@ -272,6 +274,9 @@ inline void quant2_tile_avx2(const uint8_t* q, const float* ws, const float* wm,
     for (int j = 0; j < MR; ++j) iacc[j][0] = iacc[j][1] = _mm256_set1_epi32(x.start[(m0 + j) * B + b]);
     const uint8_t* qb = q + b * kBlockBytes;
     const int8_t* xb = x.xq.data() + m0 * K + b * kXBlock;
+    if constexpr (PF)
+      HLOSERVE_UNROLL
+      for (int64_t l = 0; l < kBlockBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(next + b * kBlockBytes + l), _MM_HINT_T1);
     if constexpr (BITS == 8) {
       HLOSERVE_UNROLL
       for (int s = 0; s < 8; ++s) int8_step_avx2<MR>(iacc, qb + s * 64, xb + s * 4, K);
@@ -311,10 +316,18 @@ void quant2_avx2(const QuantMatrix& w, const QuantX2& x, int64_t M, int64_t g0, 
     const float* ws = group_scalars(w.scale, w.f16, g, w.G, sbuf);
     const float* wm = w.min != nullptr ? group_scalars(w.min, w.f16, g, w.G, mbuf) : nullptr;
     float* o = out + g * 16;
-    for (; m + 3 <= M; m += 3) quant2_tile_avx2<BITS, SYM4, 3>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N);
+    // the second tile prefetches the next group of this share (quant2_groups' prefetch)
+    auto tile = [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      if (m == 3 && g + 1 < g1)
+        quant2_tile_avx2<BITS, SYM4, R, true>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N, q + gbytes);
+      else
+        quant2_tile_avx2<BITS, SYM4, R>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N);
+    };
+    for (; m + 3 <= M; m += 3) tile(std::integral_constant<int, 3>{});
     switch (M - m) {
-      case 2: quant2_tile_avx2<BITS, SYM4, 2>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
-      case 1: quant2_tile_avx2<BITS, SYM4, 1>(q, ws, wm, x, m, w.K, w.G, per_group, o, w.N); break;
+      case 2: tile(std::integral_constant<int, 2>{}); break;
+      case 1: tile(std::integral_constant<int, 1>{}); break;
     }
   }
 }
