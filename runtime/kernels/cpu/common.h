@@ -409,11 +409,13 @@ template <class T>
 using LineScratch = std::vector<T, LineNoInitAllocator<T>>;
 
 // bytes [at, at + bytes) of base into L1 (every 64-byte line they touch; __builtin_prefetch, so
-// any -march): the attention's cache rows, the quantized linears' weights and scales
+// any -march): the attention's cache rows, the quantized linears' weights and scales; LOCALITY 2:
+// into L2 (the quantized tiles' next groups)
+template <int LOCALITY = 3>
 inline void prefetch_bytes(const void* base, int64_t at, int64_t bytes) {
   const char* p = static_cast<const char*>(base) + at;
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
-  if (bytes % 64 != 0) __builtin_prefetch(p + bytes - 1, 0, 3);   // a row that ends mid-line
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, LOCALITY);
+  if (bytes % 64 != 0) __builtin_prefetch(p + bytes - 1, 0, LOCALITY);   // a row that ends mid-line
 }
 
 // e^x for x <= 0 (softmax arguments, the logistic's), vectorizable: 2^n * p(r), x = n ln2 + r,

@@ -140,9 +140,7 @@ inline void quant2_tile(const uint8_t* q, int64_t gbytes, const float* const* ws
     const uint8_t* qb = q + b * kBlockBytes;
     const int8_t* xb = x.xq.data() + m0 * K + b * kXBlock;
     if constexpr (PF)
-      for (int h = 0; h < nextg; ++h)
-        HLOSERVE_UNROLL
-        for (int64_t l = 0; l < kBlockBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(next + h * gbytes + b * kBlockBytes + l), _MM_HINT_T1);
+      for (int h = 0; h < nextg; ++h) prefetch_bytes<2>(next, h * gbytes + b * kBlockBytes, kBlockBytes);
     if constexpr (BITS == 8) {
       HLOSERVE_UNROLL
       for (int s = 0; s < 8; ++s) {
@@ -274,9 +272,7 @@ inline void quant2_tile_avx2(const uint8_t* q, const float* ws, const float* wm,
     for (int j = 0; j < MR; ++j) iacc[j][0] = iacc[j][1] = _mm256_set1_epi32(x.start[(m0 + j) * B + b]);
     const uint8_t* qb = q + b * kBlockBytes;
     const int8_t* xb = x.xq.data() + m0 * K + b * kXBlock;
-    if constexpr (PF)
-      HLOSERVE_UNROLL
-      for (int64_t l = 0; l < kBlockBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(next + b * kBlockBytes + l), _MM_HINT_T1);
+    if constexpr (PF) prefetch_bytes<2>(next, b * kBlockBytes, kBlockBytes);
     if constexpr (BITS == 8) {
       HLOSERVE_UNROLL
       for (int s = 0; s < 8; ++s) int8_step_avx2<MR>(iacc, qb + s * 64, xb + s * 4, K);
