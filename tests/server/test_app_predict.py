@@ -15,6 +15,8 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.support.launch import http
+
 from .servers import running_server
 
 pytestmark = pytest.mark.slow
@@ -89,7 +91,7 @@ def test_concurrent_requests_are_batched(server, runtime_model):
 def _metric(base, name) -> float:
     """One sample's value, read through prometheus_client's parser (a malformed /metrics fails here)."""
     from .test_app_llm import parse_metrics
-    for fam in parse_metrics(httpx.get(f"{base}/metrics").text).values():
+    for fam in parse_metrics(http().get(f"{base}/metrics").text).values():
         for sample in fam.samples:
             if sample.name == name:
                 return sample.value

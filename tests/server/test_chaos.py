@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.launch import free_port
+from tests.support.launch import free_port, http
 
 from .servers import running_server
 
@@ -53,7 +53,7 @@ def executables(cache: str) -> list[str]:
 
 def status(base: str, path: str) -> int | None:
     try:
-        return httpx.get(base + path, timeout=5).status_code
+        return http().get(base + path, timeout=5).status_code
     except httpx.HTTPError:
         return None
 

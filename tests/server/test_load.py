@@ -18,6 +18,8 @@ import time
 import httpx
 import pytest
 
+from tests.support.launch import http
+
 from .servers import hf_greedy, metric, running_server
 
 pytestmark = pytest.mark.slow
@@ -136,7 +138,7 @@ def test_load_with_disconnects_frees_every_block_and_never_recompiles(load_serve
     # all requests finished or were aborted: nothing runs, waits or holds a block or an admission slot
     deadline = time.monotonic() + 120   # a hang detector, not a speed bound: aborts are waited for
     while True:
-        text = httpx.get(f"{base}/metrics", timeout=10).text
+        text = http().get(f"{base}/metrics", timeout=10).text
         idle = (metric(text, "vllm:num_requests_running") == 0 and metric(text, "vllm:num_requests_waiting") == 0
                 and metric(text, "hloserve:requests_in_flight") == 0)
         if idle or time.monotonic() > deadline:

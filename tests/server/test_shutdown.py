@@ -150,7 +150,7 @@ def test_sigint_during_warm_up_exits_with_one_line(tiny_chat_llm, tmp_path):
     abort from a compile thread torn down under it."""
     import os
 
-    from tests.support.launch import free_port
+    from tests.support.launch import free_port, http
     _, art = tiny_chat_llm
     port = free_port()
     env = dict(os.environ, HLOSERVE_CACHE=str(tmp_path / "cache"))
@@ -160,7 +160,7 @@ def test_sigint_during_warm_up_exits_with_one_line(tiny_chat_llm, tmp_path):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                if http().get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)

@@ -10,11 +10,25 @@ The server's stdout and stderr go to `log_path`; a server that exits or is not r
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import subprocess
 import time
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
+if TYPE_CHECKING:
+    import httpx
+
+
+@functools.cache
+def http() -> "httpx.Client":
+    """One HTTP client for loops that poll a server: `httpx.get` builds a client, and loads its TLS
+    certificates, on every call (~45 ms of CPU), which at a few polls a second takes a share of a
+    core from the server being waited for. Per-call timeouts go to its methods (`timeout=`). It keeps
+    no connection open between calls: servers come and go on reused ports."""
+    import httpx
+    return httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def free_port() -> int:
@@ -47,7 +61,7 @@ def server_process(cmd: Sequence[str], ready_url: str, log_path: str, *, timeout
                 if proc.poll() is not None:
                     raise RuntimeError(f"{cmd[0]} exited with {proc.returncode} ({log_path}):\n{_log_tail(log_path)}")
                 try:
-                    if httpx.get(ready_url, timeout=2).status_code == 200:
+                    if http().get(ready_url, timeout=2).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
