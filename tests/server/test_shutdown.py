@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from tests.support.launch import http
+
 from .servers import metric, running_server
 
 pytestmark = pytest.mark.slow
@@ -58,7 +60,7 @@ def _start_streams(base: str, n: int, running: int) -> tuple[list, list]:
         assert started.acquire(timeout=120), "the streams never started"   # a hang detector
     deadline = time.monotonic() + 120   # a hang detector: every request reached the engine (queued, running or done)
     while True:
-        text = httpx.get(f"{base}/metrics", timeout=30).text
+        text = http().get(f"{base}/metrics", timeout=30).text
         finished = sum(float(v) for v in re.findall(r"^vllm:request_success_total{[^}]*} (\S+)$", text, re.M))
         admitted = metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting") + finished
         if admitted == n or time.monotonic() > deadline:
@@ -150,7 +152,7 @@ def test_sigint_during_warm_up_exits_with_one_line(tiny_chat_llm, tmp_path):
     abort from a compile thread torn down under it."""
     import os
 
-    from tests.support.launch import free_port, http
+    from tests.support.launch import free_port
     _, art = tiny_chat_llm
     port = free_port()
     env = dict(os.environ, HLOSERVE_CACHE=str(tmp_path / "cache"))
