@@ -52,7 +52,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from soak import copy_downloads, free_port, log_tail, serve_command  # noqa: E402
+from soak import copy_downloads, free_port, http, log_tail, serve_command  # noqa: E402
 
 PHASES = ("export", "warmup", "serving")
 # (endpoint, prompt or chat message): greedy, 32 tokens, one at a time
@@ -89,7 +89,7 @@ class Server:
     def status(self, path: str) -> int | None:
         """The HTTP status of GET path, None while nothing answers."""
         try:
-            return httpx.get(self.base + path, timeout=2).status_code
+            return http().get(self.base + path, timeout=2).status_code
         except httpx.HTTPError:
             return None
 

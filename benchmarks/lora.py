@@ -57,7 +57,7 @@ def start_seconds(artifact: str, *extra: str) -> float:
     sys.path.insert(0, os.path.dirname(HERE))
     import httpx
 
-    from tests.support.launch import free_port
+    from tests.support.launch import free_port, http
     port = free_port()
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "hloserve.server.cli", "serve", artifact, "--port", str(port),
@@ -65,7 +65,7 @@ def start_seconds(artifact: str, *extra: str) -> float:
     try:
         while True:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                if http().get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
                     return time.perf_counter() - t0
             except httpx.HTTPError:
                 pass

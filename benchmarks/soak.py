@@ -46,13 +46,15 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.launch import free_port, http  # noqa: E402  (the repository's root, for tests.support)
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches under bright "
          "autumn skies near old stone bridges and busy harbour markets where merchants sell copper kettles").split()
@@ -70,13 +72,6 @@ FINISHED_OK = ("stop", "length")
 
 
 # -- the server ------------------------------------------------------------------------------------
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_command(artifact: str | None, port: int, server_args: list[str]) -> list[str]:
     """`hloserve serve [ARTIFACT] --port PORT ...` as this interpreter runs it."""
     return [sys.executable, "-m", "hloserve.server.cli", "serve", *([artifact] if artifact else []),
@@ -97,7 +92,7 @@ def wait_ready(proc: subprocess.Popen, base: str, log_path: str, timeout: float)
             raise RuntimeError(f"the server exited with {proc.returncode} before it was ready ({log_path}):\n"
                                f"{log_tail(log_path)}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+            if http().get(f"{base}/ready", timeout=2).status_code == 200:
                 return time.monotonic() - t0
         now = time.monotonic()
         if now - t0 > timeout:

@@ -457,10 +457,11 @@ inline void kquant_tile_avx2(const uint8_t* q, const float* ws, const float* wm,
       HLOSERVE_UNROLL
       for (int j = 0; j < MR; ++j) iacc[j][0] = iacc[j][1] = _mm256_setzero_si256();   // no offset to correct
       const uint8_t* qb = q + b * kBlockBytes + h * kSteps * 64;
-      HLOSERVE_UNROLL
-      for (int s = 0; s < kSteps; ++s) {
-        if constexpr (BITS == 8) int8_step_avx2<MR>(iacc, qb + s * 64, xb + (h * kSteps + s) * 4, K);
-        else int4_step_avx2<MR>(iacc, qb + s * 64, xb + s * 8, K);
+      if constexpr (BITS == 8) {
+        HLOSERVE_UNROLL
+        for (int s = 0; s < kSteps; ++s) int8_step_avx2<MR>(iacc, qb + s * 64, xb + (h * kSteps + s) * 4, K);
+      } else {
+        int4_block_avx2<MR>(iacc, qb, xb, K);
       }
       scale_sums_avx2<MR>(facc, iacc, ws + (b * kHalves + h) * 16, x.d.data() + m0 * B + b, B);
     }

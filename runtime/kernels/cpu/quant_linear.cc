@@ -254,9 +254,10 @@ void quant2_vnni(const QuantMatrix& w, const QuantX2& x, int64_t m0, int64_t M, 
 // go in as |w| against x with w's signs (x quantized with offset 0: no flip, no offset correction;
 // |x| against w with x's signs, llama.cpp's AVX2 form, gets a checkpoint's -128 wrong); int4 nibbles
 // (0..15, sym after the +8 flip) and version 4's 5-bit codes (q + 16, each fifth bit spread to its
-// byte) are the unsigned operand as they are. The int32 sums are exact, so every output is the VNNI
-// path's, bit for bit (the same f32 scaling in the same order). PF: block b also prefetches block b
-// of the group at `next` into L2 (quant2_tile's prefetch)
+// byte) are the unsigned operand as they are, their products summed in int16 over a block (nibbles)
+// or two steps (5-bit codes) before one vpmaddwd widens them. The int32 sums are exact, so every
+// output is the VNNI path's, bit for bit (the same f32 scaling in the same order). PF: block b also
+// prefetches block b of the group at `next` into L2 (quant2_tile's prefetch)
 template <int BITS, bool SYM4, int MR, bool PF = false>
 inline void quant2_tile_avx2(const uint8_t* q, const float* ws, const float* wm, const QuantX2& x, int64_t m0,
                              int64_t K, int64_t G, int64_t per_group, float* out, int64_t N,
@@ -279,21 +280,27 @@ inline void quant2_tile_avx2(const uint8_t* q, const float* ws, const float* wm,
     } else if constexpr (BITS == 5) {
       const __m256i low = _mm256_set1_epi8(0x0F);
       HLOSERVE_UNROLL
-      for (int s = 0; s < 4; ++s) {
-        uint32_t bits[4];   // the step's fifth bits: lo nibbles' 64, then hi nibbles' 64, 32 a half
-        std::memcpy(bits, qb + 256 + s * 16, 16);
-        __m256i lo[2], hi[2];
+      for (int s0 = 0; s0 < 4; s0 += 2) {   // two steps' int16 sums (<= 31,496) widened at once
+        __m256i acc[MR][2];
         HLOSERVE_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + s * 64 + 32 * h));
-          lo[h] = _mm256_or_si256(_mm256_and_si256(v, low), fifth_bits(bits[h]));
-          hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), fifth_bits(bits[2 + h]));
+        for (int j = 0; j < MR; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_si256();
+        HLOSERVE_UNROLL
+        for (int s = s0; s < s0 + 2; ++s) {
+          uint32_t bits[4];   // the step's fifth bits: lo nibbles' 64, then hi nibbles' 64, 32 a half
+          std::memcpy(bits, qb + 256 + s * 16, 16);
+          __m256i lo[2], hi[2];
+          HLOSERVE_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + s * 64 + 32 * h));
+            lo[h] = _mm256_or_si256(_mm256_and_si256(v, low), fifth_bits(bits[h]));
+            hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), fifth_bits(bits[2 + h]));
+          }
+          dot_step16_avx2<MR>(acc, lo, hi, xb + s * 8, K);
         }
-        dot_step_avx2<MR>(iacc, lo, hi, xb + s * 8, K);
+        widen16_avx2<MR>(iacc, acc);
       }
     } else {
-      HLOSERVE_UNROLL
-      for (int s = 0; s < 4; ++s) int4_step_avx2<MR, SYM4>(iacc, qb + s * 64, xb + s * 8, K);
+      int4_block_avx2<MR, SYM4>(iacc, qb, xb, K);
     }
     scale_sums_avx2<MR>(facc, iacc, ws + (b / per_group) * 16, x.d.data() + m0 * B + b, B);
   }
