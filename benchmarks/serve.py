@@ -447,10 +447,12 @@ def llama_server_command(binary: str, gguf: str, slots: int, max_len: int, extra
 
 def vllm_setup(threads: str, kv_gib: float) -> tuple[dict[str, str], str]:
     """vLLM CPU's environment for `threads` OpenMP threads ("auto": vLLM's choice) bound from core 0 and
-    a KV cache of `kv_gib` GiB, offline; returns it with the binding."""
+    a KV cache of `kv_gib` GiB, offline; returns it with the binding. A step may take as long as it
+    takes: vLLM's engine dies when one runs past VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 by default),
+    which a 2,048-token step of a 1B model did on an AVX2-only CPU (docs/performance.md, session 53)."""
     bind = threads if threads == "auto" else ("0" if int(threads) == 1 else f"0-{int(threads) - 1}")
     return {"VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}", "VLLM_CPU_OMP_THREADS_BIND": bind, "HF_HUB_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}, bind
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "7200"}, bind
 
 
 def vllm_command(vllm: str, hf_dir: str, max_len: int, extra: str) -> list[str]:
