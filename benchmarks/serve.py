@@ -91,6 +91,9 @@ import time
 import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tests.support.launch import free_port, http  # noqa: E402  (the repository's root, for tests.support)
+
 MODEL = "smollm2"                        # the model name every server is started with
 PRESET = "smollm2-135m-instruct"
 HLOSERVE_CLI = "hloserve.server.cli"     # `python -m HLOSERVE_CLI serve ...`
@@ -374,13 +377,6 @@ def hf_model_dir(gguf: str, path: str) -> str:
 
 
 # -- servers ---------------------------------------------------------------------------------------
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def server(name: str, cmd: list[str], ready_path: str, log_path: str, env: dict | None = None, timeout: float = 1800):
     """Start `cmd` (a server on 127.0.0.1) in a session of its own, wait until GET ready_path answers 200,
@@ -399,9 +395,6 @@ def server(name: str, cmd: list[str], ready_path: str, log_path: str, env: dict 
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                                 start_new_session=True)
-        # one client for the polling: httpx.get builds a client (and its TLS context) per call, ~30% of
-        # a core at 5 polls a second, taken from the server that is starting
-        poll = httpx.Client(timeout=2)
         try:
             last = t0
             while True:
@@ -410,7 +403,7 @@ def server(name: str, cmd: list[str], ready_path: str, log_path: str, env: dict 
                         tail = f.read()[-4000:]
                     raise RuntimeError(f"{name} exited with {proc.returncode} before it was ready; log {log_path}:\n{tail}")
                 with contextlib.suppress(httpx.HTTPError):
-                    if poll.get(base + ready_path).status_code == 200:
+                    if http().get(base + ready_path, timeout=2).status_code == 200:
                         break
                 now = time.perf_counter()
                 if now - t0 > timeout:
@@ -419,12 +412,10 @@ def server(name: str, cmd: list[str], ready_path: str, log_path: str, env: dict 
                     print(f"    ... {now - t0:.0f} s, not ready yet", flush=True)
                     last = now
                 time.sleep(0.2)
-            poll.close()
             started = time.perf_counter() - t0
             print(f"  {name}: ready after {started:.1f} s", flush=True)
             yield base, started
         finally:
-            poll.close()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
             try:
